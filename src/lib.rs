@@ -1,0 +1,2 @@
+//! dmkit: Linux device-mapper in userspace, served over NBD.
+pub mod thin;
