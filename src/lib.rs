@@ -1,2 +1,10 @@
 //! dmkit: Linux device-mapper in userspace, served over NBD.
+pub mod control;
+pub mod daemon;
+pub mod export;
+pub mod io;
+pub mod log;
+pub mod mapper;
+pub mod table;
+pub mod targets;
 pub mod thin;

@@ -1,0 +1,195 @@
+//! `dmkit serve`: the control socket, the NBD listeners and the demo set-up.
+
+use crate::mapper::registry::{Config, Registry};
+use anyhow::{bail, Context, Result};
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub struct ServeOptions {
+    pub run_dir: PathBuf,
+    pub nbd_listen: Option<String>,
+    pub group: Option<String>,
+    pub demo: Option<PathBuf>,
+    pub direct_io: bool,
+}
+
+/// The run directory: `$DMKIT_RUN_DIR`, else /run/dmkit for root and
+/// `$XDG_RUNTIME_DIR/dmkit` otherwise.
+pub fn default_run_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("DMKIT_RUN_DIR") {
+        return PathBuf::from(d);
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/run/dmkit");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(x) => Path::new(&x).join("dmkit"),
+        None => std::env::temp_dir().join(format!("dmkit-{}", unsafe { libc::geteuid() })),
+    }
+}
+
+fn group_id(name: &str) -> Result<u32> {
+    if let Ok(g) = name.parse::<u32>() {
+        return Ok(g);
+    }
+    let c = std::ffi::CString::new(name)?;
+    // SAFETY: getgrnam takes a valid C string and returns NULL or a static struct.
+    let g = unsafe { libc::getgrnam(c.as_ptr()) };
+    if g.is_null() {
+        bail!("unknown group '{name}'");
+    }
+    // SAFETY: non-null pointer returned by getgrnam.
+    Ok(unsafe { (*g).gr_gid })
+}
+
+/// Bind a unix socket at `path` (replacing a stale one) with mode 0600, or 0660 and
+/// the given group.
+fn bind(path: &Path, group: Option<u32>) -> Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            bail!("{}: another dmkit daemon is listening there", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+    }
+    let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    if let Some(g) = group {
+        std::os::unix::fs::chown(path, None, Some(g))?;
+    }
+    Ok(l)
+}
+
+/// Block SIGINT/SIGTERM in every thread (threads inherit the mask), so that one
+/// thread can wait for them and shut down cleanly.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a local set; pthread_sigmask on this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+pub fn serve(opts: ServeOptions) -> Result<()> {
+    let set = block_signals();
+    let group = opts.group.as_deref().map(group_id).transpose()?;
+    std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
+    let reg = Arc::new(Registry::new(Config {
+        direct_io: opts.direct_io,
+    }));
+    let control_path = opts.run_dir.join("control.sock");
+    let nbd_path = opts.run_dir.join("nbd.sock");
+    let control = bind(&control_path, group)?;
+    let nbd = bind(&nbd_path, group)?;
+    {
+        let reg = reg.clone();
+        std::thread::Builder::new()
+            .name("nbd-unix".into())
+            .spawn(move || crate::export::nbd::serve_unix(nbd, reg))?;
+    }
+    if let Some(addr) = &opts.nbd_listen {
+        let l = TcpListener::bind(addr).with_context(|| format!("listening on {addr}"))?;
+        let reg = reg.clone();
+        std::thread::Builder::new()
+            .name("nbd-tcp".into())
+            .spawn(move || crate::export::nbd::serve_tcp(l, reg))?;
+        crate::log::info(&format!("NBD over TCP on {addr}"));
+    }
+    {
+        let reg = reg.clone();
+        std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                for s in control.incoming() {
+                    let Ok(mut s) = s else { continue };
+                    let reg = reg.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("control-conn".into())
+                        .spawn(move || {
+                            if let Err(e) = crate::control::handle(&mut s, &reg) {
+                                crate::log::warn(&format!("control request failed: {e}"));
+                            }
+                        });
+                }
+            })?;
+    }
+    crate::log::info(&format!(
+        "serving: control {} nbd {}",
+        control_path.display(),
+        nbd_path.display()
+    ));
+    if let Some(dir) = &opts.demo {
+        demo(&reg, dir, &nbd_path, opts.nbd_listen.as_deref())?;
+    }
+    // Wait for SIGINT/SIGTERM, then make everything durable and leave.
+    let mut sig: libc::c_int = 0;
+    // SAFETY: sigwait on the set blocked above, writing the signal number to `sig`.
+    unsafe { libc::sigwait(&set, &mut sig) };
+    crate::log::info(&format!("signal {sig}: flushing devices and exiting"));
+    for d in reg.list() {
+        let _ = d.flush_sync();
+    }
+    let _ = std::fs::remove_file(&control_path);
+    let _ = std::fs::remove_file(&nbd_path);
+    Ok(())
+}
+
+/// Create sparse demo backing files (on first run) and the demo devices: a linear
+/// device stacked on a striped one over two files, and a zero device.
+fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Result<()> {
+    const FILE_BYTES: u64 = 512 << 20;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let dir = dir.canonicalize()?;
+    let files: Vec<PathBuf> = (0..2).map(|i| dir.join(format!("stripe{i}.img"))).collect();
+    for f in &files {
+        if !f.exists() {
+            let file = std::fs::File::create(f)?;
+            file.set_len(FILE_BYTES)?;
+        }
+    }
+    let sectors = FILE_BYTES / 512;
+    let striped = format!(
+        "0 {} striped 2 128 {} 0 {} 0",
+        2 * sectors,
+        files[0].display(),
+        files[1].display()
+    );
+    reg.create("demo-striped", &striped, false, None)?;
+    reg.create(
+        "demo-linear",
+        &format!("0 {} linear /dev/mapper/demo-striped 0", 2 * sectors),
+        false,
+        None,
+    )?;
+    reg.create("demo-zero", &format!("0 {} zero", 2 * sectors), false, None)?;
+    let sock = nbd_path.display();
+    println!("dmkit demo: devices over sparse files in {}", dir.display());
+    println!();
+    for name in ["demo-linear", "demo-striped", "demo-zero"] {
+        println!("  nbd+unix:///{name}?socket={sock}");
+        if let Some(t) = tcp {
+            println!("  nbd://{t}/{name}");
+        }
+    }
+    println!();
+    println!("Try, in another terminal:");
+    println!(
+        "  dmkit --run-dir {} table",
+        nbd_path.parent().unwrap_or(Path::new(".")).display()
+    );
+    println!("  nbdinfo --list 'nbd+unix:///?socket={sock}'");
+    println!("  nbdinfo --map 'nbd+unix:///demo-linear?socket={sock}'");
+    println!("  qemu-img convert -n -O raw some.img 'nbd+unix:///demo-linear?socket={sock}'");
+    println!("  fio --name=t --ioengine=nbd --uri='nbd+unix:///demo-linear?socket={sock}' --rw=randrw --bs=4k --iodepth=32 --size=256M --runtime=10 --time_based");
+    println!();
+    println!("Ctrl-C stops the daemon (devices are flushed first).");
+    Ok(())
+}

@@ -1,0 +1,2 @@
+//! Exports: how clients reach mapped devices.
+pub mod nbd;

@@ -1,0 +1,204 @@
+//! Backing files and block devices.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// A regular file or block device that tables map onto. Opened twice: with O_DIRECT
+/// (when the file system allows it) for aligned I/O, and buffered for the rest.
+#[derive(Debug)]
+pub struct BackingFile {
+    pub path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    /// Alignment (bytes) O_DIRECT needs for offsets, lengths and memory.
+    pub dio_align: u32,
+    /// Logical block size in bytes (512 for regular files).
+    pub logical_block_size: u32,
+    pub is_block_device: bool,
+    /// (st_dev, st_ino) for regular files, (0, st_rdev) for block devices: two
+    /// paths to one file share it, so flushes are sent once per real file.
+    pub identity: (u64, u64),
+    pub rdev: Option<(u32, u32)>,
+    pub read_only: bool,
+}
+
+/// What the fast path needs of a backing file: copyable, no reference count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileHandle {
+    pub buffered_fd: RawFd,
+    pub direct_fd: RawFd,
+    pub dio_align: u32,
+}
+
+impl FileHandle {
+    /// The descriptor to use for an I/O at `offset` of `len` bytes from `addr`:
+    /// O_DIRECT when everything is aligned, else the buffered one.
+    #[inline]
+    pub fn fd_for(&self, addr: usize, offset: u64, len: u64) -> RawFd {
+        let mask = self.dio_align as u64 - 1;
+        if self.direct_fd >= 0 && (addr as u64 | offset | len) & mask == 0 {
+            self.direct_fd
+        } else {
+            self.buffered_fd
+        }
+    }
+}
+
+impl BackingFile {
+    /// Open `path` read-write (or read-only). `direct` asks for O_DIRECT where possible.
+    pub fn open(path: &Path, read_only: bool, direct: bool) -> io::Result<BackingFile> {
+        let meta = std::fs::metadata(path)?;
+        let ft = meta.file_type();
+        let is_block_device = ft.is_block_device();
+        if !is_block_device && !ft.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file or block device",
+            ));
+        }
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(!read_only);
+        let buffered = opts.open(path)?;
+        let direct_file = if direct {
+            let mut o = OpenOptions::new();
+            o.read(true).write(!read_only).custom_flags(libc::O_DIRECT);
+            o.open(path).ok()
+        } else {
+            None
+        };
+        let logical_block_size = if is_block_device {
+            block_size_of(&buffered).unwrap_or(512)
+        } else {
+            512
+        };
+        let dio_align = match &direct_file {
+            Some(f) => dio_alignment(f).unwrap_or(logical_block_size.max(512)),
+            None => 512,
+        };
+        let rdev = if is_block_device {
+            let r = meta.rdev();
+            Some((libc::major(r), libc::minor(r)))
+        } else {
+            None
+        };
+        let identity = if is_block_device {
+            (0, meta.rdev())
+        } else {
+            (meta.dev(), meta.ino())
+        };
+        Ok(BackingFile {
+            path: path.to_path_buf(),
+            buffered,
+            direct: direct_file,
+            dio_align,
+            logical_block_size,
+            is_block_device,
+            identity,
+            rdev,
+            read_only,
+        })
+    }
+
+    pub fn handle(&self) -> FileHandle {
+        FileHandle {
+            buffered_fd: self.buffered.as_raw_fd(),
+            direct_fd: self.direct.as_ref().map_or(-1, |f| f.as_raw_fd()),
+            dio_align: self.dio_align,
+        }
+    }
+
+    /// Size in bytes (block devices ask the kernel; files stat).
+    pub fn size(&self) -> io::Result<u64> {
+        if self.is_block_device {
+            let mut f = &self.buffered;
+            use std::io::Seek;
+            f.seek(io::SeekFrom::End(0))
+        } else {
+            Ok(self.buffered.metadata()?.len())
+        }
+    }
+
+    pub fn file(&self) -> &File {
+        &self.buffered
+    }
+
+    /// Make everything written durable.
+    pub fn sync(&self) -> io::Result<()> {
+        self.buffered.sync_data()
+    }
+
+    /// Allocation of `[offset, offset+len)`: a list of (length, is_hole) covering it.
+    /// Block devices report everything as data. Holes of sparse files read as zeroes.
+    pub fn extents(&self, offset: u64, len: u64, out: &mut Vec<(u64, bool)>) -> io::Result<()> {
+        let end = offset + len;
+        if self.is_block_device {
+            out.push((len, false));
+            return Ok(());
+        }
+        let fd = self.buffered.as_raw_fd();
+        let mut pos = offset;
+        while pos < end {
+            let data = lseek(fd, pos, libc::SEEK_DATA)?;
+            let data = match data {
+                Some(d) => d.min(end),
+                None => end, // no data after pos: hole to the end
+            };
+            if data > pos {
+                out.push((data - pos, true));
+                pos = data;
+                continue;
+            }
+            let hole = lseek(fd, pos, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+            let hole = hole.max(pos + 1);
+            out.push((hole - pos, false));
+            pos = hole;
+        }
+        Ok(())
+    }
+}
+
+/// lseek for SEEK_DATA/SEEK_HOLE; None where the answer is ENXIO (past the last data).
+fn lseek(fd: RawFd, pos: u64, whence: i32) -> io::Result<Option<u64>> {
+    // SAFETY: lseek on a descriptor we own; no memory is passed.
+    let r = unsafe { libc::lseek(fd, pos as libc::off_t, whence) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            return Ok(None);
+        }
+        return Err(e);
+    }
+    Ok(Some(r as u64))
+}
+
+/// BLKSSZGET: a block device's logical block size.
+fn block_size_of(f: &File) -> Option<u32> {
+    let mut v: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one c_int to the pointer, which points at `v`.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), 0x1268, &mut v as *mut libc::c_int) };
+    (r == 0 && v > 0).then_some(v as u32)
+}
+
+/// The O_DIRECT alignment from statx(STATX_DIOALIGN), where the kernel reports it.
+fn dio_alignment(f: &File) -> Option<u32> {
+    // SAFETY: statx fills the zero-initialised struct we pass; the path is a valid
+    // empty C string used with AT_EMPTY_PATH on our own descriptor.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::statx(
+            f.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if r != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return None;
+    }
+    let a = stx.stx_dio_offset_align.max(stx.stx_dio_mem_align);
+    (a > 0).then_some(a)
+}

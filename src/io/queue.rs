@@ -1,0 +1,254 @@
+//! The per-thread I/O queue: io_uring where the kernel allows it, else synchronous
+//! system calls executed at submission (containers often forbid io_uring).
+//!
+//! Each connection thread owns one queue; nothing here is shared between threads.
+
+use io_uring::{opcode, types, IoUring};
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+/// One operation. Raw pointers name memory the caller keeps alive and untouched until
+/// the operation's completion has been drained (the contract of [`IoQueue::push`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Sqe {
+    Read {
+        fd: RawFd,
+        buf: *mut u8,
+        len: u32,
+        offset: u64,
+    },
+    Write {
+        fd: RawFd,
+        buf: *const u8,
+        len: u32,
+        offset: u64,
+        dsync: bool,
+    },
+    Fsync {
+        fd: RawFd,
+    },
+    Fallocate {
+        fd: RawFd,
+        mode: i32,
+        offset: u64,
+        len: u64,
+    },
+    Recv {
+        fd: RawFd,
+        buf: *mut u8,
+        len: u32,
+    },
+    SendMsg {
+        fd: RawFd,
+        msg: *const libc::msghdr,
+    },
+}
+
+pub struct IoQueue {
+    ring: Option<IoUring>,
+    /// Completions of the synchronous backend, and of io_uring submissions that failed.
+    done: VecDeque<(u64, i32)>,
+    /// The synchronous backend's pending receive (it blocks only in `wait`).
+    pending_recv: Option<(u64, RawFd, *mut u8, u32)>,
+    queued: usize,
+}
+
+/// Whether io_uring can be used: not when `DMKIT_NO_URING` is set (tests of the
+/// fallback) or the kernel refuses to create a ring.
+fn uring_wanted() -> bool {
+    std::env::var_os("DMKIT_NO_URING").is_none()
+}
+
+impl IoQueue {
+    pub fn new(entries: u32) -> IoQueue {
+        let ring = if uring_wanted() {
+            IoUring::builder().setup_single_issuer().build(entries).ok()
+        } else {
+            None
+        };
+        IoQueue {
+            ring,
+            done: VecDeque::new(),
+            pending_recv: None,
+            queued: 0,
+        }
+    }
+
+    pub fn is_uring(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// Queue `op`; its completion is reported with `user_data`.
+    ///
+    /// # Safety
+    /// Every pointer in `op` must stay valid, and the memory it names must not be
+    /// moved or otherwise accessed, until the completion for `user_data` is drained.
+    pub unsafe fn push(&mut self, op: Sqe, user_data: u64) {
+        let Some(ring) = self.ring.as_mut() else {
+            self.sync_exec(op, user_data);
+            return;
+        };
+        let entry = match op {
+            Sqe::Read { fd, buf, len, offset } => {
+                opcode::Read::new(types::Fd(fd), buf, len).offset(offset).build()
+            }
+            Sqe::Write {
+                fd,
+                buf,
+                len,
+                offset,
+                dsync,
+            } => opcode::Write::new(types::Fd(fd), buf, len)
+                .offset(offset)
+                .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
+                .build(),
+            Sqe::Fsync { fd } => opcode::Fsync::new(types::Fd(fd))
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+            Sqe::Fallocate {
+                fd,
+                mode,
+                offset,
+                len,
+            } => opcode::Fallocate::new(types::Fd(fd), len)
+                .offset(offset)
+                .mode(mode)
+                .build(),
+            Sqe::Recv { fd, buf, len } => opcode::Recv::new(types::Fd(fd), buf, len).build(),
+            Sqe::SendMsg { fd, msg } => opcode::SendMsg::new(types::Fd(fd), msg)
+                .flags(libc::MSG_NOSIGNAL as u32)
+                .build(),
+        }
+        .user_data(user_data);
+        // SAFETY: the caller guarantees the memory named by the entry outlives it.
+        while unsafe { ring.submission().push(&entry) }.is_err() {
+            if let Err(e) = ring.submit() {
+                self.done
+                    .push_back((user_data, -e.raw_os_error().unwrap_or(libc::EIO)));
+                return;
+            }
+        }
+        self.queued += 1;
+    }
+
+    /// Submit what was queued and wait until at least one completion is ready, or the
+    /// timeout passes. Returns without waiting when completions are already there.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        let ready = !self.done.is_empty();
+        let Some(ring) = self.ring.as_mut() else {
+            if ready {
+                return Ok(());
+            }
+            return self.sync_wait_recv(timeout);
+        };
+        let want = if ready || !ring.completion().is_empty() {
+            0
+        } else {
+            1
+        };
+        let r = match timeout {
+            Some(t) if want > 0 => {
+                let ts = types::Timespec::from(t);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                ring.submitter().submit_with_args(want, &args)
+            }
+            _ => ring.submitter().submit_and_wait(want),
+        };
+        self.queued = 0;
+        match r {
+            Ok(_) => Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR | libc::EBUSY)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Hand every ready completion to `f(user_data, result)`.
+    pub fn drain(&mut self, mut f: impl FnMut(u64, i32)) {
+        while let Some((u, r)) = self.done.pop_front() {
+            f(u, r);
+        }
+        if let Some(ring) = self.ring.as_mut() {
+            for cqe in ring.completion() {
+                f(cqe.user_data(), cqe.result());
+            }
+        }
+    }
+
+    fn sync_exec(&mut self, op: Sqe, user_data: u64) {
+        // SAFETY (all calls below): the pointers come from `push`, whose caller
+        // guarantees they are valid for the lengths given.
+        let r: isize = unsafe {
+            match op {
+                Sqe::Read { fd, buf, len, offset } => {
+                    libc::pread(fd, buf.cast(), len as usize, offset as libc::off_t)
+                }
+                Sqe::Write {
+                    fd,
+                    buf,
+                    len,
+                    offset,
+                    dsync,
+                } => libc::pwritev2(
+                    fd,
+                    &libc::iovec {
+                        iov_base: buf as *mut libc::c_void,
+                        iov_len: len as usize,
+                    },
+                    1,
+                    offset as libc::off_t,
+                    if dsync { libc::RWF_DSYNC } else { 0 },
+                ),
+                Sqe::Fsync { fd } => libc::fdatasync(fd) as isize,
+                Sqe::Fallocate {
+                    fd,
+                    mode,
+                    offset,
+                    len,
+                } => libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) as isize,
+                Sqe::Recv { fd, buf, len } => {
+                    self.pending_recv = Some((user_data, fd, buf, len));
+                    return;
+                }
+                Sqe::SendMsg { fd, msg } => libc::sendmsg(fd, msg, libc::MSG_NOSIGNAL),
+            }
+        };
+        let res = if r < 0 {
+            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+        } else {
+            r as i32
+        };
+        self.done.push_back((user_data, res));
+    }
+
+    fn sync_wait_recv(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        let Some((user_data, fd, buf, len)) = self.pending_recv else {
+            if let Some(t) = timeout {
+                std::thread::sleep(t);
+            }
+            return Ok(());
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.map_or(-1, |t| t.as_millis().clamp(1, i32::MAX as u128) as i32);
+        // SAFETY: one pollfd on the stack.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n <= 0 {
+            return Ok(());
+        }
+        // SAFETY: `buf`/`len` come from a Recv pushed under `push`'s contract.
+        let r = unsafe { libc::recv(fd, buf.cast(), len as usize, 0) };
+        let res = if r < 0 {
+            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+        } else {
+            r as i32
+        };
+        self.pending_recv = None;
+        self.done.push_back((user_data, res));
+        Ok(())
+    }
+}

@@ -1,0 +1,329 @@
+//! Mapped devices: their tables, lifecycle (load, suspend, resume, remove) and the
+//! mapping of requests through tables, stacked devices included.
+
+pub mod registry;
+
+pub use registry::Registry;
+
+use crate::io::{Op, SECTOR};
+use crate::targets::{Bio, DevRef, MapCtx, MapErr, Target};
+use arc_swap::ArcSwapOption;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The major number dmkit devices report (the usual dynamic device-mapper major).
+pub const DM_MAJOR: u32 = 253;
+
+/// One line of a table: a target at `[start, start+len)`.
+pub struct TableEntry {
+    pub start: u64,
+    pub len: u64,
+    pub target: Box<dyn Target>,
+}
+
+/// A constructed table.
+pub struct Table {
+    pub entries: Vec<TableEntry>,
+    pub size: u64,
+    /// Every target lets an empty flush bypass its map function.
+    pub flush_bypass: bool,
+    /// The table's distinct underlying devices, where an empty flush goes when
+    /// `flush_bypass` holds: once each, however many targets use them.
+    pub flush_devices: Vec<FlushDev>,
+    pub logical_block_size: u32,
+    pub write_zeroes: bool,
+}
+
+impl Table {
+    pub fn new(entries: Vec<TableEntry>) -> Table {
+        let size = entries.last().map_or(0, |e| e.start + e.len);
+        let flush_bypass = entries.iter().all(|e| e.target.flush_bypasses_map());
+        let mut flush_devices = Vec::new();
+        let mut seen: Vec<DevKey> = Vec::new();
+        let mut lbs = 512;
+        for e in &entries {
+            for d in e.target.devices() {
+                lbs = lbs.max(d.logical_block_size());
+                let k = dev_key(d);
+                if !seen.contains(&k) {
+                    seen.push(k);
+                    flush_devices.push(match d {
+                        DevRef::File(f) => FlushDev::File(f.clone()),
+                        DevRef::Dm(h) => FlushDev::Dm(h.0.clone()),
+                    });
+                }
+            }
+        }
+        let write_zeroes = entries.iter().all(|e| e.target.supports_write_zeroes());
+        Table {
+            entries,
+            size,
+            flush_bypass,
+            flush_devices,
+            logical_block_size: lbs,
+            write_zeroes,
+        }
+    }
+
+    /// The entry containing `sector` (< size).
+    #[inline]
+    fn entry_at(&self, sector: u64) -> usize {
+        self.entries.partition_point(|e| e.start + e.len <= sector)
+    }
+}
+
+/// A device an empty flush is sent to (the table's targets hold it).
+pub enum FlushDev {
+    File(Arc<crate::io::BackingFile>),
+    Dm(Arc<Device>),
+}
+
+#[derive(PartialEq, Eq)]
+enum DevKey {
+    File((u64, u64)),
+    Dm(usize),
+}
+
+fn dev_key(d: &DevRef) -> DevKey {
+    match d {
+        DevRef::File(f) => DevKey::File(f.identity),
+        DevRef::Dm(h) => DevKey::Dm(Arc::as_ptr(&h.0) as usize),
+    }
+}
+
+/// A mapped device.
+pub struct Device {
+    pub name: String,
+    pub minor: u32,
+    pub uuid: Option<String>,
+    pub read_only: bool,
+    pub live: ArcSwapOption<Table>,
+    pub inactive: Mutex<Option<Arc<Table>>>,
+    pub suspended: AtomicBool,
+    /// Requests being mapped or in flight through this device.
+    pub inflight: AtomicU64,
+    pub event_nr: AtomicU32,
+    /// NBD connections attached.
+    pub open_count: AtomicU32,
+    /// Tables (of other devices) that refer to this one.
+    pub holders: AtomicU32,
+    /// Removed with --force while open: I/O fails.
+    pub removed: AtomicBool,
+    /// Serialises control operations (load/suspend/resume/remove) on this device.
+    pub control: Mutex<()>,
+}
+
+impl Device {
+    pub fn new(name: String, minor: u32, uuid: Option<String>, read_only: bool) -> Device {
+        Device {
+            name,
+            minor,
+            uuid,
+            read_only,
+            live: ArcSwapOption::empty(),
+            inactive: Mutex::new(None),
+            suspended: AtomicBool::new(false),
+            inflight: AtomicU64::new(0),
+            event_nr: AtomicU32::new(0),
+            open_count: AtomicU32::new(0),
+            holders: AtomicU32::new(0),
+            removed: AtomicBool::new(false),
+            control: Mutex::new(()),
+        }
+    }
+
+    pub fn size_sectors(&self) -> u64 {
+        self.live.load().as_ref().map_or(0, |t| t.size)
+    }
+
+    pub fn logical_block_size(&self) -> u32 {
+        self.live.load().as_ref().map_or(512, |t| t.logical_block_size)
+    }
+
+    /// Whether the live table can zero ranges natively.
+    pub fn supports_write_zeroes(&self) -> bool {
+        self.live.load().as_ref().is_some_and(|t| t.write_zeroes)
+    }
+
+    /// Block new I/O, release what targets hold, and wait for in-flight I/O to drain.
+    pub fn suspend_and_drain(&self) {
+        self.suspended.store(true, Ordering::SeqCst);
+        if let Some(t) = self.live.load_full() {
+            for e in &t.entries {
+                e.target.presuspend();
+            }
+        }
+        let mut spins = 0u32;
+        while self.inflight.load(Ordering::SeqCst) != 0 {
+            spins += 1;
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
+    /// Make everything written through the live table durable (synchronously, on
+    /// the control path): each distinct underlying file once.
+    pub fn flush_sync(&self) -> std::io::Result<()> {
+        let mut files: Vec<Arc<crate::io::BackingFile>> = Vec::new();
+        collect_files(self, &mut files, 0);
+        for f in files {
+            f.sync()?;
+        }
+        Ok(())
+    }
+}
+
+fn collect_files(dev: &Device, out: &mut Vec<Arc<crate::io::BackingFile>>, depth: u32) {
+    let Some(t) = dev.live.load_full() else { return };
+    if depth > 16 {
+        return;
+    }
+    for e in &t.entries {
+        for d in e.target.devices() {
+            match d {
+                DevRef::File(f) => {
+                    if !out.iter().any(|g| g.identity == f.identity) {
+                        out.push(f.clone());
+                    }
+                }
+                DevRef::Dm(h) => collect_files(&h.0, out, depth + 1),
+            }
+        }
+    }
+}
+
+/// Stacking depth beyond which mapping refuses (tables cannot form cycles, so this
+/// only bounds the stack).
+const MAX_DEPTH: u32 = 16;
+
+/// Enter `dev` for a request: count it in flight unless it is suspended.
+#[inline]
+fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
+    if let Some(i) = ctx.holds.iter().position(|d| Arc::ptr_eq(d, dev)) {
+        return Ok(i as u16);
+    }
+    dev.inflight.fetch_add(1, Ordering::SeqCst);
+    if dev.suspended.load(Ordering::SeqCst) {
+        dev.inflight.fetch_sub(1, Ordering::SeqCst);
+        return Err(MapErr::Suspended);
+    }
+    ctx.holds.push(dev.clone());
+    Ok((ctx.holds.len() - 1) as u16)
+}
+
+/// Release every device a request entered (at completion, or before retrying it).
+pub fn release(holds: &mut Vec<Arc<Device>>) {
+    for d in holds.drain(..) {
+        d.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Map `bio` (sectors of `dev`) into leaves on backing files.
+pub fn map_bio(dev: &Arc<Device>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+    if ctx.depth >= MAX_DEPTH {
+        return Err(MapErr::Errno(crate::io::errno::EIO));
+    }
+    let hold = enter(dev, ctx)?;
+    if dev.removed.load(Ordering::Relaxed) {
+        return Err(MapErr::Errno(crate::io::errno::EIO));
+    }
+    let guard = dev.live.load();
+    let Some(table) = guard.as_ref() else {
+        return Err(MapErr::Errno(crate::io::errno::EIO));
+    };
+    ctx.depth += 1;
+    let r = map_table(table, hold, bio, ctx);
+    ctx.depth -= 1;
+    r
+}
+
+fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+    if bio.op == Op::Flush {
+        if table.flush_bypass {
+            ctx.origin = (hold, u32::MAX);
+            for d in &table.flush_devices {
+                match d {
+                    FlushDev::File(f) => ctx.push_file_leaf(f, bio, 0),
+                    FlushDev::Dm(d) => map_bio(d, bio, ctx)?,
+                }
+            }
+        } else {
+            for (i, e) in table.entries.iter().enumerate() {
+                ctx.origin = (hold, i as u32);
+                e.target.map(bio, ctx)?;
+            }
+        }
+        return Ok(());
+    }
+    let end = bio.sector.checked_add(bio.nr_sectors);
+    if end.is_none_or(|e| e > table.size) {
+        return Err(MapErr::Errno(crate::io::errno::EIO));
+    }
+    let mut i = table.entry_at(bio.sector);
+    let mut done = 0;
+    while done < bio.nr_sectors {
+        let e = &table.entries[i];
+        let sector = bio.sector + done;
+        let n = (e.start + e.len - sector).min(bio.nr_sectors - done);
+        ctx.origin = (hold, i as u32);
+        e.target.map(bio.sub(done, n, sector - e.start), ctx)?;
+        done += n;
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Tell the target that issued a leaf that its I/O failed.
+pub fn report_io_error(holds: &[Arc<Device>], origin: (u16, u32, u16)) {
+    let Some(dev) = holds.get(origin.0 as usize) else {
+        return;
+    };
+    let guard = dev.live.load();
+    if let Some(e) = guard.as_ref().and_then(|t| t.entries.get(origin.1 as usize)) {
+        e.target.io_error(origin.2);
+        dev.event_nr.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Allocation status of `[sector, sector+nr)` of `dev`, as (bytes, NBD flags) runs.
+pub fn device_extents(dev: &Device, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    let guard = dev.live.load();
+    let Some(t) = guard.as_ref() else {
+        out.push((nr * SECTOR, 0));
+        return;
+    };
+    let end = (sector + nr).min(t.size);
+    if sector >= end {
+        return;
+    }
+    let mut i = t.entry_at(sector);
+    let mut s = sector;
+    while s < end && i < t.entries.len() {
+        let e = &t.entries[i];
+        let n = (e.start + e.len - s).min(end - s);
+        e.target.extents(s - e.start, n, out);
+        s += n;
+        i += 1;
+    }
+}
+
+/// Merge adjacent runs with equal flags.
+pub fn coalesce(ext: &mut Vec<(u64, u32)>) {
+    let mut w = 0;
+    for r in 0..ext.len() {
+        if ext[r].0 == 0 {
+            continue;
+        }
+        if w > 0 && ext[w - 1].1 == ext[r].1 {
+            ext[w - 1].0 += ext[r].0;
+        } else {
+            ext[w] = ext[r];
+            w += 1;
+        }
+    }
+    ext.truncate(w);
+}

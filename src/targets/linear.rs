@@ -1,0 +1,52 @@
+//! `linear <dev> <offset>`: a contiguous range of another device.
+
+use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+
+pub struct Linear {
+    dev: DevRef,
+    offset: u64,
+}
+
+impl Linear {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Linear, String> {
+        if args.len() != 2 {
+            return Err(format!(
+                "linear takes 2 arguments (<dev> <offset>), got {}",
+                args.len()
+            ));
+        }
+        let offset = arg_u64(args, 1, "offset")?;
+        let dev = arg_dev(args, 0, offset, len, r)?;
+        Ok(Linear { dev, offset })
+    }
+}
+
+impl Target for Linear {
+    fn type_name(&self) -> &'static str {
+        "linear"
+    }
+    #[inline]
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let sector = if bio.op == crate::io::Op::Flush {
+            0
+        } else {
+            self.offset + bio.sector
+        };
+        ctx.remap(&self.dev, Bio { sector, ..bio }, 0)
+    }
+    fn table_params(&self) -> String {
+        format!("{} {}", self.dev.table_name(), self.offset)
+    }
+    fn devices(&self) -> Vec<&DevRef> {
+        vec![&self.dev]
+    }
+    fn flush_bypasses_map(&self) -> bool {
+        true
+    }
+    fn supports_write_zeroes(&self) -> bool {
+        true
+    }
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+        dev_extents(&self.dev, self.offset + sector, nr, out);
+    }
+}

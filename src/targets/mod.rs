@@ -1,0 +1,318 @@
+//! Targets: each owns its table arguments, status line, messages and map function.
+
+pub mod delay;
+pub mod error;
+pub mod flakey;
+pub mod linear;
+pub mod striped;
+pub mod zero;
+
+use crate::io::{BackingFile, Corrupt, Leaf, LeafKind, Op, SECTOR};
+use crate::mapper::Device;
+use std::sync::Arc;
+
+/// A piece of a request handed to a target: sectors relative to the target's start.
+#[derive(Clone, Copy, Debug)]
+pub struct Bio {
+    pub op: Op,
+    pub sector: u64,
+    pub nr_sectors: u64,
+    /// Byte offset of this piece in the request buffer.
+    pub buf_off: usize,
+    pub fua: bool,
+    /// For WriteZeroes: deallocation is allowed (NBD without NO_HOLE).
+    pub punch: bool,
+}
+
+impl Bio {
+    pub fn bytes(&self) -> u64 {
+        self.nr_sectors * SECTOR
+    }
+    /// The piece `[skip, skip+n)` sectors of this bio, at relative sector `sector`.
+    pub fn sub(&self, skip: u64, n: u64, sector: u64) -> Bio {
+        let buf_off = if self.op.has_data() {
+            self.buf_off + (skip * SECTOR) as usize
+        } else {
+            self.buf_off
+        };
+        Bio {
+            sector,
+            nr_sectors: n,
+            buf_off,
+            ..*self
+        }
+    }
+}
+
+/// Why mapping did not produce leaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapErr {
+    /// A device on the path is suspended: retry the whole request after resume.
+    Suspended,
+    /// Fail the request with this errno.
+    Errno(i32),
+}
+
+/// A device a table refers to: a backing file/block device or another dmkit device.
+pub enum DevRef {
+    File(Arc<BackingFile>),
+    Dm(DmHold),
+}
+
+/// A table's reference to another dmkit device; while it exists the device is held
+/// (it cannot be removed).
+pub struct DmHold(pub Arc<Device>);
+
+impl DmHold {
+    pub fn new(dev: Arc<Device>) -> DmHold {
+        dev.holders.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        DmHold(dev)
+    }
+}
+
+impl Drop for DmHold {
+    fn drop(&mut self) {
+        self.0.holders.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl DevRef {
+    /// How `dmsetup table` prints the device: `major:minor` for block devices and
+    /// dmkit devices, the path for regular files (which have no device number).
+    pub fn table_name(&self) -> String {
+        match self {
+            DevRef::File(f) => match f.rdev {
+                Some((ma, mi)) => format!("{ma}:{mi}"),
+                None => f.path.display().to_string(),
+            },
+            DevRef::Dm(d) => format!("{}:{}", crate::mapper::DM_MAJOR, d.0.minor),
+        }
+    }
+
+    /// Size in sectors now.
+    pub fn size_sectors(&self) -> u64 {
+        match self {
+            DevRef::File(f) => f.size().map(|b| b / SECTOR).unwrap_or(0),
+            DevRef::Dm(d) => d.0.size_sectors(),
+        }
+    }
+
+    pub fn logical_block_size(&self) -> u32 {
+        match self {
+            DevRef::File(f) => f.logical_block_size,
+            DevRef::Dm(d) => d.0.logical_block_size(),
+        }
+    }
+}
+
+/// The state of one mapping: the leaves produced so far and the devices entered.
+pub struct MapCtx<'a> {
+    pub leaves: &'a mut Vec<Leaf>,
+    pub holds: &'a mut Vec<Arc<Device>>,
+    pub depth: u32,
+    /// (index in `holds`, target index) of the target being mapped, recorded on each
+    /// leaf so an I/O error can be reported to the target that issued it.
+    pub origin: (u16, u32),
+}
+
+impl<'a> MapCtx<'a> {
+    pub fn new(leaves: &'a mut Vec<Leaf>, holds: &'a mut Vec<Arc<Device>>) -> MapCtx<'a> {
+        MapCtx {
+            leaves,
+            holds,
+            depth: 0,
+            origin: (0, 0),
+        }
+    }
+
+    /// Send `bio` (already in `dev`'s sector space) to `dev`; `tag` is passed back to
+    /// the target's `io_error` if the resulting I/O fails.
+    pub fn remap(&mut self, dev: &DevRef, bio: Bio, tag: u16) -> Result<(), MapErr> {
+        match dev {
+            DevRef::File(f) => {
+                self.push_file_leaf(f, bio, tag);
+                Ok(())
+            }
+            DevRef::Dm(d) => {
+                let saved = self.origin;
+                let r = crate::mapper::map_bio(&d.0, bio, self);
+                self.origin = saved;
+                r
+            }
+        }
+    }
+
+    pub(crate) fn push_file_leaf(&mut self, f: &Arc<BackingFile>, bio: Bio, tag: u16) {
+        let handle = f.handle();
+        let kind = match bio.op {
+            Op::Read => LeafKind::Read,
+            Op::Write => LeafKind::Write,
+            Op::Flush => {
+                // One flush per underlying file, however many targets or stacked
+                // devices lead to it.
+                if self
+                    .leaves
+                    .iter()
+                    .any(|l| l.kind == LeafKind::Flush && l.file == Some(handle))
+                {
+                    return;
+                }
+                LeafKind::Flush
+            }
+            Op::Discard => LeafKind::Discard,
+            Op::WriteZeroes => LeafKind::WriteZeroes { punch: bio.punch },
+        };
+        self.leaves.push(Leaf {
+            kind,
+            file: Some(handle),
+            offset: bio.sector * SECTOR,
+            len: bio.bytes(),
+            buf_off: bio.buf_off,
+            fua: bio.fua,
+            delay_ms: 0,
+            held: None,
+            release: None,
+            corrupt: Corrupt::None,
+            done: 0,
+            origin: (self.origin.0, self.origin.1, tag),
+        });
+    }
+
+    /// Complete `bio` without I/O: zero-fill it (reads), fail it, or drop it.
+    pub fn complete(&mut self, bio: Bio, kind: LeafKind) {
+        let mut l = Leaf::new(kind, if bio.op.has_data() { bio.bytes() } else { 0 }, bio.buf_off);
+        l.origin = (self.origin.0, self.origin.1, 0);
+        self.leaves.push(l);
+    }
+}
+
+/// One target type's instance in a table.
+pub trait Target: Send + Sync {
+    fn type_name(&self) -> &'static str;
+    /// Map `bio` (sectors relative to the target's start).
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr>;
+    /// `dmsetup table` parameters.
+    fn table_params(&self) -> String;
+    /// `dmsetup status` parameters.
+    fn status_params(&self) -> String {
+        String::new()
+    }
+    /// `dmsetup message`; Ok(response) or Err(reason).
+    fn message(&self, words: &[String]) -> Result<String, String> {
+        let _ = words;
+        Err(format!("target {} takes no messages", self.type_name()))
+    }
+    /// The devices this target maps onto, in table order.
+    fn devices(&self) -> Vec<&DevRef> {
+        Vec::new()
+    }
+    /// An empty flush may go straight to each underlying device, once, without the
+    /// target's map (the kernel's flush_bypasses_map: linear and striped).
+    fn flush_bypasses_map(&self) -> bool {
+        false
+    }
+    /// The target can deallocate and zero ranges natively (advertised to clients).
+    fn supports_write_zeroes(&self) -> bool {
+        false
+    }
+    /// Allocation status of `[sector, sector+nr)` (relative): pushes (bytes, flags)
+    /// with NBD's base:allocation bits (1 hole, 2 zero). Default: all data.
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+        let _ = sector;
+        out.push((nr * SECTOR, 0));
+    }
+    /// An I/O this target issued failed; `tag` is what it passed to `remap`.
+    fn io_error(&self, tag: u16) {
+        let _ = tag;
+    }
+    /// Called when the device starts to suspend, before in-flight I/O is drained.
+    fn presuspend(&self) {}
+    /// Called when the device resumes with this table.
+    fn resume(&self) {}
+}
+
+/// Extents of a device range through a device reference (file holes, or a stacked
+/// dmkit device's own extents).
+pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    match dev {
+        DevRef::File(f) => {
+            let mut ext = Vec::new();
+            if f.extents(sector * SECTOR, nr * SECTOR, &mut ext).is_err() {
+                out.push((nr * SECTOR, 0));
+                return;
+            }
+            out.extend(ext.into_iter().map(|(len, hole)| (len, if hole { 3 } else { 0 })));
+        }
+        DevRef::Dm(d) => crate::mapper::device_extents(&d.0, sector, nr, out),
+    }
+}
+
+/// Context for constructing targets: how to open the devices a table names.
+pub trait Resolver {
+    fn open(&self, name: &str) -> Result<DevRef, String>;
+}
+
+/// Construct a target from its type name and arguments; errors name the field.
+pub fn construct(
+    target_type: &str,
+    args: &[String],
+    len: u64,
+    r: &dyn Resolver,
+) -> Result<Box<dyn Target>, String> {
+    match target_type {
+        "linear" => Ok(Box::new(linear::Linear::new(args, len, r)?)),
+        "striped" => Ok(Box::new(striped::Striped::new(args, len, r)?)),
+        "zero" => Ok(Box::new(zero::Zero::new(args)?)),
+        "error" => Ok(Box::new(error::Error::new(args, r)?)),
+        "flakey" => Ok(Box::new(flakey::Flakey::new(args, len, r)?)),
+        "delay" => Ok(Box::new(delay::Delay::new(args, len, r)?)),
+        other => Err(format!("unknown target type '{other}'")),
+    }
+}
+
+/// Every target type this build knows, with its version as the kernel reports it.
+pub const TARGET_TYPES: &[(&str, [u32; 3])] = &[
+    ("striped", [1, 7, 0]),
+    ("linear", [1, 5, 0]),
+    ("error", [1, 7, 0]),
+    ("zero", [1, 2, 0]),
+    ("flakey", [1, 5, 0]),
+    ("delay", [1, 3, 0]),
+];
+
+/// Parse a numeric target argument, naming the field on error.
+pub fn arg_u64(args: &[String], i: usize, field: &str) -> Result<u64, String> {
+    let v = args.get(i).ok_or_else(|| format!("missing argument {field}"))?;
+    v.parse::<u64>().map_err(|_| format!("invalid {field} '{v}'"))
+}
+
+/// Open the device argument `i` and check that `[offset, offset+len)` lies inside it
+/// and is aligned to its logical block size, as the kernel checks at table load.
+pub fn arg_dev(args: &[String], i: usize, offset: u64, len: u64, r: &dyn Resolver) -> Result<DevRef, String> {
+    let name = args.get(i).ok_or("missing argument device")?;
+    let dev = r.open(name).map_err(|e| format!("device '{name}': {e}"))?;
+    let size = dev.size_sectors();
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(format!(
+            "device '{name}' too small for target: offset {offset} + length {len} sectors > device size {size} sectors"
+        ));
+    }
+    let lbs = u64::from(dev.logical_block_size() / 512).max(1);
+    if offset % lbs != 0 || len % lbs != 0 {
+        return Err(format!(
+            "device '{name}': offset {offset} and length {len} not aligned to its logical block size ({} bytes)",
+            lbs * 512
+        ));
+    }
+    Ok(dev)
+}
+
+/// Apply a flakey/corruption action to bytes (used by the connection after a read
+/// completes, or before a write is issued).
+pub fn apply_corrupt(c: Corrupt, piece: &mut [u8]) {
+    if let Corrupt::Byte { index, value } = c {
+        if let Some(b) = piece.get_mut(index as usize) {
+            *b = value;
+        }
+    }
+}

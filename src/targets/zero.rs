@@ -1,0 +1,39 @@
+//! `zero`: reads return zeroes, writes and discards are dropped.
+
+use super::{Bio, MapCtx, MapErr, Target};
+use crate::io::{LeafKind, Op, SECTOR};
+
+pub struct Zero;
+
+impl Zero {
+    pub fn new(args: &[String]) -> Result<Zero, String> {
+        if !args.is_empty() {
+            return Err("zero: No arguments required".into());
+        }
+        Ok(Zero)
+    }
+}
+
+impl Target for Zero {
+    fn type_name(&self) -> &'static str {
+        "zero"
+    }
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        match bio.op {
+            Op::Read => ctx.complete(bio, LeafKind::ZeroFill),
+            // num_flush_bios = 0: nothing to flush. Writes are dropped; zeroing a
+            // device that reads as zeroes is already done.
+            Op::Flush | Op::Write | Op::Discard | Op::WriteZeroes => ctx.complete(bio, LeafKind::Drop),
+        }
+        Ok(())
+    }
+    fn table_params(&self) -> String {
+        String::new()
+    }
+    fn supports_write_zeroes(&self) -> bool {
+        true
+    }
+    fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+        out.push((nr * SECTOR, 3));
+    }
+}
