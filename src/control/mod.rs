@@ -256,6 +256,10 @@ pub fn execute(reg: &Registry, args: &[String], stdin: &str) -> Result<String, S
             a.at_most(0)?;
             Ok(Registry::targets())
         }
+        "stats" => {
+            a.at_most(1)?;
+            reg.stats(a.name()?).map_err(e)
+        }
         "version" => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
         other => Err(format!("unknown command '{other}'")),
     }

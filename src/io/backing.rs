@@ -23,6 +23,8 @@ pub struct BackingFile {
     pub identity: (u64, u64),
     pub rdev: Option<(u32, u32)>,
     pub read_only: bool,
+    /// Empty flushes sent to this file (`dmkit stats` shows them).
+    pub flushes: std::sync::atomic::AtomicU64,
 }
 
 /// What the fast path needs of a backing file: copyable, no reference count.
@@ -99,6 +101,7 @@ impl BackingFile {
             identity,
             rdev,
             read_only,
+            flushes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -127,6 +130,7 @@ impl BackingFile {
 
     /// Make everything written durable.
     pub fn sync(&self) -> io::Result<()> {
+        self.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.buffered.sync_data()
     }
 

@@ -177,7 +177,7 @@ impl Device {
     }
 }
 
-fn collect_files(dev: &Device, out: &mut Vec<Arc<crate::io::BackingFile>>, depth: u32) {
+pub(crate) fn collect_files(dev: &Device, out: &mut Vec<Arc<crate::io::BackingFile>>, depth: u32) {
     let Some(t) = dev.live.load_full() else { return };
     if depth > 16 {
         return;

@@ -360,6 +360,24 @@ impl Registry {
             .collect()
     }
 
+    /// `dmkit stats NAME`: the backing files under a device (through stacked
+    /// devices) and the flushes each has received.
+    pub fn stats(&self, name: &str) -> Result<String, ControlError> {
+        let dev = self.get(name)?;
+        let mut files = Vec::new();
+        super::collect_files(&dev, &mut files, 0);
+        Ok(files
+            .iter()
+            .map(|f| {
+                format!(
+                    "{} flushes={}\n",
+                    f.path.display(),
+                    f.flushes.load(Ordering::Relaxed)
+                )
+            })
+            .collect())
+    }
+
     /// `dmsetup targets`.
     pub fn targets() -> String {
         targets::TARGET_TYPES

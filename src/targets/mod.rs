@@ -298,7 +298,7 @@ pub fn arg_dev(args: &[String], i: usize, offset: u64, len: u64, r: &dyn Resolve
         ));
     }
     let lbs = u64::from(dev.logical_block_size() / 512).max(1);
-    if offset % lbs != 0 || len % lbs != 0 {
+    if !offset.is_multiple_of(lbs) || !len.is_multiple_of(lbs) {
         return Err(format!(
             "device '{name}': offset {offset} and length {len} not aligned to its logical block size ({} bytes)",
             lbs * 512

@@ -34,13 +34,13 @@ impl Striped {
         if chunk == 0 {
             return Err("chunk size must be greater than 0".into());
         }
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return Err(format!(
                 "target length {len} is not divisible by the number of stripes {n}"
             ));
         }
         let per = len / n;
-        if per % chunk != 0 {
+        if !per.is_multiple_of(chunk) {
             return Err(format!(
                 "stripe length {per} is not divisible by the chunk size {chunk}"
             ));

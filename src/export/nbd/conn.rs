@@ -412,7 +412,7 @@ impl Conn {
     /// Validate a request against the protocol's rules; Err(nbd errno) refuses it.
     fn validate(&self, s: &Slot) -> Result<(), u32> {
         let end = s.offset.checked_add(u64::from(s.len));
-        let aligned = (s.offset | u64::from(s.len)) % SECTOR == 0;
+        let aligned = (s.offset | u64::from(s.len)).is_multiple_of(SECTOR);
         let known = match s.cmd {
             CMD_READ => CMD_FLAG_FUA | CMD_FLAG_DF,
             CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,

@@ -1,0 +1,196 @@
+//! Real NBD clients against the real daemon: nbdinfo, qemu-img, nbdcopy, fio.
+
+mod common;
+use common::{need, pattern, read_at, run, Daemon};
+use std::process::Command;
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn nbdinfo_lists_and_maps() {
+    if !need("nbdinfo") {
+        return;
+    }
+    let d = Daemon::start("nbdinfo");
+    let f = d.dir.sparse("f.img", 64 * MIB);
+    // 1 MiB of data at 8 MiB, the rest of the file a hole.
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new().write(true).open(&f).expect("open");
+        file.write_all_at(&pattern(1, MIB as usize), 8 * MIB)
+            .expect("write");
+        file.sync_all().expect("sync");
+    }
+    let a = d.dir.sparse("a.img", 8 * MIB);
+    let b = d.dir.sparse("b.img", 8 * MIB);
+    d.create("zero", "0 32768 zero");
+    d.create("lin", &format!("0 32768 linear {} 0", f.display()));
+    d.create(
+        "str",
+        &format!("0 32768 striped 2 8 {} 0 {} 0", a.display(), b.display()),
+    );
+
+    let list = run(Command::new("nbdinfo").arg("--list").arg(d.uri("")));
+    for name in ["zero", "lin", "str"] {
+        assert!(list.contains(&format!("export=\"{name}\":")), "{list}");
+    }
+    assert!(list.contains("export-size: 16777216"), "{list}");
+
+    let map = |name: &str| run(Command::new("nbdinfo").arg("--map").arg(d.uri(name)));
+    let norm = |s: String| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert_eq!(norm(map("zero")), "0 16777216 3 hole,zero");
+    assert_eq!(
+        norm(map("lin")),
+        "0 8388608 3 hole,zero 8388608 1048576 0 data 9437184 7340032 3 hole,zero"
+    );
+    // Nothing written on the striped device yet: all holes.
+    assert_eq!(norm(map("str")), "0 16777216 3 hole,zero");
+    // 4 KiB written at device offset 8 KiB: chunk 2, stripe 0, row 1 of file a.
+    let mut c = common::nbd::Client::connect(&d.sock(), "str");
+    c.write(8192, &pattern(2, 4096));
+    assert_eq!(
+        norm(map("str")),
+        "0 8192 3 hole,zero 8192 4096 0 data 12288 16764928 3 hole,zero"
+    );
+    assert!(read_at(&a, 4096, 4096) == pattern(2, 4096));
+}
+
+#[test]
+fn qemu_img_convert_in_and_out() {
+    if !need("qemu-img") {
+        return;
+    }
+    let d = Daemon::start("qemu");
+    let a = d.dir.sparse("a.img", 32 * MIB);
+    let b = d.dir.sparse("b.img", 32 * MIB);
+    d.create(
+        "str",
+        &format!("0 131072 striped 2 128 {} 0 {} 0", a.display(), b.display()),
+    );
+    d.create("top", "0 131072 linear /dev/mapper/str 0");
+    let src = d.dir.path("src.img");
+    let mut data = pattern(7, (40 * MIB) as usize);
+    data[(8 * MIB) as usize..(16 * MIB) as usize].fill(0); // a zero run qemu can skip
+    data.resize((64 * MIB) as usize, 0);
+    std::fs::write(&src, &data).expect("write src");
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(d.uri("top")));
+    run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&src)
+        .arg(d.uri("top")));
+    let out = d.dir.path("out.img");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(d.uri("top"))
+        .arg(&out));
+    assert!(
+        std::fs::read(&out).expect("read out") == data,
+        "qemu-img read back different data"
+    );
+}
+
+#[test]
+fn nbdcopy_round_trip_between_devices() {
+    if !need("nbdcopy") {
+        return;
+    }
+    let d = Daemon::start("nbdcopy");
+    let f = d.dir.sparse("f.img", 48 * MIB);
+    let g = d.dir.sparse("g.img", 48 * MIB);
+    d.create("one", &format!("0 98304 linear {} 0", f.display()));
+    d.create(
+        "two",
+        &format!("0 49152 linear {g} 0\n49152 49152 linear {g} 0", g = g.display()),
+    );
+    let src = d.dir.path("src.bin");
+    let data = pattern(3, (48 * MIB) as usize);
+    std::fs::write(&src, &data).expect("write");
+    run(Command::new("nbdcopy").arg(&src).arg(d.uri("one")));
+    run(Command::new("nbdcopy").arg(d.uri("one")).arg(d.uri("two")));
+    let back = d.dir.path("back.bin");
+    run(Command::new("nbdcopy").arg(d.uri("two")).arg(&back));
+    let got = std::fs::read(&back).expect("read back");
+    assert_eq!(got.len(), data.len());
+    // "two" maps both halves onto the same file region: the second half of the copy
+    // overwrote the first, so the device reads the second half twice.
+    let half = data.len() / 2;
+    assert!(
+        got[..half] == data[half..] && got[half..] == data[half..],
+        "nbdcopy data mismatch"
+    );
+    assert!(read_at(&f, 0, 4096) == data[..4096]);
+}
+
+fn fio_verify(d: &Daemon, name: &str, jobs: u32, extra: &[&str]) {
+    let out = run(Command::new("fio")
+        .arg("--name=verify")
+        .arg("--ioengine=nbd")
+        .arg(format!("--uri={}", d.uri(name)))
+        .args([
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=16M",
+            "--offset_increment=16M",
+        ])
+        .arg(format!("--numjobs={jobs}"))
+        .args(["--verify=crc32c", "--verify_fatal=1", "--group_reporting"])
+        .args(extra));
+    assert!(out.contains("err= 0"), "fio on {name}: {out}");
+}
+
+#[test]
+fn fio_verify_linear_and_striped_several_jobs() {
+    if !need("fio") {
+        return;
+    }
+    let d = Daemon::start("fio");
+    let a = d.dir.sparse("a.img", 32 * MIB);
+    let b = d.dir.sparse("b.img", 32 * MIB);
+    let c = d.dir.sparse("c.img", 64 * MIB);
+    d.create(
+        "str",
+        &format!("0 131072 striped 2 16 {} 0 {} 0", a.display(), b.display()),
+    );
+    d.create("lin", &format!("0 131072 linear {} 0", c.display()));
+    fio_verify(&d, "lin", 4, &[]);
+    fio_verify(&d, "str", 4, &["--bs=4k,64k", "--bsrange=4k-256k"]);
+    // Mixed sizes with flushes in between.
+    fio_verify(&d, "lin", 2, &["--bsrange=512-128k", "--fsync=8"]);
+}
+
+#[test]
+fn stacked_writes_land_where_the_tables_put_them() {
+    let d = Daemon::start("stack");
+    let a = d.dir.sparse("a.img", 4 * MIB);
+    let b = d.dir.sparse("b.img", 4 * MIB);
+    // striped: 2 stripes of chunk 8 sectors (4 KiB), each stripe starting 1 MiB in.
+    d.create(
+        "str",
+        &format!("0 8192 striped 2 8 {} 2048 {} 2048", a.display(), b.display()),
+    );
+    // linear over the striped device, from its sector 16 on; then a top linear.
+    d.create("mid", "0 4096 linear /dev/mapper/str 16");
+    d.create(
+        "top",
+        "0 2048 linear /dev/mapper/mid 1024\n2048 2048 linear /dev/mapper/mid 0",
+    );
+    let mut c = common::nbd::Client::connect(&d.sock(), "top");
+    assert_eq!(c.size, 4096 * 512);
+    // 16 KiB at top sector 2048 → mid sector 0 → str sector 16 (chunk 2 = stripe 0 row 1)
+    let data = pattern(11, 16 << 10);
+    c.write(2048 * 512, &data);
+    // str chunks 2,3,4,5 → stripe 0 row 1, stripe 1 row 1, stripe 0 row 2, stripe 1 row 2.
+    let row = |r: u64| (2048 + r * 8) * 512;
+    assert!(read_at(&a, row(1), 4096) == data[0..4096]);
+    assert!(read_at(&b, row(1), 4096) == data[4096..8192]);
+    assert!(read_at(&a, row(2), 4096) == data[8192..12288]);
+    assert!(read_at(&b, row(2), 4096) == data[12288..16384]);
+    // And it reads back through every layer.
+    assert!(c.read(2048 * 512, 16 << 10) == data);
+    let mut m = common::nbd::Client::connect(&d.sock(), "mid");
+    assert!(m.read(0, 16 << 10) == data);
+}

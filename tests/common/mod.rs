@@ -1,0 +1,218 @@
+//! Shared test harness: a real daemon in a scratch directory, the real CLI, real
+//! client tools, and a minimal raw NBD client for protocol-level checks.
+#![allow(dead_code)]
+
+pub mod nbd;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_dmkit");
+
+/// A scratch directory removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let base = std::env::var_os("DMKIT_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let p = base.join(format!(
+            "dmkit-test-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create scratch dir");
+        Scratch(p)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+    /// A sparse file of `bytes`.
+    pub fn sparse(&self, name: &str, bytes: u64) -> PathBuf {
+        let p = self.path(name);
+        let f = std::fs::File::create(&p).expect("create file");
+        f.set_len(bytes).expect("set_len");
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `dmkit serve`, stopped (SIGTERM) on drop.
+pub struct Daemon {
+    pub dir: Scratch,
+    pub run: PathBuf,
+    child: Child,
+}
+
+impl Daemon {
+    pub fn start(tag: &str) -> Daemon {
+        Self::start_with(tag, &[], &[])
+    }
+
+    pub fn start_with(tag: &str, args: &[&str], env: &[(&str, &str)]) -> Daemon {
+        let dir = Scratch::new(tag);
+        let run = dir.path("run");
+        let mut cmd = Command::new(BIN);
+        cmd.arg("serve").arg("--run-dir").arg(&run).args(args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.path("daemon.log")).expect("log"),
+            ))
+            .spawn()
+            .expect("spawn dmkit serve");
+        let d = Daemon { dir, run, child };
+        let t0 = Instant::now();
+        while !(d.run.join("control.sock").exists() && d.run.join("nbd.sock").exists()) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "daemon did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    pub fn sock(&self) -> PathBuf {
+        self.run.join("nbd.sock")
+    }
+
+    pub fn uri(&self, name: &str) -> String {
+        format!("nbd+unix:///{name}?socket={}", self.sock().display())
+    }
+
+    /// Run `dmkit --run-dir RUN args...`, with `stdin` fed in.
+    pub fn cli_in(&self, args: &[&str], stdin: &str) -> Output {
+        let mut c = Command::new(BIN)
+            .arg("--run-dir")
+            .arg(&self.run)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn dmkit");
+        {
+            use std::io::Write;
+            let mut i = c.stdin.take().expect("stdin");
+            let _ = i.write_all(stdin.as_bytes());
+        }
+        c.wait_with_output().expect("dmkit output")
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.cli_in(args, "")
+    }
+
+    /// Run and require success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(
+            o.status.success(),
+            "dmkit {args:?} failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Run and require failure; returns stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(!o.status.success(), "dmkit {args:?} unexpectedly succeeded");
+        let e = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(e.trim_end().lines().count(), 1, "error should be one line: {e}");
+        e
+    }
+
+    pub fn create(&self, name: &str, table: &str) {
+        let o = self.cli_in(&["create", name], table);
+        assert!(
+            o.status.success(),
+            "create {name} failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path("daemon.log")).unwrap_or_default()
+    }
+
+    /// Whether the daemon process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: sending SIGTERM to our own child process.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether `tool` is on PATH. Without it a test cannot run: under CI it fails,
+/// elsewhere it is reported and skipped.
+pub fn need(tool: &str) -> bool {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("required tool '{tool}' is not installed (the test command installs it)");
+        }
+        eprintln!("SKIP: '{tool}' is not installed");
+    }
+    found
+}
+
+/// Run a command and require success; returns stdout.
+pub fn run(cmd: &mut Command) -> String {
+    let o = cmd.output().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        String::from_utf8_lossy(&o.stdout)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(p).expect("open");
+    let mut b = vec![0u8; len];
+    f.read_exact_at(&mut b, off).expect("read_at");
+    b
+}

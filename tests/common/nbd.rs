@@ -1,0 +1,200 @@
+//! A minimal NBD client speaking the raw protocol (simple replies), for tests that
+//! need exact control of what is sent.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+pub const READ: u16 = 0;
+pub const WRITE: u16 = 1;
+pub const DISC: u16 = 2;
+pub const FLUSH: u16 = 3;
+pub const TRIM: u16 = 4;
+pub const WRITE_ZEROES: u16 = 6;
+pub const FLAG_FUA: u16 = 1;
+
+pub struct Client {
+    pub s: UnixStream,
+    pub size: u64,
+    pub flags: u16,
+}
+
+fn opt(s: &mut UnixStream, code: u32, data: &[u8]) {
+    let mut b = Vec::new();
+    b.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
+    b.extend_from_slice(&code.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    s.write_all(&b).expect("send option");
+}
+
+/// Read one option reply: (type, payload).
+pub fn opt_reply(s: &mut UnixStream) -> (u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).expect("option reply");
+    assert_eq!(
+        u64::from_be_bytes(h[0..8].try_into().unwrap()),
+        0x0003_e889_0455_65a9
+    );
+    let typ = u32::from_be_bytes(h[12..16].try_into().unwrap());
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+    let mut p = vec![0u8; len];
+    s.read_exact(&mut p).expect("option payload");
+    (typ, p)
+}
+
+/// Connect and read the greeting; returns the stream after sending client flags.
+pub fn greet(sock: &Path) -> UnixStream {
+    let mut s = UnixStream::connect(sock).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).ok();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).expect("greeting");
+    assert_eq!(&g[0..8], b"NBDMAGIC");
+    assert_eq!(&g[8..16], b"IHAVEOPT");
+    s.write_all(&3u32.to_be_bytes()).expect("client flags");
+    s
+}
+
+impl Client {
+    /// Fixed-newstyle handshake with NBD_OPT_GO, simple replies only.
+    pub fn connect(sock: &Path, export: &str) -> Client {
+        let mut s = greet(sock);
+        let mut d = Vec::new();
+        d.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        d.extend_from_slice(export.as_bytes());
+        d.extend_from_slice(&0u16.to_be_bytes());
+        opt(&mut s, 7, &d);
+        let (mut size, mut flags) = (0, 0);
+        loop {
+            let (typ, p) = opt_reply(&mut s);
+            match typ {
+                3 if p.len() == 12 && p[0..2] == [0, 0] => {
+                    size = u64::from_be_bytes(p[2..10].try_into().unwrap());
+                    flags = u16::from_be_bytes(p[10..12].try_into().unwrap());
+                }
+                3 => {}
+                1 => break,
+                e => panic!("NBD_OPT_GO failed: {e:#x} {}", String::from_utf8_lossy(&p)),
+            }
+        }
+        Client { s, size, flags }
+    }
+
+    pub fn send(&mut self, cmd: u16, flags: u16, cookie: u64, offset: u64, len: u32, payload: &[u8]) {
+        let mut b = Vec::with_capacity(28 + payload.len());
+        b.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        b.extend_from_slice(&flags.to_be_bytes());
+        b.extend_from_slice(&cmd.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        b.extend_from_slice(payload);
+        self.s.write_all(&b).expect("send request");
+    }
+
+    /// Read a simple reply: (cookie, error). `data_len` bytes follow a successful read.
+    pub fn reply(&mut self, data: Option<&mut [u8]>) -> (u64, u32) {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).expect("reply header");
+        assert_eq!(
+            u32::from_be_bytes(h[0..4].try_into().unwrap()),
+            0x6744_6698,
+            "simple reply magic"
+        );
+        let err = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        if err == 0 {
+            if let Some(d) = data {
+                self.s.read_exact(d).expect("read data");
+            }
+        }
+        (cookie, err)
+    }
+
+    /// One request, one reply: the error value.
+    pub fn call(&mut self, cmd: u16, flags: u16, offset: u64, len: u32, payload: &[u8]) -> u32 {
+        self.send(cmd, flags, 7, offset, len, payload);
+        let mut buf = vec![0u8; if cmd == READ { len as usize } else { 0 }];
+        let (c, e) = self.reply(if cmd == READ { Some(&mut buf) } else { None });
+        assert_eq!(c, 7);
+        e
+    }
+
+    pub fn read(&mut self, offset: u64, len: usize) -> Vec<u8> {
+        self.send(READ, 0, 9, offset, len as u32, &[]);
+        let mut buf = vec![0u8; len];
+        let (_, e) = self.reply(Some(&mut buf));
+        assert_eq!(e, 0, "read at {offset} failed");
+        buf
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        assert_eq!(
+            self.call(WRITE, 0, offset, data.len() as u32, data),
+            0,
+            "write at {offset} failed"
+        );
+    }
+}
+
+/// Send one option request (public form of the handshake helper).
+pub fn send_opt(s: &mut UnixStream, code: u32, data: &[u8]) {
+    opt(s, code, data);
+}
+
+/// NBD_OPT_GO for `export` on a stream already past the greeting. Ok(client) on
+/// success, Err(reply type) when the server refused the export (the handshake
+/// continues).
+pub fn go_on(mut s: UnixStream, export: &str) -> Result<Client, (UnixStream, u32)> {
+    let mut d = Vec::new();
+    d.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    d.extend_from_slice(export.as_bytes());
+    d.extend_from_slice(&0u16.to_be_bytes());
+    opt(&mut s, 7, &d);
+    let (mut size, mut flags) = (0, 0);
+    loop {
+        let (typ, p) = opt_reply(&mut s);
+        match typ {
+            3 if p.len() == 12 && p[0..2] == [0, 0] => {
+                size = u64::from_be_bytes(p[2..10].try_into().unwrap());
+                flags = u16::from_be_bytes(p[10..12].try_into().unwrap());
+            }
+            3 => {}
+            1 => return Ok(Client { s, size, flags }),
+            e => return Err((s, e)),
+        }
+    }
+}
+
+/// Whether the peer closes `s` within `within` (reads and throws away anything
+/// it sends first). A connection still open after that returns false.
+pub fn closed_within(s: &mut UnixStream, within: Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    let mut b = [0u8; 4096];
+    while t0.elapsed() < within {
+        s.set_read_timeout(Some(Duration::from_millis(100))).ok();
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return true, // ECONNRESET and the like
+        }
+    }
+    false
+}
+
+/// Whether a reply (any byte) is waiting on `c` within `within`; consumes nothing.
+pub fn reply_ready(c: &Client, within: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    c.s.set_read_timeout(Some(within)).ok();
+    let mut b = [0u8; 1];
+    // SAFETY: a one-byte receive into a local buffer on our own socket.
+    let n = unsafe { libc::recv(c.s.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
+    c.s.set_read_timeout(Some(Duration::from_secs(20))).ok();
+    n > 0
+}
