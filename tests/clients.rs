@@ -137,7 +137,12 @@ fn fio_verify(d: &Daemon, name: &str, jobs: u32, extra: &[&str]) {
             "--offset_increment=16M",
         ])
         .arg(format!("--numjobs={jobs}"))
-        .args(["--verify=crc32c", "--verify_fatal=1", "--group_reporting"])
+        .args([
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--group_reporting",
+        ])
         .args(extra));
     assert!(out.contains("err= 0"), "fio on {name}: {out}");
 }
@@ -193,4 +198,53 @@ fn stacked_writes_land_where_the_tables_put_them() {
     assert!(c.read(2048 * 512, 16 << 10) == data);
     let mut m = common::nbd::Client::connect(&d.sock(), "mid");
     assert!(m.read(0, 16 << 10) == data);
+}
+
+#[test]
+fn demo_over_unix_and_tcp() {
+    if !need("nbdinfo") {
+        return;
+    }
+    let port = 20000 + (std::process::id() % 20000);
+    let demo_dir = common::Scratch::new("demo-files");
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start_with(
+        "demo",
+        &[
+            "--demo-dir",
+            demo_dir.0.to_str().expect("utf8"),
+            "--nbd-listen",
+            &addr,
+        ],
+        &[],
+    );
+    // The demo devices appear right after start (the sockets exist before them).
+    let t0 = std::time::Instant::now();
+    while !d.ok(&["ls"]).contains("demo-zero") {
+        assert!(t0.elapsed().as_secs() < 10, "demo devices did not appear");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(d
+        .ok(&["table", "demo-linear"])
+        .starts_with("0 2097152 linear 253:0 0"));
+    assert!(d
+        .ok(&["table", "demo-striped"])
+        .starts_with("0 2097152 striped 2 128 "));
+    let size = run(Command::new("nbdinfo")
+        .arg("--size")
+        .arg(format!("nbd://{addr}/demo-linear")));
+    assert_eq!(size.trim(), "1073741824");
+    let size = run(Command::new("nbdinfo").arg("--size").arg(d.uri("demo-striped")));
+    assert_eq!(size.trim(), "1073741824");
+    // Sockets are private to the owner without --group.
+    use std::os::unix::fs::PermissionsExt;
+    for s in ["control.sock", "nbd.sock"] {
+        let mode = std::fs::metadata(d.run.join(s))
+            .expect("stat")
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{s}");
+    }
+    assert!(demo_dir.path("stripe0.img").exists() && demo_dir.path("stripe1.img").exists());
 }

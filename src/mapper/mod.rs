@@ -227,10 +227,12 @@ pub fn map_bio(dev: &Arc<Device>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapE
     if ctx.depth >= MAX_DEPTH {
         return Err(MapErr::Errno(crate::io::errno::EIO));
     }
-    let hold = enter(dev, ctx)?;
-    if dev.removed.load(Ordering::Relaxed) {
+    // Before `enter`: a removed device stays suspended, and its I/O must fail rather
+    // than wait for a resume that never comes.
+    if dev.removed.load(Ordering::SeqCst) {
         return Err(MapErr::Errno(crate::io::errno::EIO));
     }
+    let hold = enter(dev, ctx)?;
     let guard = dev.live.load();
     let Some(table) = guard.as_ref() else {
         return Err(MapErr::Errno(crate::io::errno::EIO));

@@ -45,6 +45,10 @@ impl Default for Config {
 
 pub struct Registry {
     devices: Mutex<BTreeMap<String, Arc<Device>>>,
+    /// Open backing files by (st_dev, st_ino or rdev, read-only): every table line
+    /// naming a file shares one open file, so a file is one set of descriptors and
+    /// flushes can be sent to it once.
+    files: Mutex<Vec<((u64, u64, bool), std::sync::Weak<BackingFile>)>>,
     next_minor: Mutex<u32>,
     pub config: Config,
 }
@@ -53,6 +57,7 @@ impl Registry {
     pub fn new(config: Config) -> Registry {
         Registry {
             devices: Mutex::new(BTreeMap::new()),
+            files: Mutex::new(Vec::new()),
             next_minor: Mutex::new(0),
             config,
         }
@@ -386,6 +391,29 @@ impl Registry {
             .collect()
     }
 
+    /// Open a backing file, or share the one already open for the same file.
+    fn open_file(&self, p: &Path, read_only: bool) -> Result<DevRef, String> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
+        let key = if m.file_type().is_block_device() {
+            (0, m.rdev(), read_only)
+        } else {
+            (m.dev(), m.ino(), read_only)
+        };
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(f) = files
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(DevRef::File(f));
+        }
+        let f = Arc::new(BackingFile::open(p, read_only, self.config.direct_io).map_err(|e| e.to_string())?);
+        files.push((key, Arc::downgrade(&f)));
+        Ok(DevRef::File(f))
+    }
+
     fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
         self.devices().values().find(|d| d.minor == minor).cloned()
     }
@@ -438,7 +466,7 @@ impl Resolver for TableResolver<'_> {
                 )
             } else {
                 let p = format!("/dev/block/{ma}:{mi}");
-                return open_file(Path::new(&p), self.read_only, self.reg.config.direct_io);
+                return self.reg.open_file(Path::new(&p), self.read_only);
             }
         } else {
             None
@@ -450,13 +478,7 @@ impl Resolver for TableResolver<'_> {
                 }
                 Ok(DevRef::Dm(DmHold::new(d)))
             }
-            None => open_file(Path::new(name), self.read_only, self.reg.config.direct_io),
+            None => self.reg.open_file(Path::new(name), self.read_only),
         }
     }
-}
-
-fn open_file(p: &Path, read_only: bool, direct: bool) -> Result<DevRef, String> {
-    BackingFile::open(p, read_only, direct)
-        .map(|f| DevRef::File(Arc::new(f)))
-        .map_err(|e| e.to_string())
 }

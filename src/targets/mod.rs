@@ -157,6 +157,8 @@ impl<'a> MapCtx<'a> {
                 {
                     return;
                 }
+                // `dmkit stats` counts flushes sent to each file, NBD ones included.
+                f.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 LeafKind::Flush
             }
             Op::Discard => LeafKind::Discard,
