@@ -248,3 +248,25 @@ fn demo_over_unix_and_tcp() {
     }
     assert!(demo_dir.path("stripe0.img").exists() && demo_dir.path("stripe1.img").exists());
 }
+
+#[test]
+fn stalled_handshake_is_dropped_but_idle_clients_stay() {
+    use std::io::Read;
+    let d = Daemon::start_with("idle", &[], &[("DMKIT_HANDSHAKE_TIMEOUT_MS", "300")]);
+    let f = d.dir.sparse("f.img", MIB);
+    d.create("lin", &format!("0 2048 linear {} 0", f.display()));
+    let mut attached = common::nbd::Client::connect(&d.sock(), "lin");
+    // A client that reads the greeting and then says nothing is hung up on.
+    let mut stalled = std::os::unix::net::UnixStream::connect(d.sock()).expect("connect");
+    stalled
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .expect("timeout");
+    let mut greeting = [0u8; 18];
+    stalled.read_exact(&mut greeting).expect("greeting");
+    let mut rest = [0u8; 1];
+    assert_eq!(stalled.read(&mut rest).expect("EOF, not a timeout"), 0);
+    // The attached client idled past the handshake deadline and still works.
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    attached.write(4096, &pattern(5, 4096));
+    assert!(attached.read(4096, 4096) == pattern(5, 4096));
+}

@@ -13,8 +13,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A client has this long to finish the handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client has to finish the handshake: 30 s, or
+/// `DMKIT_HANDSHAKE_TIMEOUT_MS` (tests shorten it).
+fn handshake_timeout() -> Duration {
+    let ms = std::env::var("DMKIT_HANDSHAKE_TIMEOUT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    Duration::from_millis(ms.unwrap_or(30_000))
+}
 
 /// Serve one client connection to the end.
 pub fn serve_connection<S: Read + Write + AsRawFd>(mut s: S, reg: &Registry, peer: &str) {
@@ -26,6 +32,8 @@ pub fn serve_connection<S: Read + Write + AsRawFd>(mut s: S, reg: &Registry, pee
             return;
         }
     };
+    // The handshake deadline does not apply to an attached client, which may idle.
+    clear_receive_timeout(s.as_raw_fd());
     let dev = neg.dev.clone();
     dev.open_count.fetch_add(1, Ordering::SeqCst);
     let mut conn = conn::Conn::new(s.as_raw_fd(), neg);
@@ -39,18 +47,28 @@ pub fn serve_unix(listener: UnixListener, reg: Arc<Registry>) {
     for s in listener.incoming() {
         let Ok(s) = s else { continue };
         let reg = reg.clone();
-        let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+        let _ = s.set_read_timeout(Some(handshake_timeout()));
         let _ = std::thread::Builder::new()
             .name("nbd-conn".into())
-            .spawn(move || {
-                let s = prepare_unix(s);
-                serve_connection(s, &reg, "unix");
-            });
+            .spawn(move || serve_connection::<UnixStream>(s, &reg, "unix"));
     }
 }
 
-fn prepare_unix(s: UnixStream) -> UnixStream {
-    s
+fn clear_receive_timeout(fd: std::os::fd::RawFd) {
+    let tv = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 0,
+    };
+    // SAFETY: setsockopt reads one timeval from the pointer we pass, of the size we pass.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const libc::timeval as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        );
+    }
 }
 
 pub fn serve_tcp(listener: TcpListener, reg: Arc<Registry>) {
@@ -59,7 +77,7 @@ pub fn serve_tcp(listener: TcpListener, reg: Arc<Registry>) {
         let reg = reg.clone();
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let _ = s.set_nodelay(true);
-        let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+        let _ = s.set_read_timeout(Some(handshake_timeout()));
         let _ = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
