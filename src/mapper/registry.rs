@@ -43,12 +43,15 @@ impl Default for Config {
     }
 }
 
+/// (st_dev, st_ino) of a file or (0, rdev) of a block device, and read-only.
+type FileKey = (u64, u64, bool);
+
 pub struct Registry {
     devices: Mutex<BTreeMap<String, Arc<Device>>>,
     /// Open backing files by (st_dev, st_ino or rdev, read-only): every table line
     /// naming a file shares one open file, so a file is one set of descriptors and
     /// flushes can be sent to it once.
-    files: Mutex<Vec<((u64, u64, bool), std::sync::Weak<BackingFile>)>>,
+    files: Mutex<Vec<(FileKey, std::sync::Weak<BackingFile>)>>,
     next_minor: Mutex<u32>,
     pub config: Config,
 }

@@ -199,15 +199,17 @@ mod tests {
 
     #[test]
     fn stripe_boundaries_cover_range() {
-        // 2 stripes, chunk 8: relative sectors 4..28 cover chunks 0(4..8) 1 2 3(24..28).
+        // 2 stripes, chunk 8: relative sectors 4..28 are chunk 0 (stripe 0 local 4..8),
+        // chunk 1 (stripe 1 local 0..8), chunk 2 (stripe 0 local 8..16) and chunk 3 up to
+        // sector 28 (stripe 1 local 8..12).
         let (n, c) = (2, 8);
         assert_eq!(
             (stripe_boundary(4, 0, n, c), stripe_boundary(28, 0, n, c)),
-            (4, 12)
+            (4, 16)
         );
         assert_eq!(
             (stripe_boundary(4, 1, n, c), stripe_boundary(28, 1, n, c)),
-            (0, 16)
+            (0, 12)
         );
     }
 }
