@@ -1,2 +1,3 @@
 //! dmkit: Linux device-mapper in userspace, served over NBD.
+pub mod pdata;
 pub mod thin;
