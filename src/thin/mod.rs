@@ -1,2 +1,11 @@
 //! dm-thin metadata (kernel on-disk format) and its tools.
 pub mod cli;
+pub mod error;
+pub mod metadata;
+pub mod superblock;
+pub mod xml;
+pub mod dump;
+
+pub use error::{Result, ThinError};
+pub use metadata::{FormatOptions, Mapping, ThinPoolMetadata};
+pub use superblock::DeviceDetails;
