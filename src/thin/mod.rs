@@ -4,7 +4,9 @@ pub mod error;
 pub mod metadata;
 pub mod superblock;
 pub mod xml;
+pub mod check;
 pub mod dump;
+pub mod restore;
 
 pub use error::{Result, ThinError};
 pub use metadata::{FormatOptions, Mapping, ThinPoolMetadata};
