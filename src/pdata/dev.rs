@@ -70,6 +70,9 @@ struct MemState {
     latest: std::collections::HashMap<u64, usize>,
     writes: u64,
     flushes: u64,
+    /// Simulated power loss: once this many writes were issued, every
+    /// further write and flush fails.
+    write_limit: Option<u64>,
 }
 
 /// An in-memory metadata device. Clones share the same storage, so a test
@@ -110,6 +113,12 @@ impl MemDev {
             img[off..off + BLOCK_SIZE].copy_from_slice(&data[..]);
         }
         img
+    }
+
+    /// Fail every write and flush after `n` more writes (None: never).
+    pub fn fail_after_writes(&self, n: Option<u64>) {
+        let mut st = self.lock();
+        st.write_limit = n.map(|n| st.writes + n);
     }
 
     /// Number of writes not yet flushed.
@@ -165,6 +174,9 @@ impl MetadataDev for MemDev {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "beyond end"));
         }
         let mut st = self.lock();
+        if st.write_limit.is_some_and(|l| st.writes >= l) {
+            return Err(io::Error::other("simulated power loss"));
+        }
         st.writes += 1;
         let i = st.pending.len();
         st.pending.push((block, Box::new(*buf)));
@@ -173,6 +185,9 @@ impl MetadataDev for MemDev {
     }
     fn flush(&mut self) -> io::Result<()> {
         let mut st = self.lock();
+        if st.write_limit.is_some_and(|l| st.writes >= l) {
+            return Err(io::Error::other("simulated power loss"));
+        }
         st.flushes += 1;
         let pending = std::mem::take(&mut st.pending);
         st.latest.clear();

@@ -452,6 +452,10 @@ impl ThinPoolMetadata {
         self.tm.data.count(b)
     }
 
+    pub fn metadata_block_ref_count(&self, b: u64) -> u32 {
+        self.tm.meta.count(b)
+    }
+
     /// Shared in the discard sense: more than one reference.
     pub fn is_data_block_shared(&self, b: u64) -> bool {
         self.tm.data.is_shared(b)
