@@ -63,11 +63,9 @@ fn snapshots_deletes_and_metadata_snap() {
     }
     md.commit().unwrap();
     // a chain of snapshots, each followed by writes to origin and snapshot
-    let mut next_dev = 2u64;
     let mut last = 1u64;
     for round in 0..6 {
-        let snap = next_dev;
-        next_dev += 1;
+        let snap = 2 + round;
         md.create_snap(snap, last).unwrap();
         let copy = model[&last].clone();
         model.insert(snap, copy);

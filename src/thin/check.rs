@@ -112,7 +112,9 @@ impl Checker {
         for i in 0..n {
             let k = node::key(&d, i);
             if i > 0 && k <= node::key(&d, i - 1) {
-                self.err(format!("metadata block {b}: keys out of order at entry {i}"));
+                self.err(format!(
+                    "metadata block {b}: keys out of order at entry {i}"
+                ));
             }
             if k < lo || k >= hi {
                 self.err(format!(
@@ -170,7 +172,10 @@ impl Checker {
             let e = expected.get(&b).copied().unwrap_or(0);
             let a = sm.count(b);
             if a > e {
-                leaks.push(format!("{:?} block {b}: leaked (count {a}, expected {e})", sm.kind));
+                leaks.push(format!(
+                    "{:?} block {b}: leaked (count {a}, expected {e})",
+                    sm.kind
+                ));
             } else if a < e {
                 errors.push(format!(
                     "{:?} block {b}: ref count {a} on disk, but {e} references",

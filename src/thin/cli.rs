@@ -89,11 +89,11 @@ fn cmd_dump(args: &[String]) -> i32 {
         Some(p) => match std::fs::File::create(p) {
             Ok(f) => {
                 let mut w = std::io::BufWriter::new(f);
-                dump::dump(Box::new(dev), snap, &mut w)
-                    .and_then(|_| {
-                        use std::io::Write;
-                        w.flush().map_err(|e| super::ThinError::Invalid(e.to_string()))
-                    })
+                dump::dump(Box::new(dev), snap, &mut w).and_then(|_| {
+                    use std::io::Write;
+                    w.flush()
+                        .map_err(|e| super::ThinError::Invalid(e.to_string()))
+                })
             }
             Err(e) => {
                 eprintln!("{p}: {e}");

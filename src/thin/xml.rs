@@ -129,7 +129,9 @@ fn tags(text: &str) -> impl Iterator<Item = Result<Tag<'_>>> {
         let start = rest.find('<')?;
         line += rest[..start].matches('\n').count();
         let Some(len) = rest[start..].find('>') else {
-            return Some(Err(ThinError::Invalid(format!("line {line}: unterminated tag"))));
+            return Some(Err(ThinError::Invalid(format!(
+                "line {line}: unterminated tag"
+            ))));
         };
         let body = &rest[start + 1..start + len];
         rest = &rest[start + len + 1..];
@@ -203,8 +205,11 @@ pub fn parse(text: &str) -> Result<XmlMetadata> {
                     d.mappings
                         .push((tag.num("origin_block")?, tag.num("data_block")?, t));
                 } else {
-                    let (o, b, n): (u64, u64, u64) =
-                        (tag.num("origin_begin")?, tag.num("data_begin")?, tag.num("length")?);
+                    let (o, b, n): (u64, u64, u64) = (
+                        tag.num("origin_begin")?,
+                        tag.num("data_begin")?,
+                        tag.num("length")?,
+                    );
                     for i in 0..n {
                         d.mappings.push((o + i, b + i, t));
                     }

@@ -60,7 +60,10 @@ pub fn assert_thin_check_clean(path: &Path) {
             "thin_check failed on {}:\nstdout:\n{stdout}\nstderr:\n{stderr}",
             path.display()
         );
-        assert!(stdout.contains("TRANSACTION_ID="), "thin_check did not run: {stdout}");
+        assert!(
+            stdout.contains("TRANSACTION_ID="),
+            "thin_check did not run: {stdout}"
+        );
     }
 }
 

@@ -35,7 +35,7 @@ pub fn key(d: &Block, i: usize) -> u64 {
 fn value_off(d: &Block, i: usize) -> usize {
     HEADER + 8 * max(d) + i * value_size(d)
 }
-pub fn value<'a>(d: &'a Block, i: usize) -> &'a [u8] {
+pub fn value(d: &Block, i: usize) -> &[u8] {
     let off = value_off(d, i);
     &d[off..off + value_size(d)]
 }
@@ -64,7 +64,10 @@ pub fn check_header(block: u64, d: &Block, leaf_vs: usize) -> Result<()> {
     if m != max_entries(vs) {
         return Err(corrupt(
             block,
-            format!("btree node has max_entries {m}, expected {}", max_entries(vs)),
+            format!(
+                "btree node has max_entries {m}, expected {}",
+                max_entries(vs)
+            ),
         ));
     }
     let n = nr_entries(d);
