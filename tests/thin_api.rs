@@ -133,3 +133,50 @@ fn snapshots_deletes_and_metadata_snap() {
     drop(md);
     assert_thin_check_clean(&p);
 }
+
+/// Growing the data device and the metadata device (across bitmap
+/// boundaries) keeps the pool valid, and the new space is usable.
+#[test]
+fn grow_data_and_metadata_devices() {
+    let s = Scratch::new("grow");
+    let p = s.file("meta", 1024);
+    let mut md = format_file(&p, 10_000);
+    md.create_thin(0).unwrap();
+    for v in 0..10_000u64 {
+        let b = md.alloc_data_block().unwrap();
+        md.insert(0, v, b).unwrap();
+    }
+    assert!(md.alloc_data_block().is_err(), "data device should be full");
+    md.abort().unwrap();
+    md.create_thin(0).unwrap();
+    md.resize_data_dev(40_000).unwrap();
+    md.commit().unwrap();
+    drop(md);
+    assert_thin_check_clean(&p);
+
+    // metadata device grows from 1024 to 40000 blocks (3 bitmaps)
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(40_000 * 4096)
+        .unwrap();
+    let mut md = open_file(&p);
+    assert_eq!(md.nr_metadata_blocks(), 1024);
+    md.resize_metadata_dev(40_000).unwrap();
+    md.commit().unwrap();
+    let mut model = Model::new();
+    let e = model.entry(0).or_default();
+    for v in 0..39_000u64 {
+        let vb = v * 13 % 100_003;
+        let b = md.alloc_data_block().unwrap();
+        md.insert(0, vb, b).unwrap();
+        e.insert(vb, (b, 0));
+    }
+    md.commit().unwrap();
+    assert_eq!(md.nr_free_data_blocks(), 1_000);
+    assert_eq!(model_of_api(&mut md), model);
+    drop(md);
+    assert_thin_check_clean(&p);
+    assert_eq!(model_of_xml(&our_dump(&p, false)), model);
+}

@@ -72,7 +72,7 @@ fn thin_meta_bench() {
     println!("BENCH open: {:.3}s", t.elapsed().as_secs_f64());
 
     // warm lookups: a hot set that fits the 64 MiB cache
-    let hot = (per_dev).min(1 << 19);
+    let hot = per_dev.min(1 << 18);
     let mut rng = Rng::new(1);
     for _ in 0..(1 << 20) {
         md.lookup(rng.below(4), rng.below(hot)).unwrap();
