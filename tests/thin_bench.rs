@@ -29,7 +29,10 @@ fn thin_meta_bench() {
     let path = std::path::Path::new(&dir).join(format!("dmkit-bench-meta-{}", std::process::id()));
     let cache_blocks = 64 * 1024 * 1024 / 4096;
     let meta_blocks = 262_144u64; // 1 GiB
-    std::fs::File::create(&path).unwrap().set_len(meta_blocks * 4096).unwrap();
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(meta_blocks * 4096)
+        .unwrap();
     let per_dev = total / 4;
 
     let t = Instant::now();
@@ -52,7 +55,7 @@ fn thin_meta_bench() {
             let b = md.alloc_data_block().unwrap();
             md.insert(d, v, b).unwrap();
             n += 1;
-            if n % 1000 == 0 {
+            if n.is_multiple_of(1000) {
                 md.commit().unwrap();
             }
         }
@@ -64,11 +67,16 @@ fn thin_meta_bench() {
         n as f64 / ins
     );
     let used = md.nr_metadata_blocks() - md.nr_free_metadata_blocks();
-    println!("BENCH metadata used: {used} blocks ({:.1} MiB)", used as f64 / 256.0);
+    println!(
+        "BENCH metadata used: {used} blocks ({:.1} MiB)",
+        used as f64 / 256.0
+    );
     drop(md);
 
     let t = Instant::now();
-    let mut md = ThinPoolMetadata::open(Box::new(FileDev::open(&path, true).unwrap()), cache_blocks).unwrap();
+    let mut md =
+        ThinPoolMetadata::open(Box::new(FileDev::open(&path, true).unwrap()), cache_blocks)
+            .unwrap();
     println!("BENCH open: {:.3}s", t.elapsed().as_secs_f64());
 
     // warm lookups: a hot set that fits the 64 MiB cache
@@ -88,13 +96,19 @@ fn thin_meta_bench() {
     }
     let el = t.elapsed().as_secs_f64();
     assert_eq!(found, iters);
-    println!("BENCH warm random lookups (hot set {hot}/dev): {:.0}/s", iters as f64 / el);
+    println!(
+        "BENCH warm random lookups (hot set {hot}/dev): {:.0}/s",
+        iters as f64 / el
+    );
     let t = Instant::now();
     let seq = per_dev.min(4_000_000);
     for v in 0..seq {
         md.lookup(0, v).unwrap();
     }
-    println!("BENCH sequential lookups: {:.0}/s", seq as f64 / t.elapsed().as_secs_f64());
+    println!(
+        "BENCH sequential lookups: {:.0}/s",
+        seq as f64 / t.elapsed().as_secs_f64()
+    );
     let t = Instant::now();
     let cold = 1_000_000u64;
     for _ in 0..cold {
