@@ -213,7 +213,10 @@ pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
         }
     };
     report.transaction_id = sb.trans_id;
-    report.free_metadata_blocks = sb.meta_sm_root.nr_blocks - sb.meta_sm_root.nr_allocated;
+    report.free_metadata_blocks = sb
+        .meta_sm_root
+        .nr_blocks
+        .saturating_sub(sb.meta_sm_root.nr_allocated);
     if metadata_snap {
         if sb.held_root == 0 {
             report.errors.push("no current metadata snap".into());

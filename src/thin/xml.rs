@@ -210,6 +210,12 @@ pub fn parse(text: &str) -> Result<XmlMetadata> {
                         tag.num("data_begin")?,
                         tag.num("length")?,
                     );
+                    if o.checked_add(n).is_none() || b.checked_add(n).is_none() {
+                        return Err(ThinError::Invalid(format!(
+                            "line {}: range_mapping overflows",
+                            tag.line
+                        )));
+                    }
                     for i in 0..n {
                         d.mappings.push((o + i, b + i, t));
                     }
