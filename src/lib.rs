@@ -5,6 +5,7 @@ pub mod export;
 pub mod io;
 pub mod log;
 pub mod mapper;
+pub mod pdata;
 pub mod table;
 pub mod targets;
 pub mod thin;

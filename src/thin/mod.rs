@@ -1,2 +1,13 @@
 //! dm-thin metadata (kernel on-disk format) and its tools.
+pub mod check;
 pub mod cli;
+pub mod dump;
+pub mod error;
+pub mod metadata;
+pub mod restore;
+pub mod superblock;
+pub mod xml;
+
+pub use error::{Result, ThinError};
+pub use metadata::{FormatOptions, Mapping, ThinPoolMetadata};
+pub use superblock::DeviceDetails;

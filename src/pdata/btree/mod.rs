@@ -1,0 +1,284 @@
+//! Copy-on-write btrees in the kernel's format (dm-btree): lookup, insert,
+//! remove, range walks and subtree deletion.
+//!
+//! Inserts split full nodes top-down; removes top up thin children top-down
+//! (merge or redistribute with a sibling), so every non-root node stays at
+//! least a third full, which thin_check requires.
+
+pub mod node;
+mod remove;
+
+pub use remove::remove;
+
+use super::error::{corrupt, BlockKind, Result};
+use super::tm::TransactionManager;
+use super::Block;
+
+/// What a tree's leaf values refer to, for reference counting when a shared
+/// node is copied or a subtree is deleted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueKind {
+    /// Opaque values of the given size.
+    Plain(usize),
+    /// u64 values whose `value >> shift` is a data block (dm-thin block_time).
+    DataRef { shift: u32 },
+    /// u64 values that are roots of DataRef subtrees (dm-thin top level).
+    Subtree { leaf_shift: u32 },
+}
+
+impl ValueKind {
+    pub fn value_size(self) -> usize {
+        match self {
+            ValueKind::Plain(n) => n,
+            _ => 8,
+        }
+    }
+}
+
+/// Guards walks against cycles in damaged metadata.
+const MAX_DEPTH: usize = 32;
+
+/// An empty tree: a single leaf.
+pub fn create(tm: &mut TransactionManager, vk: ValueKind) -> Result<u64> {
+    let b = tm.new_block(BlockKind::BtreeNode)?;
+    node::init(
+        tm.write(b, BlockKind::BtreeNode)?,
+        node::LEAF,
+        vk.value_size(),
+    );
+    Ok(b)
+}
+
+fn read_node(tm: &mut TransactionManager, b: u64, leaf_vs: usize) -> Result<&Block> {
+    let d = tm.read(b, BlockKind::BtreeNode)?;
+    node::check_header(b, d, leaf_vs)?;
+    Ok(d)
+}
+
+/// Look up `key`; `f` converts the value while the node is borrowed.
+pub fn lookup_with<T>(
+    tm: &mut TransactionManager,
+    root: u64,
+    key: u64,
+    leaf_vs: usize,
+    f: impl FnOnce(&[u8]) -> T,
+) -> Result<Option<T>> {
+    let mut b = root;
+    for _ in 0..MAX_DEPTH {
+        let d = read_node(tm, b, leaf_vs)?;
+        if node::is_leaf(d) {
+            return Ok(node::find(d, key).map(|i| f(node::value(d, i))));
+        }
+        match node::lower_bound(d, key) {
+            None => return Ok(None),
+            Some(i) => b = node::value_u64(d, i),
+        }
+    }
+    Err(corrupt(b, "btree deeper than 32 levels (cycle?)"))
+}
+
+pub fn lookup_u64(tm: &mut TransactionManager, root: u64, key: u64) -> Result<Option<u64>> {
+    lookup_with(tm, root, key, 8, |v| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(v);
+        u64::from_le_bytes(a)
+    })
+}
+
+/// Split the full root in place: its entries go to two new children.
+fn split_beneath(tm: &mut TransactionManager, root: u64) -> Result<()> {
+    let old: Box<Block> = Box::new(*tm.read(root, BlockKind::BtreeNode)?);
+    let n = node::nr_entries(&old);
+    let half = n / 2;
+    let mut kids = [0u64; 2];
+    for (j, (from, count)) in [(0, half), (half, n - half)].into_iter().enumerate() {
+        let c = tm.new_block(BlockKind::BtreeNode)?;
+        let d = tm.write(c, BlockKind::BtreeNode)?;
+        d.copy_from_slice(&old[..]);
+        node::keep_range(d, from, count);
+        kids[j] = c;
+    }
+    let d = tm.write(root, BlockKind::BtreeNode)?;
+    node::init(d, node::INTERNAL, 8);
+    node::insert_at(d, 0, node::key(&old, 0), &kids[0].to_le_bytes());
+    node::insert_at(d, 1, node::key(&old, half), &kids[1].to_le_bytes());
+    Ok(())
+}
+
+/// Split full child at parent slot `i` into two; returns the new right sibling.
+fn split_child(tm: &mut TransactionManager, parent: u64, i: usize, child: u64) -> Result<u64> {
+    let old: Box<Block> = Box::new(*tm.read(child, BlockKind::BtreeNode)?);
+    let n = node::nr_entries(&old);
+    let half = n / 2;
+    let right = tm.new_block(BlockKind::BtreeNode)?;
+    let d = tm.write(right, BlockKind::BtreeNode)?;
+    d.copy_from_slice(&old[..]);
+    node::keep_range(d, half, n - half);
+    node::set_nr_entries(tm.write(child, BlockKind::BtreeNode)?, half);
+    let p = tm.write(parent, BlockKind::BtreeNode)?;
+    node::insert_at(p, i + 1, node::key(&old, half), &right.to_le_bytes());
+    Ok(right)
+}
+
+/// Insert or overwrite `key`. Returns the (possibly new) root and the old
+/// value, if any. Old values are not decremented: the caller decides.
+pub fn insert(
+    tm: &mut TransactionManager,
+    root: u64,
+    key: u64,
+    value: &[u8],
+    vk: ValueKind,
+) -> Result<(u64, Option<Vec<u8>>)> {
+    let vs = vk.value_size();
+    let root = tm.shadow(root, vk)?;
+    {
+        let d = read_node(tm, root, vs)?;
+        if node::nr_entries(d) == node::max(d) {
+            split_beneath(tm, root)?;
+        }
+    }
+    let mut b = root;
+    for _ in 0..MAX_DEPTH {
+        let d = tm.write(b, BlockKind::BtreeNode)?;
+        if node::is_leaf(d) {
+            let pos = node::lower_bound(d, key);
+            if let Some(i) = pos.filter(|&i| node::key(d, i) == key) {
+                let old = node::value(d, i).to_vec();
+                node::set_value(d, i, value);
+                return Ok((root, Some(old)));
+            }
+            node::insert_at(d, pos.map_or(0, |i| i + 1), key, value);
+            return Ok((root, None));
+        }
+        let i = match node::lower_bound(d, key) {
+            Some(i) => i,
+            None => {
+                // below every key: the leftmost subtree takes it
+                node::set_key(d, 0, key);
+                0
+            }
+        };
+        let child = node::value_u64(d, i);
+        let c = tm.shadow(child, vk)?;
+        if c != child {
+            node::set_value_u64(tm.write(b, BlockKind::BtreeNode)?, i, c);
+        }
+        let full = {
+            let cd = read_node(tm, c, vs)?;
+            node::nr_entries(cd) == node::max(cd)
+        };
+        b = if full {
+            let right = split_child(tm, b, i, c)?;
+            let rk = node::key(tm.read(right, BlockKind::BtreeNode)?, 0);
+            if key >= rk {
+                right
+            } else {
+                c
+            }
+        } else {
+            c
+        };
+    }
+    Err(corrupt(b, "btree deeper than 32 levels (cycle?)"))
+}
+
+/// Visit every (key, value) with lo <= key < hi in key order.
+pub fn walk_range(
+    tm: &mut TransactionManager,
+    root: u64,
+    leaf_vs: usize,
+    lo: u64,
+    hi: u64,
+    f: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    walk_rec(tm, root, leaf_vs, lo, hi, f, 0)
+}
+
+/// Visit every (key, value) in key order.
+pub fn walk(
+    tm: &mut TransactionManager,
+    root: u64,
+    leaf_vs: usize,
+    f: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    walk_rec(tm, root, leaf_vs, 0, u64::MAX, f, 0)
+}
+
+fn walk_rec(
+    tm: &mut TransactionManager,
+    b: u64,
+    leaf_vs: usize,
+    lo: u64,
+    hi: u64,
+    f: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+    depth: usize,
+) -> Result<()> {
+    if depth >= MAX_DEPTH {
+        return Err(corrupt(b, "btree deeper than 32 levels (cycle?)"));
+    }
+    let d = read_node(tm, b, leaf_vs)?;
+    let n = node::nr_entries(d);
+    if node::is_leaf(d) {
+        for i in 0..n {
+            let k = node::key(d, i);
+            if k >= lo && k < hi {
+                f(k, node::value(d, i))?;
+            }
+        }
+        return Ok(());
+    }
+    // child i covers [key[i], key[i+1])
+    let kids: Vec<u64> = (0..n)
+        .filter(|&i| {
+            let start = if i == 0 { 0 } else { node::key(d, i) };
+            let end = if i + 1 < n {
+                node::key(d, i + 1)
+            } else {
+                u64::MAX
+            };
+            start < hi && end > lo
+        })
+        .map(|i| node::value_u64(d, i))
+        .collect();
+    for c in kids {
+        walk_rec(tm, c, leaf_vs, lo, hi, f, depth + 1)?;
+    }
+    Ok(())
+}
+
+/// Drop one reference to the tree at `root`; if it was the last, free its
+/// nodes and release what its leaves refer to.
+pub fn del_tree(tm: &mut TransactionManager, root: u64, vk: ValueKind) -> Result<()> {
+    del_rec(tm, root, vk, 0)
+}
+
+fn del_rec(tm: &mut TransactionManager, b: u64, vk: ValueKind, depth: usize) -> Result<()> {
+    if depth >= MAX_DEPTH {
+        return Err(corrupt(b, "btree deeper than 32 levels (cycle?)"));
+    }
+    if tm.meta.count(b) > 1 {
+        tm.dec(b)?;
+        return Ok(());
+    }
+    let d = read_node(tm, b, vk.value_size())?;
+    let n = node::nr_entries(d);
+    let leaf = node::is_leaf(d);
+    let vals: Vec<u64> = match (leaf, vk) {
+        (true, ValueKind::Plain(_)) => Vec::new(),
+        _ => (0..n).map(|i| node::value_u64(d, i)).collect(),
+    };
+    for v in vals {
+        match (leaf, vk) {
+            (false, _) => del_rec(tm, v, vk, depth + 1)?,
+            (true, ValueKind::DataRef { shift }) => {
+                tm.data.dec(v >> shift)?;
+            }
+            (true, ValueKind::Subtree { leaf_shift }) => {
+                del_rec(tm, v, ValueKind::DataRef { shift: leaf_shift }, 0)?
+            }
+            (true, ValueKind::Plain(_)) => {}
+        }
+    }
+    tm.dec(b)?;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! The metadata device: whole 4 KiB blocks in, whole blocks out, and a flush.
+//! A file implementation, and an in-memory one that can simulate a crash
+//! (drop unflushed writes, tear the last one).
+
+use super::{Block, BLOCK_SIZE};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub trait MetadataDev: Send {
+    /// Number of whole 4 KiB blocks on the device.
+    fn nr_blocks(&self) -> u64;
+    fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()>;
+    fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()>;
+    /// Make every completed write durable (fdatasync).
+    fn flush(&mut self) -> io::Result<()>;
+}
+
+/// A metadata device backed by a regular file or a block device node.
+pub struct FileDev {
+    file: File,
+    nr_blocks: u64,
+}
+
+impl FileDev {
+    pub fn open(path: &std::path::Path, writable: bool) -> io::Result<FileDev> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)?;
+        FileDev::from_file(file)
+    }
+
+    pub fn from_file(file: File) -> io::Result<FileDev> {
+        // seek-to-end works for block devices too, where metadata().len() is 0.
+        let len = {
+            use std::io::Seek;
+            let mut f = &file;
+            f.seek(io::SeekFrom::End(0))?
+        };
+        Ok(FileDev {
+            file,
+            nr_blocks: len / BLOCK_SIZE as u64,
+        })
+    }
+}
+
+impl MetadataDev for FileDev {
+    fn nr_blocks(&self) -> u64 {
+        self.nr_blocks
+    }
+    fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
+        self.file.read_exact_at(buf, block * BLOCK_SIZE as u64)
+    }
+    fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
+        self.file.write_all_at(buf, block * BLOCK_SIZE as u64)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+}
+
+#[derive(Default)]
+struct MemState {
+    durable: Vec<u8>,
+    /// Writes since the last flush, in order; reads see them.
+    pending: Vec<(u64, Box<Block>)>,
+    /// Latest pending write per block, index into `pending`.
+    latest: std::collections::HashMap<u64, usize>,
+    writes: u64,
+    flushes: u64,
+    /// Simulated power loss: once this many writes were issued, every
+    /// further write and flush fails.
+    write_limit: Option<u64>,
+}
+
+/// An in-memory metadata device. Clones share the same storage, so a test
+/// can keep one handle while the metadata owns another.
+#[derive(Clone)]
+pub struct MemDev {
+    state: Arc<Mutex<MemState>>,
+    nr_blocks: u64,
+}
+
+impl MemDev {
+    pub fn new(nr_blocks: u64) -> MemDev {
+        MemDev::from_image(vec![0u8; nr_blocks as usize * BLOCK_SIZE])
+    }
+
+    pub fn from_image(image: Vec<u8>) -> MemDev {
+        let nr_blocks = (image.len() / BLOCK_SIZE) as u64;
+        MemDev {
+            state: Arc::new(Mutex::new(MemState {
+                durable: image,
+                ..MemState::default()
+            })),
+            nr_blocks,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, MemState> {
+        // A poisoned lock only means another test thread panicked; the bytes are fine.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The image as it is now, including unflushed writes.
+    pub fn image(&self) -> Vec<u8> {
+        let st = self.lock();
+        let mut img = st.durable.clone();
+        for (b, data) in &st.pending {
+            let off = *b as usize * BLOCK_SIZE;
+            img[off..off + BLOCK_SIZE].copy_from_slice(&data[..]);
+        }
+        img
+    }
+
+    /// Fail every write and flush after `n` more writes (None: never).
+    pub fn fail_after_writes(&self, n: Option<u64>) {
+        let mut st = self.lock();
+        st.write_limit = n.map(|n| st.writes + n);
+    }
+
+    /// Number of writes not yet flushed.
+    pub fn pending_writes(&self) -> usize {
+        self.lock().pending.len()
+    }
+
+    /// (writes, flushes) issued so far.
+    pub fn io_counts(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.writes, st.flushes)
+    }
+
+    /// The image a crash would leave: durable data plus the first `keep`
+    /// unflushed writes, and if `tear`, the first half of the next one.
+    pub fn crash_image(&self, keep: usize, tear: bool) -> Vec<u8> {
+        let st = self.lock();
+        let mut img = st.durable.clone();
+        for (i, (b, data)) in st.pending.iter().enumerate() {
+            let off = *b as usize * BLOCK_SIZE;
+            if i < keep {
+                img[off..off + BLOCK_SIZE].copy_from_slice(&data[..]);
+            } else {
+                if tear {
+                    img[off..off + BLOCK_SIZE / 2].copy_from_slice(&data[..BLOCK_SIZE / 2]);
+                }
+                break;
+            }
+        }
+        img
+    }
+}
+
+impl MetadataDev for MemDev {
+    fn nr_blocks(&self) -> u64 {
+        self.nr_blocks
+    }
+    fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
+        if block >= self.nr_blocks {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "beyond end"));
+        }
+        let st = self.lock();
+        if let Some(&i) = st.latest.get(&block) {
+            buf.copy_from_slice(&st.pending[i].1[..]);
+        } else {
+            let off = block as usize * BLOCK_SIZE;
+            buf.copy_from_slice(&st.durable[off..off + BLOCK_SIZE]);
+        }
+        Ok(())
+    }
+    fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
+        if block >= self.nr_blocks {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "beyond end"));
+        }
+        let mut st = self.lock();
+        if st.write_limit.is_some_and(|l| st.writes >= l) {
+            return Err(io::Error::other("simulated power loss"));
+        }
+        st.writes += 1;
+        let i = st.pending.len();
+        st.pending.push((block, Box::new(*buf)));
+        st.latest.insert(block, i);
+        Ok(())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        let mut st = self.lock();
+        if st.write_limit.is_some_and(|l| st.writes >= l) {
+            return Err(io::Error::other("simulated power loss"));
+        }
+        st.flushes += 1;
+        let pending = std::mem::take(&mut st.pending);
+        st.latest.clear();
+        for (b, data) in pending {
+            let off = b as usize * BLOCK_SIZE;
+            st.durable[off..off + BLOCK_SIZE].copy_from_slice(&data[..]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,76 @@
+//! Typed errors of the persistent-data layer. Each names the block at fault.
+
+use std::fmt;
+
+/// What a metadata block is expected to hold; selects the checksum salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    Superblock,
+    BtreeNode,
+    Bitmap,
+    Index,
+}
+
+impl BlockKind {
+    pub fn salt(self) -> u32 {
+        match self {
+            BlockKind::Superblock => 160_774,
+            BlockKind::BtreeNode => 121_107,
+            BlockKind::Bitmap => 240_779,
+            BlockKind::Index => 160_478,
+        }
+    }
+}
+
+impl fmt::Display for BlockKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BlockKind::Superblock => "superblock",
+            BlockKind::BtreeNode => "btree node",
+            BlockKind::Bitmap => "space map bitmap",
+            BlockKind::Index => "space map index block",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PdataError {
+    #[error("metadata block {block}: I/O error: {source}")]
+    Io {
+        block: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("metadata block {block} is beyond the end of the device ({nr_blocks} blocks)")]
+    OutOfRange { block: u64, nr_blocks: u64 },
+    #[error("metadata block {block} ({kind}): bad checksum (on disk {stored:#010x}, computed {computed:#010x})")]
+    Checksum {
+        block: u64,
+        kind: BlockKind,
+        stored: u32,
+        computed: u32,
+    },
+    #[error("metadata block {block} ({kind}): block number field is {found}")]
+    BlockNr {
+        block: u64,
+        kind: BlockKind,
+        found: u64,
+    },
+    #[error("metadata block {block}: {what}")]
+    Corrupt { block: u64, what: String },
+    #[error("out of metadata space ({nr_blocks} blocks, none free)")]
+    NoMetadataSpace { nr_blocks: u64 },
+    #[error("out of data space ({nr_blocks} blocks, none free)")]
+    NoDataSpace { nr_blocks: u64 },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, PdataError>;
+
+pub(crate) fn corrupt(block: u64, what: impl Into<String>) -> PdataError {
+    PdataError::Corrupt {
+        block,
+        what: what.into(),
+    }
+}

@@ -1,0 +1,292 @@
+//! On-disk form of the space maps: the 32-byte root blob, 2-bit bitmaps, the
+//! metadata index block, the data index btree and the overflow ref-count
+//! btree. Loading decodes everything into the in-core `SpaceMap`; committing
+//! writes back what changed.
+
+use super::{SmKind, SpaceMap, ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
+use crate::pdata::btree::{self, ValueKind};
+use crate::pdata::cache::FastMap;
+use crate::pdata::error::{corrupt, BlockKind, PdataError, Result};
+use crate::pdata::tm::TransactionManager;
+use crate::pdata::{le32, le64, put32, put64, Block};
+
+/// The sm root blob stored (zero-padded to 128 bytes) in the superblock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SmRoot {
+    pub nr_blocks: u64,
+    pub nr_allocated: u64,
+    pub bitmap_root: u64,
+    pub ref_count_root: u64,
+}
+
+impl SmRoot {
+    pub fn decode(b: &[u8]) -> SmRoot {
+        SmRoot {
+            nr_blocks: le64(b, 0),
+            nr_allocated: le64(b, 8),
+            bitmap_root: le64(b, 16),
+            ref_count_root: le64(b, 24),
+        }
+    }
+    pub fn encode(&self, out: &mut [u8]) {
+        out.fill(0);
+        put64(out, 0, self.nr_blocks);
+        put64(out, 8, self.nr_allocated);
+        put64(out, 16, self.bitmap_root);
+        put64(out, 24, self.ref_count_root);
+    }
+}
+
+const REF_COUNT: ValueKind = ValueKind::Plain(4);
+const INDEX_ENTRY: ValueKind = ValueKind::Plain(16);
+
+/// Index entry {blocknr, nr_free, none_free_before}.
+pub fn decode_index_entry(v: &[u8]) -> (u64, u32, u32) {
+    (le64(v, 0), le32(v, 8), le32(v, 12))
+}
+
+fn encode_index_entry(loc: u64, info: (u32, u32)) -> [u8; 16] {
+    let mut v = [0u8; 16];
+    put64(&mut v, 0, loc);
+    put32(&mut v, 8, info.0);
+    put32(&mut v, 12, info.1);
+    v
+}
+
+/// Entry `e` of a bitmap block (0..=3).
+pub fn bitmap_entry(d: &Block, e: usize) -> u32 {
+    let byte = d[16 + e / 4];
+    let s = 2 * (e % 4);
+    let high = (byte >> s) & 1;
+    let low = (byte >> (s + 1)) & 1;
+    (2 * high + low) as u32
+}
+
+/// Write bitmap `idx` from the in-core counts; returns (nr_free, none_free_before).
+fn encode_bitmap(sm: &SpaceMap, idx: u64, d: &mut Block) -> (u32, u32) {
+    d[16..].fill(0);
+    let base = idx * ENTRIES_PER_BITMAP;
+    let n = (sm.nr_blocks() - base).min(ENTRIES_PER_BITMAP) as usize;
+    let mut nr_free = 0u32;
+    let mut first_free = None;
+    for e in 0..n {
+        let c = sm.count(base + e as u64).min(3) as u8;
+        if c == 0 {
+            nr_free += 1;
+            first_free.get_or_insert(e as u32);
+            continue;
+        }
+        let s = 2 * (e % 4);
+        d[16 + e / 4] |= ((c >> 1) << s) | ((c & 1) << (s + 1));
+    }
+    (nr_free, first_free.unwrap_or(n as u32))
+}
+
+fn decode_bitmap(
+    sm: &mut SpaceMap,
+    idx: u64,
+    loc: u64,
+    d: &Block,
+    overflow: &FastMap<u64, u32>,
+) -> Result<(u32, u32)> {
+    let base = idx * ENTRIES_PER_BITMAP;
+    let n = (sm.nr_blocks() - base).min(ENTRIES_PER_BITMAP) as usize;
+    let mut nr_free = 0;
+    let mut first_free = None;
+    for e in 0..n {
+        if e % 4 == 0 && d[16 + e / 4] == 0 {
+            let k = (n - e).min(4);
+            nr_free += k as u32;
+            first_free.get_or_insert(e as u32);
+            continue;
+        }
+        if e % 4 != 0 && d[16 + e / 4] == 0 {
+            continue;
+        }
+        let b = base + e as u64;
+        let c = match bitmap_entry(d, e) {
+            3 => match overflow.get(&b) {
+                Some(&c) if c >= 3 => c,
+                Some(&c) => {
+                    return Err(corrupt(
+                        loc,
+                        format!("{:?} block {b}: overflow count {c} is below 3", sm.kind),
+                    ))
+                }
+                None => {
+                    return Err(corrupt(
+                        loc,
+                        format!(
+                            "{:?} block {b}: bitmap says count >= 3 but the ref-count tree has no entry",
+                            sm.kind
+                        ),
+                    ))
+                }
+            },
+            c => c,
+        };
+        if c == 0 {
+            nr_free += 1;
+            first_free.get_or_insert(e as u32);
+        }
+        sm.set_loaded(b, c);
+    }
+    Ok((nr_free, first_free.unwrap_or(n as u32)))
+}
+
+fn load_overflow(tm: &mut TransactionManager, root: u64) -> Result<FastMap<u64, u32>> {
+    let mut m = FastMap::default();
+    btree::walk(tm, root, 4, &mut |k, v| {
+        m.insert(k, le32(v, 0));
+        Ok(())
+    })?;
+    Ok(m)
+}
+
+/// Decode a space map from disk into core.
+pub fn load(tm: &mut TransactionManager, kind: SmKind, root: &SmRoot) -> Result<SpaceMap> {
+    let mut sm = SpaceMap::new(kind, root.nr_blocks);
+    let nr_bitmaps = sm.nr_bitmaps();
+    match kind {
+        SmKind::Metadata => {
+            if nr_bitmaps > MAX_METADATA_BITMAPS {
+                return Err(corrupt(
+                    0,
+                    format!("metadata space map has {} blocks, too many", root.nr_blocks),
+                ));
+            }
+            let d = tm.read(root.bitmap_root, BlockKind::Index)?;
+            for i in 0..nr_bitmaps as usize {
+                sm.bitmap_locs[i] = decode_index_entry(&d[16 + 16 * i..32 + 16 * i]).0;
+            }
+        }
+        SmKind::Data => {
+            let mut locs = vec![0u64; nr_bitmaps as usize];
+            btree::walk(tm, root.bitmap_root, 16, &mut |k, v| {
+                if let Some(slot) = locs.get_mut(k as usize) {
+                    *slot = decode_index_entry(v).0;
+                }
+                Ok(())
+            })?;
+            sm.bitmap_locs = locs;
+        }
+    }
+    let overflow = load_overflow(tm, root.ref_count_root)?;
+    for idx in 0..nr_bitmaps {
+        let loc = sm.bitmap_locs[idx as usize];
+        if loc == 0 {
+            return Err(corrupt(
+                root.bitmap_root,
+                format!("{kind:?} space map index has no bitmap {idx}"),
+            ));
+        }
+        let d: Box<Block> = Box::new(*tm.read(loc, BlockKind::Bitmap)?);
+        sm.bitmap_info[idx as usize] = decode_bitmap(&mut sm, idx, loc, &d, &overflow)?;
+    }
+    sm.index_root = root.bitmap_root;
+    sm.ref_count_root = root.ref_count_root;
+    sm.mark_all_committed();
+    Ok(sm)
+}
+
+/// Create the empty on-disk trees of a new space map (format time).
+pub fn create_trees(tm: &mut TransactionManager, kind: SmKind) -> Result<()> {
+    let rc = btree::create(tm, REF_COUNT)?;
+    tm.sm(kind).ref_count_root = rc;
+    if kind == SmKind::Data {
+        let idx = btree::create(tm, INDEX_ENTRY)?;
+        tm.data.index_root = idx;
+    }
+    Ok(())
+}
+
+/// Write both space maps' changes; returns (metadata root, data root).
+/// Updating the space maps allocates and frees metadata blocks, which changes
+/// metadata counts again, so the metadata bitmaps are relocated to a fixed
+/// point before anything is encoded.
+pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
+    for kind in [SmKind::Data, SmKind::Metadata] {
+        // Only 0<->1 transitions happen below, which never touch the overflow
+        // tree, so this converges in one pass; the loop is belt and braces.
+        for _ in 0..4 {
+            let changed = std::mem::take(&mut tm.sm(kind).overflow_changed);
+            if changed.is_empty() {
+                break;
+            }
+            for b in changed {
+                let c = tm.sm(kind).count(b);
+                let root = tm.sm(kind).ref_count_root;
+                let new_root = if c >= 3 {
+                    btree::insert(tm, root, b, &c.to_le_bytes(), REF_COUNT)?.0
+                } else {
+                    btree::remove(tm, root, b, REF_COUNT)?.0
+                };
+                tm.sm(kind).ref_count_root = new_root;
+            }
+        }
+    }
+
+    let dirty: Vec<u64> = std::mem::take(&mut tm.data.dirty_bitmaps)
+        .into_iter()
+        .collect();
+    for idx in dirty {
+        let old = tm.data.bitmap_locs[idx as usize];
+        let loc = tm.relocate(old, BlockKind::Bitmap)?;
+        tm.data.bitmap_locs[idx as usize] = loc;
+        let mut buf: Box<Block> = Box::new([0u8; 4096]);
+        let info = encode_bitmap(&tm.data, idx, &mut buf);
+        tm.data.bitmap_info[idx as usize] = info;
+        tm.write(loc, BlockKind::Bitmap)?.copy_from_slice(&buf[..]);
+        let root = tm.data.index_root;
+        let v = encode_index_entry(loc, info);
+        tm.data.index_root = btree::insert(tm, root, idx, &v, INDEX_ENTRY)?.0;
+    }
+
+    let index = tm.relocate(tm.meta.index_root, BlockKind::Index)?;
+    tm.meta.index_root = index;
+    loop {
+        let pending: Vec<u64> = tm
+            .meta
+            .dirty_bitmaps
+            .iter()
+            .copied()
+            .filter(|&i| !tm.is_writable(tm.meta.bitmap_locs[i as usize]))
+            .collect();
+        if pending.is_empty() {
+            break;
+        }
+        for idx in pending {
+            let old = tm.meta.bitmap_locs[idx as usize];
+            tm.meta.bitmap_locs[idx as usize] = tm.relocate(old, BlockKind::Bitmap)?;
+        }
+    }
+    let dirty: Vec<u64> = std::mem::take(&mut tm.meta.dirty_bitmaps)
+        .into_iter()
+        .collect();
+    for idx in dirty {
+        let loc = tm.meta.bitmap_locs[idx as usize];
+        let mut buf: Box<Block> = Box::new([0u8; 4096]);
+        let info = encode_bitmap(&tm.meta, idx, &mut buf);
+        tm.meta.bitmap_info[idx as usize] = info;
+        tm.write(loc, BlockKind::Bitmap)?.copy_from_slice(&buf[..]);
+    }
+    let mut buf: Box<Block> = Box::new([0u8; 4096]);
+    for i in 0..tm.meta.nr_bitmaps() as usize {
+        let v = encode_index_entry(tm.meta.bitmap_locs[i], tm.meta.bitmap_info[i]);
+        buf[16 + 16 * i..32 + 16 * i].copy_from_slice(&v);
+    }
+    tm.write(index, BlockKind::Index)?.copy_from_slice(&buf[..]);
+
+    if !tm.meta.overflow_changed.is_empty() || !tm.data.overflow_changed.is_empty() {
+        return Err(PdataError::Invalid(
+            "internal error: space map commit did not converge".into(),
+        ));
+    }
+    let root = |sm: &SpaceMap| SmRoot {
+        nr_blocks: sm.nr_blocks(),
+        nr_allocated: sm.nr_allocated(),
+        bitmap_root: sm.index_root,
+        ref_count_root: sm.ref_count_root,
+    };
+    Ok((root(&tm.meta), root(&tm.data)))
+}

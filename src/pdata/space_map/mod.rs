@@ -1,0 +1,300 @@
+//! Reference-counting space maps (metadata and data), kept in core as one
+//! byte per block plus a side table for large counts, and written back to the
+//! kernel's on-disk form (2-bit bitmaps, index, overflow btree) at commit.
+//!
+//! Allocation follows the kernel's rule: a block is handed out only if it is
+//! free now *and* was free in the last committed state, so a transaction never
+//! overwrites anything a crash could need.
+
+pub mod disk;
+
+use super::cache::FastMap;
+use super::error::{PdataError, Result};
+use std::collections::BTreeSet;
+
+/// Entries per on-disk bitmap block: (4096 - 16) * 4.
+pub const ENTRIES_PER_BITMAP: u64 = 16320;
+/// The metadata space map's index block has room for 255 bitmaps.
+pub const MAX_METADATA_BITMAPS: u64 = 255;
+pub const MAX_METADATA_BLOCKS: u64 = MAX_METADATA_BITMAPS * ENTRIES_PER_BITMAP;
+
+const BIG: u8 = u8::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SmKind {
+    Metadata,
+    Data,
+}
+
+pub struct SpaceMap {
+    pub kind: SmKind,
+    nr_blocks: u64,
+    counts: Vec<u8>,
+    /// Counts >= 255 (the byte then holds `BIG`).
+    big: FastMap<u64, u32>,
+    nr_allocated: u64,
+    /// Bit per block: in use in the last committed state.
+    committed_used: Vec<u64>,
+    /// Blocks whose in-use state flipped during this transaction.
+    flipped: Vec<u64>,
+    cursor: u64,
+    /// Bitmaps whose 2-bit encoding changed since the last commit.
+    pub(crate) dirty_bitmaps: BTreeSet<u64>,
+    /// Blocks whose overflow-tree entry (count >= 3) may have changed.
+    pub(crate) overflow_changed: BTreeSet<u64>,
+    /// On-disk location of each bitmap; 0 = not yet allocated.
+    pub(crate) bitmap_locs: Vec<u64>,
+    /// (nr_free, none_free_before) as last written for each bitmap.
+    pub(crate) bitmap_info: Vec<(u32, u32)>,
+    /// Index block (metadata sm) or index btree root (data sm).
+    pub(crate) index_root: u64,
+    pub(crate) ref_count_root: u64,
+}
+
+impl SpaceMap {
+    pub fn new(kind: SmKind, nr_blocks: u64) -> SpaceMap {
+        let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
+        SpaceMap {
+            kind,
+            nr_blocks,
+            counts: vec![0; nr_blocks as usize],
+            big: FastMap::default(),
+            nr_allocated: 0,
+            committed_used: vec![0; (nr_blocks as usize).div_ceil(64)],
+            flipped: Vec::new(),
+            cursor: 0,
+            dirty_bitmaps: (0..nr_bitmaps).collect(),
+            overflow_changed: BTreeSet::new(),
+            bitmap_locs: vec![0; nr_bitmaps as usize],
+            bitmap_info: vec![(0, 0); nr_bitmaps as usize],
+            index_root: 0,
+            ref_count_root: 0,
+        }
+    }
+
+    pub fn nr_blocks(&self) -> u64 {
+        self.nr_blocks
+    }
+    pub fn nr_allocated(&self) -> u64 {
+        self.nr_allocated
+    }
+    pub fn nr_free(&self) -> u64 {
+        self.nr_blocks - self.nr_allocated
+    }
+    pub fn nr_bitmaps(&self) -> u64 {
+        self.bitmap_locs.len() as u64
+    }
+
+    fn range_err(&self, b: u64) -> PdataError {
+        PdataError::Invalid(format!(
+            "{:?} space map: block {b} is beyond its {} blocks",
+            self.kind, self.nr_blocks
+        ))
+    }
+
+    pub fn count(&self, b: u64) -> u32 {
+        match self.counts.get(b as usize) {
+            None => 0,
+            Some(&BIG) => self.big.get(&b).copied().unwrap_or(BIG as u32),
+            Some(&c) => c as u32,
+        }
+    }
+
+    /// Set a count, keeping every derived piece of state in step.
+    pub fn set(&mut self, b: u64, new: u32) -> Result<()> {
+        if b >= self.nr_blocks {
+            return Err(self.range_err(b));
+        }
+        let old = self.count(b);
+        if old == new {
+            return Ok(());
+        }
+        if new >= BIG as u32 {
+            self.counts[b as usize] = BIG;
+            self.big.insert(b, new);
+        } else {
+            self.counts[b as usize] = new as u8;
+            if old >= BIG as u32 {
+                self.big.remove(&b);
+            }
+        }
+        if (old == 0) != (new == 0) {
+            if new == 0 {
+                self.nr_allocated -= 1;
+            } else {
+                self.nr_allocated += 1;
+            }
+            self.flipped.push(b);
+        }
+        if old.min(3) != new.min(3) {
+            self.dirty_bitmaps.insert(b / ENTRIES_PER_BITMAP);
+        }
+        if old >= 3 || new >= 3 {
+            self.overflow_changed.insert(b);
+        }
+        Ok(())
+    }
+
+    pub fn inc(&mut self, b: u64) -> Result<()> {
+        let c = self.count(b);
+        self.set(b, c.saturating_add(1))
+    }
+
+    /// Decrement; returns the new count. Decrementing a free block is an error
+    /// (it means the metadata's counts are inconsistent).
+    pub fn dec(&mut self, b: u64) -> Result<u32> {
+        let c = self.count(b);
+        if c == 0 {
+            return Err(PdataError::Invalid(format!(
+                "{:?} space map: decrement of free block {b}",
+                self.kind
+            )));
+        }
+        self.set(b, c - 1)?;
+        Ok(c - 1)
+    }
+
+    fn committed(&self, b: u64) -> bool {
+        self.committed_used[(b / 64) as usize] & (1 << (b % 64)) != 0
+    }
+
+    /// Allocate a block (count 0 -> 1) that was also free at the last commit.
+    pub fn alloc(&mut self) -> Result<u64> {
+        let n = self.nr_blocks;
+        if self.nr_allocated < n {
+            let start = self.cursor.min(n);
+            for b in (start..n).chain(0..start) {
+                if self.counts[b as usize] == 0 && !self.committed(b) {
+                    self.set(b, 1)?;
+                    self.cursor = b + 1;
+                    return Ok(b);
+                }
+            }
+        }
+        Err(match self.kind {
+            SmKind::Metadata => PdataError::NoMetadataSpace { nr_blocks: n },
+            SmKind::Data => PdataError::NoDataSpace { nr_blocks: n },
+        })
+    }
+
+    /// Grow to `nr_blocks`; new blocks are free. Shrinking is refused.
+    pub fn extend(&mut self, nr_blocks: u64) -> Result<()> {
+        if nr_blocks < self.nr_blocks {
+            return Err(PdataError::Invalid(format!(
+                "{:?} space map cannot shrink from {} to {nr_blocks} blocks",
+                self.kind, self.nr_blocks
+            )));
+        }
+        if self.kind == SmKind::Metadata && nr_blocks > MAX_METADATA_BLOCKS {
+            return Err(PdataError::Invalid(format!(
+                "metadata space map is limited to {MAX_METADATA_BLOCKS} blocks"
+            )));
+        }
+        let old_bitmaps = self.nr_bitmaps();
+        self.nr_blocks = nr_blocks;
+        self.counts.resize(nr_blocks as usize, 0);
+        self.committed_used
+            .resize((nr_blocks as usize).div_ceil(64), 0);
+        let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
+        self.bitmap_locs.resize(nr_bitmaps as usize, 0);
+        self.bitmap_info.resize(nr_bitmaps as usize, (0, 0));
+        // The last old bitmap may have been partial: its nr_free changes.
+        if old_bitmaps > 0 {
+            self.dirty_bitmaps.insert(old_bitmaps - 1);
+        }
+        self.dirty_bitmaps.extend(old_bitmaps..nr_bitmaps);
+        Ok(())
+    }
+
+    /// Called once the transaction is durable: its state becomes "committed".
+    pub fn transaction_committed(&mut self) {
+        for b in std::mem::take(&mut self.flipped) {
+            let (w, bit) = ((b / 64) as usize, 1u64 << (b % 64));
+            if self.counts[b as usize] != 0 {
+                self.committed_used[w] |= bit;
+            } else {
+                self.committed_used[w] &= !bit;
+            }
+        }
+        self.dirty_bitmaps.clear();
+        self.overflow_changed.clear();
+    }
+
+    /// Rebuild the committed bitmap from the current counts (after a load).
+    pub(crate) fn mark_all_committed(&mut self) {
+        self.flipped.clear();
+        self.committed_used.iter_mut().for_each(|w| *w = 0);
+        for (b, &c) in self.counts.iter().enumerate() {
+            if c != 0 {
+                self.committed_used[b / 64] |= 1 << (b % 64);
+            }
+        }
+        self.dirty_bitmaps.clear();
+        self.overflow_changed.clear();
+    }
+
+    /// Load raw counts (after decoding bitmaps), recomputing nr_allocated.
+    pub(crate) fn set_loaded(&mut self, b: u64, c: u32) {
+        if c == 0 {
+            return;
+        }
+        if c >= BIG as u32 {
+            self.counts[b as usize] = BIG;
+            self.big.insert(b, c);
+        } else {
+            self.counts[b as usize] = c as u8;
+        }
+        self.nr_allocated += 1;
+    }
+
+    /// Iterate (block, count) over blocks with count > 0.
+    pub fn iter_used(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c != 0)
+            .map(|(b, _)| (b as u64, self.count(b as u64)))
+    }
+
+    /// Whether a data block is shared (count > 1), for discard decisions.
+    pub fn is_shared(&self, b: u64) -> bool {
+        self.count(b) > 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_respects_committed_state() {
+        let mut sm = SpaceMap::new(SmKind::Data, 4);
+        let a = sm.alloc().unwrap();
+        sm.transaction_committed();
+        sm.dec(a).unwrap();
+        // freed in this transaction: not reusable until commit
+        let others: Vec<u64> = (0..3).map(|_| sm.alloc().unwrap()).collect();
+        assert!(!others.contains(&a));
+        assert!(sm.alloc().is_err());
+        sm.transaction_committed();
+        assert_eq!(sm.alloc().unwrap(), a);
+    }
+
+    #[test]
+    fn big_counts_and_dirty_tracking() {
+        let mut sm = SpaceMap::new(SmKind::Metadata, 20000);
+        sm.transaction_committed();
+        for _ in 0..300 {
+            sm.inc(17000).unwrap();
+        }
+        assert_eq!(sm.count(17000), 300);
+        assert!(sm.dirty_bitmaps.contains(&1));
+        assert!(sm.overflow_changed.contains(&17000));
+        for _ in 0..299 {
+            sm.dec(17000).unwrap();
+        }
+        assert_eq!(sm.count(17000), 1);
+        assert_eq!(sm.nr_allocated(), 1);
+        assert!(sm.dec(5).is_err());
+    }
+}

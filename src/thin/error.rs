@@ -1,0 +1,29 @@
+//! Errors of the thin metadata layer.
+
+use crate::pdata::PdataError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ThinError {
+    #[error(transparent)]
+    Pdata(#[from] PdataError),
+    #[error("thin device {0} already exists")]
+    DeviceExists(u64),
+    #[error("thin device {0} does not exist")]
+    NoSuchDevice(u64),
+    #[error("transaction id mismatch: expected {expected}, current is {current}")]
+    TransactionIdMismatch { expected: u64, current: u64 },
+    #[error("a metadata snapshot is already held (block {0})")]
+    SnapshotHeld(u64),
+    #[error("no metadata snapshot is held")]
+    NoSnapshotHeld,
+    #[error("data block {block} is beyond the data device ({nr_blocks} blocks)")]
+    DataBlockOutOfRange { block: u64, nr_blocks: u64 },
+    #[error("superblock: {0}")]
+    BadSuperblock(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    #[error("metadata is read-only")]
+    ReadOnly,
+}
+
+pub type Result<T> = std::result::Result<T, ThinError>;
