@@ -74,9 +74,7 @@ fn thin_meta_bench() {
     drop(md);
 
     let t = Instant::now();
-    let mut md =
-        ThinPoolMetadata::open(Box::new(FileDev::open(&path, true).unwrap()), cache_blocks)
-            .unwrap();
+    let mut md = ThinPoolMetadata::open(Box::new(FileDev::open(&path, true).unwrap()), cache_blocks).unwrap();
     println!("BENCH open: {:.3}s", t.elapsed().as_secs_f64());
 
     // warm lookups: a hot set that fits the 64 MiB cache

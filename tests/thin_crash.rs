@@ -75,13 +75,7 @@ fn crash_between_commits_keeps_last_commit() {
         }
         let pending = dev.pending_writes();
         assert!(pending > 0, "small cache should have written dirty blocks");
-        for keep in [
-            0,
-            pending / 3,
-            pending / 2,
-            pending.saturating_sub(1),
-            pending,
-        ] {
+        for keep in [0, pending / 3, pending / 2, pending.saturating_sub(1), pending] {
             for tear in [false, true] {
                 verify(
                     dev.crash_image(keep, tear),

@@ -100,16 +100,8 @@ fn finish(seed: u64, i: usize, mut md: ThinPoolMetadata, dev: MemDev, model: Mod
     let s = Scratch::new("prop");
     let p = s.path("meta");
     std::fs::write(&p, dev.image()).unwrap();
-    let r = dmkit::thin::check::check(
-        Box::new(dmkit::pdata::FileDev::open(&p, false).unwrap()),
-        false,
-    );
-    assert!(
-        r.ok(),
-        "seed {seed}: dmkit check: {:?} {:?}",
-        r.errors,
-        r.leaks
-    );
+    let r = dmkit::thin::check::check(Box::new(dmkit::pdata::FileDev::open(&p, false).unwrap()), false);
+    assert!(r.ok(), "seed {seed}: dmkit check: {:?} {:?}", r.errors, r.leaks);
     assert_thin_check_clean(&p);
     assert_eq!(model_of_xml(&our_dump(&p, false)), model, "seed {seed}");
 }

@@ -150,9 +150,8 @@ fn dmkit_check_agrees_with_thin_check() {
     if thin_restore(&xml_path, &p).is_none() {
         return;
     }
-    let check = |p: &std::path::Path| {
-        dmkit::thin::cli::main(&["check".into(), "-q".into(), p.display().to_string()])
-    };
+    let check =
+        |p: &std::path::Path| dmkit::thin::cli::main(&["check".into(), "-q".into(), p.display().to_string()]);
     assert_eq!(check(&p), 0);
     // a leaked block: bump a free block's count through the API without a reference
     let mut md = open_file(&p);

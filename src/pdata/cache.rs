@@ -130,9 +130,7 @@ impl BlockCache {
             if s.dirty {
                 let b = s.block;
                 seal(b, s.kind, &mut s.data);
-                self.dev
-                    .write_block(b, &s.data)
-                    .map_err(|e| Self::io_err(b, e))?;
+                self.dev.write_block(b, &s.data).map_err(|e| Self::io_err(b, e))?;
                 s.dirty = false;
             }
             self.map.remove(&s.block);
@@ -222,17 +220,13 @@ impl BlockCache {
 
     /// Write every dirty block (in block order), without a flush.
     pub fn write_dirty(&mut self) -> Result<()> {
-        let mut dirty: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| self.slots[i].dirty)
-            .collect();
+        let mut dirty: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].dirty).collect();
         dirty.sort_by_key(|&i| self.slots[i].block);
         for i in dirty {
             let s = &mut self.slots[i];
             let b = s.block;
             seal(b, s.kind, &mut s.data);
-            self.dev
-                .write_block(b, &s.data)
-                .map_err(|e| Self::io_err(b, e))?;
+            self.dev.write_block(b, &s.data).map_err(|e| Self::io_err(b, e))?;
             s.dirty = false;
         }
         Ok(())

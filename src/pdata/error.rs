@@ -43,7 +43,9 @@ pub enum PdataError {
     },
     #[error("metadata block {block} is beyond the end of the device ({nr_blocks} blocks)")]
     OutOfRange { block: u64, nr_blocks: u64 },
-    #[error("metadata block {block} ({kind}): bad checksum (on disk {stored:#010x}, computed {computed:#010x})")]
+    #[error(
+        "metadata block {block} ({kind}): bad checksum (on disk {stored:#010x}, computed {computed:#010x})"
+    )]
     Checksum {
         block: u64,
         kind: BlockKind,
@@ -51,11 +53,7 @@ pub enum PdataError {
         computed: u32,
     },
     #[error("metadata block {block} ({kind}): block number field is {found}")]
-    BlockNr {
-        block: u64,
-        kind: BlockKind,
-        found: u64,
-    },
+    BlockNr { block: u64, kind: BlockKind, found: u64 },
     #[error("metadata block {block}: {what}")]
     Corrupt { block: u64, what: String },
     #[error("out of metadata space ({nr_blocks} blocks, none free)")]

@@ -112,9 +112,7 @@ impl Checker {
         for i in 0..n {
             let k = node::key(&d, i);
             if i > 0 && k <= node::key(&d, i - 1) {
-                self.err(format!(
-                    "metadata block {b}: keys out of order at entry {i}"
-                ));
+                self.err(format!("metadata block {b}: keys out of order at entry {i}"));
             }
             if k < lo || k >= hi {
                 self.err(format!(
@@ -133,9 +131,7 @@ impl Checker {
         }
         match leaf_depth {
             None => *leaf_depth = Some(depth),
-            Some(ld) if *ld != depth => {
-                self.err(format!("metadata block {b}: leaves at different depths"))
-            }
+            Some(ld) if *ld != depth => self.err(format!("metadata block {b}: leaves at different depths")),
             _ => {}
         }
         for i in 0..n {

@@ -91,8 +91,7 @@ fn cmd_dump(args: &[String]) -> i32 {
                 let mut w = std::io::BufWriter::new(f);
                 dump::dump(Box::new(dev), snap, &mut w).and_then(|_| {
                     use std::io::Write;
-                    w.flush()
-                        .map_err(|e| super::ThinError::Invalid(e.to_string()))
+                    w.flush().map_err(|e| super::ThinError::Invalid(e.to_string()))
                 })
             }
             Err(e) => {

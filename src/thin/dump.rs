@@ -35,9 +35,7 @@ pub fn pick_superblock(tm: &mut TransactionManager, metadata_snap: bool) -> Resu
     if sb.held_root == 0 {
         return Err(ThinError::NoSnapshotHeld);
     }
-    Ok(Superblock::decode(
-        tm.read(sb.held_root, BlockKind::Superblock)?,
-    ))
+    Ok(Superblock::decode(tm.read(sb.held_root, BlockKind::Superblock)?))
 }
 
 pub fn dump(dev: Box<dyn MetadataDev>, metadata_snap: bool, out: &mut dyn Write) -> Result<()> {
@@ -62,12 +60,11 @@ pub fn dump(dev: Box<dyn MetadataDev>, metadata_snap: bool, out: &mut dyn Write)
         data_block_size: sb.data_block_size,
         nr_data_blocks: sb.data_sm_root.nr_blocks,
     };
-    out.write_all(xml::superblock_open(&xsb).as_bytes())
-        .map_err(io)?;
+    out.write_all(xml::superblock_open(&xsb).as_bytes()).map_err(io)?;
     for (dev, root) in roots {
-        let d = details.get(&dev).ok_or_else(|| {
-            ThinError::BadSuperblock(format!("device {dev} has mappings but no details"))
-        })?;
+        let d = details
+            .get(&dev)
+            .ok_or_else(|| ThinError::BadSuperblock(format!("device {dev} has mappings but no details")))?;
         let xd = XmlDevice {
             dev_id: dev,
             mapped_blocks: d.mapped_blocks,

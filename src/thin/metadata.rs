@@ -52,9 +52,7 @@ pub struct ThinPoolMetadata {
 }
 
 fn check_data_block_size(s: u32) -> Result<()> {
-    if !(MIN_DATA_BLOCK_SIZE..=MAX_DATA_BLOCK_SIZE).contains(&s)
-        || !s.is_multiple_of(MIN_DATA_BLOCK_SIZE)
-    {
+    if !(MIN_DATA_BLOCK_SIZE..=MAX_DATA_BLOCK_SIZE).contains(&s) || !s.is_multiple_of(MIN_DATA_BLOCK_SIZE) {
         return Err(ThinError::Invalid(format!(
             "data block size {s} sectors: must be 128..2097152 and a multiple of 128"
         )));
@@ -190,8 +188,7 @@ impl ThinPoolMetadata {
         for dev in std::mem::take(&mut self.details_dirty) {
             if let Some(d) = self.details.get(&dev) {
                 let v = d.encode();
-                self.sb.details_root =
-                    btree::insert(&mut self.tm, self.sb.details_root, dev, &v, DETAILS)?.0;
+                self.sb.details_root = btree::insert(&mut self.tm, self.sb.details_root, dev, &v, DETAILS)?.0;
             }
         }
         let (meta_root, data_root) = disk::commit(&mut self.tm)?;
@@ -258,10 +255,7 @@ impl ThinPoolMetadata {
         if self.details.contains_key(&dev) {
             return Err(ThinError::DeviceExists(dev));
         }
-        let root = *self
-            .roots
-            .get(&origin)
-            .ok_or(ThinError::NoSuchDevice(origin))?;
+        let root = *self.roots.get(&origin).ok_or(ThinError::NoSuchDevice(origin))?;
         let mut od = *self.details_of(origin)?;
         self.tm.inc(root)?;
         self.set_top(dev, root)?;
@@ -397,13 +391,7 @@ impl ThinPoolMetadata {
         self.insert_with_time(dev, vblock, data_block, t)
     }
 
-    pub fn insert_with_time(
-        &mut self,
-        dev: u64,
-        vblock: u64,
-        data_block: u64,
-        time: u32,
-    ) -> Result<()> {
+    pub fn insert_with_time(&mut self, dev: u64, vblock: u64, data_block: u64, time: u32) -> Result<()> {
         self.check_data_block(data_block)?;
         let root = self.touch(dev)?;
         let v = pack_block_time(data_block, time).to_le_bytes();
@@ -425,13 +413,7 @@ impl ThinPoolMetadata {
 
     /// Map an already-used data block into another place (restore, clone):
     /// takes a new reference on it.
-    pub fn insert_shared(
-        &mut self,
-        dev: u64,
-        vblock: u64,
-        data_block: u64,
-        time: u32,
-    ) -> Result<()> {
+    pub fn insert_shared(&mut self, dev: u64, vblock: u64, data_block: u64, time: u32) -> Result<()> {
         self.check_data_block(data_block)?;
         self.tm.data.inc(data_block)?;
         self.insert_with_time(dev, vblock, data_block, time)

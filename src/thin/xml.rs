@@ -106,12 +106,12 @@ struct Tag<'a> {
 
 impl Tag<'_> {
     fn num<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
-        let v = self.attrs.get(key).ok_or_else(|| {
-            ThinError::Invalid(format!("line {}: <{}> lacks {key}", self.line, self.name))
-        })?;
-        v.parse().map_err(|_| {
-            ThinError::Invalid(format!("line {}: {key}=\"{v}\" is not a number", self.line))
-        })
+        let v = self
+            .attrs
+            .get(key)
+            .ok_or_else(|| ThinError::Invalid(format!("line {}: <{}> lacks {key}", self.line, self.name)))?;
+        v.parse()
+            .map_err(|_| ThinError::Invalid(format!("line {}: {key}=\"{v}\" is not a number", self.line)))
     }
     fn num_or<T: std::str::FromStr>(&self, key: &str, default: T) -> Result<T> {
         if self.attrs.contains_key(key) {
@@ -129,9 +129,7 @@ fn tags(text: &str) -> impl Iterator<Item = Result<Tag<'_>>> {
         let start = rest.find('<')?;
         line += rest[..start].matches('\n').count();
         let Some(len) = rest[start..].find('>') else {
-            return Some(Err(ThinError::Invalid(format!(
-                "line {line}: unterminated tag"
-            ))));
+            return Some(Err(ThinError::Invalid(format!("line {line}: unterminated tag"))));
         };
         let body = &rest[start + 1..start + len];
         rest = &rest[start + len + 1..];

@@ -41,11 +41,7 @@ const MAX_DEPTH: usize = 32;
 /// An empty tree: a single leaf.
 pub fn create(tm: &mut TransactionManager, vk: ValueKind) -> Result<u64> {
     let b = tm.new_block(BlockKind::BtreeNode)?;
-    node::init(
-        tm.write(b, BlockKind::BtreeNode)?,
-        node::LEAF,
-        vk.value_size(),
-    );
+    node::init(tm.write(b, BlockKind::BtreeNode)?, node::LEAF, vk.value_size());
     Ok(b)
 }
 
@@ -231,11 +227,7 @@ fn walk_rec(
     let kids: Vec<u64> = (0..n)
         .filter(|&i| {
             let start = if i == 0 { 0 } else { node::key(d, i) };
-            let end = if i + 1 < n {
-                node::key(d, i + 1)
-            } else {
-                u64::MAX
-            };
+            let end = if i + 1 < n { node::key(d, i + 1) } else { u64::MAX };
             start < hi && end > lo
         })
         .map(|i| node::value_u64(d, i))

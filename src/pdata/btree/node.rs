@@ -64,10 +64,7 @@ pub fn check_header(block: u64, d: &Block, leaf_vs: usize) -> Result<()> {
     if m != max_entries(vs) {
         return Err(corrupt(
             block,
-            format!(
-                "btree node has max_entries {m}, expected {}",
-                max_entries(vs)
-            ),
+            format!("btree node has max_entries {m}, expected {}", max_entries(vs)),
         ));
     }
     let n = nr_entries(d);

@@ -65,13 +65,7 @@ fn copy_of(tm: &mut TransactionManager, b: u64) -> Result<Box<Block>> {
 
 /// Merge child `i` with a sibling, or even out their entries. Returns the
 /// slot in `parent` that now covers `key`.
-fn rebalance(
-    tm: &mut TransactionManager,
-    parent: u64,
-    i: usize,
-    key: u64,
-    vk: ValueKind,
-) -> Result<usize> {
+fn rebalance(tm: &mut TransactionManager, parent: u64, i: usize, key: u64, vk: ValueKind) -> Result<usize> {
     let n = node::nr_entries(tm.read(parent, NODE)?);
     let (li, ri) = if i + 1 < n { (i, i + 1) } else { (i - 1, i) };
     let mut kids = [0u64; 2];

@@ -226,9 +226,7 @@ pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
         }
     }
 
-    let dirty: Vec<u64> = std::mem::take(&mut tm.data.dirty_bitmaps)
-        .into_iter()
-        .collect();
+    let dirty: Vec<u64> = std::mem::take(&mut tm.data.dirty_bitmaps).into_iter().collect();
     for idx in dirty {
         let old = tm.data.bitmap_locs[idx as usize];
         let loc = tm.relocate(old, BlockKind::Bitmap)?;
@@ -260,9 +258,7 @@ pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
             tm.meta.bitmap_locs[idx as usize] = tm.relocate(old, BlockKind::Bitmap)?;
         }
     }
-    let dirty: Vec<u64> = std::mem::take(&mut tm.meta.dirty_bitmaps)
-        .into_iter()
-        .collect();
+    let dirty: Vec<u64> = std::mem::take(&mut tm.meta.dirty_bitmaps).into_iter().collect();
     for idx in dirty {
         let loc = tm.meta.bitmap_locs[idx as usize];
         let mut buf: Box<Block> = Box::new([0u8; 4096]);

@@ -193,8 +193,7 @@ impl SpaceMap {
         let old_bitmaps = self.nr_bitmaps();
         self.nr_blocks = nr_blocks;
         self.counts.resize(nr_blocks as usize, 0);
-        self.committed_used
-            .resize((nr_blocks as usize).div_ceil(64), 0);
+        self.committed_used.resize((nr_blocks as usize).div_ceil(64), 0);
         let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
         self.bitmap_locs.resize(nr_bitmaps as usize, 0);
         self.bitmap_info.resize(nr_bitmaps as usize, (0, 0));
