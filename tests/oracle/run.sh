@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Kernel oracle: boot a stock Debian kernel under qemu (TCG) with the real
+# device-mapper modules, run a caller's test script inside, print the serial
+# console. See shared/specs/kernel-oracle.md.
+#
+# Debian packages this script needs (it installs the missing ones itself):
+#   qemu-system-x86 busybox-static cpio dmsetup
+# plus qemu-utils, reinstalled alongside: qemu-system-x86 from bookworm conflicts
+# with a newer (backports) qemu-utils and apt removes it, taking qemu-img away.
+# The kernel package is fetched with `apt-get download`, never installed:
+#   linux-image-6.1.0-<N>-amd64 (the one `apt-cache depends linux-image-amd64` names)
+#
+# Usage: run.sh TEST_SCRIPT [DISK_IMAGE...]
+#        run.sh --prepare          (install + download only)
+#   TEST_SCRIPT is a busybox sh script run inside the guest after the modules
+#   are loaded; disks appear as /dev/vda, /dev/vdb, ... in the order given.
+#   The guest prints "ORACLE-EXIT <rc>" after the script, then powers off.
+# Environment:
+#   DMKIT_ORACLE_CACHE   kernel cache dir (default /var/tmp/dmkit-oracle)
+#   DMKIT_ORACLE_TIMEOUT seconds before qemu is killed (default 300)
+# Exit status: qemu's (0 normally), 124 on timeout, 77 when a prerequisite
+# (package, kernel download) could not be had.
+set -euo pipefail
+
+CACHE=${DMKIT_ORACLE_CACHE:-/var/tmp/dmkit-oracle}
+TIMEOUT=${DMKIT_ORACLE_TIMEOUT:-300}
+UNAVAILABLE=77
+
+die_unavailable() {
+  echo "oracle: unavailable: $*" >&2
+  exit $UNAVAILABLE
+}
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo=sudo
+
+apt_updated=0
+apt_update() {
+  if [ $apt_updated -eq 0 ]; then
+    nice -n 19 $sudo apt-get update -qq >&2 || true
+    apt_updated=1
+  fi
+}
+
+# tool -> package
+need=(qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup)
+missing=()
+for pair in "${need[@]}"; do
+  tool=${pair%%:*} pkg=${pair#*:}
+  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || missing+=("$pkg")
+done
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" || missing+=(busybox-static)
+if ((${#missing[@]})); then
+  if [[ " ${missing[*]} " == *" qemu-system-x86 "* ]] && command -v qemu-img >/dev/null 2>&1; then
+    missing+=(qemu-utils)
+  fi
+  echo "oracle: installing ${missing[*]}" >&2
+  apt_update
+  DEBIAN_FRONTEND=noninteractive nice -n 19 $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >&2 || die_unavailable "apt-get install ${missing[*]} failed"
+fi
+BUSYBOX=/bin/busybox
+DMSETUP=$(command -v dmsetup || echo /usr/sbin/dmsetup)
+QEMU=$(command -v qemu-system-x86_64) || die_unavailable "qemu-system-x86_64 missing"
+
+# --- kernel (cached, serialised between concurrent runs) --------------------
+mkdir -p "$CACHE" || die_unavailable "cannot create $CACHE"
+exec 9>"$CACHE/.lock"
+flock 9
+kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+if [ -z "$kpkg" ]; then
+  apt_update
+  kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+fi
+[ -n "$kpkg" ] || die_unavailable "apt-cache depends linux-image-amd64 names no kernel"
+KDIR=$CACHE/$kpkg
+if [ ! -f "$KDIR/.done" ]; then
+  echo "oracle: downloading $kpkg" >&2
+  rm -rf "$KDIR" "$CACHE/dl"
+  mkdir -p "$CACHE/dl"
+  if ! (cd "$CACHE/dl" && nice -n 19 apt-get download -qq "$kpkg" >&2); then
+    apt_update
+    (cd "$CACHE/dl" && nice -n 19 apt-get download -qq "$kpkg" >&2) || die_unavailable "apt-get download $kpkg failed"
+  fi
+  nice -n 19 dpkg -x "$CACHE"/dl/"$kpkg"_*.deb "$KDIR.tmp" || die_unavailable "dpkg -x failed"
+  rm -rf "$CACHE/dl"
+  mv "$KDIR.tmp" "$KDIR"
+  touch "$KDIR/.done"
+fi
+flock -u 9
+VMLINUZ=$(ls "$KDIR"/boot/vmlinuz-* | head -1)
+KVER=${VMLINUZ##*/vmlinuz-}
+MODDIR=$KDIR/lib/modules/$KVER/kernel
+
+if [ "${1:-}" = "--prepare" ]; then
+  echo "oracle: ready: $VMLINUZ"
+  exit 0
+fi
+[ $# -ge 1 ] || { echo "usage: $0 TEST_SCRIPT [DISK_IMAGE...]" >&2; exit 2; }
+SCRIPT=$1
+shift
+
+# --- initramfs ----------------------------------------------------------------
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/dmkit-oracle.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+ROOT=$WORK/root
+mkdir -p "$ROOT"/{bin,sbin,proc,sys,dev,tmp,mod}
+cp "$BUSYBOX" "$ROOT/bin/busybox"
+cp -L "$DMSETUP" "$ROOT/sbin/dmsetup"
+for lib in $(ldd "$DMSETUP" | grep -o '/[^ ]*'); do
+  mkdir -p "$ROOT$(dirname "$lib")"
+  cp -L "$lib" "$ROOT$lib"
+done
+MODULES="
+drivers/virtio/virtio_ring.ko
+drivers/virtio/virtio.ko
+drivers/virtio/virtio_pci_modern_dev.ko
+drivers/virtio/virtio_pci_legacy_dev.ko
+drivers/virtio/virtio_pci.ko
+drivers/block/virtio_blk.ko
+crypto/crc32c_generic.ko
+lib/libcrc32c.ko
+drivers/md/dm-mod.ko
+drivers/md/dm-bufio.ko
+drivers/md/dm-bio-prison.ko
+drivers/md/persistent-data/dm-persistent-data.ko
+drivers/md/dm-thin-pool.ko
+drivers/md/dm-writecache.ko
+drivers/md/dm-snapshot.ko
+"
+list=""
+for m in $MODULES; do
+  src=$MODDIR/$m
+  if [ ! -f "$src" ]; then
+    for ext in .xz .zst .gz; do [ -f "$src$ext" ] && { echo "oracle: compressed module $src$ext not supported" >&2; exit 1; }; done
+    continue # built in
+  fi
+  cp "$src" "$ROOT/mod/"
+  list="$list ${m##*/}"
+done
+cp "$SCRIPT" "$ROOT/oracle-test.sh"
+cat >"$ROOT/init" <<EOF
+#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/sbin:/bin DM_DISABLE_UDEV=1
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in $list; do
+  insmod /mod/\$m || echo "ORACLE-INSMOD-FAILED \$m"
+done
+i=0
+while [ ! -b /dev/vda ] && [ \$i -lt 50 ]; do sleep 0.1; i=\$((i+1)); done
+echo ORACLE-BEGIN
+sh /oracle-test.sh
+echo "ORACLE-EXIT \$?"
+sync
+poweroff -f
+EOF
+chmod +x "$ROOT/init"
+(cd "$ROOT" && find . | cpio -o -H newc --quiet | gzip -1) >"$WORK/initrd.gz"
+
+drives=()
+for d in "$@"; do
+  drives+=(-drive "file=$d,format=raw,if=virtio,cache=unsafe")
+done
+set +e
+nice -n 19 timeout "$TIMEOUT" "$QEMU" -accel tcg -cpu max -m 512 -smp 1 \
+  -nodefaults -display none -no-reboot -monitor none \
+  -serial "file:$WORK/serial.log" \
+  -kernel "$VMLINUZ" -initrd "$WORK/initrd.gz" \
+  -append "console=ttyS0 quiet panic=-1 loglevel=4" \
+  "${drives[@]}" </dev/null
+rc=$?
+set -e
+tr -d '\r' <"$WORK/serial.log"
+exit $rc
