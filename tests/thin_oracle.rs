@@ -68,7 +68,8 @@ fn markers(serial: &str) -> BTreeMap<String, String> {
 }
 
 fn marker<'a>(m: &'a BTreeMap<String, String>, k: &str) -> &'a str {
-    m.get(k).unwrap_or_else(|| panic!("guest printed no {k} marker: {m:?}"))
+    m.get(k)
+        .unwrap_or_else(|| panic!("guest printed no {k} marker: {m:?}"))
 }
 
 fn md5(bytes: &[u8]) -> String {
@@ -82,7 +83,12 @@ fn md5(bytes: &[u8]) -> String {
     let w = std::thread::spawn(move || stdin.write_all(&data).expect("feed md5sum"));
     let out = c.wait_with_output().expect("md5sum");
     w.join().unwrap();
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
 }
 
 fn file_of(s: &Scratch, name: &str, bytes: u64) -> PathBuf {
@@ -107,7 +113,9 @@ fn write_data_block(data: &Path, b: u64, buf: &[u8]) {
 
 fn pattern(seed: u64) -> Vec<u8> {
     let mut r = Rng::new(seed);
-    (0..BLOCK_BYTES / 8).flat_map(|_| r.next().to_le_bytes()).collect()
+    (0..BLOCK_BYTES / 8)
+        .flat_map(|_| r.next().to_le_bytes())
+        .collect()
 }
 
 /// A thin device's contents as dmkit's mappings say: each mapped virtual block
@@ -156,7 +164,10 @@ fn pool_counters(md: &dmkit::thin::ThinPoolMetadata) -> String {
     let used_meta = total - md.nr_free_metadata_blocks().saturating_sub(reserve);
     let data_total = md.nr_data_blocks();
     let used_data = data_total - md.nr_free_data_blocks();
-    format!("{} {used_meta}/{total} {used_data}/{data_total}", md.transaction_id())
+    format!(
+        "{} {used_meta}/{total} {used_data}/{data_total}",
+        md.transaction_id()
+    )
 }
 
 /// The same counters cut from a kernel pool status line.
@@ -186,7 +197,11 @@ fn assert_tools_agree(meta: &Path) {
         .expect("dmkit thin dump");
     assert!(ours.status.success(), "dmkit thin dump failed");
     if let Some(theirs) = thin_dump(meta, false) {
-        assert_eq!(String::from_utf8(ours.stdout).unwrap(), theirs, "dmkit thin dump != thin_dump");
+        assert_eq!(
+            String::from_utf8(ours.stdout).unwrap(),
+            theirs,
+            "dmkit thin dump != thin_dump"
+        );
     }
 }
 
@@ -324,7 +339,11 @@ echo "ORACLE removed yes"
     };
     let m = markers(&serial);
     assert_eq!(marker(&m, "removed"), "yes");
-    assert_eq!(marker(&m, "md5-1"), marker(&m, "before-0"), "snapshot differs from the origin it was taken of");
+    assert_eq!(
+        marker(&m, "md5-1"),
+        marker(&m, "before-0"),
+        "snapshot differs from the origin it was taken of"
+    );
 
     assert_tools_agree(&meta);
     let mut md = open_file(&meta);
@@ -333,8 +352,16 @@ echo "ORACLE removed yes"
     assert_eq!(md.nr_data_blocks(), DATA_BLOCKS);
     assert_eq!(md.mapped_blocks(0).unwrap(), 23);
     assert_eq!(md.mapped_blocks(1).unwrap(), 22);
-    assert_eq!(md5(&contents(&mut md, &data, 0)), marker(&m, "md5-0"), "dmkit reads thin 0 differently");
-    assert_eq!(md5(&contents(&mut md, &data, 1)), marker(&m, "md5-1"), "dmkit reads thin 1 differently");
+    assert_eq!(
+        md5(&contents(&mut md, &data, 0)),
+        marker(&m, "md5-0"),
+        "dmkit reads thin 0 differently"
+    );
+    assert_eq!(
+        md5(&contents(&mut md, &data, 1)),
+        marker(&m, "md5-1"),
+        "dmkit reads thin 1 differently"
+    );
     assert_eq!(thin_status(&mut md, 0), marker(&m, "status-0"));
     assert_eq!(thin_status(&mut md, 1), marker(&m, "status-1"));
     assert_eq!(pool_counters(&md), kernel_pool_counters(marker(&m, "pool")));
