@@ -65,15 +65,21 @@ class Server:
         Server.n = getattr(Server, "n", 0) + 1
         self.sock = os.path.join(tmp, f"{kind}-{Server.n}.sock")
         sectors = SIZE // 512
-        if kind == "dmkit":
+        if kind in ("dmkit", "dmkit-buffered"):
             run = self.run = os.path.join(tmp, f"run-{Server.n}")
-            self.p = subprocess.Popen([DMKIT, "serve", "--run-dir", run], stderr=subprocess.DEVNULL)
+            opts = ["--buffered"] if kind == "dmkit-buffered" else []
+            self.p = subprocess.Popen([DMKIT, "serve", "--run-dir", run] + opts, stderr=subprocess.DEVNULL)
             wait_for(os.path.join(run, "control.sock"))
             t = table or f"0 {sectors} linear {backing} 0"
             subprocess.run([DMKIT, "--run-dir", run, "create", "bench"], input=t, text=True, check=True)
             self.uri = f"nbd+unix:///bench?socket={run}/nbd.sock"
         elif kind == "nbdkit":
             self.p = subprocess.Popen(["nbdkit", "-f", "-U", self.sock, "--threads=16", "file", backing],
+                                      stderr=subprocess.DEVNULL)
+            wait_for(self.sock)
+            self.uri = f"nbd+unix:///?socket={self.sock}"
+        elif kind == "nbdkit-null":
+            self.p = subprocess.Popen(["nbdkit", "-f", "-U", self.sock, "--threads=16", "null", f"size={SIZE}"],
                                       stderr=subprocess.DEVNULL)
             wait_for(self.sock)
             self.uri = f"nbd+unix:///?socket={self.sock}"
@@ -96,7 +102,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
-        if self.kind == "dmkit":
+        if self.kind.startswith("dmkit"):
             subprocess.run(["rm", "-rf", self.run])
         return hwm
 
@@ -119,13 +125,23 @@ def measure(kind, backing, tmp, wl_args, runtime, extra_fio=(), table=None):
         measure.last_hwm = hwm / 1024
 
 
-def median_runs(kind, backing, tmp, wl_args, runtime, reps, **kw):
-    rows = []
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def interleaved(cells, reps, runtime, tmp):
+    """cells: {key: (kind, backing, fio args, table)}. Runs rep 1 of every cell, then
+    rep 2, ... so that noise on the shared machine falls on all of them alike; returns
+    {key: (median IOPS, median MiB/s, median CPU µs/IO, median peak RSS MiB)}."""
+    runs = {k: [] for k in cells}
     for _ in range(reps):
-        r = measure(kind, backing, tmp, wl_args, runtime, **kw)
-        rows.append((r[0], r[1], r[2], getattr(measure, "last_hwm", None) if kind != "fio-io_uring" else None))
-    med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None
-    return tuple(med([r[i] for r in rows]) for i in range(4))
+        for k, (kind, backing, args, table) in cells.items():
+            r = measure(kind, backing, tmp, args, runtime, table=table)
+            hwm = getattr(measure, "last_hwm", None) if kind not in ("fio-io_uring",) else None
+            runs[k].append((r[0], r[1], r[2], hwm))
+            print(f"  {k}: {fmt(r[0])} IOPS", file=sys.stderr)
+    return {k: tuple(med([r[i] for r in v]) for i in range(4)) for k, v in runs.items()}
 
 
 def fmt(v, nd=0):
@@ -136,25 +152,30 @@ def throughput(backing_dir, reps, runtime, out):
     backing = os.path.join(backing_dir, "dmkit-bench.img")
     subprocess.run(["fio", "--name=fill", "--ioengine=io_uring", "--direct=1", "--rw=write", "--bs=1M",
                     f"--size={SIZE}", f"--filename={backing}"], capture_output=True, check=True)
-    kinds = ["dmkit", "nbdkit", "qemu-nbd", "fio-io_uring"]
-    res = {}
+    kinds = ["dmkit", "dmkit-buffered", "nbdkit", "qemu-nbd", "fio-io_uring", "nbdkit-null"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, args in WORKLOADS:
-            for k in kinds:
-                res[(name, k)] = median_runs(k, backing, tmp, args, runtime, reps)
-                print(f"  {backing_dir} {name} {k}: {fmt(res[(name, k)][0])} IOPS", file=sys.stderr)
+        cells = {(name, k): (k, backing, args, None) for name, args in WORKLOADS for k in kinds}
+        res = interleaved(cells, reps, runtime, tmp)
     os.unlink(backing)
+    r = lambda a, b: "—" if not a or not b else f"{a / b:.2f}"
     out.append(f"\n### Backing file on `{backing_dir}`\n")
-    out.append("| workload | dmkit IOPS | nbdkit IOPS | qemu-nbd IOPS | fio io_uring IOPS | dmkit/nbdkit | "
-               "dmkit/qemu-nbd | dmkit/fio | dmkit CPU µs/IO | nbdkit CPU µs/IO | qemu-nbd CPU µs/IO | "
-               "dmkit peak RSS MiB | nbdkit RSS | qemu-nbd RSS |")
-    out.append("|" + "---|" * 14)
+    out.append("IOPS (median), and each server's CPU time per I/O in µs (user+system, all its threads).\n")
+    out.append("| workload | dmkit O_DIRECT | qemu-nbd O_DIRECT | fio io_uring O_DIRECT | dmkit buffered | "
+               "nbdkit (page cache) | nbdkit null (no I/O: the client's bound) | dmkit/qemu-nbd | dmkit/fio | "
+               "dmkit buffered/nbdkit | dmkit/null |")
+    out.append("|" + "---|" * 11)
     for name, _ in WORKLOADS:
-        d, n, q, f = (res[(name, k)] for k in kinds)
-        r = lambda a, b: "—" if not a or not b else f"{a / b:.2f}"
-        out.append(f"| {name} | {fmt(d[0])} | {fmt(n[0])} | {fmt(q[0])} | {fmt(f[0])} | **{r(d[0], n[0])}** | "
-                   f"**{r(d[0], q[0])}** | **{r(d[0], f[0])}** | {fmt(d[2], 2)} | {fmt(n[2], 2)} | {fmt(q[2], 2)} | "
-                   f"{fmt(d[3], 1)} | {fmt(n[3], 1)} | {fmt(q[3], 1)} |")
+        d, db, n, q, f, z = (res[(name, k)] for k in kinds)
+        out.append(f"| {name} | {fmt(d[0])} | {fmt(q[0])} | {fmt(f[0])} | {fmt(db[0])} | {fmt(n[0])} | {fmt(z[0])} | "
+                   f"**{r(d[0], q[0])}** | **{r(d[0], f[0])}** | **{r(db[0], n[0])}** | **{r(max(d[0], db[0]), z[0])}** |")
+    out.append("\n| workload | dmkit µs/IO | dmkit buffered µs/IO | qemu-nbd µs/IO | nbdkit µs/IO | "
+               "nbdkit/dmkit buffered CPU | qemu-nbd/dmkit CPU | dmkit peak RSS MiB | nbdkit | qemu-nbd |")
+    out.append("|" + "---|" * 10)
+    for name, _ in WORKLOADS:
+        d, db, n, q, f, z = (res[(name, k)] for k in kinds)
+        out.append(f"| {name} | {fmt(d[2], 2)} | {fmt(db[2], 2)} | {fmt(q[2], 2)} | {fmt(n[2], 2)} | "
+                   f"**{r(n[2], db[2])}** | **{r(q[2], d[2])}** | {fmt(max(d[3] or 0, db[3] or 0), 1)} | "
+                   f"{fmt(n[3], 1)} | {fmt(q[3], 1)} |")
 
 
 def flush_seed(backing_dir, reps, runtime, out):
@@ -162,20 +183,20 @@ def flush_seed(backing_dir, reps, runtime, out):
     fdatasync after every write, several jobs."""
     backing = os.path.join(backing_dir, "dmkit-flush.img")
     with open(backing, "wb") as f:
-        f.truncate(1024 * 16384 * 512)
-    seg = "".join(f"{8000 * i} 8000 linear {backing} {16384 * i}\n" for i in range(1024))
+        f.truncate(1024 * 8000 * 512)
+    # Segments contiguous in the file, so both tables put data at the same file offsets
+    # and only the number of targets differs.
+    seg = "".join(f"{8000 * i} 8000 linear {backing} {8000 * i}\n" for i in range(1024))
     one = f"0 {8000 * 1024} linear {backing} 0\n"
     args = ["--rw=randwrite", "--bs=4k", "--iodepth=1", "--numjobs=4", "--fsync=1"]
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, table in (("1 segment", one), ("1024 segments", seg)):
-            global SIZE
-            saved, SIZE = SIZE, 8000 * 1024 * 512
-            try:
-                res[label] = median_runs("dmkit", backing, tmp, args, runtime, reps, table=table)
-            finally:
-                SIZE = saved
-            print(f"  flush seed {label}: {fmt(res[label][0])} IOPS", file=sys.stderr)
+    global SIZE
+    saved, SIZE = SIZE, 8000 * 1024 * 512
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            cells = {label: ("dmkit", backing, args, table) for label, table in (("1 segment", one), ("1024 segments", seg))}
+            res = interleaved(cells, reps, runtime, tmp)
+    finally:
+        SIZE = saved
     os.unlink(backing)
     a, b = res["1 segment"], res["1024 segments"]
     out.append(f"\n### One flush per underlying device (seed 002), backing on `{backing_dir}`\n")
@@ -188,6 +209,11 @@ def flush_seed(backing_dir, reps, runtime, out):
 
 
 def main():
+    global DMKIT
+    # Run a private copy of the binary, so a rebuild during the run cannot mix binaries.
+    snap = os.path.join(tempfile.mkdtemp(prefix="dmkit-bench-"), "dmkit")
+    subprocess.run(["cp", DMKIT, snap], check=True)
+    DMKIT = snap
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=5)

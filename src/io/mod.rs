@@ -70,7 +70,20 @@ pub enum LeafKind {
     Fail(i32),
     /// Complete this piece successfully without doing anything.
     Drop,
+    /// Not mappable now (a block is being provisioned, a commit is awaited...): map
+    /// this piece again later. The piece is `len` sectors at sector `offset` of the
+    /// device held at `origin.0`, with operation `op`.
+    Deferred {
+        op: Op,
+        punch: bool,
+    },
 }
+
+/// Run when a leaf's I/O has finished (`true` on success), before the request
+/// completes: how a target finishes work that must follow the data, as the
+/// kernel's end_io does (e.g. dm-thin inserts a new mapping only once the data
+/// block is written).
+pub type AfterIo = std::sync::Arc<dyn Fn(bool) + Send + Sync>;
 
 /// An action applied to a piece after (reads) or before (writes) its I/O: flakey's
 /// corruption features.
@@ -83,7 +96,7 @@ pub enum Corrupt {
 }
 
 /// One unit of work on a backing file (or a completion without one).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Leaf {
     pub kind: LeafKind,
     /// The file, or None for ZeroFill/Fail/Drop. A plain handle: the table that owns
@@ -109,6 +122,8 @@ pub struct Leaf {
     pub done: u64,
     /// (hold index, target index, target tag) of the target that issued it.
     pub origin: (u16, u32, u16),
+    /// Run once this leaf's I/O has finished.
+    pub after: Option<AfterIo>,
 }
 
 impl Leaf {
@@ -126,6 +141,7 @@ impl Leaf {
             corrupt: Corrupt::None,
             done: 0,
             origin: (0, 0, 0),
+            after: None,
         }
     }
 }

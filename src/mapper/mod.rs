@@ -101,8 +101,11 @@ pub struct Device {
     pub live: ArcSwapOption<Table>,
     pub inactive: Mutex<Option<Arc<Table>>>,
     pub suspended: AtomicBool,
-    /// Requests being mapped or in flight through this device.
-    pub inflight: AtomicU64,
+    /// Requests being mapped or in flight through this device, counted in the
+    /// epoch they entered (see `drain_epoch`).
+    inflight: [AtomicU64; 2],
+    epoch: std::sync::atomic::AtomicUsize,
+    drain_lock: Mutex<()>,
     pub event_nr: AtomicU32,
     /// NBD connections attached.
     pub open_count: AtomicU32,
@@ -124,7 +127,9 @@ impl Device {
             live: ArcSwapOption::empty(),
             inactive: Mutex::new(None),
             suspended: AtomicBool::new(false),
-            inflight: AtomicU64::new(0),
+            inflight: [AtomicU64::new(0), AtomicU64::new(0)],
+            epoch: std::sync::atomic::AtomicUsize::new(0),
+            drain_lock: Mutex::new(()),
             event_nr: AtomicU32::new(0),
             open_count: AtomicU32::new(0),
             holders: AtomicU32::new(0),
@@ -154,15 +159,21 @@ impl Device {
                 e.target.presuspend();
             }
         }
-        let mut spins = 0u32;
-        while self.inflight.load(Ordering::SeqCst) != 0 {
-            spins += 1;
-            if spins < 100 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
+        wait_until(|| self.in_flight() == 0);
+    }
+
+    /// Requests mapped or in flight through this device now.
+    pub fn in_flight(&self) -> u64 {
+        self.inflight[0].load(Ordering::SeqCst) + self.inflight[1].load(Ordering::SeqCst)
+    }
+
+    /// Wait until every request that entered this device before the call has left,
+    /// without holding up new ones (they count in the next epoch). Blocks: never call
+    /// it from a thread whose own requests could be among those waited for.
+    pub fn drain_epoch(&self) {
+        let _l = self.drain_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
+        wait_until(|| self.inflight[old].load(Ordering::SeqCst) == 0);
     }
 
     /// Make everything written through the live table durable (synchronously, on
@@ -174,6 +185,18 @@ impl Device {
             f.sync()?;
         }
         Ok(())
+    }
+}
+
+fn wait_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins < 100 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 }
 
@@ -200,25 +223,47 @@ pub(crate) fn collect_files(dev: &Device, out: &mut Vec<Arc<crate::io::BackingFi
 /// only bounds the stack).
 const MAX_DEPTH: u32 = 16;
 
+/// A request's claim on a device it passes through: the device cannot finish
+/// suspending (or draining an epoch) while the request holds it.
+pub struct Hold {
+    pub dev: Arc<Device>,
+    epoch: usize,
+}
+
 /// Enter `dev` for a request: count it in flight unless it is suspended.
 #[inline]
 fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
-    if let Some(i) = ctx.holds.iter().position(|d| Arc::ptr_eq(d, dev)) {
+    if let Some(i) = ctx.holds.iter().position(|h| Arc::ptr_eq(&h.dev, dev)) {
         return Ok(i as u16);
     }
-    dev.inflight.fetch_add(1, Ordering::SeqCst);
+    let mut e = dev.epoch.load(Ordering::SeqCst) & 1;
+    dev.inflight[e].fetch_add(1, Ordering::SeqCst);
+    // An epoch flip between the load and the increment: count in the new epoch, so
+    // that a drain of the old one cannot miss this request.
+    loop {
+        let now = dev.epoch.load(Ordering::SeqCst) & 1;
+        if now == e {
+            break;
+        }
+        dev.inflight[now].fetch_add(1, Ordering::SeqCst);
+        dev.inflight[e].fetch_sub(1, Ordering::SeqCst);
+        e = now;
+    }
     if dev.suspended.load(Ordering::SeqCst) {
-        dev.inflight.fetch_sub(1, Ordering::SeqCst);
+        dev.inflight[e].fetch_sub(1, Ordering::SeqCst);
         return Err(MapErr::Suspended);
     }
-    ctx.holds.push(dev.clone());
+    ctx.holds.push(Hold {
+        dev: dev.clone(),
+        epoch: e,
+    });
     Ok((ctx.holds.len() - 1) as u16)
 }
 
 /// Release every device a request entered (at completion, or before retrying it).
-pub fn release(holds: &mut Vec<Arc<Device>>) {
-    for d in holds.drain(..) {
-        d.inflight.fetch_sub(1, Ordering::SeqCst);
+pub fn release(holds: &mut Vec<Hold>) {
+    for h in holds.drain(..) {
+        h.dev.inflight[h.epoch].fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -256,6 +301,7 @@ fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(),
         } else {
             for (i, e) in table.entries.iter().enumerate() {
                 ctx.origin = (hold, i as u32);
+                ctx.target_start = e.start;
                 e.target.map(bio, ctx)?;
             }
         }
@@ -272,6 +318,7 @@ fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(),
         let sector = bio.sector + done;
         let n = (e.start + e.len - sector).min(bio.nr_sectors - done);
         ctx.origin = (hold, i as u32);
+        ctx.target_start = e.start;
         e.target.map(bio.sub(done, n, sector - e.start), ctx)?;
         done += n;
         i += 1;
@@ -280,8 +327,8 @@ fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(),
 }
 
 /// Tell the target that issued a leaf that its I/O failed.
-pub fn report_io_error(holds: &[Arc<Device>], origin: (u16, u32, u16)) {
-    let Some(dev) = holds.get(origin.0 as usize) else {
+pub fn report_io_error(holds: &[Hold], origin: (u16, u32, u16)) {
+    let Some(dev) = holds.get(origin.0 as usize).map(|h| &h.dev) else {
         return;
     };
     let guard = dev.live.load();

@@ -264,15 +264,20 @@ impl Registry {
 
     // ---- dmsetup output ----
 
-    /// `dmsetup table|status [NAME]`: `<start> <len> <type> <params>` per target.
-    pub fn table_lines(&self, name: Option<&str>, status: bool) -> Result<String, ControlError> {
+    /// The named device, or every device; None when there are none.
+    fn selected(&self, name: Option<&str>) -> Result<Option<Vec<Arc<Device>>>, ControlError> {
         let devs = match name {
             Some(n) => vec![self.get(n)?],
             None => self.list(),
         };
-        if devs.is_empty() {
+        Ok((!devs.is_empty()).then_some(devs))
+    }
+
+    /// `dmsetup table|status [NAME]`: `<start> <len> <type> <params>` per target.
+    pub fn table_lines(&self, name: Option<&str>, status: bool) -> Result<String, ControlError> {
+        let Some(devs) = self.selected(name)? else {
             return Ok("No devices found\n".into());
-        }
+        };
         let mut out = String::new();
         for d in devs {
             let prefix = if name.is_none() {
@@ -306,13 +311,9 @@ impl Registry {
 
     /// `dmsetup info [NAME]` in the long form.
     pub fn info(&self, name: Option<&str>) -> Result<String, ControlError> {
-        let devs = match name {
-            Some(n) => vec![self.get(n)?],
-            None => self.list(),
-        };
-        if devs.is_empty() {
+        let Some(devs) = self.selected(name)? else {
             return Ok("No devices found\n".into());
-        }
+        };
         let mut out = String::new();
         for d in devs {
             let live = d.live.load().is_some();

@@ -8,7 +8,7 @@ pub mod striped;
 pub mod zero;
 
 use crate::io::{BackingFile, Corrupt, Leaf, LeafKind, Op, SECTOR};
-use crate::mapper::Device;
+use crate::mapper::{Device, Hold};
 use std::sync::Arc;
 
 /// A piece of a request handed to a target: sectors relative to the target's start.
@@ -108,20 +108,23 @@ impl DevRef {
 /// The state of one mapping: the leaves produced so far and the devices entered.
 pub struct MapCtx<'a> {
     pub leaves: &'a mut Vec<Leaf>,
-    pub holds: &'a mut Vec<Arc<Device>>,
+    pub holds: &'a mut Vec<Hold>,
     pub depth: u32,
     /// (index in `holds`, target index) of the target being mapped, recorded on each
     /// leaf so an I/O error can be reported to the target that issued it.
     pub origin: (u16, u32),
+    /// Start sector of the target being mapped, in its device.
+    pub target_start: u64,
 }
 
 impl<'a> MapCtx<'a> {
-    pub fn new(leaves: &'a mut Vec<Leaf>, holds: &'a mut Vec<Arc<Device>>) -> MapCtx<'a> {
+    pub fn new(leaves: &'a mut Vec<Leaf>, holds: &'a mut Vec<Hold>) -> MapCtx<'a> {
         MapCtx {
             leaves,
             holds,
             depth: 0,
             origin: (0, 0),
+            target_start: 0,
         }
     }
 
@@ -134,9 +137,9 @@ impl<'a> MapCtx<'a> {
                 Ok(())
             }
             DevRef::Dm(d) => {
-                let saved = self.origin;
+                let saved = (self.origin, self.target_start);
                 let r = crate::mapper::map_bio(&d.0, bio, self);
-                self.origin = saved;
+                (self.origin, self.target_start) = saved;
                 r
             }
         }
@@ -177,7 +180,25 @@ impl<'a> MapCtx<'a> {
             corrupt: Corrupt::None,
             done: 0,
             origin: (self.origin.0, self.origin.1, tag),
+            after: None,
         });
+    }
+
+    /// Map `bio` (relative to the current target) again later, when the condition
+    /// that stops it now has passed; the rest of the request goes on meanwhile.
+    pub fn defer(&mut self, bio: Bio) {
+        let mut l = Leaf::new(
+            LeafKind::Deferred {
+                op: bio.op,
+                punch: bio.punch,
+            },
+            bio.nr_sectors,
+            bio.buf_off,
+        );
+        l.offset = self.target_start + bio.sector;
+        l.fua = bio.fua;
+        l.origin = (self.origin.0, self.origin.1, 0);
+        self.leaves.push(l);
     }
 
     /// Complete `bio` without I/O: zero-fill it (reads), fail it, or drop it.
@@ -231,6 +252,11 @@ pub trait Target: Send + Sync {
     fn presuspend(&self) {}
     /// Called when the device resumes with this table.
     fn resume(&self) {}
+    /// For targets that other targets look up (thin finds its pool through the
+    /// pool device's table).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// Extents of a device range through a device reference (file holes, or a stacked

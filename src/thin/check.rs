@@ -68,6 +68,18 @@ impl Checker {
     }
 
     /// Visit a (sub)tree root: every arrival counts, the first one descends.
+    /// Walk the device-details and mapping trees of the metadata snapshot at `held`.
+    fn held_trees(&mut self, held: u64) {
+        match self.tm.read(held, BlockKind::Superblock) {
+            Ok(d) => {
+                let h = Superblock::decode(d);
+                self.tree(h.details_root, Tree::Details);
+                self.tree(h.mapping_root, Tree::Top);
+            }
+            Err(e) => self.err(e.to_string()),
+        }
+    }
+
     fn tree(&mut self, root: u64, t: Tree) {
         let mut leaf_depth = None;
         self.node(root, t, true, 0, u64::MAX, 0, &mut leaf_depth);
@@ -218,14 +230,7 @@ pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
             report.errors.push("no current metadata snap".into());
             return report;
         }
-        match c.tm.read(sb.held_root, BlockKind::Superblock) {
-            Ok(d) => {
-                let h = Superblock::decode(d);
-                c.tree(h.details_root, Tree::Details);
-                c.tree(h.mapping_root, Tree::Top);
-            }
-            Err(e) => c.err(e.to_string()),
-        }
+        c.held_trees(sb.held_root);
         report.errors = c.errors;
         return report;
     }
@@ -233,14 +238,7 @@ pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
     c.tree(sb.details_root, Tree::Details);
     c.tree(sb.mapping_root, Tree::Top);
     if sb.held_root != 0 && c.meta_ref(sb.held_root) {
-        match c.tm.read(sb.held_root, BlockKind::Superblock) {
-            Ok(d) => {
-                let h = Superblock::decode(d);
-                c.tree(h.details_root, Tree::Details);
-                c.tree(h.mapping_root, Tree::Top);
-            }
-            Err(e) => c.err(e.to_string()),
-        }
+        c.held_trees(sb.held_root);
     }
     // the space maps' own blocks
     c.meta_ref(sb.meta_sm_root.bitmap_root);

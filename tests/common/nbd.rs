@@ -59,26 +59,7 @@ pub fn greet(sock: &Path) -> UnixStream {
 impl Client {
     /// Fixed-newstyle handshake with NBD_OPT_GO, simple replies only.
     pub fn connect(sock: &Path, export: &str) -> Client {
-        let mut s = greet(sock);
-        let mut d = Vec::new();
-        d.extend_from_slice(&(export.len() as u32).to_be_bytes());
-        d.extend_from_slice(export.as_bytes());
-        d.extend_from_slice(&0u16.to_be_bytes());
-        opt(&mut s, 7, &d);
-        let (mut size, mut flags) = (0, 0);
-        loop {
-            let (typ, p) = opt_reply(&mut s);
-            match typ {
-                3 if p.len() == 12 && p[0..2] == [0, 0] => {
-                    size = u64::from_be_bytes(p[2..10].try_into().unwrap());
-                    flags = u16::from_be_bytes(p[10..12].try_into().unwrap());
-                }
-                3 => {}
-                1 => break,
-                e => panic!("NBD_OPT_GO failed: {e:#x} {}", String::from_utf8_lossy(&p)),
-            }
-        }
-        Client { s, size, flags }
+        go_on(greet(sock), export).unwrap_or_else(|(_, e)| panic!("NBD_OPT_GO for {export} failed: {e:#x}"))
     }
 
     pub fn send(&mut self, cmd: u16, flags: u16, cookie: u64, offset: u64, len: u32, payload: &[u8]) {

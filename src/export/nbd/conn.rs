@@ -61,12 +61,15 @@ struct Slot {
     len: u32,
     buf: AlignedBuf,
     leaves: Vec<Leaf>,
-    holds: Vec<Arc<Device>>,
+    holds: Vec<mapper::Hold>,
     pending: u32,
     /// NBD error of the request (0 = success).
     error: u32,
     /// After the leaves: make the effect durable (FUA on discard / write-zeroes).
     then_flush: bool,
+    /// A leaf ran a completion hook (a target changed metadata after the I/O): with
+    /// FUA, the request ends with a flush so that change is durable too.
+    hooked: bool,
     hdr: [u8; 32],
     hdr_len: usize,
     data_len: usize,
@@ -88,6 +91,7 @@ impl Slot {
             pending: 0,
             error: 0,
             then_flush: false,
+            hooked: false,
             hdr: [0; 32],
             hdr_len: 0,
             data_len: 0,
@@ -129,6 +133,8 @@ pub struct Conn {
     send_inflight: bool,
     parked: VecDeque<usize>,
     delayed: Vec<(Instant, usize, usize)>,
+    /// Leaves (slot, leaf) of pieces a target deferred: mapped again each turn.
+    deferred: Vec<(usize, usize)>,
     ops: u64,
     closing: bool,
     dead: bool,
@@ -164,6 +170,7 @@ impl Conn {
             send_inflight: false,
             parked: VecDeque::new(),
             delayed: Vec::new(),
+            deferred: Vec::new(),
             ops: 0,
             closing: false,
             dead: false,
@@ -182,6 +189,9 @@ impl Conn {
             if !self.delayed.is_empty() {
                 self.release_delayed();
             }
+            if !self.deferred.is_empty() {
+                self.retry_deferred();
+            }
             if !self.dead && !self.closing {
                 self.parse();
                 self.arm_recv();
@@ -198,8 +208,8 @@ impl Conn {
                 // SAFETY: shutdown on our own socket descriptor.
                 unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
             }
-            let timeout =
-                (!self.parked.is_empty() || !self.delayed.is_empty()).then_some(Duration::from_millis(1));
+            let waiting = !self.parked.is_empty() || !self.delayed.is_empty() || !self.deferred.is_empty();
+            let timeout = waiting.then_some(Duration::from_millis(1));
             if self.q.wait(timeout).is_err() {
                 self.dead = true;
             }
@@ -215,6 +225,7 @@ impl Conn {
                 // Requests parked or delayed never reach the kernel now.
                 self.parked.clear();
                 self.delayed.clear();
+                self.deferred.clear();
                 break;
             }
         }
@@ -371,6 +382,7 @@ impl Conn {
             s.len = len;
             s.error = 0;
             s.then_flush = false;
+            s.hooked = false;
             s.extra.clear();
             if cmd == CMD_WRITE {
                 if u64::from(len) > MAX_PAYLOAD as u64 {
@@ -554,10 +566,20 @@ impl Conn {
     }
 
     fn submit_leaves(&mut self, slot: usize) {
+        self.submit_leaves_from(slot, 0);
+    }
+
+    /// Issue leaves `from..` of `slot` (deferred and delayed ones wait their turn).
+    fn submit_leaves_from(&mut self, slot: usize, from: usize) {
         let n = self.slots[slot].leaves.len();
         let now = Instant::now();
-        for i in 0..n {
+        for i in from..n {
             let l = &self.slots[slot].leaves[i];
+            if matches!(l.kind, LeafKind::Deferred { .. }) {
+                self.slots[slot].pending += 1;
+                self.deferred.push((slot, i));
+                continue;
+            }
             if l.delay_ms > 0 && !l.release.as_ref().is_some_and(|r| r.load(Ordering::Relaxed)) {
                 if let Some(h) = &l.held {
                     h.fetch_add(1, Ordering::Relaxed);
@@ -571,6 +593,55 @@ impl Conn {
         }
         if self.slots[slot].pending == 0 {
             self.leaves_done(slot);
+        }
+    }
+
+    /// Map deferred pieces again; those still blocked stay for the next turn.
+    fn retry_deferred(&mut self) {
+        let list = std::mem::take(&mut self.deferred);
+        for (slot, i) in list {
+            let s = &mut self.slots[slot];
+            let l = &s.leaves[i];
+            let LeafKind::Deferred { op, punch } = l.kind else {
+                continue;
+            };
+            let bio = Bio {
+                op,
+                sector: l.offset,
+                nr_sectors: l.len,
+                buf_off: l.buf_off,
+                fua: l.fua,
+                punch,
+            };
+            let Some(dev) = s.holds.get(l.origin.0 as usize).map(|h| h.dev.clone()) else {
+                continue;
+            };
+            let first = s.leaves.len();
+            let r = {
+                let mut ctx = MapCtx::new(&mut s.leaves, &mut s.holds);
+                mapper::map_bio(&dev, bio, &mut ctx)
+            };
+            match r {
+                Err(MapErr::Suspended) => {
+                    s.leaves.truncate(first);
+                    self.deferred.push((slot, i));
+                    continue;
+                }
+                Err(MapErr::Errno(e)) => {
+                    s.leaves.truncate(first);
+                    if s.error == 0 {
+                        s.error = nbd_errno(e);
+                    }
+                }
+                Ok(()) => {}
+            }
+            s.leaves[i].kind = LeafKind::Drop;
+            s.pending += 1; // held while the new leaves are issued
+            self.submit_leaves_from(slot, first);
+            self.slots[slot].pending -= 2;
+            if self.slots[slot].pending == 0 {
+                self.leaves_done(slot);
+            }
         }
     }
 
@@ -744,6 +815,12 @@ impl Conn {
                 apply_corrupt(c, &mut s.buf.as_mut_slice()[a..a + n]);
             }
         }
+        let l = &mut s.leaves[i];
+        if let Some(after) = l.after.take() {
+            let ok = r >= 0 && !(r == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
+            after(ok);
+            s.hooked = true;
+        }
         if self.slots[slot].pending == 0 {
             self.leaves_done(slot);
         }
@@ -753,8 +830,10 @@ impl Conn {
     fn leaves_done(&mut self, slot: usize) {
         let s = &mut self.slots[slot];
         mapper::release(&mut s.holds);
-        if s.then_flush && s.error == 0 {
+        let fua = s.flags & CMD_FLAG_FUA != 0;
+        if (s.then_flush || (s.hooked && fua)) && s.error == 0 {
             s.then_flush = false;
+            s.hooked = false;
             // FUA on a discard / write-zeroes: flush what it touched.
             let dev = self.dev.clone();
             s.leaves.clear();

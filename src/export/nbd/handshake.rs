@@ -19,8 +19,23 @@ struct State {
     no_zeroes: bool,
     fixed: bool,
     structured: bool,
-    /// Export name of the last SET_META_CONTEXT that selected base:allocation.
-    meta_export: Option<String>,
+    /// The export (device) of the last SET_META_CONTEXT that selected base:allocation.
+    meta_export: Option<Arc<Device>>,
+}
+
+impl State {
+    /// The outcome of entering transmission on `dev`: base:allocation counts only if
+    /// the last SET_META_CONTEXT named this same export.
+    fn negotiated(&self, dev: Arc<Device>, size: u64, flags: u16) -> Negotiated {
+        let base_allocation = self.meta_export.as_ref().is_some_and(|m| Arc::ptr_eq(m, &dev));
+        Negotiated {
+            dev,
+            size,
+            flags,
+            structured: self.structured,
+            base_allocation,
+        }
+    }
 }
 
 fn rd_u16(b: &[u8]) -> u16 {
@@ -137,14 +152,7 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
                     r.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&r)?;
-                let base_allocation = st.meta_export.as_deref() == Some(name.as_str());
-                return Ok(Some(Negotiated {
-                    dev,
-                    size,
-                    flags,
-                    structured: st.structured,
-                    base_allocation,
-                }));
+                return Ok(Some(st.negotiated(dev, size, flags)));
             }
             OPT_ABORT => {
                 let _ = reply(s, opt, REP_ACK, &[]);
@@ -264,15 +272,7 @@ fn info_go<S: Write>(
     }
     reply(s, opt, REP_ACK, &[])?;
     if opt == OPT_GO {
-        let base_allocation = st.meta_export.as_deref() == Some(dev.name.as_str())
-            || (st.meta_export.as_deref() == Some("") && name.is_empty());
-        return Ok(Some(Negotiated {
-            dev,
-            size,
-            flags,
-            structured: st.structured,
-            base_allocation,
-        }));
+        return Ok(Some(st.negotiated(dev, size, flags)));
     }
     Ok(None)
 }
@@ -324,9 +324,10 @@ fn meta_context<S: Write>(
     if pos != data.len() {
         return bad(s);
     }
-    if let Err(e) = lookup(reg, &name) {
-        return err(s, opt, REP_ERR_UNKNOWN, &e);
-    }
+    let dev = match lookup(reg, &name) {
+        Ok(d) => d,
+        Err(e) => return err(s, opt, REP_ERR_UNKNOWN, &e),
+    };
     let matches = if set {
         queries.iter().any(|q| q == BASE_ALLOCATION)
     } else {
@@ -338,7 +339,7 @@ fn meta_context<S: Write>(
         p.extend_from_slice(BASE_ALLOCATION.as_bytes());
         reply(s, opt, REP_META_CONTEXT, &p)?;
         if set {
-            st.meta_export = Some(name);
+            st.meta_export = Some(dev);
         }
     }
     reply(s, opt, REP_ACK, &[])
