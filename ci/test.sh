@@ -11,6 +11,9 @@ tools=(
   qemu-img:qemu-utils qemu-nbd:qemu-utils nbdkit:nbdkit
   thin_check:thin-provisioning-tools thin_dump:thin-provisioning-tools
   mkfs.ext4:e2fsprogs e2fsck:e2fsprogs
+  # the kernel oracle (tests/oracle/run.sh): Debian's qemu-system-x86 replaces a
+  # newer qemu-utils, so both are always installed in one transaction
+  qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio dmsetup:dmsetup
 )
 missing=()
 for pair in "${tools[@]}"; do
@@ -23,6 +26,7 @@ if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo=sudo
+  [[ " ${missing[*]} " == *" qemu-system-x86 "* ]] && missing+=(qemu-utils)
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi

@@ -14,6 +14,8 @@ pub struct ServeOptions {
     pub group: Option<String>,
     pub demo: Option<PathBuf>,
     pub direct_io: bool,
+    /// The copy engine's sub-job size in KiB (kcopyd_subjob_size_kb).
+    pub copy_subjob_kb: u64,
 }
 
 /// The run directory: `$DMKIT_RUN_DIR`, else /run/dmkit for root and
@@ -80,6 +82,7 @@ fn block_signals() -> libc::sigset_t {
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals();
+    crate::targets::thin::set_copy_subjob_kb(opts.copy_subjob_kb);
     let group = opts.group.as_deref().map(group_id).transpose()?;
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let reg = Arc::new(Registry::new(Config {
@@ -137,6 +140,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     for d in reg.list() {
         let _ = d.flush_sync();
     }
+    crate::targets::thin::commit_all();
     let _ = std::fs::remove_file(&control_path);
     let _ = std::fs::remove_file(&nbd_path);
     Ok(())

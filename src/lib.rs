@@ -1,5 +1,6 @@
 //! dmkit: Linux device-mapper in userspace, served over NBD.
 pub mod control;
+pub mod copier;
 pub mod daemon;
 pub mod export;
 pub mod io;

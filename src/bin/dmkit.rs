@@ -11,6 +11,7 @@ const USAGE: &str = "usage: dmkit [--run-dir DIR] COMMAND [ARGS]
 
 Daemon:
   serve [--nbd-listen ADDR:PORT] [--group GROUP] [--demo] [--demo-dir DIR] [--buffered]
+        [--copy-subjob-kb KB]   (copy engine sub-job size: default 512, at most 1024)
 
 Device-mapper verbs (as dmsetup):
   create NAME [--table LINE]... [--readonly] [-u UUID]   (table from stdin without --table)
@@ -67,6 +68,7 @@ fn run(mut args: Vec<String>) -> Result<i32> {
                 group: None,
                 demo: None,
                 direct_io: true,
+                copy_subjob_kb: 512,
             };
             let mut demo = false;
             let mut demo_dir = PathBuf::from("dmkit-demo");
@@ -97,6 +99,13 @@ fn run(mut args: Vec<String>) -> Result<i32> {
                         i += 1;
                     }
                     "--buffered" => o.direct_io = false,
+                    "--copy-subjob-kb" => {
+                        let v = val(i)?;
+                        o.copy_subjob_kb = v
+                            .parse()
+                            .with_context(|| format!("--copy-subjob-kb: invalid size '{v}'"))?;
+                        i += 1;
+                    }
                     other => bail!("serve: unknown option '{other}'"),
                 }
                 i += 1;

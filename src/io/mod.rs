@@ -72,7 +72,8 @@ pub enum LeafKind {
     Drop,
     /// Not mappable now (a block is being provisioned, a commit is awaited...): map
     /// this piece again later. The piece is `len` sectors at sector `offset` of the
-    /// device held at `origin.0`, with operation `op`.
+    /// device held at `origin.0`, with operation `op`; `done` carries the target's
+    /// wait token.
     Deferred {
         op: Op,
         punch: bool,

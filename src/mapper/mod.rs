@@ -160,6 +160,11 @@ impl Device {
             }
         }
         wait_until(|| self.in_flight() == 0);
+        if let Some(t) = self.live.load_full() {
+            for e in &t.entries {
+                e.target.postsuspend();
+            }
+        }
     }
 
     /// Requests mapped or in flight through this device now.

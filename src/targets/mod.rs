@@ -5,6 +5,7 @@ pub mod error;
 pub mod flakey;
 pub mod linear;
 pub mod striped;
+pub mod thin;
 pub mod zero;
 
 use crate::io::{BackingFile, Corrupt, Leaf, LeafKind, Op, SECTOR};
@@ -22,6 +23,8 @@ pub struct Bio {
     pub fua: bool,
     /// For WriteZeroes: deallocation is allowed (NBD without NO_HOLE).
     pub punch: bool,
+    /// What a deferred piece waits for, as the target that deferred it said (0: none).
+    pub token: u64,
 }
 
 impl Bio {
@@ -187,6 +190,11 @@ impl<'a> MapCtx<'a> {
     /// Map `bio` (relative to the current target) again later, when the condition
     /// that stops it now has passed; the rest of the request goes on meanwhile.
     pub fn defer(&mut self, bio: Bio) {
+        self.defer_until(bio, 0);
+    }
+
+    /// As `defer`, with a token the target gets back in `bio.token` on the retry.
+    pub fn defer_until(&mut self, bio: Bio, token: u64) {
         let mut l = Leaf::new(
             LeafKind::Deferred {
                 op: bio.op,
@@ -197,6 +205,7 @@ impl<'a> MapCtx<'a> {
         );
         l.offset = self.target_start + bio.sector;
         l.fua = bio.fua;
+        l.done = token;
         l.origin = (self.origin.0, self.origin.1, 0);
         self.leaves.push(l);
     }
@@ -252,6 +261,8 @@ pub trait Target: Send + Sync {
     fn presuspend(&self) {}
     /// Called when the device resumes with this table.
     fn resume(&self) {}
+    /// Called once a suspending device has drained (thin-pool commits here).
+    fn postsuspend(&self) {}
     /// For targets that other targets look up (thin finds its pool through the
     /// pool device's table).
     fn as_any(&self) -> Option<&dyn std::any::Any> {
@@ -294,6 +305,8 @@ pub fn construct(
         "error" => Ok(Box::new(error::Error::new(args, r)?)),
         "flakey" => Ok(Box::new(flakey::Flakey::new(args, len, r)?)),
         "delay" => Ok(Box::new(delay::Delay::new(args, len, r)?)),
+        "thin-pool" => Ok(Box::new(thin::pool::ThinPool::new(args, len, r)?)),
+        "thin" => Ok(Box::new(thin::device::ThinDev::new(args, r)?)),
         other => Err(format!("unknown target type '{other}'")),
     }
 }
@@ -306,6 +319,8 @@ pub const TARGET_TYPES: &[(&str, [u32; 3])] = &[
     ("zero", [1, 2, 0]),
     ("flakey", [1, 5, 0]),
     ("delay", [1, 3, 0]),
+    ("thin-pool", [1, 22, 0]),
+    ("thin", [1, 22, 0]),
 ];
 
 /// Parse a numeric target argument, naming the field on error.

@@ -520,6 +520,7 @@ impl Conn {
             buf_off: 0,
             fua: fua && op == Op::Write,
             punch: s.flags & CMD_FLAG_NO_HOLE == 0,
+            token: 0,
         };
         s.then_flush = fua && matches!(op, Op::Discard | Op::WriteZeroes);
         s.leaves.clear();
@@ -612,6 +613,7 @@ impl Conn {
                 buf_off: l.buf_off,
                 fua: l.fua,
                 punch,
+                token: l.done,
             };
             let Some(dev) = s.holds.get(l.origin.0 as usize).map(|h| h.dev.clone()) else {
                 continue;
@@ -844,6 +846,7 @@ impl Conn {
                 buf_off: 0,
                 fua: false,
                 punch: false,
+                token: 0,
             };
             let r = {
                 let mut ctx = MapCtx::new(&mut s.leaves, &mut s.holds);

@@ -1,0 +1,440 @@
+//! `thin <pool dev> <dev id> [<external origin dev>]`.
+//!
+//! A mapped, unshared block takes the fast path: a lookup under the pool lock and a
+//! remap to the data block, FUA and all, with nothing deferred (seed 000). Only I/O to
+//! an unmapped block, a write to a shared block, or I/O to a block being provisioned
+//! takes the slow path: a new data block is prepared (copied from the shared block or
+//! the origin, or zeroed) by the copy engine, the write goes to it, and the mapping is
+//! inserted once the write has landed, so a crash never exposes unwritten data.
+
+use super::{pool::ThinPool, Key, Mode, Pool};
+use crate::io::{errno, BackingFile, Leaf, LeafKind, Op, SECTOR};
+use crate::targets::{arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+pub struct ThinDev {
+    pool: Arc<Pool>,
+    /// The pool device: data I/O is remapped through it.
+    pool_dev: DevRef,
+    id: u64,
+    origin: Option<(DevRef, Arc<BackingFile>)>,
+    bs: u64,
+}
+
+impl ThinDev {
+    pub fn new(args: &[String], r: &dyn Resolver) -> Result<ThinDev, String> {
+        if !(2..=3).contains(&args.len()) {
+            return Err(format!(
+                "thin takes 2 or 3 arguments (<pool dev> <dev id> [<external origin dev>]), got {}",
+                args.len()
+            ));
+        }
+        let pool_dev = r
+            .open(&args[0])
+            .map_err(|e| format!("pool device '{}': {e}", args[0]))?;
+        let DevRef::Dm(hold) = &pool_dev else {
+            return Err(format!("'{}' is not a thin-pool device", args[0]));
+        };
+        let pool = {
+            let table = hold.0.live.load_full().ok_or("pool device has no live table")?;
+            let tp = table
+                .entries
+                .first()
+                .and_then(|e| e.target.as_any())
+                .and_then(|a| a.downcast_ref::<ThinPool>())
+                .ok_or_else(|| format!("'{}' is not a thin-pool device", args[0]))?;
+            tp.pool.clone()
+        };
+        pool.set_pool_device(&hold.0);
+        let id = arg_u64(args, 1, "device id")?;
+        let origin = match args.get(2) {
+            None => None,
+            Some(o) => {
+                let d = r.open(o).map_err(|e| format!("external origin '{o}': {e}"))?;
+                let DevRef::File(f) = &d else {
+                    return Err("external origin must be a file or block device".into());
+                };
+                let f = f.clone();
+                Some((d, f))
+            }
+        };
+        {
+            let mut m = pool.lock();
+            if !m.md.devices().contains(&id) {
+                return Err(format!(
+                    "thin device {id} does not exist in the pool (create_thin first)"
+                ));
+            }
+            m.active.push(id);
+        }
+        let bs = pool.block_sectors;
+        Ok(ThinDev {
+            pool,
+            pool_dev,
+            id,
+            origin,
+            bs,
+        })
+    }
+
+    /// Sectors of the external origin (0 without one).
+    fn origin_sectors(&self) -> u64 {
+        self.origin.as_ref().map_or(0, |(d, _)| d.size_sectors())
+    }
+
+    fn data_sector(&self, block: u64, off: u64) -> u64 {
+        block * self.bs + off
+    }
+
+    fn fail(ctx: &mut MapCtx, bio: Bio, e: i32) -> Result<(), MapErr> {
+        ctx.complete(bio, LeafKind::Fail(e));
+        Ok(())
+    }
+
+    /// One piece within one block.
+    fn map_piece(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
+        let key = Key::Virtual(self.id, vblock);
+        let mut m = self.pool.lock();
+        if m.prison.contains(&key) {
+            drop(m);
+            ctx.defer(bio);
+            return Ok(());
+        }
+        let found = match m.md.lookup(self.id, vblock) {
+            Ok(f) => f,
+            Err(e) => {
+                self.pool.metadata_failed(&mut m, &e);
+                return Self::fail(ctx, bio, errno::EIO);
+            }
+        };
+        match (bio.op, found) {
+            // The fast path: reads of any mapped block, writes to unshared ones.
+            (Op::Read, Some(map)) | (Op::Write, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
+                drop(m);
+                let sector = self.data_sector(map.data_block, off);
+                ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0)
+            }
+            (Op::Read, None) => {
+                drop(m);
+                self.read_unmapped(bio, ctx)
+            }
+            (Op::WriteZeroes, None) if self.origin.is_none() => {
+                ctx.complete(bio, LeafKind::Drop); // already reads as zeroes
+                Ok(())
+            }
+            (Op::WriteZeroes, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
+                drop(m);
+                let sector = self.data_sector(map.data_block, off);
+                ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0)
+            }
+            _ => self.provision(m, bio, found.map(|x| x.data_block), ctx),
+        }
+    }
+
+    /// Reads of an unmapped block: the external origin where it reaches, else zeroes.
+    fn read_unmapped(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let limit = self.origin_sectors();
+        let start = bio.sector;
+        let in_origin = limit.saturating_sub(start).min(bio.nr_sectors);
+        if let (Some((o, _)), true) = (&self.origin, in_origin > 0) {
+            ctx.remap(o, bio.sub(0, in_origin, start), 0)?;
+        }
+        if in_origin < bio.nr_sectors {
+            let rest = bio.nr_sectors - in_origin;
+            ctx.complete(bio.sub(in_origin, rest, start + in_origin), LeafKind::ZeroFill);
+        }
+        Ok(())
+    }
+
+    /// The slow path for a write (or write-zeroes) to an unmapped or shared block:
+    /// allocate, prepare the rest of the new block, write, map on completion.
+    fn provision(
+        &self,
+        mut m: std::sync::MutexGuard<'_, super::PoolMd>,
+        bio: Bio,
+        old: Option<u64>,
+        ctx: &mut MapCtx,
+    ) -> Result<(), MapErr> {
+        if m.mode == Mode::ReadOnly {
+            return Self::fail(ctx, bio, errno::EIO);
+        }
+        let new = match self.pool.alloc(&mut m) {
+            Ok(b) => b,
+            Err(true) => {
+                drop(m);
+                ctx.defer(bio); // queue until the pool grows (or the timeout)
+                return Ok(());
+            }
+            Err(false) => {
+                let e = if m.features.error_if_no_space {
+                    errno::ENOSPC
+                } else {
+                    errno::EIO
+                };
+                return Self::fail(ctx, bio, e);
+            }
+        };
+        let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
+        let key = Key::Virtual(self.id, vblock);
+        m.prison.insert(key);
+        let zero_new = m.features.zero_new_blocks;
+        drop(m);
+        let range = (off * SECTOR, bio.nr_sectors * SECTOR);
+        let written = if bio.op == Op::WriteZeroes { (0, 0) } else { range };
+        if let Err(e) = self.prepare(new, old, vblock, written, zero_new) {
+            crate::log::warn(&format!("thin {}: preparing data block {new}: {e}", self.id));
+            self.undo(new, key);
+            return Self::fail(ctx, bio, errno::EIO);
+        }
+        if bio.op == Op::WriteZeroes {
+            // Zero the range now and map the block: nothing is left in flight.
+            let at = self.data_sector(new, 0) * SECTOR + range.0;
+            if let Err(e) = self.pool.copier.zero(&[(&self.pool.data, at)], range.1) {
+                crate::log::warn(&format!("thin {}: zeroing data block {new}: {e}", self.id));
+                self.undo(new, key);
+                return Self::fail(ctx, bio, errno::EIO);
+            }
+            self.finish_mapping(new, vblock, key, true);
+            ctx.complete(bio, LeafKind::Drop);
+            return Ok(());
+        }
+        let first = ctx.leaves.len();
+        let sector = self.data_sector(new, off);
+        if let Err(e) = ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0) {
+            ctx.leaves.truncate(first);
+            self.undo(new, key);
+            return Err(e);
+        }
+        let (pool, id) = (self.pool.clone(), self.id);
+        let hook = move |ok: bool| finish(&pool, id, new, vblock, key, ok);
+        attach_once(&mut ctx.leaves[first..], Arc::new(hook));
+        Ok(())
+    }
+
+    /// Fill the parts of data block `new` outside `written` (byte offset, length in
+    /// the block): from the old shared block, else from the external origin (zeroes
+    /// past its end), else zeroes unless zeroing is off.
+    fn prepare(
+        &self,
+        new: u64,
+        old: Option<u64>,
+        vblock: u64,
+        written: (u64, u64),
+        zero_new: bool,
+    ) -> std::io::Result<()> {
+        let block_bytes = self.bs * SECTOR;
+        let base = self.data_sector(new, 0) * SECTOR;
+        let (a, b) = (written.0, written.0 + written.1);
+        let data = &self.pool.data;
+        for (lo, hi) in [(0, a), (b, block_bytes)] {
+            if hi <= lo {
+                continue;
+            }
+            if let Some(o) = old {
+                let src = self.data_sector(o, 0) * SECTOR;
+                self.pool
+                    .copier
+                    .copy(data, src + lo, &[(data, base + lo)], hi - lo)?;
+            } else if let Some((_, of)) = &self.origin {
+                let vstart = vblock * block_bytes;
+                let origin_bytes = self.origin_sectors() * SECTOR;
+                let copy_hi = origin_bytes.saturating_sub(vstart).clamp(lo, hi);
+                if copy_hi > lo {
+                    self.pool
+                        .copier
+                        .copy(of, vstart + lo, &[(data, base + lo)], copy_hi - lo)?;
+                }
+                if hi > copy_hi {
+                    self.pool.copier.zero(&[(data, base + copy_hi)], hi - copy_hi)?;
+                }
+            } else if zero_new {
+                self.pool.copier.zero(&[(data, base + lo)], hi - lo)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn undo(&self, new: u64, key: Key) {
+        let mut m = self.pool.lock();
+        let _ = m.md.release_data_block(new);
+        m.prison.remove(&key);
+    }
+
+    fn finish_mapping(&self, new: u64, vblock: u64, key: Key, ok: bool) {
+        finish(&self.pool, self.id, new, vblock, key, ok);
+    }
+
+    fn discard_piece(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
+        let mut m = self.pool.lock();
+        // Only whole blocks are unmapped; a discard is advisory, so a partial one does nothing.
+        if !m.features.discard_enabled || off != 0 || bio.nr_sectors != self.bs || m.mode == Mode::ReadOnly {
+            drop(m);
+            ctx.complete(bio, LeafKind::Drop);
+            return Ok(());
+        }
+        let key = Key::Virtual(self.id, vblock);
+        if m.prison.contains(&key) {
+            drop(m);
+            ctx.defer(bio);
+            return Ok(());
+        }
+        let found = match m.md.lookup(self.id, vblock) {
+            Ok(f) => f,
+            Err(e) => {
+                self.pool.metadata_failed(&mut m, &e);
+                return Self::fail(ctx, bio, errno::EIO);
+            }
+        };
+        let Some(map) = found else {
+            drop(m);
+            ctx.complete(bio, LeafKind::Drop);
+            return Ok(());
+        };
+        if let Err(e) = m.md.remove(self.id, vblock) {
+            self.pool.metadata_failed(&mut m, &e);
+            return Self::fail(ctx, bio, errno::EIO);
+        }
+        m.dirty = true;
+        // The block is free only if nothing else shares it; only then may the data
+        // device forget it. (A freed block is handed out again only after a commit,
+        // and a commit first waits for the I/O in flight now, this discard included.)
+        let freed = m.md.data_block_ref_count(map.data_block) == 0;
+        let passdown = freed && m.features.discard_passdown;
+        self.pool.space_returned(&mut m);
+        drop(m);
+        if passdown {
+            let sector = self.data_sector(map.data_block, 0);
+            ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0)
+        } else {
+            ctx.complete(bio, LeafKind::Drop);
+            Ok(())
+        }
+    }
+
+    /// An empty flush: the metadata must be committed first if it changed.
+    fn flush(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let m = self.pool.lock();
+        if bio.token != 0 && self.pool.commits() < bio.token {
+            drop(m);
+            ctx.defer_until(bio, bio.token);
+            return Ok(());
+        }
+        if bio.token == 0 && m.dirty {
+            let t = self.pool.request_commit(&m);
+            drop(m);
+            ctx.defer_until(bio, t);
+            return Ok(());
+        }
+        drop(m);
+        ctx.remap(&self.pool_dev, Bio { token: 0, ..bio }, 0)
+    }
+}
+
+/// Run `hook` once, after every one of `leaves` has finished (ok if all were).
+fn attach_once(leaves: &mut [Leaf], hook: Arc<dyn Fn(bool) + Send + Sync>) {
+    if leaves.len() == 1 {
+        leaves[0].after = Some(hook);
+        return;
+    }
+    let left = Arc::new(AtomicUsize::new(leaves.len()));
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for l in leaves {
+        let (left, failed, hook) = (left.clone(), failed.clone(), hook.clone());
+        l.after = Some(Arc::new(move |ok: bool| {
+            if !ok {
+                failed.store(true, Ordering::SeqCst);
+            }
+            if left.fetch_sub(1, Ordering::SeqCst) == 1 {
+                hook(!failed.load(Ordering::SeqCst));
+            }
+        }));
+    }
+}
+
+/// The write to a new block has landed (or failed): map it, or give it back.
+fn finish(pool: &Pool, id: u64, new: u64, vblock: u64, key: Key, ok: bool) {
+    let mut m = pool.lock();
+    if ok {
+        match m.md.insert(id, vblock, new) {
+            Ok(()) => m.dirty = true,
+            Err(e) => pool.metadata_failed(&mut m, &e),
+        }
+    } else {
+        let _ = m.md.release_data_block(new);
+    }
+    m.prison.remove(&key);
+}
+
+impl Drop for ThinDev {
+    fn drop(&mut self) {
+        let mut m = self.pool.lock();
+        if let Some(i) = m.active.iter().position(|&x| x == self.id) {
+            m.active.swap_remove(i);
+        }
+    }
+}
+
+impl Target for ThinDev {
+    fn type_name(&self) -> &'static str {
+        "thin"
+    }
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        if bio.op == Op::Flush {
+            return self.flush(bio, ctx);
+        }
+        // Pieces within one data block each (the kernel's max_io_len = block size).
+        let mut done = 0;
+        while done < bio.nr_sectors {
+            let s = bio.sector + done;
+            let n = (self.bs - s % self.bs).min(bio.nr_sectors - done);
+            let piece = bio.sub(done, n, s);
+            if bio.op == Op::Discard {
+                self.discard_piece(piece, ctx)?;
+            } else {
+                self.map_piece(piece, ctx)?;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+    fn table_params(&self) -> String {
+        let mut s = format!("{} {}", self.pool_dev.table_name(), self.id);
+        if let Some((o, _)) = &self.origin {
+            s.push(' ');
+            s.push_str(&o.table_name());
+        }
+        s
+    }
+    fn status_params(&self) -> String {
+        let mut m = self.pool.lock();
+        let mapped = m.md.mapped_blocks(self.id).unwrap_or(0);
+        let highest = m.md.highest_mapped(self.id).ok().flatten();
+        let hi = highest.map_or("-".to_string(), |h| ((h + 1) * self.bs - 1).to_string());
+        format!("{} {hi}", mapped * self.bs)
+    }
+    fn devices(&self) -> Vec<&DevRef> {
+        let mut v = vec![&self.pool_dev];
+        if let Some((o, _)) = &self.origin {
+            v.push(o);
+        }
+        v
+    }
+    fn supports_write_zeroes(&self) -> bool {
+        true
+    }
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+        // Unmapped blocks are holes (zeroes unless an external origin shows through).
+        let hole = if self.origin.is_some() { 1 } else { 3 };
+        let mut m = self.pool.lock();
+        let mut s = sector;
+        while s < sector + nr {
+            let n = (self.bs - s % self.bs).min(sector + nr - s);
+            let mapped = matches!(m.md.lookup(self.id, s / self.bs), Ok(Some(_)));
+            out.push((n * SECTOR, if mapped { 0 } else { hole }));
+            s += n;
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! dm-thin: the `thin-pool` and `thin` targets over the kernel's metadata format.
+//!
+//! A [`Pool`] is the state shared by a pool device and its thin devices: the metadata
+//! (behind one lock), the bio prison of blocks being provisioned, the data device and
+//! the copy engine. It outlives table reloads (found again by its metadata device, as
+//! the kernel finds its pools). Commits run on the pool's own thread, at least every
+//! second and whenever a flush needs one: before each, it waits until every I/O that
+//! entered the pool device earlier has finished, so a data block freed in a transaction
+//! is never handed out again while an old write to it could still land.
+
+pub mod device;
+pub mod pool;
+
+use crate::copier::Copier;
+use crate::io::BackingFile;
+use crate::mapper::Device;
+use crate::pdata::{FileDev, PdataError};
+use crate::thin::{FormatOptions, ThinError, ThinPoolMetadata};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// Metadata blocks the block cache may hold (4 KiB each): 64 MiB.
+const CACHE_BLOCKS: usize = 16384;
+/// A commit runs at least this often while there are changes (the kernel's
+/// COMMIT_PERIOD).
+const COMMIT_PERIOD: Duration = Duration::from_secs(1);
+
+/// Keys of the bio prison: a virtual block of a thin, or a data block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Key {
+    Virtual(u64, u64),
+    Data(u64),
+}
+
+/// What the pool does now (status shows it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Write,
+    OutOfDataSpace,
+    ReadOnly,
+}
+
+/// The pool's features from its table line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Features {
+    pub zero_new_blocks: bool,
+    pub discard_enabled: bool,
+    pub discard_passdown: bool,
+    pub read_only: bool,
+    pub error_if_no_space: bool,
+}
+
+impl Default for Features {
+    fn default() -> Features {
+        Features {
+            zero_new_blocks: true,
+            discard_enabled: true,
+            discard_passdown: true,
+            read_only: false,
+            error_if_no_space: false,
+        }
+    }
+}
+
+/// Everything behind the pool's lock.
+pub struct PoolMd {
+    pub md: ThinPoolMetadata,
+    /// Blocks whose provisioning or copy is under way: I/O to them waits.
+    pub prison: HashSet<Key>,
+    /// Changes since the last commit.
+    pub dirty: bool,
+    pub mode: Mode,
+    pub features: Features,
+    pub low_water: u64,
+    pub low_water_hit: bool,
+    /// When the pool ran out of data space (queued I/O fails after the timeout).
+    pub out_of_space_since: Option<Instant>,
+    /// Thin ids with a live target (cannot be deleted).
+    pub active: Vec<u64>,
+}
+
+pub struct Pool {
+    md: Mutex<PoolMd>,
+    pub data: Arc<BackingFile>,
+    pub metadata_path: std::path::PathBuf,
+    pub block_sectors: u64,
+    pub copier: Arc<Copier>,
+    /// Commits started (counted under the metadata lock) and completed so far.
+    started: AtomicU64,
+    commits: AtomicU64,
+    commit_wanted: Mutex<bool>,
+    commit_cv: Condvar,
+    /// The pool device, whose in-flight epochs a commit drains.
+    pool_dev: Mutex<Weak<Device>>,
+    /// Raised on low water and mode changes: the pool device's event counter.
+    pub events: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// How long I/O waits for space before failing (the kernel's no_space_timeout).
+pub fn no_space_timeout() -> Duration {
+    let s = std::env::var("DMKIT_NO_SPACE_TIMEOUT_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    Duration::from_secs(s.unwrap_or(60))
+}
+
+/// Live pools by their metadata file's identity.
+type PoolList = Mutex<Vec<((u64, u64), Weak<Pool>)>>;
+
+fn pools() -> &'static PoolList {
+    static P: OnceLock<PoolList> = OnceLock::new();
+    P.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// The copy engine pools use (sub-job size from `--copy-subjob-kb`).
+pub fn copier() -> Arc<Copier> {
+    static C: OnceLock<Arc<Copier>> = OnceLock::new();
+    C.get_or_init(|| Arc::new(Copier::new(copy_subjob_kb() * 1024, 8)))
+        .clone()
+}
+
+static SUBJOB_KB: AtomicU64 = AtomicU64::new(512);
+
+/// Set the copy sub-job size (KiB; 0 → 512, more than 1024 → 1024) before any pool
+/// is created.
+pub fn set_copy_subjob_kb(kb: u64) {
+    SUBJOB_KB.store(if kb == 0 { 512 } else { kb.min(1024) }, Ordering::Relaxed);
+}
+
+fn copy_subjob_kb() -> usize {
+    SUBJOB_KB.load(Ordering::Relaxed) as usize
+}
+
+fn is_zeroed(f: &BackingFile) -> std::io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let mut b = vec![0u8; 4096];
+    f.file().read_exact_at(&mut b, 0)?;
+    Ok(b.iter().all(|&x| x == 0))
+}
+
+impl Pool {
+    /// The pool on `metadata` (an existing one, after a table reload), or a new one:
+    /// opened from its superblock, or formatted when the metadata starts with a zeroed
+    /// block (never with `read_only`).
+    pub fn get(
+        metadata: &Arc<BackingFile>,
+        data: &Arc<BackingFile>,
+        block_sectors: u64,
+        nr_blocks: u64,
+        features: Features,
+        low_water: u64,
+    ) -> Result<Arc<Pool>, String> {
+        let key = metadata.identity;
+        let mut all = pools().lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(p) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            if p.block_sectors != block_sectors {
+                return Err(format!(
+                    "data block size {block_sectors} does not match the pool's {}",
+                    p.block_sectors
+                ));
+            }
+            let mut m = p.lock();
+            m.features = features;
+            m.low_water = low_water;
+            drop(m);
+            return Ok(p);
+        }
+        let dev = FileDev::open(&metadata.path, !features.read_only)
+            .map_err(|e| format!("metadata device: {e}"))?;
+        let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
+        let md = if fresh {
+            if features.read_only {
+                return Err("read_only pool with unformatted metadata".into());
+            }
+            let opts = FormatOptions {
+                data_block_size: block_sectors as u32,
+                nr_data_blocks: nr_blocks,
+                cache_blocks: CACHE_BLOCKS,
+            };
+            ThinPoolMetadata::format(Box::new(dev), opts).map_err(|e| format!("formatting metadata: {e}"))?
+        } else {
+            ThinPoolMetadata::open(Box::new(dev), CACHE_BLOCKS)
+                .map_err(|e| format!("opening metadata: {e}"))?
+        };
+        if u64::from(md.data_block_size()) != block_sectors {
+            return Err(format!(
+                "data block size {block_sectors} does not match the metadata's {}",
+                md.data_block_size()
+            ));
+        }
+        if nr_blocks < md.nr_data_blocks() {
+            return Err(format!(
+                "pool target ({nr_blocks} blocks) too small: the metadata has {} data blocks",
+                md.nr_data_blocks()
+            ));
+        }
+        let mode = if features.read_only || md.needs_check() {
+            Mode::ReadOnly
+        } else {
+            Mode::Write
+        };
+        let pool = Arc::new(Pool {
+            md: Mutex::new(PoolMd {
+                md,
+                prison: HashSet::new(),
+                dirty: false,
+                mode,
+                features,
+                low_water,
+                low_water_hit: false,
+                out_of_space_since: None,
+                active: Vec::new(),
+            }),
+            data: data.clone(),
+            metadata_path: metadata.path.clone(),
+            block_sectors,
+            copier: copier(),
+            started: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
+            commit_wanted: Mutex::new(false),
+            commit_cv: Condvar::new(),
+            pool_dev: Mutex::new(Weak::new()),
+            events: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&pool);
+        std::thread::Builder::new()
+            .name("thin-pool-commit".into())
+            .spawn(move || commit_worker(weak))
+            .map_err(|e| format!("starting the commit thread: {e}"))?;
+        all.push((key, Arc::downgrade(&pool)));
+        Ok(pool)
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, PoolMd> {
+        self.md.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn set_pool_device(&self, dev: &Arc<Device>) {
+        *self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(dev);
+    }
+
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::SeqCst)
+    }
+
+    /// Ask the commit thread for a commit. Called with the metadata lock held (`_m`),
+    /// so every change made so far is in the next commit to start; returns the commit
+    /// count that, once reached, covers them.
+    pub fn request_commit(&self, _m: &PoolMd) -> u64 {
+        let mut w = self.commit_wanted.lock().unwrap_or_else(|p| p.into_inner());
+        *w = true;
+        self.commit_cv.notify_one();
+        self.started.load(Ordering::SeqCst) + 1
+    }
+
+    /// Commit now, on this thread (control path, commit thread). Waits for the I/O
+    /// that entered the pool before; never call it from an NBD connection thread.
+    pub fn commit_now(&self) -> Result<(), String> {
+        let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        if let Some(d) = dev {
+            d.drain_epoch();
+        }
+        let mut m = self.lock();
+        self.started.fetch_add(1, Ordering::SeqCst);
+        if !m.dirty || m.mode == Mode::ReadOnly {
+            self.commits.fetch_add(1, Ordering::SeqCst);
+            return Ok(());
+        }
+        // Zeroed and copied data must be on disk before the mappings that expose it.
+        if let Err(e) = self.data.sync() {
+            self.commits.fetch_add(1, Ordering::SeqCst);
+            return Err(format!("flushing the data device: {e}"));
+        }
+        let r = m.md.commit();
+        match r {
+            Ok(()) => {
+                m.dirty = false;
+                self.commits.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                self.metadata_failed(&mut m, &e);
+                self.commits.fetch_add(1, Ordering::SeqCst);
+                Err(msg)
+            }
+        }
+    }
+
+    /// A metadata operation failed: out of metadata space or an I/O error turns the
+    /// pool read-only with needs_check set (persisted if a commit still can).
+    pub fn metadata_failed(&self, m: &mut PoolMd, e: &ThinError) {
+        crate::log::warn(&format!(
+            "thin-pool {}: metadata failure: {e}; switching to read-only",
+            self.metadata_path.display()
+        ));
+        if m.mode != Mode::ReadOnly {
+            m.mode = Mode::ReadOnly;
+            self.events.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = m.md.abort();
+        m.md.set_needs_check(true);
+        let _ = m.md.commit();
+        m.dirty = false;
+    }
+
+    /// A data block for a new mapping. Err(true): out of space, wait; Err(false): fail.
+    pub fn alloc(&self, m: &mut PoolMd) -> Result<u64, bool> {
+        match m.md.alloc_data_block() {
+            Ok(b) => {
+                m.out_of_space_since = None;
+                let free = m.md.nr_free_data_blocks();
+                if free <= m.low_water && !m.low_water_hit {
+                    m.low_water_hit = true;
+                    self.events.fetch_add(1, Ordering::Relaxed);
+                    crate::log::info(&format!(
+                        "thin-pool {}: reached low water mark ({free} free data blocks)",
+                        self.metadata_path.display()
+                    ));
+                }
+                Ok(b)
+            }
+            Err(ThinError::Pdata(PdataError::NoDataSpace { .. })) => {
+                if m.mode == Mode::Write {
+                    m.mode = Mode::OutOfDataSpace;
+                    self.events.fetch_add(1, Ordering::Relaxed);
+                    crate::log::warn(&format!(
+                        "thin-pool {}: out of data space",
+                        self.metadata_path.display()
+                    ));
+                }
+                let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
+                let queue = !m.features.error_if_no_space && since.elapsed() < no_space_timeout();
+                Err(queue)
+            }
+            Err(e) => {
+                self.metadata_failed(m, &e);
+                Err(false)
+            }
+        }
+    }
+
+    /// Grow the data space to `nr_blocks` (a reloaded, larger pool table).
+    pub fn grow(&self, nr_blocks: u64) {
+        let mut m = self.lock();
+        if nr_blocks > m.md.nr_data_blocks() {
+            if m.md.needs_check() {
+                crate::log::warn("thin-pool: not growing the data device: needs_check is set");
+                return;
+            }
+            match m.md.resize_data_dev(nr_blocks) {
+                Ok(()) => {
+                    m.dirty = true;
+                    m.low_water_hit = false;
+                    if m.mode == Mode::OutOfDataSpace {
+                        m.mode = Mode::Write;
+                        m.out_of_space_since = None;
+                    }
+                }
+                Err(e) => self.metadata_failed(&mut m, &e),
+            }
+        }
+        // A bigger metadata file grows the metadata space too.
+        let meta_blocks = std::fs::metadata(&self.metadata_path)
+            .map(|x| x.len() / 4096)
+            .unwrap_or(0);
+        if meta_blocks > m.md.nr_metadata_blocks() {
+            if let Err(e) = m.md.resize_metadata_dev(meta_blocks) {
+                self.metadata_failed(&mut m, &e);
+            } else {
+                m.dirty = true;
+            }
+        }
+    }
+
+    /// Free space came back (a delete, a discard): leave out-of-space mode.
+    pub fn space_returned(&self, m: &mut PoolMd) {
+        if m.mode == Mode::OutOfDataSpace && m.md.nr_free_data_blocks() > 0 {
+            m.mode = Mode::Write;
+            m.out_of_space_since = None;
+            self.events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let m = self.md.get_mut().unwrap_or_else(|p| p.into_inner());
+        if m.dirty && m.mode != Mode::ReadOnly {
+            let _ = self.data.sync();
+            let _ = m.md.commit();
+        }
+    }
+}
+
+/// Commit every live pool (daemon shutdown).
+pub fn commit_all() {
+    let all: Vec<Arc<Pool>> = pools()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(|(_, w)| w.upgrade())
+        .collect();
+    for p in all {
+        if let Err(e) = p.commit_now() {
+            crate::log::warn(&format!(
+                "thin-pool {}: final commit failed: {e}",
+                p.metadata_path.display()
+            ));
+        }
+    }
+}
+
+fn commit_worker(weak: Weak<Pool>) {
+    let mut last = Instant::now();
+    loop {
+        let Some(pool) = weak.upgrade() else { return };
+        if pool.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let wanted = {
+            let w = pool.commit_wanted.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut w, _) = pool
+                .commit_cv
+                .wait_timeout(w, Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner());
+            std::mem::take(&mut *w)
+        };
+        let periodic = last.elapsed() >= COMMIT_PERIOD && pool.lock().dirty;
+        if wanted || periodic {
+            if let Err(e) = pool.commit_now() {
+                crate::log::warn(&format!(
+                    "thin-pool {}: commit failed: {e}",
+                    pool.metadata_path.display()
+                ));
+            }
+            last = Instant::now();
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! `thin-pool <metadata dev> <data dev> <block size> <low water> [<n> <features>...]`.
+
+use super::{Features, Mode, Pool};
+use crate::targets::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use crate::thin::ThinError;
+use std::sync::Arc;
+
+pub struct ThinPool {
+    pub pool: Arc<Pool>,
+    metadata: DevRef,
+    data: DevRef,
+    low_water: u64,
+    /// Features as the table asked for them (the table line prints these).
+    requested: Features,
+    nr_blocks: u64,
+}
+
+fn file_of(d: &DevRef, what: &str) -> Result<Arc<crate::io::BackingFile>, String> {
+    match d {
+        DevRef::File(f) => Ok(f.clone()),
+        DevRef::Dm(_) => Err(format!("{what} device must be a file or block device")),
+    }
+}
+
+impl ThinPool {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<ThinPool, String> {
+        if args.len() < 4 {
+            return Err(format!(
+                "thin-pool takes at least 4 arguments (<metadata dev> <data dev> <data block size> <low water mark>), got {}",
+                args.len()
+            ));
+        }
+        let bs = arg_u64(args, 2, "data block size")?;
+        if !(128..=2_097_152).contains(&bs) || bs % 128 != 0 {
+            return Err(format!(
+                "invalid data block size {bs}: must be a multiple of 128 sectors (64 KiB) from 128 to 2097152"
+            ));
+        }
+        let low_water = arg_u64(args, 3, "low water mark")?;
+        let mut features = Features::default();
+        if args.len() > 4 {
+            let n = arg_u64(args, 4, "feature count")? as usize;
+            if n > 4 || args.len() != 5 + n {
+                return Err(format!(
+                    "feature count {n} does not match the {} feature words given (at most 4)",
+                    args.len() - 5
+                ));
+            }
+            for w in &args[5..] {
+                match w.to_ascii_lowercase().as_str() {
+                    "skip_block_zeroing" => features.zero_new_blocks = false,
+                    "ignore_discard" => features.discard_enabled = false,
+                    "no_discard_passdown" => features.discard_passdown = false,
+                    "read_only" => features.read_only = true,
+                    "error_if_no_space" => features.error_if_no_space = true,
+                    other => return Err(format!("unknown thin-pool feature '{other}'")),
+                }
+            }
+        }
+        let nr_blocks = len / bs;
+        if nr_blocks == 0 {
+            return Err(format!(
+                "pool length {len} is smaller than one data block ({bs} sectors)"
+            ));
+        }
+        let name = args.first().ok_or("missing metadata device")?;
+        let metadata = r
+            .open(name)
+            .map_err(|e| format!("metadata device '{name}': {e}"))?;
+        let data = arg_dev(args, 1, 0, len, r)?;
+        let (mf, df) = (file_of(&metadata, "metadata")?, file_of(&data, "data")?);
+        if mf.identity == df.identity {
+            return Err("metadata and data devices must differ".into());
+        }
+        let pool = Pool::get(&mf, &df, bs, nr_blocks, features, low_water)?;
+        Ok(ThinPool {
+            pool,
+            metadata,
+            data,
+            low_water,
+            requested: features,
+            nr_blocks,
+        })
+    }
+
+    /// Run a pool message under the lock, then commit it.
+    fn run(
+        &self,
+        f: impl FnOnce(&mut crate::thin::ThinPoolMetadata, &[u64]) -> Result<(), ThinError>,
+    ) -> Result<String, String> {
+        {
+            let mut m = self.pool.lock();
+            if m.mode == Mode::ReadOnly {
+                return Err("pool is read-only".into());
+            }
+            let active = m.active.clone();
+            match f(&mut m.md, &active) {
+                Ok(()) => m.dirty = true,
+                Err(e) => {
+                    if matches!(e, ThinError::Pdata(_)) {
+                        self.pool.metadata_failed(&mut m, &e);
+                    }
+                    return Err(e.to_string());
+                }
+            }
+            self.pool.space_returned(&mut m);
+        }
+        self.pool.commit_now()?;
+        Ok(String::new())
+    }
+}
+
+fn dev_id(w: Option<&String>, what: &str) -> Result<u64, String> {
+    let w = w.ok_or_else(|| format!("missing {what}"))?;
+    let v = w.parse::<u64>().map_err(|_| format!("invalid {what} '{w}'"))?;
+    if v >= 1 << 24 {
+        return Err(format!("{what} {v} is more than 24 bits"));
+    }
+    Ok(v)
+}
+
+impl Target for ThinPool {
+    fn type_name(&self) -> &'static str {
+        "thin-pool"
+    }
+    /// I/O to the pool device itself goes to the data device (thin devices map their
+    /// data blocks through here, so the pool device counts their I/O in flight).
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        ctx.remap(&self.data, bio, 0)
+    }
+    fn table_params(&self) -> String {
+        let f = self.requested;
+        let mut words = Vec::new();
+        if !f.zero_new_blocks {
+            words.push("skip_block_zeroing");
+        }
+        if !f.discard_enabled {
+            words.push("ignore_discard");
+        }
+        if !f.discard_passdown {
+            words.push("no_discard_passdown");
+        }
+        if f.read_only {
+            words.push("read_only");
+        }
+        if f.error_if_no_space {
+            words.push("error_if_no_space");
+        }
+        let mut s = format!(
+            "{} {} {} {} {} ",
+            self.metadata.table_name(),
+            self.data.table_name(),
+            self.pool.block_sectors,
+            self.low_water,
+            words.len()
+        );
+        for w in words {
+            s.push_str(w);
+            s.push(' ');
+        }
+        s
+    }
+    fn status_params(&self) -> String {
+        // Counts are taken after a commit, as the kernel's status does.
+        if let Err(e) = self.pool.commit_now() {
+            crate::log::warn(&format!("thin-pool status: commit failed: {e}"));
+        }
+        let m = self.pool.lock();
+        let md = &m.md;
+        let total_meta = md.nr_metadata_blocks();
+        let free_meta = md.nr_free_metadata_blocks();
+        let reserve = (total_meta / 10).min(4096);
+        let used_meta = total_meta - free_meta.saturating_sub(reserve);
+        let total_data = md.nr_data_blocks();
+        let used_data = total_data - md.nr_free_data_blocks();
+        let held = md.held_root().map_or("-".to_string(), |h| h.to_string());
+        let mode = match m.mode {
+            Mode::Write => "rw",
+            Mode::OutOfDataSpace => "out_of_data_space",
+            Mode::ReadOnly => "ro",
+        };
+        let discard = if !m.features.discard_enabled {
+            "ignore_discard"
+        } else if m.features.discard_passdown {
+            "discard_passdown"
+        } else {
+            "no_discard_passdown"
+        };
+        let space = if m.features.error_if_no_space {
+            "error_if_no_space"
+        } else {
+            "queue_if_no_space"
+        };
+        let check = if md.needs_check() { "needs_check" } else { "-" };
+        let meta_dev_blocks = self.metadata.size_sectors() / 8;
+        let threshold = (meta_dev_blocks / 4).min(1024);
+        format!(
+            "{} {used_meta}/{total_meta} {used_data}/{total_data} {held} {mode} {discard} {space} {check} {threshold} ",
+            md.transaction_id()
+        )
+    }
+    fn message(&self, words: &[String]) -> Result<String, String> {
+        let w: Vec<&str> = words.iter().map(String::as_str).collect();
+        match w.as_slice() {
+            ["create_thin", _] => {
+                let id = dev_id(words.get(1), "device id")?;
+                self.run(|md, _| md.create_thin(id))
+            }
+            ["create_snap", _, _] => {
+                let id = dev_id(words.get(1), "device id")?;
+                let origin = dev_id(words.get(2), "origin id")?;
+                self.run(|md, _| md.create_snap(id, origin))
+            }
+            ["delete", _] => {
+                let id = dev_id(words.get(1), "device id")?;
+                self.run(|md, active| {
+                    if active.contains(&id) {
+                        return Err(ThinError::Invalid(format!("thin device {id} is active (busy)")));
+                    }
+                    md.delete(id)
+                })
+            }
+            ["set_transaction_id", cur, new] => {
+                let cur = cur
+                    .parse::<u64>()
+                    .map_err(|_| format!("invalid current transaction id '{cur}'"))?;
+                let new = new
+                    .parse::<u64>()
+                    .map_err(|_| format!("invalid new transaction id '{new}'"))?;
+                self.run(|md, _| md.set_transaction_id(cur, new))
+            }
+            ["reserve_metadata_snap"] => {
+                // The snapshot must show committed state: commit first.
+                self.pool.commit_now()?;
+                self.run(|md, _| md.reserve_metadata_snap().map(|_| ()))
+            }
+            ["release_metadata_snap"] => self.run(|md, _| md.release_metadata_snap()),
+            _ => Err(format!(
+                "unknown or malformed thin-pool message '{}'",
+                words.join(" ")
+            )),
+        }
+    }
+    fn devices(&self) -> Vec<&DevRef> {
+        vec![&self.data]
+    }
+    fn resume(&self) {
+        self.pool.grow(self.nr_blocks);
+    }
+    fn postsuspend(&self) {
+        if let Err(e) = self.pool.commit_now() {
+            crate::log::warn(&format!("thin-pool suspend: commit failed: {e}"));
+        }
+    }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
