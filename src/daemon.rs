@@ -146,38 +146,49 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     Ok(())
 }
 
-/// Create sparse demo backing files (on first run) and the demo devices: a linear
-/// device stacked on a striped one over two files, and a zero device.
+/// Create sparse demo backing files (on first run) and the demo devices: a thin pool
+/// over them, a 1 GiB thin volume and a snapshot of it (made on first run, kept after).
 fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Result<()> {
-    const FILE_BYTES: u64 = 512 << 20;
+    const DATA_BYTES: u64 = 4 << 30;
+    const META_BYTES: u64 = 64 << 20;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir = dir.canonicalize()?;
-    let files: Vec<PathBuf> = (0..2).map(|i| dir.join(format!("stripe{i}.img"))).collect();
-    for f in &files {
+    let (meta, data) = (dir.join("pool-meta.img"), dir.join("pool-data.img"));
+    for (f, len) in [(&meta, META_BYTES), (&data, DATA_BYTES)] {
         if !f.exists() {
-            let file = std::fs::File::create(f)?;
-            file.set_len(FILE_BYTES)?;
+            std::fs::File::create(f)?.set_len(len)?;
         }
     }
-    let sectors = FILE_BYTES / 512;
-    let striped = format!(
-        "0 {} striped 2 128 {} 0 {} 0",
-        2 * sectors,
-        files[0].display(),
-        files[1].display()
+    let pool = format!(
+        "0 {} thin-pool {} {} 128 0",
+        DATA_BYTES / 512,
+        meta.display(),
+        data.display()
     );
-    reg.create("demo-striped", &striped, false, None)?;
-    reg.create(
-        "demo-linear",
-        &format!("0 {} linear /dev/mapper/demo-striped 0", 2 * sectors),
-        false,
-        None,
-    )?;
-    reg.create("demo-zero", &format!("0 {} zero", 2 * sectors), false, None)?;
+    reg.create("demo-pool", &pool, false, None)?;
+    let thin_sectors = (1u64 << 30) / 512;
+    // A thin and a snapshot of it; on later runs they exist already.
+    for (msg, name, id) in [
+        ("create_thin 0", "demo-thin", 0),
+        ("create_snap 1 0", "demo-snap", 1),
+    ] {
+        let words: Vec<String> = msg.split(' ').map(str::to_string).collect();
+        if let Err(e) = reg.message("demo-pool", 0, &words) {
+            if !e.to_string().contains("already exists") {
+                return Err(e.into());
+            }
+        }
+        let table = format!("0 {thin_sectors} thin /dev/mapper/demo-pool {id}");
+        reg.create(name, &table, false, None)?;
+    }
+    reg.create("demo-zero", &format!("0 {thin_sectors} zero"), false, None)?;
     let sock = nbd_path.display();
-    println!("dmkit demo: devices over sparse files in {}", dir.display());
+    println!(
+        "dmkit demo: a thin pool over sparse files in {}, a thin volume and its snapshot",
+        dir.display()
+    );
     println!();
-    for name in ["demo-linear", "demo-striped", "demo-zero"] {
+    for name in ["demo-thin", "demo-snap", "demo-zero"] {
         println!("  nbd+unix:///{name}?socket={sock}");
         if let Some(t) = tcp {
             println!("  nbd://{t}/{name}");
@@ -185,14 +196,18 @@ fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Resul
     }
     println!();
     println!("Try, in another terminal:");
-    println!(
-        "  dmkit --run-dir {} table",
-        nbd_path.parent().unwrap_or(Path::new(".")).display()
-    );
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("dmkit"));
+    let run_dir = nbd_path.parent().unwrap_or(Path::new("."));
+    println!("  {} --run-dir {} table", exe.display(), run_dir.display());
     println!("  nbdinfo --list 'nbd+unix:///?socket={sock}'");
-    println!("  nbdinfo --map 'nbd+unix:///demo-linear?socket={sock}'");
-    println!("  qemu-img convert -n -O raw some.img 'nbd+unix:///demo-linear?socket={sock}'");
-    println!("  fio --name=t --ioengine=nbd --uri='nbd+unix:///demo-linear?socket={sock}' --rw=randrw --bs=4k --iodepth=32 --size=256M --runtime=10 --time_based");
+    println!("  nbdinfo --map 'nbd+unix:///demo-thin?socket={sock}'        (unprovisioned: holes)");
+    println!("  qemu-img convert -n -O raw some.img 'nbd+unix:///demo-thin?socket={sock}'");
+    println!("  fio --name=t --ioengine=nbd --uri='nbd+unix:///demo-thin?socket={sock}' --rw=randrw --bs=4k --iodepth=32 --size=256M --runtime=10 --time_based");
+    println!(
+        "  {} --run-dir {} status demo-pool     (data blocks used)",
+        exe.display(),
+        run_dir.display()
+    );
     println!();
     println!("Ctrl-C stops the daemon (devices are flushed first).");
     Ok(())

@@ -224,18 +224,25 @@ fn demo_over_unix_and_tcp() {
         assert!(t0.elapsed().as_secs() < 10, "demo devices did not appear");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    assert!(d
-        .ok(&["table", "demo-linear"])
-        .starts_with("0 2097152 linear 253:0 0"));
-    assert!(d
-        .ok(&["table", "demo-striped"])
-        .starts_with("0 2097152 striped 2 128 "));
+    assert_eq!(d.ok(&["table", "demo-thin"]), "0 2097152 thin 253:0 0\n");
+    assert_eq!(d.ok(&["table", "demo-snap"]), "0 2097152 thin 253:0 1\n");
+    let pool = d.ok(&["status", "demo-pool"]);
+    assert!(
+        pool.contains(" 0/65536 - rw discard_passdown queue_if_no_space - "),
+        "{pool}"
+    );
     let size = run(Command::new("nbdinfo")
         .arg("--size")
-        .arg(format!("nbd://{addr}/demo-linear")));
+        .arg(format!("nbd://{addr}/demo-thin")));
     assert_eq!(size.trim(), "1073741824");
-    let size = run(Command::new("nbdinfo").arg("--size").arg(d.uri("demo-striped")));
+    let size = run(Command::new("nbdinfo").arg("--size").arg(d.uri("demo-snap")));
     assert_eq!(size.trim(), "1073741824");
+    // A fresh thin is all holes.
+    let map = run(Command::new("nbdinfo").arg("--map").arg(d.uri("demo-thin")));
+    assert_eq!(
+        map.split_whitespace().collect::<Vec<_>>(),
+        ["0", "1073741824", "3", "hole,zero"]
+    );
     // Sockets are private to the owner without --group.
     use std::os::unix::fs::PermissionsExt;
     for s in ["control.sock", "nbd.sock"] {
@@ -246,7 +253,7 @@ fn demo_over_unix_and_tcp() {
             & 0o777;
         assert_eq!(mode, 0o600, "{s}");
     }
-    assert!(demo_dir.path("stripe0.img").exists() && demo_dir.path("stripe1.img").exists());
+    assert!(demo_dir.path("pool-meta.img").exists() && demo_dir.path("pool-data.img").exists());
 }
 
 #[test]
