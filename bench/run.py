@@ -144,6 +144,20 @@ def interleaved(cells, reps, runtime, tmp):
     return {k: tuple(med([r[i] for r in v]) for i in range(4)) for k, v in runs.items()}
 
 
+def write_section(path, name, lines):
+    """Replace (or append) the part of `path` between <!-- NAME --> markers, so each
+    benchmark script owns its section of BENCHMARKS.md."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    block = begin + "\n" + "\n".join(lines) + "\n" + end
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(new)
+
+
 def fmt(v, nd=0):
     return "—" if v is None else f"{v:,.{nd}f}"
 
@@ -222,7 +236,7 @@ def main():
     a = ap.parse_args()
     backings = a.backing or ["/dev/shm", "/var/tmp"]
     cmdline = "bench/run.py " + " ".join(sys.argv[1:])
-    out = ["# Benchmarks", "",
+    out = ["## NBD export: dmkit vs nbdkit, qemu-nbd and fio", "",
            f"Produced by `{cmdline.strip()}` (after `cargo build --release`; `bench/setup.sh` installs "
            "fio, nbdkit and qemu-utils). Every figure is the median of "
            f"{a.reps} runs of {a.runtime} s (after 1 s ramp); all servers run in the same invocation, one "
@@ -238,8 +252,7 @@ def main():
     for b in backings:
         throughput(b, a.reps, a.runtime, out)
     flush_seed(backings[-1], a.reps, a.runtime, out)
-    with open(a.out, "w") as f:
-        f.write("\n".join(out) + "\n")
+    write_section(a.out, "nbd", out)
     print("\n".join(out))
 
 

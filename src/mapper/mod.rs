@@ -175,10 +175,14 @@ impl Device {
     /// Wait until every request that entered this device before the call has left,
     /// without holding up new ones (they count in the next epoch). Blocks: never call
     /// it from a thread whose own requests could be among those waited for.
-    pub fn drain_epoch(&self) {
+    /// False if they had not all left within `limit` (a request queued for space,
+    /// say); the caller then tries again later.
+    pub fn drain_epoch(&self, limit: Duration) -> bool {
         let _l = self.drain_lock.lock().unwrap_or_else(|p| p.into_inner());
         let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
-        wait_until(|| self.inflight[old].load(Ordering::SeqCst) == 0);
+        let t0 = std::time::Instant::now();
+        wait_until(|| self.inflight[old].load(Ordering::SeqCst) == 0 || t0.elapsed() > limit);
+        self.inflight[old].load(Ordering::SeqCst) == 0
     }
 
     /// Make everything written through the live table durable (synchronously, on

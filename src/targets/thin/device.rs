@@ -114,7 +114,8 @@ impl ThinDev {
             (Op::Read, Some(map)) | (Op::Write, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
                 drop(m);
                 let sector = self.data_sector(map.data_block, off);
-                ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0)
+                self.remap_pool(Bio { sector, ..bio }, bio, ctx);
+                Ok(())
             }
             (Op::Read, None) => {
                 drop(m);
@@ -127,7 +128,8 @@ impl ThinDev {
             (Op::WriteZeroes, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
                 drop(m);
                 let sector = self.data_sector(map.data_block, off);
-                ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0)
+                self.remap_pool(Bio { sector, ..bio }, bio, ctx);
+                Ok(())
             }
             _ => self.provision(m, bio, found.map(|x| x.data_block), ctx),
         }
@@ -202,10 +204,10 @@ impl ThinDev {
         }
         let first = ctx.leaves.len();
         let sector = self.data_sector(new, off);
-        if let Err(e) = ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0) {
-            ctx.leaves.truncate(first);
+        if !self.remap_pool(Bio { sector, ..bio }, bio, ctx) {
+            // Deferred or failed instead: nothing was written to the new block.
             self.undo(new, key);
-            return Err(e);
+            return Ok(());
         }
         let (pool, id) = (self.pool.clone(), self.id);
         let hook = move |ok: bool| finish(&pool, id, new, vblock, key, ok);
@@ -254,6 +256,27 @@ impl ThinDev {
             }
         }
         Ok(())
+    }
+
+    /// Send `data` (a piece remapped to the data device's sectors) through the pool
+    /// device. A suspended pool defers the piece (`orig`, in this thin's sectors) and
+    /// an error fails it, so a thin map never stops halfway through a request whose
+    /// other pieces already provisioned blocks. True when I/O leaves were pushed.
+    fn remap_pool(&self, data: Bio, orig: Bio, ctx: &mut MapCtx) -> bool {
+        let first = ctx.leaves.len();
+        match ctx.remap(&self.pool_dev, data, 0) {
+            Ok(()) => true,
+            Err(MapErr::Suspended) => {
+                ctx.leaves.truncate(first);
+                ctx.defer(orig);
+                false
+            }
+            Err(MapErr::Errno(e)) => {
+                ctx.leaves.truncate(first);
+                ctx.complete(orig, LeafKind::Fail(e));
+                false
+            }
+        }
     }
 
     fn undo(&self, new: u64, key: Key) {
@@ -307,7 +330,13 @@ impl ThinDev {
         drop(m);
         if passdown {
             let sector = self.data_sector(map.data_block, 0);
-            ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0)
+            let first = ctx.leaves.len();
+            if ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0).is_err() {
+                // The unmap is done; a passdown that cannot go now is skipped (advisory).
+                ctx.leaves.truncate(first);
+                ctx.complete(bio, LeafKind::Drop);
+            }
+            Ok(())
         } else {
             ctx.complete(bio, LeafKind::Drop);
             Ok(())
@@ -329,7 +358,8 @@ impl ThinDev {
             return Ok(());
         }
         drop(m);
-        ctx.remap(&self.pool_dev, Bio { token: 0, ..bio }, 0)
+        self.remap_pool(Bio { token: 0, ..bio }, bio, ctx);
+        Ok(())
     }
 }
 

@@ -263,7 +263,9 @@ impl Pool {
     pub fn commit_now(&self) -> Result<(), String> {
         let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
         if let Some(d) = dev {
-            d.drain_epoch();
+            if !d.drain_epoch(Duration::from_millis(500)) {
+                return Err("I/O in flight did not drain (queued for space?); commit postponed".into());
+            }
         }
         let mut m = self.lock();
         self.started.fetch_add(1, Ordering::SeqCst);
