@@ -82,7 +82,7 @@ def make_pool(d, tmp, tag, data_bytes, block_sectors, thin_bytes, provision=True
 def seed000(tmp, reps, runtime, out):
     d = Daemon(tmp)
     try:
-        make_pool(d, tmp, "s0", 1200 * MIB, 128, 1024 * MIB)
+        make_pool(d, tmp, "s0", 2200 * MIB, 128, 1024 * MIB)
         jobs = [
             ("randwrite", "fio", ["--rw=randwrite", "--bs=4k", "--iodepth=32", f"--size={1024 * MIB}"]),
             ("randwrite, FUA on every write", "load", ["--rw", "randwrite", "--fua", "--qd", "32"]),

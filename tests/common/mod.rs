@@ -216,3 +216,17 @@ pub fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {
     f.read_exact_at(&mut b, off).expect("read_at");
     b
 }
+
+// ---- Added for tests/thin_fs_crash.rs: crash helpers ----
+
+impl Daemon {
+    /// Kill the daemon with SIGKILL (no shutdown path runs: no final commit) and
+    /// reap it. The scratch directory stays until the `Daemon` is dropped.
+    pub fn kill9(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SAFETY: sending SIGKILL to our own, not yet reaped, child process.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        }
+        let _ = self.child.wait();
+    }
+}
