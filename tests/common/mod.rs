@@ -155,6 +155,9 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        if !self.alive() {
+            return; // already reaped (kill9): its pid may belong to someone else now
+        }
         // SAFETY: sending SIGTERM to our own child process.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let t0 = Instant::now();
