@@ -167,6 +167,16 @@ impl Device {
         }
     }
 
+    /// The event number `info` shows: the device's own events and its targets'.
+    pub fn events(&self) -> u64 {
+        let own = u64::from(self.event_nr.load(Ordering::Relaxed));
+        own + self
+            .live
+            .load()
+            .as_ref()
+            .map_or(0, |t| t.entries.iter().map(|e| e.target.events()).sum())
+    }
+
     /// Requests mapped or in flight through this device now.
     pub fn in_flight(&self) -> u64 {
         self.inflight[0].load(Ordering::SeqCst) + self.inflight[1].load(Ordering::SeqCst)

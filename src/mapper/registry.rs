@@ -343,11 +343,7 @@ impl Registry {
             row(&mut out, "Read Ahead", "256".into());
             row(&mut out, "Tables present", tables.into());
             row(&mut out, "Open count", opens.to_string());
-            row(
-                &mut out,
-                "Event number",
-                d.event_nr.load(Ordering::Relaxed).to_string(),
-            );
+            row(&mut out, "Event number", d.events().to_string());
             row(&mut out, "Major, minor", format!("{DM_MAJOR}, {}", d.minor));
             row(&mut out, "Number of targets", targets.to_string());
             if let Some(u) = &d.uuid {

@@ -93,6 +93,13 @@ impl BlockCache {
         self.nr_blocks
     }
 
+    /// Re-read the device size (after the metadata device grew).
+    pub fn refresh_nr_blocks(&mut self) -> Result<u64> {
+        let n = self.dev.refresh_size().map_err(|e| Self::io_err(0, e))?;
+        self.nr_blocks = n.max(self.nr_blocks);
+        Ok(self.nr_blocks)
+    }
+
     fn check_range(&self, block: u64) -> Result<()> {
         if block >= self.nr_blocks {
             return Err(PdataError::OutOfRange {

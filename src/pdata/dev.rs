@@ -15,6 +15,10 @@ pub trait MetadataDev: Send {
     fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()>;
     /// Make every completed write durable (fdatasync).
     fn flush(&mut self) -> io::Result<()>;
+    /// Look at the device's size again (it may have grown); the new block count.
+    fn refresh_size(&mut self) -> io::Result<u64> {
+        Ok(self.nr_blocks())
+    }
 }
 
 /// A metadata device backed by a regular file or a block device node.
@@ -55,6 +59,12 @@ impl MetadataDev for FileDev {
     }
     fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
         self.file.write_all_at(buf, block * BLOCK_SIZE as u64)
+    }
+    fn refresh_size(&mut self) -> io::Result<u64> {
+        use std::io::Seek;
+        let mut f = &self.file;
+        self.nr_blocks = f.seek(io::SeekFrom::End(0))? / BLOCK_SIZE as u64;
+        Ok(self.nr_blocks)
     }
     fn flush(&mut self) -> io::Result<()> {
         self.file.sync_data()

@@ -263,6 +263,10 @@ pub trait Target: Send + Sync {
     fn resume(&self) {}
     /// Called once a suspending device has drained (thin-pool commits here).
     fn postsuspend(&self) {}
+    /// Events the target raised (dm_table_event): added to the device's event number.
+    fn events(&self) -> u64 {
+        0
+    }
     /// For targets that other targets look up (thin finds its pool through the
     /// pool device's table).
     fn as_any(&self) -> Option<&dyn std::any::Any> {

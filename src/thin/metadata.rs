@@ -482,6 +482,9 @@ impl ThinPoolMetadata {
     /// Grow the metadata space map to `nr_blocks` (at most the device size).
     pub fn resize_metadata_dev(&mut self, nr_blocks: u64) -> Result<()> {
         if nr_blocks > self.tm.cache.nr_blocks() {
+            self.tm.cache.refresh_nr_blocks()?;
+        }
+        if nr_blocks > self.tm.cache.nr_blocks() {
             return Err(ThinError::Invalid(format!(
                 "metadata device has only {} blocks",
                 self.tm.cache.nr_blocks()

@@ -157,19 +157,19 @@ impl Pool {
         let mut all = pools().lock().unwrap_or_else(|p| p.into_inner());
         all.retain(|(_, w)| w.strong_count() > 0);
         if let Some(p) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            // A reload: the new features, size and low water take effect at resume.
             if p.block_sectors != block_sectors {
                 return Err(format!(
                     "data block size {block_sectors} does not match the pool's {}",
                     p.block_sectors
                 ));
             }
-            let mut m = p.lock();
-            m.features = features;
-            m.low_water = low_water;
-            drop(m);
             return Ok(p);
         }
-        let dev = FileDev::open(&metadata.path, !features.read_only)
+        // Writable whenever the file allows, so a read_only pool can be reloaded
+        // read-write; read_only itself is the pool's mode.
+        let dev = FileDev::open(&metadata.path, true)
+            .or_else(|_| FileDev::open(&metadata.path, false))
             .map_err(|e| format!("metadata device: {e}"))?;
         let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
         let md = if fresh {
@@ -337,8 +337,13 @@ impl Pool {
                     ));
                 }
                 let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
-                let queue = !m.features.error_if_no_space && since.elapsed() < no_space_timeout();
-                Err(queue)
+                if !m.features.error_if_no_space && since.elapsed() >= no_space_timeout() {
+                    // As the kernel's no_space_timeout: stop queueing, fail with
+                    // ENOSPC from now on, and say so in the status.
+                    m.features.error_if_no_space = true;
+                    self.events.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(!m.features.error_if_no_space)
             }
             Err(e) => {
                 self.metadata_failed(m, &e);
@@ -347,9 +352,35 @@ impl Pool {
         }
     }
 
+    /// At resume: the table's features and low water apply, the mode follows them
+    /// (read_only, or back to read-write unless needs_check holds it), and the data and
+    /// metadata space grow to the table's and the file's sizes.
+    pub fn apply(&self, features: Features, low_water: u64, nr_blocks: u64) {
+        {
+            let mut m = self.lock();
+            m.features = features;
+            m.low_water = low_water;
+            let mode = if features.read_only || m.md.needs_check() {
+                Mode::ReadOnly
+            } else if m.mode == Mode::ReadOnly {
+                Mode::Write
+            } else {
+                m.mode
+            };
+            if mode != m.mode {
+                m.mode = mode;
+                self.events.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.grow(nr_blocks);
+    }
+
     /// Grow the data space to `nr_blocks` (a reloaded, larger pool table).
-    pub fn grow(&self, nr_blocks: u64) {
+    fn grow(&self, nr_blocks: u64) {
         let mut m = self.lock();
+        if m.mode == Mode::ReadOnly {
+            return;
+        }
         if nr_blocks > m.md.nr_data_blocks() {
             if m.md.needs_check() {
                 crate::log::warn("thin-pool: not growing the data device: needs_check is set");

@@ -245,7 +245,10 @@ impl Target for ThinPool {
         vec![&self.data]
     }
     fn resume(&self) {
-        self.pool.grow(self.nr_blocks);
+        self.pool.apply(self.requested, self.low_water, self.nr_blocks);
+    }
+    fn events(&self) -> u64 {
+        self.pool.events.load(std::sync::atomic::Ordering::Relaxed)
     }
     fn postsuspend(&self) {
         if let Err(e) = self.pool.commit_now() {
