@@ -152,7 +152,8 @@ def seed004(tmp, reps, runtime, out):
                 meta = data = None
                 try:
                     tag = f"s4b{b}"
-                    meta, data = make_pool(d, tmp, tag, thin_bytes + 64 * MIB, b * MIB // 512, thin_bytes)
+                    # room for the thin and a full second copy once sharing breaks
+                    meta, data = make_pool(d, tmp, tag, 2 * thin_bytes + 64 * MIB, b * MIB // 512, thin_bytes)
                     d.cli("message", f"{tag}-pool", "0", "create_snap", "1", "0")
                     _, bw = nb.fio(["--ioengine=nbd", f"--uri={d.uri(tag + '-thin')}", "--rw=write",
                                     f"--bs={w}k", "--iodepth=1", f"--size={thin_bytes}", "--time_based=0",
@@ -199,16 +200,19 @@ def main():
            "--examples`. Medians of the runs; thin and linear alternate within each run.".replace("``", "`"),
            f"Machine: {os.uname().release}, {os.cpu_count()} cores. Date: {time.strftime('%Y-%m-%d')}."]
     only = a.only.split(",")
+    # Each seed's results are saved as soon as it is done.
     if "000" in only:
         with tempfile.TemporaryDirectory(dir="/dev/shm") as t:
             seed000(t, a.reps, a.runtime, out)
+        nb.write_section(a.out, "thin", out)
     if "003" in only:
         with tempfile.TemporaryDirectory(dir=a.dir) as t:
             seed003(t, a.reps, a.runtime, out)
+        nb.write_section(a.out, "thin", out)
     if "004" in only:
         with tempfile.TemporaryDirectory(dir=a.dir) as t:
             seed004(t, max(1, a.reps - 2), a.runtime, out)
-    nb.write_section(a.out, "thin", out)
+        nb.write_section(a.out, "thin", out)
     print("\n".join(out))
 
 

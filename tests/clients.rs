@@ -284,3 +284,61 @@ fn stalled_handshake_is_dropped_but_idle_clients_stay() {
     attached.write(4096, &pattern(5, 4096));
     assert!(attached.read(4096, 4096) == pattern(5, 4096));
 }
+
+/// Used data blocks of a pool, from its status line.
+fn pool_used_data(d: &Daemon, pool: &str) -> u64 {
+    let st = d.ok(&["status", pool]);
+    let used = st
+        .split_whitespace()
+        .nth(5)
+        .and_then(|f| f.split('/').next())
+        .unwrap_or("");
+    used.parse().unwrap_or_else(|_| panic!("no used data in '{st}'"))
+}
+
+#[test]
+fn copies_between_thins_stay_thin() {
+    if !need("nbdcopy") || !need("qemu-img") {
+        return;
+    }
+    let d = Daemon::start("thincopy");
+    let meta = d.dir.sparse("meta.img", 16 * MIB);
+    let data = d.dir.sparse("data.img", 512 * MIB);
+    d.create(
+        "pool",
+        &format!("0 1048576 thin-pool {} {} 128 0", meta.display(), data.display()),
+    );
+    for id in 0..3 {
+        d.ok(&["message", "pool", "0", "create_thin", &id.to_string()]);
+        d.create(&format!("t{id}"), &format!("0 262144 thin /dev/mapper/pool {id}"));
+    }
+    // 1 MiB of data in a 128 MiB thin: 16 blocks of 64 KiB.
+    let mut c = common::nbd::Client::connect(&d.sock(), "t0");
+    c.write(10 * MIB, &pattern(21, MIB as usize));
+    drop(c);
+    assert_eq!(pool_used_data(&d, "pool"), 16);
+    let map = run(Command::new("nbdinfo").arg("--map").arg(d.uri("t0")));
+    let norm = map.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert_eq!(
+        norm,
+        "0 10485760 3 hole,zero 10485760 1048576 0 data 11534336 122683392 3 hole,zero"
+    );
+    // nbdcopy reads the holes as zero extents and skips them: 16 more blocks, not 2048.
+    run(Command::new("nbdcopy").arg(d.uri("t0")).arg(d.uri("t1")));
+    assert_eq!(pool_used_data(&d, "pool"), 32);
+    // qemu-img convert onto a thin it is told is zero skips them as well.
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "--target-is-zero", "-f", "raw", "-O", "raw"])
+        .arg(d.uri("t0"))
+        .arg(d.uri("t2")));
+    assert_eq!(pool_used_data(&d, "pool"), 48);
+    for t in ["t1", "t2"] {
+        assert_eq!(d.ok(&["status", t]), "0 262144 thin 2048 22527\n", "{t}");
+        let mut c = common::nbd::Client::connect(&d.sock(), t);
+        assert!(
+            c.read(10 * MIB, MIB as usize) == pattern(21, MIB as usize),
+            "{t} data"
+        );
+        assert!(c.read(0, 4096).iter().all(|&b| b == 0), "{t} hole");
+    }
+}
