@@ -102,7 +102,7 @@ impl ThinDev {
             ctx.defer(bio);
             return Ok(());
         }
-        let found = match m.md.lookup(self.id, vblock) {
+        let found = match m.lookup(self.id, vblock) {
             Ok(f) => f,
             Err(e) => {
                 self.pool.metadata_failed(&mut m, &e);
@@ -304,7 +304,7 @@ impl ThinDev {
             ctx.defer(bio);
             return Ok(());
         }
-        let found = match m.md.lookup(self.id, vblock) {
+        let found = match m.lookup(self.id, vblock) {
             Ok(f) => f,
             Err(e) => {
                 self.pool.metadata_failed(&mut m, &e);
@@ -316,6 +316,7 @@ impl ThinDev {
             ctx.complete(bio, LeafKind::Drop);
             return Ok(());
         };
+        m.cache.forget(self.id, vblock);
         if let Err(e) = m.md.remove(self.id, vblock) {
             self.pool.metadata_failed(&mut m, &e);
             return Self::fail(ctx, bio, errno::EIO);
@@ -389,7 +390,10 @@ fn finish(pool: &Pool, id: u64, new: u64, vblock: u64, key: Key, ok: bool) {
     let mut m = pool.lock();
     if ok {
         match m.md.insert(id, vblock, new) {
-            Ok(()) => m.dirty = true,
+            Ok(()) => {
+                m.dirty = true;
+                m.cache.put(id, vblock, new, false);
+            }
             Err(e) => pool.metadata_failed(&mut m, &e),
         }
     } else {
