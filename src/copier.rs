@@ -11,7 +11,6 @@ use crate::io::backing::FileHandle;
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{AlignedBuf, BackingFile};
 use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -271,8 +270,8 @@ struct Local {
     /// The copier's own ring (created lazily; falls back to synchronous calls by itself
     /// when io_uring is unavailable or DMKIT_NO_URING is set).
     queue: Option<IoQueue>,
-    /// Completions of operations executed synchronously.
-    sync_done: VecDeque<(u64, i32)>,
+    /// The synchronous queue, for copiers made to avoid io_uring (tests of that path).
+    sync_queue: Option<IoQueue>,
     cq: Vec<(u64, i32)>,
     bufs: Vec<AlignedBuf>,
     /// All zeroes, never written: the data of zeroing writes.
@@ -317,7 +316,7 @@ impl Local {
     fn new() -> Local {
         Local {
             queue: None,
-            sync_done: VecDeque::new(),
+            sync_queue: None,
             cq: Vec::new(),
             bufs: Vec::new(),
             zero: AlignedBuf::default(),
@@ -332,11 +331,11 @@ impl Local {
     /// # Safety
     /// As [`IoQueue::push`]: the memory `op` names stays valid and untouched until reaped.
     unsafe fn push(&mut self, sync: bool, op: Sqe, ud: u64) {
-        if sync {
-            self.sync_done.push_back((ud, sync_exec(op)));
-            return;
-        }
-        let q = self.queue.get_or_insert_with(|| IoQueue::new(RING_ENTRIES));
+        let q = if sync {
+            self.sync_queue.get_or_insert_with(IoQueue::synchronous)
+        } else {
+            self.queue.get_or_insert_with(|| IoQueue::new(RING_ENTRIES))
+        };
         // SAFETY: our caller upholds push's contract.
         unsafe { q.push(op, ud) }
     }
@@ -345,7 +344,10 @@ impl Local {
     /// ready one into `self.cq`.
     fn reap(&mut self) -> io::Result<()> {
         self.cq.clear();
-        self.cq.extend(self.sync_done.drain(..));
+        if let Some(q) = self.sync_queue.as_mut() {
+            let cq = &mut self.cq;
+            q.drain(|u, r| cq.push((u, r)));
+        }
         if let Some(q) = self.queue.as_mut() {
             if self.cq.is_empty() {
                 q.wait(None)?;
@@ -380,38 +382,6 @@ impl Local {
             self.cq = cq;
         }
         Ok(())
-    }
-}
-
-/// Execute `op` with plain system calls; the completion result io_uring would report.
-fn sync_exec(op: Sqe) -> i32 {
-    loop {
-        // SAFETY: the pointers come from `Local::push`, whose caller guarantees they are
-        // valid for the lengths given.
-        let r: isize = unsafe {
-            match op {
-                Sqe::Read { fd, buf, len, offset } => {
-                    libc::pread(fd, buf.cast(), len as usize, offset as libc::off_t)
-                }
-                Sqe::Write {
-                    fd, buf, len, offset, ..
-                } => libc::pwrite(fd, buf.cast(), len as usize, offset as libc::off_t),
-                Sqe::Fallocate {
-                    fd,
-                    mode,
-                    offset,
-                    len,
-                } => libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) as isize,
-                _ => return -libc::EINVAL,
-            }
-        };
-        if r >= 0 {
-            return r as i32;
-        }
-        let e = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
-        if e != libc::EINTR {
-            return -e;
-        }
     }
 }
 

@@ -76,6 +76,16 @@ impl IoQueue {
         }
     }
 
+    /// A queue that always executes synchronously (tests of the fallback path).
+    pub fn synchronous() -> IoQueue {
+        IoQueue {
+            ring: None,
+            done: VecDeque::new(),
+            pending_recv: None,
+            queued: 0,
+        }
+    }
+
     pub fn is_uring(&self) -> bool {
         self.ring.is_some()
     }

@@ -95,19 +95,8 @@ impl ThinDev {
     /// One piece within one block.
     fn map_piece(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
-        let key = Key::Virtual(self.id, vblock);
-        let mut m = self.pool.lock();
-        if m.prison.contains(&key) {
-            drop(m);
-            ctx.defer(bio);
+        let Some((m, found)) = self.lookup_locked(bio, vblock, ctx) else {
             return Ok(());
-        }
-        let found = match m.lookup(self.id, vblock) {
-            Ok(f) => f,
-            Err(e) => {
-                self.pool.metadata_failed(&mut m, &e);
-                return Self::fail(ctx, bio, errno::EIO);
-            }
         };
         match (bio.op, found) {
             // The fast path: reads of any mapped block, writes to unshared ones.
@@ -132,6 +121,35 @@ impl ThinDev {
                 Ok(())
             }
             _ => self.provision(m, bio, found.map(|x| x.data_block), ctx),
+        }
+    }
+
+    /// Under the pool lock: the mapping of `vblock`, unless the block is being
+    /// provisioned (the piece is deferred) or the lookup failed (the piece fails),
+    /// in which case None and the piece is taken care of.
+    fn lookup_locked(
+        &self,
+        bio: Bio,
+        vblock: u64,
+        ctx: &mut MapCtx,
+    ) -> Option<(
+        std::sync::MutexGuard<'_, super::PoolMd>,
+        Option<crate::thin::Mapping>,
+    )> {
+        let mut m = self.pool.lock();
+        if m.prison.contains(&Key::Virtual(self.id, vblock)) {
+            drop(m);
+            ctx.defer(bio);
+            return None;
+        }
+        match m.lookup(self.id, vblock) {
+            Ok(found) => Some((m, found)),
+            Err(e) => {
+                self.pool.metadata_failed(&mut m, &e);
+                drop(m);
+                ctx.complete(bio, LeafKind::Fail(errno::EIO));
+                None
+            }
         }
     }
 
@@ -291,25 +309,16 @@ impl ThinDev {
 
     fn discard_piece(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
-        let mut m = self.pool.lock();
+        let m = self.pool.lock();
         // Only whole blocks are unmapped; a discard is advisory, so a partial one does nothing.
         if !m.features.discard_enabled || off != 0 || bio.nr_sectors != self.bs || m.mode == Mode::ReadOnly {
             drop(m);
             ctx.complete(bio, LeafKind::Drop);
             return Ok(());
         }
-        let key = Key::Virtual(self.id, vblock);
-        if m.prison.contains(&key) {
-            drop(m);
-            ctx.defer(bio);
+        drop(m);
+        let Some((mut m, found)) = self.lookup_locked(bio, vblock, ctx) else {
             return Ok(());
-        }
-        let found = match m.lookup(self.id, vblock) {
-            Ok(f) => f,
-            Err(e) => {
-                self.pool.metadata_failed(&mut m, &e);
-                return Self::fail(ctx, bio, errno::EIO);
-            }
         };
         let Some(map) = found else {
             drop(m);
