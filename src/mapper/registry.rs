@@ -164,7 +164,6 @@ impl Registry {
             }
         }
         dev.suspended.store(false, Ordering::SeqCst);
-        dev.event_nr.fetch_add(0, Ordering::Relaxed);
         Ok(())
     }
 

@@ -475,40 +475,34 @@ impl Conn {
             return self.finish_err(slot, e);
         }
         let s = &self.slots[slot];
-        let op = match s.cmd {
-            CMD_READ => Op::Read,
-            CMD_WRITE => Op::Write,
-            CMD_FLUSH => Op::Flush,
-            CMD_TRIM => Op::Discard,
-            CMD_WRITE_ZEROES => Op::WriteZeroes,
-            CMD_BLOCK_STATUS => return self.block_status(slot),
-            // CACHE is advisory and the range is valid.
-            _ => return self.finish(slot),
-        };
-        if s.len == 0 && op != Op::Flush {
-            return self.finish(slot);
+        if s.cmd == CMD_BLOCK_STATUS {
+            return self.block_status(slot);
         }
-        if !self.parked.is_empty() {
-            // Keep order behind requests waiting for a resume.
+        // CACHE is advisory and the range is valid; empty reads and writes have nothing to do.
+        let Some(op) = Self::op_of(s.cmd).filter(|&op| s.len > 0 || op == Op::Flush) else {
+            return self.finish(slot);
+        };
+        // Behind requests waiting for a resume, to keep their order.
+        if !self.parked.is_empty() || !self.map_and_submit(slot, op) {
             self.slots[slot].state = State::Parked;
             self.parked.push_back(slot);
-            return;
         }
-        self.map_and_submit(slot, op);
     }
 
-    fn op_of(cmd: u16) -> Op {
+    /// The operation an NBD command maps to (None: handled by the export itself).
+    fn op_of(cmd: u16) -> Option<Op> {
         match cmd {
-            CMD_READ => Op::Read,
-            CMD_WRITE => Op::Write,
-            CMD_TRIM => Op::Discard,
-            CMD_WRITE_ZEROES => Op::WriteZeroes,
-            _ => Op::Flush,
+            CMD_READ => Some(Op::Read),
+            CMD_WRITE => Some(Op::Write),
+            CMD_FLUSH => Some(Op::Flush),
+            CMD_TRIM => Some(Op::Discard),
+            CMD_WRITE_ZEROES => Some(Op::WriteZeroes),
+            _ => None,
         }
     }
 
-    /// Map the request through the device and submit its leaves. False when the
-    /// request had to be parked (a device on its path is suspended).
+    /// Map the request through the device and submit its leaves. False when a device
+    /// on its path is suspended: the caller parks it where its order requires.
     fn map_and_submit(&mut self, slot: usize, op: Op) -> bool {
         let dev = self.dev.clone();
         let s = &mut self.slots[slot];
@@ -538,9 +532,6 @@ impl Conn {
                 mapper::release(&mut s.holds);
                 s.leaves.clear();
                 s.state = State::Parked;
-                if !self.parked.contains(&slot) {
-                    self.parked.push_back(slot);
-                }
                 false
             }
             Err(MapErr::Errno(e)) => {
@@ -552,15 +543,12 @@ impl Conn {
     }
 
     fn retry_parked(&mut self) {
-        while let Some(&slot) = self.parked.front() {
-            self.parked.pop_front();
-            let op = Self::op_of(self.slots[slot].cmd);
+        while let Some(slot) = self.parked.pop_front() {
+            let Some(op) = Self::op_of(self.slots[slot].cmd) else {
+                continue;
+            };
             if !self.map_and_submit(slot, op) {
-                // Still suspended: it went back to the end; put it first again.
-                if let Some(pos) = self.parked.iter().position(|&x| x == slot) {
-                    self.parked.remove(pos);
-                }
-                self.parked.push_front(slot);
+                self.parked.push_front(slot); // still suspended: first in line again
                 return;
             }
         }
