@@ -23,19 +23,30 @@ fn mem_pool(dev: &MemDev, nr_data: u64, cache: usize) -> ThinPoolMetadata {
 fn step(md: &mut ThinPoolMetadata, model: &mut Model, rng: &mut Rng, next_dev: &mut u64) {
     let devs: Vec<u64> = model.keys().copied().collect();
     let r = rng.below(1000);
+    // Half the new devices reuse a free id (a deleted one, or one an abort dropped).
+    let new_id = |rng: &mut Rng, model: &Model, next_dev: &mut u64| {
+        let id = match rng.below(2) {
+            0 => (0..*next_dev)
+                .find(|d| !model.contains_key(d))
+                .unwrap_or(*next_dev),
+            _ => *next_dev,
+        };
+        *next_dev = (*next_dev).max(id + 1);
+        id
+    };
     if devs.is_empty() || r < 8 {
-        md.create_thin(*next_dev).unwrap();
-        model.insert(*next_dev, Default::default());
-        *next_dev += 1;
+        let id = new_id(rng, model, next_dev);
+        md.create_thin(id).unwrap();
+        model.insert(id, Default::default());
         return;
     }
     let dev = devs[rng.below(devs.len() as u64) as usize];
     let span = 3000;
     if r < 20 {
-        md.create_snap(*next_dev, dev).unwrap();
+        let id = new_id(rng, model, next_dev);
+        md.create_snap(id, dev).unwrap();
         let c = model[&dev].clone();
-        model.insert(*next_dev, c);
-        *next_dev += 1;
+        model.insert(id, c);
     } else if r < 26 && devs.len() > 1 {
         md.delete(dev).unwrap();
         model.remove(&dev);
@@ -65,6 +76,16 @@ fn run_seed(seed: u64, ops: usize) {
     let mut next_dev = 0u64;
     for i in 0..ops {
         step(&mut md, &mut model, &mut rng, &mut next_dev);
+        // a lookup after every op: through the lookup cache, which must stay exact
+        if let Some((&dev, m)) = model.iter().nth(rng.below(model.len() as u64) as usize) {
+            let vb = rng.below(3000);
+            let got = md.lookup(dev, vb).unwrap().map(|m| (m.data_block, m.time));
+            assert_eq!(
+                got,
+                m.get(&vb).copied(),
+                "seed {seed} op {i}: dev {dev} vblock {vb}"
+            );
+        }
         match rng.below(400) {
             0..=5 => {
                 md.commit().unwrap();

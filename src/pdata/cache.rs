@@ -253,6 +253,16 @@ impl BlockCache {
         Ok(())
     }
 
+    /// Read and validate a block into `buf`, bypassing the cache (one-pass
+    /// walks such as the checker, which visit every block once).
+    pub fn read_uncached(&mut self, block: u64, kind: BlockKind, buf: &mut Block) -> Result<()> {
+        self.check_range(block)?;
+        self.dev
+            .read_block(block, buf)
+            .map_err(|e| Self::io_err(block, e))?;
+        validate(block, kind, buf)
+    }
+
     /// Read a block with no validation and no caching (for superblock probing).
     pub fn read_raw(&mut self, block: u64) -> Result<Box<Block>> {
         self.check_range(block)?;

@@ -10,7 +10,8 @@ use crate::pdata::cache::FastMap;
 use crate::pdata::space_map::disk::{self, decode_index_entry, SmRoot};
 use crate::pdata::space_map::{SmKind, SpaceMap};
 use crate::pdata::tm::TransactionManager;
-use crate::pdata::{le64, BlockKind, MetadataDev};
+use crate::pdata::{Block, BlockKind, MetadataDev, BLOCK_SIZE};
+use std::collections::BTreeMap;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Tree {
@@ -47,12 +48,83 @@ impl Report {
     }
 }
 
+/// Reference counts found by the walk: a byte per block, large counts on the
+/// side, and references past the end kept apart to be reported.
+struct Recount {
+    small: Vec<u8>,
+    big: FastMap<u64, u32>,
+    beyond: BTreeMap<u64, u32>,
+}
+
+impl Recount {
+    fn new(nr_blocks: u64) -> Recount {
+        Recount {
+            small: vec![0; nr_blocks as usize],
+            big: FastMap::default(),
+            beyond: BTreeMap::new(),
+        }
+    }
+
+    /// One more reference to `b`; returns the count before it.
+    fn inc(&mut self, b: u64) -> u32 {
+        let Some(c) = self.small.get_mut(b as usize) else {
+            let e = self.beyond.entry(b).or_default();
+            *e += 1;
+            return *e - 1;
+        };
+        match *c {
+            0..=253 => {
+                *c += 1;
+                *c as u32 - 1
+            }
+            254 => {
+                *c = 255;
+                self.big.insert(b, 255);
+                254
+            }
+            _ => {
+                let e = self.big.entry(b).or_insert(255);
+                *e = e.saturating_add(1);
+                *e - 1
+            }
+        }
+    }
+
+    fn get(&self, b: u64) -> u32 {
+        match self.small.get(b as usize) {
+            Some(255) => self.big.get(&b).copied().unwrap_or(255),
+            Some(&c) => c as u32,
+            None => self.beyond.get(&b).copied().unwrap_or(0),
+        }
+    }
+}
+
+/// Data block numbers are 40 bits wide in a mapping.
+const MAX_DATA_BLOCKS: u64 = 1 << 40;
+
 struct Checker {
     tm: TransactionManager,
-    meta_expected: FastMap<u64, u32>,
-    data_expected: FastMap<u64, u32>,
-    visited: FastMap<u64, ()>,
+    meta_expected: Recount,
+    data_expected: Recount,
+    /// Node buffers, one per level of the walk in progress.
+    spare: Vec<Box<Block>>,
     errors: Vec<String>,
+    progress: Option<Progress>,
+}
+
+/// A progress line on a terminal for long checks.
+struct Progress {
+    total: u64,
+    done: u64,
+}
+
+impl Progress {
+    fn tick(&mut self) {
+        self.done += 1;
+        if self.done.is_multiple_of(1 << 14) {
+            eprint!("\rchecking metadata: {} of {} blocks", self.done, self.total);
+        }
+    }
 }
 
 impl Checker {
@@ -62,12 +134,11 @@ impl Checker {
         }
     }
 
+    /// Count a reference to metadata block `b`; true on its first arrival.
     fn meta_ref(&mut self, b: u64) -> bool {
-        *self.meta_expected.entry(b).or_default() += 1;
-        self.visited.insert(b, ()).is_none()
+        self.meta_expected.inc(b) == 0
     }
 
-    /// Visit a (sub)tree root: every arrival counts, the first one descends.
     /// Walk the device-details and mapping trees of the metadata snapshot at `held`.
     fn held_trees(&mut self, held: u64) {
         match self.tm.read(held, BlockKind::Superblock) {
@@ -85,6 +156,7 @@ impl Checker {
         self.node(root, t, true, 0, u64::MAX, 0, &mut leaf_depth);
     }
 
+    /// Visit a node: every arrival counts, the first one reads and descends.
     #[allow(clippy::too_many_arguments)]
     fn node(
         &mut self,
@@ -103,15 +175,34 @@ impl Checker {
             self.err(format!("metadata block {b}: btree too deep (cycle?)"));
             return;
         }
-        let d = match self.tm.read(b, BlockKind::BtreeNode) {
-            Ok(d) => Box::new(*d),
-            Err(e) => return self.err(e.to_string()),
-        };
-        if let Err(e) = node::check_header(b, &d, t.leaf_vs()) {
+        if let Some(p) = &mut self.progress {
+            p.tick();
+        }
+        let mut d = self.spare.pop().unwrap_or_else(|| Box::new([0u8; BLOCK_SIZE]));
+        match self.tm.cache.read_uncached(b, BlockKind::BtreeNode, &mut d) {
+            Ok(()) => self.node_contents(b, &d, t, is_root, lo, hi, depth, leaf_depth),
+            Err(e) => self.err(e.to_string()),
+        }
+        self.spare.push(d);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn node_contents(
+        &mut self,
+        b: u64,
+        d: &Block,
+        t: Tree,
+        is_root: bool,
+        lo: u64,
+        hi: u64,
+        depth: usize,
+        leaf_depth: &mut Option<usize>,
+    ) {
+        if let Err(e) = node::check_header(b, d, t.leaf_vs()) {
             return self.err(e.to_string());
         }
-        let n = node::nr_entries(&d);
-        let max = node::max(&d);
+        let n = node::nr_entries(d);
+        let max = node::max(d);
         if !is_root && n < max / 3 {
             self.err(format!(
                 "metadata block {b}: btree node has {n} entries, fewer than the minimum {}",
@@ -122,8 +213,8 @@ impl Checker {
             return;
         }
         for i in 0..n {
-            let k = node::key(&d, i);
-            if i > 0 && k <= node::key(&d, i - 1) {
+            let k = node::key(d, i);
+            if i > 0 && k <= node::key(d, i - 1) {
                 self.err(format!("metadata block {b}: keys out of order at entry {i}"));
             }
             if k < lo || k >= hi {
@@ -132,11 +223,11 @@ impl Checker {
                 ));
             }
         }
-        if !node::is_leaf(&d) {
+        if !node::is_leaf(d) {
             for i in 0..n {
-                let clo = node::key(&d, i);
-                let chi = if i + 1 < n { node::key(&d, i + 1) } else { hi };
-                let c = node::value_u64(&d, i);
+                let clo = node::key(d, i);
+                let chi = if i + 1 < n { node::key(d, i + 1) } else { hi };
+                let c = node::value_u64(d, i);
                 self.node(c, t, false, clo.max(lo), chi, depth + 1, leaf_depth);
             }
             return;
@@ -146,17 +237,24 @@ impl Checker {
             Some(ld) if *ld != depth => self.err(format!("metadata block {b}: leaves at different depths")),
             _ => {}
         }
-        for i in 0..n {
-            let v = node::value(&d, i);
-            match t {
-                Tree::Top => self.tree(le64(v, 0), Tree::Bottom),
-                Tree::Bottom => *self.data_expected.entry(le64(v, 0) >> 24).or_default() += 1,
-                Tree::DataIndex => {
-                    let loc = decode_index_entry(v).0;
+        match t {
+            Tree::Top => {
+                for i in 0..n {
+                    self.tree(node::value_u64(d, i), Tree::Bottom);
+                }
+            }
+            Tree::Bottom => {
+                for i in 0..n {
+                    self.data_expected.inc(node::value_u64(d, i) >> 24);
+                }
+            }
+            Tree::DataIndex => {
+                for i in 0..n {
+                    let loc = decode_index_entry(node::value(d, i)).0;
                     self.meta_ref(loc);
                 }
-                Tree::Details | Tree::RefCount => {}
             }
+            Tree::Details | Tree::RefCount => {}
         }
     }
 
@@ -166,19 +264,25 @@ impl Checker {
             SmKind::Data => &self.data_expected,
         };
         let mut errors = Vec::new();
-        for (&b, &e) in expected.iter() {
-            if b >= sm.nr_blocks() {
-                errors.push(format!(
-                    "{:?} block {b} is referenced but beyond the space map ({} blocks)",
-                    sm.kind,
-                    sm.nr_blocks()
-                ));
-            }
-            let _ = e;
+        let nr = sm.nr_blocks();
+        let beyond = expected
+            .beyond
+            .keys()
+            .copied()
+            .chain((nr..expected.small.len() as u64).filter(|&b| expected.get(b) != 0));
+        for b in beyond {
+            errors.push(format!(
+                "{:?} block {b} is referenced but beyond the space map ({nr} blocks)",
+                sm.kind
+            ));
         }
-        for b in 0..sm.nr_blocks() {
-            let e = expected.get(&b).copied().unwrap_or(0);
-            let a = sm.count(b);
+        // Equal bytes below 255 are equal counts: only the rest needs a look.
+        for (b, (&a, &e)) in sm.counts.iter().zip(&expected.small).enumerate() {
+            if a == e && a != 255 {
+                continue;
+            }
+            let b = b as u64;
+            let (a, e) = (sm.count(b), expected.get(b));
             if a > e {
                 leaks.push(format!(
                     "{:?} block {b}: leaked (count {a}, expected {e})",
@@ -191,6 +295,12 @@ impl Checker {
                 ));
             }
         }
+        for b in expected.small.len() as u64..nr {
+            let a = sm.count(b);
+            if a > 0 {
+                leaks.push(format!("{:?} block {b}: leaked (count {a}, expected 0)", sm.kind));
+            }
+        }
         errors.sort();
         for e in errors {
             self.err(e);
@@ -200,25 +310,46 @@ impl Checker {
 
 /// Check metadata; `metadata_snap` checks the held snapshot's trees only.
 pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
+    run(dev, metadata_snap, false)
+}
+
+/// `check`, with a progress line on stderr.
+pub fn check_with_progress(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
+    run(dev, metadata_snap, true)
+}
+
+fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report {
     let mut report = Report::default();
     let nr_blocks = dev.nr_blocks();
-    let mut c = Checker {
-        tm: reader(dev, 4096),
-        meta_expected: FastMap::default(),
-        data_expected: FastMap::default(),
-        visited: FastMap::default(),
-        errors: Vec::new(),
-    };
     if nr_blocks == 0 {
         report.errors.push("metadata device/file too small".into());
         return report;
     }
-    let sb = match read_superblock(&mut c.tm.cache) {
+    let mut tm = reader(dev, 64);
+    let sb = match read_superblock(&mut tm.cache) {
         Ok(sb) => sb,
         Err(e) => {
             report.errors.push(e.to_string());
             return report;
         }
+    };
+    if sb.data_sm_root.nr_blocks > MAX_DATA_BLOCKS {
+        report.errors.push(format!(
+            "superblock: data space map has {} blocks, more than a mapping can address",
+            sb.data_sm_root.nr_blocks
+        ));
+        return report;
+    }
+    let mut c = Checker {
+        tm,
+        meta_expected: Recount::new(nr_blocks),
+        data_expected: Recount::new(sb.data_sm_root.nr_blocks),
+        spare: Vec::new(),
+        errors: Vec::new(),
+        progress: progress.then_some(Progress {
+            total: sb.meta_sm_root.nr_allocated,
+            done: 0,
+        }),
     };
     report.transaction_id = sb.trans_id;
     report.free_metadata_blocks = sb
@@ -271,6 +402,9 @@ pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
             }
             Err(e) => c.err(format!("{kind:?} space map: {e}")),
         }
+    }
+    if c.progress.is_some_and(|p| p.done >= 1 << 14) {
+        eprintln!();
     }
     report.errors = c.errors;
     report.leaks = leaks;

@@ -169,7 +169,12 @@ fn cmd_check(args: &[String]) -> i32 {
         Ok(d) => d,
         Err(c) => return c,
     };
-    let r = check::check(Box::new(dev), has(&o, "-m", "--metadata-snap"));
+    let snap = has(&o, "-m", "--metadata-snap");
+    let r = if !quiet && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        check::check_with_progress(Box::new(dev), snap)
+    } else {
+        check::check(Box::new(dev), snap)
+    };
     if !quiet {
         for e in r.errors.iter().chain(r.leaks.iter()) {
             eprintln!("{e}");

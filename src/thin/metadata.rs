@@ -6,6 +6,7 @@
 //! touches only the device's own mapping tree.
 
 use super::error::{Result, ThinError};
+use super::map_cache::MapCache;
 use super::superblock::*;
 use crate::pdata::btree::{self, ValueKind};
 use crate::pdata::cache::{BlockCache, FastMap};
@@ -23,6 +24,11 @@ pub const DETAILS: ValueKind = ValueKind::Plain(24);
 
 /// Default block cache: 16 MiB.
 pub const DEFAULT_CACHE_BLOCKS: usize = 4096;
+
+/// The lookup cache gets half the block cache's memory on top of it.
+fn map_cache_bytes(cache_blocks: usize) -> usize {
+    cache_blocks.saturating_mul(crate::pdata::BLOCK_SIZE) / 2
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mapping {
@@ -49,6 +55,8 @@ pub struct ThinPoolMetadata {
     roots: FastMap<u64, u64>,
     /// Devices whose top-level path was shadowed in this transaction.
     top_touched: FastMap<u64, ()>,
+    /// Recent lookups, kept exact by every mapping change below.
+    map_cache: MapCache,
 }
 
 fn check_data_block_size(s: u32) -> Result<()> {
@@ -121,6 +129,7 @@ impl ThinPoolMetadata {
             details_dirty: BTreeSet::new(),
             roots: FastMap::default(),
             top_touched: FastMap::default(),
+            map_cache: MapCache::new(map_cache_bytes(opts.cache_blocks)),
         };
         md.commit()?;
         Ok(md)
@@ -141,6 +150,7 @@ impl ThinPoolMetadata {
             details_dirty: BTreeSet::new(),
             roots: FastMap::default(),
             top_touched: FastMap::default(),
+            map_cache: MapCache::new(map_cache_bytes(cache_blocks)),
         };
         md.load()?;
         Ok(md)
@@ -149,6 +159,7 @@ impl ThinPoolMetadata {
     /// (Re)read all committed state from disk.
     fn load(&mut self) -> Result<()> {
         self.tm.abort();
+        self.map_cache.clear();
         let sb = read_superblock(&mut self.tm.cache)?;
         if sb.meta_sm_root.nr_blocks > self.tm.cache.nr_blocks() {
             return Err(ThinError::BadSuperblock(format!(
@@ -278,6 +289,7 @@ impl ThinPoolMetadata {
     /// Delete a device, freeing whatever is no longer shared.
     pub fn delete(&mut self, dev: u64) -> Result<()> {
         self.details_of(dev)?;
+        self.map_cache.forget_device(dev);
         let (top, old) = btree::remove(&mut self.tm, self.sb.mapping_root, dev, TOP)?;
         self.sb.mapping_root = top;
         let root = match old {
@@ -336,16 +348,24 @@ impl ThinPoolMetadata {
     // ---- mappings ---------------------------------------------------------
 
     pub fn lookup(&mut self, dev: u64, vblock: u64) -> Result<Option<Mapping>> {
-        let root = *self.roots.get(&dev).ok_or(ThinError::NoSuchDevice(dev))?;
         let snap_time = self.details_of(dev)?.snapshotted_time;
-        Ok(btree::lookup_u64(&mut self.tm, root, vblock)?.map(|v| {
+        let mapping = |v: u64| {
             let (data_block, time) = unpack_block_time(v);
             Mapping {
                 data_block,
                 time,
                 shared: snap_time > time,
             }
-        }))
+        };
+        if let Some(v) = self.map_cache.get(dev, vblock) {
+            return Ok(Some(mapping(v)));
+        }
+        let root = *self.roots.get(&dev).ok_or(ThinError::NoSuchDevice(dev))?;
+        let found = btree::lookup_u64(&mut self.tm, root, vblock)?;
+        if let Some(v) = found {
+            self.map_cache.put(dev, vblock, v);
+        }
+        Ok(found.map(mapping))
     }
 
     /// Visit the mappings of `dev` with lo <= vblock < hi, in order.
@@ -394,8 +414,16 @@ impl ThinPoolMetadata {
     pub fn insert_with_time(&mut self, dev: u64, vblock: u64, data_block: u64, time: u32) -> Result<()> {
         self.check_data_block(data_block)?;
         let root = self.touch(dev)?;
-        let v = pack_block_time(data_block, time).to_le_bytes();
-        let (new_root, old) = btree::insert(&mut self.tm, root, vblock, &v, BOTTOM)?;
+        let value = pack_block_time(data_block, time);
+        let (new_root, old) = match btree::insert(&mut self.tm, root, vblock, &value.to_le_bytes(), BOTTOM) {
+            Ok(r) => r,
+            Err(e) => {
+                // the tree may or may not hold the new value now
+                self.map_cache.forget(dev, vblock);
+                return Err(e.into());
+            }
+        };
+        self.map_cache.put(dev, vblock, value);
         self.root_moved(dev, root, new_root)?;
         let mut d = *self.details_of(dev)?;
         match old {
@@ -422,6 +450,7 @@ impl ThinPoolMetadata {
     /// Unmap `vblock`; returns whether it was mapped.
     pub fn remove(&mut self, dev: u64, vblock: u64) -> Result<bool> {
         let root = self.touch(dev)?;
+        self.map_cache.forget(dev, vblock);
         let (new_root, old) = btree::remove(&mut self.tm, root, vblock, BOTTOM)?;
         self.root_moved(dev, root, new_root)?;
         let Some(o) = old else { return Ok(false) };

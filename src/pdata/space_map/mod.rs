@@ -29,13 +29,15 @@ pub enum SmKind {
 pub struct SpaceMap {
     pub kind: SmKind,
     nr_blocks: u64,
-    counts: Vec<u8>,
+    pub(crate) counts: Vec<u8>,
     /// Counts >= 255 (the byte then holds `BIG`).
     big: FastMap<u64, u32>,
-    nr_allocated: u64,
-    /// Bit per block: in use in the last committed state.
-    committed_used: Vec<u64>,
-    /// Blocks whose in-use state flipped during this transaction.
+    pub(crate) nr_allocated: u64,
+    /// Bit per block: its in-use state flipped an odd number of times in
+    /// this transaction, so `in use now != in use at the last commit`. All
+    /// zero after a load or commit, which is why opening scans nothing.
+    toggled: Vec<u64>,
+    /// Blocks whose `toggled` bit may be set (to clear at commit).
     flipped: Vec<u64>,
     cursor: u64,
     /// Bitmaps whose 2-bit encoding changed since the last commit.
@@ -60,7 +62,7 @@ impl SpaceMap {
             counts: vec![0; nr_blocks as usize],
             big: FastMap::default(),
             nr_allocated: 0,
-            committed_used: vec![0; (nr_blocks as usize).div_ceil(64)],
+            toggled: vec![0; (nr_blocks as usize).div_ceil(64)],
             flipped: Vec::new(),
             cursor: 0,
             dirty_bitmaps: (0..nr_bitmaps).collect(),
@@ -124,6 +126,7 @@ impl SpaceMap {
             } else {
                 self.nr_allocated += 1;
             }
+            self.toggled[(b / 64) as usize] ^= 1 << (b % 64);
             self.flipped.push(b);
         }
         if old.min(3) != new.min(3) {
@@ -155,7 +158,8 @@ impl SpaceMap {
     }
 
     fn committed(&self, b: u64) -> bool {
-        self.committed_used[(b / 64) as usize] & (1 << (b % 64)) != 0
+        let toggled = self.toggled[(b / 64) as usize] & (1 << (b % 64)) != 0;
+        (self.counts[b as usize] != 0) != toggled
     }
 
     /// Allocate a block (count 0 -> 1) that was also free at the last commit.
@@ -193,7 +197,7 @@ impl SpaceMap {
         let old_bitmaps = self.nr_bitmaps();
         self.nr_blocks = nr_blocks;
         self.counts.resize(nr_blocks as usize, 0);
-        self.committed_used.resize((nr_blocks as usize).div_ceil(64), 0);
+        self.toggled.resize((nr_blocks as usize).div_ceil(64), 0);
         let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
         self.bitmap_locs.resize(nr_bitmaps as usize, 0);
         self.bitmap_info.resize(nr_bitmaps as usize, (0, 0));
@@ -208,42 +212,20 @@ impl SpaceMap {
     /// Called once the transaction is durable: its state becomes "committed".
     pub fn transaction_committed(&mut self) {
         for b in std::mem::take(&mut self.flipped) {
-            let (w, bit) = ((b / 64) as usize, 1u64 << (b % 64));
-            if self.counts[b as usize] != 0 {
-                self.committed_used[w] |= bit;
-            } else {
-                self.committed_used[w] &= !bit;
-            }
+            self.toggled[(b / 64) as usize] = 0;
         }
         self.dirty_bitmaps.clear();
         self.overflow_changed.clear();
     }
 
-    /// Rebuild the committed bitmap from the current counts (after a load).
-    pub(crate) fn mark_all_committed(&mut self) {
-        self.flipped.clear();
-        self.committed_used.iter_mut().for_each(|w| *w = 0);
-        for (b, &c) in self.counts.iter().enumerate() {
-            if c != 0 {
-                self.committed_used[b / 64] |= 1 << (b % 64);
-            }
-        }
-        self.dirty_bitmaps.clear();
-        self.overflow_changed.clear();
-    }
-
-    /// Load raw counts (after decoding bitmaps), recomputing nr_allocated.
+    /// Set a count of 3 or more found while loading (nr_allocated is the caller's).
     pub(crate) fn set_loaded(&mut self, b: u64, c: u32) {
-        if c == 0 {
-            return;
-        }
         if c >= BIG as u32 {
             self.counts[b as usize] = BIG;
             self.big.insert(b, c);
         } else {
             self.counts[b as usize] = c as u8;
         }
-        self.nr_allocated += 1;
     }
 
     /// Iterate (block, count) over blocks with count > 0.

@@ -142,7 +142,7 @@ impl ThinDev {
             ctx.defer(bio);
             return None;
         }
-        match m.lookup(self.id, vblock) {
+        match m.md.lookup(self.id, vblock) {
             Ok(found) => Some((m, found)),
             Err(e) => {
                 self.pool.metadata_failed(&mut m, &e);
@@ -325,7 +325,6 @@ impl ThinDev {
             ctx.complete(bio, LeafKind::Drop);
             return Ok(());
         };
-        m.cache.forget(self.id, vblock);
         if let Err(e) = m.md.remove(self.id, vblock) {
             self.pool.metadata_failed(&mut m, &e);
             return Self::fail(ctx, bio, errno::EIO);
@@ -399,10 +398,7 @@ fn finish(pool: &Pool, id: u64, new: u64, vblock: u64, key: Key, ok: bool) {
     let mut m = pool.lock();
     if ok {
         match m.md.insert(id, vblock, new) {
-            Ok(()) => {
-                m.dirty = true;
-                m.cache.put(id, vblock, new, false);
-            }
+            Ok(()) => m.dirty = true,
             Err(e) => pool.metadata_failed(&mut m, &e),
         }
     } else {

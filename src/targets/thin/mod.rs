@@ -64,71 +64,9 @@ impl Default for Features {
     }
 }
 
-/// Entries per thin in the fast path's mapping cache.
-const MAP_CACHE_ENTRIES: usize = 16384;
-
-/// A cached lookup result: `tag` is vblock + 1 (0: empty).
-#[derive(Clone, Copy, Default)]
-struct CachedMapping {
-    tag: u64,
-    data_block: u64,
-    shared: bool,
-}
-
-/// Recent lookups of each thin, so the fast path does not walk the btree every time.
-/// Kept under the pool lock and exact: an entry is replaced when its block is mapped
-/// anew, dropped when it is unmapped, and every entry goes on any pool message (a
-/// snapshot changes the kernel's time-based `shared`) or metadata abort.
-#[derive(Default)]
-pub struct MapCache {
-    thins: std::collections::HashMap<u64, Box<[CachedMapping]>>,
-}
-
-impl MapCache {
-    fn slot(vblock: u64) -> usize {
-        (vblock % MAP_CACHE_ENTRIES as u64) as usize
-    }
-
-    pub fn get(&self, id: u64, vblock: u64) -> Option<crate::thin::Mapping> {
-        let e = self.thins.get(&id)?[Self::slot(vblock)];
-        (e.tag == vblock + 1).then_some(crate::thin::Mapping {
-            data_block: e.data_block,
-            time: 0,
-            shared: e.shared,
-        })
-    }
-
-    pub fn put(&mut self, id: u64, vblock: u64, data_block: u64, shared: bool) {
-        let t = self
-            .thins
-            .entry(id)
-            .or_insert_with(|| vec![CachedMapping::default(); MAP_CACHE_ENTRIES].into_boxed_slice());
-        t[Self::slot(vblock)] = CachedMapping {
-            tag: vblock + 1,
-            data_block,
-            shared,
-        };
-    }
-
-    pub fn forget(&mut self, id: u64, vblock: u64) {
-        if let Some(t) = self.thins.get_mut(&id) {
-            let e = &mut t[Self::slot(vblock)];
-            if e.tag == vblock + 1 {
-                *e = CachedMapping::default();
-            }
-        }
-    }
-
-    pub fn clear(&mut self) {
-        self.thins.clear();
-    }
-}
-
 /// Everything behind the pool's lock.
 pub struct PoolMd {
     pub md: ThinPoolMetadata,
-    /// The fast path's lookup cache (see `MapCache`).
-    pub cache: MapCache,
     /// Blocks whose provisioning or copy is under way: I/O to them waits.
     pub prison: HashSet<Key>,
     /// Changes since the last commit.
@@ -141,20 +79,6 @@ pub struct PoolMd {
     pub out_of_space_since: Option<Instant>,
     /// Thin ids with a live target (cannot be deleted).
     pub active: Vec<u64>,
-}
-
-impl PoolMd {
-    /// A thin's mapping of `vblock`, from the cache or the metadata.
-    pub fn lookup(&mut self, id: u64, vblock: u64) -> crate::thin::Result<Option<crate::thin::Mapping>> {
-        if let Some(m) = self.cache.get(id, vblock) {
-            return Ok(Some(m));
-        }
-        let found = self.md.lookup(id, vblock)?;
-        if let Some(m) = found {
-            self.cache.put(id, vblock, m.data_block, m.shared);
-        }
-        Ok(found)
-    }
 }
 
 pub struct Pool {
@@ -282,7 +206,6 @@ impl Pool {
         let pool = Arc::new(Pool {
             md: Mutex::new(PoolMd {
                 md,
-                cache: MapCache::default(),
                 prison: HashSet::new(),
                 dirty: false,
                 mode,
@@ -383,7 +306,6 @@ impl Pool {
             self.events.fetch_add(1, Ordering::Relaxed);
         }
         let _ = m.md.abort();
-        m.cache.clear();
         m.md.set_needs_check(true);
         let _ = m.md.commit();
         m.dirty = false;

@@ -94,8 +94,6 @@ impl ThinPool {
                 return Err("pool is read-only".into());
             }
             let active = m.active.clone();
-            // Snapshots change which mappings are shared; deletes drop them.
-            m.cache.clear();
             match f(&mut m.md, &active) {
                 Ok(()) => m.dirty = true,
                 Err(e) => {
