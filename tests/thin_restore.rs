@@ -172,3 +172,33 @@ fn dmkit_check_agrees_with_thin_check() {
         assert!(!ok);
     }
 }
+
+#[test]
+fn restore_writes_the_superblock_as_thin_restore_does() {
+    let s = Scratch::new("uuid");
+    let mut gen = generated_xml(5);
+    gen.superblock.uuid = "a-uuid-longer-than-16-bytes".into();
+    let xml_path = s.path("in.xml");
+    std::fs::write(&xml_path, xml::write(&gen)).unwrap();
+    let theirs = s.file("theirs", 16384);
+    if thin_restore(&xml_path, &theirs).is_none() {
+        return;
+    }
+    let ours = s.file("ours", 16384);
+    let rc = dmkit::thin::cli::main(&[
+        "restore".into(),
+        "-i".into(),
+        xml_path.display().to_string(),
+        "-o".into(),
+        ours.display().to_string(),
+    ]);
+    assert_eq!(rc, 0);
+    let (a, b) = (std::fs::read(&theirs).unwrap(), std::fs::read(&ours).unwrap());
+    // uuid, magic, version, time and transaction id; data and metadata block sizes
+    assert_eq!(&b[16..32], b"a-uuid-longer-th");
+    assert_eq!(&a[16..56], &b[16..56], "uuid .. transaction id");
+    assert_eq!(&a[336..344], &b[336..344], "block sizes");
+    let ours_dump = our_dump(&ours, false);
+    assert_eq!(thin_dump(&theirs, false).unwrap(), ours_dump);
+    assert_eq!(thin_dump(&ours, false).unwrap(), ours_dump);
+}

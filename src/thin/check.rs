@@ -4,6 +4,7 @@
 
 use super::dump::reader;
 use super::metadata::read_superblock;
+use super::progress::Progress;
 use super::superblock::{Superblock, SUPERBLOCK_LOCATION};
 use crate::pdata::btree::node;
 use crate::pdata::cache::FastMap;
@@ -109,22 +110,7 @@ struct Checker {
     /// Node buffers, one per level of the walk in progress.
     spare: Vec<Box<Block>>,
     errors: Vec<String>,
-    progress: Option<Progress>,
-}
-
-/// A progress line on a terminal for long checks.
-struct Progress {
-    total: u64,
-    done: u64,
-}
-
-impl Progress {
-    fn tick(&mut self) {
-        self.done += 1;
-        if self.done.is_multiple_of(1 << 14) {
-            eprint!("\rchecking metadata: {} of {} blocks", self.done, self.total);
-        }
-    }
+    progress: Progress,
 }
 
 impl Checker {
@@ -175,9 +161,7 @@ impl Checker {
             self.err(format!("metadata block {b}: btree too deep (cycle?)"));
             return;
         }
-        if let Some(p) = &mut self.progress {
-            p.tick();
-        }
+        self.progress.tick(1);
         let mut d = self.spare.pop().unwrap_or_else(|| Box::new([0u8; BLOCK_SIZE]));
         match self.tm.cache.read_uncached(b, BlockKind::BtreeNode, &mut d) {
             Ok(()) => self.node_contents(b, &d, t, is_root, lo, hi, depth, leaf_depth),
@@ -313,7 +297,7 @@ pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
     run(dev, metadata_snap, false)
 }
 
-/// `check`, with a progress line on stderr.
+/// `check`, with a progress line on stderr if it is a terminal.
 pub fn check_with_progress(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
     run(dev, metadata_snap, true)
 }
@@ -346,10 +330,7 @@ fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report
         data_expected: Recount::new(sb.data_sm_root.nr_blocks),
         spare: Vec::new(),
         errors: Vec::new(),
-        progress: progress.then_some(Progress {
-            total: sb.meta_sm_root.nr_allocated,
-            done: 0,
-        }),
+        progress: Progress::new("checking metadata blocks", sb.meta_sm_root.nr_allocated, progress),
     };
     report.transaction_id = sb.trans_id;
     report.free_metadata_blocks = sb
@@ -403,9 +384,7 @@ fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report
             Err(e) => c.err(format!("{kind:?} space map: {e}")),
         }
     }
-    if c.progress.is_some_and(|p| p.done >= 1 << 14) {
-        eprintln!();
-    }
+    drop(std::mem::replace(&mut c.progress, Progress::off()));
     report.errors = c.errors;
     report.leaks = leaks;
     report

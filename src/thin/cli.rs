@@ -89,7 +89,7 @@ fn cmd_dump(args: &[String]) -> i32 {
         Some(p) => match std::fs::File::create(p) {
             Ok(f) => {
                 let mut w = std::io::BufWriter::new(f);
-                dump::dump(Box::new(dev), snap, &mut w).and_then(|_| {
+                dump::dump(Box::new(dev), snap, &mut w, true).and_then(|_| {
                     use std::io::Write;
                     w.flush().map_err(|e| super::ThinError::Invalid(e.to_string()))
                 })
@@ -102,7 +102,7 @@ fn cmd_dump(args: &[String]) -> i32 {
         None => {
             let stdout = std::io::stdout();
             let mut w = std::io::BufWriter::new(stdout.lock());
-            let r = dump::dump(Box::new(dev), snap, &mut w);
+            let r = dump::dump(Box::new(dev), snap, &mut w, true);
             use std::io::Write;
             let _ = w.flush();
             r
@@ -147,7 +147,7 @@ fn cmd_restore(args: &[String]) -> i32 {
         Ok(d) => d,
         Err(c) => return c,
     };
-    match restore::restore(&parsed, Box::new(dev)) {
+    match restore::restore(&parsed, Box::new(dev), true) {
         Ok(_) => 0,
         Err(e) => {
             eprintln!("restore failed: {e}");
@@ -170,10 +170,10 @@ fn cmd_check(args: &[String]) -> i32 {
         Err(c) => return c,
     };
     let snap = has(&o, "-m", "--metadata-snap");
-    let r = if !quiet && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        check::check_with_progress(Box::new(dev), snap)
-    } else {
+    let r = if quiet {
         check::check(Box::new(dev), snap)
+    } else {
+        check::check_with_progress(Box::new(dev), snap)
     };
     if !quiet {
         for e in r.errors.iter().chain(r.leaks.iter()) {

@@ -3,6 +3,7 @@
 
 use super::error::{Result, ThinError};
 use super::metadata::read_superblock;
+use super::progress::Progress;
 use super::superblock::{unpack_block_time, DeviceDetails, Superblock};
 use super::xml::{self, RangeWriter, XmlDevice, XmlSuperblock};
 use crate::pdata::btree;
@@ -38,7 +39,14 @@ pub fn pick_superblock(tm: &mut TransactionManager, metadata_snap: bool) -> Resu
     Ok(Superblock::decode(tm.read(sb.held_root, BlockKind::Superblock)?))
 }
 
-pub fn dump(dev: Box<dyn MetadataDev>, metadata_snap: bool, out: &mut dyn Write) -> Result<()> {
+/// Write the XML of the live metadata or of the held snapshot; `progress`
+/// shows a progress line on stderr if it is a terminal.
+pub fn dump(
+    dev: Box<dyn MetadataDev>,
+    metadata_snap: bool,
+    out: &mut dyn Write,
+    progress: bool,
+) -> Result<()> {
     let mut tm = reader(dev, 1024);
     let sb = pick_superblock(&mut tm, metadata_snap)?;
     let mut details = BTreeMap::new();
@@ -61,6 +69,8 @@ pub fn dump(dev: Box<dyn MetadataDev>, metadata_snap: bool, out: &mut dyn Write)
         nr_data_blocks: sb.data_sm_root.nr_blocks,
     };
     out.write_all(xml::superblock_open(&xsb).as_bytes()).map_err(io)?;
+    let total = details.values().map(|d| d.mapped_blocks).sum();
+    let mut prog = Progress::new("dumping mappings", total, progress);
     for (dev, root) in roots {
         let d = details
             .get(&dev)
@@ -79,6 +89,7 @@ pub fn dump(dev: Box<dyn MetadataDev>, metadata_snap: bool, out: &mut dyn Write)
         btree::walk(&mut tm, root, 8, &mut |k, v| {
             let (b, t) = unpack_block_time(le64(v, 0));
             rw.push(&mut buf, k, b, t);
+            prog.tick(1);
             if buf.len() > 1 << 16 {
                 if let Err(e) = out.write_all(buf.as_bytes()) {
                     err = Some(e);
@@ -100,6 +111,6 @@ pub fn dump(dev: Box<dyn MetadataDev>, metadata_snap: bool, out: &mut dyn Write)
 
 pub fn dump_to_string(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Result<String> {
     let mut v = Vec::new();
-    dump(dev, metadata_snap, &mut v)?;
+    dump(dev, metadata_snap, &mut v, false)?;
     String::from_utf8(v).map_err(|e| ThinError::Invalid(e.to_string()))
 }

@@ -566,6 +566,14 @@ impl ThinPoolMetadata {
     pub fn set_version(&mut self, v: u32) {
         self.sb.version = v;
     }
+    /// The superblock's 16-byte uuid field: the first 16 bytes of `uuid`,
+    /// zero-padded, as thin_restore stores the XML's uuid attribute.
+    pub fn set_uuid(&mut self, uuid: &str) {
+        let b = uuid.as_bytes();
+        let n = b.len().min(16);
+        self.sb.uuid = [0; 16];
+        self.sb.uuid[..n].copy_from_slice(&b[..n]);
+    }
     pub fn superblock(&self) -> &Superblock {
         &self.sb
     }

@@ -5,6 +5,7 @@ pub mod dump;
 pub mod error;
 pub mod map_cache;
 pub mod metadata;
+pub mod progress;
 pub mod restore;
 pub mod superblock;
 pub mod xml;

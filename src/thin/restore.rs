@@ -2,11 +2,13 @@
 
 use super::error::{Result, ThinError};
 use super::metadata::{FormatOptions, ThinPoolMetadata, DEFAULT_CACHE_BLOCKS};
+use super::progress::Progress;
 use super::superblock::DeviceDetails;
 use super::xml::XmlMetadata;
 use crate::pdata::MetadataDev;
 
-pub fn restore(md_xml: &XmlMetadata, dev: Box<dyn MetadataDev>) -> Result<ThinPoolMetadata> {
+/// Build `md_xml` on `dev`; `progress` shows a progress line on stderr if it is a terminal.
+pub fn restore(md_xml: &XmlMetadata, dev: Box<dyn MetadataDev>, progress: bool) -> Result<ThinPoolMetadata> {
     let sb = &md_xml.superblock;
     let mut md = ThinPoolMetadata::format(
         dev,
@@ -20,6 +22,9 @@ pub fn restore(md_xml: &XmlMetadata, dev: Box<dyn MetadataDev>) -> Result<ThinPo
     md.set_transaction_id(0, sb.transaction)?;
     md.set_flags(sb.flags);
     md.set_version(sb.version);
+    md.set_uuid(&sb.uuid);
+    let total = md_xml.devices.iter().map(|d| d.mappings.len() as u64).sum();
+    let mut prog = Progress::new("restoring mappings", total, progress);
     for d in &md_xml.devices {
         md.create_thin(d.dev_id)?;
         let mut prev = None;
@@ -32,6 +37,7 @@ pub fn restore(md_xml: &XmlMetadata, dev: Box<dyn MetadataDev>) -> Result<ThinPo
             }
             prev = Some(v);
             md.insert_shared(d.dev_id, v, b, t)?;
+            prog.tick(1);
         }
         md.set_device_details(
             d.dev_id,

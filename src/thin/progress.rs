@@ -1,0 +1,54 @@
+//! A progress line on stderr for the long-running tools (check, dump,
+//! restore), shown only when stderr is a terminal.
+
+use std::io::IsTerminal;
+
+pub struct Progress {
+    what: &'static str,
+    total: u64,
+    done: u64,
+    enabled: bool,
+    shown: bool,
+}
+
+/// Redraw after this many units of work.
+const STEP: u64 = 1 << 14;
+
+impl Progress {
+    /// Progress for `total` units of work, shown if `wanted` and stderr is a terminal.
+    pub fn new(what: &'static str, total: u64, wanted: bool) -> Progress {
+        Progress {
+            what,
+            total,
+            done: 0,
+            enabled: wanted && std::io::stderr().is_terminal(),
+            shown: false,
+        }
+    }
+
+    /// No progress line at all.
+    pub fn off() -> Progress {
+        Progress::new("", 0, false)
+    }
+
+    pub fn tick(&mut self, n: u64) {
+        if !self.enabled {
+            return;
+        }
+        let before = self.done / STEP;
+        self.done += n;
+        if self.done / STEP != before {
+            let pct = (self.done * 100).checked_div(self.total).unwrap_or(0).min(100);
+            eprint!("\r{}: {} of {} ({pct}%)", self.what, self.done, self.total);
+            self.shown = true;
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if self.shown {
+            eprintln!();
+        }
+    }
+}
