@@ -127,7 +127,50 @@ pub struct Leaf {
     pub after: Option<AfterIo>,
 }
 
+/// Merge runs of plain reads or writes that continue each other in the same file
+/// and in the request buffer, once a request is fully mapped: a request that a
+/// target split at its block boundaries onto contiguous blocks (a thin device
+/// over sequentially provisioned data) goes out as one I/O again.
+pub fn coalesce(leaves: &mut Vec<Leaf>) {
+    if leaves.len() < 2 {
+        return;
+    }
+    let mut w = 0;
+    for r in 1..leaves.len() {
+        if leaves[w].continued_by(&leaves[r]) {
+            leaves[w].len += leaves[r].len;
+        } else {
+            w += 1;
+            leaves.swap(w, r);
+        }
+    }
+    leaves.truncate(w + 1);
+}
+
 impl Leaf {
+    /// Nothing but I/O: no delay, corruption, completion hook or progress.
+    fn plain(&self) -> bool {
+        matches!(self.kind, LeafKind::Read | LeafKind::Write)
+            && self.delay_ms == 0
+            && self.held.is_none()
+            && self.release.is_none()
+            && self.corrupt == Corrupt::None
+            && self.after.is_none()
+            && self.done == 0
+    }
+
+    fn continued_by(&self, next: &Leaf) -> bool {
+        self.plain()
+            && next.plain()
+            && self.kind == next.kind
+            && self.file.is_some()
+            && self.file == next.file
+            && self.fua == next.fua
+            && self.origin == next.origin
+            && self.offset + self.len == next.offset
+            && self.buf_off + self.len as usize == next.buf_off
+    }
+
     pub fn new(kind: LeafKind, len: u64, buf_off: usize) -> Leaf {
         Leaf {
             kind,
@@ -144,5 +187,61 @@ impl Leaf {
             origin: (0, 0, 0),
             after: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leaf(kind: LeafKind, offset: u64, len: u64, buf_off: usize) -> Leaf {
+        Leaf {
+            file: Some(backing::FileHandle {
+                buffered_fd: 3,
+                direct_fd: -1,
+                dio_align: 512,
+            }),
+            offset,
+            ..Leaf::new(kind, len, buf_off)
+        }
+    }
+
+    #[test]
+    fn coalesce_merges_only_continuing_plain_io() {
+        let mut v = vec![
+            leaf(LeafKind::Write, 0, 4096, 0),
+            leaf(LeafKind::Write, 4096, 4096, 4096),
+            leaf(LeafKind::Write, 8192, 4096, 8192),
+            // a gap in the file: a new I/O
+            leaf(LeafKind::Write, 65536, 4096, 12288),
+            // a completion hook: never merged
+            Leaf {
+                after: Some(std::sync::Arc::new(|_| {})),
+                ..leaf(LeafKind::Write, 69632, 4096, 16384)
+            },
+            leaf(LeafKind::Write, 73728, 4096, 20480),
+        ];
+        coalesce(&mut v);
+        let got: Vec<(u64, u64)> = v.iter().map(|l| (l.offset, l.len)).collect();
+        assert_eq!(got, [(0, 12288), (65536, 4096), (69632, 4096), (73728, 4096)]);
+        let mut v = vec![
+            leaf(LeafKind::Read, 0, 4096, 0),
+            leaf(LeafKind::Write, 4096, 4096, 4096),
+        ];
+        coalesce(&mut v);
+        assert_eq!(v.len(), 2, "a read and a write stay apart");
+        let mut v = vec![
+            leaf(LeafKind::Read, 0, 4096, 0),
+            Leaf {
+                fua: true,
+                ..leaf(LeafKind::Read, 4096, 4096, 4096)
+            },
+            Leaf {
+                origin: (1, 0, 0),
+                ..leaf(LeafKind::Read, 8192, 4096, 8192)
+            },
+        ];
+        coalesce(&mut v);
+        assert_eq!(v.len(), 3, "different FUA or origin stay apart");
     }
 }

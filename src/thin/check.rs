@@ -100,6 +100,17 @@ impl Recount {
     }
 }
 
+/// Where a node sits: its tree, whether it is the root, the key range its
+/// parent gives it, and its depth.
+#[derive(Clone, Copy)]
+struct At {
+    t: Tree,
+    is_root: bool,
+    lo: u64,
+    hi: u64,
+    depth: usize,
+}
+
 /// Data block numbers are 40 bits wide in a mapping.
 const MAX_DATA_BLOCKS: u64 = 1 << 40;
 
@@ -139,49 +150,42 @@ impl Checker {
 
     fn tree(&mut self, root: u64, t: Tree) {
         let mut leaf_depth = None;
-        self.node(root, t, true, 0, u64::MAX, 0, &mut leaf_depth);
+        let at = At {
+            t,
+            is_root: true,
+            lo: 0,
+            hi: u64::MAX,
+            depth: 0,
+        };
+        self.node(root, at, &mut leaf_depth);
     }
 
     /// Visit a node: every arrival counts, the first one reads and descends.
-    #[allow(clippy::too_many_arguments)]
-    fn node(
-        &mut self,
-        b: u64,
-        t: Tree,
-        is_root: bool,
-        lo: u64,
-        hi: u64,
-        depth: usize,
-        leaf_depth: &mut Option<usize>,
-    ) {
+    fn node(&mut self, b: u64, at: At, leaf_depth: &mut Option<usize>) {
         if !self.meta_ref(b) {
             return;
         }
-        if depth > 32 {
+        if at.depth > 32 {
             self.err(format!("metadata block {b}: btree too deep (cycle?)"));
             return;
         }
         self.progress.tick(1);
         let mut d = self.spare.pop().unwrap_or_else(|| Box::new([0u8; BLOCK_SIZE]));
         match self.tm.cache.read_uncached(b, BlockKind::BtreeNode, &mut d) {
-            Ok(()) => self.node_contents(b, &d, t, is_root, lo, hi, depth, leaf_depth),
+            Ok(()) => self.node_contents(b, &d, at, leaf_depth),
             Err(e) => self.err(e.to_string()),
         }
         self.spare.push(d);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn node_contents(
-        &mut self,
-        b: u64,
-        d: &Block,
-        t: Tree,
-        is_root: bool,
-        lo: u64,
-        hi: u64,
-        depth: usize,
-        leaf_depth: &mut Option<usize>,
-    ) {
+    fn node_contents(&mut self, b: u64, d: &Block, at: At, leaf_depth: &mut Option<usize>) {
+        let At {
+            t,
+            is_root,
+            lo,
+            hi,
+            depth,
+        } = at;
         if let Err(e) = node::check_header(b, d, t.leaf_vs()) {
             return self.err(e.to_string());
         }
@@ -212,7 +216,14 @@ impl Checker {
                 let clo = node::key(d, i);
                 let chi = if i + 1 < n { node::key(d, i + 1) } else { hi };
                 let c = node::value_u64(d, i);
-                self.node(c, t, false, clo.max(lo), chi, depth + 1, leaf_depth);
+                let child = At {
+                    t,
+                    is_root: false,
+                    lo: clo.max(lo),
+                    hi: chi,
+                    depth: depth + 1,
+                };
+                self.node(c, child, leaf_depth);
             }
             return;
         }

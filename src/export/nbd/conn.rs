@@ -524,6 +524,7 @@ impl Conn {
         };
         match r {
             Ok(()) => {
+                crate::io::coalesce(&mut s.leaves);
                 s.state = State::InFlight;
                 self.submit_leaves(slot);
                 true
