@@ -8,7 +8,7 @@ alternating the two. Reports medians; writes the "thin-meta" section of BENCHMAR
 
 Usage: bench/thin_meta.py [--reps N] [--mappings N] [--dir DIR]
 """
-import argparse, glob, os, re, statistics, subprocess, sys, tempfile, time
+import argparse, glob, os, re, subprocess, sys, tempfile, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run as nb  # noqa: E402
@@ -86,13 +86,13 @@ def main():
 
     def med(key):
         vals = [first_number(r[key]) for r in runs]
-        return statistics.median(vals), min(vals), max(vals)
+        return nb.med(vals), min(vals), max(vals)
 
     def row(name, key, unit, goal, scale=1.0, nd=0):
         m, lo, hi = (v * scale for v in med(key))
         return f"| {name} | {m:,.{nd}f} {unit} | {lo:,.{nd}f}–{hi:,.{nd}f} | {goal} |"
 
-    cm = {k: statistics.median(v) for k, v in checks.items()}
+    cm = {k: nb.med(v) for k, v in checks.items()}
     warm_key = next(k for k in runs[0] if k.startswith("warm random lookups"))
     cold_key = next(k for k in runs[0] if k.startswith("random lookups over all"))
     blocks = 262144

@@ -395,7 +395,6 @@ fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report
             Err(e) => c.err(format!("{kind:?} space map: {e}")),
         }
     }
-    drop(std::mem::replace(&mut c.progress, Progress::off()));
     report.errors = c.errors;
     report.leaks = leaks;
     report

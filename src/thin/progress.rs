@@ -26,11 +26,6 @@ impl Progress {
         }
     }
 
-    /// No progress line at all.
-    pub fn off() -> Progress {
-        Progress::new("", 0, false)
-    }
-
     pub fn tick(&mut self, n: u64) {
         if !self.enabled {
             return;
@@ -45,6 +40,7 @@ impl Progress {
     }
 }
 
+/// The line is ended when the progress goes away (the tool's own output follows).
 impl Drop for Progress {
     fn drop(&mut self) {
         if self.shown {
