@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# Installs the benchmark anchors and builds dmkit in release mode.
+# Installs the benchmark anchors (the test command's install step) and builds dmkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-for pair in fio:fio nbdkit:nbdkit qemu-nbd:qemu-utils nbdfuse:nbdfuse thin_check:thin-provisioning-tools; do
-  command -v "${pair%%:*}" >/dev/null || { $sudo apt-get update -qq; $sudo apt-get install -y -qq "${pair#*:}"; }
-done
+ci/install.sh
 cargo build --release --examples

@@ -3,10 +3,8 @@
 # device-mapper modules, run a caller's test script inside, print the serial
 # console. See shared/specs/kernel-oracle.md.
 #
-# Debian packages this script needs (it installs the missing ones itself):
+# Debian packages this script needs (ci/install.sh installs them):
 #   qemu-system-x86 busybox-static cpio dmsetup
-# plus qemu-utils, reinstalled alongside: qemu-system-x86 from bookworm conflicts
-# with a newer (backports) qemu-utils and apt removes it, taking qemu-img away.
 # The kernel package is fetched with `apt-get download`, never installed:
 #   linux-image-6.1.0-<N>-amd64 (the one `apt-cache depends linux-image-amd64` names)
 #
@@ -42,23 +40,12 @@ apt_update() {
   fi
 }
 
-# tool -> package
-need=(qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup)
-missing=()
-for pair in "${need[@]}"; do
-  tool=${pair%%:*} pkg=${pair#*:}
-  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || missing+=("$pkg")
+# The test command (ci/install.sh) installs these; here a missing one is reported.
+for tool in qemu-system-x86_64 cpio dmsetup; do
+  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || die_unavailable "$tool missing (run ci/install.sh)"
 done
-dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" || missing+=(busybox-static)
-if ((${#missing[@]})); then
-  if [[ " ${missing[*]} " == *" qemu-system-x86 "* ]] && command -v qemu-img >/dev/null 2>&1; then
-    missing+=(qemu-utils)
-  fi
-  echo "oracle: installing ${missing[*]}" >&2
-  apt_update
-  DEBIAN_FRONTEND=noninteractive nice -n 19 $sudo apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >&2 || die_unavailable "apt-get install ${missing[*]} failed"
-fi
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" ||
+  die_unavailable "busybox-static missing (run ci/install.sh)"
 BUSYBOX=/bin/busybox
 DMSETUP=$(command -v dmsetup || echo /usr/sbin/dmsetup)
 QEMU=$(command -v qemu-system-x86_64) || die_unavailable "qemu-system-x86_64 missing"

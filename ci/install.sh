@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests and benchmarks need, when missing: the real
+# NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools, e2fsprogs, and for the
+# kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup.
+# Then fetches the oracle's kernel. Idempotent: with everything present it only checks.
+#
+# qemu: a machine may carry a newer qemu-utils (a backport) than the distribution's
+# qemu-system-x86, whose qemu-system-common refuses it. Both are then installed in one
+# transaction at the version apt offers for qemu-system-x86, downgrading qemu-utils.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# tool -> Debian package
+tools=(
+  nbdinfo:libnbd-bin nbdcopy:libnbd-bin nbdfuse:nbdfuse fio:fio
+  qemu-img:qemu-utils qemu-nbd:qemu-utils nbdkit:nbdkit
+  thin_check:thin-provisioning-tools thin_dump:thin-provisioning-tools
+  thin_restore:thin-provisioning-tools
+  mkfs.ext4:e2fsprogs e2fsck:e2fsprogs
+  qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup
+)
+has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
+
+missing=()
+for pair in "${tools[@]}"; do
+  tool=${pair%%:*} pkg=${pair#*:}
+  if ! has "$tool" && [[ " ${missing[*]-} " != *" $pkg "* ]]; then
+    missing+=("$pkg")
+  fi
+done
+installed busybox-static || missing+=(busybox-static) # busybox alone is not static
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo=sudo
+apt_install() {
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@"
+}
+
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  $sudo apt-get update -qq
+  plain=()
+  qemu=0
+  for pkg in "${missing[@]}"; do
+    case $pkg in
+      qemu-utils | qemu-system-x86) qemu=1 ;;
+      *) plain+=("$pkg") ;;
+    esac
+  done
+  ((${#plain[@]})) && apt_install "${plain[@]}"
+  if ((qemu)); then
+    # The version qemu-system-x86 will be (installed or candidate); qemu-utils must match.
+    v=$(dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null || true)
+    [ -n "$v" ] || v=$(apt-cache policy qemu-system-x86 | sed -n 's/^ *Candidate: *//p')
+    if [ -z "$v" ] || [ "$v" = "(none)" ]; then
+      echo "ci/install.sh: apt offers no qemu-system-x86" >&2
+      exit 1
+    fi
+    echo "qemu-system-x86 and qemu-utils at $v"
+    apt_install --allow-downgrades "qemu-system-x86=$v" "qemu-utils=$v"
+  fi
+fi
+
+for pair in "${tools[@]}"; do
+  has "${pair%%:*}" || { echo "ci/install.sh: ${pair%%:*} still missing after install" >&2; exit 1; }
+done
+installed busybox-static || { echo "ci/install.sh: busybox-static still missing" >&2; exit 1; }
+
+# The kernel the oracle boots (downloaded once, cached).
+tests/oracle/run.sh --prepare
