@@ -16,7 +16,8 @@ tools=(
   qemu-img:qemu-utils qemu-nbd:qemu-utils nbdkit:nbdkit
   thin_check:thin-provisioning-tools thin_dump:thin-provisioning-tools
   thin_restore:thin-provisioning-tools
-  mkfs.ext4:e2fsprogs e2fsck:e2fsprogs
+  mkfs.ext4:e2fsprogs e2fsck:e2fsprogs fusermount3:fuse3
+  losetup:mount fsfreeze:util-linux fstrim:util-linux mount:mount
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }

@@ -2,6 +2,7 @@
 
 use crate::mapper::registry::{Config, Registry};
 use anyhow::{bail, Context, Result};
+use nix::sys::signal::{SigSet, Signal};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -24,13 +25,13 @@ pub fn default_run_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("DMKIT_RUN_DIR") {
         return PathBuf::from(d);
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
+    let uid = rustix::process::geteuid();
+    if uid.is_root() {
         return PathBuf::from("/run/dmkit");
     }
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(x) => Path::new(&x).join("dmkit"),
-        None => std::env::temp_dir().join(format!("dmkit-{}", unsafe { libc::geteuid() })),
+        None => std::env::temp_dir().join(format!("dmkit-{}", uid.as_raw())),
     }
 }
 
@@ -38,14 +39,11 @@ fn group_id(name: &str) -> Result<u32> {
     if let Ok(g) = name.parse::<u32>() {
         return Ok(g);
     }
-    let c = std::ffi::CString::new(name)?;
-    // SAFETY: getgrnam takes a valid C string and returns NULL or a static struct.
-    let g = unsafe { libc::getgrnam(c.as_ptr()) };
-    if g.is_null() {
-        bail!("unknown group '{name}'");
+    match nix::unistd::Group::from_name(name) {
+        Ok(Some(g)) => Ok(g.gid.as_raw()),
+        Ok(None) => bail!("unknown group '{name}'"),
+        Err(e) => bail!("looking up group '{name}': {e}"),
     }
-    // SAFETY: non-null pointer returned by getgrnam.
-    Ok(unsafe { (*g).gr_gid })
 }
 
 /// Bind a unix socket at `path` (replacing a stale one) with mode 0600, or 0660 and
@@ -68,20 +66,16 @@ fn bind(path: &Path, group: Option<u32>) -> Result<UnixListener> {
 
 /// Block SIGINT/SIGTERM in every thread (threads inherit the mask), so that one
 /// thread can wait for them and shut down cleanly.
-fn block_signals() -> libc::sigset_t {
-    // SAFETY: sigset manipulation on a local set; pthread_sigmask on this thread.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
+fn block_signals() -> Result<SigSet> {
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    set.thread_block().context("blocking SIGINT and SIGTERM")?;
+    Ok(set)
 }
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
-    let set = block_signals();
+    let set = block_signals()?;
     crate::targets::thin::set_copy_subjob_kb(opts.copy_subjob_kb);
     let group = opts.group.as_deref().map(group_id).transpose()?;
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
@@ -104,7 +98,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         std::thread::Builder::new()
             .name("nbd-tcp".into())
             .spawn(move || crate::export::nbd::serve_tcp(l, reg))?;
-        crate::log::info(&format!("NBD over TCP on {addr}"));
+        tracing::info!("NBD over TCP on {addr}");
     }
     {
         let reg = reg.clone();
@@ -118,25 +112,23 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                         .name("control-conn".into())
                         .spawn(move || {
                             if let Err(e) = crate::control::handle(&mut s, &reg) {
-                                crate::log::warn(&format!("control request failed: {e}"));
+                                tracing::warn!("control request failed: {e}");
                             }
                         });
                 }
             })?;
     }
-    crate::log::info(&format!(
+    tracing::info!(
         "serving: control {} nbd {}",
         control_path.display(),
         nbd_path.display()
-    ));
+    );
     if let Some(dir) = &opts.demo {
         demo(&reg, dir, &nbd_path, opts.nbd_listen.as_deref())?;
     }
     // Wait for SIGINT/SIGTERM, then make everything durable and leave.
-    let mut sig: libc::c_int = 0;
-    // SAFETY: sigwait on the set blocked above, writing the signal number to `sig`.
-    unsafe { libc::sigwait(&set, &mut sig) };
-    crate::log::info(&format!("signal {sig}: flushing devices and exiting"));
+    let sig = set.wait().context("waiting for a signal")?;
+    tracing::info!("{sig}: flushing devices and exiting");
     for d in reg.list() {
         let _ = d.flush_sync();
     }
@@ -165,7 +157,7 @@ fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Resul
         meta.display(),
         data.display()
     );
-    reg.create("demo-pool", &pool, false, None)?;
+    reg.create("demo-pool", Some(&pool), false, None)?;
     let thin_sectors = (1u64 << 30) / 512;
     // A thin and a snapshot of it; on later runs they exist already.
     for (msg, name, id) in [
@@ -179,9 +171,9 @@ fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Resul
             }
         }
         let table = format!("0 {thin_sectors} thin /dev/mapper/demo-pool {id}");
-        reg.create(name, &table, false, None)?;
+        reg.create(name, Some(&table), false, None)?;
     }
-    reg.create("demo-zero", &format!("0 {thin_sectors} zero"), false, None)?;
+    reg.create("demo-zero", Some(&format!("0 {thin_sectors} zero")), false, None)?;
     let sock = nbd_path.display();
     println!(
         "dmkit demo: a thin pool over sparse files in {}, a thin volume and its snapshot",

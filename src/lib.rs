@@ -4,7 +4,6 @@ pub mod copier;
 pub mod daemon;
 pub mod export;
 pub mod io;
-pub mod log;
 pub mod mapper;
 pub mod pdata;
 pub mod table;

@@ -258,10 +258,12 @@ fn bad_tables_and_commands_name_what_is_wrong() {
     assert!(d
         .fails(&["message", "z", "x", "hello"])
         .contains("invalid sector 'x'"));
-    assert!(d.fails(&["frob"]).contains("unknown command 'frob'"));
+    assert!(d
+        .fails(&["frob"])
+        .contains("dmkit: unrecognized subcommand 'frob' (see 'dmkit --help')"));
     assert!(d
         .fails(&["suspend", "z", "--bogus"])
-        .contains("unknown option '--bogus'"));
+        .contains("dmkit suspend: unexpected argument '--bogus' found"));
     assert!(d
         .fails(&["load", "z", "--table", "0 8 zero\n0 8 zero"])
         .contains("line 2: overlap in table"));

@@ -8,9 +8,7 @@ const MIB: u64 = 1 << 20;
 
 #[test]
 fn nbdinfo_lists_and_maps() {
-    if !need("nbdinfo") {
-        return;
-    }
+    need("nbdinfo");
     let d = Daemon::start("nbdinfo");
     let f = d.dir.sparse("f.img", 64 * MIB);
     // 1 MiB of data at 8 MiB, the rest of the file a hole.
@@ -57,9 +55,7 @@ fn nbdinfo_lists_and_maps() {
 
 #[test]
 fn qemu_img_convert_in_and_out() {
-    if !need("qemu-img") {
-        return;
-    }
+    need("qemu-img");
     let d = Daemon::start("qemu");
     let a = d.dir.sparse("a.img", 32 * MIB);
     let b = d.dir.sparse("b.img", 32 * MIB);
@@ -94,9 +90,7 @@ fn qemu_img_convert_in_and_out() {
 
 #[test]
 fn nbdcopy_round_trip_between_devices() {
-    if !need("nbdcopy") {
-        return;
-    }
+    need("nbdcopy");
     let d = Daemon::start("nbdcopy");
     let f = d.dir.sparse("f.img", 48 * MIB);
     let g = d.dir.sparse("g.img", 48 * MIB);
@@ -156,9 +150,7 @@ fn fio_verify(d: &Daemon, name: &str, jobs: u32, extra: &[&str]) {
 
 #[test]
 fn fio_verify_linear_and_striped_several_jobs() {
-    if !need("fio") {
-        return;
-    }
+    need("fio");
     let d = Daemon::start("fio");
     let a = d.dir.sparse("a.img", 32 * MIB);
     let b = d.dir.sparse("b.img", 32 * MIB);
@@ -209,9 +201,7 @@ fn stacked_writes_land_where_the_tables_put_them() {
 
 #[test]
 fn demo_over_unix_and_tcp() {
-    if !need("nbdinfo") {
-        return;
-    }
+    need("nbdinfo");
     let port = 20000 + (std::process::id() % 20000);
     let demo_dir = common::Scratch::new("demo-files");
     let addr = format!("127.0.0.1:{port}");
@@ -298,9 +288,8 @@ fn pool_used_data(d: &Daemon, pool: &str) -> u64 {
 
 #[test]
 fn copies_between_thins_stay_thin() {
-    if !need("nbdcopy") || !need("qemu-img") {
-        return;
-    }
+    need("nbdcopy");
+    need("qemu-img");
     let d = Daemon::start("thincopy");
     let meta = d.dir.sparse("meta.img", 16 * MIB);
     let data = d.dir.sparse("data.img", 512 * MIB);

@@ -113,14 +113,14 @@ fn oversized_read_and_write() {
     let mut c = Client::connect(&d.sock(), "d");
     // A READ of more than 32 MiB (inside the device) is refused, not served.
     let e = c.call(READ, 0, 0, (33 * MIB) as u32, &[]);
-    assert!(e == EOVERFLOW || e == EINVAL, "33 MiB read: {e}");
+    assert_eq!(e, EOVERFLOW, "33 MiB read");
     // A 40 MiB WRITE is refused, its payload read and thrown away: the next
     // request on the same connection works.
     let big = vec![0xEE; (40 * MIB) as usize];
     c.send(WRITE, 0, 11, 0, big.len() as u32, &big);
     let (cookie, e) = c.reply(None);
     assert_eq!(cookie, 11);
-    assert!(e == EOVERFLOW || e == EINVAL, "40 MiB write: {e}");
+    assert_eq!(e, EOVERFLOW, "40 MiB write");
     assert_eq!(
         read_at(&f, 0, 4096),
         vec![0; 4096],

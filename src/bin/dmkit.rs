@@ -1,34 +1,101 @@
-//! The `dmkit` command: `serve` runs the daemon; the other verbs talk to it with
-//! dmsetup's semantics and output.
+//! The `dmkit` command: `serve` runs the daemon; the dmsetup verbs talk to it with
+//! dmsetup's semantics and output; `thin` holds the thin-provisioning-tools verbs.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use clap::{CommandFactory, Parser, Subcommand};
+use dmkit::control::verbs::{one_line, DmVerb};
 use dmkit::daemon::{default_run_dir, serve, ServeOptions};
 use std::io::Read;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-const USAGE: &str = "usage: dmkit [--run-dir DIR] COMMAND [ARGS]
+/// Linux device-mapper in userspace, served over NBD.
+#[derive(Parser, Debug)]
+#[command(
+    name = "dmkit",
+    version,
+    disable_help_subcommand = true,
+    after_help = "The run directory holds control.sock and nbd.sock: --run-dir, else $DMKIT_RUN_DIR, else /run/dmkit (root) or $XDG_RUNTIME_DIR/dmkit."
+)]
+struct Cli {
+    /// The daemon's run directory (control.sock, nbd.sock)
+    #[arg(long, value_name = "DIR")]
+    run_dir: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
 
-Daemon:
-  serve [--nbd-listen ADDR:PORT] [--group GROUP] [--demo] [--demo-dir DIR] [--buffered]
-        [--copy-subjob-kb KB]   (copy engine sub-job size: default 512, at most 1024)
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the daemon: the control socket and the NBD export
+    Serve(ServeArgs),
+    /// The thin-provisioning-tools verbs (check, dump, restore)
+    #[command(subcommand)]
+    Thin(dmkit::thin::cli::ThinCmd),
+    /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
+    Completions { shell: clap_complete::Shell },
+    #[command(flatten)]
+    Dm(DmVerb),
+}
 
-Device-mapper verbs (as dmsetup):
-  create NAME [--table LINE]... [--readonly] [-u UUID]   (table from stdin without --table)
-  load NAME [--table LINE]...        suspend NAME [--noflush]      resume NAME
-  remove NAME [--force]              clear NAME
-  message NAME SECTOR MSG...         status [NAME] [--target T]    table [NAME] [--target T]
-  info [NAME]                        ls                            targets       version
-
-Thin-provisioning metadata tools:
-  thin dump|restore|check ...
-
-The run directory holds control.sock and nbd.sock: --run-dir, else $DMKIT_RUN_DIR,
-else /run/dmkit (root) or $XDG_RUNTIME_DIR/dmkit.";
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// The run directory (as the global --run-dir)
+    #[arg(long, value_name = "DIR")]
+    run_dir: Option<PathBuf>,
+    /// Also serve NBD over TCP on this address
+    #[arg(long, value_name = "ADDR:PORT")]
+    nbd_listen: Option<String>,
+    /// Let this group use the sockets (mode 0660)
+    #[arg(long)]
+    group: Option<String>,
+    /// Run the demo: a thin pool with a volume and a snapshot, and a zero device
+    #[arg(long)]
+    demo: bool,
+    /// The demo's directory (implies --demo)
+    #[arg(long, value_name = "DIR")]
+    demo_dir: Option<PathBuf>,
+    /// Use the page cache instead of O_DIRECT on backing files
+    #[arg(long)]
+    buffered: bool,
+    /// The copy engine's sub-job size (kcopyd), 1 to 1024 KiB
+    #[arg(long, value_name = "KB", default_value_t = 512,
+          value_parser = clap::value_parser!(u64).range(1..=1024))]
+    copy_subjob_kb: u64,
+}
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(args) {
+    let argv: Vec<String> = std::env::args().collect();
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(c) => c,
+        Err(e) => {
+            // The command as far as it names a verb: `dmkit suspend`, `dmkit thin check`.
+            let words = verb_words(&argv);
+            let depth = if words.first().is_some_and(|w| w == "thin") {
+                2
+            } else {
+                1
+            };
+            let cmd = std::iter::once("dmkit")
+                .chain(
+                    words
+                        .iter()
+                        .take(depth)
+                        .take_while(|w| !w.starts_with('-'))
+                        .map(String::as_str),
+                )
+                .collect::<Vec<_>>()
+                .join(" ");
+            match one_line(&e, &cmd) {
+                Some(msg) => {
+                    eprintln!("{msg}");
+                    std::process::exit(2);
+                }
+                None => e.exit(),
+            }
+        }
+    };
+    match run(cli, &argv) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("dmkit: {e:#}");
@@ -37,98 +104,62 @@ fn main() {
     }
 }
 
-fn run(mut args: Vec<String>) -> Result<i32> {
-    let mut run_dir = None;
-    while let Some(a) = args.first() {
-        match a.as_str() {
-            "--run-dir" => {
-                if args.len() < 2 {
-                    bail!("--run-dir needs a directory");
-                }
-                run_dir = Some(PathBuf::from(&args[1]));
-                args.drain(..2);
-            }
-            "-h" | "--help" | "help" => {
-                println!("{USAGE}");
-                return Ok(0);
-            }
-            _ => break,
-        }
-    }
-    let run_dir = run_dir.unwrap_or_else(default_run_dir);
-    let Some(verb) = args.first().cloned() else {
-        eprintln!("{USAGE}");
-        return Ok(2);
-    };
-    match verb.as_str() {
-        "serve" => {
-            let mut o = ServeOptions {
-                run_dir,
-                nbd_listen: None,
-                group: None,
-                demo: None,
-                direct_io: true,
-                copy_subjob_kb: 512,
-            };
-            let mut demo = false;
-            let mut demo_dir = PathBuf::from("dmkit-demo");
-            let mut i = 1;
-            while i < args.len() {
-                let val = |i: usize| {
-                    args.get(i + 1)
-                        .cloned()
-                        .with_context(|| format!("{} needs a value", args[i]))
-                };
-                match args[i].as_str() {
-                    "--nbd-listen" => {
-                        o.nbd_listen = Some(val(i)?);
-                        i += 1;
-                    }
-                    "--group" => {
-                        o.group = Some(val(i)?);
-                        i += 1;
-                    }
-                    "--run-dir" => {
-                        o.run_dir = PathBuf::from(val(i)?);
-                        i += 1;
-                    }
-                    "--demo" => demo = true,
-                    "--demo-dir" => {
-                        demo_dir = PathBuf::from(val(i)?);
-                        demo = true;
-                        i += 1;
-                    }
-                    "--buffered" => o.direct_io = false,
-                    "--copy-subjob-kb" => {
-                        let v = val(i)?;
-                        o.copy_subjob_kb = v
-                            .parse()
-                            .with_context(|| format!("--copy-subjob-kb: invalid size '{v}'"))?;
-                        i += 1;
-                    }
-                    other => bail!("serve: unknown option '{other}'"),
-                }
-                i += 1;
-            }
-            if demo {
-                o.demo = Some(demo_dir);
-            }
-            serve(o)?;
+fn run(cli: Cli, argv: &[String]) -> Result<i32> {
+    let run_dir = cli.run_dir.clone().unwrap_or_else(default_run_dir);
+    match cli.cmd {
+        Cmd::Serve(a) => {
+            // Log lines on stderr; RUST_LOG filters them (default: info).
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+            tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_target(false)
+                .init();
+            let demo = (a.demo || a.demo_dir.is_some())
+                .then(|| a.demo_dir.unwrap_or_else(|| PathBuf::from("dmkit-demo")));
+            serve(ServeOptions {
+                run_dir: a.run_dir.unwrap_or(run_dir),
+                nbd_listen: a.nbd_listen,
+                group: a.group,
+                demo,
+                direct_io: !a.buffered,
+                copy_subjob_kb: a.copy_subjob_kb,
+            })?;
             Ok(0)
         }
-        "thin" => Ok(dmkit::thin::cli::main(&args[1..])),
-        _ => client(&run_dir, &args),
+        Cmd::Thin(t) => Ok(dmkit::thin::cli::run(t)),
+        Cmd::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "dmkit", &mut std::io::stdout());
+            Ok(0)
+        }
+        Cmd::Dm(verb) => client(&run_dir, &verb, verb_words(argv)),
     }
 }
 
-fn client(run_dir: &std::path::Path, args: &[String]) -> Result<i32> {
-    let verb = args[0].as_str();
-    let needs_stdin = matches!(verb, "create" | "load" | "reload")
-        && !args
-            .iter()
-            .any(|a| a == "--table" || a.starts_with("--table=") || a == "--notable");
+/// The words from the verb on: the daemon parses them again. Only `--run-dir`
+/// comes before the verb.
+fn verb_words(argv: &[String]) -> &[String] {
+    let mut i = 1;
+    while let Some(a) = argv.get(i) {
+        if a == "--run-dir" {
+            i += 2;
+        } else if a.starts_with("--run-dir=") {
+            i += 1;
+        } else {
+            break;
+        }
+    }
+    argv.get(i..).unwrap_or(&[])
+}
+
+fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
+    let from_stdin = match verb {
+        DmVerb::Create { table, .. } | DmVerb::Load { table, .. } => table.from_stdin(),
+        _ => false,
+    };
     let mut stdin = Vec::new();
-    if needs_stdin {
+    if from_stdin {
         std::io::stdin()
             .read_to_end(&mut stdin)
             .context("reading the table from standard input")?;
@@ -140,10 +171,11 @@ fn client(run_dir: &std::path::Path, args: &[String]) -> Result<i32> {
             sock.display()
         )
     })?;
-    let (ok, out, err) = dmkit::control::call(&mut s, args, &stdin)?;
+    let (ok, out, err) = dmkit::control::call(&mut s, words, &stdin)?;
     print!("{out}");
     if !ok {
-        eprintln!("dmkit {verb}: {}", err.trim_end());
+        let name = words.first().map_or("", String::as_str);
+        eprintln!("dmkit {name}: {}", err.trim_end());
         return Ok(1);
     }
     Ok(0)

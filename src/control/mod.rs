@@ -5,8 +5,12 @@
 //! as length + bytes. The daemon does all parsing and formatting, so every client
 //! sees the same output.
 
+pub mod verbs;
+
 use crate::mapper::registry::Registry;
+use clap::Parser;
 use std::io::{self, Read, Write};
+use verbs::{DmVerb, Request, ShowArgs, TableArgs};
 
 /// Most bytes one request may carry (a table of many thousands of lines fits).
 const MAX_REQUEST: u32 = 64 << 20;
@@ -77,91 +81,6 @@ pub fn handle<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<()> {
     s.write_all(&rep)
 }
 
-/// Arguments of one verb: positional words and `--flag [value]` options.
-struct Args<'a> {
-    verb: &'a str,
-    pos: Vec<&'a str>,
-    opts: Vec<(&'a str, Option<&'a str>)>,
-}
-
-/// Options that take a value, per verb.
-const VALUED: &[&str] = &["--table", "--target", "-u", "--uuid"];
-/// Options known without a value.
-const FLAGS: &[&str] = &[
-    "--readonly",
-    "-r",
-    "--noflush",
-    "--nolockfs",
-    "--force",
-    "-f",
-    "--notable",
-];
-
-impl<'a> Args<'a> {
-    fn parse(verb: &'a str, raw: &'a [String]) -> Result<Args<'a>, String> {
-        let mut a = Args {
-            verb,
-            pos: Vec::new(),
-            opts: Vec::new(),
-        };
-        let mut i = 0;
-        while i < raw.len() {
-            let w = raw[i].as_str();
-            if verb == "message" && a.pos.len() >= 2 {
-                // Message words are passed on as they are, dashes included.
-                a.pos.push(w);
-            } else if let Some((k, v)) = w.split_once('=').filter(|(k, _)| VALUED.contains(k)) {
-                a.opts.push((k, Some(v)));
-            } else if VALUED.contains(&w) {
-                let v = raw
-                    .get(i + 1)
-                    .ok_or_else(|| format!("{verb}: option {w} needs a value"))?;
-                a.opts.push((w, Some(v.as_str())));
-                i += 1;
-            } else if FLAGS.contains(&w) {
-                a.opts.push((w, None));
-            } else if w.starts_with('-') && w.len() > 1 {
-                return Err(format!("{verb}: unknown option '{w}'"));
-            } else {
-                a.pos.push(w);
-            }
-            i += 1;
-        }
-        Ok(a)
-    }
-    fn has(&self, names: &[&str]) -> bool {
-        self.opts.iter().any(|(k, _)| names.contains(k))
-    }
-    fn values(&self, name: &str) -> Vec<&'a str> {
-        self.opts
-            .iter()
-            .filter(|(k, _)| *k == name)
-            .filter_map(|(_, v)| *v)
-            .collect()
-    }
-    fn name(&self) -> Result<&'a str, String> {
-        self.pos
-            .first()
-            .copied()
-            .ok_or_else(|| format!("{}: device name required", self.verb))
-    }
-    fn at_most(&self, n: usize) -> Result<(), String> {
-        match self.pos.get(n) {
-            Some(extra) => Err(format!("{}: unexpected argument '{extra}'", self.verb)),
-            None => Ok(()),
-        }
-    }
-    /// The table text: `--table` lines, else standard input.
-    fn table(&self, stdin: &str) -> String {
-        let t = self.values("--table");
-        if t.is_empty() {
-            stdin.to_string()
-        } else {
-            t.join("\n")
-        }
-    }
-}
-
 /// Keep only the lines of targets of type `t` (`--target`).
 fn filter_target(out: String, t: Option<&str>) -> String {
     let Some(t) = t else { return out };
@@ -176,91 +95,95 @@ fn filter_target(out: String, t: Option<&str>) -> String {
 
 /// Run one dmsetup-style verb; Ok(stdout) or Err(the one-line error).
 pub fn execute(reg: &Registry, args: &[String], stdin: &str) -> Result<String, String> {
-    let Some(verb) = args.first() else {
-        return Err("no command given".into());
-    };
-    let a = Args::parse(verb, &args[1..])?;
+    // The CLI parsed these words already; only a client of its own gets an error.
+    let req = Request::try_parse_from(args)
+        .map_err(|e| verbs::one_line(&e, "dmkit").unwrap_or_else(|| "help is not a request".into()))?;
     let e = |x: crate::mapper::registry::ControlError| x.to_string();
-    match verb.as_str() {
-        "create" => {
-            let name = a.name()?;
-            a.at_most(1)?;
-            let uuid = a
-                .values("-u")
-                .into_iter()
-                .chain(a.values("--uuid"))
-                .next()
-                .map(str::to_string);
-            reg.create(name, &a.table(stdin), a.has(&["--readonly", "-r"]), uuid)
-                .map_err(e)?;
-            Ok(String::new())
+    let table = |t: &TableArgs| -> Option<String> {
+        if t.notable {
+            None
+        } else if t.lines.is_empty() {
+            Some(stdin.to_string())
+        } else {
+            Some(t.lines.join("\n"))
         }
-        "load" | "reload" => {
-            let name = a.name()?;
-            a.at_most(1)?;
-            reg.load(name, &a.table(stdin)).map_err(e)?;
-            Ok(String::new())
-        }
-        "clear" => {
-            a.at_most(1)?;
-            reg.clear(a.name()?).map_err(e).map(|_| String::new())
-        }
-        "suspend" => {
-            a.at_most(1)?;
-            reg.suspend(a.name()?, a.has(&["--noflush"]))
-                .map_err(e)
-                .map(|_| String::new())
-        }
-        "resume" => {
-            a.at_most(1)?;
-            reg.resume(a.name()?).map_err(e).map(|_| String::new())
-        }
-        "remove" => {
-            a.at_most(1)?;
-            reg.remove(a.name()?, a.has(&["--force", "-f"]))
-                .map_err(e)
-                .map(|_| String::new())
-        }
-        "message" => {
-            let name = a.name()?;
-            let sector = a.pos.get(1).ok_or("message: sector required")?;
+    };
+    let done = |r: Result<(), _>| r.map(|_| String::new()).map_err(e);
+    match req.verb {
+        DmVerb::Create {
+            name,
+            table: t,
+            readonly,
+            uuid,
+        } => done(reg.create(&name, table(&t).as_deref(), readonly, uuid)),
+        DmVerb::Load { name, table: t } => match table(&t) {
+            Some(text) => done(reg.load(&name, &text)),
+            None => Err("load: a table is required (--notable is for create)".into()),
+        },
+        DmVerb::Clear { name } => done(reg.clear(&name)),
+        DmVerb::Suspend { name, noflush, .. } => done(reg.suspend(&name, noflush)),
+        DmVerb::Resume { name } => done(reg.resume(&name)),
+        DmVerb::Remove {
+            name,
+            force,
+            deferred,
+        } => done(reg.remove(&name, force, deferred)),
+        DmVerb::Rename {
+            name,
+            new_name,
+            setuuid,
+        } => match (new_name, setuuid) {
+            (_, Some(u)) => done(reg.set_uuid(&name, &u)),
+            (Some(n), None) => done(reg.rename(&name, &n)),
+            (None, None) => Err("rename: a new name or --setuuid is required".into()),
+        },
+        DmVerb::Message {
+            name,
+            sector,
+            message,
+        } => {
             let sector = sector
+                .trim()
                 .parse::<u64>()
                 .map_err(|_| format!("message: invalid sector '{sector}'"))?;
-            let words: Vec<String> = a.pos[2..].iter().map(|s| s.to_string()).collect();
-            if words.is_empty() {
-                return Err("message: message text required".into());
-            }
-            let mut r = reg.message(name, sector, &words).map_err(e)?;
+            let mut r = reg.message(&name, sector, &message).map_err(e)?;
             if !r.is_empty() && !r.ends_with('\n') {
                 r.push('\n');
             }
             Ok(r)
         }
-        "status" | "table" => {
-            a.at_most(1)?;
-            let out = reg
-                .table_lines(a.pos.first().copied(), verb == "status")
-                .map_err(e)?;
-            Ok(filter_target(out, a.values("--target").first().copied()))
+        DmVerb::Status(a) => show(reg, a, true),
+        DmVerb::Table(a) => show(reg, a, false),
+        DmVerb::Info {
+            name,
+            columns,
+            options,
+            noheadings,
+            separator,
+        } => {
+            if columns {
+                reg.info_columns(
+                    name.as_deref(),
+                    options.as_deref(),
+                    !noheadings,
+                    separator.as_deref(),
+                )
+                .map_err(e)
+            } else {
+                reg.info(name.as_deref()).map_err(e)
+            }
         }
-        "info" => {
-            a.at_most(1)?;
-            reg.info(a.pos.first().copied()).map_err(e)
-        }
-        "ls" => {
-            a.at_most(0)?;
-            Ok(reg.ls())
-        }
-        "targets" => {
-            a.at_most(0)?;
-            Ok(Registry::targets())
-        }
-        "stats" => {
-            a.at_most(1)?;
-            reg.stats(a.name()?).map_err(e)
-        }
-        "version" => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
-        other => Err(format!("unknown command '{other}'")),
+        DmVerb::Ls { tree, target } => Ok(reg.ls(tree, target.as_deref())),
+        DmVerb::Deps { name } => reg.deps(name.as_deref()).map_err(e),
+        DmVerb::Targets => Ok(Registry::targets()),
+        DmVerb::Stats { name } => reg.stats(&name).map_err(e),
+        DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
     }
+}
+
+fn show(reg: &Registry, a: ShowArgs, status: bool) -> Result<String, String> {
+    let out = reg
+        .table_lines(a.name.as_deref(), status, a.inactive)
+        .map_err(|x| x.to_string())?;
+    Ok(filter_target(out, a.target.as_deref()))
 }

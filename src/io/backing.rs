@@ -1,5 +1,6 @@
 //! Backing files and block devices.
 
+use rustix::fs::SeekFrom;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -82,7 +83,7 @@ impl BackingFile {
         };
         let rdev = if is_block_device {
             let r = meta.rdev();
-            Some((libc::major(r), libc::minor(r)))
+            Some((rustix::fs::major(r), rustix::fs::minor(r)))
         } else {
             None
         };
@@ -142,10 +143,9 @@ impl BackingFile {
             out.push((len, false));
             return Ok(());
         }
-        let fd = self.buffered.as_raw_fd();
         let mut pos = offset;
         while pos < end {
-            let data = lseek(fd, pos, libc::SEEK_DATA)?;
+            let data = seek(&self.buffered, SeekFrom::Data(pos))?;
             let data = match data {
                 Some(d) => d.min(end),
                 None => end, // no data after pos: hole to the end
@@ -155,7 +155,7 @@ impl BackingFile {
                 pos = data;
                 continue;
             }
-            let hole = lseek(fd, pos, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+            let hole = seek(&self.buffered, SeekFrom::Hole(pos))?.unwrap_or(end).min(end);
             let hole = hole.max(pos + 1);
             out.push((hole - pos, false));
             pos = hole;
@@ -165,42 +165,24 @@ impl BackingFile {
 }
 
 /// lseek for SEEK_DATA/SEEK_HOLE; None where the answer is ENXIO (past the last data).
-fn lseek(fd: RawFd, pos: u64, whence: i32) -> io::Result<Option<u64>> {
-    // SAFETY: lseek on a descriptor we own; no memory is passed.
-    let r = unsafe { libc::lseek(fd, pos as libc::off_t, whence) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ENXIO) {
-            return Ok(None);
-        }
-        return Err(e);
+fn seek(f: &File, to: SeekFrom) -> io::Result<Option<u64>> {
+    match rustix::fs::seek(f, to) {
+        Ok(p) => Ok(Some(p)),
+        Err(rustix::io::Errno::NXIO) => Ok(None),
+        Err(e) => Err(e.into()),
     }
-    Ok(Some(r as u64))
 }
 
 /// BLKSSZGET: a block device's logical block size.
 fn block_size_of(f: &File) -> Option<u32> {
-    let mut v: libc::c_int = 0;
-    // SAFETY: BLKSSZGET writes one c_int to the pointer, which points at `v`.
-    let r = unsafe { libc::ioctl(f.as_raw_fd(), 0x1268, &mut v as *mut libc::c_int) };
-    (r == 0 && v > 0).then_some(v as u32)
+    rustix::fs::ioctl_blksszget(f).ok().filter(|&v| v > 0)
 }
 
 /// The O_DIRECT alignment from statx(STATX_DIOALIGN), where the kernel reports it.
 fn dio_alignment(f: &File) -> Option<u32> {
-    // SAFETY: statx fills the zero-initialised struct we pass; the path is a valid
-    // empty C string used with AT_EMPTY_PATH on our own descriptor.
-    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    let r = unsafe {
-        libc::statx(
-            f.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_DIOALIGN,
-            &mut stx,
-        )
-    };
-    if r != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+    use rustix::fs::{statx, AtFlags, StatxFlags};
+    let stx = statx(f, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).ok()?;
+    if !StatxFlags::from_bits_retain(stx.stx_mask).contains(StatxFlags::DIOALIGN) {
         return None;
     }
     let a = stx.stx_dio_offset_align.max(stx.stx_dio_mem_align);

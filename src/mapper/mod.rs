@@ -2,11 +2,12 @@
 //! mapping of requests through tables, stacked devices included.
 
 pub mod registry;
+mod report;
 
 pub use registry::Registry;
 
 use crate::io::{Op, SECTOR};
-use crate::targets::{Bio, DevRef, MapCtx, MapErr, Target};
+use crate::targets::{Bio, DevRef, Limits, MapCtx, MapErr, Target};
 use arc_swap::ArcSwapOption;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,9 @@ pub struct Table {
     /// `flush_bypass` holds: once each, however many targets use them.
     pub flush_devices: Vec<FlushDev>,
     pub logical_block_size: u32,
-    pub write_zeroes: bool,
+    /// What the targets can do together (every target must, for discards and
+    /// zeroing), as the export offers it.
+    pub limits: Limits,
 }
 
 impl Table {
@@ -55,14 +58,18 @@ impl Table {
                 }
             }
         }
-        let write_zeroes = entries.iter().all(|e| e.target.supports_write_zeroes());
+        let limits = entries
+            .iter()
+            .map(|e| e.target.limits())
+            .reduce(Limits::and)
+            .unwrap_or(Limits::NONE);
         Table {
             entries,
             size,
             flush_bypass,
             flush_devices,
             logical_block_size: lbs,
-            write_zeroes,
+            limits,
         }
     }
 
@@ -94,9 +101,11 @@ fn dev_key(d: &DevRef) -> DevKey {
 
 /// A mapped device.
 pub struct Device {
-    pub name: String,
+    /// The name, which `rename` changes (the NBD export is named after it).
+    name: Mutex<String>,
     pub minor: u32,
-    pub uuid: Option<String>,
+    /// Set at create, or once later by `rename --setuuid`.
+    uuid: Mutex<Option<String>>,
     pub read_only: bool,
     pub live: ArcSwapOption<Table>,
     pub inactive: Mutex<Option<Arc<Table>>>,
@@ -111,8 +120,10 @@ pub struct Device {
     pub open_count: AtomicU32,
     /// Tables (of other devices) that refer to this one.
     pub holders: AtomicU32,
-    /// Removed with --force while open: I/O fails.
+    /// Removed: I/O fails.
     pub removed: AtomicBool,
+    /// `remove --deferred` while open: removed at the last close.
+    pub deferred_remove: AtomicBool,
     /// Serialises control operations (load/suspend/resume/remove) on this device.
     pub control: Mutex<()>,
 }
@@ -120,9 +131,9 @@ pub struct Device {
 impl Device {
     pub fn new(name: String, minor: u32, uuid: Option<String>, read_only: bool) -> Device {
         Device {
-            name,
+            name: Mutex::new(name),
             minor,
-            uuid,
+            uuid: Mutex::new(uuid),
             read_only,
             live: ArcSwapOption::empty(),
             inactive: Mutex::new(None),
@@ -134,8 +145,25 @@ impl Device {
             open_count: AtomicU32::new(0),
             holders: AtomicU32::new(0),
             removed: AtomicBool::new(false),
+            deferred_remove: AtomicBool::new(false),
             control: Mutex::new(()),
         }
+    }
+
+    pub fn name(&self) -> String {
+        self.name.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_name(&self, name: &str) {
+        *self.name.lock().unwrap_or_else(|p| p.into_inner()) = name.to_string();
+    }
+
+    pub fn uuid(&self) -> Option<String> {
+        self.uuid.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_uuid(&self, uuid: &str) {
+        *self.uuid.lock().unwrap_or_else(|p| p.into_inner()) = Some(uuid.to_string());
     }
 
     pub fn size_sectors(&self) -> u64 {
@@ -146,9 +174,9 @@ impl Device {
         self.live.load().as_ref().map_or(512, |t| t.logical_block_size)
     }
 
-    /// Whether the live table can zero ranges natively.
-    pub fn supports_write_zeroes(&self) -> bool {
-        self.live.load().as_ref().is_some_and(|t| t.write_zeroes)
+    /// The live table's limits (none without a table).
+    pub fn limits(&self) -> Limits {
+        self.live.load().as_ref().map_or(Limits::NONE, |t| t.limits)
     }
 
     /// Block new I/O, release what targets hold, and wait for in-flight I/O to drain.

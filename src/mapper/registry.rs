@@ -30,6 +30,46 @@ fn dev_err(name: &str, what: impl Into<String>) -> ControlError {
     }
 }
 
+/// A device name as the kernel takes it: 1 to 127 bytes, no '/', not "." or "..".
+fn check_name(name: &str) -> Result<(), ControlError> {
+    if name.is_empty() || name.len() > 127 || name.contains('/') || name == "." || name == ".." {
+        return Err(dev_err(name, "invalid device name"));
+    }
+    Ok(())
+}
+
+/// A uuid as the kernel takes it: at most 128 bytes.
+fn check_uuid(name: &str, uuid: Option<&str>) -> Result<(), ControlError> {
+    match uuid {
+        Some(u) if u.is_empty() || u.len() > 128 => {
+            Err(dev_err(name, format!("invalid uuid '{u}': 1 to 128 bytes")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// No device but `name` has `uuid` (the kernel refuses a duplicate with EBUSY).
+fn uuid_free(
+    devs: &BTreeMap<String, Arc<Device>>,
+    name: &str,
+    uuid: Option<&str>,
+) -> Result<(), ControlError> {
+    let Some(u) = uuid else { return Ok(()) };
+    match devs
+        .values()
+        .find(|d| d.name() != name && d.uuid().as_deref() == Some(u))
+    {
+        Some(other) => Err(dev_err(
+            name,
+            format!(
+                "Device or resource busy: uuid '{u}' is in use by device '{}'",
+                other.name()
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Options fixed for the daemon's life.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -52,7 +92,9 @@ pub struct Registry {
     /// naming a file shares one open file, so a file is one set of descriptors and
     /// flushes can be sent to it once.
     files: Mutex<Vec<(FileKey, std::sync::Weak<BackingFile>)>>,
-    next_minor: Mutex<u32>,
+    /// Minors in use, by devices and by creations under way: a new device takes the
+    /// lowest free one, and a removed or failed one gives it back (as the kernel's idr).
+    minors: Mutex<std::collections::BTreeSet<u32>>,
     pub config: Config,
 }
 
@@ -61,7 +103,7 @@ impl Registry {
         Registry {
             devices: Mutex::new(BTreeMap::new()),
             files: Mutex::new(Vec::new()),
-            next_minor: Mutex::new(0),
+            minors: Mutex::new(std::collections::BTreeSet::new()),
             config,
         }
     }
@@ -81,34 +123,103 @@ impl Registry {
         self.devices().values().cloned().collect()
     }
 
-    /// `dmsetup create NAME --table ...`: create, load, resume.
+    /// `dmsetup create NAME --table ...`: create, load, resume (`--notable`: no
+    /// table, `None`).
     pub fn create(
         &self,
         name: &str,
-        table: &str,
+        table: Option<&str>,
         read_only: bool,
         uuid: Option<String>,
     ) -> Result<(), ControlError> {
-        if name.is_empty() || name.len() > 127 || name.contains('/') || name == "." || name == ".." {
-            return Err(dev_err(name, "invalid device name"));
+        check_name(name)?;
+        check_uuid(name, uuid.as_deref())?;
+        {
+            let devs = self.devices();
+            if devs.contains_key(name) {
+                return Err(ControlError::Exists(name.to_string()));
+            }
+            uuid_free(&devs, name, uuid.as_deref())?;
         }
-        if self.devices().contains_key(name) {
-            return Err(ControlError::Exists(name.to_string()));
+        let minor = self.take_minor();
+        let dev = Arc::new(Device::new(name.to_string(), minor, uuid.clone(), read_only));
+        // Build the table before the device is visible, so a failed create leaves
+        // nothing, its minor included.
+        if let Some(table) = table {
+            match self.build_table(&dev, table) {
+                Ok(t) => dev.live.store(Some(Arc::new(t))),
+                Err(e) => {
+                    self.give_minor(minor);
+                    return Err(e);
+                }
+            }
         }
-        let minor = {
-            let mut m = self.next_minor.lock().unwrap_or_else(|p| p.into_inner());
-            *m += 1;
-            *m - 1
-        };
-        let dev = Arc::new(Device::new(name.to_string(), minor, uuid, read_only));
-        // Build the table before the device is visible, so a failed create leaves nothing.
-        let t = self.build_table(&dev, table)?;
-        dev.live.store(Some(Arc::new(t)));
         let mut devs = self.devices();
-        if devs.contains_key(name) {
-            return Err(ControlError::Exists(name.to_string()));
+        let clash = if devs.contains_key(name) {
+            Err(ControlError::Exists(name.to_string()))
+        } else {
+            uuid_free(&devs, name, uuid.as_deref())
+        };
+        if let Err(e) = clash {
+            drop(devs);
+            self.give_minor(minor);
+            return Err(e);
         }
         devs.insert(name.to_string(), dev);
+        Ok(())
+    }
+
+    fn take_minor(&self) -> u32 {
+        let mut m = self.minors.lock().unwrap_or_else(|p| p.into_inner());
+        let minor = (0..).find(|i| !m.contains(i)).unwrap_or(0);
+        m.insert(minor);
+        minor
+    }
+
+    fn give_minor(&self, minor: u32) {
+        self.minors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&minor);
+    }
+
+    /// `dmsetup rename NAME NEW`: the device (and its NBD export) takes the new
+    /// name; connections already attached go on.
+    pub fn rename(&self, name: &str, new: &str) -> Result<(), ControlError> {
+        check_name(new)?;
+        let mut devs = self.devices();
+        if devs.contains_key(new) {
+            return Err(dev_err(
+                new,
+                "Device or resource busy: a device with that name exists",
+            ));
+        }
+        let dev = devs
+            .remove(name)
+            .ok_or_else(|| ControlError::NoDevice(name.to_string()))?;
+        dev.set_name(new);
+        dev.event_nr.fetch_add(1, Ordering::Relaxed);
+        devs.insert(new.to_string(), dev);
+        Ok(())
+    }
+
+    /// `dmsetup rename NAME --setuuid UUID`: only a device without a uuid can be
+    /// given one (the kernel refuses to change a uuid).
+    pub fn set_uuid(&self, name: &str, uuid: &str) -> Result<(), ControlError> {
+        check_uuid(name, Some(uuid))?;
+        let devs = self.devices();
+        let dev = devs
+            .get(name)
+            .ok_or_else(|| ControlError::NoDevice(name.to_string()))?;
+        if let Some(u) = dev.uuid() {
+            return Err(dev_err(
+                name,
+                format!("Invalid argument: the device already has uuid '{u}'"),
+            ));
+        }
+        uuid_free(&devs, name, Some(uuid))?;
+        dev.set_uuid(uuid);
+        dev.event_nr.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -167,7 +278,12 @@ impl Registry {
         Ok(())
     }
 
-    pub fn remove(&self, name: &str, force: bool) -> Result<(), ControlError> {
+    /// `dmsetup remove [--force] [--deferred]`. A device in another table's use
+    /// cannot go. An open one (an NBD client attached) cannot either: `--force`
+    /// first replaces its table with `error` (I/O in flight completes, later I/O
+    /// fails) and the remove then fails busy, as dmsetup's does; `--deferred` marks
+    /// it to be removed at its last close.
+    pub fn remove(&self, name: &str, force: bool, deferred: bool) -> Result<(), ControlError> {
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
         if dev.holders.load(Ordering::SeqCst) > 0 {
@@ -175,7 +291,7 @@ impl Registry {
                 .list()
                 .into_iter()
                 .filter(|d| !Arc::ptr_eq(d, &dev) && table_uses(d, &dev))
-                .map(|d| d.name.clone())
+                .map(|d| d.name())
                 .collect();
             return Err(dev_err(
                 name,
@@ -186,24 +302,108 @@ impl Registry {
             ));
         }
         let opens = dev.open_count.load(Ordering::SeqCst);
-        if opens > 0 && !force {
+        if opens > 0 && deferred {
+            dev.deferred_remove.store(true, Ordering::SeqCst);
+            // The last close may have come meanwhile.
+            if dev.open_count.load(Ordering::SeqCst) > 0 {
+                return Ok(());
+            }
+        } else if opens > 0 {
+            if force {
+                self.replace_with_error(&dev);
+            }
             return Err(dev_err(
                 name,
                 format!("Device or resource busy: open count {opens}"),
             ));
         }
+        self.drop_device(&dev);
+        Ok(())
+    }
+
+    /// Swap in a table of one `error` target of the same size, as `dmsetup remove
+    /// --force` does before it tries the remove.
+    fn replace_with_error(&self, dev: &Arc<Device>) {
+        let size = dev.size_sectors();
+        if size == 0 {
+            return;
+        }
+        let t = Table::new(vec![TableEntry {
+            start: 0,
+            len: size,
+            target: Box::new(targets::error::Error),
+        }]);
+        let was_suspended = dev.suspended.load(Ordering::SeqCst);
+        if !was_suspended {
+            dev.suspend_and_drain();
+        }
+        let _ = dev.flush_sync();
+        dev.live.store(Some(Arc::new(t)));
+        dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+        dev.event_nr.fetch_add(1, Ordering::Relaxed);
+        if !was_suspended {
+            dev.suspended.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// An NBD client let go of `dev`: a deferred remove happens at the last close.
+    pub fn closed(&self, dev: &Arc<Device>) {
+        if dev.open_count.load(Ordering::SeqCst) > 0 || !dev.deferred_remove.load(Ordering::SeqCst) {
+            return;
+        }
+        let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
+        let still_ours = self
+            .devices()
+            .get(&dev.name())
+            .is_some_and(|d| Arc::ptr_eq(d, dev));
+        if still_ours
+            && dev.open_count.load(Ordering::SeqCst) == 0
+            && dev.holders.load(Ordering::SeqCst) == 0
+            && !dev.removed.load(Ordering::SeqCst)
+        {
+            self.drop_device(dev);
+        }
+    }
+
+    /// Take `dev` out of service and out of the registry (its control lock held).
+    fn drop_device(&self, dev: &Arc<Device>) {
         dev.removed.store(true, Ordering::SeqCst);
         dev.suspend_and_drain();
         let _ = dev.flush_sync();
         dev.live.store(None);
         dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
-        self.devices().remove(name);
-        Ok(())
+        let mut devs = self.devices();
+        let name = dev.name();
+        if devs.get(&name).is_some_and(|d| Arc::ptr_eq(d, dev)) {
+            devs.remove(&name);
+        }
+        drop(devs);
+        self.give_minor(dev.minor);
     }
 
     pub fn message(&self, name: &str, sector: u64, words: &[String]) -> Result<String, ControlError> {
         let dev = self.get(name)?;
+        // dmsetup joins its arguments and the kernel splits them on white space, so
+        // `"create_thin 2"` as one argument is two words.
+        let words: Vec<String> = words
+            .iter()
+            .flat_map(|w| w.split_whitespace())
+            .map(str::to_string)
+            .collect();
+        let words = words.as_slice();
+        if words.is_empty() {
+            return Err(dev_err(name, "message: message text required"));
+        }
         if let Some(w) = words.first().filter(|w| w.starts_with('@')) {
+            if w.eq_ignore_ascii_case("@cancel_deferred_remove") && words.len() == 1 {
+                if !dev.deferred_remove.swap(false, Ordering::SeqCst) {
+                    return Err(dev_err(
+                        name,
+                        "message '@cancel_deferred_remove' refused: no deferred remove is pending",
+                    ));
+                }
+                return Ok(String::new());
+            }
             return Err(dev_err(
                 name,
                 format!("message '{w}': not supported by dmkit's core"),
@@ -273,18 +473,29 @@ impl Registry {
     }
 
     /// `dmsetup table|status [NAME]`: `<start> <len> <type> <params>` per target.
-    pub fn table_lines(&self, name: Option<&str>, status: bool) -> Result<String, ControlError> {
+    /// `--inactive`: the loaded table that resume would make live.
+    pub fn table_lines(
+        &self,
+        name: Option<&str>,
+        status: bool,
+        inactive: bool,
+    ) -> Result<String, ControlError> {
         let Some(devs) = self.selected(name)? else {
             return Ok("No devices found\n".into());
         };
         let mut out = String::new();
         for d in devs {
             let prefix = if name.is_none() {
-                format!("{}: ", d.name)
+                format!("{}: ", d.name())
             } else {
                 String::new()
             };
-            let Some(t) = d.live.load_full() else {
+            let table = if inactive {
+                d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone()
+            } else {
+                d.live.load_full()
+            };
+            let Some(t) = table else {
                 if name.is_none() {
                     let _ = writeln!(out, "{prefix}");
                 }
@@ -326,6 +537,9 @@ impl Registry {
             if d.read_only {
                 state.push_str(" (READ-ONLY)");
             }
+            if d.deferred_remove.load(Ordering::SeqCst) {
+                state.push_str(" (DEFERRED REMOVE)");
+            }
             let tables = match (live, inactive) {
                 (false, false) => "None",
                 (true, false) => "LIVE",
@@ -337,15 +551,19 @@ impl Registry {
             let row = |out: &mut String, k: &str, v: String| {
                 let _ = writeln!(out, "{:<19}{v}", format!("{k}:"));
             };
-            row(&mut out, "Name", d.name.clone());
+            row(&mut out, "Name", d.name());
             row(&mut out, "State", state);
-            row(&mut out, "Read Ahead", "256".into());
+            row(
+                &mut out,
+                "Read Ahead",
+                d.limits().read_ahead_sectors().to_string(),
+            );
             row(&mut out, "Tables present", tables.into());
             row(&mut out, "Open count", opens.to_string());
             row(&mut out, "Event number", d.events().to_string());
             row(&mut out, "Major, minor", format!("{DM_MAJOR}, {}", d.minor));
             row(&mut out, "Number of targets", targets.to_string());
-            if let Some(u) = &d.uuid {
+            if let Some(u) = &d.uuid() {
                 let _ = writeln!(out, "UUID: {u}");
             }
             out.push('\n');
@@ -353,15 +571,48 @@ impl Registry {
         Ok(out)
     }
 
-    /// `dmsetup ls`.
-    pub fn ls(&self) -> String {
-        let devs = self.list();
+    /// `dmsetup ls [--target T] [--tree]`.
+    pub fn ls(&self, tree: bool, target: Option<&str>) -> String {
+        let devs: Vec<Arc<Device>> = self
+            .list()
+            .into_iter()
+            .filter(|d| target.is_none_or(|t| has_target(d, t)))
+            .collect();
         if devs.is_empty() {
             return "No devices found\n".into();
         }
+        if tree {
+            return super::report::tree(&devs);
+        }
         devs.iter()
-            .map(|d| format!("{}\t({DM_MAJOR}:{})\n", d.name, d.minor))
+            .map(|d| format!("{}\t({DM_MAJOR}:{})\n", d.name(), d.minor))
             .collect()
+    }
+
+    /// `dmsetup deps [NAME]`: the devices each device's live table maps onto.
+    pub fn deps(&self, name: Option<&str>) -> Result<String, ControlError> {
+        let Some(devs) = self.selected(name)? else {
+            return Ok("No devices found\n".into());
+        };
+        Ok(devs
+            .iter()
+            .map(|d| super::report::deps(d, name.is_none()))
+            .collect())
+    }
+
+    /// `dmsetup info -c [-o FIELDS] [--noheadings] [--separator S]`.
+    pub fn info_columns(
+        &self,
+        name: Option<&str>,
+        fields: Option<&str>,
+        headings: bool,
+        separator: Option<&str>,
+    ) -> Result<String, ControlError> {
+        let fields = super::report::fields(fields).map_err(|what| dev_err("info", what))?;
+        let Some(devs) = self.selected(name)? else {
+            return Ok("No devices found\n".into());
+        };
+        Ok(super::report::columns(&devs, &fields, headings, separator))
     }
 
     /// `dmkit stats NAME`: the backing files under a device (through stacked
@@ -418,6 +669,14 @@ impl Registry {
     }
 }
 
+/// Whether `d`'s live table has a target of type `t`.
+fn has_target(d: &Device, t: &str) -> bool {
+    d.live
+        .load()
+        .as_ref()
+        .is_some_and(|tb| tb.entries.iter().any(|e| e.target.type_name() == t))
+}
+
 /// Whether `d`'s live or inactive table refers to `target` (directly or through
 /// stacked devices).
 fn table_uses(d: &Device, target: &Arc<Device>) -> bool {
@@ -445,6 +704,9 @@ struct TableResolver<'a> {
 }
 
 impl Resolver for TableResolver<'_> {
+    fn device(&self) -> &Arc<Device> {
+        self.dev
+    }
     fn open(&self, name: &str) -> Result<DevRef, String> {
         let dm = if let Some(n) = name.strip_prefix("/dev/mapper/") {
             Some(

@@ -1,56 +1,10 @@
 //! CRC-32C as the kernel uses it for metadata blocks: `crc32c(~0, data) ^ salt`,
 //! i.e. initial value 0xFFFFFFFF and no final inversion.
 
-const POLY: u32 = 0x82F6_3B78;
-
-/// Slicing-by-8 tables, built at compile time.
-static TABLES: [[u32; 256]; 8] = build_tables();
-
-const fn build_tables() -> [[u32; 256]; 8] {
-    let mut t = [[0u32; 256]; 8];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 { (c >> 1) ^ POLY } else { c >> 1 };
-            k += 1;
-        }
-        t[0][i] = c;
-        i += 1;
-    }
-    let mut s = 1;
-    while s < 8 {
-        let mut i = 0;
-        while i < 256 {
-            let prev = t[s - 1][i];
-            t[s][i] = (prev >> 8) ^ t[0][(prev & 0xff) as usize];
-            i += 1;
-        }
-        s += 1;
-    }
-    t
-}
-
-/// CRC-32C register update without pre/post inversion.
-pub fn crc32c_raw(mut crc: u32, data: &[u8]) -> u32 {
-    let mut chunks = data.chunks_exact(8);
-    for c in &mut chunks {
-        let lo = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) ^ crc;
-        let hi = u32::from_le_bytes([c[4], c[5], c[6], c[7]]);
-        crc = TABLES[7][(lo & 0xff) as usize]
-            ^ TABLES[6][((lo >> 8) & 0xff) as usize]
-            ^ TABLES[5][((lo >> 16) & 0xff) as usize]
-            ^ TABLES[4][(lo >> 24) as usize]
-            ^ TABLES[3][(hi & 0xff) as usize]
-            ^ TABLES[2][((hi >> 8) & 0xff) as usize]
-            ^ TABLES[1][((hi >> 16) & 0xff) as usize]
-            ^ TABLES[0][(hi >> 24) as usize];
-    }
-    for &b in chunks.remainder() {
-        crc = (crc >> 8) ^ TABLES[0][((crc ^ b as u32) & 0xff) as usize];
-    }
-    crc
+/// CRC-32C register update without pre/post inversion (the `crc32c` crate uses
+/// the SSE4.2 instruction where the CPU has it).
+pub fn crc32c_raw(crc: u32, data: &[u8]) -> u32 {
+    !crc32c::crc32c_append(!crc, data)
 }
 
 /// Checksum of a metadata block: covers bytes 4..4096, xor the per-type salt.

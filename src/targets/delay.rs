@@ -99,9 +99,6 @@ impl Target for Delay {
     fn devices(&self) -> Vec<&DevRef> {
         self.classes.iter().map(|c| &c.dev).collect()
     }
-    fn supports_write_zeroes(&self) -> bool {
-        true
-    }
     fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
         let c = &self.classes[0];
         dev_extents(&c.dev, c.offset + sector, nr, out);

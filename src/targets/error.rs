@@ -1,30 +1,11 @@
-//! `error [<dev> <offset>]`: every read, write and discard fails; flushes succeed.
+//! `error [<args>...]`: every read, write and discard fails; flushes succeed. The
+//! kernel's error target ignores its arguments (so an error line can replace any
+//! table line in place) and has no status function, so `table` prints none.
 
-use super::{Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use super::{Bio, Limits, MapCtx, MapErr, Target};
 use crate::io::{errno, LeafKind, Op};
 
-pub struct Error {
-    /// The optional device only lends its limits; I/O never reaches it.
-    dev: Option<(DevRef, u64)>,
-}
-
-impl Error {
-    pub fn new(args: &[String], r: &dyn Resolver) -> Result<Error, String> {
-        match args.len() {
-            0 => Ok(Error { dev: None }),
-            2 => {
-                let off = super::arg_u64(args, 1, "offset")?;
-                let dev = r
-                    .open(&args[0])
-                    .map_err(|e| format!("device '{}': {e}", args[0]))?;
-                Ok(Error {
-                    dev: Some((dev, off)),
-                })
-            }
-            n => Err(format!("error takes 0 or 2 arguments, got {n}")),
-        }
-    }
-}
+pub struct Error;
 
 impl Target for Error {
     fn type_name(&self) -> &'static str {
@@ -41,7 +22,12 @@ impl Target for Error {
     fn table_params(&self) -> String {
         String::new()
     }
-    fn devices(&self) -> Vec<&DevRef> {
-        self.dev.iter().map(|(d, _)| d).collect()
+    /// Discards are taken (and fail), as io_err_io_hints advertises them.
+    fn limits(&self) -> Limits {
+        Limits {
+            discard: true,
+            write_zeroes: false,
+            io_opt: 0,
+        }
     }
 }

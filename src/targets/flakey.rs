@@ -182,7 +182,7 @@ impl Flakey {
 
     fn corruption(&self, bio: &Bio, dir: Dir) -> Corrupt {
         if let Some(c) = self.corrupt {
-            if c.dir == dir && c.flags == 0 && c.nth <= bio.bytes() {
+            if c.dir == dir && bio_flags(bio) & c.flags == c.flags && c.nth <= bio.bytes() {
                 return Corrupt::Byte {
                     index: c.nth - 1,
                     value: c.value,
@@ -201,6 +201,19 @@ impl Flakey {
             },
             _ => Corrupt::None,
         }
+    }
+}
+
+/// The kernel's request flags (6.1 numbering) a bio from dmkit's export carries, which
+/// `corrupt_bio_byte`'s flags mask must all match: a FUA write is REQ_SYNC | REQ_FUA,
+/// as the kernel marks an O_DSYNC or FUA write; other bios carry none of them.
+fn bio_flags(bio: &Bio) -> u64 {
+    const REQ_SYNC: u64 = 1 << 11;
+    const REQ_FUA: u64 = 1 << 17;
+    if bio.fua {
+        REQ_SYNC | REQ_FUA
+    } else {
+        0
     }
 }
 
@@ -293,8 +306,5 @@ impl Target for Flakey {
     }
     fn devices(&self) -> Vec<&DevRef> {
         vec![&self.dev]
-    }
-    fn supports_write_zeroes(&self) -> bool {
-        true
     }
 }

@@ -106,6 +106,87 @@ impl DevRef {
             DevRef::Dm(d) => d.0.logical_block_size(),
         }
     }
+
+    pub fn limits(&self) -> Limits {
+        match self {
+            DevRef::File(_) => Limits::FILE,
+            DevRef::Dm(d) => d.0.limits(),
+        }
+    }
+}
+
+/// What a device can do, as the kernel's queue limits say it: composed up the stack
+/// from the backing files, each target adjusting what it maps onto (the kernel's
+/// `io_hints` and feature checks). The export offers exactly these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Discards are honoured (TRIM is offered; the kernel's max_discard_sectors > 0).
+    pub discard: bool,
+    /// Ranges can be zeroed natively (FAST_ZERO is offered).
+    pub write_zeroes: bool,
+    /// Optimal I/O size in bytes (0: none); read-ahead is twice it, at least 128 KiB.
+    pub io_opt: u64,
+}
+
+impl Limits {
+    /// Nothing beyond reads and writes (a device without a table).
+    pub const NONE: Limits = Limits {
+        discard: false,
+        write_zeroes: false,
+        io_opt: 0,
+    };
+
+    /// A backing file or block device: punch-hole discards, native zeroing.
+    pub const FILE: Limits = Limits {
+        discard: true,
+        write_zeroes: true,
+        io_opt: 0,
+    };
+
+    /// The limits of a target that passes I/O on to `devs` unchanged: it can do
+    /// what all of them can (nothing, with none), at the common multiple of their
+    /// optimal sizes (blk_stack_limits).
+    pub fn stacked(devs: &[&DevRef]) -> Limits {
+        let mut l = Limits {
+            discard: !devs.is_empty(),
+            write_zeroes: !devs.is_empty(),
+            io_opt: 0,
+        };
+        for d in devs {
+            l = l.and(d.limits());
+        }
+        l
+    }
+
+    /// Both sets of limits at once: a table of several targets, or a target over
+    /// several devices.
+    pub fn and(self, o: Limits) -> Limits {
+        Limits {
+            discard: self.discard && o.discard,
+            write_zeroes: self.write_zeroes && o.write_zeroes,
+            io_opt: lcm_not_zero(self.io_opt, o.io_opt),
+        }
+    }
+
+    /// Read-ahead in sectors, as the kernel sets it for a new disk: twice the
+    /// optimal I/O size, and at least VM_READAHEAD_PAGES (128 KiB).
+    pub fn read_ahead_sectors(&self) -> u64 {
+        (self.io_opt * 2 / SECTOR).max(256)
+    }
+}
+
+fn lcm_not_zero(a: u64, b: u64) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    match (a, b) {
+        (0, x) | (x, 0) => x,
+        _ => a / gcd(a, b) * b,
+    }
 }
 
 /// The state of one mapping: the leaves produced so far and the devices entered.
@@ -243,9 +324,9 @@ pub trait Target: Send + Sync {
     fn flush_bypasses_map(&self) -> bool {
         false
     }
-    /// The target can deallocate and zero ranges natively (advertised to clients).
-    fn supports_write_zeroes(&self) -> bool {
-        false
+    /// The target's queue limits. Default: those of the devices it maps onto.
+    fn limits(&self) -> Limits {
+        Limits::stacked(&self.devices())
     }
     /// Allocation status of `[sector, sector+nr)` (relative): pushes (bytes, flags)
     /// with NBD's base:allocation bits (1 hole, 2 zero). Default: all data.
@@ -293,6 +374,8 @@ pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>
 /// Context for constructing targets: how to open the devices a table names.
 pub trait Resolver {
     fn open(&self, name: &str) -> Result<DevRef, String>;
+    /// The device whose table is being built.
+    fn device(&self) -> &Arc<Device>;
 }
 
 /// Construct a target from its type name and arguments; errors name the field.
@@ -306,7 +389,8 @@ pub fn construct(
         "linear" => Ok(Box::new(linear::Linear::new(args, len, r)?)),
         "striped" => Ok(Box::new(striped::Striped::new(args, len, r)?)),
         "zero" => Ok(Box::new(zero::Zero::new(args)?)),
-        "error" => Ok(Box::new(error::Error::new(args, r)?)),
+        // The kernel's error target ignores its arguments.
+        "error" => Ok(Box::new(error::Error)),
         "flakey" => Ok(Box::new(flakey::Flakey::new(args, len, r)?)),
         "delay" => Ok(Box::new(delay::Delay::new(args, len, r)?)),
         "thin-pool" => Ok(Box::new(thin::pool::ThinPool::new(args, len, r)?)),

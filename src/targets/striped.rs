@@ -1,6 +1,6 @@
 //! `striped <N> <chunk> (<dev> <offset>)×N`: chunks dealt round-robin over N devices.
 
-use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
 use crate::io::Op;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -170,10 +170,14 @@ impl Target for Striped {
     fn devices(&self) -> Vec<&DevRef> {
         self.stripes.iter().map(|s| &s.dev).collect()
     }
-    fn flush_bypasses_map(&self) -> bool {
-        true
+    /// A full stripe is the optimal I/O size (stripe_io_hints).
+    fn limits(&self) -> Limits {
+        Limits {
+            io_opt: self.chunk * self.stripes.len() as u64 * crate::io::SECTOR,
+            ..Limits::stacked(&self.devices())
+        }
     }
-    fn supports_write_zeroes(&self) -> bool {
+    fn flush_bypasses_map(&self) -> bool {
         true
     }
     fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {

@@ -1,6 +1,6 @@
 //! `zero`: reads return zeroes, writes and discards are dropped.
 
-use super::{Bio, MapCtx, MapErr, Target};
+use super::{Bio, Limits, MapCtx, MapErr, Target};
 use crate::io::{LeafKind, Op, SECTOR};
 
 pub struct Zero;
@@ -30,8 +30,14 @@ impl Target for Zero {
     fn table_params(&self) -> String {
         String::new()
     }
-    fn supports_write_zeroes(&self) -> bool {
-        true
+    /// Discards and zeroing are no-ops on a device that reads as zeroes (the
+    /// kernel's zero target takes discards since 1.2).
+    fn limits(&self) -> Limits {
+        Limits {
+            discard: true,
+            write_zeroes: true,
+            io_opt: 0,
+        }
     }
     fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
         out.push((nr * SECTOR, 3));

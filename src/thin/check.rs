@@ -122,6 +122,7 @@ struct Checker {
     spare: Vec<Box<Block>>,
     errors: Vec<String>,
     progress: Progress,
+    skip_mappings: bool,
 }
 
 impl Checker {
@@ -233,6 +234,7 @@ impl Checker {
             _ => {}
         }
         match t {
+            Tree::Top if self.skip_mappings => {}
             Tree::Top => {
                 for i in 0..n {
                     self.tree(node::value_u64(d, i), Tree::Bottom);
@@ -305,15 +307,31 @@ impl Checker {
 
 /// Check metadata; `metadata_snap` checks the held snapshot's trees only.
 pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
-    run(dev, metadata_snap, false)
+    check_with(
+        dev,
+        CheckOptions {
+            metadata_snap,
+            ..CheckOptions::default()
+        },
+    )
 }
 
-/// `check`, with a progress line on stderr if it is a terminal.
-pub fn check_with_progress(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
-    run(dev, metadata_snap, true)
+/// What `check_with` looks at (thin_check's options).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CheckOptions {
+    /// The held metadata snapshot's trees only.
+    pub metadata_snap: bool,
+    /// The superblock only (`--super-block-only`).
+    pub super_block_only: bool,
+    /// Not the per-device mapping trees (`--skip-mappings`); the space maps' counts
+    /// cannot then be checked and are not.
+    pub skip_mappings: bool,
+    /// A progress line on stderr if it is a terminal.
+    pub progress: bool,
 }
 
-fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report {
+pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
+    let (metadata_snap, progress) = (o.metadata_snap, o.progress);
     let mut report = Report::default();
     let nr_blocks = dev.nr_blocks();
     if nr_blocks == 0 {
@@ -342,12 +360,16 @@ fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report
         spare: Vec::new(),
         errors: Vec::new(),
         progress: Progress::new("checking metadata blocks", sb.meta_sm_root.nr_allocated, progress),
+        skip_mappings: o.skip_mappings,
     };
     report.transaction_id = sb.trans_id;
     report.free_metadata_blocks = sb
         .meta_sm_root
         .nr_blocks
         .saturating_sub(sb.meta_sm_root.nr_allocated);
+    if o.super_block_only {
+        return report;
+    }
     if metadata_snap {
         if sb.held_root == 0 {
             report.errors.push("no current metadata snap".into());
@@ -381,6 +403,10 @@ fn run(dev: Box<dyn MetadataDev>, metadata_snap: bool, progress: bool) -> Report
     c.tree(sb.meta_sm_root.ref_count_root, Tree::RefCount);
     c.tree(sb.data_sm_root.bitmap_root, Tree::DataIndex);
     c.tree(sb.data_sm_root.ref_count_root, Tree::RefCount);
+    if o.skip_mappings {
+        report.errors = c.errors;
+        return report;
+    }
 
     let mut leaks = Vec::new();
     for (kind, root) in [

@@ -27,16 +27,51 @@ pub fn reader(dev: Box<dyn MetadataDev>, cache_blocks: usize) -> TransactionMana
     )
 }
 
-/// The superblock to dump: the live one, or the held metadata snapshot.
+/// Which metadata to read: the live superblock's, or a metadata snapshot's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Source {
+    #[default]
+    Live,
+    /// The snapshot the superblock holds.
+    HeldSnapshot,
+    /// The snapshot at this block (`thin_dump -m BLOCK`).
+    SnapshotAt(u64),
+}
+
+impl Source {
+    pub fn snapshot(held: bool) -> Source {
+        if held {
+            Source::HeldSnapshot
+        } else {
+            Source::Live
+        }
+    }
+}
+
+/// The superblock to dump: the live one, or a metadata snapshot.
 pub fn pick_superblock(tm: &mut TransactionManager, metadata_snap: bool) -> Result<Superblock> {
+    pick(tm, Source::snapshot(metadata_snap))
+}
+
+fn pick(tm: &mut TransactionManager, src: Source) -> Result<Superblock> {
     let sb = read_superblock(&mut tm.cache)?;
-    if !metadata_snap {
-        return Ok(sb);
-    }
-    if sb.held_root == 0 {
-        return Err(ThinError::NoSnapshotHeld);
-    }
-    Ok(Superblock::decode(tm.read(sb.held_root, BlockKind::Superblock)?))
+    let at = match src {
+        Source::Live => return Ok(sb),
+        Source::HeldSnapshot if sb.held_root == 0 => return Err(ThinError::NoSnapshotHeld),
+        Source::HeldSnapshot => sb.held_root,
+        Source::SnapshotAt(b) => b,
+    };
+    Ok(Superblock::decode(tm.read(at, BlockKind::Superblock)?))
+}
+
+/// What `dump_with` writes (thin_dump's options).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DumpOptions {
+    pub source: Source,
+    /// Devices without their mappings (`--skip-mappings`).
+    pub skip_mappings: bool,
+    /// A progress line on stderr if it is a terminal.
+    pub progress: bool,
 }
 
 /// Write the XML of the live metadata or of the held snapshot; `progress`
@@ -47,8 +82,17 @@ pub fn dump(
     out: &mut dyn Write,
     progress: bool,
 ) -> Result<()> {
+    let o = DumpOptions {
+        source: Source::snapshot(metadata_snap),
+        skip_mappings: false,
+        progress,
+    };
+    dump_with(dev, o, out)
+}
+
+pub fn dump_with(dev: Box<dyn MetadataDev>, o: DumpOptions, out: &mut dyn Write) -> Result<()> {
     let mut tm = reader(dev, 1024);
-    let sb = pick_superblock(&mut tm, metadata_snap)?;
+    let sb = pick(&mut tm, o.source)?;
     let mut details = BTreeMap::new();
     btree::walk(&mut tm, sb.details_root, 24, &mut |k, v| {
         details.insert(k, DeviceDetails::decode(v));
@@ -70,7 +114,7 @@ pub fn dump(
     };
     out.write_all(xml::superblock_open(&xsb).as_bytes()).map_err(io)?;
     let total = details.values().map(|d| d.mapped_blocks).sum();
-    let mut prog = Progress::new("dumping mappings", total, progress);
+    let mut prog = Progress::new("dumping mappings", total, o.progress);
     for (dev, root) in roots {
         let d = details
             .get(&dev)
@@ -84,6 +128,11 @@ pub fn dump(
             mappings: Vec::new(),
         };
         let mut buf = xml::device_open(&xd);
+        if o.skip_mappings {
+            buf.push_str("  </device>\n");
+            out.write_all(buf.as_bytes()).map_err(io)?;
+            continue;
+        }
         let mut rw = RangeWriter::default();
         let mut err = None;
         btree::walk(&mut tm, root, 8, &mut |k, v| {

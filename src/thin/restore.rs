@@ -4,7 +4,7 @@ use super::error::{Result, ThinError};
 use super::metadata::{FormatOptions, ThinPoolMetadata, DEFAULT_CACHE_BLOCKS};
 use super::progress::Progress;
 use super::superblock::DeviceDetails;
-use super::xml::XmlMetadata;
+use super::xml::{XmlDevice, XmlMetadata};
 use crate::pdata::MetadataDev;
 
 /// Build `md_xml` on `dev`; `progress` shows a progress line on stderr if it is a terminal.
@@ -23,12 +23,12 @@ pub fn restore(md_xml: &XmlMetadata, dev: Box<dyn MetadataDev>, progress: bool) 
     md.set_flags(sb.flags);
     md.set_version(sb.version);
     md.set_uuid(&sb.uuid);
-    let total = md_xml.devices.iter().map(|d| d.mappings.len() as u64).sum();
+    let total = md_xml.devices.iter().map(XmlDevice::nr_blocks).sum();
     let mut prog = Progress::new("restoring mappings", total, progress);
     for d in &md_xml.devices {
         md.create_thin(d.dev_id)?;
         let mut prev = None;
-        for &(v, b, t) in &d.mappings {
+        for (v, b, t) in d.blocks() {
             if prev.is_some_and(|p| p >= v) {
                 return Err(ThinError::Invalid(format!(
                     "device {}: mappings not in ascending order at block {v}",

@@ -1,7 +1,10 @@
-//! The thin_dump / thin_restore XML format: a small writer and a tolerant
-//! reader for exactly the elements thin-provisioning-tools emit.
+//! The thin_dump / thin_restore XML format. Reading goes through quick-xml
+//! (entities decoded, 1.x's shared `<def>`/`<ref>` subtrees); writing is the fixed
+//! layout thin_dump prints, with the one free-text attribute (the uuid) escaped.
 
 use super::error::{Result, ThinError};
+use quick_xml::events::{BytesStart, Event};
+use quick_xml::Reader;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
@@ -23,8 +26,50 @@ pub struct XmlDevice {
     pub transaction: u64,
     pub creation_time: u32,
     pub snap_time: u32,
-    /// (virtual block, data block, time), ascending by virtual block.
-    pub mappings: Vec<(u64, u64, u32)>,
+    /// Runs of mappings, ascending by virtual block (kept as the dump's ranges, not
+    /// expanded a block at a time).
+    pub mappings: Vec<Run>,
+}
+
+/// `len` consecutive virtual blocks from `origin` mapped to consecutive data blocks
+/// from `data`, all with `time`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub origin: u64,
+    pub data: u64,
+    pub len: u64,
+    pub time: u32,
+}
+
+impl XmlDevice {
+    /// Every mapping, a block at a time: (virtual block, data block, time).
+    pub fn blocks(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        self.mappings
+            .iter()
+            .flat_map(|r| (0..r.len).map(move |i| (r.origin + i, r.data + i, r.time)))
+    }
+
+    /// The number of mapped blocks.
+    pub fn nr_blocks(&self) -> u64 {
+        self.mappings.iter().map(|r| r.len).sum()
+    }
+
+    /// Runs of the mappings given a block at a time, ascending by virtual block.
+    pub fn runs(blocks: &[(u64, u64, u32)]) -> Vec<Run> {
+        let mut out: Vec<Run> = Vec::new();
+        for &(v, d, t) in blocks {
+            match out.last_mut() {
+                Some(r) if r.origin + r.len == v && r.data + r.len == d && r.time == t => r.len += 1,
+                _ => out.push(Run {
+                    origin: v,
+                    data: d,
+                    len: 1,
+                    time: t,
+                }),
+            }
+        }
+        out
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -36,7 +81,8 @@ pub struct XmlMetadata {
 pub fn superblock_open(sb: &XmlSuperblock) -> String {
     format!(
         "<superblock uuid=\"{}\" time=\"{}\" transaction=\"{}\" flags=\"{}\" version=\"{}\" data_block_size=\"{}\" nr_data_blocks=\"{}\">\n",
-        sb.uuid, sb.time, sb.transaction, sb.flags, sb.version, sb.data_block_size, sb.nr_data_blocks
+        quick_xml::escape::escape(sb.uuid.as_str()),
+        sb.time, sb.transaction, sb.flags, sb.version, sb.data_block_size, sb.nr_data_blocks
     )
 }
 
@@ -65,6 +111,18 @@ impl RangeWriter {
         self.run = Some((v, d, 1, t));
     }
 
+    /// A run of mappings, joined to the one before where they continue it.
+    pub fn run(&mut self, out: &mut String, r: Run) {
+        if let Some((ov, od, len, ot)) = &mut self.run {
+            if *ov + *len == r.origin && *od + *len == r.data && *ot == r.time {
+                *len += r.len;
+                return;
+            }
+        }
+        self.flush(out);
+        self.run = Some((r.origin, r.data, r.len, r.time));
+    }
+
     pub fn flush(&mut self, out: &mut String) {
         if let Some((v, d, len, t)) = self.run.take() {
             if len == 1 {
@@ -87,8 +145,8 @@ pub fn write(md: &XmlMetadata) -> String {
     for d in &md.devices {
         out.push_str(&device_open(d));
         let mut rw = RangeWriter::default();
-        for &(v, b, t) in &d.mappings {
-            rw.push(&mut out, v, b, t);
+        for r in &d.mappings {
+            rw.run(&mut out, *r);
         }
         rw.flush(&mut out);
         out.push_str("  </device>\n");
@@ -97,126 +155,166 @@ pub fn write(md: &XmlMetadata) -> String {
     out
 }
 
-struct Tag<'a> {
-    name: &'a str,
-    closing: bool,
-    attrs: HashMap<&'a str, &'a str>,
-    line: usize,
+/// A parse error at a byte offset of the text, reported by line.
+fn at(text: &str, pos: u64, what: impl std::fmt::Display) -> ThinError {
+    let upto = text.get(..pos as usize).unwrap_or(text);
+    let line = upto.matches('\n').count() + 1;
+    ThinError::Invalid(format!("line {line}: {what}"))
 }
 
-impl Tag<'_> {
-    fn num<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
+/// One element's attributes, decoded (entities included).
+struct Attrs {
+    name: String,
+    pairs: Vec<(String, String)>,
+    pos: u64,
+}
+
+impl Attrs {
+    fn of(text: &str, e: &BytesStart, pos: u64) -> Result<Attrs> {
+        let name = String::from_utf8_lossy(e.name().as_ref()).into_owned();
+        let mut pairs = Vec::new();
+        for a in e.attributes() {
+            let a = a.map_err(|err| at(text, pos, format!("<{name}>: {err}")))?;
+            let k = String::from_utf8_lossy(a.key.as_ref()).into_owned();
+            let v = a
+                .unescape_value()
+                .map_err(|err| at(text, pos, format!("<{name}> {k}: {err}")))?;
+            pairs.push((k, v.into_owned()));
+        }
+        Ok(Attrs { name, pairs, pos })
+    }
+    fn get(&self, key: &str) -> Option<&str> {
+        self.pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+    fn num<T: std::str::FromStr>(&self, text: &str, key: &str) -> Result<T> {
         let v = self
-            .attrs
             .get(key)
-            .ok_or_else(|| ThinError::Invalid(format!("line {}: <{}> lacks {key}", self.line, self.name)))?;
+            .ok_or_else(|| at(text, self.pos, format!("<{}> lacks {key}", self.name)))?;
         v.parse()
-            .map_err(|_| ThinError::Invalid(format!("line {}: {key}=\"{v}\" is not a number", self.line)))
+            .map_err(|_| at(text, self.pos, format!("{key}=\"{v}\" is not a number")))
     }
-    fn num_or<T: std::str::FromStr>(&self, key: &str, default: T) -> Result<T> {
-        if self.attrs.contains_key(key) {
-            self.num(key)
+    fn num_or<T: std::str::FromStr>(&self, text: &str, key: &str, default: T) -> Result<T> {
+        match self.get(key) {
+            Some(_) => self.num(text, key),
+            None => Ok(default),
+        }
+    }
+    /// A mapping element as a run.
+    fn run(&self, text: &str) -> Result<Run> {
+        let time = self.num(text, "time")?;
+        let r = if self.name == "single_mapping" {
+            Run {
+                origin: self.num(text, "origin_block")?,
+                data: self.num(text, "data_block")?,
+                len: 1,
+                time,
+            }
         } else {
-            Ok(default)
+            Run {
+                origin: self.num(text, "origin_begin")?,
+                data: self.num(text, "data_begin")?,
+                len: self.num(text, "length")?,
+                time,
+            }
+        };
+        if r.origin.checked_add(r.len).is_none() || r.data.checked_add(r.len).is_none() {
+            return Err(at(text, self.pos, format!("<{}> overflows", self.name)));
         }
+        Ok(r)
     }
 }
 
-fn tags(text: &str) -> impl Iterator<Item = Result<Tag<'_>>> {
-    let mut rest = text;
-    let mut line = 1;
-    std::iter::from_fn(move || loop {
-        let start = rest.find('<')?;
-        line += rest[..start].matches('\n').count();
-        let Some(len) = rest[start..].find('>') else {
-            return Some(Err(ThinError::Invalid(format!("line {line}: unterminated tag"))));
-        };
-        let body = &rest[start + 1..start + len];
-        rest = &rest[start + len + 1..];
-        if body.starts_with('?') || body.starts_with('!') {
-            continue;
-        }
-        let closing = body.starts_with('/');
-        let body = body.trim_start_matches('/').trim_end_matches('/');
-        let mut parts = body.splitn(2, char::is_whitespace);
-        let name = parts.next().unwrap_or("");
-        let mut attrs = HashMap::new();
-        let mut a = parts.next().unwrap_or("").trim();
-        while let Some(eq) = a.find('=') {
-            let key = a[..eq].trim();
-            let after = a[eq + 1..].trim_start();
-            let q = after.chars().next().unwrap_or('"');
-            let after = &after[q.len_utf8().min(after.len())..];
-            let end = after.find(q).unwrap_or(after.len());
-            attrs.insert(key, &after[..end]);
-            a = after[(end + 1).min(after.len())..].trim_start();
-        }
-        return Some(Ok(Tag {
-            name,
-            closing,
-            attrs,
-            line,
-        }));
-    })
+/// Where mappings being read go: a device, or a shared subtree (`<def>`).
+enum Into_ {
+    Nowhere,
+    Device(XmlDevice),
+    Def(String, Vec<Run>),
 }
 
+/// Parse thin_dump XML: 0.x's (devices with mappings) and 1.x's, whose devices
+/// may share subtrees written once as `<def name=..>` and named by `<ref name=..>`.
 pub fn parse(text: &str) -> Result<XmlMetadata> {
     let mut md = XmlMetadata::default();
     let mut seen_sb = false;
-    let mut cur: Option<XmlDevice> = None;
-    for tag in tags(text) {
-        let tag = tag?;
-        match (tag.name, tag.closing) {
-            ("superblock", false) => {
+    let mut defs: HashMap<String, Vec<Run>> = HashMap::new();
+    let mut into = Into_::Nowhere;
+    let mut r = Reader::from_str(text);
+    loop {
+        let pos = r.buffer_position();
+        let ev = r.read_event().map_err(|e| at(text, pos, e))?;
+        let (e, closes) = match &ev {
+            Event::Start(e) => (e, false),
+            Event::Empty(e) => (e, true),
+            Event::End(e) => {
+                match (e.name().as_ref(), std::mem::replace(&mut into, Into_::Nowhere)) {
+                    (b"device", Into_::Device(d)) => md.devices.push(d),
+                    (b"def", Into_::Def(name, runs)) => {
+                        defs.insert(name, runs);
+                    }
+                    (_, other) => into = other,
+                }
+                continue;
+            }
+            Event::Eof => break,
+            _ => continue,
+        };
+        let a = Attrs::of(text, e, pos)?;
+        match a.name.as_str() {
+            "superblock" => {
                 seen_sb = true;
                 md.superblock = XmlSuperblock {
-                    uuid: tag.attrs.get("uuid").unwrap_or(&"").to_string(),
-                    time: tag.num("time")?,
-                    transaction: tag.num("transaction")?,
-                    flags: tag.num_or("flags", 0)?,
-                    version: tag.num_or("version", 1)?,
-                    data_block_size: tag.num("data_block_size")?,
-                    nr_data_blocks: tag.num("nr_data_blocks")?,
+                    uuid: a.get("uuid").unwrap_or("").to_string(),
+                    time: a.num(text, "time")?,
+                    transaction: a.num(text, "transaction")?,
+                    flags: a.num_or(text, "flags", 0)?,
+                    version: a.num_or(text, "version", 1)?,
+                    data_block_size: a.num(text, "data_block_size")?,
+                    nr_data_blocks: a.num(text, "nr_data_blocks")?,
                 };
             }
-            ("device", false) => {
-                cur = Some(XmlDevice {
-                    dev_id: tag.num("dev_id")?,
-                    mapped_blocks: tag.num_or("mapped_blocks", 0)?,
-                    transaction: tag.num_or("transaction", 0)?,
-                    creation_time: tag.num_or("creation_time", 0)?,
-                    snap_time: tag.num_or("snap_time", 0)?,
+            "device" => {
+                let d = XmlDevice {
+                    dev_id: a.num(text, "dev_id")?,
+                    mapped_blocks: a.num_or(text, "mapped_blocks", 0)?,
+                    transaction: a.num_or(text, "transaction", 0)?,
+                    creation_time: a.num_or(text, "creation_time", 0)?,
+                    snap_time: a.num_or(text, "snap_time", 0)?,
                     mappings: Vec::new(),
-                });
-            }
-            ("device", true) => {
-                if let Some(d) = cur.take() {
+                };
+                if closes {
                     md.devices.push(d);
+                } else {
+                    into = Into_::Device(d);
                 }
             }
-            ("single_mapping", false) | ("range_mapping", false) => {
-                let d = cur.as_mut().ok_or_else(|| {
-                    ThinError::Invalid(format!("line {}: mapping outside a device", tag.line))
-                })?;
-                let t: u32 = tag.num("time")?;
-                if tag.name == "single_mapping" {
-                    d.mappings
-                        .push((tag.num("origin_block")?, tag.num("data_block")?, t));
+            "def" => {
+                let name = a
+                    .get("name")
+                    .ok_or_else(|| at(text, pos, "<def> lacks name"))?
+                    .to_string();
+                if !closes {
+                    into = Into_::Def(name, Vec::new());
                 } else {
-                    let (o, b, n): (u64, u64, u64) = (
-                        tag.num("origin_begin")?,
-                        tag.num("data_begin")?,
-                        tag.num("length")?,
-                    );
-                    if o.checked_add(n).is_none() || b.checked_add(n).is_none() {
-                        return Err(ThinError::Invalid(format!(
-                            "line {}: range_mapping overflows",
-                            tag.line
-                        )));
-                    }
-                    for i in 0..n {
-                        d.mappings.push((o + i, b + i, t));
-                    }
+                    defs.insert(name, Vec::new());
+                }
+            }
+            "ref" => {
+                let name = a.get("name").ok_or_else(|| at(text, pos, "<ref> lacks name"))?;
+                let runs = defs
+                    .get(name)
+                    .ok_or_else(|| at(text, pos, format!("<ref name=\"{name}\"> names no earlier <def>")))?;
+                match &mut into {
+                    Into_::Device(d) => d.mappings.extend_from_slice(runs),
+                    Into_::Def(_, v) => v.extend_from_slice(runs),
+                    Into_::Nowhere => return Err(at(text, pos, "<ref> outside a device or def")),
+                }
+            }
+            "single_mapping" | "range_mapping" => {
+                let run = a.run(text)?;
+                match &mut into {
+                    Into_::Device(d) => d.mappings.push(run),
+                    Into_::Def(_, v) => v.push(run),
+                    Into_::Nowhere => return Err(at(text, pos, "mapping outside a device")),
                 }
             }
             _ => {}
@@ -236,7 +334,59 @@ mod tests {
     fn round_trip() {
         let text = "<superblock uuid=\"\" time=\"3\" transaction=\"7\" flags=\"0\" version=\"2\" data_block_size=\"128\" nr_data_blocks=\"20000\">\n  <device dev_id=\"1\" mapped_blocks=\"4\" transaction=\"0\" creation_time=\"0\" snap_time=\"2\">\n    <range_mapping origin_begin=\"0\" data_begin=\"0\" length=\"3\" time=\"0\"/>\n    <single_mapping origin_block=\"10\" data_block=\"7\" time=\"2\"/>\n  </device>\n</superblock>\n";
         let md = parse(text).unwrap();
-        assert_eq!(md.devices[0].mappings.len(), 4);
+        assert_eq!(md.devices[0].nr_blocks(), 4);
+        assert_eq!(md.devices[0].mappings.len(), 2, "ranges stay ranges");
         assert_eq!(write(&md), text);
+    }
+
+    #[test]
+    fn uuid_is_escaped_and_decoded() {
+        let md = XmlMetadata {
+            superblock: XmlSuperblock {
+                uuid: "a<b&c\"d'e>".into(),
+                data_block_size: 128,
+                nr_data_blocks: 10,
+                ..XmlSuperblock::default()
+            },
+            devices: Vec::new(),
+        };
+        let text = write(&md);
+        assert!(text.contains("uuid=\"a&lt;b&amp;c&quot;d&apos;e&gt;\""), "{text}");
+        assert_eq!(parse(&text).unwrap(), md);
+    }
+
+    #[test]
+    fn shared_subtrees_of_thin_dump_1x() {
+        let text = r#"<superblock uuid="" time="1" transaction="2" version="2" data_block_size="128" nr_data_blocks="16384">
+  <def name="7">
+    <range_mapping origin_begin="0" data_begin="10" length="3" time="0"/>
+  </def>
+  <device dev_id="0" mapped_blocks="4" transaction="0" creation_time="0" snap_time="1">
+    <ref name="7"/>
+    <single_mapping origin_block="5" data_block="20" time="1"/>
+  </device>
+  <device dev_id="1" mapped_blocks="3" transaction="0" creation_time="1" snap_time="1">
+    <ref name="7"/>
+  </device>
+</superblock>
+"#;
+        let md = parse(text).unwrap();
+        let blocks: Vec<Vec<(u64, u64, u32)>> = md.devices.iter().map(|d| d.blocks().collect()).collect();
+        assert_eq!(
+            blocks,
+            vec![
+                vec![(0, 10, 0), (1, 11, 0), (2, 12, 0), (5, 20, 1)],
+                vec![(0, 10, 0), (1, 11, 0), (2, 12, 0)],
+            ]
+        );
+        let bad = text.replace(
+            "<ref name=\"7\"/>\n  </device>\n</superblock>",
+            "<ref name=\"8\"/>\n  </device>\n</superblock>",
+        );
+        let e = parse(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("line 10") && e.contains("names no earlier <def>"),
+            "{e}"
+        );
     }
 }

@@ -172,19 +172,16 @@ impl Drop for Daemon {
     }
 }
 
-/// Whether `tool` is on PATH. Without it a test cannot run: under CI it fails,
-/// elsewhere it is reported and skipped.
-pub fn need(tool: &str) -> bool {
+/// Require `tool` on PATH: a test that cannot find its tool fails (the test
+/// command, ci/test.sh, installs every tool the suite uses).
+pub fn need(tool: &str) {
     let found = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
         .unwrap_or(false);
-    if !found {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            panic!("required tool '{tool}' is not installed (the test command installs it)");
-        }
-        eprintln!("SKIP: '{tool}' is not installed");
-    }
-    found
+    assert!(
+        found,
+        "required tool '{tool}' is not installed (ci/install.sh installs it)"
+    );
 }
 
 /// Run a command and require success; returns stdout.

@@ -9,7 +9,6 @@
 use super::proto::*;
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{AlignedBuf, Leaf, LeafKind, Op, SECTOR};
-use crate::log;
 use crate::mapper::{self, Device};
 use crate::targets::{apply_corrupt, Bio, MapCtx, MapErr};
 use std::collections::VecDeque;
@@ -111,6 +110,9 @@ pub struct Conn {
     fd: RawFd,
     dev: Arc<Device>,
     size: u64,
+    /// The transmission flags the client was given: commands and flags they do not
+    /// offer are refused.
+    tflags: u16,
     structured: bool,
     base_allocation: bool,
     q: IoQueue,
@@ -150,6 +152,7 @@ impl Conn {
             fd,
             dev: n.dev,
             size: n.size,
+            tflags: n.flags,
             structured: n.structured,
             base_allocation: n.base_allocation,
             q: IoQueue::new(512),
@@ -356,10 +359,10 @@ impl Conn {
             let h = &self.rbuf.as_slice()[self.rpos..self.rpos + 28];
             let magic = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
             if magic != REQUEST_MAGIC {
-                log::warn(&format!(
+                tracing::warn!(
                     "nbd {}: bad request magic {magic:#x}; disconnecting",
-                    self.dev.name
-                ));
+                    self.dev.name()
+                );
                 self.dead = true;
                 return;
             }
@@ -387,10 +390,10 @@ impl Conn {
             if cmd == CMD_WRITE {
                 if u64::from(len) > MAX_PAYLOAD as u64 {
                     if u64::from(len) > MAX_DISCARDED_PAYLOAD {
-                        log::warn(&format!(
+                        tracing::warn!(
                             "nbd {}: write payload of {len} bytes; disconnecting",
-                            self.dev.name
-                        ));
+                            self.dev.name()
+                        );
                         self.free.push(slot);
                         self.dead = true;
                         return;
@@ -440,6 +443,16 @@ impl Conn {
         if writes && self.dev.read_only {
             return Err(EPERM);
         }
+        // Not offered: the device cannot honour it (the kernel's EOPNOTSUPP); the
+        // protocol answers an unadvertised command or flag with EINVAL.
+        let offered = match s.cmd {
+            CMD_TRIM => self.tflags & TF_SEND_TRIM != 0,
+            CMD_WRITE_ZEROES if s.flags & CMD_FLAG_FAST_ZERO != 0 => self.tflags & TF_SEND_FAST_ZERO != 0,
+            _ => true,
+        };
+        if !offered {
+            return Err(EINVAL);
+        }
         if s.cmd == CMD_FLUSH {
             return if s.offset == 0 && s.len == 0 {
                 Ok(())
@@ -462,10 +475,6 @@ impl Conn {
         }
         if s.cmd == CMD_READ && s.len > MAX_PAYLOAD {
             return Err(EOVERFLOW);
-        }
-        if s.cmd == CMD_WRITE_ZEROES && s.flags & CMD_FLAG_FAST_ZERO != 0 && !self.dev.supports_write_zeroes()
-        {
-            return Err(ENOTSUP);
         }
         Ok(())
     }

@@ -63,7 +63,9 @@ fn protocol(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
 }
 
-/// Transmission flags for a device: everything dmkit serves, less writes for
+/// Transmission flags for a device: what its table's limits allow, as the kernel's
+/// queue limits would (TRIM where discards are honoured, FAST_ZERO where zeroing is
+/// native; WRITE_ZEROES always, falling back to writing zeroes), less writes for
 /// read-only devices. All connections share one set of backing files and flushes
 /// reach those files, so CAN_MULTI_CONN holds.
 pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
@@ -71,7 +73,14 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
     if dev.read_only {
         f |= TF_READ_ONLY;
     } else {
-        f |= TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
+        let l = dev.limits();
+        f |= TF_SEND_WRITE_ZEROES;
+        if l.discard {
+            f |= TF_SEND_TRIM;
+        }
+        if l.write_zeroes {
+            f |= TF_SEND_FAST_ZERO;
+        }
     }
     if structured {
         f |= TF_SEND_DF;
@@ -165,8 +174,9 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
                 }
                 for d in reg.list() {
                     let mut p = Vec::new();
-                    p.extend_from_slice(&(d.name.len() as u32).to_be_bytes());
-                    p.extend_from_slice(d.name.as_bytes());
+                    let name = d.name();
+                    p.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                    p.extend_from_slice(name.as_bytes());
                     p.extend_from_slice(description(&d).as_bytes());
                     reply(s, opt, REP_SERVER, &p)?;
                 }
@@ -204,7 +214,7 @@ fn description(d: &Device) -> String {
         .as_ref()
         .map(|t| t.entries.iter().map(|e| e.target.type_name()).collect())
         .unwrap_or_default();
-    format!("dmkit device {} ({})", d.name, types.join(","))
+    format!("dmkit device {} ({})", d.name(), types.join(","))
 }
 
 /// NBD_OPT_INFO / NBD_OPT_GO. Some(..) when GO succeeded (transmission starts).
@@ -258,7 +268,7 @@ fn info_go<S: Write>(
     for r in reqs {
         let mut p = r.to_be_bytes().to_vec();
         match r {
-            INFO_NAME => p.extend_from_slice(dev.name.as_bytes()),
+            INFO_NAME => p.extend_from_slice(dev.name().as_bytes()),
             INFO_DESCRIPTION => p.extend_from_slice(description(&dev).as_bytes()),
             INFO_BLOCK_SIZE => {
                 let min = dev.logical_block_size().max(MIN_BLOCK);

@@ -7,7 +7,7 @@ pub mod proto;
 use crate::mapper::Registry;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -23,24 +23,25 @@ fn handshake_timeout() -> Duration {
 }
 
 /// Serve one client connection to the end.
-pub fn serve_connection<S: Read + Write + AsRawFd>(mut s: S, reg: &Registry, peer: &str) {
+pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(mut s: S, reg: &Registry, peer: &str) {
     let neg = match handshake::negotiate(&mut s, reg) {
         Ok(Some(n)) => n,
         Ok(None) => return,
         Err(e) => {
-            crate::log::info(&format!("nbd {peer}: handshake ended: {e}"));
+            tracing::info!("nbd {peer}: handshake ended: {e}");
             return;
         }
     };
     // The handshake deadline does not apply to an attached client, which may idle.
-    clear_receive_timeout(s.as_raw_fd());
+    clear_receive_timeout(&s);
     let dev = neg.dev.clone();
     dev.open_count.fetch_add(1, Ordering::SeqCst);
     let mut conn = conn::Conn::new(s.as_raw_fd(), neg);
     conn.run();
-    dev.open_count.fetch_sub(1, Ordering::SeqCst);
     drop(conn);
     drop(s);
+    dev.open_count.fetch_sub(1, Ordering::SeqCst);
+    reg.closed(&dev);
 }
 
 pub fn serve_unix(listener: UnixListener, reg: Arc<Registry>) {
@@ -54,21 +55,8 @@ pub fn serve_unix(listener: UnixListener, reg: Arc<Registry>) {
     }
 }
 
-fn clear_receive_timeout(fd: std::os::fd::RawFd) {
-    let tv = libc::timeval {
-        tv_sec: 0,
-        tv_usec: 0,
-    };
-    // SAFETY: setsockopt reads one timeval from the pointer we pass, of the size we pass.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const libc::timeval as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        );
-    }
+fn clear_receive_timeout(s: impl AsFd) {
+    let _ = rustix::net::sockopt::set_socket_timeout(s, rustix::net::sockopt::Timeout::Recv, None);
 }
 
 pub fn serve_tcp(listener: TcpListener, reg: Arc<Registry>) {

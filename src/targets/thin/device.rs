@@ -9,7 +9,7 @@
 
 use super::{pool::ThinPool, Key, Mode, Pool};
 use crate::io::{errno, BackingFile, Leaf, LeafKind, Op, SECTOR};
-use crate::targets::{arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use crate::targets::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -20,6 +20,7 @@ pub struct ThinDev {
     id: u64,
     origin: Option<(DevRef, Arc<BackingFile>)>,
     bs: u64,
+    discard: bool,
 }
 
 impl ThinDev {
@@ -46,7 +47,6 @@ impl ThinDev {
                 .ok_or_else(|| format!("'{}' is not a thin-pool device", args[0]))?;
             tp.pool.clone()
         };
-        pool.set_pool_device(&hold.0);
         let id = arg_u64(args, 1, "device id")?;
         let origin = match args.get(2) {
             None => None,
@@ -59,7 +59,7 @@ impl ThinDev {
                 Some((d, f))
             }
         };
-        {
+        let discard = {
             let mut m = pool.lock();
             if !m.md.devices().contains(&id) {
                 return Err(format!(
@@ -67,7 +67,8 @@ impl ThinDev {
                 ));
             }
             m.active.push(id);
-        }
+            m.features.discard_enabled
+        };
         let bs = pool.block_sectors;
         Ok(ThinDev {
             pool,
@@ -75,6 +76,7 @@ impl ThinDev {
             id,
             origin,
             bs,
+            discard,
         })
     }
 
@@ -204,7 +206,7 @@ impl ThinDev {
         let range = (off * SECTOR, bio.nr_sectors * SECTOR);
         let written = if bio.op == Op::WriteZeroes { (0, 0) } else { range };
         if let Err(e) = self.prepare(new, old, vblock, written, zero_new) {
-            crate::log::warn(&format!("thin {}: preparing data block {new}: {e}", self.id));
+            tracing::warn!("thin {}: preparing data block {new}: {e}", self.id);
             self.undo(new, key);
             return Self::fail(ctx, bio, errno::EIO);
         }
@@ -212,7 +214,7 @@ impl ThinDev {
             // Zero the range now and map the block: nothing is left in flight.
             let at = self.data_sector(new, 0) * SECTOR + range.0;
             if let Err(e) = self.pool.copier.zero(&[(&self.pool.data, at)], range.1) {
-                crate::log::warn(&format!("thin {}: zeroing data block {new}: {e}", self.id));
+                tracing::warn!("thin {}: zeroing data block {new}: {e}", self.id);
                 self.undo(new, key);
                 return Self::fail(ctx, bio, errno::EIO);
             }
@@ -461,8 +463,15 @@ impl Target for ThinDev {
         }
         v
     }
-    fn supports_write_zeroes(&self) -> bool {
-        true
+    /// The pool device's limits, but discards only where the pool takes them (an
+    /// `ignore_discard` pool's thins refuse them, as the kernel's do), as the pool's
+    /// features were when this table was built.
+    fn limits(&self) -> Limits {
+        Limits {
+            discard: self.discard,
+            write_zeroes: true,
+            ..self.pool_dev.limits()
+        }
     }
     fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
         // Unmapped blocks are holes (zeroes unless an external origin shows through).

@@ -142,10 +142,13 @@ fn is_zeroed(f: &BackingFile) -> std::io::Result<bool> {
 }
 
 impl Pool {
-    /// The pool on `metadata` (an existing one, after a table reload), or a new one:
-    /// opened from its superblock, or formatted when the metadata starts with a zeroed
-    /// block (never with `read_only`).
+    /// The pool on `metadata` for the pool device `owner` (an existing one, after a
+    /// table reload of that device), or a new one: opened from its superblock, or
+    /// formatted when the metadata starts with a zeroed block (never with `read_only`).
+    /// Another device's pool on the same metadata or data is refused (EBUSY in the
+    /// kernel), and so is a reload that changes discard support.
     pub fn get(
+        owner: &Arc<Device>,
         metadata: &Arc<BackingFile>,
         data: &Arc<BackingFile>,
         block_sectors: u64,
@@ -156,7 +159,29 @@ impl Pool {
         let key = metadata.identity;
         let mut all = pools().lock().unwrap_or_else(|p| p.into_inner());
         all.retain(|(_, w)| w.strong_count() > 0);
+        let owned_elsewhere = |p: &Pool| {
+            let o = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+            o.filter(|o| !Arc::ptr_eq(o, owner)).map(|o| o.name())
+        };
+        for (_, p) in all.iter().filter(|(k, _)| *k != key) {
+            let Some(p) = p.upgrade().filter(|p| p.data.identity == data.identity) else {
+                continue;
+            };
+            if let Some(other) = owned_elsewhere(&p) {
+                return Err(format!(
+                    "Device or resource busy: data device already in use by the pool of device '{other}'"
+                ));
+            }
+        }
         if let Some(p) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            if let Some(other) = owned_elsewhere(&p) {
+                return Err(format!(
+                    "Device or resource busy: metadata device already in use by a pool (device '{other}')"
+                ));
+            }
+            if p.lock().features.discard_enabled != features.discard_enabled {
+                return Err("Discard support cannot be disabled once enabled".into());
+            }
             // A reload: the new features, size and low water take effect at resume.
             if p.block_sectors != block_sectors {
                 return Err(format!(
@@ -223,7 +248,7 @@ impl Pool {
             commits: AtomicU64::new(0),
             commit_wanted: Mutex::new(false),
             commit_cv: Condvar::new(),
-            pool_dev: Mutex::new(Weak::new()),
+            pool_dev: Mutex::new(Arc::downgrade(owner)),
             events: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
@@ -238,10 +263,6 @@ impl Pool {
 
     pub fn lock(&self) -> MutexGuard<'_, PoolMd> {
         self.md.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn set_pool_device(&self, dev: &Arc<Device>) {
-        *self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(dev);
     }
 
     pub fn commits(&self) -> u64 {
@@ -297,10 +318,10 @@ impl Pool {
     /// A metadata operation failed: out of metadata space or an I/O error turns the
     /// pool read-only with needs_check set (persisted if a commit still can).
     pub fn metadata_failed(&self, m: &mut PoolMd, e: &ThinError) {
-        crate::log::warn(&format!(
+        tracing::warn!(
             "thin-pool {}: metadata failure: {e}; switching to read-only",
             self.metadata_path.display()
-        ));
+        );
         if m.mode != Mode::ReadOnly {
             m.mode = Mode::ReadOnly;
             self.events.fetch_add(1, Ordering::Relaxed);
@@ -320,10 +341,10 @@ impl Pool {
                 if free <= m.low_water && !m.low_water_hit {
                     m.low_water_hit = true;
                     self.events.fetch_add(1, Ordering::Relaxed);
-                    crate::log::info(&format!(
+                    tracing::info!(
                         "thin-pool {}: reached low water mark ({free} free data blocks)",
                         self.metadata_path.display()
-                    ));
+                    );
                 }
                 Ok(b)
             }
@@ -331,10 +352,7 @@ impl Pool {
                 if m.mode == Mode::Write {
                     m.mode = Mode::OutOfDataSpace;
                     self.events.fetch_add(1, Ordering::Relaxed);
-                    crate::log::warn(&format!(
-                        "thin-pool {}: out of data space",
-                        self.metadata_path.display()
-                    ));
+                    tracing::warn!("thin-pool {}: out of data space", self.metadata_path.display());
                 }
                 let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
                 if !m.features.error_if_no_space && since.elapsed() >= no_space_timeout() {
@@ -383,7 +401,7 @@ impl Pool {
         }
         if nr_blocks > m.md.nr_data_blocks() {
             if m.md.needs_check() {
-                crate::log::warn("thin-pool: not growing the data device: needs_check is set");
+                tracing::warn!("thin-pool: not growing the data device: needs_check is set");
                 return;
             }
             match m.md.resize_data_dev(nr_blocks) {
@@ -442,10 +460,10 @@ pub fn commit_all() {
         .collect();
     for p in all {
         if let Err(e) = p.commit_now() {
-            crate::log::warn(&format!(
+            tracing::warn!(
                 "thin-pool {}: final commit failed: {e}",
                 p.metadata_path.display()
-            ));
+            );
         }
     }
 }
@@ -468,10 +486,7 @@ fn commit_worker(weak: Weak<Pool>) {
         let periodic = last.elapsed() >= COMMIT_PERIOD && pool.lock().dirty;
         if wanted || periodic {
             if let Err(e) = pool.commit_now() {
-                crate::log::warn(&format!(
-                    "thin-pool {}: commit failed: {e}",
-                    pool.metadata_path.display()
-                ));
+                tracing::warn!("thin-pool {}: commit failed: {e}", pool.metadata_path.display());
             }
             last = Instant::now();
         }

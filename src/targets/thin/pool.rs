@@ -1,7 +1,7 @@
 //! `thin-pool <metadata dev> <data dev> <block size> <low water> [<n> <features>...]`.
 
 use super::{Features, Mode, Pool};
-use crate::targets::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use crate::targets::{arg_dev, arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
 use crate::thin::ThinError;
 use std::sync::Arc;
 
@@ -72,7 +72,7 @@ impl ThinPool {
         if mf.identity == df.identity {
             return Err("metadata and data devices must differ".into());
         }
-        let pool = Pool::get(&mf, &df, bs, nr_blocks, features, low_water)?;
+        let pool = Pool::get(r.device(), &mf, &df, bs, nr_blocks, features, low_water)?;
         Ok(ThinPool {
             pool,
             metadata,
@@ -128,6 +128,18 @@ impl Target for ThinPool {
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         ctx.remap(&self.data, bio, 0)
     }
+    /// The data device's limits; discards only without `ignore_discard`; the
+    /// optimal I/O size a whole data block unless the data device's is a multiple
+    /// of it (pool_io_hints).
+    fn limits(&self) -> Limits {
+        let mut l = self.data.limits();
+        l.discard = l.discard && self.requested.discard_enabled;
+        let block = self.pool.block_sectors * crate::io::SECTOR;
+        if l.io_opt < block || !l.io_opt.is_multiple_of(block) {
+            l.io_opt = block;
+        }
+        l
+    }
     fn table_params(&self) -> String {
         let f = self.requested;
         let mut words = Vec::new();
@@ -163,7 +175,7 @@ impl Target for ThinPool {
     fn status_params(&self) -> String {
         // Counts are taken after a commit, as the kernel's status does.
         if let Err(e) = self.pool.commit_now() {
-            crate::log::warn(&format!("thin-pool status: commit failed: {e}"));
+            tracing::warn!("thin-pool status: commit failed: {e}");
         }
         let m = self.pool.lock();
         let md = &m.md;
@@ -200,7 +212,12 @@ impl Target for ThinPool {
         )
     }
     fn message(&self, words: &[String]) -> Result<String, String> {
-        let w: Vec<&str> = words.iter().map(String::as_str).collect();
+        // Message names match without case, as the kernel's strcasecmp does.
+        let cmd = words.first().map(|w| w.to_ascii_lowercase()).unwrap_or_default();
+        let mut w: Vec<&str> = words.iter().map(String::as_str).collect();
+        if let Some(first) = w.first_mut() {
+            *first = &cmd;
+        }
         match w.as_slice() {
             ["create_thin", _] => {
                 let id = dev_id(words.get(1), "device id")?;
@@ -252,7 +269,7 @@ impl Target for ThinPool {
     }
     fn postsuspend(&self) {
         if let Err(e) = self.pool.commit_now() {
-            crate::log::warn(&format!("thin-pool suspend: commit failed: {e}"));
+            tracing::warn!("thin-pool suspend: commit failed: {e}");
         }
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -1,0 +1,371 @@
+//! dmsetup's report-style output: `info -c` columns, `deps` and `ls --tree`.
+
+use super::{Device, DM_MAJOR};
+use crate::targets::DevRef;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// One `info -c` field: its `-o` name, heading, minimum width, alignment.
+struct Field {
+    key: &'static str,
+    heading: &'static str,
+    width: usize,
+    right: bool,
+    value: fn(&Device) -> String,
+}
+
+const FIELDS: &[Field] = &[
+    Field {
+        key: "name",
+        heading: "Name",
+        width: 16,
+        right: false,
+        value: |d| d.name(),
+    },
+    Field {
+        key: "uuid",
+        heading: "UUID",
+        width: 32,
+        right: false,
+        value: |d| d.uuid().unwrap_or_default(),
+    },
+    Field {
+        key: "attr",
+        heading: "Stat",
+        width: 4,
+        right: false,
+        value: attr,
+    },
+    Field {
+        key: "tables_loaded",
+        heading: "Tables",
+        width: 6,
+        right: false,
+        value: |d| {
+            let live = d.live.load().is_some();
+            let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+            match (live, inactive) {
+                (true, true) => "Live & Inactive",
+                (true, false) => "Live",
+                (false, true) => "Inactive",
+                (false, false) => "None",
+            }
+            .into()
+        },
+    },
+    Field {
+        key: "suspended",
+        heading: "Suspended",
+        width: 9,
+        right: false,
+        value: |d| yes_no(d.suspended.load(Ordering::SeqCst), "Suspended", "Active"),
+    },
+    Field {
+        key: "readonly",
+        heading: "RO",
+        width: 2,
+        right: false,
+        value: |d| yes_no(d.read_only, "Read-only", "Writeable"),
+    },
+    Field {
+        key: "deferred_remove",
+        heading: "DefRm",
+        width: 5,
+        right: false,
+        value: |d| yes_no(d.deferred_remove.load(Ordering::SeqCst), "Deferred remove", ""),
+    },
+    Field {
+        key: "major",
+        heading: "Maj",
+        width: 3,
+        right: true,
+        value: |_| DM_MAJOR.to_string(),
+    },
+    Field {
+        key: "minor",
+        heading: "Min",
+        width: 3,
+        right: true,
+        value: |d| d.minor.to_string(),
+    },
+    Field {
+        key: "open",
+        heading: "Open",
+        width: 4,
+        right: true,
+        value: |d| open_count(d).to_string(),
+    },
+    Field {
+        key: "segments",
+        heading: "Targ",
+        width: 4,
+        right: true,
+        value: |d| d.live.load().as_ref().map_or(0, |t| t.entries.len()).to_string(),
+    },
+    Field {
+        key: "events",
+        heading: "Event",
+        width: 6,
+        right: true,
+        value: |d| d.events().to_string(),
+    },
+    Field {
+        key: "read_ahead",
+        heading: "RAhead",
+        width: 6,
+        right: true,
+        value: |d| d.limits().read_ahead_sectors().to_string(),
+    },
+    Field {
+        key: "devno",
+        heading: "DevNo",
+        width: 5,
+        right: false,
+        value: |d| format!("{DM_MAJOR}:{}", d.minor),
+    },
+    Field {
+        key: "blkdevname",
+        heading: "BlkDevName",
+        width: 16,
+        right: false,
+        value: |d| format!("dm-{}", d.minor),
+    },
+    Field {
+        key: "device_count",
+        heading: "#Devs",
+        width: 5,
+        right: true,
+        value: |d| used(d).len().to_string(),
+    },
+    Field {
+        key: "devs_used",
+        heading: "DevNamesUsed",
+        width: 16,
+        right: false,
+        value: |d| used(d).into_iter().map(|u| u.name).collect::<Vec<_>>().join(","),
+    },
+    Field {
+        key: "devnos_used",
+        heading: "DevNosUsed",
+        width: 16,
+        right: false,
+        value: |d| used(d).into_iter().map(|u| u.devno).collect::<Vec<_>>().join(","),
+    },
+];
+
+/// The fields `info -c` prints without `-o`.
+const DEFAULT_FIELDS: &str = "name,major,minor,attr,open,segments,events,uuid";
+
+fn yes_no(b: bool, yes: &str, no: &str) -> String {
+    if b { yes } else { no }.to_string()
+}
+
+fn open_count(d: &Device) -> u32 {
+    d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst)
+}
+
+/// `Stat`: (L)ive table, (I)nactive table, (s)uspended, (r)ead-only or (w)ritable.
+fn attr(d: &Device) -> String {
+    let live = d.live.load().is_some();
+    let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+    [
+        if live { 'L' } else { '-' },
+        if inactive { 'I' } else { '-' },
+        if d.suspended.load(Ordering::SeqCst) {
+            's'
+        } else {
+            '-'
+        },
+        if d.read_only { 'r' } else { 'w' },
+    ]
+    .iter()
+    .collect()
+}
+
+/// The fields named by `-o` (`help` lists them), or the default set.
+pub(super) fn fields(spec: Option<&str>) -> Result<Vec<usize>, String> {
+    let spec = spec.unwrap_or(DEFAULT_FIELDS);
+    let mut out = Vec::new();
+    for k in spec.split(',').map(str::trim).filter(|k| !k.is_empty()) {
+        let i = FIELDS
+            .iter()
+            .position(|f| f.key.eq_ignore_ascii_case(k))
+            .ok_or_else(|| {
+                let known: Vec<&str> = FIELDS.iter().map(|f| f.key).collect();
+                format!("Unrecognised field: {k} (fields: {})", known.join(", "))
+            })?;
+        out.push(i);
+    }
+    if out.is_empty() {
+        return Err("no fields given to -o".into());
+    }
+    Ok(out)
+}
+
+/// Aligned columns (each as wide as its heading's minimum or its widest value;
+/// names left-aligned, numbers right-aligned, the last column unpadded), or fields
+/// joined by `separator`.
+pub(super) fn columns(
+    devs: &[Arc<Device>],
+    fields: &[usize],
+    headings: bool,
+    separator: Option<&str>,
+) -> String {
+    let rows: Vec<Vec<String>> = devs
+        .iter()
+        .map(|d| fields.iter().map(|&i| (FIELDS[i].value)(d)).collect())
+        .collect();
+    let mut out = String::new();
+    if let Some(sep) = separator {
+        if headings {
+            let h: Vec<&str> = fields.iter().map(|&i| FIELDS[i].heading).collect();
+            let _ = writeln!(out, "{}", h.join(sep));
+        }
+        for r in rows {
+            let _ = writeln!(out, "{}", r.join(sep));
+        }
+        return out;
+    }
+    let widths: Vec<usize> = fields
+        .iter()
+        .enumerate()
+        .map(|(c, &i)| {
+            let f = &FIELDS[i];
+            rows.iter()
+                .map(|r| r[c].len())
+                .chain([f.width, f.heading.len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |out: &mut String, cells: &[String], heading: bool| {
+        let mut l = String::new();
+        for (c, cell) in cells.iter().enumerate() {
+            let f = &FIELDS[fields[c]];
+            if c > 0 {
+                l.push(' ');
+            }
+            let w = widths[c];
+            if f.right && !heading {
+                let _ = write!(l, "{cell:>w$}");
+            } else {
+                let _ = write!(l, "{cell:<w$}");
+            }
+        }
+        let _ = writeln!(out, "{}", l.trim_end());
+    };
+    if headings {
+        let h: Vec<String> = fields.iter().map(|&i| FIELDS[i].heading.to_string()).collect();
+        line(&mut out, &h, true);
+    }
+    for r in &rows {
+        line(&mut out, r, false);
+    }
+    out
+}
+
+/// A device a table maps onto, as dmsetup names it.
+struct Used {
+    /// The dm name, or the device's path (a file has no number).
+    name: String,
+    /// `major:minor`, or the path of a regular file.
+    devno: String,
+    /// `(major, minor)` as `deps` prints it.
+    deps: String,
+    dm: Option<Arc<Device>>,
+}
+
+/// The distinct devices `d`'s live table maps onto, most recently added first, as
+/// the kernel's table keeps them.
+fn used(d: &Device) -> Vec<Used> {
+    let Some(t) = d.live.load_full() else {
+        return Vec::new();
+    };
+    let mut out: Vec<Used> = Vec::new();
+    for e in &t.entries {
+        for r in e.target.devices() {
+            let u = match r {
+                DevRef::Dm(h) => Used {
+                    name: h.0.name(),
+                    devno: format!("{DM_MAJOR}:{}", h.0.minor),
+                    deps: format!("({DM_MAJOR}, {})", h.0.minor),
+                    dm: Some(h.0.clone()),
+                },
+                DevRef::File(f) => match f.rdev {
+                    Some((ma, mi)) => Used {
+                        name: f.path.display().to_string(),
+                        devno: format!("{ma}:{mi}"),
+                        deps: format!("({ma}, {mi})"),
+                        dm: None,
+                    },
+                    None => Used {
+                        name: f.path.display().to_string(),
+                        devno: f.path.display().to_string(),
+                        deps: format!("({})", f.path.display()),
+                        dm: None,
+                    },
+                },
+            };
+            if !out.iter().any(|o| o.devno == u.devno) {
+                out.insert(0, u);
+            }
+        }
+    }
+    out
+}
+
+/// One device's `deps` line: ` N dependencies\t: (major, minor) ...`, prefixed by
+/// its name when every device is listed.
+pub(super) fn deps(d: &Device, prefix: bool) -> String {
+    let u = used(d);
+    let list: Vec<String> = u.iter().map(|u| u.deps.clone()).collect();
+    let name = if prefix {
+        format!("{}:", d.name())
+    } else {
+        String::new()
+    };
+    format!("{name} {} dependencies\t: {}\n", u.len(), list.join(" "))
+}
+
+/// `ls --tree`: each device not used by another as a root, the devices it maps
+/// onto below it.
+pub(super) fn tree(devs: &[Arc<Device>]) -> String {
+    let used_by_other = |d: &Arc<Device>| {
+        devs.iter().any(|o| {
+            used(o)
+                .iter()
+                .any(|u| u.dm.as_ref().is_some_and(|x| Arc::ptr_eq(x, d)))
+        })
+    };
+    let mut out = String::new();
+    for d in devs.iter().filter(|d| !used_by_other(d)) {
+        let _ = writeln!(out, "{} ({DM_MAJOR}:{})", d.name(), d.minor);
+        branch(&mut out, d, " ", 0);
+    }
+    out
+}
+
+fn branch(out: &mut String, d: &Device, indent: &str, depth: u32) {
+    if depth > 16 {
+        return;
+    }
+    let u = used(d);
+    for (i, child) in u.iter().enumerate() {
+        let last = i + 1 == u.len();
+        let (stem, more) = if last {
+            ("└─", "   ")
+        } else {
+            ("├─", "│  ")
+        };
+        match &child.dm {
+            Some(c) => {
+                let _ = writeln!(out, "{indent}{stem}{} ({DM_MAJOR}:{})", c.name(), c.minor);
+                branch(out, c, &format!("{indent}{more}"), depth + 1);
+            }
+            None => {
+                let _ = writeln!(out, "{indent}{stem} ({})", child.devno);
+            }
+        }
+    }
+}
