@@ -396,12 +396,8 @@ impl Registry {
         }
         if let Some(w) = words.first().filter(|w| w.starts_with('@')) {
             if w.eq_ignore_ascii_case("@cancel_deferred_remove") && words.len() == 1 {
-                if !dev.deferred_remove.swap(false, Ordering::SeqCst) {
-                    return Err(dev_err(
-                        name,
-                        "message '@cancel_deferred_remove' refused: no deferred remove is pending",
-                    ));
-                }
+                // Succeeds whether or not a remove was pending, as the kernel's.
+                dev.deferred_remove.store(false, Ordering::SeqCst);
                 return Ok(String::new());
             }
             return Err(dev_err(

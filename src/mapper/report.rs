@@ -183,14 +183,28 @@ fn attr(d: &Device) -> String {
     .collect()
 }
 
-/// The fields named by `-o` (`help` lists them), or the default set.
+/// A field name as dmsetup matches it: without case or underscores.
+fn canonical(k: &str) -> String {
+    k.chars()
+        .filter(|&c| c != '_')
+        .map(|c| c.to_ascii_lowercase())
+        .collect()
+}
+
+/// The fields named by `-o` (`+f,...` adds to the default set), or the default set.
 pub(super) fn fields(spec: Option<&str>) -> Result<Vec<usize>, String> {
-    let spec = spec.unwrap_or(DEFAULT_FIELDS);
+    let spec = match spec {
+        None => DEFAULT_FIELDS.to_string(),
+        Some(s) => match s.strip_prefix('+') {
+            Some(more) => format!("{DEFAULT_FIELDS},{more}"),
+            None => s.to_string(),
+        },
+    };
     let mut out = Vec::new();
     for k in spec.split(',').map(str::trim).filter(|k| !k.is_empty()) {
         let i = FIELDS
             .iter()
-            .position(|f| f.key.eq_ignore_ascii_case(k))
+            .position(|f| canonical(f.key) == canonical(k))
             .ok_or_else(|| {
                 let known: Vec<&str> = FIELDS.iter().map(|f| f.key).collect();
                 format!("Unrecognised field: {k} (fields: {})", known.join(", "))
@@ -203,15 +217,17 @@ pub(super) fn fields(spec: Option<&str>) -> Result<Vec<usize>, String> {
     Ok(out)
 }
 
-/// Aligned columns (each as wide as its heading's minimum or its widest value;
-/// names left-aligned, numbers right-aligned, the last column unpadded), or fields
-/// joined by `separator`.
+/// Aligned columns, as dmsetup's report prints them: each as wide as its minimum or
+/// its widest value, numbers right-aligned, everything else (headings too)
+/// left-aligned, every column padded. With a separator, or without headings
+/// (which means ':'), fields are joined unaligned.
 pub(super) fn columns(
     devs: &[Arc<Device>],
     fields: &[usize],
     headings: bool,
     separator: Option<&str>,
 ) -> String {
+    let separator = separator.or((!headings).then_some(":"));
     let rows: Vec<Vec<String>> = devs
         .iter()
         .map(|d| fields.iter().map(|&i| (FIELDS[i].value)(d)).collect())
@@ -253,7 +269,7 @@ pub(super) fn columns(
                 let _ = write!(l, "{cell:<w$}");
             }
         }
-        let _ = writeln!(out, "{}", l.trim_end());
+        let _ = writeln!(out, "{l}");
     };
     if headings {
         let h: Vec<String> = fields.iter().map(|&i| FIELDS[i].heading.to_string()).collect();
@@ -315,21 +331,25 @@ fn used(d: &Device) -> Vec<Used> {
     out
 }
 
-/// One device's `deps` line: ` N dependencies\t: (major, minor) ...`, prefixed by
-/// its name when every device is listed.
+/// One device's `deps` line: `N dependencies\t: (major, minor) ...`, prefixed by
+/// `name: ` when every device is listed.
 pub(super) fn deps(d: &Device, prefix: bool) -> String {
-    let u = used(d);
-    let list: Vec<String> = u.iter().map(|u| u.deps.clone()).collect();
-    let name = if prefix {
-        format!("{}:", d.name())
+    let mut line = if prefix {
+        format!("{}: ", d.name())
     } else {
         String::new()
     };
-    format!("{name} {} dependencies\t: {}\n", u.len(), list.join(" "))
+    let u = used(d);
+    let _ = write!(line, "{} dependencies\t:", u.len());
+    for x in &u {
+        let _ = write!(line, " {}", x.deps);
+    }
+    line.push('\n');
+    line
 }
 
 /// `ls --tree`: each device not used by another as a root, the devices it maps
-/// onto below it.
+/// onto below it, drawn as dmsetup draws it in the C locale.
 pub(super) fn tree(devs: &[Arc<Device>]) -> String {
     let used_by_other = |d: &Arc<Device>| {
         devs.iter().any(|o| {
@@ -353,11 +373,7 @@ fn branch(out: &mut String, d: &Device, indent: &str, depth: u32) {
     let u = used(d);
     for (i, child) in u.iter().enumerate() {
         let last = i + 1 == u.len();
-        let (stem, more) = if last {
-            ("└─", "   ")
-        } else {
-            ("├─", "│  ")
-        };
+        let (stem, more) = if last { ("`-", "   ") } else { ("|-", "|  ") };
         match &child.dm {
             Some(c) => {
                 let _ = writeln!(out, "{indent}{stem}{} ({DM_MAJOR}:{})", c.name(), c.minor);

@@ -204,16 +204,19 @@ impl Flakey {
     }
 }
 
-/// The kernel's request flags (6.1 numbering) a bio from dmkit's export carries, which
-/// `corrupt_bio_byte`'s flags mask must all match: a FUA write is REQ_SYNC | REQ_FUA,
-/// as the kernel marks an O_DSYNC or FUA write; other bios carry none of them.
+/// The kernel's bi_opf (6.1 numbering) of a bio from dmkit's export, which
+/// `corrupt_bio_byte`'s flags mask must all match: a write is an O_DIRECT write,
+/// REQ_OP_WRITE | REQ_SYNC | REQ_IDLE (0x8801), plus REQ_FUA (0x28801) with FUA; a
+/// read carries none.
 fn bio_flags(bio: &Bio) -> u64 {
+    const REQ_OP_WRITE: u64 = 1;
     const REQ_SYNC: u64 = 1 << 11;
+    const REQ_IDLE: u64 = 1 << 15;
     const REQ_FUA: u64 = 1 << 17;
-    if bio.fua {
-        REQ_SYNC | REQ_FUA
-    } else {
-        0
+    match (bio.op.is_write(), bio.fua) {
+        (false, _) => 0,
+        (true, false) => REQ_OP_WRITE | REQ_SYNC | REQ_IDLE,
+        (true, true) => REQ_OP_WRITE | REQ_SYNC | REQ_IDLE | REQ_FUA,
     }
 }
 
