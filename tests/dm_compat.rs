@@ -413,3 +413,95 @@ fn cli_help_version_and_unknown_flags() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--auto-repair is not supported by dmkit"));
 }
+
+/// The same operations in the real kernel (tests/oracle/run.sh boots Debian's under
+/// qemu) and in dmkit give the same answers: read-ahead, minors, the error target's
+/// arguments, message case and spacing, the discard reload refusal.
+#[test]
+fn kernel_oracle_agrees() {
+    let script = |dev: &dyn Fn(usize) -> String, dm: &str| {
+        format!(
+            r#"
+ra() {{ {dm} info "$1" | sed -n 's/^Read Ahead: *//p'; }}
+minor() {{ {dm} info -c --noheadings -o minor "$1"; }}
+{dm} create s2 --table "0 8192 striped 2 128 {a} 0 {b} 0"
+echo "ORACLE ra-s2 $(ra s2)"
+{dm} create s4 --table "0 8192 striped 4 256 {a} 4096 {b} 4096 {a} 6144 {b} 6144"
+echo "ORACLE ra-s4 $(ra s4)"
+{dm} create bad --table "0 8 linear /dev/nonexistent 0" 2>/dev/null
+{dm} create bad --table "0 8 linear /dev/nonexistent 0" 2>/dev/null
+{dm} create z --table "0 8 error"
+echo "ORACLE minor-z $(minor z)"
+{dm} remove s2
+{dm} create y --table "0 8 error"
+echo "ORACLE minor-y $(minor y)"
+{dm} create e --table "0 8 error {a} 0 extra words"
+echo "ORACLE error-create $?"
+echo "ORACLE error-table $({dm} table e)"
+{dm} create pool --table "0 32768 thin-pool {c} {d} 2048 0"
+echo "ORACLE ra-pool $(ra pool)"
+{dm} message pool 0 "CREATE_THIN 5"
+echo "ORACLE msg-upper $?"
+{dm} message pool 0 " create_thin  4 "
+echo "ORACLE msg-space $?"
+{dm} message pool 0 Create_Snap 6 5
+echo "ORACLE msg-mixed $?"
+{dm} mknodes 2>/dev/null
+{dm} create t5 --table "0 4096 thin /dev/mapper/pool 5"
+echo "ORACLE ra-thin $(ra t5)"
+{dm} load pool --table "0 32768 thin-pool {c} {d} 2048 0 1 ignore_discard" 2>/dev/null
+echo "ORACLE discard-reload $?"
+"#,
+            a = dev(0),
+            b = dev(1),
+            c = dev(2),
+            d = dev(3),
+        )
+    };
+    let d = Daemon::start("compat-oracle");
+    let sizes = [4 * MIB, 4 * MIB, 4 * MIB, 16 * MIB];
+    let disks = |tag: &str| -> Vec<PathBuf> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| d.dir.sparse(&format!("{tag}{i}"), n))
+            .collect()
+    };
+    let (files, ours) = (disks("kernel"), disks("dmkit"));
+    // The kernel's run: virtio disks /dev/vda.. in the guest.
+    let guest = script(&|i| format!("/dev/vd{}", (b'a' + i as u8) as char), "dmsetup");
+    let sp = d.dir.0.join("guest.sh");
+    std::fs::write(&sp, &guest).unwrap();
+    let out = std::process::Command::new("bash")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/oracle/run.sh"))
+        .arg(&sp)
+        .args(&files)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run tests/oracle/run.sh");
+    let serial = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && serial.contains("ORACLE-EXIT"),
+        "oracle failed:\n{serial}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // dmkit's run: the same script against the daemon, over the same-sized files.
+    let dmkit = format!("{} --run-dir {}", common::BIN, d.run.display());
+    let host = script(&|i| ours[i].display().to_string(), &dmkit);
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&host)
+        .output()
+        .unwrap();
+    let host_out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let markers = |s: &str| -> Vec<(String, String)> {
+        s.lines()
+            .filter_map(|l| l.trim().strip_prefix("ORACLE "))
+            .filter_map(|l| l.split_once(' '))
+            .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+            .collect()
+    };
+    let (k, m) = (markers(&serial), markers(&host_out));
+    assert_eq!(k.len(), 12, "kernel markers: {k:?}\n{serial}");
+    assert_eq!(m, k, "dmkit differs from the kernel");
+}
