@@ -14,14 +14,6 @@ const EINVAL: u32 = 22;
 const TF_SEND_TRIM: u16 = 0x0020;
 const TF_SEND_FAST_ZERO: u16 = 0x0800;
 
-fn info_line(d: &Daemon, name: &str, key: &str) -> String {
-    let out = d.ok(&["info", name]);
-    out.lines()
-        .find(|l| l.starts_with(key))
-        .unwrap_or_else(|| panic!("no '{key}' in info:\n{out}"))
-        .to_string()
-}
-
 /// A pool `name` over fresh files: 64 KiB blocks, `blocks` of them.
 fn pool(d: &Daemon, name: &str, blocks: u64, features: &[&str]) -> (PathBuf, PathBuf) {
     let meta = d.dir.sparse(&format!("{name}.meta"), 4 * MIB);
@@ -182,7 +174,7 @@ fn read_ahead_follows_the_kernel() {
         ("bt", 4096),
     ] {
         assert_eq!(
-            info_line(&d, n, "Read Ahead:"),
+            d.info_line(n, "Read Ahead:"),
             format!("Read Ahead:        {ra}"),
             "{n}"
         );
@@ -304,7 +296,7 @@ fn report_verbs() {
     ]);
     let _c = Client::connect(&d.sock(), "top");
     let t0 = Instant::now();
-    while !info_line(&d, "top", "Open count:").ends_with(" 1") {
+    while !d.info_line("top", "Open count:").ends_with(" 1") {
         assert!(t0.elapsed() < Duration::from_secs(3));
         std::thread::sleep(Duration::from_millis(10));
     }

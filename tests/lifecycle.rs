@@ -21,14 +21,6 @@ fn file_with(d: &Daemon, name: &str, mib: u64, seed: u64, fill: usize) -> PathBu
     p
 }
 
-fn info_line(d: &Daemon, name: &str, key: &str) -> String {
-    let out = d.ok(&["info", name]);
-    out.lines()
-        .find(|l| l.starts_with(key))
-        .unwrap_or_else(|| panic!("no '{key}' in info:\n{out}"))
-        .to_string()
-}
-
 /// Wait (up to 3 s) until `f` holds.
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
@@ -44,7 +36,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 fn wait_open_count(d: &Daemon, name: &str, n: u32) {
     let want = format!("Open count:        {n}");
     wait_for(&format!("open count {n}"), || {
-        info_line(d, name, "Open count:") == want
+        d.info_line(name, "Open count:") == want
     });
 }
 
@@ -56,7 +48,7 @@ fn load_keeps_live_table_until_resume() {
     d.create("dev", &format!("0 8192 linear {} 0", a.display()));
     let mut c = Client::connect(&d.sock(), "dev");
     assert_eq!(c.size, 4 * MIB);
-    assert_eq!(info_line(&d, "dev", "Tables present:"), "Tables present:    LIVE");
+    assert_eq!(d.info_line("dev", "Tables present:"), "Tables present:    LIVE");
 
     d.ok(&[
         "load",
@@ -65,7 +57,7 @@ fn load_keeps_live_table_until_resume() {
         &format!("0 16384 linear {} 0", b.display()),
     ]);
     assert_eq!(
-        info_line(&d, "dev", "Tables present:"),
+        d.info_line("dev", "Tables present:"),
         "Tables present:    LIVE & INACTIVE"
     );
     assert_eq!(
@@ -84,7 +76,7 @@ fn load_keeps_live_table_until_resume() {
     );
 
     d.ok(&["resume", "dev"]);
-    assert_eq!(info_line(&d, "dev", "Tables present:"), "Tables present:    LIVE");
+    assert_eq!(d.info_line("dev", "Tables present:"), "Tables present:    LIVE");
     assert_eq!(
         d.ok(&["table", "dev"]),
         format!("0 16384 linear {} 0\n", b.display())
@@ -108,7 +100,7 @@ fn io_waits_while_suspended() {
 
     // A write sent while suspended is held, not lost.
     d.ok(&["suspend", "dev"]);
-    assert_eq!(info_line(&d, "dev", "State:"), "State:             SUSPENDED");
+    assert_eq!(d.info_line("dev", "State:"), "State:             SUSPENDED");
     let data = pattern(4, 8192);
     c.send(WRITE, 0, 21, MIB, data.len() as u32, &data);
     assert!(
@@ -121,7 +113,7 @@ fn io_waits_while_suspended() {
         "write reached the file while suspended"
     );
     d.ok(&["resume", "dev"]);
-    assert_eq!(info_line(&d, "dev", "State:"), "State:             ACTIVE");
+    assert_eq!(d.info_line("dev", "State:"), "State:             ACTIVE");
     assert_eq!(c.reply(None), (21, 0));
     assert_eq!(read_at(&f, MIB, 8192), data);
 
@@ -171,7 +163,7 @@ fn fio_under_suspend_cycles(d: &Daemon, name: &str) {
         .expect("spawn fio");
     // Let fio connect and start writing, then cycle.
     wait_for("fio connections", || {
-        let l = info_line(d, name, "Open count:");
+        let l = d.info_line(name, "Open count:");
         l["Open count:".len()..].trim().parse::<u32>().unwrap_or(0) >= 1
     });
     let mut cycled_while_running = 0;
@@ -262,11 +254,11 @@ fn remove_rules() {
     // --deferred: accepted while open, shown in info, cancelled by the message...
     d.ok(&["remove", "--deferred", "top"]);
     assert_eq!(
-        info_line(&d, "top", "State:"),
+        d.info_line("top", "State:"),
         "State:             ACTIVE (DEFERRED REMOVE)"
     );
     d.ok(&["message", "top", "0", "@cancel_deferred_remove"]);
-    assert_eq!(info_line(&d, "top", "State:"), "State:             ACTIVE");
+    assert_eq!(d.info_line("top", "State:"), "State:             ACTIVE");
     // With nothing pending it still succeeds, as the kernel's.
     d.ok(&["message", "top", "0", "@cancel_deferred_remove"]);
     // ...and carried out at the last close.
@@ -311,7 +303,7 @@ fn tables_cannot_form_cycles() {
     // A device cannot be created on top of itself either.
     d.fails(&["create", "D", "--table", "0 8192 linear /dev/mapper/D 0"]);
     // Nothing was loaded, and the stack still works.
-    assert_eq!(info_line(&d, "A", "Tables present:"), "Tables present:    LIVE");
+    assert_eq!(d.info_line("A", "Tables present:"), "Tables present:    LIVE");
     let mut c = Client::connect(&d.sock(), "C");
     c.write(0, &[0x3C; 4096]);
     assert_eq!(read_at(&f, 0, 4096), vec![0x3C; 4096]);

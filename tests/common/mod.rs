@@ -125,6 +125,15 @@ impl Daemon {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
+    /// The line of `info NAME` that starts with `key`.
+    pub fn info_line(&self, name: &str, key: &str) -> String {
+        let out = self.ok(&["info", name]);
+        out.lines()
+            .find(|l| l.starts_with(key))
+            .unwrap_or_else(|| panic!("no '{key}' in info:\n{out}"))
+            .to_string()
+    }
+
     /// Run and require failure; returns stderr.
     pub fn fails(&self, args: &[&str]) -> String {
         let o = self.cli(args);
