@@ -114,6 +114,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             tracing_subscriber::fmt()
                 .with_env_filter(filter)
                 .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_target(false)
                 .init();
             let demo = (a.demo || a.demo_dir.is_some())
