@@ -56,15 +56,12 @@ fn uuid_free(
 ) -> Result<(), ControlError> {
     let Some(u) = uuid else { return Ok(()) };
     match devs
-        .values()
-        .find(|d| d.name() != name && d.uuid().as_deref() == Some(u))
+        .iter()
+        .find(|(n, d)| n.as_str() != name && d.uuid().as_deref() == Some(u))
     {
-        Some(other) => Err(dev_err(
+        Some((other, _)) => Err(dev_err(
             name,
-            format!(
-                "Device or resource busy: uuid '{u}' is in use by device '{}'",
-                other.name()
-            ),
+            format!("Device or resource busy: uuid '{u}' is in use by device '{other}'"),
         )),
         None => Ok(()),
     }
@@ -258,23 +255,7 @@ impl Registry {
     pub fn resume(&self, name: &str) -> Result<(), ControlError> {
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
-        let next = dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = next {
-            if !dev.suspended.load(Ordering::SeqCst) {
-                dev.suspend_and_drain();
-                // The old table's writes stay durable across the swap, as the
-                // kernel's suspend before a table swap flushes.
-                let _ = dev.flush_sync();
-            }
-            // No request is in flight: the old table (and its files) can go.
-            dev.live.store(Some(t));
-        }
-        if let Some(t) = dev.live.load_full() {
-            for e in &t.entries {
-                e.target.resume();
-            }
-        }
-        dev.suspended.store(false, Ordering::SeqCst);
+        resume_locked(&dev);
         Ok(())
     }
 
@@ -321,8 +302,8 @@ impl Registry {
         Ok(())
     }
 
-    /// Swap in a table of one `error` target of the same size, as `dmsetup remove
-    /// --force` does before it tries the remove.
+    /// Load a table of one `error` target of the same size and resume it, as
+    /// `dmsetup remove --force` does before it tries the remove.
     fn replace_with_error(&self, dev: &Arc<Device>) {
         let size = dev.size_sectors();
         if size == 0 {
@@ -333,17 +314,9 @@ impl Registry {
             len: size,
             target: Box::new(targets::error::Error),
         }]);
-        let was_suspended = dev.suspended.load(Ordering::SeqCst);
-        if !was_suspended {
-            dev.suspend_and_drain();
-        }
-        let _ = dev.flush_sync();
-        dev.live.store(Some(Arc::new(t)));
-        dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+        *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
+        resume_locked(dev);
         dev.event_nr.fetch_add(1, Ordering::Relaxed);
-        if !was_suspended {
-            dev.suspended.store(false, Ordering::SeqCst);
-        }
     }
 
     /// An NBD client let go of `dev`: a deferred remove happens at the last close.
@@ -663,6 +636,28 @@ impl Registry {
     fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
         self.devices().values().find(|d| d.minor == minor).cloned()
     }
+}
+
+/// The body of `resume`, with `dev`'s control lock held: swap in the inactive table
+/// (suspending first), then let queued I/O go.
+fn resume_locked(dev: &Device) {
+    let next = dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(t) = next {
+        if !dev.suspended.load(Ordering::SeqCst) {
+            dev.suspend_and_drain();
+            // The old table's writes stay durable across the swap, as the
+            // kernel's suspend before a table swap flushes.
+            let _ = dev.flush_sync();
+        }
+        // No request is in flight: the old table (and its files) can go.
+        dev.live.store(Some(t));
+    }
+    if let Some(t) = dev.live.load_full() {
+        for e in &t.entries {
+            e.target.resume();
+        }
+    }
+    dev.suspended.store(false, Ordering::SeqCst);
 }
 
 /// Whether `d`'s live table has a target of type `t`.

@@ -351,15 +351,10 @@ pub(super) fn deps(d: &Device, prefix: bool) -> String {
 /// `ls --tree`: each device not used by another as a root, the devices it maps
 /// onto below it, drawn as dmsetup draws it in the C locale.
 pub(super) fn tree(devs: &[Arc<Device>]) -> String {
-    let used_by_other = |d: &Arc<Device>| {
-        devs.iter().any(|o| {
-            used(o)
-                .iter()
-                .any(|u| u.dm.as_ref().is_some_and(|x| Arc::ptr_eq(x, d)))
-        })
-    };
+    // Every dm device some listed device maps onto, found once.
+    let below: Vec<Arc<Device>> = devs.iter().flat_map(|d| used(d)).filter_map(|u| u.dm).collect();
     let mut out = String::new();
-    for d in devs.iter().filter(|d| !used_by_other(d)) {
+    for d in devs.iter().filter(|d| !below.iter().any(|b| Arc::ptr_eq(b, d))) {
         let _ = writeln!(out, "{} ({DM_MAJOR}:{})", d.name(), d.minor);
         branch(&mut out, d, " ", 0);
     }
