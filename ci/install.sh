@@ -68,5 +68,10 @@ for pair in "${tools[@]}"; do
 done
 installed busybox-static || { echo "ci/install.sh: busybox-static still missing" >&2; exit 1; }
 
+# The thin-provisioning-tools 1.x reference (Debian trixie's build; bookworm has 0.9),
+# unpacked beside the system without touching its apt sources: the tests run each
+# `dmkit thin` tool and the reference of the same name on the same metadata.
+ci/fetch-tpt-ref.sh
+
 # The kernel the oracle boots (downloaded once, cached).
 tests/oracle/run.sh --prepare

@@ -394,16 +394,23 @@ fn cli_help_version_and_unknown_flags() {
     for args in [
         &["thin", "check", "x", "--hedgehogs-only"][..],
         &["thin", "dump", "x", "--bogus"],
-        &["thin", "restore", "-i", "x", "-o", "y", "--transaction-id", "3"],
+        &["thin", "restore", "-i", "x", "-o", "y", "--hedgehogs", "3"],
     ] {
         let o = run(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(e.contains("unexpected argument"), "{args:?}: {e}");
     }
-    let o = run(&["thin", "check", "/nonexistent", "--auto-repair"]);
+    // conflicting options are usage errors; a missing input is a failure (64)
+    let o = run(&["thin", "check", "/nonexistent", "--auto-repair", "-m"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--auto-repair is not supported by dmkit"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot be used with"));
+    let o = run(&["thin", "check", "/nonexistent", "--auto-repair"]);
+    assert_eq!(o.status.code(), Some(64));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "Couldn't find input file '/nonexistent'\n"
+    );
 }
 
 /// The same operations in the real kernel (tests/oracle/run.sh boots Debian's under

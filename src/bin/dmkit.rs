@@ -29,7 +29,8 @@ struct Cli {
 enum Cmd {
     /// Run the daemon: the control socket and the NBD export
     Serve(ServeArgs),
-    /// The thin-provisioning-tools verbs (check, dump, restore)
+    /// The thin-provisioning-tools commands, option for option as thin_check,
+    /// thin_dump, ... 1.x (a link named thin_check to dmkit is thin_check)
     #[command(subcommand)]
     Thin(dmkit::thin::cli::ThinCmd),
     /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
@@ -65,7 +66,16 @@ struct ServeArgs {
 }
 
 fn main() {
-    let argv: Vec<String> = std::env::args().collect();
+    let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // Called as thin_check, thin_dump, ...: that tool (multi-call, as pdata_tools).
+    if let Some(tool) = argv_os.first().and_then(|a| dmkit::thin::cli::tool_named(a)) {
+        std::process::exit(dmkit::thin::cli::run_tool(tool, tool, argv_os[1..].to_vec()));
+    }
+    // `dmkit thin ...` parses as the tools do (paths need not be UTF-8).
+    if let Some(i) = thin_word(&argv_os) {
+        std::process::exit(dmkit::thin::cli::main(argv_os[i + 1..].to_vec()));
+    }
+    let argv: Vec<String> = argv_os.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let cli = match Cli::try_parse_from(&argv) {
         Ok(c) => c,
         Err(e) => {
@@ -129,13 +139,32 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             })?;
             Ok(0)
         }
-        Cmd::Thin(t) => Ok(dmkit::thin::cli::run(t)),
+        // dispatched before parsing; here only if that ever changes
+        Cmd::Thin(_) => Ok(dmkit::thin::cli::main(
+            verb_words(argv).iter().skip(1).map(Into::into).collect(),
+        )),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "dmkit", &mut std::io::stdout());
             Ok(0)
         }
         Cmd::Dm(verb) => client(&run_dir, &verb, verb_words(argv)),
     }
+}
+
+/// The index of the verb word if it is `thin` (only `--run-dir` comes before it).
+fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
+    let mut i = 1;
+    while let Some(a) = argv.get(i) {
+        let a = a.to_string_lossy();
+        if a == "--run-dir" {
+            i += 2;
+        } else if a.starts_with("--run-dir=") {
+            i += 1;
+        } else {
+            return (a == "thin").then_some(i);
+        }
+    }
+    None
 }
 
 /// The words from the verb on: the daemon parses them again. Only `--run-dir`

@@ -273,6 +273,11 @@ impl BlockCache {
         Ok(buf)
     }
 
+    /// The device, for a new owner (clean blocks only: nothing dirty is lost).
+    pub fn into_dev(self) -> Box<dyn MetadataDev> {
+        self.dev
+    }
+
     pub fn flush(&mut self) -> Result<()> {
         self.dev.flush().map_err(|e| Self::io_err(0, e))
     }

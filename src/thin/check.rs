@@ -1,17 +1,24 @@
 //! `thin_check`: walk every tree from the superblock, check each node's
 //! structure, recount every metadata and data block reference, and compare
 //! with the space maps on disk.
+//!
+//! The phases, verdicts and messages are thin-provisioning-tools 1.x's: the
+//! details tree, the top-level mapping tree (and the two trees agreeing on the
+//! devices), each device's mappings against its recorded count, then the data
+//! and metadata space maps. Everything is fatal except leaked blocks (a count
+//! higher than the references, which loses space but no data) and under-full
+//! nodes; `--auto-repair` fixes leaks when nothing fatal was found.
 
 use super::dump::reader;
-use super::metadata::read_superblock;
+use super::metadata::{read_superblock, ThinPoolMetadata, DEFAULT_CACHE_BLOCKS};
 use super::progress::Progress;
-use super::superblock::{Superblock, SUPERBLOCK_LOCATION};
+use super::superblock::{DeviceDetails, Superblock, SUPERBLOCK_LOCATION};
 use crate::pdata::btree::node;
 use crate::pdata::cache::FastMap;
 use crate::pdata::space_map::disk::{self, decode_index_entry, SmRoot};
 use crate::pdata::space_map::{SmKind, SpaceMap};
 use crate::pdata::tm::TransactionManager;
-use crate::pdata::{Block, BlockKind, MetadataDev, BLOCK_SIZE};
+use crate::pdata::{Block, BlockKind, MetadataDev, PdataError, BLOCK_SIZE};
 use std::collections::BTreeMap;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -34,18 +41,55 @@ impl Tree {
     }
 }
 
-#[derive(Default)]
+/// A line of the check's report on standard error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Line {
+    /// A phase begins (1.x's sub-titles: "device details tree", ...).
+    Title(String),
+    /// Something found, or done.
+    Msg(String),
+}
+
+/// What a check found.
+#[derive(Default, Debug)]
 pub struct Report {
+    /// TRANSACTION_ID and METADATA_FREE_BLOCKS, once the superblock was read.
+    pub info: Option<(u64, u64)>,
+    pub lines: Vec<Line>,
+    /// The fatal error that ended the check, if any.
+    pub fatal: Option<String>,
+    /// The non-fatal verdict (leaks, under-full nodes), if any and not repaired.
+    pub non_fatal: Option<String>,
+    /// Every fatal finding, one per line (the details behind `fatal`).
     pub errors: Vec<String>,
-    /// Blocks counted on disk but not reachable (non-fatal in thin_check).
+    /// Every non-fatal finding.
     pub leaks: Vec<String>,
     pub transaction_id: u64,
     pub free_metadata_blocks: u64,
+    /// Whether the metadata was written (leaks repaired, needs_check cleared).
+    pub repaired: bool,
 }
 
 impl Report {
+    /// Nothing wrong at all.
     pub fn ok(&self) -> bool {
-        self.errors.is_empty() && self.leaks.is_empty()
+        self.fatal.is_none() && self.non_fatal.is_none() && self.errors.is_empty() && self.leaks.is_empty()
+    }
+
+    /// The exit verdict: fatal errors always fail, non-fatal ones unless ignored.
+    pub fn passed(&self, ignore_non_fatal: bool) -> bool {
+        self.fatal.is_none() && (ignore_non_fatal || self.non_fatal.is_none())
+    }
+
+    fn title(&mut self, s: &str) {
+        self.lines.push(Line::Title(s.into()));
+    }
+    fn msg(&mut self, s: String) {
+        self.lines.push(Line::Msg(s));
+    }
+    fn fail(&mut self, s: String) {
+        self.errors.push(s.clone());
+        self.fatal = Some(s);
     }
 }
 
@@ -111,6 +155,24 @@ struct At {
     depth: usize,
 }
 
+/// What a subtree holds: its mappings, and the nodes in it that could not be used.
+#[derive(Clone, Copy, Default)]
+struct Summary {
+    mappings: u64,
+    errors: u32,
+    checksum_errors: u32,
+    io_errors: u32,
+}
+
+impl Summary {
+    fn add(&mut self, o: Summary) {
+        self.mappings += o.mappings;
+        self.errors = self.errors.saturating_add(o.errors);
+        self.checksum_errors = self.checksum_errors.saturating_add(o.checksum_errors);
+        self.io_errors = self.io_errors.saturating_add(o.io_errors);
+    }
+}
+
 /// Data block numbers are 40 bits wide in a mapping.
 const MAX_DATA_BLOCKS: u64 = 1 << 40;
 
@@ -118,11 +180,20 @@ struct Checker {
     tm: TransactionManager,
     meta_expected: Recount,
     data_expected: Recount,
+    /// Bottom-level subtrees already walked: what they hold (shared subtrees are
+    /// read once and counted for every device that has them).
+    bottom: FastMap<u64, Summary>,
     /// Node buffers, one per level of the walk in progress.
     spare: Vec<Box<Block>>,
+    /// Problems found in the current (non-bottom) tree walk.
     errors: Vec<String>,
     progress: Progress,
-    skip_mappings: bool,
+    ignore_non_fatal: bool,
+    underfull: u64,
+    /// `--skip-mappings`: the details and top-level trees only.
+    skip: bool,
+    /// Bottom-level nodes that could not be used.
+    bad_bottom: u64,
 }
 
 impl Checker {
@@ -137,19 +208,8 @@ impl Checker {
         self.meta_expected.inc(b) == 0
     }
 
-    /// Walk the device-details and mapping trees of the metadata snapshot at `held`.
-    fn held_trees(&mut self, held: u64) {
-        match self.tm.read(held, BlockKind::Superblock) {
-            Ok(d) => {
-                let h = Superblock::decode(d);
-                self.tree(h.details_root, Tree::Details);
-                self.tree(h.mapping_root, Tree::Top);
-            }
-            Err(e) => self.err(e.to_string()),
-        }
-    }
-
-    fn tree(&mut self, root: u64, t: Tree) {
+    /// Walk a whole tree; returns what its leaves hold (for bottom trees).
+    fn tree(&mut self, root: u64, t: Tree) -> Summary {
         let mut leaf_depth = None;
         let at = At {
             t,
@@ -158,28 +218,86 @@ impl Checker {
             hi: u64::MAX,
             depth: 0,
         };
-        self.node(root, at, &mut leaf_depth);
+        self.node(root, at, &mut leaf_depth)
     }
 
     /// Visit a node: every arrival counts, the first one reads and descends.
-    fn node(&mut self, b: u64, at: At, leaf_depth: &mut Option<usize>) {
-        if !self.meta_ref(b) {
-            return;
+    fn node(&mut self, b: u64, at: At, leaf_depth: &mut Option<usize>) -> Summary {
+        let first = self.meta_ref(b);
+        if at.t == Tree::Bottom {
+            if let Some(s) = self.bottom.get(&b) {
+                return *s;
+            }
         }
+        if !first {
+            return Summary::default();
+        }
+        let s = self.read_node(b, at, leaf_depth);
+        if at.t == Tree::Bottom {
+            self.bottom.insert(b, s);
+        }
+        s
+    }
+
+    fn read_node(&mut self, b: u64, at: At, leaf_depth: &mut Option<usize>) -> Summary {
+        if at.t == Tree::Bottom {
+            self.bad_bottom += 1; // taken back below if the node is good
+        }
+        let bad = |io: bool| Summary {
+            mappings: 0,
+            errors: 1,
+            checksum_errors: u32::from(!io),
+            io_errors: u32::from(io),
+        };
         if at.depth > 32 {
             self.err(format!("metadata block {b}: btree too deep (cycle?)"));
-            return;
+            return bad(false);
         }
         self.progress.tick(1);
         let mut d = self.spare.pop().unwrap_or_else(|| Box::new([0u8; BLOCK_SIZE]));
-        match self.tm.cache.read_uncached(b, BlockKind::BtreeNode, &mut d) {
-            Ok(()) => self.node_contents(b, &d, at, leaf_depth),
-            Err(e) => self.err(e.to_string()),
-        }
+        let s = match self.tm.cache.read_uncached(b, BlockKind::BtreeNode, &mut d) {
+            Ok(()) => {
+                let (s, own_fault) = self.node_contents(b, &d, at, leaf_depth);
+                if at.t == Tree::Bottom && !own_fault {
+                    self.bad_bottom -= 1;
+                }
+                s
+            }
+            Err(e) => {
+                let io = matches!(e, PdataError::Io { .. } | PdataError::OutOfRange { .. });
+                let cs = matches!(e, PdataError::Checksum { .. });
+                self.err(format!("node error: {e}"));
+                Summary {
+                    checksum_errors: u32::from(cs),
+                    ..bad(io)
+                }
+            }
+        };
         self.spare.push(d);
+        s
     }
 
-    fn node_contents(&mut self, b: u64, d: &Block, at: At, leaf_depth: &mut Option<usize>) {
+    /// What the node holds, and whether the node itself is at fault.
+    fn node_contents(
+        &mut self,
+        b: u64,
+        d: &Block,
+        at: At,
+        leaf_depth: &mut Option<usize>,
+    ) -> (Summary, bool) {
+        match self.contents(b, d, at, leaf_depth) {
+            Some(s) => (s, false),
+            None => (
+                Summary {
+                    errors: 1,
+                    ..Summary::default()
+                },
+                true,
+            ),
+        }
+    }
+
+    fn contents(&mut self, b: u64, d: &Block, at: At, leaf_depth: &mut Option<usize>) -> Option<Summary> {
         let At {
             t,
             is_root,
@@ -188,30 +306,40 @@ impl Checker {
             depth,
         } = at;
         if let Err(e) = node::check_header(b, d, t.leaf_vs()) {
-            return self.err(e.to_string());
+            self.err(format!("node error: {e}"));
+            return None;
         }
         let n = node::nr_entries(d);
         let max = node::max(d);
         if !is_root && n < max / 3 {
-            self.err(format!(
-                "metadata block {b}: btree node has {n} entries, fewer than the minimum {}",
-                max / 3
-            ));
+            self.underfull += 1;
+            if !self.ignore_non_fatal {
+                self.err(format!(
+                    "node error: metadata block {b}: btree node has {n} entries, fewer than the minimum {}",
+                    max / 3
+                ));
+                return None;
+            }
         }
         if !is_root && n == 0 {
-            return;
+            return Some(Summary::default());
         }
         for i in 0..n {
             let k = node::key(d, i);
             if i > 0 && k <= node::key(d, i - 1) {
-                self.err(format!("metadata block {b}: keys out of order at entry {i}"));
+                self.err(format!(
+                    "node error: metadata block {b}: keys out of order at entry {i}"
+                ));
+                return None;
             }
             if k < lo || k >= hi {
                 self.err(format!(
-                    "metadata block {b}: key {k} outside its parent's range [{lo}, {hi})"
+                    "node error: metadata block {b}: key {k} outside its parent's range [{lo}, {hi})"
                 ));
+                return None;
             }
         }
+        let mut s = Summary::default();
         if !node::is_leaf(d) {
             for i in 0..n {
                 let clo = node::key(d, i);
@@ -224,26 +352,26 @@ impl Checker {
                     hi: chi,
                     depth: depth + 1,
                 };
-                self.node(c, child, leaf_depth);
+                s.add(self.node(c, child, leaf_depth));
             }
-            return;
+            return Some(s);
         }
         match leaf_depth {
             None => *leaf_depth = Some(depth),
-            Some(ld) if *ld != depth => self.err(format!("metadata block {b}: leaves at different depths")),
+            Some(ld) if *ld != depth => {
+                self.err(format!(
+                    "node error: metadata block {b}: leaves at different depths"
+                ));
+                return None;
+            }
             _ => {}
         }
         match t {
-            Tree::Top if self.skip_mappings => {}
-            Tree::Top => {
-                for i in 0..n {
-                    self.tree(node::value_u64(d, i), Tree::Bottom);
-                }
-            }
             Tree::Bottom => {
                 for i in 0..n {
                     self.data_expected.inc(node::value_u64(d, i) >> 24);
                 }
+                s.mappings = n as u64;
             }
             Tree::DataIndex => {
                 for i in 0..n {
@@ -251,16 +379,41 @@ impl Checker {
                     self.meta_ref(loc);
                 }
             }
-            Tree::Details | Tree::RefCount => {}
+            Tree::Details | Tree::Top | Tree::RefCount => {}
+        }
+        Some(s)
+    }
+
+    /// Walk a details or top-level tree, collecting its entries; the walk's
+    /// errors are returned prefixed with `what`.
+    fn index_tree(&mut self, root: u64, t: Tree, what: &str) -> Result<BTreeMap<u64, [u8; 24]>, String> {
+        self.errors.clear();
+        self.tree(root, t);
+        if let Some(e) = self.errors.first() {
+            return Err(format!("{what}: {e}"));
+        }
+        // the walk checked every node; now read the entries
+        let mut out = BTreeMap::new();
+        let vs = t.leaf_vs();
+        let r = crate::pdata::btree::walk(&mut self.tm, root, vs, &mut |k, v| {
+            let mut e = [0u8; 24];
+            e[..vs].copy_from_slice(v);
+            out.insert(k, e);
+            Ok(())
+        });
+        match r {
+            Ok(()) => Ok(out),
+            Err(e) => Err(format!("{what}: node error: {e}")),
         }
     }
 
-    fn compare(&mut self, sm: &SpaceMap, leaks: &mut Vec<String>) {
+    /// Compare a space map with the recount: bad counts (fatal) and leaks.
+    fn compare(&self, sm: &SpaceMap, bad: &mut Vec<String>, leaked: &mut Vec<(u64, u32)>) {
         let expected = match sm.kind {
             SmKind::Metadata => &self.meta_expected,
             SmKind::Data => &self.data_expected,
         };
-        let mut errors = Vec::new();
+        let kind = kind_word(sm.kind);
         let nr = sm.nr_blocks();
         let beyond = expected
             .beyond
@@ -268,9 +421,8 @@ impl Checker {
             .copied()
             .chain((nr..expected.small.len() as u64).filter(|&b| expected.get(b) != 0));
         for b in beyond {
-            errors.push(format!(
-                "{:?} block {b} is referenced but beyond the space map ({nr} blocks)",
-                sm.kind
+            bad.push(format!(
+                "{kind} block {b} is referenced but beyond the space map ({nr} blocks)"
             ));
         }
         // Equal bytes below 255 are equal counts: only the rest needs a look.
@@ -280,28 +432,30 @@ impl Checker {
             }
             let b = b as u64;
             let (a, e) = (sm.count(b), expected.get(b));
-            if a > e {
-                leaks.push(format!(
-                    "{:?} block {b}: leaked (count {a}, expected {e})",
-                    sm.kind
-                ));
-            } else if a < e {
-                errors.push(format!(
-                    "{:?} block {b}: ref count {a} on disk, but {e} references",
-                    sm.kind
+            if a == 1 && e == 0 {
+                leaked.push((b, e));
+            } else if a != e {
+                bad.push(format!(
+                    "Bad reference count for {kind} block {b}.  Expected {e}, but space map contains {a}."
                 ));
             }
         }
         for b in expected.small.len() as u64..nr {
-            let a = sm.count(b);
-            if a > 0 {
-                leaks.push(format!("{:?} block {b}: leaked (count {a}, expected 0)", sm.kind));
+            match sm.count(b) {
+                0 => {}
+                1 => leaked.push((b, 0)),
+                a => bad.push(format!(
+                    "Bad reference count for {kind} block {b}.  Expected 0, but space map contains {a}."
+                )),
             }
         }
-        errors.sort();
-        for e in errors {
-            self.err(e);
-        }
+    }
+}
+
+fn kind_word(k: SmKind) -> &'static str {
+    match k {
+        SmKind::Metadata => "metadata",
+        SmKind::Data => "data",
     }
 }
 
@@ -316,7 +470,7 @@ pub fn check(dev: Box<dyn MetadataDev>, metadata_snap: bool) -> Report {
     )
 }
 
-/// What `check_with` looks at (thin_check's options).
+/// What `check_with` looks at and may do (thin_check's options).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CheckOptions {
     /// The held metadata snapshot's trees only.
@@ -326,66 +480,151 @@ pub struct CheckOptions {
     /// Not the per-device mapping trees (`--skip-mappings`); the space maps' counts
     /// cannot then be checked and are not.
     pub skip_mappings: bool,
+    /// Under-full nodes are not errors (`--ignore-non-fatal-errors`).
+    pub ignore_non_fatal: bool,
+    /// Fix leaked blocks if nothing fatal is found (`--auto-repair`).
+    pub auto_repair: bool,
+    /// Clear needs_check if nothing fatal is found (`--clear-needs-check-flag`;
+    /// fixes leaks too, as 1.x does).
+    pub clear_needs_check: bool,
+    pub override_mapping_root: Option<u64>,
+    pub override_details_root: Option<u64>,
     /// A progress line on stderr if it is a terminal.
     pub progress: bool,
 }
 
+impl CheckOptions {
+    fn writes(&self) -> bool {
+        self.auto_repair || self.clear_needs_check
+    }
+}
+
+/// Check `dev`. To repair (`auto_repair`, `clear_needs_check`) it must be open for
+/// writing; the repair is one committed transaction.
 pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
-    let (metadata_snap, progress) = (o.metadata_snap, o.progress);
     let mut report = Report::default();
     let nr_blocks = dev.nr_blocks();
     if nr_blocks == 0 {
-        report.errors.push("metadata device/file too small".into());
+        report.fail("Metadata device/file too small.  Is this binary metadata?".into());
         return report;
     }
     let mut tm = reader(dev, 64);
-    let sb = match read_superblock(&mut tm.cache) {
+    let mut sb = match read_superblock(&mut tm.cache) {
         Ok(sb) => sb,
         Err(e) => {
-            report.errors.push(e.to_string());
+            let s = match e {
+                super::ThinError::Pdata(PdataError::Checksum { .. }) => {
+                    "bad checksum in superblock".to_string()
+                }
+                e => e.to_string(),
+            };
+            report.fail(s);
             return report;
         }
     };
-    if sb.data_sm_root.nr_blocks > MAX_DATA_BLOCKS {
-        report.errors.push(format!(
-            "superblock: data space map has {} blocks, more than a mapping can address",
-            sb.data_sm_root.nr_blocks
-        ));
+    if o.metadata_snap && sb.held_root == 0 {
+        report.fail("no current metadata snap".into());
         return report;
     }
-    let mut c = Checker {
-        tm,
-        meta_expected: Recount::new(nr_blocks),
-        data_expected: Recount::new(sb.data_sm_root.nr_blocks),
-        spare: Vec::new(),
-        errors: Vec::new(),
-        progress: Progress::new("checking metadata blocks", sb.meta_sm_root.nr_allocated, progress),
-        skip_mappings: o.skip_mappings,
-    };
     report.transaction_id = sb.trans_id;
     report.free_metadata_blocks = sb
         .meta_sm_root
         .nr_blocks
         .saturating_sub(sb.meta_sm_root.nr_allocated);
-    if o.super_block_only {
+    report.info = Some((report.transaction_id, report.free_metadata_blocks));
+    if let Some(r) = o.override_mapping_root {
+        sb.mapping_root = r;
+    }
+    if let Some(r) = o.override_details_root {
+        sb.details_root = r;
+    }
+    if sb.data_sm_root.nr_blocks > MAX_DATA_BLOCKS {
+        report.fail(format!(
+            "superblock: data space map has {} blocks, more than a mapping can address",
+            sb.data_sm_root.nr_blocks
+        ));
         return report;
     }
-    if metadata_snap {
-        if sb.held_root == 0 {
-            report.errors.push("no current metadata snap".into());
+    if o.super_block_only {
+        return finish(tm, o, report, &sb, Vec::new(), Vec::new());
+    }
+    let mut c = Checker {
+        tm,
+        meta_expected: Recount::new(nr_blocks),
+        data_expected: Recount::new(sb.data_sm_root.nr_blocks),
+        bottom: FastMap::default(),
+        spare: Vec::new(),
+        errors: Vec::new(),
+        progress: Progress::new(
+            "checking metadata blocks",
+            sb.meta_sm_root.nr_allocated,
+            o.progress,
+        ),
+        ignore_non_fatal: o.ignore_non_fatal,
+        underfull: 0,
+        skip: o.skip_mappings,
+        bad_bottom: 0,
+    };
+    if o.metadata_snap {
+        let held = match c.tm.read(sb.held_root, BlockKind::Superblock) {
+            Ok(d) => Superblock::decode(d),
+            Err(e) => {
+                report.errors.push(format!("metadata snap superblock: {e}"));
+                report.fail(format!("metadata snap: {}", superblock_error(&e)));
+                return report;
+            }
+        };
+        if !devices_and_mappings(&mut c, &mut report, &held, "") {
             return report;
         }
-        c.held_trees(sb.held_root);
-        report.errors = c.errors;
         return report;
     }
     c.meta_ref(SUPERBLOCK_LOCATION);
-    c.tree(sb.details_root, Tree::Details);
-    c.tree(sb.mapping_root, Tree::Top);
-    if sb.held_root != 0 && c.meta_ref(sb.held_root) {
-        c.held_trees(sb.held_root);
+    if !devices_and_mappings(&mut c, &mut report, &sb, "") {
+        return report;
     }
-    // the space maps' own blocks
+    if sb.held_root != 0 && c.meta_ref(sb.held_root) {
+        match c.tm.read(sb.held_root, BlockKind::Superblock) {
+            Ok(d) => {
+                let h = Superblock::decode(d);
+                if !devices_and_mappings(&mut c, &mut report, &h, "metadata snap: ") {
+                    return report;
+                }
+            }
+            Err(e) => {
+                report.errors.push(format!("metadata snap superblock: {e}"));
+                report.fail(format!("metadata snap: {}", superblock_error(&e)));
+                return report;
+            }
+        }
+    }
+    if o.skip_mappings {
+        let tm = c.tm;
+        return finish(tm, o, report, &sb, Vec::new(), Vec::new());
+    }
+
+    // The data space map: its own blocks, then its counts.
+    report.title("data space map");
+    c.errors.clear();
+    c.tree(sb.data_sm_root.bitmap_root, Tree::DataIndex);
+    c.tree(sb.data_sm_root.ref_count_root, Tree::RefCount);
+    if let Some(e) = c.errors.first().cloned() {
+        report.fail(format!("data space map: {e}"));
+        return report;
+    }
+    let mut data_leaks = Vec::new();
+    if !space_map(
+        &mut c,
+        &mut report,
+        SmKind::Data,
+        &sb.data_sm_root,
+        &mut data_leaks,
+    ) {
+        return report;
+    }
+
+    // The metadata space map: its index block, bitmaps and overflow tree.
+    report.title("metadata space map");
     c.meta_ref(sb.meta_sm_root.bitmap_root);
     match c.tm.read(sb.meta_sm_root.bitmap_root, BlockKind::Index) {
         Ok(d) => {
@@ -398,42 +637,253 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
                 }
             }
         }
-        Err(e) => c.err(e.to_string()),
-    }
-    c.tree(sb.meta_sm_root.ref_count_root, Tree::RefCount);
-    c.tree(sb.data_sm_root.bitmap_root, Tree::DataIndex);
-    c.tree(sb.data_sm_root.ref_count_root, Tree::RefCount);
-    if o.skip_mappings {
-        report.errors = c.errors;
-        return report;
-    }
-
-    let mut leaks = Vec::new();
-    for (kind, root) in [
-        (SmKind::Metadata, sb.meta_sm_root),
-        (SmKind::Data, sb.data_sm_root),
-    ] {
-        match disk::load(&mut c.tm, kind, &root) {
-            Ok(sm) => {
-                c.compare(&sm, &mut leaks);
-                check_allocated(&mut c, &sm, &root);
-            }
-            Err(e) => c.err(format!("{kind:?} space map: {e}")),
+        Err(e @ PdataError::Checksum { .. }) => {
+            report.errors.push(e.to_string());
+            report.fail("metadata space map: bad checksum in index block".into());
+            return report;
+        }
+        Err(e) => {
+            report.fail(format!("metadata space map: {e}"));
+            return report;
         }
     }
-    report.errors = c.errors;
-    report.leaks = leaks;
-    report
+    c.errors.clear();
+    c.tree(sb.meta_sm_root.ref_count_root, Tree::RefCount);
+    if let Some(e) = c.errors.first().cloned() {
+        report.fail(format!("metadata space map: {e}"));
+        return report;
+    }
+    let mut meta_leaks = Vec::new();
+    if !space_map(
+        &mut c,
+        &mut report,
+        SmKind::Metadata,
+        &sb.meta_sm_root,
+        &mut meta_leaks,
+    ) {
+        return report;
+    }
+    if c.underfull > 0 && o.ignore_non_fatal {
+        report
+            .leaks
+            .push(format!("{} btree nodes are under-full", c.underfull));
+    }
+    let tm = c.tm;
+    finish(tm, o, report, &sb, data_leaks, meta_leaks)
 }
 
-fn check_allocated(c: &mut Checker, sm: &SpaceMap, root: &SmRoot) {
-    // thin_restore 0.9.0 leaves nr_allocated off by one; only complain about more.
-    if sm.nr_allocated().abs_diff(root.nr_allocated) > 1 {
-        c.err(format!(
-            "{:?} space map: nr_allocated is {} but {} blocks are in use",
-            sm.kind,
-            root.nr_allocated,
-            sm.nr_allocated()
+fn superblock_error(e: &PdataError) -> String {
+    match e {
+        PdataError::Checksum { .. } => "bad checksum in superblock".into(),
+        e => e.to_string(),
+    }
+}
+
+/// The details tree, the top-level tree, the two agreeing, and (unless skipped)
+/// every device's mappings. False if a fatal error ended the check.
+fn devices_and_mappings(c: &mut Checker, report: &mut Report, sb: &Superblock, prefix: &str) -> bool {
+    if prefix.is_empty() {
+        report.title("device details tree");
+    }
+    let details = match c.index_tree(
+        sb.details_root,
+        Tree::Details,
+        &format!("{prefix}device details tree"),
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            report.fail(e);
+            return false;
+        }
+    };
+    if prefix.is_empty() {
+        report.title("mapping tree");
+    }
+    let roots = match c.index_tree(sb.mapping_root, Tree::Top, &format!("{prefix}mapping top-level")) {
+        Ok(r) => r,
+        Err(e) => {
+            report.fail(e);
+            return false;
+        }
+    };
+    if !details.keys().eq(roots.keys()) {
+        report.fail(format!(
+            "{prefix}Inconsistency between the details tree and the mapping tree"
+        ));
+        return false;
+    }
+    if c.skip {
+        return true;
+    }
+    let mut lines = Vec::new();
+    let mut details_of_faults = Vec::new();
+    let mut nodes = Summary::default();
+    for (dev, v) in &roots {
+        let root = u64::from_le_bytes([v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]]);
+        let expected = details
+            .get(dev)
+            .map(|d| DeviceDetails::decode(d).mapped_blocks)
+            .unwrap_or(0);
+        c.errors.clear();
+        // is the root itself readable?
+        let root_ok = {
+            let mut d = Box::new([0u8; BLOCK_SIZE]);
+            c.tm.cache
+                .read_uncached(root, BlockKind::BtreeNode, &mut d)
+                .is_ok()
+                && node::check_header(root, &d, 8).is_ok()
+                && (0..node::nr_entries(&d)).all(|i| i == 0 || node::key(&d, i) > node::key(&d, i - 1))
+        };
+        let s = c.tree(root, Tree::Bottom);
+        details_of_faults.append(&mut c.errors);
+        if !root_ok {
+            lines.push(format!(
+                "{prefix}Thin device {dev} is missing root with {expected} mappings"
+            ));
+            continue;
+        }
+        if s.errors > 0 {
+            nodes.add(Summary { mappings: 0, ..s });
+            lines.push(format!(
+                "{prefix}Thin device {dev} has {} errors and is missing {} mappings, while expected {expected}",
+                s.errors,
+                expected.saturating_sub(s.mappings)
+            ));
+        } else if s.mappings != expected {
+            lines.push(format!(
+                "{prefix}Thin device {dev} has unexpected number of mappings, expected {expected}, actual {}",
+                s.mappings
+            ));
+        }
+    }
+    if lines.is_empty() {
+        return true;
+    }
+    if nodes.errors > 0 {
+        report.msg(format!(
+            "{} nodes in data mapping tree contain errors",
+            c.bad_bottom
+        ));
+        report.msg(format!(
+            "{} io errors, {} checksum errors",
+            nodes.io_errors, nodes.checksum_errors
         ));
     }
+    for l in lines {
+        report.msg(l.clone());
+        report.errors.push(l);
+    }
+    report.errors.append(&mut details_of_faults);
+    report.fatal = Some("Check of mappings failed".into());
+    false
+}
+
+/// Load a space map and compare it with the recount. False if fatal.
+fn space_map(
+    c: &mut Checker,
+    report: &mut Report,
+    kind: SmKind,
+    root: &SmRoot,
+    leaks: &mut Vec<(u64, u32)>,
+) -> bool {
+    let word = kind_word(kind);
+    let sm = match disk::load(&mut c.tm, kind, root) {
+        Ok(sm) => sm,
+        Err(PdataError::Checksum {
+            block,
+            kind: BlockKind::Bitmap,
+            ..
+        }) => {
+            let m = format!("Index entry points to block ({block}) that isn't a bitmap");
+            report.errors.push(m.clone());
+            report.msg(m);
+            report.fail(format!("{word} space map: Fatal errors in {word} space map"));
+            return false;
+        }
+        Err(e) => {
+            report.fail(format!("{word} space map: {e}"));
+            return false;
+        }
+    };
+    let mut bad = Vec::new();
+    c.compare(&sm, &mut bad, leaks);
+    for b in &bad {
+        report.msg(b.clone());
+        report.errors.push(b.clone());
+    }
+    if !leaks.is_empty() {
+        let l = format!("{} {word} blocks have leaked.", leaks.len());
+        report.msg(l.clone());
+        report.leaks.push(l);
+    }
+    // 0.9's thin_restore leaves nr_allocated off by one; only complain about more.
+    if sm.nr_allocated().abs_diff(root.nr_allocated) > 1 && bad.is_empty() && leaks.is_empty() {
+        let l = format!(
+            "{word} space map: nr_allocated is {} but {} blocks are in use",
+            root.nr_allocated,
+            sm.nr_allocated()
+        );
+        report.msg(l.clone());
+        report.errors.push(l);
+        bad.push(String::new());
+    }
+    if !bad.is_empty() {
+        report.fatal = Some(format!("{word} space map: Fatal errors in {word} space map"));
+        return false;
+    }
+    true
+}
+
+/// The end of a check with nothing fatal: report leaks, and repair what was asked.
+fn finish(
+    tm: TransactionManager,
+    o: CheckOptions,
+    mut report: Report,
+    sb: &Superblock,
+    data_leaks: Vec<(u64, u32)>,
+    meta_leaks: Vec<(u64, u32)>,
+) -> Report {
+    let leaks = !data_leaks.is_empty() || !meta_leaks.is_empty();
+    let needs_check = sb.flags & super::superblock::NEEDS_CHECK != 0;
+    if !o.writes() || (!leaks && !needs_check) {
+        if leaks {
+            let kind = if data_leaks.is_empty() { "metadata" } else { "data" };
+            report.non_fatal = Some(format!(
+                "{kind} space map contains leaks\nperhaps you wanted to run with --auto-repair"
+            ));
+        } else if !report.leaks.is_empty() && !o.ignore_non_fatal {
+            report.non_fatal = report.leaks.first().cloned();
+        }
+        return report;
+    }
+    // One transaction: the counts set to what the trees hold, the flag cleared.
+    let dev = tm.cache.into_dev();
+    let mut md = match ThinPoolMetadata::open(dev, DEFAULT_CACHE_BLOCKS) {
+        Ok(md) => md,
+        Err(e) => {
+            report.fail(format!("repair: {e}"));
+            return report;
+        }
+    };
+    if !data_leaks.is_empty() {
+        report.msg("Repairing data leaks.".into());
+    }
+    if !meta_leaks.is_empty() {
+        report.msg("Repairing metadata leaks.".into());
+    }
+    let r = md.repair_counts(&data_leaks, &meta_leaks).and_then(|()| {
+        if needs_check {
+            md.set_needs_check(false);
+        }
+        md.commit()
+    });
+    if let Err(e) = r {
+        report.fail(format!("repair: {e}"));
+        return report;
+    }
+    if needs_check {
+        report.msg("Cleared needs_check flag".into());
+    }
+    report.repaired = true;
+    report
 }

@@ -24,6 +24,11 @@ pub enum ThinError {
     Invalid(String),
     #[error("metadata is read-only")]
     ReadOnly,
+    /// A message as the thin tools print it.
+    #[error("{0}")]
+    Plain(String),
+    #[error("output error: {0}")]
+    Output(std::io::Error),
 }
 
 pub type Result<T> = std::result::Result<T, ThinError>;

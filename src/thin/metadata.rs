@@ -622,6 +622,41 @@ impl ThinPoolMetadata {
         Ok(())
     }
 
+    /// The transaction manager, for bulk builders (restore, repair).
+    pub(crate) fn tm(&mut self) -> &mut TransactionManager {
+        &mut self.tm
+    }
+
+    /// Add a device whose mapping tree was built elsewhere (restore): `root` and
+    /// its references are taken over.
+    pub(crate) fn adopt_device(&mut self, dev: u64, root: u64, d: DeviceDetails) -> Result<()> {
+        if self.details.contains_key(&dev) {
+            return Err(ThinError::DeviceExists(dev));
+        }
+        self.set_top(dev, root)?;
+        self.put_details(dev, d);
+        Ok(())
+    }
+
+    pub(crate) fn set_data_block_size(&mut self, s: u32) -> Result<()> {
+        check_data_block_size(s)?;
+        self.sb.data_block_size = s;
+        Ok(())
+    }
+
+    /// Set reference counts to what the trees hold (thin_check --auto-repair of
+    /// leaked blocks): `(block, expected count)` for the data and metadata maps.
+    /// Takes effect at the next commit.
+    pub fn repair_counts(&mut self, data: &[(u64, u32)], meta: &[(u64, u32)]) -> Result<()> {
+        for &(b, c) in data {
+            self.tm.data.set(b, c)?;
+        }
+        for &(b, c) in meta {
+            self.tm.meta.set(b, c)?;
+        }
+        Ok(())
+    }
+
     /// Blocks waiting to be written (for tests and memory accounting).
     pub fn dirty_blocks(&self) -> usize {
         self.tm.cache.dirty_count()

@@ -6,7 +6,9 @@ pub mod error;
 pub mod map_cache;
 pub mod metadata;
 pub mod progress;
+pub mod repair;
 pub mod restore;
+pub mod runs;
 pub mod superblock;
 pub mod xml;
 

@@ -26,9 +26,24 @@ pub struct XmlDevice {
     pub transaction: u64,
     pub creation_time: u32,
     pub snap_time: u32,
-    /// Runs of mappings, ascending by virtual block (kept as the dump's ranges, not
-    /// expanded a block at a time).
-    pub mappings: Vec<Run>,
+    /// The device's mappings in order: runs of its own, and references to shared
+    /// subtrees (`<ref>`), each kept as written, never expanded a block at a time.
+    pub pieces: Vec<Piece>,
+}
+
+/// Part of a device's mappings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Piece {
+    Run(Run),
+    /// The shared subtree `XmlMetadata::defs[i]`.
+    Ref(usize),
+}
+
+/// A shared subtree: `<def name="..">` with its runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct XmlDef {
+    pub name: String,
+    pub runs: Vec<Run>,
 }
 
 /// `len` consecutive virtual blocks from `origin` mapped to consecutive data blocks
@@ -41,17 +56,18 @@ pub struct Run {
     pub time: u32,
 }
 
-impl XmlDevice {
-    /// Every mapping, a block at a time: (virtual block, data block, time).
-    pub fn blocks(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.mappings
-            .iter()
-            .flat_map(|r| (0..r.len).map(move |i| (r.origin + i, r.data + i, r.time)))
+impl Run {
+    /// Every mapping of the run: (virtual block, data block, time).
+    pub fn blocks(self) -> impl Iterator<Item = (u64, u64, u32)> {
+        (0..self.len).map(move |i| (self.origin + i, self.data + i, self.time))
     }
+}
 
-    /// The number of mapped blocks.
-    pub fn nr_blocks(&self) -> u64 {
-        self.mappings.iter().map(|r| r.len).sum()
+impl XmlDevice {
+    /// A device of runs only.
+    pub fn with_runs(mut self, runs: Vec<Run>) -> XmlDevice {
+        self.pieces = runs.into_iter().map(Piece::Run).collect();
+        self
     }
 
     /// Runs of the mappings given a block at a time, ascending by virtual block.
@@ -75,14 +91,47 @@ impl XmlDevice {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct XmlMetadata {
     pub superblock: XmlSuperblock,
+    pub defs: Vec<XmlDef>,
     pub devices: Vec<XmlDevice>,
 }
 
+impl XmlMetadata {
+    /// The runs of a device, shared subtrees expanded, in order.
+    pub fn runs_of<'a>(&'a self, d: &'a XmlDevice) -> impl Iterator<Item = Run> + 'a {
+        d.pieces.iter().flat_map(move |p| match p {
+            Piece::Run(r) => std::slice::from_ref(r).iter().copied(),
+            Piece::Ref(i) => self
+                .defs
+                .get(*i)
+                .map(|d| d.runs.as_slice())
+                .unwrap_or(&[])
+                .iter()
+                .copied(),
+        })
+    }
+
+    /// Every mapping of a device: (virtual block, data block, time).
+    pub fn blocks<'a>(&'a self, d: &'a XmlDevice) -> impl Iterator<Item = (u64, u64, u32)> + 'a {
+        self.runs_of(d).flat_map(Run::blocks)
+    }
+
+    /// The number of mappings of a device.
+    pub fn nr_blocks(&self, d: &XmlDevice) -> u64 {
+        self.runs_of(d).map(|r| r.len).sum()
+    }
+}
+
+/// The superblock element as thin_dump 1.x writes it: `flags` only when set.
 pub fn superblock_open(sb: &XmlSuperblock) -> String {
+    let flags = if sb.flags != 0 {
+        format!(" flags=\"{}\"", sb.flags)
+    } else {
+        String::new()
+    };
     format!(
-        "<superblock uuid=\"{}\" time=\"{}\" transaction=\"{}\" flags=\"{}\" version=\"{}\" data_block_size=\"{}\" nr_data_blocks=\"{}\">\n",
+        "<superblock uuid=\"{}\" time=\"{}\" transaction=\"{}\"{flags} version=\"{}\" data_block_size=\"{}\" nr_data_blocks=\"{}\">\n",
         quick_xml::escape::escape(sb.uuid.as_str()),
-        sb.time, sb.transaction, sb.flags, sb.version, sb.data_block_size, sb.nr_data_blocks
+        sb.time, sb.transaction, sb.version, sb.data_block_size, sb.nr_data_blocks
     )
 }
 
@@ -140,18 +189,39 @@ impl RangeWriter {
     }
 }
 
+/// The whole document, as thin_dump 1.x writes it (no newline after the end tag).
 pub fn write(md: &XmlMetadata) -> String {
     let mut out = superblock_open(&md.superblock);
+    for d in &md.defs {
+        let _ = writeln!(
+            out,
+            "  <def name=\"{}\">",
+            quick_xml::escape::escape(d.name.as_str())
+        );
+        let mut rw = RangeWriter::default();
+        for r in &d.runs {
+            rw.run(&mut out, *r);
+        }
+        rw.flush(&mut out);
+        out.push_str("  </def>\n");
+    }
     for d in &md.devices {
         out.push_str(&device_open(d));
         let mut rw = RangeWriter::default();
-        for r in &d.mappings {
-            rw.run(&mut out, *r);
+        for p in &d.pieces {
+            match p {
+                Piece::Run(r) => rw.run(&mut out, *r),
+                Piece::Ref(i) => {
+                    rw.flush(&mut out);
+                    let name = md.defs.get(*i).map(|d| d.name.as_str()).unwrap_or("");
+                    let _ = writeln!(out, "    <ref name=\"{}\"/>", quick_xml::escape::escape(name));
+                }
+            }
         }
         rw.flush(&mut out);
         out.push_str("  </device>\n");
     }
-    out.push_str("</superblock>\n");
+    out.push_str("</superblock>");
     out
 }
 
@@ -159,7 +229,7 @@ pub fn write(md: &XmlMetadata) -> String {
 fn at(text: &str, pos: u64, what: impl std::fmt::Display) -> ThinError {
     let upto = text.get(..pos as usize).unwrap_or(text);
     let line = upto.matches('\n').count() + 1;
-    ThinError::Invalid(format!("line {line}: {what}"))
+    ThinError::Plain(format!("line {line}: {what}"))
 }
 
 /// One element's attributes, decoded (entities included).
@@ -228,17 +298,20 @@ impl Attrs {
 enum Into_ {
     Nowhere,
     Device(XmlDevice),
-    Def(String, Vec<Run>),
+    Def(XmlDef),
 }
 
 /// Parse thin_dump XML: 0.x's (devices with mappings) and 1.x's, whose devices
 /// may share subtrees written once as `<def name=..>` and named by `<ref name=..>`.
+/// Errors name the line and say what is wrong, in 1.x's words where it has them.
 pub fn parse(text: &str) -> Result<XmlMetadata> {
     let mut md = XmlMetadata::default();
     let mut seen_sb = false;
-    let mut defs: HashMap<String, Vec<Run>> = HashMap::new();
+    let mut closed_sb = false;
+    let mut def_index: HashMap<String, usize> = HashMap::new();
     let mut into = Into_::Nowhere;
     let mut r = Reader::from_str(text);
+    r.config_mut().check_end_names = true;
     loop {
         let pos = r.buffer_position();
         let ev = r.read_event().map_err(|e| at(text, pos, e))?;
@@ -248,19 +321,39 @@ pub fn parse(text: &str) -> Result<XmlMetadata> {
             Event::End(e) => {
                 match (e.name().as_ref(), std::mem::replace(&mut into, Into_::Nowhere)) {
                     (b"device", Into_::Device(d)) => md.devices.push(d),
-                    (b"def", Into_::Def(name, runs)) => {
-                        defs.insert(name, runs);
+                    (b"def", Into_::Def(d)) => {
+                        def_index.insert(d.name.clone(), md.defs.len());
+                        md.defs.push(d);
                     }
-                    (_, other) => into = other,
+                    (b"superblock", Into_::Nowhere) => closed_sb = true,
+                    (name, _) => {
+                        let name = String::from_utf8_lossy(name);
+                        return Err(at(text, pos, format!("unexpected </{name}>")));
+                    }
                 }
                 continue;
             }
             Event::Eof => break,
-            _ => continue,
+            Event::Text(t) if t.iter().all(u8::is_ascii_whitespace) => continue,
+            Event::Decl(_) | Event::Comment(_) | Event::DocType(_) => continue,
+            _ => return Err(at(text, pos, "unexpected text")),
         };
         let a = Attrs::of(text, e, pos)?;
+        let nested = |inside: &str| {
+            at(
+                text,
+                pos,
+                format!(
+                    "Nested subtrees are not allowed '<{}>' within '<{inside}>'",
+                    a.name
+                ),
+            )
+        };
         match a.name.as_str() {
             "superblock" => {
+                if seen_sb {
+                    return Err(at(text, pos, "duplicated superblock"));
+                }
                 seen_sb = true;
                 md.superblock = XmlSuperblock {
                     uuid: a.get("uuid").unwrap_or("").to_string(),
@@ -271,15 +364,22 @@ pub fn parse(text: &str) -> Result<XmlMetadata> {
                     data_block_size: a.num(text, "data_block_size")?,
                     nr_data_blocks: a.num(text, "nr_data_blocks")?,
                 };
+                closed_sb = closes;
             }
+            "device" | "def" if !seen_sb => return Err(at(text, pos, "missing superblock")),
             "device" => {
+                match &into {
+                    Into_::Device(_) => return Err(nested("device")),
+                    Into_::Def(_) => return Err(nested("def")),
+                    Into_::Nowhere => {}
+                }
                 let d = XmlDevice {
                     dev_id: a.num(text, "dev_id")?,
                     mapped_blocks: a.num_or(text, "mapped_blocks", 0)?,
                     transaction: a.num_or(text, "transaction", 0)?,
                     creation_time: a.num_or(text, "creation_time", 0)?,
                     snap_time: a.num_or(text, "snap_time", 0)?,
-                    mappings: Vec::new(),
+                    pieces: Vec::new(),
                 };
                 if closes {
                     md.devices.push(d);
@@ -288,40 +388,63 @@ pub fn parse(text: &str) -> Result<XmlMetadata> {
                 }
             }
             "def" => {
+                match &into {
+                    Into_::Device(_) => return Err(nested("device")),
+                    Into_::Def(_) => return Err(nested("def")),
+                    Into_::Nowhere => {}
+                }
                 let name = a
                     .get("name")
-                    .ok_or_else(|| at(text, pos, "<def> lacks name"))?
+                    .ok_or_else(|| at(text, pos, "missing attribute 'name' for tag 'def'"))?
                     .to_string();
-                if !closes {
-                    into = Into_::Def(name, Vec::new());
+                let d = XmlDef {
+                    name,
+                    runs: Vec::new(),
+                };
+                if closes {
+                    def_index.insert(d.name.clone(), md.defs.len());
+                    md.defs.push(d);
                 } else {
-                    defs.insert(name, Vec::new());
+                    into = Into_::Def(d);
                 }
             }
             "ref" => {
-                let name = a.get("name").ok_or_else(|| at(text, pos, "<ref> lacks name"))?;
-                let runs = defs
+                let name = a
+                    .get("name")
+                    .ok_or_else(|| at(text, pos, "missing attribute 'name' for tag 'ref'"))?;
+                let i = *def_index
                     .get(name)
-                    .ok_or_else(|| at(text, pos, format!("<ref name=\"{name}\"> names no earlier <def>")))?;
+                    .ok_or_else(|| at(text, pos, format!("Couldn't find sub tree '{name}'.")))?;
                 match &mut into {
-                    Into_::Device(d) => d.mappings.extend_from_slice(runs),
-                    Into_::Def(_, v) => v.extend_from_slice(runs),
-                    Into_::Nowhere => return Err(at(text, pos, "<ref> outside a device or def")),
+                    Into_::Device(d) => d.pieces.push(Piece::Ref(i)),
+                    _ => {
+                        return Err(at(
+                            text,
+                            pos,
+                            "<ref> tags may only occur within <device> sections.",
+                        ))
+                    }
                 }
             }
             "single_mapping" | "range_mapping" => {
                 let run = a.run(text)?;
                 match &mut into {
-                    Into_::Device(d) => d.mappings.push(run),
-                    Into_::Def(_, v) => v.push(run),
-                    Into_::Nowhere => return Err(at(text, pos, "mapping outside a device")),
+                    Into_::Device(d) => d.pieces.push(Piece::Run(run)),
+                    Into_::Def(d) => d.runs.push(run),
+                    Into_::Nowhere => {
+                        return Err(at(
+                            text,
+                            pos,
+                            "Mapping tags must appear within a <def> or <device> tag.",
+                        ))
+                    }
                 }
             }
-            _ => {}
+            other => return Err(at(text, pos, format!("unknown tag <{other}>"))),
         }
     }
-    if !seen_sb {
-        return Err(ThinError::Invalid("no <superblock> element".into()));
+    if !seen_sb || !closed_sb || !matches!(into, Into_::Nowhere) {
+        return Err(ThinError::Plain("incomplete source metadata".into()));
     }
     Ok(md)
 }
@@ -332,10 +455,10 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let text = "<superblock uuid=\"\" time=\"3\" transaction=\"7\" flags=\"0\" version=\"2\" data_block_size=\"128\" nr_data_blocks=\"20000\">\n  <device dev_id=\"1\" mapped_blocks=\"4\" transaction=\"0\" creation_time=\"0\" snap_time=\"2\">\n    <range_mapping origin_begin=\"0\" data_begin=\"0\" length=\"3\" time=\"0\"/>\n    <single_mapping origin_block=\"10\" data_block=\"7\" time=\"2\"/>\n  </device>\n</superblock>\n";
+        let text = "<superblock uuid=\"\" time=\"3\" transaction=\"7\" version=\"2\" data_block_size=\"128\" nr_data_blocks=\"20000\">\n  <device dev_id=\"1\" mapped_blocks=\"4\" transaction=\"0\" creation_time=\"0\" snap_time=\"2\">\n    <range_mapping origin_begin=\"0\" data_begin=\"0\" length=\"3\" time=\"0\"/>\n    <single_mapping origin_block=\"10\" data_block=\"7\" time=\"2\"/>\n  </device>\n</superblock>";
         let md = parse(text).unwrap();
-        assert_eq!(md.devices[0].nr_blocks(), 4);
-        assert_eq!(md.devices[0].mappings.len(), 2, "ranges stay ranges");
+        assert_eq!(md.nr_blocks(&md.devices[0]), 4);
+        assert_eq!(md.devices[0].pieces.len(), 2, "ranges stay ranges");
         assert_eq!(write(&md), text);
     }
 
@@ -348,7 +471,7 @@ mod tests {
                 nr_data_blocks: 10,
                 ..XmlSuperblock::default()
             },
-            devices: Vec::new(),
+            ..XmlMetadata::default()
         };
         let text = write(&md);
         assert!(text.contains("uuid=\"a&lt;b&amp;c&quot;d&apos;e&gt;\""), "{text}");
@@ -371,7 +494,7 @@ mod tests {
 </superblock>
 "#;
         let md = parse(text).unwrap();
-        let blocks: Vec<Vec<(u64, u64, u32)>> = md.devices.iter().map(|d| d.blocks().collect()).collect();
+        let blocks: Vec<Vec<(u64, u64, u32)>> = md.devices.iter().map(|d| md.blocks(d).collect()).collect();
         assert_eq!(
             blocks,
             vec![
@@ -385,7 +508,7 @@ mod tests {
         );
         let e = parse(&bad).unwrap_err().to_string();
         assert!(
-            e.contains("line 10") && e.contains("names no earlier <def>"),
+            e.contains("line 10") && e.contains("Couldn't find sub tree '8'."),
             "{e}"
         );
     }

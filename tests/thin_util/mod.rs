@@ -9,23 +9,33 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Find a thin-provisioning-tools binary; a missing one fails the test
-/// (ci/install.sh installs it).
-pub fn tool(name: &str) -> PathBuf {
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("{name} not installed (package thin-provisioning-tools; ci/install.sh installs it)");
+/// Where ci/fetch-tpt-ref.sh unpacks the thin-provisioning-tools 1.x reference.
+pub fn ref_dir() -> PathBuf {
+    std::env::var_os("TPT_REF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/dmkit-ref/thin-provisioning-tools"))
+        .join("usr/sbin")
 }
 
-const PROGRESS: [&str; 4] = [
-    "examining superblock",
-    "examining devices tree",
-    "examining mapping tree",
-    "checking space map counts",
+/// A thin-provisioning-tools 1.x reference binary; a missing one fails the test
+/// (ci/install.sh fetches it).
+pub fn tool(name: &str) -> PathBuf {
+    let p = ref_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} missing: the thin-provisioning-tools 1.x reference (ci/fetch-tpt-ref.sh fetches it)",
+        p.display()
+    );
+    p
+}
+
+/// thin_check 1.x's progress titles on standard error.
+pub const PROGRESS: [&str; 5] = [
+    "Checking thin metadata",
+    "device details tree",
+    "mapping tree",
+    "data space map",
+    "metadata space map",
 ];
 
 /// Run the real thin_check; returns (exit ok, stdout, stderr with the
@@ -160,7 +170,7 @@ pub fn model_of_xml(text: &str) -> Model {
     let md: XmlMetadata = xml::parse(text).expect("parse dump");
     md.devices
         .iter()
-        .map(|d| (d.dev_id, d.blocks().map(|(v, b, t)| (v, (b, t))).collect()))
+        .map(|d| (d.dev_id, md.blocks(d).map(|(v, b, t)| (v, (b, t))).collect()))
         .collect()
 }
 

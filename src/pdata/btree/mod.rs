@@ -5,6 +5,7 @@
 //! (merge or redistribute with a sibling), so every non-root node stays at
 //! least a third full, which thin_check requires.
 
+pub mod build;
 pub mod node;
 mod remove;
 
@@ -49,6 +50,80 @@ fn read_node(tm: &mut TransactionManager, b: u64, leaf_vs: usize) -> Result<&Blo
     let d = tm.read(b, BlockKind::BtreeNode)?;
     node::check_header(b, d, leaf_vs)?;
     Ok(d)
+}
+
+/// The leaves of a tree in key order, found by reading its internal nodes only
+/// (the height comes from the leftmost path; leaves are not read). `tolerant`
+/// skips subtrees that cannot be read (salvage) instead of failing; the number
+/// skipped is returned beside the leaves.
+pub fn leaves(
+    tm: &mut TransactionManager,
+    root: u64,
+    leaf_vs: usize,
+    tolerant: bool,
+) -> Result<(Vec<u64>, u64)> {
+    let mut height = 0;
+    let mut b = root;
+    loop {
+        let d = match read_node(tm, b, leaf_vs) {
+            Ok(d) => d,
+            Err(_) if tolerant => return Ok((Vec::new(), 1)),
+            Err(e) => return Err(e),
+        };
+        if node::is_leaf(d) {
+            break;
+        }
+        if height >= MAX_DEPTH || node::nr_entries(d) == 0 {
+            return match tolerant {
+                true => Ok((Vec::new(), 1)),
+                false => Err(corrupt(b, "btree internal node without a leaf below it")),
+            };
+        }
+        b = node::value_u64(d, 0);
+        height += 1;
+    }
+    let mut out = Vec::new();
+    let mut skipped = 0;
+    leaves_rec(tm, root, leaf_vs, tolerant, height, &mut out, &mut skipped)?;
+    Ok((out, skipped))
+}
+
+fn leaves_rec(
+    tm: &mut TransactionManager,
+    b: u64,
+    leaf_vs: usize,
+    tolerant: bool,
+    height: usize,
+    out: &mut Vec<u64>,
+    skipped: &mut u64,
+) -> Result<()> {
+    if height == 0 {
+        out.push(b);
+        return Ok(());
+    }
+    let kids = match read_node(tm, b, leaf_vs) {
+        Ok(d) if !node::is_leaf(d) => (0..node::nr_entries(d))
+            .map(|i| node::value_u64(d, i))
+            .collect::<Vec<_>>(),
+        Ok(_) if tolerant => {
+            *skipped += 1;
+            return Ok(());
+        }
+        Ok(_) => return Err(corrupt(b, "btree leaves at different depths")),
+        Err(_) if tolerant => {
+            *skipped += 1;
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    if height == 1 {
+        out.extend(kids);
+        return Ok(());
+    }
+    for c in kids {
+        leaves_rec(tm, c, leaf_vs, tolerant, height - 1, out, skipped)?;
+    }
+    Ok(())
 }
 
 /// Look up `key`; `f` converts the value while the node is borrowed.

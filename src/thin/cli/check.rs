@@ -1,0 +1,66 @@
+//! `thin_check`.
+
+use super::{check_input, req, CheckArgs, Failure, Outcome};
+use crate::pdata::FileDev;
+use crate::thin::check::{check_with, CheckOptions, Line};
+use std::io::Write;
+
+pub fn run(a: CheckArgs) -> Outcome {
+    let input = req(a.input);
+    let say = |s: &str| {
+        if !a.quiet {
+            eprintln!("{s}");
+        }
+    };
+    if let Err(Failure::Message(m)) = check_input(&input) {
+        say(&m);
+        return Err(Failure::Quiet(super::EXIT_FAILURE));
+    }
+    let o = CheckOptions {
+        metadata_snap: a.metadata_snap,
+        super_block_only: a.super_block_only,
+        skip_mappings: a.skip_mappings,
+        ignore_non_fatal: a.ignore_non_fatal_errors,
+        auto_repair: a.auto_repair,
+        clear_needs_check: a.clear_needs_check_flag,
+        override_mapping_root: a.override_mapping_root,
+        override_details_root: a.override_details_root,
+        progress: !a.quiet,
+    };
+    let writable = a.auto_repair || a.clear_needs_check_flag;
+    let dev = match FileDev::open(&input, writable) {
+        Ok(d) => d,
+        Err(e) => {
+            say(&format!("{}: {e}", input.display()));
+            return Err(Failure::Quiet(super::EXIT_FAILURE));
+        }
+    };
+    let r = check_with(Box::new(dev), o);
+    if !a.quiet {
+        if let Some((tid, free)) = r.info {
+            // a closed standard output loses these lines, nothing else
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "TRANSACTION_ID={tid}");
+            let _ = writeln!(out, "METADATA_FREE_BLOCKS={free}");
+            let _ = out.flush();
+        }
+        if r.info.is_some() || r.fatal.is_none() {
+            eprintln!("Checking thin metadata");
+        }
+        for l in &r.lines {
+            match l {
+                Line::Title(s) | Line::Msg(s) => eprintln!("{s}"),
+            }
+        }
+        if let Some(f) = &r.fatal {
+            eprintln!("{f}");
+        } else if let (Some(n), false) = (&r.non_fatal, a.ignore_non_fatal_errors) {
+            eprintln!("{n}");
+        }
+    }
+    if r.passed(a.ignore_non_fatal_errors) {
+        Ok(())
+    } else {
+        Err(Failure::Quiet(super::EXIT_FAILURE))
+    }
+}

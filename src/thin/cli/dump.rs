@@ -1,0 +1,190 @@
+//! `thin_dump`, `thin_restore`, `thin_repair`.
+
+use super::{check_input, req, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs};
+use crate::pdata::FileDev;
+use crate::thin::dump::{dump_with, DumpFormat, DumpOptions, Overrides, Source};
+use crate::thin::{restore, xml, ThinError};
+use std::io::Write;
+use std::path::Path;
+
+/// A failure: silent if the output pipe closed or -q, else its message.
+fn fail(e: ThinError, quiet: bool) -> Failure {
+    let pipe = matches!(&e, ThinError::Output(io) if super::broken_pipe(io));
+    if pipe || quiet {
+        Failure::Quiet(super::EXIT_FAILURE)
+    } else {
+        Failure::Message(e.to_string())
+    }
+}
+
+fn quietly(r: Result<(), Failure>, quiet: bool) -> Outcome {
+    match r {
+        Err(Failure::Message(_)) if quiet => Err(Failure::Quiet(super::EXIT_FAILURE)),
+        r => r,
+    }
+}
+
+fn open_input(p: &Path) -> Result<FileDev, Failure> {
+    check_input(p)?;
+    FileDev::open(p, false).map_err(|e| Failure::Message(format!("{}: {e}", p.display())))
+}
+
+pub fn run_dump(a: DumpArgs) -> Outcome {
+    let q = a.quiet;
+    quietly(dump(a), q)
+}
+
+fn dump(a: DumpArgs) -> Outcome {
+    let dev = open_input(&req(a.input.clone()))?;
+    let o = DumpOptions {
+        source: match a.metadata_snap {
+            None => Source::Live,
+            Some(None) => Source::HeldSnapshot,
+            Some(Some(b)) => Source::SnapshotAt(b),
+        },
+        skip_mappings: a.skip_mappings,
+        dev_ids: (!a.dev_id.is_empty()).then(|| a.dev_id.clone()),
+        format: match a.format {
+            Format::Xml => DumpFormat::Xml,
+            Format::HumanReadable => DumpFormat::HumanReadable,
+        },
+        overrides: Overrides {
+            transaction_id: a.transaction_id,
+            data_block_size: a.data_block_size,
+            nr_data_blocks: a.nr_data_blocks,
+        },
+        repair: a.repair,
+        progress: !a.quiet,
+    };
+    let warnings = match &a.output {
+        Some(p) => {
+            let f = std::fs::File::create(p).map_err(|e| Failure::Message(format!("output error: {e}")))?;
+            let mut w = std::io::BufWriter::new(f);
+            dump_with(Box::new(dev), &o, &mut w).map_err(|e| fail(e, a.quiet))?
+        }
+        None => {
+            let stdout = std::io::stdout();
+            let mut w = std::io::BufWriter::with_capacity(1 << 16, stdout.lock());
+            dump_with(Box::new(dev), &o, &mut w).map_err(|e| fail(e, a.quiet))?
+        }
+    };
+    if !a.quiet {
+        for w in warnings {
+            eprintln!("{w}");
+        }
+    }
+    Ok(())
+}
+
+/// The output of restore and repair: it must exist and hold a small pool.
+fn check_output(p: &Path) -> Result<(), Failure> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = match std::fs::metadata(p) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Failure::Message(format!(
+                "Couldn't find output file '{}'",
+                p.display()
+            )))
+        }
+        Err(e) => return Err(Failure::Message(format!("Invalid output file: {e}"))),
+    };
+    if !(md.file_type().is_file() || md.file_type().is_block_device()) {
+        return Err(Failure::Message(
+            "Invalid output file: Not a block device or regular file".into(),
+        ));
+    }
+    let dev = FileDev::open(p, true).map_err(|e| Failure::Message(format!("Invalid output file: {e}")))?;
+    if crate::pdata::MetadataDev::nr_blocks(&dev) < 10 {
+        return Err(Failure::Message("Output file too small.".into()));
+    }
+    Ok(())
+}
+
+fn overrides(o: &super::Overrides) -> Overrides {
+    Overrides {
+        transaction_id: o.transaction_id,
+        data_block_size: o.data_block_size,
+        nr_data_blocks: o.nr_data_blocks,
+    }
+}
+
+pub fn run_restore(a: RestoreArgs) -> Outcome {
+    let q = a.quiet;
+    quietly(restore_cmd(a), q)
+}
+
+fn restore_cmd(a: RestoreArgs) -> Outcome {
+    let input = req(a.input);
+    let output = req(a.output);
+    match std::fs::metadata(&input) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Failure::Message(format!(
+                "Couldn't find input file '{}'",
+                input.display()
+            )))
+        }
+        Err(e) => return Err(Failure::Message(format!("Invalid input file: {e}"))),
+        Ok(m) if !m.is_file() => {
+            return Err(Failure::Message(format!(
+                "Not a block device or regular file '{}'.",
+                input.display()
+            )))
+        }
+        Ok(_) => {}
+    }
+    check_output(&output)?;
+    let text = std::fs::read(&input).map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
+    let text = String::from_utf8(text)
+        .map_err(|_| Failure::Message(format!("{}: not XML (not UTF-8 text)", input.display())))?;
+    let parsed = xml::parse(&text).map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
+    let dev =
+        FileDev::open(&output, true).map_err(|e| Failure::Message(format!("{}: {e}", output.display())))?;
+    restore::restore_with(&parsed, Box::new(dev), &overrides(&a.overrides), !a.quiet)?;
+    Ok(())
+}
+
+pub fn run_repair(a: RepairArgs) -> Outcome {
+    let q = a.quiet;
+    quietly(repair_cmd(a), q)
+}
+
+fn repair_cmd(a: RepairArgs) -> Outcome {
+    let input = req(a.input);
+    let output = req(a.output);
+    let dev = open_input(&input)?;
+    check_output(&output)?;
+    if same_file(&input, &output) {
+        return Err(Failure::Message(
+            "the input and the output are the same file: repair into a new one".into(),
+        ));
+    }
+    let o = DumpOptions {
+        repair: true,
+        overrides: overrides(&a.overrides),
+        ..DumpOptions::default()
+    };
+    // the salvaged pool as XML in memory, then restored: one code path for both
+    let mut buf = Vec::new();
+    let warnings = dump_with(Box::new(dev), &o, &mut buf)?;
+    let text = String::from_utf8(buf).map_err(|e| e.to_string())?;
+    let parsed = xml::parse(&text)?;
+    let out =
+        FileDev::open(&output, true).map_err(|e| Failure::Message(format!("{}: {e}", output.display())))?;
+    restore::restore_with(&parsed, Box::new(out), &Overrides::default(), !a.quiet)?;
+    if !a.quiet {
+        for w in warnings {
+            eprintln!("{w}");
+        }
+    }
+    let _ = std::io::stdout().flush();
+    Ok(())
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}

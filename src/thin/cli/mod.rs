@@ -1,0 +1,584 @@
+//! The thin-provisioning-tools commands, option for option as the 1.x tools have
+//! them: `dmkit thin check ...` is `thin_check ...`, and a link named `thin_check`
+//! (or any of [`TOOLS`]) to the dmkit binary is that tool, as `pdata_tools` does it.
+//!
+//! Conventions shared with the reference: help and version on standard output with
+//! exit 0; usage errors as clap prints them, exit 2; a failure is one line on
+//! standard error and exit 64 (sysexits' EX_USAGE, what 1.x returns for every
+//! failure); a closed output pipe ends the tool silently.
+
+mod check;
+mod dump;
+mod other;
+mod size;
+
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// The version `-V` prints: the thin-provisioning-tools release whose interface
+/// these commands implement. LVM reads it to decide which options it may pass.
+pub const TOOLS_VERSION: &str = "1.3.3";
+
+/// The multi-call names, and the `dmkit thin` verb each is.
+pub const TOOLS: &[(&str, &str)] = &[
+    ("thin_check", "check"),
+    ("thin_dump", "dump"),
+    ("thin_restore", "restore"),
+    ("thin_repair", "repair"),
+    ("thin_rmap", "rmap"),
+    ("thin_trim", "trim"),
+    ("thin_metadata_size", "metadata_size"),
+    ("thin_delta", "delta"),
+    ("thin_ls", "ls"),
+];
+
+/// Exit status of a failed tool (sysexits' EX_USAGE, as in 1.x).
+pub const EXIT_FAILURE: i32 = 64;
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum ThinCmd {
+    /// Validate metadata (thin_check)
+    Check(CheckArgs),
+    /// Write metadata as XML or human-readable text (thin_dump)
+    Dump(DumpArgs),
+    /// Build metadata from XML (thin_restore)
+    Restore(RestoreArgs),
+    /// Salvage damaged metadata into a new device or file (thin_repair)
+    Repair(RepairArgs),
+    /// Which thin blocks map a range of data blocks (thin_rmap)
+    Rmap(RmapArgs),
+    /// Discard the data device's unused blocks (thin_trim)
+    Trim(TrimArgs),
+    /// The metadata size a pool needs (thin_metadata_size)
+    #[command(name = "metadata_size", alias = "metadata-size")]
+    MetadataSize(MetadataSizeArgs),
+    /// The differences between two thin devices' mappings (thin_delta)
+    Delta(DeltaArgs),
+    /// The thin devices of a pool with their usage (thin_ls)
+    Ls(LsArgs),
+    /// Make the tool names (thin_check, thin_dump, ...) links to this dmkit in DIR
+    Links {
+        /// Where the links go (e.g. /usr/local/sbin)
+        dir: PathBuf,
+        /// Replace files of those names that are there
+        #[arg(short, long)]
+        force: bool,
+    },
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_check",
+    about = "Validates thin provisioning metadata on a device or file.",
+    disable_version_flag = true
+)]
+pub struct CheckArgs {
+    /// The metadata device or file
+    #[arg(value_name = "INPUT", required = true)]
+    pub input: Option<PathBuf>,
+    /// Fix trivial damage (leaked blocks) when nothing fatal is found
+    #[arg(long, conflicts_with_all = ["ignore_non_fatal_errors", "metadata_snap",
+        "override_mapping_root", "override_details_root", "super_block_only", "skip_mappings"])]
+    pub auto_repair: bool,
+    /// Clear the superblock's needs_check flag when nothing fatal is found
+    #[arg(long, conflicts_with_all = ["metadata_snap", "override_mapping_root", "override_details_root"])]
+    pub clear_needs_check_flag: bool,
+    /// Fail only on fatal errors (leaked blocks are not)
+    #[arg(long)]
+    pub ignore_non_fatal_errors: bool,
+    /// Check the metadata snapshot held on a live pool
+    #[arg(short = 'm', long = "metadata-snap")]
+    pub metadata_snap: bool,
+    /// Print nothing; the exit status tells
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Check the superblock only
+    #[arg(long)]
+    pub super_block_only: bool,
+    /// Do not check the mapping trees
+    #[arg(long)]
+    pub skip_mappings: bool,
+    /// Use this block as the mapping tree's root
+    #[arg(long, value_name = "BLOCKNR")]
+    pub override_mapping_root: Option<u64>,
+    /// Use this block as the details tree's root
+    #[arg(long, value_name = "BLOCKNR")]
+    pub override_details_root: Option<u64>,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Xml,
+    #[value(name = "human_readable")]
+    HumanReadable,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_dump",
+    about = "Dump thin-provisioning metadata to stdout in XML format",
+    disable_version_flag = true
+)]
+pub struct DumpArgs {
+    /// The metadata device or file
+    #[arg(value_name = "INPUT", required = true)]
+    pub input: Option<PathBuf>,
+    /// The data block size, for a repair that cannot find it
+    #[arg(long, value_name = "SECTORS")]
+    pub data_block_size: Option<u32>,
+    /// Dump only this device (repeatable)
+    #[arg(long = "dev-id", value_name = "THIN_ID")]
+    pub dev_id: Vec<u64>,
+    /// Output format
+    #[arg(
+        short,
+        long,
+        value_enum,
+        value_name = "TYPE",
+        default_value = "xml",
+        hide_default_value = true
+    )]
+    pub format: Format,
+    /// Dump the metadata snapshot held on a live pool, or the one at BLOCKNR
+    #[arg(short = 'm', long = "metadata-snap", num_args = 0..=1, require_equals = true, value_name = "BLOCKNR")]
+    pub metadata_snap: Option<Option<u64>>,
+    /// The number of data blocks, for a repair that cannot find it
+    #[arg(long, value_name = "NUM")]
+    pub nr_data_blocks: Option<u64>,
+    /// Write to this file instead of standard output
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Print no messages
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Salvage what damaged metadata still holds while dumping it
+    #[arg(short, long, conflicts_with = "metadata_snap")]
+    pub repair: bool,
+    /// Devices without their mappings
+    #[arg(long)]
+    pub skip_mappings: bool,
+    /// The transaction id, for a repair that cannot find it
+    #[arg(long, value_name = "NUM")]
+    pub transaction_id: Option<u64>,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+/// The superblock fields a caller may give (restore, repair, dump --repair).
+#[derive(Args, Debug, Clone, Default)]
+pub struct Overrides {
+    /// The data block size, in sectors
+    #[arg(long, value_name = "SECTORS")]
+    pub data_block_size: Option<u32>,
+    /// The number of data blocks
+    #[arg(long, value_name = "NUM")]
+    pub nr_data_blocks: Option<u64>,
+    /// The transaction id
+    #[arg(long, value_name = "NUM")]
+    pub transaction_id: Option<u64>,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_restore",
+    about = "Convert XML format metadata to binary.",
+    disable_version_flag = true
+)]
+pub struct RestoreArgs {
+    /// The XML to read
+    #[arg(short, long, value_name = "FILE", required = true)]
+    pub input: Option<PathBuf>,
+    /// The metadata device or file to write
+    #[arg(short, long, value_name = "FILE", required = true)]
+    pub output: Option<PathBuf>,
+    /// Print no messages
+    #[arg(short, long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub overrides: Overrides,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_repair",
+    about = "Repair thin-provisioning metadata, and write it to different device or file",
+    disable_version_flag = true
+)]
+pub struct RepairArgs {
+    /// The damaged metadata device or file
+    #[arg(short, long, value_name = "FILE", required = true)]
+    pub input: Option<PathBuf>,
+    /// The metadata device or file to write
+    #[arg(short, long, value_name = "FILE", required = true)]
+    pub output: Option<PathBuf>,
+    /// Print no messages
+    #[arg(short, long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub overrides: Overrides,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+/// A range of data blocks, `BEGIN..END` (END excluded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub begin: u64,
+    pub end: u64,
+}
+
+impl std::str::FromStr for Region {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Region, String> {
+        let mut it = s.split("..");
+        let mut num = || -> Result<u64, String> {
+            it.next()
+                .ok_or_else(|| "badly formed region".to_string())?
+                .parse::<u64>()
+                .map_err(|e| e.to_string())
+        };
+        let (begin, end) = (num()?, num()?);
+        if s.matches("..").count() != 1 {
+            return Err("badly formed region".into());
+        }
+        if end <= begin {
+            return Err("end <= begin".into());
+        }
+        Ok(Region { begin, end })
+    }
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_rmap",
+    about = "Output reverse map of a thin provisioned region of blocks",
+    disable_version_flag = true
+)]
+pub struct RmapArgs {
+    /// The metadata device or file
+    #[arg(value_name = "INPUT", required = true)]
+    pub input: Option<PathBuf>,
+    /// A range of data blocks, BEGIN..END (repeatable)
+    #[arg(long, value_name = "BLOCK_RANGE", required = true)]
+    pub region: Vec<Region>,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_trim",
+    about = "Issue discard requests for free pool space (offline tool).",
+    disable_version_flag = true
+)]
+pub struct TrimArgs {
+    /// The pool's metadata device or file
+    #[arg(long, value_name = "FILE", required = true)]
+    pub metadata_dev: Option<PathBuf>,
+    /// The pool's data device or file
+    #[arg(long, value_name = "FILE", required = true)]
+    pub data_dev: Option<PathBuf>,
+    /// Print no messages
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_metadata_size",
+    about = "Estimate the size of the metadata device needed for a given configuration.",
+    disable_version_flag = true
+)]
+pub struct MetadataSizeArgs {
+    /// The data block size
+    #[arg(short = 'b', long, value_name = "SIZE[bskmg]", required = true, value_parser = size::storage_size)]
+    pub block_size: Option<u64>,
+    /// The largest number of thin devices and snapshots
+    #[arg(short = 'm', long, value_name = "NUM", required = true)]
+    pub max_thins: Option<u64>,
+    /// Print the number only, or with its unit's letter (short) or name (long)
+    #[arg(short = 'n', long, value_name = "OPT", num_args = 0..=1, require_equals = true,
+          value_parser = ["short", "long"], hide_possible_values = true)]
+    pub numeric_only: Option<Option<String>>,
+    /// The pool's data size
+    #[arg(short = 's', long, value_name = "SIZE[bskmgtp]", required = true, value_parser = size::storage_size)]
+    pub pool_size: Option<u64>,
+    /// The output unit, one of b s k K m M g G (or its name)
+    #[arg(short = 'u', long, value_name = "UNIT", default_value = "sector", value_parser = size::unit_index)]
+    pub unit: usize,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_delta",
+    about = "Print the differences in the mappings between two thin devices",
+    disable_version_flag = true
+)]
+pub struct DeltaArgs {
+    /// The metadata device or file
+    #[arg(value_name = "INPUT", required = true)]
+    pub input: Option<PathBuf>,
+    /// Compare the devices of the metadata snapshot held on a live pool
+    #[arg(short = 'm', long = "metadata-snap")]
+    pub metadata_snap: bool,
+    /// Describe each range, shared or not, with its data blocks
+    #[arg(long)]
+    pub verbose: bool,
+    /// The first tree's root block (instead of --thin1)
+    #[arg(long, value_name = "BLOCKNR", conflicts_with = "thin1")]
+    pub root1: Option<u64>,
+    /// The second tree's root block (instead of --thin2)
+    #[arg(long, value_name = "BLOCKNR", conflicts_with = "thin2")]
+    pub root2: Option<u64>,
+    /// The first device
+    #[arg(long, value_name = "DEV_ID", visible_alias = "snap1")]
+    pub thin1: Option<u64>,
+    /// The second device
+    #[arg(long, value_name = "DEV_ID", visible_alias = "snap2")]
+    pub thin2: Option<u64>,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "thin_ls",
+    about = "List thin volumes within a pool",
+    disable_version_flag = true
+)]
+pub struct LsArgs {
+    /// The metadata device or file
+    #[arg(value_name = "INPUT", required = true)]
+    pub input: Option<PathBuf>,
+    /// Do not print the header line
+    #[arg(long)]
+    pub no_headers: bool,
+    /// List the devices of the metadata snapshot held on a live pool
+    #[arg(short = 'm', long = "metadata-snap")]
+    pub metadata_snap: bool,
+    /// The fields to print, comma separated (DEV, MAPPED_BLOCKS, EXCLUSIVE_BLOCKS,
+    /// SHARED_BLOCKS, HIGHEST_BLOCK, the same in _SECTORS and _BYTES, MAPPED,
+    /// EXCLUSIVE, SHARED, HIGHEST_MAPPED, TRANSACTION, CREATE_TIME, SNAP_TIME)
+    #[arg(short = 'o', long = "format", value_name = "FIELDS", value_delimiter = ',',
+          value_parser = other::ls_field)]
+    pub format: Vec<usize>,
+    /// Print the version
+    #[arg(short = 'V', long, exclusive = true)]
+    pub version: bool,
+}
+
+/// The tool a program name is, if it is one of [`TOOLS`] (`/usr/sbin/thin_check`).
+pub fn tool_named(argv0: &std::ffi::OsStr) -> Option<&'static str> {
+    let base = Path::new(argv0).file_name()?.to_str()?;
+    TOOLS.iter().find(|(t, _)| *t == base).map(|(t, _)| *t)
+}
+
+/// Run tool `tool` (a name from [`TOOLS`]) on `args` (the arguments after the
+/// program name), shown in usage as `display`; returns the exit status.
+pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> i32 {
+    match tool {
+        "thin_check" => parse_run::<CheckArgs>(display, args, check::run),
+        "thin_dump" => parse_run::<DumpArgs>(display, args, dump::run_dump),
+        "thin_restore" => parse_run::<RestoreArgs>(display, args, dump::run_restore),
+        "thin_repair" => parse_run::<RepairArgs>(display, args, dump::run_repair),
+        "thin_rmap" => parse_run::<RmapArgs>(display, args, other::run_rmap),
+        "thin_trim" => parse_run::<TrimArgs>(display, args, other::run_trim),
+        "thin_metadata_size" => parse_run::<MetadataSizeArgs>(display, args, size::run),
+        "thin_delta" => parse_run::<DeltaArgs>(display, args, other::run_delta),
+        "thin_ls" => parse_run::<LsArgs>(display, args, other::run_ls),
+        _ => {
+            eprintln!("{display}: unknown tool");
+            2
+        }
+    }
+}
+
+/// Every tool's arguments carry `-V`.
+trait Versioned {
+    fn version(&self) -> bool;
+}
+
+macro_rules! versioned {
+    ($($t:ty),*) => {$(impl Versioned for $t { fn version(&self) -> bool { self.version } })*};
+}
+versioned!(
+    CheckArgs,
+    DumpArgs,
+    RestoreArgs,
+    RepairArgs,
+    RmapArgs,
+    TrimArgs,
+    MetadataSizeArgs,
+    DeltaArgs,
+    LsArgs
+);
+
+fn parse_run<A: CommandFactory + FromArgMatches + Versioned>(
+    display: &str,
+    args: Vec<OsString>,
+    run: fn(A) -> Outcome,
+) -> i32 {
+    let cmd = A::command().bin_name(display.to_string());
+    let parsed = cmd
+        .try_get_matches_from(std::iter::once(OsString::from(display)).chain(args))
+        .and_then(|m| A::from_arg_matches(&m));
+    let a = match parsed {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
+    if a.version() {
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), "{TOOLS_VERSION}");
+        return 0;
+    }
+    match run(a) {
+        Ok(()) => 0,
+        Err(Failure::Quiet(code)) => code,
+        Err(Failure::Message(msg)) => {
+            eprintln!("{msg}");
+            EXIT_FAILURE
+        }
+    }
+}
+
+/// How a tool fails: with a message for standard error, or with its status only
+/// (the report was printed already, or -q asked for silence, or the pipe closed).
+#[derive(Debug)]
+pub enum Failure {
+    Message(String),
+    Quiet(i32),
+}
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(e: E) -> Failure {
+        Failure::Message(e.to_string())
+    }
+}
+
+pub type Outcome = Result<(), Failure>;
+
+/// `dmkit thin VERB ARGS...`: `args` are the words after `thin`.
+pub fn main(args: Vec<OsString>) -> i32 {
+    let verb = args.first().and_then(|v| v.to_str()).unwrap_or("");
+    let tool = TOOLS
+        .iter()
+        .find(|(_, v)| *v == verb || (verb == "metadata-size" && *v == "metadata_size"));
+    match tool {
+        Some((t, v)) => run_tool(t, &format!("dmkit thin {v}"), args[1..].to_vec()),
+        None => {
+            // no verb, --help, or an unknown one: clap explains
+            #[derive(Parser)]
+            #[command(name = "dmkit thin", bin_name = "dmkit thin")]
+            struct Thin {
+                #[command(subcommand)]
+                _cmd: ThinCmd,
+            }
+            match Thin::try_parse_from(std::iter::once(OsString::from("dmkit thin")).chain(args)) {
+                Ok(Thin {
+                    _cmd: ThinCmd::Links { dir, force },
+                }) => match links(&dir, force) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        eprintln!("dmkit thin links: {e}");
+                        1
+                    }
+                },
+                Ok(_) => 0,
+                Err(e) => {
+                    let _ = e.print();
+                    e.exit_code()
+                }
+            }
+        }
+    }
+}
+
+/// Link every tool name in `dir` to the running dmkit binary.
+fn links(dir: &Path, force: bool) -> std::io::Result<()> {
+    let exe = std::env::current_exe()?;
+    for (name, _) in TOOLS {
+        let p = dir.join(name);
+        if force && p.symlink_metadata().is_ok() {
+            std::fs::remove_file(&p)?;
+        }
+        std::os::unix::fs::symlink(&exe, &p)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+        println!("{} -> {}", p.display(), exe.display());
+    }
+    Ok(())
+}
+
+/// The input checks 1.x makes before it opens metadata: it exists, it is a file or
+/// a block device, it is at least one block, and it is not XML.
+pub fn check_input(path: &Path) -> Result<(), Failure> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Failure::Message(format!(
+                "Couldn't find input file '{}'",
+                path.display()
+            )))
+        }
+        Err(e) => return Err(Failure::Message(format!("Invalid input file: {e}"))),
+    };
+    let ft = md.file_type();
+    if !(ft.is_file() || ft.is_block_device()) {
+        return Err(Failure::Message(format!(
+            "Not a block device or regular file '{}'.",
+            path.display()
+        )));
+    }
+    let size = crate::pdata::FileDev::open(path, false)
+        .map(|d| crate::pdata::MetadataDev::nr_blocks(&d) * crate::pdata::BLOCK_SIZE as u64)
+        .map_err(|e| Failure::Message(format!("Couldn't get file size: {e}")))?;
+    if size < crate::pdata::BLOCK_SIZE as u64 {
+        return Err(Failure::Message(
+            "Metadata device/file too small.  Is this binary metadata?".into(),
+        ));
+    }
+    let mut head = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open(path) {
+        use std::io::Read;
+        if f.read_exact(&mut head).is_ok()
+            && (head.starts_with(b"<superblock")
+                || head.starts_with(b"?xml")
+                || head.starts_with(b"<!DOCTYPE"))
+        {
+            return Err(Failure::Message(
+                "This looks like XML.  This tool only supports the binary metadata format.".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The path of a required argument (clap has checked it is there).
+fn req(p: Option<PathBuf>) -> PathBuf {
+    p.unwrap_or_default()
+}
+
+/// Whether an error is a closed output pipe (the tools end silently then).
+pub fn broken_pipe(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::BrokenPipe
+}
