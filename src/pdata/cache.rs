@@ -7,7 +7,7 @@
 //! last committed state does not use.
 
 use super::checksum::block_csum;
-use super::error::{BlockKind, PdataError, Result};
+use super::error::{corrupt, BlockKind, PdataError, Result};
 use super::{le32, le64, put32, put64, Block, MetadataDev, BLOCK_SIZE};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -263,6 +263,33 @@ impl BlockCache {
         validate(block, kind, buf)
     }
 
+    /// Read `n` consecutive blocks from `first` in one I/O, uncached, into `buf`
+    /// (resized); each is validated as `kind` and the result given per block.
+    /// Blocks dirty in the cache are not seen (for read-only walks).
+    pub fn read_run_uncached(
+        &mut self,
+        first: u64,
+        n: usize,
+        kind: BlockKind,
+        buf: &mut Vec<u8>,
+    ) -> Result<Vec<Result<()>>> {
+        if n > 0 {
+            self.check_range(first + n as u64 - 1)?;
+        }
+        buf.resize(n * BLOCK_SIZE, 0);
+        self.dev
+            .read_blocks(first, buf)
+            .map_err(|e| Self::io_err(first, e))?;
+        Ok(buf
+            .chunks_exact(BLOCK_SIZE)
+            .enumerate()
+            .map(|(i, c)| match <&Block>::try_from(c) {
+                Ok(b) => validate(first + i as u64, kind, b),
+                Err(_) => Err(corrupt(first + i as u64, "short block")),
+            })
+            .collect())
+    }
+
     /// Read a block with no validation and no caching (for superblock probing).
     pub fn read_raw(&mut self, block: u64) -> Result<Box<Block>> {
         self.check_range(block)?;
@@ -271,6 +298,11 @@ impl BlockCache {
             .read_block(block, &mut buf)
             .map_err(|e| Self::io_err(block, e))?;
         Ok(buf)
+    }
+
+    /// The device underneath.
+    pub fn dev(&self) -> &dyn MetadataDev {
+        self.dev.as_ref()
     }
 
     /// The device, for a new owner (clean blocks only: nothing dirty is lost).

@@ -19,6 +19,21 @@ pub trait MetadataDev: Send {
     fn refresh_size(&mut self) -> io::Result<u64> {
         Ok(self.nr_blocks())
     }
+    /// A second handle on the same device, for a reader on another thread.
+    fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {
+        None
+    }
+    /// Read `buf.len() / 4096` consecutive blocks from `block` (one I/O where the
+    /// device can).
+    fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        for (i, chunk) in buf.chunks_exact_mut(BLOCK_SIZE).enumerate() {
+            let b: &mut Block = chunk
+                .try_into()
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            self.read_block(block + i as u64, b)?;
+        }
+        Ok(())
+    }
 }
 
 /// A metadata device backed by a regular file or a block device node.
@@ -68,6 +83,16 @@ impl MetadataDev for FileDev {
     }
     fn flush(&mut self) -> io::Result<()> {
         self.file.sync_data()
+    }
+    fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.read_exact_at(buf, block * BLOCK_SIZE as u64)
+    }
+    fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {
+        let file = self.file.try_clone().ok()?;
+        Some(Box::new(FileDev {
+            file,
+            nr_blocks: self.nr_blocks,
+        }))
     }
 }
 

@@ -548,6 +548,19 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
     if o.super_block_only {
         return finish(tm, o, report, &sb, Vec::new(), Vec::new());
     }
+    // The space maps load on a second thread while the trees are walked.
+    let preload = (!o.metadata_snap && !o.skip_mappings)
+        .then(|| tm.cache.dev().try_clone())
+        .flatten()
+        .map(|dev2| {
+            let (data_root, meta_root) = (sb.data_sm_root, sb.meta_sm_root);
+            std::thread::spawn(move || {
+                let mut tm2 = reader(dev2, 64);
+                let d = disk::load(&mut tm2, SmKind::Data, &data_root);
+                let m = disk::load(&mut tm2, SmKind::Metadata, &meta_root);
+                (d, m)
+            })
+        });
     let mut c = Checker {
         tm,
         meta_expected: Recount::new(nr_blocks),
@@ -612,12 +625,17 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         report.fail(format!("data space map: {e}"));
         return report;
     }
+    let (mut pre_data, mut pre_meta) = match preload.map(|h| h.join()) {
+        Some(Ok((d, m))) => (Some(d), Some(m)),
+        _ => (None, None),
+    };
     let mut data_leaks = Vec::new();
     if !space_map(
         &mut c,
         &mut report,
         SmKind::Data,
         &sb.data_sm_root,
+        pre_data.take(),
         &mut data_leaks,
     ) {
         return report;
@@ -659,6 +677,7 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         &mut report,
         SmKind::Metadata,
         &sb.meta_sm_root,
+        pre_meta.take(),
         &mut meta_leaks,
     ) {
         return report;
@@ -784,10 +803,12 @@ fn space_map(
     report: &mut Report,
     kind: SmKind,
     root: &SmRoot,
+    loaded: Option<crate::pdata::Result<SpaceMap>>,
     leaks: &mut Vec<(u64, u32)>,
 ) -> bool {
     let word = kind_word(kind);
-    let sm = match disk::load(&mut c.tm, kind, root) {
+    let loaded = loaded.unwrap_or_else(|| disk::load(&mut c.tm, kind, root));
+    let sm = match loaded {
         Ok(sm) => sm,
         Err(PdataError::Checksum {
             block,

@@ -13,7 +13,7 @@ use super::runs::Gatherer;
 use super::superblock::{unpack_block_time, DeviceDetails, Superblock};
 use super::xml::{self, RangeWriter, XmlDevice, XmlSuperblock};
 use crate::pdata::btree::{self, node};
-use crate::pdata::cache::BlockCache;
+use crate::pdata::cache::{BlockCache, FastMap};
 use crate::pdata::space_map::{SmKind, SpaceMap};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{le64, BlockKind, MetadataDev, PdataError};
@@ -217,32 +217,39 @@ pub fn dump_with(dev: Box<dyn MetadataDev>, o: &DumpOptions, out: &mut dyn Write
     if let (Some(ids), false) = (&o.dev_ids, o.skip_mappings) {
         plan.devices.retain(|(d, _, _)| ids.contains(d));
     }
-    let sink: Box<dyn Sink> = match o.format {
-        DumpFormat::Xml => Box::new(XmlSink),
-        DumpFormat::HumanReadable => Box::new(HumanSink),
+    let mut w = Out {
+        buf: String::with_capacity(1 << 17),
+        out,
     };
-    write_plan(&mut tm, &plan, o, sink.as_ref(), out)?;
+    match o.format {
+        DumpFormat::Xml => write_plan(&mut tm, &plan, o, &mut XmlSink(&mut w))?,
+        DumpFormat::HumanReadable => write_plan(&mut tm, &plan, o, &mut HumanSink(&mut w))?,
+    }
+    w.out.write_all(w.buf.as_bytes()).map_err(io)?;
+    w.out.flush().map_err(io)?;
     Ok(warnings)
 }
 
-/// The layout of one output format.
-trait Sink {
-    fn begin(&self, buf: &mut String, h: &Header);
-    fn def_begin(&self, buf: &mut String, name: u64);
-    fn def_end(&self, buf: &mut String);
-    fn device_begin(&self, buf: &mut String, dev: u64, d: &DeviceDetails);
-    fn device_end(&self, buf: &mut String);
-    fn reference(&self, buf: &mut String, name: u64);
+/// What a dump is made of, in order: the superblock, the shared subtrees, the
+/// devices with their runs and references, the end. The output formats take it,
+/// and so does restore (a repair writes a new pool straight from a dump).
+pub trait Visitor {
+    fn begin(&mut self, h: &Header) -> Result<()>;
+    fn def_begin(&mut self, name: &str) -> Result<()>;
+    fn def_end(&mut self) -> Result<()>;
+    fn device_begin(&mut self, dev: u64, d: &DeviceDetails) -> Result<()>;
+    fn device_end(&mut self) -> Result<()>;
+    fn reference(&mut self, name: &str) -> Result<()>;
     /// A run: `len` blocks from virtual `v` to data `d` at time `t`.
-    fn run(&self, buf: &mut String, v: u64, d: u64, len: u64, t: u32);
-    fn end(&self, buf: &mut String);
+    fn run(&mut self, v: u64, d: u64, len: u64, t: u32) -> Result<()>;
+    fn end(&mut self) -> Result<()>;
 }
 
-struct XmlSink;
+struct XmlSink<'a, 'b>(&'a mut Out<'b>);
 
-impl Sink for XmlSink {
-    fn begin(&self, buf: &mut String, h: &Header) {
-        buf.push_str(&xml::superblock_open(&XmlSuperblock {
+impl Visitor for XmlSink<'_, '_> {
+    fn begin(&mut self, h: &Header) -> Result<()> {
+        self.0.buf.push_str(&xml::superblock_open(&XmlSuperblock {
             uuid: String::new(),
             time: h.time,
             transaction: h.transaction,
@@ -251,15 +258,18 @@ impl Sink for XmlSink {
             data_block_size: h.data_block_size,
             nr_data_blocks: h.nr_data_blocks,
         }));
+        Ok(())
     }
-    fn def_begin(&self, buf: &mut String, name: u64) {
-        let _ = writeln!(buf, "  <def name=\"{name}\">");
+    fn def_begin(&mut self, name: &str) -> Result<()> {
+        let _ = writeln!(self.0.buf, "  <def name=\"{name}\">");
+        Ok(())
     }
-    fn def_end(&self, buf: &mut String) {
-        buf.push_str("  </def>\n");
+    fn def_end(&mut self) -> Result<()> {
+        self.0.buf.push_str("  </def>\n");
+        self.0.spill()
     }
-    fn device_begin(&self, buf: &mut String, dev: u64, d: &DeviceDetails) {
-        buf.push_str(&xml::device_open(&XmlDevice {
+    fn device_begin(&mut self, dev: u64, d: &DeviceDetails) -> Result<()> {
+        self.0.buf.push_str(&xml::device_open(&XmlDevice {
             dev_id: dev,
             mapped_blocks: d.mapped_blocks,
             transaction: d.transaction_id,
@@ -267,17 +277,20 @@ impl Sink for XmlSink {
             snap_time: d.snapshotted_time,
             pieces: Vec::new(),
         }));
+        Ok(())
     }
-    fn device_end(&self, buf: &mut String) {
-        buf.push_str("  </device>\n");
+    fn device_end(&mut self) -> Result<()> {
+        self.0.buf.push_str("  </device>\n");
+        self.0.spill()
     }
-    fn reference(&self, buf: &mut String, name: u64) {
-        let _ = writeln!(buf, "    <ref name=\"{name}\"/>");
+    fn reference(&mut self, name: &str) -> Result<()> {
+        let _ = writeln!(self.0.buf, "    <ref name=\"{name}\"/>");
+        Ok(())
     }
-    fn run(&self, buf: &mut String, v: u64, d: u64, len: u64, t: u32) {
+    fn run(&mut self, v: u64, d: u64, len: u64, t: u32) -> Result<()> {
         let mut rw = RangeWriter::default();
         rw.run(
-            buf,
+            &mut self.0.buf,
             xml::Run {
                 origin: v,
                 data: d,
@@ -285,57 +298,74 @@ impl Sink for XmlSink {
                 time: t,
             },
         );
-        rw.flush(buf);
+        rw.flush(&mut self.0.buf);
+        self.0.spill()
     }
-    fn end(&self, buf: &mut String) {
-        buf.push_str("</superblock>");
+    fn end(&mut self) -> Result<()> {
+        self.0.buf.push_str("</superblock>");
+        Ok(())
     }
 }
 
-struct HumanSink;
+struct HumanSink<'a, 'b>(&'a mut Out<'b>);
 
-impl Sink for HumanSink {
-    fn begin(&self, buf: &mut String, h: &Header) {
+impl Visitor for HumanSink<'_, '_> {
+    fn begin(&mut self, h: &Header) -> Result<()> {
         let _ = writeln!(
-            buf,
+            self.0.buf,
             "begin superblock: \"\", {}, {}, {}, {}, {}, {}",
             h.time, h.transaction, h.flags, h.version, h.data_block_size, h.nr_data_blocks
         );
+        Ok(())
     }
-    fn def_begin(&self, buf: &mut String, name: u64) {
-        let _ = writeln!(buf, "def: {name}");
+    fn def_begin(&mut self, name: &str) -> Result<()> {
+        let _ = writeln!(self.0.buf, "def: {name}");
+        Ok(())
     }
-    fn def_end(&self, buf: &mut String) {
-        buf.push('\n');
+    fn def_end(&mut self) -> Result<()> {
+        self.0.buf.push('\n');
+        self.0.spill()
     }
-    fn device_begin(&self, buf: &mut String, dev: u64, d: &DeviceDetails) {
+    fn device_begin(&mut self, dev: u64, d: &DeviceDetails) -> Result<()> {
         let _ = write!(
-            buf,
+            self.0.buf,
             "device: {dev}\nmapped_blocks: {}\ntransaction: {}\ncreation time: {}\nsnap time: {}\n",
             d.mapped_blocks, d.transaction_id, d.creation_time, d.snapshotted_time
         );
+        Ok(())
     }
-    fn device_end(&self, buf: &mut String) {
-        buf.push('\n');
+    fn device_end(&mut self) -> Result<()> {
+        self.0.buf.push('\n');
+        self.0.spill()
     }
-    fn reference(&self, buf: &mut String, name: u64) {
-        let _ = writeln!(buf, "    ref: {name}");
+    fn reference(&mut self, name: &str) -> Result<()> {
+        let _ = writeln!(self.0.buf, "    ref: {name}");
+        Ok(())
     }
-    fn run(&self, buf: &mut String, v: u64, d: u64, len: u64, t: u32) {
-        let _ = writeln!(buf, "    ({v}..{}) -> ({d}..{}), {t}", v + len - 1, d + len - 1);
+    fn run(&mut self, v: u64, d: u64, len: u64, t: u32) -> Result<()> {
+        let _ = writeln!(
+            self.0.buf,
+            "    ({v}..{}) -> ({d}..{}), {t}",
+            v + len - 1,
+            d + len - 1
+        );
+        self.0.spill()
     }
-    fn end(&self, buf: &mut String) {
-        buf.push_str("end superblock\n");
+    fn end(&mut self) -> Result<()> {
+        self.0.buf.push_str("end superblock\n");
+        Ok(())
     }
 }
 
-/// A device's (or a def's) leaves: runs of its own, and shared runs.
+/// A device's leaves: a stretch of its own (indices into its sequence), or a
+/// shared run.
 enum Entry {
-    Leaves(Vec<u64>),
+    Leaves(usize, usize),
     Ref(u64),
 }
 
-/// Cut each device's leaf sequence into its own leaves and shared runs.
+/// Cut each device's leaf sequence into its own leaves and shared runs; the
+/// shared runs (the defs) ascending by first leaf.
 fn entries(seqs: &[Vec<u64>]) -> (Vec<Vec<u64>>, Vec<Vec<Entry>>) {
     let mut g = Gatherer::new();
     for s in seqs {
@@ -344,8 +374,14 @@ fn entries(seqs: &[Vec<u64>]) -> (Vec<Vec<u64>>, Vec<Vec<Entry>>) {
             g.next(b);
         }
     }
-    let runs: BTreeMap<u64, (Vec<u64>, bool)> =
-        g.gather().into_iter().map(|(r, sh)| (r[0], (r, sh))).collect();
+    let mut runs: FastMap<u64, (usize, bool)> = FastMap::default();
+    let mut defs = Vec::new();
+    for (r, shared) in g.gather() {
+        runs.insert(r[0], (r.len(), shared));
+        if shared {
+            defs.push(r);
+        }
+    }
     let per_dev = seqs
         .iter()
         .map(|s| {
@@ -354,25 +390,24 @@ fn entries(seqs: &[Vec<u64>]) -> (Vec<Vec<u64>>, Vec<Vec<Entry>>) {
             while i < s.len() {
                 let b = s[i];
                 match runs.get(&b) {
-                    Some((run, true)) => {
+                    Some(&(n, true)) => {
                         out.push(Entry::Ref(b));
-                        i += run.len();
+                        i += n;
                     }
                     other => {
-                        let n = other.map_or(1, |(run, _)| run.len());
-                        let take = &s[i..(i + n).min(s.len())];
+                        let n = other.map_or(1, |&(n, _)| n);
+                        let end = (i + n).min(s.len());
                         match out.last_mut() {
-                            Some(Entry::Leaves(v)) => v.extend_from_slice(take),
-                            _ => out.push(Entry::Leaves(take.to_vec())),
+                            Some(Entry::Leaves(_, e)) if *e == i => *e = end,
+                            _ => out.push(Entry::Leaves(i, end)),
                         }
-                        i += n;
+                        i = end;
                     }
                 }
             }
             out
         })
         .collect();
-    let defs = runs.into_values().filter(|(_, sh)| *sh).map(|(r, _)| r).collect();
     (defs, per_dev)
 }
 
@@ -392,105 +427,120 @@ impl Out<'_> {
     }
 }
 
-fn write_plan(
+/// Walk a plan into a visitor: defs for shared leaf runs, then the devices.
+pub fn write_plan(
     tm: &mut TransactionManager,
     plan: &Plan,
     o: &DumpOptions,
-    sink: &dyn Sink,
-    out: &mut dyn Write,
+    v: &mut dyn Visitor,
 ) -> Result<()> {
-    let mut w = Out {
-        buf: String::with_capacity(1 << 17),
-        out,
-    };
-    sink.begin(&mut w.buf, &plan.header);
+    v.begin(&plan.header)?;
     if o.skip_mappings {
         for (dev, d, _) in &plan.devices {
-            sink.device_begin(&mut w.buf, *dev, d);
-            sink.device_end(&mut w.buf);
+            v.device_begin(*dev, d)?;
+            v.device_end()?;
         }
-    } else {
-        // each distinct root's leaves, once
-        let mut by_root: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
-        for (_, _, root) in &plan.devices {
-            if !by_root.contains_key(root) {
-                let (l, _) = btree::leaves(tm, *root, 8, o.repair)?;
-                by_root.insert(*root, l);
-            }
-        }
-        let seqs: Vec<Vec<u64>> = plan
-            .devices
-            .iter()
-            .map(|(_, _, r)| by_root.get(r).cloned().unwrap_or_default())
-            .collect();
-        drop(by_root);
-        let (defs, per_dev) = entries(&seqs);
-        let total = plan.devices.iter().map(|(_, d, _)| d.mapped_blocks).sum();
-        let mut prog = Progress::new("dumping mappings", total, o.progress);
-        for def in &defs {
-            sink.def_begin(&mut w.buf, def[0]);
-            emit_leaves(tm, def, sink, &mut w, o.repair, &mut prog)?;
-            sink.def_end(&mut w.buf);
-        }
-        for ((dev, d, _), es) in plan.devices.iter().zip(&per_dev) {
-            sink.device_begin(&mut w.buf, *dev, d);
-            for e in es {
-                match e {
-                    Entry::Leaves(l) => emit_leaves(tm, l, sink, &mut w, o.repair, &mut prog)?,
-                    Entry::Ref(name) => sink.reference(&mut w.buf, *name),
-                }
-            }
-            sink.device_end(&mut w.buf);
-            w.spill()?;
-        }
+        return v.end();
     }
-    sink.end(&mut w.buf);
-    w.out.write_all(w.buf.as_bytes()).map_err(io)?;
-    w.out.flush().map_err(io)?;
-    Ok(())
+    // each distinct root's leaves are found once
+    let mut first_with: FastMap<u64, usize> = FastMap::default();
+    let mut seqs: Vec<Vec<u64>> = Vec::with_capacity(plan.devices.len());
+    for (i, (_, _, root)) in plan.devices.iter().enumerate() {
+        let s = match first_with.get(root) {
+            Some(&j) => seqs[j].clone(),
+            None => {
+                first_with.insert(*root, i);
+                btree::leaves(tm, *root, 8, o.repair)?.0
+            }
+        };
+        seqs.push(s);
+    }
+    let (defs, per_dev) = entries(&seqs);
+    let total = plan.devices.iter().map(|(_, d, _)| d.mapped_blocks).sum();
+    let mut prog = Progress::new("dumping mappings", total, o.progress);
+    for def in &defs {
+        v.def_begin(&def[0].to_string())?;
+        emit_leaves(tm, def, v, o.repair, &mut prog)?;
+        v.def_end()?;
+    }
+    for (((dev, d, _), es), seq) in plan.devices.iter().zip(&per_dev).zip(&seqs) {
+        v.device_begin(*dev, d)?;
+        for e in es {
+            match e {
+                Entry::Leaves(a, b) => emit_leaves(tm, &seq[*a..*b], v, o.repair, &mut prog)?,
+                Entry::Ref(name) => v.reference(&name.to_string())?,
+            }
+        }
+        v.device_end()?;
+    }
+    v.end()
 }
 
 /// The mappings of `leaves`, merged into runs across leaf boundaries.
 fn emit_leaves(
     tm: &mut TransactionManager,
     leaves: &[u64],
-    sink: &dyn Sink,
-    w: &mut Out,
+    v: &mut dyn Visitor,
     tolerant: bool,
     prog: &mut Progress,
 ) -> Result<()> {
     let mut run: Option<(u64, u64, u64, u32)> = None;
-    for &l in leaves {
-        let d = match tm.read(l, BlockKind::BtreeNode).and_then(|d| {
-            node::check_header(l, d, 8)?;
-            if !node::is_leaf(d) {
-                return Err(crate::pdata::error::corrupt(l, "block is not a leaf"));
-            }
-            Ok(d)
-        }) {
-            Ok(d) => d,
+    let mut buf = Vec::new();
+    let mut i = 0;
+    while i < leaves.len() {
+        // consecutive blocks are read with one I/O
+        let mut n = 1;
+        while i + n < leaves.len() && n < 64 && leaves[i + n] == leaves[i] + n as u64 {
+            n += 1;
+        }
+        let first = leaves[i];
+        i += n;
+        let checks = match tm
+            .cache
+            .read_run_uncached(first, n, BlockKind::BtreeNode, &mut buf)
+        {
+            Ok(c) => c,
             Err(_) if tolerant => continue,
             Err(e) => return Err(e.into()),
         };
-        let n = node::nr_entries(d);
-        for i in 0..n {
-            let k = node::key(d, i);
-            let (b, t) = unpack_block_time(node::value_u64(d, i));
-            match &mut run {
-                Some((v0, d0, len, t0)) if *v0 + *len == k && *d0 + *len == b && *t0 == t => *len += 1,
-                _ => {
-                    if let Some((v0, d0, len, t0)) = run.take() {
-                        sink.run(&mut w.buf, v0, d0, len, t0);
+        for (j, ok) in checks.into_iter().enumerate() {
+            let l = first + j as u64;
+            let d: &crate::pdata::Block =
+                match buf[j * crate::pdata::BLOCK_SIZE..(j + 1) * crate::pdata::BLOCK_SIZE].try_into() {
+                    Ok(d) => d,
+                    Err(_) => continue,
+                };
+            let sound = ok.and_then(|()| {
+                node::check_header(l, d, 8)?;
+                if !node::is_leaf(d) {
+                    return Err(crate::pdata::error::corrupt(l, "block is not a leaf"));
+                }
+                Ok(())
+            });
+            match sound {
+                Ok(()) => {}
+                Err(_) if tolerant => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let cnt = node::nr_entries(d);
+            for e in 0..cnt {
+                let k = node::key(d, e);
+                let (b, t) = unpack_block_time(node::value_u64(d, e));
+                match &mut run {
+                    Some((v0, d0, len, t0)) if *v0 + *len == k && *d0 + *len == b && *t0 == t => *len += 1,
+                    _ => {
+                        if let Some((v0, d0, len, t0)) = run.take() {
+                            v.run(v0, d0, len, t0)?;
+                        }
+                        run = Some((k, b, 1, t));
                     }
-                    run = Some((k, b, 1, t));
                 }
             }
+            prog.tick(cnt as u64);
         }
-        prog.tick(n as u64);
-        w.spill()?;
     }
     if let Some((v0, d0, len, t0)) = run {
-        sink.run(&mut w.buf, v0, d0, len, t0);
+        v.run(v0, d0, len, t0)?;
     }
     Ok(())
 }

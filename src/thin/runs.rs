@@ -10,22 +10,57 @@
 //! first leaf and referred to by `<ref>`. thin-provisioning-tools 1.x cuts the same
 //! runs, so dmkit's dumps of shared pools compare equal to its.
 
-use std::collections::{BTreeSet, HashMap};
+use crate::pdata::cache::FastMap;
 
-/// Per leaf: the leaves that follow it somewhere, and the one that first preceded it.
-#[derive(Default)]
+const NONE: u64 = u64::MAX;
+
+/// Per leaf: the leaves that follow it somewhere (the smallest in `next0`, any
+/// others ascending in `more`: almost always there is one), and the one that
+/// first preceded it.
 struct Leaf {
-    next: BTreeSet<u64>,
-    first_prev: Option<u64>,
+    block: u64,
+    next0: u64,
+    more: Vec<u64>,
+    first_prev: u32,
     head: bool,
     tail: bool,
     shared: bool,
 }
 
+impl Leaf {
+    fn nr_next(&self) -> usize {
+        usize::from(self.next0 != NONE) + self.more.len()
+    }
+    /// Add a successor; false if it was there already.
+    fn add_next(&mut self, b: u64) -> bool {
+        if self.next0 == NONE {
+            self.next0 = b;
+            return true;
+        }
+        if b == self.next0 {
+            return false;
+        }
+        if b < self.next0 {
+            self.more.insert(0, self.next0);
+            self.next0 = b;
+            return true;
+        }
+        match self.more.binary_search(&b) {
+            Ok(_) => false,
+            Err(i) => {
+                self.more.insert(i, b);
+                true
+            }
+        }
+    }
+}
+
+/// The leaves, densely numbered in order of first appearance.
 #[derive(Default)]
 pub struct Gatherer {
-    leaves: HashMap<u64, Leaf>,
-    prev: Option<u64>,
+    index: FastMap<u64, u32>,
+    leaves: Vec<Leaf>,
+    prev: Option<u32>,
 }
 
 impl Gatherer {
@@ -33,100 +68,107 @@ impl Gatherer {
         Gatherer::default()
     }
 
+    fn idx(&mut self, b: u64) -> u32 {
+        let n = self.leaves.len() as u32;
+        let i = *self.index.entry(b).or_insert(n);
+        if i == n {
+            self.leaves.push(Leaf {
+                block: b,
+                next0: NONE,
+                more: Vec::new(),
+                first_prev: u32::MAX,
+                head: false,
+                tail: false,
+                shared: false,
+            });
+        }
+        i
+    }
+
     /// Start a new sequence (a device, or a break in one).
     pub fn new_seq(&mut self) {
         if let Some(p) = self.prev.take() {
-            self.leaves.entry(p).or_default().tail = true;
+            self.leaves[p as usize].tail = true;
         }
     }
 
-    fn mark_head(&mut self, b: u64) {
-        let l = self.leaves.entry(b).or_default();
-        if l.head {
-            l.shared = true;
-        }
+    fn mark_head(&mut self, i: u32) {
+        let l = &mut self.leaves[i as usize];
+        l.shared |= l.head;
         l.head = true;
     }
 
     /// The next leaf of the current sequence.
     pub fn next(&mut self, b: u64) {
+        let i = self.idx(b);
         match self.prev {
             Some(p) => {
-                let pl = self.leaves.entry(p).or_default();
-                if !pl.next.insert(b) {
-                    // the same step taken again: b is reached more than once
-                    self.leaves.entry(b).or_default().shared = true;
-                }
-                let l = self.leaves.entry(b).or_default();
-                match l.first_prev {
-                    Some(fp) if fp != p => self.mark_head(b),
-                    Some(_) => {}
-                    None => l.first_prev = Some(p),
+                let again = !self.leaves[p as usize].add_next(b);
+                let l = &mut self.leaves[i as usize];
+                // the same step taken again: b is reached more than once
+                l.shared |= again;
+                if l.first_prev == u32::MAX {
+                    l.first_prev = p;
+                } else if l.first_prev != p {
+                    l.shared |= l.head;
+                    l.head = true;
                 }
             }
-            None => self.mark_head(b),
+            None => self.mark_head(i),
         }
-        self.leaves.entry(b).or_default();
-        self.prev = Some(b);
+        self.prev = Some(i);
     }
 
     /// The atomic runs, ascending by first leaf, each with whether it is shared.
     pub fn gather(mut self) -> Vec<(Vec<u64>, bool)> {
         self.new_seq();
-        let heads: BTreeSet<u64> = self
-            .leaves
-            .iter()
-            .filter(|(_, l)| l.head)
-            .map(|(b, _)| *b)
-            .collect();
+        let at = |g: &Gatherer, b: u64| g.index.get(&b).map(|&i| i as usize);
         // a leaf ends a run if it branches, ends nowhere, or leads into a head
-        let mut tails = Vec::new();
-        for (b, l) in &self.leaves {
-            let into_head = l.next.first().is_some_and(|n| heads.contains(n));
-            if l.next.len() != 1 || into_head {
-                tails.push(*b);
-            }
-        }
+        let tails: Vec<usize> = (0..self.leaves.len())
+            .filter(|&i| {
+                let l = &self.leaves[i];
+                let into_head = l.next0 != NONE && at(&self, l.next0).is_some_and(|n| self.leaves[n].head);
+                l.nr_next() != 1 || into_head
+            })
+            .collect();
         for t in tails {
-            if let Some(l) = self.leaves.get_mut(&t) {
-                l.tail = true;
-            }
+            self.leaves[t].tail = true;
         }
         // whatever follows a tail starts a run
         let follow: Vec<u64> = self
             .leaves
-            .values()
-            .filter(|l| l.tail)
-            .flat_map(|l| l.next.iter().copied())
+            .iter()
+            .filter(|l| l.tail && l.next0 != NONE)
+            .flat_map(|l| std::iter::once(l.next0).chain(l.more.iter().copied()))
             .collect();
         for n in follow {
-            self.mark_head(n);
+            if let Some(i) = at(&self, n) {
+                self.mark_head(i as u32);
+            }
         }
-        let mut heads: Vec<u64> = self
-            .leaves
-            .iter()
-            .filter(|(_, l)| l.head)
-            .map(|(b, _)| *b)
+        let mut heads: Vec<(u64, usize)> = (0..self.leaves.len())
+            .filter(|&i| self.leaves[i].head)
+            .map(|i| (self.leaves[i].block, i))
             .collect();
         heads.sort_unstable();
         let mut out = Vec::with_capacity(heads.len());
-        for h in heads {
+        for (h, hi) in heads {
             let mut run = vec![h];
-            let mut b = h;
-            while let Some(l) = self.leaves.get(&b) {
-                if l.tail {
+            let mut i = hi;
+            loop {
+                let l = &self.leaves[i];
+                if l.tail || l.next0 == NONE || run.len() > self.leaves.len() {
                     break;
                 }
-                match l.next.first() {
-                    Some(&n) if run.len() <= self.leaves.len() => {
-                        run.push(n);
-                        b = n;
+                match at(&self, l.next0) {
+                    Some(n) => {
+                        run.push(l.next0);
+                        i = n;
                     }
-                    _ => break,
+                    None => break,
                 }
             }
-            let shared = self.leaves.get(&h).is_some_and(|l| l.shared);
-            out.push((run, shared));
+            out.push((run, self.leaves[hi].shared));
         }
         out
     }

@@ -32,16 +32,12 @@ pub struct Builder {
     shared: Vec<bool>,
 }
 
-fn max_entries() -> usize {
-    node::max_entries(8)
-}
-
 impl Builder {
     pub fn new(vk: ValueKind) -> Builder {
         Builder {
             vk,
             internal: false,
-            max: max_entries(),
+            max: node::max_entries(vk.value_size()),
             pending: Vec::new(),
             nodes: Vec::new(),
             shared: Vec::new(),
@@ -86,8 +82,14 @@ impl Builder {
 
     fn read_entries(&self, tm: &mut TransactionManager, b: u64) -> Result<Vec<(u64, u64)>> {
         let d = tm.read(b, BlockKind::BtreeNode)?;
+        let value = |i: usize| {
+            let mut v = [0u8; 8];
+            let src = node::value(d, i);
+            v[..src.len().min(8)].copy_from_slice(&src[..src.len().min(8)]);
+            u64::from_le_bytes(v)
+        };
         Ok((0..node::nr_entries(d))
-            .map(|i| (node::key(d, i), node::value_u64(d, i)))
+            .map(|i| (node::key(d, i), value(i)))
             .collect())
     }
 
@@ -103,10 +105,11 @@ impl Builder {
         let b = tm.new_block(BlockKind::BtreeNode)?;
         let d = tm.write(b, BlockKind::BtreeNode)?;
         let flags = if self.internal { node::INTERNAL } else { node::LEAF };
-        node::init(d, flags, 8);
+        let vs = if self.internal { 8 } else { self.vk.value_size() };
+        node::init(d, flags, vs);
         for (i, (k, v)) in entries.iter().enumerate() {
             node::set_key(d, i, *k);
-            node::set_value_u64(d, i, *v);
+            node::set_value(d, i, &v.to_le_bytes()[..vs]);
         }
         node::set_nr_entries(d, entries.len());
         self.nodes.push(NodeRef {
@@ -166,6 +169,7 @@ impl Builder {
         while level.len() > 1 {
             let mut up = Builder::new(ValueKind::Plain(8));
             up.internal = true;
+            up.max = node::max_entries(8);
             for n in &level {
                 up.push(tm, n.key, n.block)?;
             }

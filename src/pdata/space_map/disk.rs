@@ -5,7 +5,6 @@
 
 use super::{SmKind, SpaceMap, ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
 use crate::pdata::btree::{self, ValueKind};
-use crate::pdata::cache::FastMap;
 use crate::pdata::error::{corrupt, BlockKind, PdataError, Result};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{le32, le64, put32, put64, Block};
@@ -97,7 +96,7 @@ fn decode_bitmap(
     idx: u64,
     loc: u64,
     d: &Block,
-    overflow: &FastMap<u64, u32>,
+    overflow: &Overflow,
 ) -> Result<(u32, u32)> {
     let base = idx * ENTRIES_PER_BITMAP;
     let n = (sm.nr_blocks() - base).min(ENTRIES_PER_BITMAP) as usize;
@@ -163,13 +162,38 @@ fn decode_bitmap(
     Ok((nr_free as u32, first_free.unwrap_or(n) as u32))
 }
 
-fn load_overflow(tm: &mut TransactionManager, root: u64) -> Result<FastMap<u64, u32>> {
-    let mut m = FastMap::default();
+/// The overflow tree's counts, ascending by block (as a walk yields them): a
+/// sorted vector is an eighth of a hash map's memory and builds without rehashing,
+/// which matters when a pool's snapshots share a million blocks.
+#[derive(Default)]
+pub(crate) struct Overflow(Vec<(u64, u32)>);
+
+impl Overflow {
+    fn get(&self, b: &u64) -> Option<&u32> {
+        self.0.binary_search_by_key(b, |e| e.0).ok().map(|i| &self.0[i].1)
+    }
+    #[cfg(test)]
+    fn insert(&mut self, b: u64, c: u32) {
+        let i = self.0.partition_point(|e| e.0 < b);
+        self.0.insert(i, (b, c));
+    }
+    #[cfg(test)]
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+fn load_overflow(tm: &mut TransactionManager, root: u64) -> Result<Overflow> {
+    let mut m = Vec::new();
     btree::walk(tm, root, 4, &mut |k, v| {
-        m.insert(k, le32(v, 0));
+        m.push((k, le32(v, 0)));
         Ok(())
     })?;
-    Ok(m)
+    // a walk of a sound tree is sorted; a damaged one is sorted here
+    if !m.windows(2).all(|w| w[0].0 < w[1].0) {
+        m.sort_unstable_by_key(|e| e.0);
+    }
+    Ok(Overflow(m))
 }
 
 /// Decode a space map from disk into core.
@@ -235,10 +259,25 @@ pub fn create_trees(tm: &mut TransactionManager, kind: SmKind) -> Result<()> {
 /// point before anything is encoded.
 pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
     for kind in [SmKind::Data, SmKind::Metadata] {
+        if tm.sm(kind).overflow_rebuild {
+            // Rebuilt bottom-up from the counts: the old tree goes, and only 0<->1
+            // transitions happen while the new one is written.
+            let old = tm.sm(kind).ref_count_root;
+            btree::del_tree(tm, old, REF_COUNT)?;
+            let entries: Vec<(u64, u64)> = tm
+                .sm(kind)
+                .overflow_counts()
+                .map(|(b, c)| (b, c as u64))
+                .collect();
+            tm.sm(kind).overflow_rebuild = false;
+            tm.sm(kind).overflow_changed.clear();
+            let root = btree::build::build(tm, REF_COUNT, entries.into_iter())?;
+            tm.sm(kind).ref_count_root = root;
+        }
         // Only 0<->1 transitions happen below, which never touch the overflow
         // tree, so this converges in one pass; the loop is belt and braces.
         for _ in 0..4 {
-            let changed = std::mem::take(&mut tm.sm(kind).overflow_changed);
+            let changed = tm.sm(kind).overflow_changed.take_sorted();
             if changed.is_empty() {
                 break;
             }
@@ -255,7 +294,7 @@ pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
         }
     }
 
-    let dirty: Vec<u64> = std::mem::take(&mut tm.data.dirty_bitmaps).into_iter().collect();
+    let dirty: Vec<u64> = tm.data.dirty_bitmaps.take_sorted();
     for idx in dirty {
         let old = tm.data.bitmap_locs[idx as usize];
         let loc = tm.relocate(old, BlockKind::Bitmap)?;
@@ -275,8 +314,8 @@ pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
         let pending: Vec<u64> = tm
             .meta
             .dirty_bitmaps
-            .iter()
-            .copied()
+            .sorted()
+            .into_iter()
             .filter(|&i| !tm.is_writable(tm.meta.bitmap_locs[i as usize]))
             .collect();
         if pending.is_empty() {
@@ -287,7 +326,7 @@ pub fn commit(tm: &mut TransactionManager) -> Result<(SmRoot, SmRoot)> {
             tm.meta.bitmap_locs[idx as usize] = tm.relocate(old, BlockKind::Bitmap)?;
         }
     }
-    let dirty: Vec<u64> = std::mem::take(&mut tm.meta.dirty_bitmaps).into_iter().collect();
+    let dirty: Vec<u64> = tm.meta.dirty_bitmaps.take_sorted();
     for idx in dirty {
         let loc = tm.meta.bitmap_locs[idx as usize];
         let mut buf: Box<Block> = Box::new([0u8; 4096]);
@@ -327,7 +366,7 @@ mod tests {
         let nr = 2 * ENTRIES_PER_BITMAP + 1001;
         let mut sm = SpaceMap::new(SmKind::Data, nr);
         let mut x = 0x1234_5678_9abc_def0u64;
-        let mut overflow = FastMap::default();
+        let mut overflow = Overflow::default();
         for b in 0..nr {
             x ^= x << 13;
             x ^= x >> 7;

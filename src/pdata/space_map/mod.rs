@@ -10,7 +10,6 @@ pub mod disk;
 
 use super::cache::FastMap;
 use super::error::{PdataError, Result};
-use std::collections::BTreeSet;
 
 /// Entries per on-disk bitmap block: (4096 - 16) * 4.
 pub const ENTRIES_PER_BITMAP: u64 = 16320;
@@ -20,10 +19,61 @@ pub const MAX_METADATA_BLOCKS: u64 = MAX_METADATA_BITMAPS * ENTRIES_PER_BITMAP;
 
 const BIG: u8 = u8::MAX;
 
+/// Changed overflow entries beyond which the overflow tree is rebuilt at commit.
+const OVERFLOW_REBUILD: usize = 1 << 14;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SmKind {
     Metadata,
     Data,
+}
+
+/// Blocks (or bitmaps) changed in this transaction: a hash set, for an insert that
+/// costs the same however many there are (a restore sharing leaves changes the
+/// counts of tens of thousands of blocks, again and again), sorted when written.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct DirtySet(FastMap<u64, ()>);
+
+impl DirtySet {
+    pub(crate) fn insert(&mut self, b: u64) {
+        self.0.insert(b, ());
+    }
+    #[cfg(test)]
+    pub(crate) fn contains(&self, b: &u64) -> bool {
+        self.0.contains_key(b)
+    }
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub(crate) fn clear(&mut self) {
+        self.0.clear();
+    }
+    pub(crate) fn extend(&mut self, it: impl IntoIterator<Item = u64>) {
+        self.0.extend(it.into_iter().map(|b| (b, ())));
+    }
+    /// The members, ascending.
+    pub(crate) fn sorted(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.0.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+    /// The members, ascending, leaving the set empty.
+    pub(crate) fn take_sorted(&mut self) -> Vec<u64> {
+        let v = self.sorted();
+        self.0.clear();
+        v
+    }
+}
+
+impl FromIterator<u64> for DirtySet {
+    fn from_iter<I: IntoIterator<Item = u64>>(it: I) -> DirtySet {
+        let mut s = DirtySet::default();
+        s.extend(it);
+        s
+    }
 }
 
 pub struct SpaceMap {
@@ -41,9 +91,12 @@ pub struct SpaceMap {
     flipped: Vec<u64>,
     cursor: u64,
     /// Bitmaps whose 2-bit encoding changed since the last commit.
-    pub(crate) dirty_bitmaps: BTreeSet<u64>,
+    pub(crate) dirty_bitmaps: DirtySet,
     /// Blocks whose overflow-tree entry (count >= 3) may have changed.
-    pub(crate) overflow_changed: BTreeSet<u64>,
+    pub(crate) overflow_changed: DirtySet,
+    /// So many counts of 3 or more changed that the overflow tree is rebuilt at
+    /// commit from the counts, instead of updated entry by entry.
+    pub(crate) overflow_rebuild: bool,
     /// On-disk location of each bitmap; 0 = not yet allocated.
     pub(crate) bitmap_locs: Vec<u64>,
     /// (nr_free, none_free_before) as last written for each bitmap.
@@ -66,7 +119,8 @@ impl SpaceMap {
             flipped: Vec::new(),
             cursor: 0,
             dirty_bitmaps: (0..nr_bitmaps).collect(),
-            overflow_changed: BTreeSet::new(),
+            overflow_changed: DirtySet::default(),
+            overflow_rebuild: false,
             bitmap_locs: vec![0; nr_bitmaps as usize],
             bitmap_info: vec![(0, 0); nr_bitmaps as usize],
             index_root: 0,
@@ -132,8 +186,12 @@ impl SpaceMap {
         if old.min(3) != new.min(3) {
             self.dirty_bitmaps.insert(b / ENTRIES_PER_BITMAP);
         }
-        if old >= 3 || new >= 3 {
+        if (old >= 3 || new >= 3) && !self.overflow_rebuild {
             self.overflow_changed.insert(b);
+            if self.overflow_changed.len() > OVERFLOW_REBUILD {
+                self.overflow_rebuild = true;
+                self.overflow_changed.clear();
+            }
         }
         Ok(())
     }
@@ -216,6 +274,16 @@ impl SpaceMap {
         }
         self.dirty_bitmaps.clear();
         self.overflow_changed.clear();
+        self.overflow_rebuild = false;
+    }
+
+    /// Every block with a count of 3 or more, ascending, with its count.
+    pub(crate) fn overflow_counts(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c >= 3)
+            .map(|(b, _)| (b as u64, self.count(b as u64)))
     }
 
     /// Set a count of 3 or more found while loading (nr_allocated is the caller's).

@@ -2,9 +2,10 @@
 
 use super::{check_input, req, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs};
 use crate::pdata::FileDev;
-use crate::thin::dump::{dump_with, DumpFormat, DumpOptions, Overrides, Source};
-use crate::thin::{restore, xml, ThinError};
-use std::io::Write;
+use crate::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Overrides, Source};
+use crate::thin::repair::salvage;
+use crate::thin::restore::Restorer;
+use crate::thin::{xml, ThinError};
 use std::path::Path;
 
 /// A failure: silent if the output pipe closed or -q, else its message.
@@ -134,13 +135,13 @@ fn restore_cmd(a: RestoreArgs) -> Outcome {
         Ok(_) => {}
     }
     check_output(&output)?;
-    let text = std::fs::read(&input).map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
-    let text = String::from_utf8(text)
-        .map_err(|_| Failure::Message(format!("{}: not XML (not UTF-8 text)", input.display())))?;
-    let parsed = xml::parse(&text).map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
+    let f = std::fs::File::open(&input).map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
     let dev =
         FileDev::open(&output, true).map_err(|e| Failure::Message(format!("{}: {e}", output.display())))?;
-    restore::restore_with(&parsed, Box::new(dev), &overrides(&a.overrides), !a.quiet)?;
+    let mut r = Restorer::new(Box::new(dev), overrides(&a.overrides), !a.quiet);
+    xml::parse_into(std::io::BufReader::with_capacity(1 << 20, f), &mut r)
+        .map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
+    r.finish()?;
     Ok(())
 }
 
@@ -159,25 +160,24 @@ fn repair_cmd(a: RepairArgs) -> Outcome {
             "the input and the output are the same file: repair into a new one".into(),
         ));
     }
+    // the salvaged pool goes straight from the damaged one into the new one
     let o = DumpOptions {
         repair: true,
         overrides: overrides(&a.overrides),
         ..DumpOptions::default()
     };
-    // the salvaged pool as XML in memory, then restored: one code path for both
-    let mut buf = Vec::new();
-    let warnings = dump_with(Box::new(dev), &o, &mut buf)?;
-    let text = String::from_utf8(buf).map_err(|e| e.to_string())?;
-    let parsed = xml::parse(&text)?;
+    let mut tm = reader(Box::new(dev), 1024);
+    let found = salvage(&mut tm, &o.overrides)?;
     let out =
         FileDev::open(&output, true).map_err(|e| Failure::Message(format!("{}: {e}", output.display())))?;
-    restore::restore_with(&parsed, Box::new(out), &Overrides::default(), !a.quiet)?;
+    let mut r = Restorer::new(Box::new(out), Overrides::default(), !a.quiet);
+    write_plan(&mut tm, &found.plan, &o, &mut r)?;
+    r.finish()?;
     if !a.quiet {
-        for w in warnings {
+        for w in found.warnings {
             eprintln!("{w}");
         }
     }
-    let _ = std::io::stdout().flush();
     Ok(())
 }
 
