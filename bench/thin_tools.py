@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The thin tools against thin-provisioning-tools 1.x (issue 16).
+"""The thin tools against thin-provisioning-tools 1.x (issues 16 and 14).
 
 Metadata with 10^6 mappings in one volume and 100 snapshots of it (the volume
 overwrites 0.1% of its blocks after each snapshot; examples/thin_gen.rs). On that
@@ -63,6 +63,8 @@ def main():
             "dump": lambda d: ([d("thin_dump"), meta], None),
             "restore": lambda d: ([d("thin_restore"), "-q", "-i", xml, "-o", fresh("r")], None),
             "repair": lambda d: ([d("thin_repair"), "-q", "-i", meta, "-o", fresh("p")], None),
+            "ls (usage per device)": lambda d: ([d("thin_ls"), "-o", "DEV,MAPPED_BLOCKS,EXCLUSIVE_BLOCKS,SHARED_BLOCKS", meta], None),
+            "delta (oldest vs newest snapshot)": lambda d: ([d("thin_delta"), "--snap1", "1", "--snap2", str(a.snapshots), meta], None),
         }
         sides = {
             "dmkit": lambda name: os.path.join(t, "bin", name),
@@ -85,7 +87,7 @@ def main():
         dm, rm = max(x[1] for x in d), max(x[1] for x in r)
         rows.append(f"| {tool} | {dt:.2f} s | {rt:.2f} s | **{rt / dt:.1f}×** | {dm:,.0f} MiB | {rm:,.0f} MiB |")
     out = [
-        f"## The thin tools vs thin-provisioning-tools 1.x (issue 16): {a.mappings:,} mappings, {a.snapshots} snapshots",
+        f"## The thin tools vs thin-provisioning-tools 1.x (issues 16, 14): {a.mappings:,} mappings, {a.snapshots} snapshots",
         "",
         f"Produced by `{' '.join(['bench/thin_tools.py'] + sys.argv[1:])}` on `{a.dir}`. The metadata: {made.split(': ', 1)[-1]} "
         f"(`examples/thin_gen.rs`: one volume, a snapshot after every 0.1% of overwrites). "

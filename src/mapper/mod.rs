@@ -407,6 +407,42 @@ pub fn device_extents(dev: &Device, sector: u64, nr: u64, out: &mut Vec<(u64, u3
     }
 }
 
+/// Whether every target of `dev`'s live table can compare with `base`
+/// (`qemu:dirty-bitmap:BASE`); the first reason one cannot.
+pub fn device_check_base(dev: &Device, base: &str) -> Result<(), String> {
+    let guard = dev.live.load();
+    let Some(t) = guard.as_ref() else {
+        return Err("the device has no live table".into());
+    };
+    for e in &t.entries {
+        e.target.check_base(base)?;
+    }
+    Ok(())
+}
+
+/// Changed-block status of `[sector, sector+nr)` against `base`, as
+/// `device_extents` gives allocation status: (bytes, 1 changed / 0 unchanged).
+pub fn device_changed_extents(dev: &Device, base: &str, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    let guard = dev.live.load();
+    let Some(t) = guard.as_ref() else {
+        out.push((nr * SECTOR, 1));
+        return;
+    };
+    let end = (sector + nr).min(t.size);
+    if sector >= end {
+        return;
+    }
+    let mut i = t.entry_at(sector);
+    let mut s = sector;
+    while s < end && i < t.entries.len() {
+        let e = &t.entries[i];
+        let n = (e.start + e.len - s).min(end - s);
+        e.target.changed_extents(base, s - e.start, n, out);
+        s += n;
+        i += 1;
+    }
+}
+
 /// Merge adjacent runs with equal flags.
 pub fn coalesce(ext: &mut Vec<(u64, u32)>) {
     let mut w = 0;

@@ -334,6 +334,18 @@ pub trait Target: Send + Sync {
         let _ = sector;
         out.push((nr * SECTOR, 0));
     }
+    /// Changed-block tracking (the NBD context `qemu:dirty-bitmap:BASE`): whether
+    /// `base` names something this target compares against; Err says why not.
+    fn check_base(&self, base: &str) -> Result<(), String> {
+        let _ = base;
+        Err("the target keeps no changed-block information".into())
+    }
+    /// Ranges of `[sector, sector+nr)` (relative) where the contents may differ
+    /// from `base`: pushes (bytes, 1 changed / 0 unchanged). Default: all changed.
+    fn changed_extents(&self, base: &str, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+        let _ = (base, sector);
+        out.push((nr * SECTOR, 1));
+    }
     /// An I/O this target issued failed; `tag` is what it passed to `remap`.
     fn io_error(&self, tag: u16) {
         let _ = tag;

@@ -73,6 +73,9 @@ struct Slot {
     hdr_len: usize,
     data_len: usize,
     extra: Vec<u8>,
+    /// BLOCK_STATUS: the first chunk's payload is `extra[..extra_first]`; the rest
+    /// of `extra` is further chunks, headers included.
+    extra_first: usize,
 }
 
 impl Slot {
@@ -95,6 +98,7 @@ impl Slot {
             hdr_len: 0,
             data_len: 0,
             extra: Vec::new(),
+            extra_first: 0,
         }
     }
 }
@@ -115,6 +119,8 @@ pub struct Conn {
     tflags: u16,
     structured: bool,
     base_allocation: bool,
+    /// The base of the negotiated `qemu:dirty-bitmap:BASE` context.
+    dirty_base: Option<String>,
     q: IoQueue,
     rbuf: AlignedBuf,
     rpos: usize,
@@ -155,6 +161,7 @@ impl Conn {
             tflags: n.flags,
             structured: n.structured,
             base_allocation: n.base_allocation,
+            dirty_base: n.dirty_base,
             q: IoQueue::new(512),
             rbuf: AlignedBuf::new(RBUF_LEN),
             rpos: 0,
@@ -387,6 +394,7 @@ impl Conn {
             s.then_flush = false;
             s.hooked = false;
             s.extra.clear();
+            s.extra_first = 0;
             if cmd == CMD_WRITE {
                 if u64::from(len) > MAX_PAYLOAD as u64 {
                     if u64::from(len) > MAX_DISCARDED_PAYLOAD {
@@ -460,7 +468,9 @@ impl Conn {
                 Err(EINVAL)
             };
         }
-        if s.cmd == CMD_BLOCK_STATUS && !(self.structured && self.base_allocation) {
+        if s.cmd == CMD_BLOCK_STATUS
+            && !(self.structured && (self.base_allocation || self.dirty_base.is_some()))
+        {
             return Err(EINVAL);
         }
         if end.is_none_or(|e| e > self.size) {
@@ -893,11 +903,12 @@ impl Conn {
             }
             s.data_len = s.len as usize;
         } else if s.cmd == CMD_BLOCK_STATUS {
+            let last = s.extra_first >= s.extra.len();
             h.chunk(
-                REPLY_FLAG_DONE,
+                if last { REPLY_FLAG_DONE } else { 0 },
                 REPLY_TYPE_BLOCK_STATUS,
                 s.cookie,
-                s.extra.len() as u32,
+                s.extra_first.min(s.extra.len()) as u32,
             );
         } else {
             h.simple(0, s.cookie);
@@ -907,31 +918,66 @@ impl Conn {
         self.sendq.push_back(slot);
     }
 
+    /// One BLOCK_STATUS chunk per negotiated context: base:allocation, then the
+    /// changed blocks against the dirty-bitmap base.
     fn block_status(&mut self, slot: usize) {
-        let s = &self.slots[slot];
-        let (sector, nr) = (s.offset / SECTOR, u64::from(s.len) / SECTOR);
-        let req_one = s.flags & CMD_FLAG_REQ_ONE != 0;
-        let mut ext = Vec::new();
-        mapper::device_extents(&self.dev, sector, nr.max(1), &mut ext);
-        mapper::coalesce(&mut ext);
-        if ext.is_empty() {
-            ext.push((u64::from(s.len).max(SECTOR), 0));
+        let (sector, nr, len, req_one, cookie) = {
+            let s = &self.slots[slot];
+            (
+                s.offset / SECTOR,
+                u64::from(s.len) / SECTOR,
+                u64::from(s.len),
+                s.flags & CMD_FLAG_REQ_ONE != 0,
+                s.cookie,
+            )
+        };
+        let mut contexts: Vec<(u32, Vec<(u64, u32)>)> = Vec::new();
+        if self.base_allocation {
+            let mut ext = Vec::new();
+            mapper::device_extents(&self.dev, sector, nr.max(1), &mut ext);
+            contexts.push((BASE_ALLOCATION_ID, ext));
+        }
+        if let Some(base) = &self.dirty_base {
+            let mut ext = Vec::new();
+            mapper::device_changed_extents(&self.dev, base, sector, nr.max(1), &mut ext);
+            contexts.push((DIRTY_BITMAP_ID, ext));
         }
         let s = &mut self.slots[slot];
         s.extra.clear();
-        s.extra.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
-        let mut total = 0u64;
-        for (len, flags) in ext.into_iter().take(if req_one { 1 } else { MAX_EXTENTS }) {
-            // Descriptor lengths are 32-bit; a REQ_ONE answer may not exceed the request.
-            let mut len = len.min(u64::from(u32::MAX) & !(SECTOR - 1));
-            if req_one {
-                len = len.min(u64::from(s.len).max(SECTOR));
+        s.extra_first = 0;
+        let n = contexts.len();
+        for (k, (id, mut ext)) in contexts.into_iter().enumerate() {
+            mapper::coalesce(&mut ext);
+            if ext.is_empty() {
+                ext.push((len.max(SECTOR), 0));
             }
-            s.extra.extend_from_slice(&(len as u32).to_be_bytes());
-            s.extra.extend_from_slice(&flags.to_be_bytes());
-            total += len;
-            if total >= u64::from(s.len) {
-                break;
+            let mut payload = id.to_be_bytes().to_vec();
+            let mut total = 0u64;
+            for (l, flags) in ext.into_iter().take(if req_one { 1 } else { MAX_EXTENTS }) {
+                // Descriptor lengths are 32-bit; a REQ_ONE answer may not exceed the request.
+                let mut l = l.min(u64::from(u32::MAX) & !(SECTOR - 1));
+                if req_one {
+                    l = l.min(len.max(SECTOR));
+                }
+                payload.extend_from_slice(&(l as u32).to_be_bytes());
+                payload.extend_from_slice(&flags.to_be_bytes());
+                total += l;
+                if total >= len {
+                    break;
+                }
+            }
+            if k == 0 {
+                s.extra.extend_from_slice(&payload);
+                s.extra_first = payload.len();
+            } else {
+                // a chunk header of its own: magic, flags, type, cookie, length
+                let flags = if k + 1 == n { REPLY_FLAG_DONE } else { 0 };
+                s.extra.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+                s.extra.extend_from_slice(&flags.to_be_bytes());
+                s.extra.extend_from_slice(&REPLY_TYPE_BLOCK_STATUS.to_be_bytes());
+                s.extra.extend_from_slice(&cookie.to_be_bytes());
+                s.extra.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+                s.extra.extend_from_slice(&payload);
             }
         }
         self.finish(slot);

@@ -12,6 +12,8 @@ pub struct Negotiated {
     pub flags: u16,
     pub structured: bool,
     pub base_allocation: bool,
+    /// The base of the `qemu:dirty-bitmap:BASE` context, if selected.
+    pub dirty_base: Option<String>,
 }
 
 /// Negotiation state that options build up.
@@ -19,21 +21,25 @@ struct State {
     no_zeroes: bool,
     fixed: bool,
     structured: bool,
-    /// The export (device) of the last SET_META_CONTEXT that selected base:allocation.
+    /// The export (device) of the last SET_META_CONTEXT that selected a context,
+    /// and what it selected.
     meta_export: Option<Arc<Device>>,
+    meta_allocation: bool,
+    meta_dirty: Option<String>,
 }
 
 impl State {
-    /// The outcome of entering transmission on `dev`: base:allocation counts only if
-    /// the last SET_META_CONTEXT named this same export.
+    /// The outcome of entering transmission on `dev`: contexts count only if the
+    /// last SET_META_CONTEXT named this same export.
     fn negotiated(&self, dev: Arc<Device>, size: u64, flags: u16) -> Negotiated {
-        let base_allocation = self.meta_export.as_ref().is_some_and(|m| Arc::ptr_eq(m, &dev));
+        let same = self.meta_export.as_ref().is_some_and(|m| Arc::ptr_eq(m, &dev));
         Negotiated {
             dev,
             size,
             flags,
             structured: self.structured,
-            base_allocation,
+            base_allocation: same && self.meta_allocation,
+            dirty_base: self.meta_dirty.clone().filter(|_| same),
         }
     }
 }
@@ -120,6 +126,8 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
         fixed: cflags & FLAG_C_FIXED_NEWSTYLE != 0,
         structured: false,
         meta_export: None,
+        meta_allocation: false,
+        meta_dirty: None,
     };
     for _ in 0..MAX_OPTIONS {
         let mut h = [0u8; 16];
@@ -287,7 +295,10 @@ fn info_go<S: Write>(
     Ok(None)
 }
 
-/// LIST/SET_META_CONTEXT: only base:allocation exists.
+/// LIST/SET_META_CONTEXT: base:allocation, and qemu:dirty-bitmap:BASE where the
+/// export's targets can compare with BASE (a thin device against an older thin of
+/// its pool it shares data with). A context that cannot be given is left out of
+/// the answer, as the protocol says, and the log says why.
 fn meta_context<S: Write>(
     s: &mut S,
     reg: &Registry,
@@ -298,6 +309,8 @@ fn meta_context<S: Write>(
     let set = opt == OPT_SET_META_CONTEXT;
     if set {
         st.meta_export = None;
+        st.meta_allocation = false;
+        st.meta_dirty = None;
         if !st.structured {
             return err(
                 s,
@@ -338,17 +351,46 @@ fn meta_context<S: Write>(
         Ok(d) => d,
         Err(e) => return err(s, opt, REP_ERR_UNKNOWN, &e),
     };
-    let matches = if set {
+    let allocation = if set {
         queries.iter().any(|q| q == BASE_ALLOCATION)
     } else {
         queries.is_empty() || queries.iter().any(|q| q == BASE_ALLOCATION || q == "base:")
     };
-    if matches {
+    if allocation {
         let id = if set { BASE_ALLOCATION_ID } else { 0 };
         let mut p = id.to_be_bytes().to_vec();
         p.extend_from_slice(BASE_ALLOCATION.as_bytes());
         reply(s, opt, REP_META_CONTEXT, &p)?;
         if set {
+            st.meta_allocation = true;
+        }
+    }
+    let mut dirty = None;
+    for q in &queries {
+        let Some(base) = q.strip_prefix(DIRTY_BITMAP_PREFIX) else {
+            if q != BASE_ALLOCATION && q != "base:" {
+                tracing::info!("NBD: export '{name}': unknown meta context '{q}' left out");
+            }
+            continue;
+        };
+        if dirty.is_some() {
+            tracing::info!("NBD: export '{name}': one dirty-bitmap context at a time; '{q}' left out");
+            continue;
+        }
+        match crate::mapper::device_check_base(&dev, base) {
+            Ok(()) => {
+                let id = if set { DIRTY_BITMAP_ID } else { 0 };
+                let mut p = id.to_be_bytes().to_vec();
+                p.extend_from_slice(q.as_bytes());
+                reply(s, opt, REP_META_CONTEXT, &p)?;
+                dirty = Some(base.to_string());
+            }
+            Err(why) => tracing::warn!("NBD: export '{name}': meta context '{q}' refused: {why}"),
+        }
+    }
+    if set {
+        st.meta_dirty = dirty;
+        if st.meta_allocation || st.meta_dirty.is_some() {
             st.meta_export = Some(dev);
         }
     }

@@ -77,9 +77,12 @@ pub const EOVERFLOW: u32 = 75;
 pub const ENOTSUP: u32 = 95;
 pub const ESHUTDOWN: u32 = 108;
 
-/// The one metadata context served.
+/// The metadata contexts served: allocation, and changed blocks against a base
+/// (`qemu:dirty-bitmap:BASE`, the name qemu's clients read a dirty bitmap by).
 pub const BASE_ALLOCATION: &str = "base:allocation";
 pub const BASE_ALLOCATION_ID: u32 = 1;
+pub const DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
+pub const DIRTY_BITMAP_ID: u32 = 2;
 
 /// Limits: advertised block sizes and the defences against hostile clients.
 pub const MIN_BLOCK: u32 = 512;

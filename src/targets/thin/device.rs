@@ -475,13 +475,92 @@ impl Target for ThinDev {
     }
     fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
         // Unmapped blocks are holes (zeroes unless an external origin shows through).
+        // A lookup that fails says "data": a client then reads it (and gets the
+        // error), where "hole" would let it skip data it should have copied.
         let hole = if self.origin.is_some() { 1 } else { 3 };
         let mut m = self.pool.lock();
         let mut s = sector;
         while s < sector + nr {
             let n = (self.bs - s % self.bs).min(sector + nr - s);
-            let mapped = matches!(m.md.lookup(self.id, s / self.bs), Ok(Some(_)));
-            out.push((n * SECTOR, if mapped { 0 } else { hole }));
+            let unmapped = matches!(m.md.lookup(self.id, s / self.bs), Ok(None));
+            out.push((n * SECTOR, if unmapped { hole } else { 0 }));
+            s += n;
+        }
+    }
+    /// A base is an older thin of the same pool this device still shares data
+    /// with (a snapshot it came from, or one taken of it): its id, as a number.
+    fn check_base(&self, base: &str) -> Result<(), String> {
+        let b: u64 = base
+            .parse()
+            .map_err(|_| format!("base '{base}' is not a thin device id of the pool"))?;
+        if b == self.id {
+            return Err(format!("base {b} is the device itself"));
+        }
+        let mut m = self.pool.lock();
+        if m.md.device_details(b).is_err() {
+            return Err(format!("thin device {b} does not exist in the pool"));
+        }
+        // related: they share a data block, or the base maps nothing
+        let mut base_blocks = std::collections::HashSet::new();
+        m.md.mappings_in(b, 0, u64::MAX, &mut |_, d, _| {
+            base_blocks.insert(d);
+        })
+        .map_err(|e| format!("reading thin device {b}: {e}"))?;
+        if base_blocks.is_empty() {
+            return Ok(());
+        }
+        let mut shared = false;
+        m.md.mappings_in(self.id, 0, u64::MAX, &mut |_, d, _| {
+            shared |= base_blocks.contains(&d)
+        })
+        .map_err(|e| format!("reading thin device {}: {e}", self.id))?;
+        if shared {
+            Ok(())
+        } else {
+            Err(format!(
+                "thin device {b} shares no data with thin device {}: not an ancestor",
+                self.id
+            ))
+        }
+    }
+    /// Blocks whose mapping differs from the base's (mapped to another data block,
+    /// or mapped in one and not the other) are changed.
+    fn changed_extents(&self, base: &str, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+        let Ok(b) = base.parse::<u64>() else {
+            out.push((nr * SECTOR, 1));
+            return;
+        };
+        let (lo, hi) = (sector / self.bs, (sector + nr).div_ceil(self.bs));
+        let mut m = self.pool.lock();
+        let mut mine = Vec::new();
+        let mut theirs = Vec::new();
+        let ok =
+            m.md.mappings_in(self.id, lo, hi, &mut |v, d, _| mine.push((v, d)))
+                .is_ok()
+                && m.md
+                    .mappings_in(b, lo, hi, &mut |v, d, _| theirs.push((v, d)))
+                    .is_ok();
+        drop(m);
+        if !ok {
+            // unreadable metadata: everything may have changed
+            out.push((nr * SECTOR, 1));
+            return;
+        }
+        let (mut i, mut j) = (0, 0);
+        let mut s = sector;
+        let end = sector + nr;
+        while s < end {
+            let blk = s / self.bs;
+            let n = (self.bs - s % self.bs).min(end - s);
+            while i < mine.len() && mine[i].0 < blk {
+                i += 1;
+            }
+            while j < theirs.len() && theirs[j].0 < blk {
+                j += 1;
+            }
+            let a = mine.get(i).filter(|x| x.0 == blk).map(|x| x.1);
+            let c = theirs.get(j).filter(|x| x.0 == blk).map(|x| x.1);
+            out.push((n * SECTOR, u32::from(a != c)));
             s += n;
         }
     }

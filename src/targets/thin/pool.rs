@@ -252,6 +252,21 @@ impl Target for ThinPool {
                 self.run(|md, _| md.reserve_metadata_snap().map(|_| ()))
             }
             ["release_metadata_snap"] => self.run(|md, _| md.release_metadata_snap()),
+            // dmkit's own: thin_ls and thin_delta on the live pool, no metadata
+            // snapshot needed (`dmkit thin ls /dev/mapper/POOL`). The pool commits,
+            // then holds its metadata lock, so no commit moves the trees being read.
+            ["thin_ls", ..] | ["thin_delta", ..] => {
+                if let Err(e) = self.pool.commit_now() {
+                    tracing::warn!(
+                        "thin-pool {}: commit before {cmd}: {e}",
+                        self.pool.metadata_path.display()
+                    );
+                }
+                let _m = self.pool.lock();
+                let dev = crate::pdata::FileDev::open(&self.pool.metadata_path, false)
+                    .map_err(|e| format!("{}: {e}", self.pool.metadata_path.display()))?;
+                crate::thin::cli::online_tool(Box::new(dev), words)
+            }
             _ => Err(format!(
                 "unknown or malformed thin-pool message '{}'",
                 words.join(" ")

@@ -33,6 +33,8 @@ pub const TOOLS: &[(&str, &str)] = &[
     ("thin_ls", "ls"),
 ];
 
+pub use other::online as online_tool;
+
 /// Exit status of a failed tool (sysexits' EX_USAGE, as in 1.x).
 pub const EXIT_FAILURE: i32 = 64;
 

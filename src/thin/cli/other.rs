@@ -17,7 +17,7 @@ use std::path::Path;
 fn open(p: &Path) -> Result<TransactionManager, Failure> {
     check_input(p)?;
     let dev = FileDev::open(p, false).map_err(|e| Failure::Message(format!("{}: {e}", p.display())))?;
-    Ok(reader(Box::new(dev), 4096))
+    Ok(reader(Box::new(dev), 256))
 }
 
 fn load(tm: &mut TransactionManager, metadata_snap: bool) -> Result<(Superblock, Plan), Failure> {
@@ -175,44 +175,130 @@ impl Delta {
 /// A delta range: kind, first block, length, first data block(s) left and right.
 type Range = (Delta, u64, u64, u64, u64);
 
-/// The ranges where two sorted mapping lists agree or differ, thin-contiguous
-/// ranges of one kind merged.
-pub fn delta_ranges(l: &[(u64, u64, u32)], r: &[(u64, u64, u32)]) -> Vec<Range> {
+/// A device's mappings a leaf at a time: (virtual block, data block).
+struct Cursor {
+    leaves: Vec<u64>,
+    li: usize,
+    entries: Vec<(u64, u64)>,
+    ei: usize,
+}
+
+impl Cursor {
+    fn new(tm: &mut TransactionManager, root: u64) -> Result<Cursor, Failure> {
+        let (leaves, _) = btree::leaves(tm, root, 8, false).map_err(|e| Failure::Message(e.to_string()))?;
+        Ok(Cursor {
+            leaves,
+            li: 0,
+            entries: Vec::new(),
+            ei: 0,
+        })
+    }
+
+    /// At the start of leaf `li` (nothing of it taken yet).
+    fn at_leaf_start(&self) -> Option<u64> {
+        (self.ei >= self.entries.len())
+            .then(|| self.leaves.get(self.li).copied())
+            .flatten()
+    }
+
+    fn load(&mut self, tm: &mut TransactionManager) -> Result<(), Failure> {
+        while self.ei >= self.entries.len() && self.li < self.leaves.len() {
+            let b = self.leaves[self.li];
+            self.li += 1;
+            let d = tm
+                .read(b, BlockKind::BtreeNode)
+                .map_err(|e| Failure::Message(e.to_string()))?;
+            node::check_header(b, d, 8).map_err(|e| Failure::Message(e.to_string()))?;
+            self.entries.clear();
+            self.entries
+                .extend((0..node::nr_entries(d)).map(|i| (node::key(d, i), node::value_u64(d, i) >> 24)));
+            self.ei = 0;
+        }
+        Ok(())
+    }
+
+    fn peek(&mut self, tm: &mut TransactionManager) -> Result<Option<(u64, u64)>, Failure> {
+        self.load(tm)?;
+        Ok(self.entries.get(self.ei).copied())
+    }
+}
+
+/// The ranges where two devices' mappings agree or differ, thin-contiguous ranges
+/// of one kind merged; read a leaf at a time, and a leaf both share is read once.
+fn delta_stream(tm: &mut TransactionManager, lroot: u64, rroot: u64) -> Result<Vec<Range>, Failure> {
+    let (mut l, mut r) = (Cursor::new(tm, lroot)?, Cursor::new(tm, rroot)?);
     let mut out: Vec<Range> = Vec::new();
-    let (mut i, mut j) = (0, 0);
     let mut push = |k: Delta, v: u64, dl: u64, dr: u64| match out.last_mut() {
         Some((pk, pv, len, _, _)) if *pk == k && *pv + *len == v => *len += 1,
         _ => out.push((k, v, 1, dl, dr)),
     };
-    while i < l.len() || j < r.len() {
-        match (l.get(i), r.get(j)) {
+    loop {
+        // the same leaf on both sides: all of it is the same
+        if let (Some(a), Some(b)) = (l.at_leaf_start(), r.at_leaf_start()) {
+            if a == b {
+                l.load(tm)?;
+                for &(v, d) in &l.entries {
+                    push(Delta::Same, v, d, d);
+                }
+                l.ei = l.entries.len();
+                r.li += 1;
+                continue;
+            }
+        }
+        match (l.peek(tm)?, r.peek(tm)?) {
             (Some(a), Some(b)) if a.0 == b.0 => {
                 let k = if a.1 == b.1 { Delta::Same } else { Delta::Different };
                 push(k, a.0, a.1, b.1);
-                i += 1;
-                j += 1;
+                l.ei += 1;
+                r.ei += 1;
             }
             (Some(a), Some(b)) if a.0 < b.0 => {
                 push(Delta::LeftOnly, a.0, a.1, 0);
-                i += 1;
+                l.ei += 1;
             }
             (Some(a), None) => {
                 push(Delta::LeftOnly, a.0, a.1, 0);
-                i += 1;
+                l.ei += 1;
             }
             (_, Some(b)) => {
                 push(Delta::RightOnly, b.0, 0, b.1);
-                j += 1;
+                r.ei += 1;
             }
             (None, None) => break,
         }
     }
-    out
+    Ok(out)
 }
 
 pub fn run_delta(a: DeltaArgs) -> Outcome {
-    let mut tm = open(&req(a.input))?;
-    let (sb, plan) = load(&mut tm, a.metadata_snap)?;
+    let input = req(a.input.clone());
+    if let Some(pool) = live_pool(&input) {
+        let mut words = vec!["thin_delta".to_string()];
+        for (f, v) in [
+            ("--thin1", a.thin1),
+            ("--thin2", a.thin2),
+            ("--root1", a.root1),
+            ("--root2", a.root2),
+        ] {
+            if let Some(v) = v {
+                words.extend([f.to_string(), v.to_string()]);
+            }
+        }
+        if a.verbose {
+            words.push("--verbose".into());
+        }
+        if a.metadata_snap {
+            words.push("-m".into());
+        }
+        return ask_daemon(pool, words);
+    }
+    let mut tm = open(&input)?;
+    emit(&delta_text(&mut tm, &a)?)
+}
+
+/// thin_delta's output for `a` on the metadata `tm` reads.
+pub fn delta_text(tm: &mut TransactionManager, a: &DeltaArgs) -> Result<String, Failure> {
+    let (sb, plan) = load(tm, a.metadata_snap)?;
     let side = |n: u8, thin: Option<u64>, root: Option<u64>| -> Result<(String, u64), Failure> {
         match (thin, root) {
             (Some(t), _) => plan
@@ -230,9 +316,7 @@ pub fn run_delta(a: DeltaArgs) -> Outcome {
     };
     let (lattr, lroot) = side(1, a.thin1, a.root1)?;
     let (rattr, rroot) = side(2, a.thin2, a.root2)?;
-    let l = mappings(&mut tm, lroot)?;
-    let r = mappings(&mut tm, rroot)?;
-    let ranges = delta_ranges(&l, &r);
+    let ranges = delta_stream(tm, lroot, rroot)?;
     let flags = if sb.flags & crate::thin::superblock::NEEDS_CHECK != 0 {
         " flags=\"1\""
     } else {
@@ -275,7 +359,7 @@ pub fn run_delta(a: DeltaArgs) -> Outcome {
         let _ = writeln!(s, "    </{}>", o.tag());
     }
     s.push_str("  </diff>\n</superblock>");
-    emit(&s)
+    Ok(s)
 }
 
 // ---- thin_ls ---------------------------------------------------------------
@@ -391,8 +475,32 @@ pub fn usage(
 }
 
 pub fn run_ls(a: LsArgs) -> Outcome {
-    let mut tm = open(&req(a.input))?;
-    let (sb, plan) = load(&mut tm, a.metadata_snap)?;
+    let input = req(a.input.clone());
+    if let Some(pool) = live_pool(&input) {
+        let mut words = vec!["thin_ls".to_string()];
+        if !a.format.is_empty() {
+            let names: Vec<&str> = a.format.iter().map(|&f| LS_FIELDS[f]).collect();
+            words.extend(["-o".to_string(), names.join(",")]);
+        }
+        if a.no_headers {
+            words.push("--no-headers".into());
+        }
+        if a.metadata_snap {
+            words.push("-m".into());
+        }
+        return ask_daemon(pool, words);
+    }
+    let mut tm = open(&input)?;
+    let counting = a.format.is_empty() || a.format.iter().any(|&f| (1..17).contains(&f));
+    if counting {
+        eprintln!("Scanning data mappings");
+    }
+    emit(&ls_text(&mut tm, &a)?)
+}
+
+/// thin_ls's output for `a` on the metadata `tm` reads.
+pub fn ls_text(tm: &mut TransactionManager, a: &LsArgs) -> Result<String, Failure> {
+    let (sb, plan) = load(tm, a.metadata_snap)?;
     let fields: Vec<usize> = if a.format.is_empty() {
         ["DEV", "MAPPED", "CREATE_TIME", "SNAP_TIME"]
             .iter()
@@ -403,8 +511,7 @@ pub fn run_ls(a: LsArgs) -> Outcome {
     };
     let counting = fields.iter().any(|&f| (1..17).contains(&f));
     let usage = if counting {
-        eprintln!("Scanning data mappings");
-        usage(&mut tm, &plan, sb.data_sm_root.nr_blocks)?
+        usage(tm, &plan, sb.data_sm_root.nr_blocks)?
     } else {
         vec![(0, 0, None); plan.devices.len()]
     };
@@ -456,7 +563,63 @@ pub fn run_ls(a: LsArgs) -> Outcome {
         }
         s.push('\n');
     }
-    emit(&s)
+    Ok(s)
+}
+
+/// `/dev/mapper/NAME` when no such file exists: the pool NAME in the daemon.
+fn live_pool(input: &Path) -> Option<String> {
+    let name = input.strip_prefix("/dev/mapper/").ok()?.to_str()?;
+    (!input.exists() && !name.is_empty() && !name.contains('/')).then(|| name.to_string())
+}
+
+/// Run a tool on a live pool: a message to the pool through the daemon, which
+/// commits, holds the metadata still and answers from the committed trees.
+fn ask_daemon(pool: String, tool_words: Vec<String>) -> Outcome {
+    let sock = crate::daemon::default_run_dir().join("control.sock");
+    let mut s = std::os::unix::net::UnixStream::connect(&sock).map_err(|e| {
+        Failure::Message(format!(
+            "cannot reach the dmkit daemon at {} for pool {pool}: {e}",
+            sock.display()
+        ))
+    })?;
+    let mut words = vec!["message".to_string(), pool, "0".to_string()];
+    words.extend(tool_words);
+    let (ok, out, err) = crate::control::call(&mut s, &words, b"")
+        .map_err(|e| Failure::Message(format!("talking to the daemon: {e}")))?;
+    if !ok {
+        // the pool's own words, without the registry's "NAME: message '...' refused: "
+        let e = err.trim_end();
+        let e = e.rsplit_once(" refused: ").map_or(e, |x| x.1);
+        return Err(Failure::Message(e.to_string()));
+    }
+    // the tool's text, and the one newline `online` added to it
+    emit(out.strip_suffix('\n').unwrap_or(&out))
+}
+
+/// A tool run inside the daemon on a live pool's metadata (`words`: the tool's
+/// name and arguments, as [`run_ls`] and [`run_delta`] send them).
+pub fn online(dev: Box<dyn crate::pdata::MetadataDev>, words: &[String]) -> Result<String, String> {
+    use clap::Parser;
+    let mut tm = reader(dev, 4096);
+    let argv = words.iter().cloned().chain(std::iter::once("-".to_string()));
+    let r = match words.first().map(String::as_str) {
+        Some("thin_ls") => super::LsArgs::try_parse_from(argv)
+            .map_err(|e| e.to_string())
+            .and_then(|a| ls_text(&mut tm, &a).map_err(failure_text)),
+        Some("thin_delta") => super::DeltaArgs::try_parse_from(argv)
+            .map_err(|e| e.to_string())
+            .and_then(|a| delta_text(&mut tm, &a).map_err(failure_text)),
+        _ => Err("unknown tool".into()),
+    };
+    // one newline more, which the client takes off: the text arrives exactly
+    r.map(|t| t + "\n").map_err(|e| e.trim_end().to_string())
+}
+
+fn failure_text(f: Failure) -> String {
+    match f {
+        Failure::Message(m) => m,
+        Failure::Quiet(c) => format!("failed ({c})"),
+    }
 }
 
 #[cfg(test)]
@@ -470,24 +633,5 @@ mod tests {
         assert_eq!(pretty_size((319 * 128 * 512) - 1), "20MiB");
         assert_eq!(pretty_size(25_000 * 65536), "1562MiB");
         assert_eq!(pretty_size(10 * 65536), "640KiB");
-    }
-
-    #[test]
-    fn delta_merges_contiguous_ranges_of_one_kind() {
-        let l = [(0, 0, 0), (1, 1, 0), (2, 2, 0), (5, 9, 0)];
-        let r = [(0, 0, 0), (1, 7, 0), (2, 8, 0), (6, 3, 0)];
-        let k: Vec<(&str, u64, u64)> = delta_ranges(&l, &r)
-            .iter()
-            .map(|x| (x.0.tag(), x.1, x.2))
-            .collect();
-        assert_eq!(
-            k,
-            vec![
-                ("same", 0, 1),
-                ("different", 1, 2),
-                ("left_only", 5, 1),
-                ("right_only", 6, 1)
-            ]
-        );
     }
 }
