@@ -297,3 +297,53 @@ fn online_ls_and_delta_match_the_reference() {
         "Unable to find mapping tree for snap2 (9)"
     );
 }
+
+/// A metadata error met by block status fails the request, names the block in
+/// the log, and puts the pool in the kernel's failure mode (read-only,
+/// needs_check): never a "hole" a copy would skip.
+#[test]
+fn block_status_on_damaged_metadata_fails_the_request_and_the_pool() {
+    need("nbdinfo");
+    let d = Daemon::start("cbt-damage");
+    pool_with_history(&d);
+    for n in ["s2", "s1", "vol", "pool"] {
+        d.ok(&["remove", n]);
+    }
+    // a fresh daemon on a copy: nothing of the pool cached
+    let d2 = Daemon::start("cbt-damage2");
+    for f in ["meta.img", "data.img"] {
+        std::fs::copy(d.dir.path(f), d2.dir.path(f)).unwrap();
+    }
+    drop(d);
+    let d = d2;
+    // the root of volume 0's mapping tree (an internal node: 1,000+ mappings)
+    let meta = d.dir.path("meta.img");
+    let root = {
+        let mut tm =
+            dmkit::thin::dump::reader(Box::new(dmkit::pdata::FileDev::open(&meta, false).unwrap()), 64);
+        let sb = dmkit::thin::metadata::read_superblock(&mut tm.cache).unwrap();
+        let plan = dmkit::thin::dump::plan_of(&mut tm, &sb).unwrap();
+        plan.devices.iter().find(|x| x.0 == 0).unwrap().2
+    };
+    let f = std::fs::OpenOptions::new().write(true).open(&meta).unwrap();
+    f.write_all_at(&[0xff; 16], root * 4096 + 64).unwrap();
+    drop(f);
+    let data = d.dir.path("data.img");
+    d.create(
+        "pool",
+        &format!("0 2097152 thin-pool {} {} 128 0", meta.display(), data.display()),
+    );
+    d.create("vol", "0 524288 thin /dev/mapper/pool 0");
+    let e = map(&d, "vol", "base:allocation").unwrap_err();
+    assert!(!e.is_empty());
+    let status = d.ok(&["status", "pool"]);
+    assert!(
+        status.contains(" ro ") && status.contains("needs_check"),
+        "{status}"
+    );
+    let log = d.log();
+    assert!(
+        log.contains("block status") && log.contains(&format!("metadata block {root}")),
+        "{log}"
+    );
+}

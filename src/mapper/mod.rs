@@ -386,25 +386,44 @@ pub fn report_io_error(holds: &[Hold], origin: (u16, u32, u16)) {
 }
 
 /// Allocation status of `[sector, sector+nr)` of `dev`, as (bytes, NBD flags) runs.
-pub fn device_extents(dev: &Device, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+pub fn device_extents(dev: &Device, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    for_each_piece(dev, sector, nr, out, 0, &mut |t, s, n, out| t.extents(s, n, out))
+}
+
+/// A per-piece status function: the target, the piece (relative), the output.
+type PieceFn<'a> =
+    dyn FnMut(&dyn crate::targets::Target, u64, u64, &mut Vec<(u64, u32)>) -> Result<(), String> + 'a;
+
+/// Call `f` for each table entry's piece of `[sector, sector+nr)` (the target,
+/// and the piece relative to the entry); with no live table, all of it is
+/// `no_table` (base:allocation's data, or the dirty bitmap's "changed").
+fn for_each_piece(
+    dev: &Device,
+    sector: u64,
+    nr: u64,
+    out: &mut Vec<(u64, u32)>,
+    no_table: u32,
+    f: &mut PieceFn,
+) -> Result<(), String> {
     let guard = dev.live.load();
     let Some(t) = guard.as_ref() else {
-        out.push((nr * SECTOR, 0));
-        return;
+        out.push((nr * SECTOR, no_table));
+        return Ok(());
     };
     let end = (sector + nr).min(t.size);
     if sector >= end {
-        return;
+        return Ok(());
     }
     let mut i = t.entry_at(sector);
     let mut s = sector;
     while s < end && i < t.entries.len() {
         let e = &t.entries[i];
         let n = (e.start + e.len - s).min(end - s);
-        e.target.extents(s - e.start, n, out);
+        f(e.target.as_ref(), s - e.start, n, out)?;
         s += n;
         i += 1;
     }
+    Ok(())
 }
 
 /// Whether every target of `dev`'s live table can compare with `base`
@@ -422,25 +441,16 @@ pub fn device_check_base(dev: &Device, base: &str) -> Result<(), String> {
 
 /// Changed-block status of `[sector, sector+nr)` against `base`, as
 /// `device_extents` gives allocation status: (bytes, 1 changed / 0 unchanged).
-pub fn device_changed_extents(dev: &Device, base: &str, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
-    let guard = dev.live.load();
-    let Some(t) = guard.as_ref() else {
-        out.push((nr * SECTOR, 1));
-        return;
-    };
-    let end = (sector + nr).min(t.size);
-    if sector >= end {
-        return;
-    }
-    let mut i = t.entry_at(sector);
-    let mut s = sector;
-    while s < end && i < t.entries.len() {
-        let e = &t.entries[i];
-        let n = (e.start + e.len - s).min(end - s);
-        e.target.changed_extents(base, s - e.start, n, out);
-        s += n;
-        i += 1;
-    }
+pub fn device_changed_extents(
+    dev: &Device,
+    base: &str,
+    sector: u64,
+    nr: u64,
+    out: &mut Vec<(u64, u32)>,
+) -> Result<(), String> {
+    for_each_piece(dev, sector, nr, out, 1, &mut |t, s, n, out| {
+        t.changed_extents(base, s, n, out)
+    })
 }
 
 /// Merge adjacent runs with equal flags.

@@ -99,9 +99,9 @@ impl Target for Delay {
     fn devices(&self) -> Vec<&DevRef> {
         self.classes.iter().map(|c| &c.dev).collect()
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
         let c = &self.classes[0];
-        dev_extents(&c.dev, c.offset + sector, nr, out);
+        dev_extents(&c.dev, c.offset + sector, nr, out)
     }
     fn presuspend(&self) {
         self.released.store(true, Ordering::SeqCst);

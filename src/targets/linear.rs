@@ -43,7 +43,7 @@ impl Target for Linear {
     fn flush_bypasses_map(&self) -> bool {
         true
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
-        dev_extents(&self.dev, self.offset + sector, nr, out);
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+        dev_extents(&self.dev, self.offset + sector, nr, out)
     }
 }

@@ -329,10 +329,12 @@ pub trait Target: Send + Sync {
         Limits::stacked(&self.devices())
     }
     /// Allocation status of `[sector, sector+nr)` (relative): pushes (bytes, flags)
-    /// with NBD's base:allocation bits (1 hole, 2 zero). Default: all data.
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    /// with NBD's base:allocation bits (1 hole, 2 zero). Default: all data. Err: the
+    /// status cannot be known (metadata failed): the request fails, never guesses.
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
         let _ = sector;
         out.push((nr * SECTOR, 0));
+        Ok(())
     }
     /// Changed-block tracking (the NBD context `qemu:dirty-bitmap:BASE`): whether
     /// `base` names something this target compares against; Err says why not.
@@ -342,9 +344,16 @@ pub trait Target: Send + Sync {
     }
     /// Ranges of `[sector, sector+nr)` (relative) where the contents may differ
     /// from `base`: pushes (bytes, 1 changed / 0 unchanged). Default: all changed.
-    fn changed_extents(&self, base: &str, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    fn changed_extents(
+        &self,
+        base: &str,
+        sector: u64,
+        nr: u64,
+        out: &mut Vec<(u64, u32)>,
+    ) -> Result<(), String> {
         let _ = (base, sector);
         out.push((nr * SECTOR, 1));
+        Ok(())
     }
     /// An I/O this target issued failed; `tag` is what it passed to `remap`.
     fn io_error(&self, tag: u16) {
@@ -369,15 +378,17 @@ pub trait Target: Send + Sync {
 
 /// Extents of a device range through a device reference (file holes, or a stacked
 /// dmkit device's own extents).
-pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
     match dev {
         DevRef::File(f) => {
+            // a file that cannot say where its holes are is all data
             let mut ext = Vec::new();
             if f.extents(sector * SECTOR, nr * SECTOR, &mut ext).is_err() {
                 out.push((nr * SECTOR, 0));
-                return;
+                return Ok(());
             }
             out.extend(ext.into_iter().map(|(len, hole)| (len, if hole { 3 } else { 0 })));
+            Ok(())
         }
         DevRef::Dm(d) => crate::mapper::device_extents(&d.0, sector, nr, out),
     }

@@ -180,15 +180,16 @@ impl Target for Striped {
     fn flush_bypasses_map(&self) -> bool {
         true
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
         let mut done = 0;
         while done < nr {
             let s = sector + done;
             let n = (self.chunk - s % self.chunk).min(nr - done);
             let (stripe, dev_sector) = self.locate(s);
-            dev_extents(&self.stripes[stripe].dev, dev_sector, n, out);
+            dev_extents(&self.stripes[stripe].dev, dev_sector, n, out)?;
             done += n;
         }
+        Ok(())
     }
     fn io_error(&self, tag: u16) {
         if let Some(s) = self.stripes.get(tag as usize) {

@@ -39,7 +39,8 @@ impl Target for Zero {
             io_opt: 0,
         }
     }
-    fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
         out.push((nr * SECTOR, 3));
+        Ok(())
     }
 }

@@ -249,15 +249,7 @@ struct XmlSink<'a, 'b>(&'a mut Out<'b>);
 
 impl Visitor for XmlSink<'_, '_> {
     fn begin(&mut self, h: &Header) -> Result<()> {
-        self.0.buf.push_str(&xml::superblock_open(&XmlSuperblock {
-            uuid: String::new(),
-            time: h.time,
-            transaction: h.transaction,
-            flags: h.flags,
-            version: h.version,
-            data_block_size: h.data_block_size,
-            nr_data_blocks: h.nr_data_blocks,
-        }));
+        self.0.buf.push_str(&xml::superblock_open(&XmlSuperblock::of(h)));
         Ok(())
     }
     fn def_begin(&mut self, name: &str) -> Result<()> {
@@ -269,14 +261,7 @@ impl Visitor for XmlSink<'_, '_> {
         self.0.spill()
     }
     fn device_begin(&mut self, dev: u64, d: &DeviceDetails) -> Result<()> {
-        self.0.buf.push_str(&xml::device_open(&XmlDevice {
-            dev_id: dev,
-            mapped_blocks: d.mapped_blocks,
-            transaction: d.transaction_id,
-            creation_time: d.creation_time,
-            snap_time: d.snapshotted_time,
-            pieces: Vec::new(),
-        }));
+        self.0.buf.push_str(&xml::device_open(&XmlDevice::of(dev, d)));
         Ok(())
     }
     fn device_end(&mut self) -> Result<()> {

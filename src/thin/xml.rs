@@ -20,6 +20,21 @@ pub struct XmlSuperblock {
     pub nr_data_blocks: u64,
 }
 
+impl XmlSuperblock {
+    /// The superblock element of a dump's header (no uuid: 1.x writes none).
+    pub fn of(h: &super::dump::Header) -> XmlSuperblock {
+        XmlSuperblock {
+            uuid: String::new(),
+            time: h.time,
+            transaction: h.transaction,
+            flags: h.flags,
+            version: h.version,
+            data_block_size: h.data_block_size,
+            nr_data_blocks: h.nr_data_blocks,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct XmlDevice {
     pub dev_id: u64,
@@ -65,6 +80,18 @@ impl Run {
 }
 
 impl XmlDevice {
+    /// A device element, mappings to follow, from its details.
+    pub fn of(dev: u64, d: &super::superblock::DeviceDetails) -> XmlDevice {
+        XmlDevice {
+            dev_id: dev,
+            mapped_blocks: d.mapped_blocks,
+            transaction: d.transaction_id,
+            creation_time: d.creation_time,
+            snap_time: d.snapshotted_time,
+            pieces: Vec::new(),
+        }
+    }
+
     /// A device of runs only.
     pub fn with_runs(mut self, runs: Vec<Run>) -> XmlDevice {
         self.pieces = runs.into_iter().map(Piece::Run).collect();
@@ -471,15 +498,7 @@ struct Collect {
 
 impl Visitor for Collect {
     fn begin(&mut self, h: &super::dump::Header) -> Result<()> {
-        self.md.superblock = XmlSuperblock {
-            uuid: String::new(),
-            time: h.time,
-            transaction: h.transaction,
-            flags: h.flags,
-            version: h.version,
-            data_block_size: h.data_block_size,
-            nr_data_blocks: h.nr_data_blocks,
-        };
+        self.md.superblock = XmlSuperblock::of(h);
         Ok(())
     }
     fn def_begin(&mut self, name: &str) -> Result<()> {
@@ -497,14 +516,7 @@ impl Visitor for Collect {
         Ok(())
     }
     fn device_begin(&mut self, dev: u64, d: &super::superblock::DeviceDetails) -> Result<()> {
-        self.dev = Some(XmlDevice {
-            dev_id: dev,
-            mapped_blocks: d.mapped_blocks,
-            transaction: d.transaction_id,
-            creation_time: d.creation_time,
-            snap_time: d.snapshotted_time,
-            pieces: Vec::new(),
-        });
+        self.dev = Some(XmlDevice::of(dev, d));
         Ok(())
     }
     fn device_end(&mut self) -> Result<()> {

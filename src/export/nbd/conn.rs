@@ -932,15 +932,33 @@ impl Conn {
             )
         };
         let mut contexts: Vec<(u32, Vec<(u64, u32)>)> = Vec::new();
+        let mut failed = None;
         if self.base_allocation {
             let mut ext = Vec::new();
-            mapper::device_extents(&self.dev, sector, nr.max(1), &mut ext);
+            if let Err(e) = mapper::device_extents(&self.dev, sector, nr.max(1), &mut ext) {
+                failed = Some(e);
+            }
             contexts.push((BASE_ALLOCATION_ID, ext));
         }
-        if let Some(base) = &self.dirty_base {
+        if let (Some(base), None) = (&self.dirty_base, &failed) {
             let mut ext = Vec::new();
-            mapper::device_changed_extents(&self.dev, base, sector, nr.max(1), &mut ext);
+            if let Err(e) = mapper::device_changed_extents(&self.dev, base, sector, nr.max(1), &mut ext) {
+                failed = Some(e);
+            }
             contexts.push((DIRTY_BITMAP_ID, ext));
+        }
+        if let Some(e) = failed {
+            // the status cannot be known: the request fails, it is never guessed
+            tracing::error!(
+                "NBD: export '{}': block status at byte {}: {e}",
+                self.dev.name(),
+                sector * SECTOR
+            );
+            let s = &mut self.slots[slot];
+            s.error = EIO;
+            s.extra.clear();
+            s.extra_first = 0;
+            return self.finish(slot);
         }
         let s = &mut self.slots[slot];
         s.extra.clear();

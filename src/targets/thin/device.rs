@@ -473,19 +473,25 @@ impl Target for ThinDev {
             ..self.pool_dev.limits()
         }
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
         // Unmapped blocks are holes (zeroes unless an external origin shows through).
-        // A lookup that fails says "data": a client then reads it (and gets the
-        // error), where "hole" would let it skip data it should have copied.
+        // A lookup that fails fails the request and the pool (read-only,
+        // needs_check): "hole" would let a client skip data it should have copied.
         let hole = if self.origin.is_some() { 1 } else { 3 };
         let mut m = self.pool.lock();
         let mut s = sector;
         while s < sector + nr {
             let n = (self.bs - s % self.bs).min(sector + nr - s);
-            let unmapped = matches!(m.md.lookup(self.id, s / self.bs), Ok(None));
-            out.push((n * SECTOR, if unmapped { hole } else { 0 }));
+            match m.md.lookup(self.id, s / self.bs) {
+                Ok(found) => out.push((n * SECTOR, if found.is_some() { 0 } else { hole })),
+                Err(e) => {
+                    self.pool.metadata_failed(&mut m, &e);
+                    return Err(format!("thin device {} block {}: {e}", self.id, s / self.bs));
+                }
+            }
             s += n;
         }
+        Ok(())
     }
     /// A base is an older thin of the same pool this device still shares data
     /// with (a snapshot it came from, or one taken of it): its id, as a number.
@@ -525,27 +531,29 @@ impl Target for ThinDev {
     }
     /// Blocks whose mapping differs from the base's (mapped to another data block,
     /// or mapped in one and not the other) are changed.
-    fn changed_extents(&self, base: &str, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) {
+    fn changed_extents(
+        &self,
+        base: &str,
+        sector: u64,
+        nr: u64,
+        out: &mut Vec<(u64, u32)>,
+    ) -> Result<(), String> {
         let Ok(b) = base.parse::<u64>() else {
             out.push((nr * SECTOR, 1));
-            return;
+            return Ok(());
         };
         let (lo, hi) = (sector / self.bs, (sector + nr).div_ceil(self.bs));
         let mut m = self.pool.lock();
         let mut mine = Vec::new();
         let mut theirs = Vec::new();
-        let ok =
+        let read =
             m.md.mappings_in(self.id, lo, hi, &mut |v, d, _| mine.push((v, d)))
-                .is_ok()
-                && m.md
-                    .mappings_in(b, lo, hi, &mut |v, d, _| theirs.push((v, d)))
-                    .is_ok();
-        drop(m);
-        if !ok {
-            // unreadable metadata: everything may have changed
-            out.push((nr * SECTOR, 1));
-            return;
+                .and_then(|()| m.md.mappings_in(b, lo, hi, &mut |v, d, _| theirs.push((v, d))));
+        if let Err(e) = read {
+            self.pool.metadata_failed(&mut m, &e);
+            return Err(format!("thin device {} against {b}: {e}", self.id));
         }
+        drop(m);
         let (mut i, mut j) = (0, 0);
         let mut s = sector;
         let end = sector + nr;
@@ -563,5 +571,6 @@ impl Target for ThinDev {
             out.push((n * SECTOR, u32::from(a != c)));
             s += n;
         }
+        Ok(())
     }
 }

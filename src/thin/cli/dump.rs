@@ -111,11 +111,11 @@ fn overrides(o: &super::Overrides) -> Overrides {
 }
 
 pub fn run_restore(a: RestoreArgs) -> Outcome {
-    let q = a.quiet;
-    quietly(restore_cmd(a), q)
+    let q = a.io.quiet;
+    quietly(restore_cmd(a.io), q)
 }
 
-fn restore_cmd(a: RestoreArgs) -> Outcome {
+fn restore_cmd(a: super::InOut) -> Outcome {
     let input = req(a.input);
     let output = req(a.output);
     match std::fs::metadata(&input) {
@@ -146,11 +146,11 @@ fn restore_cmd(a: RestoreArgs) -> Outcome {
 }
 
 pub fn run_repair(a: RepairArgs) -> Outcome {
-    let q = a.quiet;
-    quietly(repair_cmd(a), q)
+    let q = a.io.quiet;
+    quietly(repair_cmd(a.io), q)
 }
 
-fn repair_cmd(a: RepairArgs) -> Outcome {
+fn repair_cmd(a: super::InOut) -> Outcome {
     let input = req(a.input);
     let output = req(a.output);
     let dev = open_input(&input)?;

@@ -185,14 +185,11 @@ pub struct Overrides {
     pub transaction_id: Option<u64>,
 }
 
-#[derive(Parser, Debug, Clone)]
-#[command(
-    name = "thin_restore",
-    about = "Convert XML format metadata to binary.",
-    disable_version_flag = true
-)]
-pub struct RestoreArgs {
-    /// The XML to read
+/// What thin_restore and thin_repair both take: where from, where to, and the
+/// superblock fields a caller gives.
+#[derive(Args, Debug, Clone)]
+pub struct InOut {
+    /// What to read (thin_restore: the XML; thin_repair: the damaged metadata)
     #[arg(short, long, value_name = "FILE", required = true)]
     pub input: Option<PathBuf>,
     /// The metadata device or file to write
@@ -210,25 +207,24 @@ pub struct RestoreArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
+    name = "thin_restore",
+    about = "Convert XML format metadata to binary.",
+    disable_version_flag = true
+)]
+pub struct RestoreArgs {
+    #[command(flatten)]
+    pub io: InOut,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
     name = "thin_repair",
     about = "Repair thin-provisioning metadata, and write it to different device or file",
     disable_version_flag = true
 )]
 pub struct RepairArgs {
-    /// The damaged metadata device or file
-    #[arg(short, long, value_name = "FILE", required = true)]
-    pub input: Option<PathBuf>,
-    /// The metadata device or file to write
-    #[arg(short, long, value_name = "FILE", required = true)]
-    pub output: Option<PathBuf>,
-    /// Print no messages
-    #[arg(short, long)]
-    pub quiet: bool,
     #[command(flatten)]
-    pub overrides: Overrides,
-    /// Print the version
-    #[arg(short = 'V', long, exclusive = true)]
-    pub version: bool,
+    pub io: InOut,
 }
 
 /// A range of data blocks, `BEGIN..END` (END excluded).
@@ -423,14 +419,24 @@ macro_rules! versioned {
 versioned!(
     CheckArgs,
     DumpArgs,
-    RestoreArgs,
-    RepairArgs,
     RmapArgs,
     TrimArgs,
     MetadataSizeArgs,
     DeltaArgs,
     LsArgs
 );
+
+impl Versioned for RestoreArgs {
+    fn version(&self) -> bool {
+        self.io.version
+    }
+}
+
+impl Versioned for RepairArgs {
+    fn version(&self) -> bool {
+        self.io.version
+    }
+}
 
 fn parse_run<A: CommandFactory + FromArgMatches + Versioned>(
     display: &str,
