@@ -387,6 +387,72 @@ fn many_clients_at_once() {
     assert!(d.alive());
 }
 
+/// A client that sends requests and never reads the replies: the daemon stops
+/// reading from it once its replies back up, so memory stays bounded, and other
+/// clients are served meanwhile.
+#[test]
+fn client_that_never_reads_replies_keeps_memory_bounded() {
+    let (mut d, _f) = setup("noread", 64);
+    let mut by = Client::connect(&d.sock(), "d");
+    let before = d.rss_kib();
+    let mut greedy = Client::connect(&d.sock(), "d");
+    greedy
+        .s
+        .set_write_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    // up to 8 GiB of 1 MiB read replies asked for, none read
+    let mut sent = 0u64;
+    for i in 0..8192u64 {
+        let mut h = Vec::with_capacity(28);
+        h.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        h.extend_from_slice(&0u16.to_be_bytes());
+        h.extend_from_slice(&READ.to_be_bytes());
+        h.extend_from_slice(&i.to_be_bytes());
+        h.extend_from_slice(&((i % 64) * MIB).to_be_bytes());
+        h.extend_from_slice(&(MIB as u32).to_be_bytes());
+        if greedy.s.write_all(&h).is_err() {
+            break; // the daemon stopped reading: back-pressure
+        }
+        sent += 1;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let grown = d.rss_kib().saturating_sub(before);
+    eprintln!("{sent} requests taken before back-pressure; daemon grew {grown} KiB");
+    assert!(
+        sent < 8192,
+        "the daemon read all {sent} requests of a client that reads nothing"
+    );
+    assert!(
+        grown < 256 * 1024,
+        "daemon grew by {grown} KiB for {sent} unread 1 MiB replies"
+    );
+    still_serving(&mut d, &mut by, "d");
+    drop(greedy);
+    still_serving(&mut d, &mut by, "d");
+}
+
+/// A thousand clients connected at once, each served.
+#[test]
+fn a_thousand_connections() {
+    let (mut d, f) = setup("thousand", 16);
+    let want = pattern(42, 4096);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .and_then(|file| std::os::unix::fs::FileExt::write_all_at(&file, &want, 0))
+        .unwrap();
+    let mut clients: Vec<Client> = (0..1000).map(|_| Client::connect(&d.sock(), "d")).collect();
+    for (i, c) in clients.iter_mut().enumerate() {
+        assert_eq!(c.read(0, 4096), want, "client {i}");
+    }
+    for c in &mut clients {
+        c.send(DISC, 0, 0, 0, 0, &[]);
+    }
+    drop(clients);
+    let mut by = Client::connect(&d.sock(), "d");
+    still_serving(&mut d, &mut by, "d");
+}
+
 #[test]
 fn write_flush_fua_read_back() {
     let (mut d, f) = setup("flush", 8);
