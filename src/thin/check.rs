@@ -66,8 +66,6 @@ pub struct Report {
     pub leaks: Vec<String>,
     pub transaction_id: u64,
     pub free_metadata_blocks: u64,
-    /// Whether the metadata was written (leaks repaired, needs_check cleared).
-    pub repaired: bool,
 }
 
 impl Report {
@@ -162,6 +160,8 @@ struct Summary {
     errors: u32,
     checksum_errors: u32,
     io_errors: u32,
+    /// The subtree's top node itself could not be used (not summed by `add`).
+    own_fault: bool,
 }
 
 impl Summary {
@@ -248,6 +248,7 @@ impl Checker {
             errors: 1,
             checksum_errors: u32::from(!io),
             io_errors: u32::from(io),
+            own_fault: true,
         };
         if at.depth > 32 {
             self.err(format!("metadata block {b}: btree too deep (cycle?)"));
@@ -257,8 +258,8 @@ impl Checker {
         let mut d = self.spare.pop().unwrap_or_else(|| Box::new([0u8; BLOCK_SIZE]));
         let s = match self.tm.cache.read_uncached(b, BlockKind::BtreeNode, &mut d) {
             Ok(()) => {
-                let (s, own_fault) = self.node_contents(b, &d, at, leaf_depth);
-                if at.t == Tree::Bottom && !own_fault {
+                let s = self.node_contents(b, &d, at, leaf_depth);
+                if at.t == Tree::Bottom && !s.own_fault {
                     self.bad_bottom -= 1;
                 }
                 s
@@ -277,23 +278,15 @@ impl Checker {
         s
     }
 
-    /// What the node holds, and whether the node itself is at fault.
-    fn node_contents(
-        &mut self,
-        b: u64,
-        d: &Block,
-        at: At,
-        leaf_depth: &mut Option<usize>,
-    ) -> (Summary, bool) {
+    /// What the node holds; `own_fault` if the node itself is at fault.
+    fn node_contents(&mut self, b: u64, d: &Block, at: At, leaf_depth: &mut Option<usize>) -> Summary {
         match self.contents(b, d, at, leaf_depth) {
-            Some(s) => (s, false),
-            None => (
-                Summary {
-                    errors: 1,
-                    ..Summary::default()
-                },
-                true,
-            ),
+            Some(s) => s,
+            None => Summary {
+                errors: 1,
+                own_fault: true,
+                ..Summary::default()
+            },
         }
     }
 
@@ -744,18 +737,10 @@ fn devices_and_mappings(c: &mut Checker, report: &mut Report, sb: &Superblock, p
             .map(|d| DeviceDetails::decode(d).mapped_blocks)
             .unwrap_or(0);
         c.errors.clear();
-        // is the root itself readable?
-        let root_ok = {
-            let mut d = Box::new([0u8; BLOCK_SIZE]);
-            c.tm.cache
-                .read_uncached(root, BlockKind::BtreeNode, &mut d)
-                .is_ok()
-                && node::check_header(root, &d, 8).is_ok()
-                && (0..node::nr_entries(&d)).all(|i| i == 0 || node::key(&d, i) > node::key(&d, i - 1))
-        };
         let s = c.tree(root, Tree::Bottom);
         details_of_faults.append(&mut c.errors);
-        if !root_ok {
+        // the walk says whether the root itself was unusable
+        if s.own_fault {
             lines.push(format!(
                 "{prefix}Thin device {dev} is missing root with {expected} mappings"
             ));
@@ -905,6 +890,5 @@ fn finish(
     if needs_check {
         report.msg("Cleared needs_check flag".into());
     }
-    report.repaired = true;
     report
 }

@@ -1,21 +1,16 @@
 //! `thin_check`.
 
-use super::{check_input, req, CheckArgs, Failure, Outcome};
-use crate::pdata::FileDev;
+use super::{open_input, quietly, req, CheckArgs, Failure, Outcome};
 use crate::thin::check::{check_with, CheckOptions, Line};
 use std::io::Write;
 
 pub fn run(a: CheckArgs) -> Outcome {
+    let q = a.quiet;
+    quietly(check(a), q)
+}
+
+fn check(a: CheckArgs) -> Outcome {
     let input = req(a.input);
-    let say = |s: &str| {
-        if !a.quiet {
-            eprintln!("{s}");
-        }
-    };
-    if let Err(Failure::Message(m)) = check_input(&input) {
-        say(&m);
-        return Err(Failure::Quiet(super::EXIT_FAILURE));
-    }
     let o = CheckOptions {
         metadata_snap: a.metadata_snap,
         super_block_only: a.super_block_only,
@@ -27,14 +22,7 @@ pub fn run(a: CheckArgs) -> Outcome {
         override_details_root: a.override_details_root,
         progress: !a.quiet,
     };
-    let writable = a.auto_repair || a.clear_needs_check_flag;
-    let dev = match FileDev::open(&input, writable) {
-        Ok(d) => d,
-        Err(e) => {
-            say(&format!("{}: {e}", input.display()));
-            return Err(Failure::Quiet(super::EXIT_FAILURE));
-        }
-    };
+    let dev = open_input(&input, a.auto_repair || a.clear_needs_check_flag)?;
     let r = check_with(Box::new(dev), o);
     if !a.quiet {
         if let Some((tid, free)) = r.info {

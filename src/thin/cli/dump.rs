@@ -1,7 +1,8 @@
 //! `thin_dump`, `thin_restore`, `thin_repair`.
 
-use super::{check_input, req, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs};
-use crate::pdata::FileDev;
+use super::{
+    open_input, open_output, quietly, req, stat, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs,
+};
 use crate::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Overrides, Source};
 use crate::thin::repair::salvage;
 use crate::thin::restore::Restorer;
@@ -18,25 +19,13 @@ fn fail(e: ThinError, quiet: bool) -> Failure {
     }
 }
 
-fn quietly(r: Result<(), Failure>, quiet: bool) -> Outcome {
-    match r {
-        Err(Failure::Message(_)) if quiet => Err(Failure::Quiet(super::EXIT_FAILURE)),
-        r => r,
-    }
-}
-
-fn open_input(p: &Path) -> Result<FileDev, Failure> {
-    check_input(p)?;
-    FileDev::open(p, false).map_err(|e| Failure::Message(format!("{}: {e}", p.display())))
-}
-
 pub fn run_dump(a: DumpArgs) -> Outcome {
     let q = a.quiet;
     quietly(dump(a), q)
 }
 
 fn dump(a: DumpArgs) -> Outcome {
-    let dev = open_input(&req(a.input.clone()))?;
+    let dev = open_input(&req(a.input.clone()), false)?;
     let o = DumpOptions {
         source: match a.metadata_snap {
             None => Source::Live,
@@ -77,31 +66,6 @@ fn dump(a: DumpArgs) -> Outcome {
     Ok(())
 }
 
-/// The output of restore and repair: it must exist and hold a small pool.
-fn check_output(p: &Path) -> Result<(), Failure> {
-    use std::os::unix::fs::FileTypeExt;
-    let md = match std::fs::metadata(p) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Failure::Message(format!(
-                "Couldn't find output file '{}'",
-                p.display()
-            )))
-        }
-        Err(e) => return Err(Failure::Message(format!("Invalid output file: {e}"))),
-    };
-    if !(md.file_type().is_file() || md.file_type().is_block_device()) {
-        return Err(Failure::Message(
-            "Invalid output file: Not a block device or regular file".into(),
-        ));
-    }
-    let dev = FileDev::open(p, true).map_err(|e| Failure::Message(format!("Invalid output file: {e}")))?;
-    if crate::pdata::MetadataDev::nr_blocks(&dev) < 10 {
-        return Err(Failure::Message("Output file too small.".into()));
-    }
-    Ok(())
-}
-
 fn overrides(o: &super::Overrides) -> Overrides {
     Overrides {
         transaction_id: o.transaction_id,
@@ -118,26 +82,14 @@ pub fn run_restore(a: RestoreArgs) -> Outcome {
 fn restore_cmd(a: super::InOut) -> Outcome {
     let input = req(a.input);
     let output = req(a.output);
-    match std::fs::metadata(&input) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Failure::Message(format!(
-                "Couldn't find input file '{}'",
-                input.display()
-            )))
-        }
-        Err(e) => return Err(Failure::Message(format!("Invalid input file: {e}"))),
-        Ok(m) if !m.is_file() => {
-            return Err(Failure::Message(format!(
-                "Not a block device or regular file '{}'.",
-                input.display()
-            )))
-        }
-        Ok(_) => {}
+    if !stat(&input, "input")?.is_file() {
+        return Err(Failure::Message(format!(
+            "Not a block device or regular file '{}'.",
+            input.display()
+        )));
     }
-    check_output(&output)?;
+    let dev = open_output(&output)?;
     let f = std::fs::File::open(&input).map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
-    let dev =
-        FileDev::open(&output, true).map_err(|e| Failure::Message(format!("{}: {e}", output.display())))?;
     let mut r = Restorer::new(Box::new(dev), overrides(&a.overrides), !a.quiet);
     xml::parse_into(std::io::BufReader::with_capacity(1 << 20, f), &mut r)
         .map_err(|e| Failure::Message(format!("{}: {e}", input.display())))?;
@@ -153,8 +105,8 @@ pub fn run_repair(a: RepairArgs) -> Outcome {
 fn repair_cmd(a: super::InOut) -> Outcome {
     let input = req(a.input);
     let output = req(a.output);
-    let dev = open_input(&input)?;
-    check_output(&output)?;
+    let dev = open_input(&input, false)?;
+    let out = open_output(&output)?;
     if same_file(&input, &output) {
         return Err(Failure::Message(
             "the input and the output are the same file: repair into a new one".into(),
@@ -168,8 +120,6 @@ fn repair_cmd(a: super::InOut) -> Outcome {
     };
     let mut tm = reader(Box::new(dev), 1024);
     let found = salvage(&mut tm, &o.overrides)?;
-    let out =
-        FileDev::open(&output, true).map_err(|e| Failure::Message(format!("{}: {e}", output.display())))?;
     let mut r = Restorer::new(Box::new(out), Overrides::default(), !a.quiet);
     write_plan(&mut tm, &found.plan, &o, &mut r)?;
     r.finish()?;

@@ -538,20 +538,8 @@ fn links(dir: &Path, force: bool) -> std::io::Result<()> {
 
 /// The input checks 1.x makes before it opens metadata: it exists, it is a file or
 /// a block device, it is at least one block, and it is not XML.
-pub fn check_input(path: &Path) -> Result<(), Failure> {
-    use std::os::unix::fs::FileTypeExt;
-    let md = match std::fs::metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Failure::Message(format!(
-                "Couldn't find input file '{}'",
-                path.display()
-            )))
-        }
-        Err(e) => return Err(Failure::Message(format!("Invalid input file: {e}"))),
-    };
-    let ft = md.file_type();
-    if !(ft.is_file() || ft.is_block_device()) {
+fn check_input(path: &Path) -> Result<(), Failure> {
+    if !file_or_block_device(&stat(path, "input")?) {
         return Err(Failure::Message(format!(
             "Not a block device or regular file '{}'.",
             path.display()
@@ -579,6 +567,51 @@ pub fn check_input(path: &Path) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// A tool's outcome under `-q`: failures keep their status and lose their message.
+fn quietly(r: Outcome, quiet: bool) -> Outcome {
+    match r {
+        Err(Failure::Message(_)) if quiet => Err(Failure::Quiet(EXIT_FAILURE)),
+        r => r,
+    }
+}
+
+/// An input or output (`what`) that must exist, with 1.x's words when it does not.
+fn stat(path: &Path, what: &str) -> Result<std::fs::Metadata, Failure> {
+    std::fs::metadata(path).map_err(|e| {
+        Failure::Message(match e.kind() {
+            std::io::ErrorKind::NotFound => format!("Couldn't find {what} file '{}'", path.display()),
+            _ => format!("Invalid {what} file: {e}"),
+        })
+    })
+}
+
+fn file_or_block_device(md: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    md.file_type().is_file() || md.file_type().is_block_device()
+}
+
+/// Metadata to read (or, for a repairing check, write), checked as 1.x checks it.
+pub fn open_input(path: &Path, writable: bool) -> Result<crate::pdata::FileDev, Failure> {
+    check_input(path)?;
+    crate::pdata::FileDev::open(path, writable)
+        .map_err(|e| Failure::Message(format!("{}: {e}", path.display())))
+}
+
+/// The output of restore and repair: it must exist and hold a small pool.
+pub fn open_output(p: &Path) -> Result<crate::pdata::FileDev, Failure> {
+    if !file_or_block_device(&stat(p, "output")?) {
+        return Err(Failure::Message(
+            "Invalid output file: Not a block device or regular file".into(),
+        ));
+    }
+    let dev = crate::pdata::FileDev::open(p, true)
+        .map_err(|e| Failure::Message(format!("Invalid output file: {e}")))?;
+    if crate::pdata::MetadataDev::nr_blocks(&dev) < 10 {
+        return Err(Failure::Message("Output file too small.".into()));
+    }
+    Ok(dev)
 }
 
 /// The path of a required argument (clap has checked it is there).

@@ -1,10 +1,10 @@
 //! `thin_rmap`, `thin_trim`, `thin_delta`, `thin_ls`: read-only views of a pool's
 //! mappings (trim also discards the data device's free blocks).
 
-use super::{check_input, req, DeltaArgs, Failure, LsArgs, Outcome, RmapArgs, TrimArgs};
+use super::{open_input, req, DeltaArgs, Failure, LsArgs, Outcome, RmapArgs, TrimArgs};
 use crate::pdata::btree::{self, node};
 use crate::pdata::tm::TransactionManager;
-use crate::pdata::{BlockKind, FileDev};
+use crate::pdata::BlockKind;
 use crate::thin::dump::{pick_superblock, plan_of, reader, superblock_error, Plan};
 use crate::thin::superblock::{unpack_block_time, Superblock};
 use crate::thin::ThinError;
@@ -15,9 +15,7 @@ use std::path::Path;
 
 /// Open metadata for reading, with 1.x's input checks.
 fn open(p: &Path) -> Result<TransactionManager, Failure> {
-    check_input(p)?;
-    let dev = FileDev::open(p, false).map_err(|e| Failure::Message(format!("{}: {e}", p.display())))?;
-    Ok(reader(Box::new(dev), 256))
+    Ok(reader(Box::new(open_input(p, false)?), 256))
 }
 
 fn load(tm: &mut TransactionManager, metadata_snap: bool) -> Result<(Superblock, Plan), Failure> {
@@ -92,9 +90,10 @@ pub fn run_rmap(a: RmapArgs) -> Outcome {
 pub fn run_trim(a: TrimArgs) -> Outcome {
     let meta = req(a.metadata_dev);
     let data = req(a.data_dev);
-    check_input(&meta)?;
-    let dev =
-        FileDev::open(&meta, false).map_err(|e| Failure::Message(format!("{}: {e}", meta.display())))?;
+    let dev = open_input(&meta, false)?;
+    // a second handle for the pool once the check (which takes the first) passed
+    let again = crate::pdata::MetadataDev::try_clone(&dev)
+        .ok_or_else(|| Failure::Message(format!("{}: cannot open it twice", meta.display())))?;
     let r = crate::thin::check::check_with(Box::new(dev), crate::thin::check::CheckOptions::default());
     if !r.passed(false) {
         if !a.quiet {
@@ -102,9 +101,7 @@ pub fn run_trim(a: TrimArgs) -> Outcome {
         }
         return Err(Failure::Quiet(65));
     }
-    let dev =
-        FileDev::open(&meta, false).map_err(|e| Failure::Message(format!("{}: {e}", meta.display())))?;
-    let md = crate::thin::ThinPoolMetadata::open(Box::new(dev), 1024)?;
+    let md = crate::thin::ThinPoolMetadata::open(again, 1024)?;
     let block_bytes = md.data_block_size() as u64 * 512;
     let nr = md.nr_data_blocks();
     let f = std::fs::OpenOptions::new()
