@@ -225,6 +225,10 @@ pub struct RestoreArgs {
 pub struct RepairArgs {
     #[command(flatten)]
     pub io: InOut,
+    /// One positional word is accepted and ignored, as 1.x accepts it (for
+    /// callers such as lvconvert that pass one).
+    #[arg(hide = true)]
+    pub dummy: Option<String>,
 }
 
 /// A range of data blocks, `BEGIN..END` (END excluded).
