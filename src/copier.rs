@@ -1,11 +1,12 @@
 //! kcopyd: the engine targets use to copy and zero regions of backing files (thin-pool
 //! sharing breaks, snapshot COW copies, writecache writeback).
 //!
-//! A job runs on the calling thread, which blocks until it is done, but its I/O goes
-//! through a thread-local io_uring that belongs to the copier: never the caller's own
-//! ring (an NBD connection thread waiting on its ring from inside its own completion
-//! handling would deadlock). A job larger than one sub-job is split; up to `in_flight`
-//! sub-jobs run at once, each taking the next piece when its writes complete.
+//! Targets hand work to the copier's own threads ([`Copier::spawn`], kcopyd's model)
+//! and are called back when it is done, so no thread serving requests waits on a
+//! copy. A job (`copy`, `zero`) blocks the thread that runs it, and its I/O goes
+//! through a thread-local io_uring that belongs to the copier, never a request
+//! engine's ring. A job larger than one sub-job is split; up to `in_flight` sub-jobs
+//! run at once, each taking the next piece when its writes complete.
 
 use crate::io::backing::FileHandle;
 use crate::io::queue::{IoQueue, Sqe};
@@ -14,6 +15,14 @@ use std::cell::RefCell;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+
+/// Work for the copier's threads: it runs jobs on the copier it is given and calls
+/// back whoever submitted it.
+pub type Work = Box<dyn FnOnce(&Copier) + Send>;
+/// Threads running copier work (each blocks on one job at a time; their I/O is
+/// asynchronous within a job).
+const SERVICE_THREADS: usize = 4;
 
 /// Sub-job size since Linux 5.3 ("dm kcopyd: Increase default sub-job size to 512KB").
 pub const DEFAULT_SUBJOB_BYTES: usize = 512 << 10;
@@ -82,6 +91,7 @@ pub struct Copier {
     subjobs: AtomicU64,
     copied: AtomicU64,
     zeroed: AtomicU64,
+    service: OnceLock<Mutex<mpsc::Sender<Work>>>,
 }
 
 impl Copier {
@@ -107,6 +117,33 @@ impl Copier {
             subjobs: AtomicU64::new(0),
             copied: AtomicU64::new(0),
             zeroed: AtomicU64::new(0),
+            service: OnceLock::new(),
+        }
+    }
+
+    /// Run `work` on one of the copier's threads; the caller goes on at once.
+    /// Work that cannot be started (no thread could be created) runs here.
+    pub fn spawn(self: &Arc<Self>, work: Work) {
+        let tx = self.service.get_or_init(|| {
+            let (tx, rx) = mpsc::channel::<Work>();
+            let rx = Arc::new(Mutex::new(rx));
+            for i in 0..SERVICE_THREADS {
+                let (me, rx) = (self.clone(), rx.clone());
+                let _ = std::thread::Builder::new()
+                    .name(format!("kcopyd-{i}"))
+                    .spawn(move || loop {
+                        let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                        match next {
+                            Ok(w) => w(&me),
+                            Err(_) => return,
+                        }
+                    });
+            }
+            Mutex::new(tx)
+        });
+        let sent = tx.lock().unwrap_or_else(|p| p.into_inner()).send(work);
+        if let Err(mpsc::SendError(w)) = sent {
+            w(self);
         }
     }
 

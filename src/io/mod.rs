@@ -1,9 +1,9 @@
 //! The request model and the backends that take I/O.
 //!
 //! A request travels as a [`Bio`]: an operation on a range of 512-byte sectors of a
-//! device. Mapping turns it into [`Leaf`] I/Os on backing files; the per-thread
-//! [`queue::IoQueue`] executes leaves through io_uring (or synchronously where io_uring
-//! is not available).
+//! device. Mapping turns it into [`Leaf`] I/Os on backing files, which the request
+//! engine (`mapper::engine`) executes through the per-thread [`queue::IoQueue`]:
+//! io_uring, or synchronous calls where io_uring is not available.
 
 pub mod backing;
 pub mod buf;
@@ -70,31 +70,15 @@ pub enum LeafKind {
     Fail(i32),
     /// Complete this piece successfully without doing anything.
     Drop,
-    /// Not mappable now (a block is being provisioned, a commit is awaited...): map
-    /// this piece again later. The piece is `len` sectors at sector `offset` of the
-    /// device held at `origin.0`, with operation `op`; `done` carries the target's
-    /// wait token.
-    Deferred {
-        op: Op,
-        punch: bool,
-    },
 }
 
-/// Run when a leaf's I/O has finished (`true` on success), before the request
-/// completes: how a target finishes work that must follow the data, as the
-/// kernel's end_io does (e.g. dm-thin inserts a new mapping only once the data
-/// block is written).
-pub type AfterIo = std::sync::Arc<dyn Fn(bool) + Send + Sync>;
-
-/// An action applied to a piece after (reads) or before (writes) its I/O: flakey's
-/// corruption features.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Corrupt {
-    #[default]
-    None,
-    /// Set byte `index` (0-based, within this piece) to `value`.
-    Byte { index: u64, value: u8 },
-}
+/// A target's end-of-I/O hook (the kernel's end_io), run on the engine's thread
+/// once a leaf's I/O has finished (`true` on success), before the request
+/// completes, with the leaf's part of the request buffer (empty for operations
+/// without data). dm-thin inserts a new mapping here once the data block is
+/// written; flakey corrupts read data here. A leaf that is dropped without being
+/// issued (its request is requeued) runs it with `false`, so a target can undo.
+pub type EndIo = std::sync::Arc<dyn Fn(bool, &mut [u8]) + Send + Sync>;
 
 /// One unit of work on a backing file (or a completion without one).
 #[derive(Clone)]
@@ -112,19 +96,12 @@ pub struct Leaf {
     pub buf_off: usize,
     /// Durable before completion (REQ_FUA).
     pub fua: bool,
-    /// Held this long before it is issued (the delay target).
-    pub delay_ms: u32,
-    /// The delay class counting this leaf while it is held.
-    pub held: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
-    /// Set while the delay target that holds this leaf is suspending: issue it now.
-    pub release: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
-    pub corrupt: Corrupt,
     /// Bytes of this leaf already done (short transfers are resumed).
     pub done: u64,
     /// (hold index, target index, target tag) of the target that issued it.
     pub origin: (u16, u32, u16),
     /// Run once this leaf's I/O has finished.
-    pub after: Option<AfterIo>,
+    pub end_io: Option<EndIo>,
 }
 
 /// Merge runs of plain reads or writes that continue each other in the same file
@@ -148,15 +125,9 @@ pub fn coalesce(leaves: &mut Vec<Leaf>) {
 }
 
 impl Leaf {
-    /// Nothing but I/O: no delay, corruption, completion hook or progress.
+    /// Nothing but I/O: no completion hook or progress.
     fn plain(&self) -> bool {
-        matches!(self.kind, LeafKind::Read | LeafKind::Write)
-            && self.delay_ms == 0
-            && self.held.is_none()
-            && self.release.is_none()
-            && self.corrupt == Corrupt::None
-            && self.after.is_none()
-            && self.done == 0
+        matches!(self.kind, LeafKind::Read | LeafKind::Write) && self.end_io.is_none() && self.done == 0
     }
 
     fn continued_by(&self, next: &Leaf) -> bool {
@@ -179,13 +150,9 @@ impl Leaf {
             len,
             buf_off,
             fua: false,
-            delay_ms: 0,
-            held: None,
-            release: None,
-            corrupt: Corrupt::None,
             done: 0,
             origin: (0, 0, 0),
-            after: None,
+            end_io: None,
         }
     }
 }
@@ -216,7 +183,7 @@ mod tests {
             leaf(LeafKind::Write, 65536, 4096, 12288),
             // a completion hook: never merged
             Leaf {
-                after: Some(std::sync::Arc::new(|_| {})),
+                end_io: Some(std::sync::Arc::new(|_, _| {})),
                 ..leaf(LeafKind::Write, 69632, 4096, 16384)
             },
             leaf(LeafKind::Write, 73728, 4096, 20480),

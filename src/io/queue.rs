@@ -44,14 +44,21 @@ pub enum Sqe {
         fd: RawFd,
         msg: *const libc::msghdr,
     },
+    /// Read an eventfd's counter (8 bytes) once it is signalled: how another thread
+    /// wakes this queue's owner.
+    Wake {
+        fd: RawFd,
+        buf: *mut u8,
+    },
 }
 
 pub struct IoQueue {
     ring: Option<IoUring>,
     /// Completions of the synchronous backend, and of io_uring submissions that failed.
     done: VecDeque<(u64, i32)>,
-    /// The synchronous backend's pending receive (it blocks only in `wait`).
-    pending_recv: Option<(u64, RawFd, *mut u8, u32)>,
+    /// The synchronous backend's pending receives and wake reads (user data, fd,
+    /// buffer, length): they block only in `wait`, which polls them together.
+    pending_recv: Vec<(u64, RawFd, *mut u8, u32)>,
     queued: usize,
 }
 
@@ -71,7 +78,7 @@ impl IoQueue {
         IoQueue {
             ring,
             done: VecDeque::new(),
-            pending_recv: None,
+            pending_recv: Vec::new(),
             queued: 0,
         }
     }
@@ -81,7 +88,7 @@ impl IoQueue {
         IoQueue {
             ring: None,
             done: VecDeque::new(),
-            pending_recv: None,
+            pending_recv: Vec::new(),
             queued: 0,
         }
     }
@@ -130,6 +137,7 @@ impl IoQueue {
             Sqe::SendMsg { fd, msg } => opcode::SendMsg::new(types::Fd(fd), msg)
                 .flags(libc::MSG_NOSIGNAL as u32)
                 .build(),
+            Sqe::Wake { fd, buf } => opcode::Read::new(types::Fd(fd), buf, 8).build(),
         }
         .user_data(user_data);
         // SAFETY: the caller guarantees the memory named by the entry outlives it.
@@ -149,6 +157,9 @@ impl IoQueue {
         let ready = !self.done.is_empty();
         let Some(ring) = self.ring.as_mut() else {
             if ready {
+                return Ok(());
+            }
+            if timeout.is_some_and(|t| t.is_zero()) && self.pending_recv.is_empty() {
                 return Ok(());
             }
             return self.sync_wait_recv(timeout);
@@ -218,7 +229,11 @@ impl IoQueue {
                     len,
                 } => libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) as isize,
                 Sqe::Recv { fd, buf, len } => {
-                    self.pending_recv = Some((user_data, fd, buf, len));
+                    self.pending_recv.push((user_data, fd, buf, len));
+                    return;
+                }
+                Sqe::Wake { fd, buf } => {
+                    self.pending_recv.push((user_data, fd, buf, 8));
                     return;
                 }
                 Sqe::SendMsg { fd, msg } => libc::sendmsg(fd, msg, libc::MSG_NOSIGNAL),
@@ -233,32 +248,49 @@ impl IoQueue {
     }
 
     fn sync_wait_recv(&mut self, timeout: Option<Duration>) -> io::Result<()> {
-        let Some((user_data, fd, buf, len)) = self.pending_recv else {
+        if self.pending_recv.is_empty() {
             if let Some(t) = timeout {
                 std::thread::sleep(t);
             }
             return Ok(());
-        };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.map_or(-1, |t| t.as_millis().clamp(1, i32::MAX as u128) as i32);
-        // SAFETY: one pollfd on the stack.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        }
+        let mut pfds: Vec<libc::pollfd> = self
+            .pending_recv
+            .iter()
+            .map(|&(_, fd, _, _)| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let ms = timeout.map_or(-1, |t| {
+            if t.is_zero() {
+                0
+            } else {
+                t.as_millis().clamp(1, i32::MAX as u128) as i32
+            }
+        });
+        // SAFETY: `pfds` is a live array of `pfds.len()` pollfds.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         if n <= 0 {
             return Ok(());
         }
-        // SAFETY: `buf`/`len` come from a Recv pushed under `push`'s contract.
-        let r = unsafe { libc::recv(fd, buf.cast(), len as usize, 0) };
-        let res = if r < 0 {
-            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
-        } else {
-            r as i32
-        };
-        self.pending_recv = None;
-        self.done.push_back((user_data, res));
+        let mut i = 0;
+        for p in pfds {
+            if p.revents == 0 {
+                i += 1;
+                continue;
+            }
+            let (user_data, fd, buf, len) = self.pending_recv.remove(i);
+            // SAFETY: `buf`/`len` come from an operation pushed under `push`'s contract.
+            let r = unsafe { libc::read(fd, buf.cast(), len as usize) };
+            let res = if r < 0 {
+                -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+            } else {
+                r as i32
+            };
+            self.done.push_back((user_data, res));
+        }
         Ok(())
     }
 }

@@ -1,10 +1,18 @@
 //! `delay <dev> <off> <ms> [<wdev> <woff> <wms> [<fdev> <foff> <fms>]]`: holds reads,
 //! writes and flushes for a while before passing them on.
 
+//!
+//! A held bio is a piece the target takes ([`Pending`]) and a timer thread sends on
+//! when it is due; presuspend sends everything on at once (the kernel's
+//! flush_delayed_bios), so a suspend never waits out a delay.
+
 use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
 use crate::io::Op;
+use crate::mapper::engine::{Dest, Pending};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 struct Class {
     dev: DevRef,
@@ -15,10 +23,69 @@ struct Class {
 pub struct Delay {
     /// 1 to 3 device triples as given in the table.
     classes: Vec<Class>,
+    timer: Arc<Timer>,
+}
+
+/// A held piece: when it is due, what counts it, and where it goes.
+struct Held {
+    due: Instant,
+    pending: Pending,
+    dest: Dest,
+    bio: Bio,
+}
+
+/// The bios a delay target holds, in arrival order per class (each class has one
+/// delay, so arrival order is due order), and the thread that sends them on.
+struct Timer {
+    queues: Mutex<[VecDeque<Held>; 3]>,
+    cv: Condvar,
     /// Bios held right now, per read / write / flush (status shows these).
-    held: [Arc<AtomicU64>; 3],
+    held: [AtomicU64; 3],
     /// Set from presuspend to resume: held bios are released and no more are held.
-    released: Arc<AtomicBool>,
+    released: AtomicBool,
+    stop: AtomicBool,
+}
+
+impl Timer {
+    fn run(&self) {
+        let mut q = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            let now = Instant::now();
+            let release = self.released.load(Ordering::SeqCst);
+            let mut due = Vec::new();
+            let mut next: Option<Instant> = None;
+            for (k, cq) in q.iter_mut().enumerate() {
+                while cq.front().is_some_and(|h| release || h.due <= now) {
+                    if let Some(h) = cq.pop_front() {
+                        self.held[k].fetch_sub(1, Ordering::Relaxed);
+                        due.push(h);
+                    }
+                }
+                if let Some(h) = cq.front() {
+                    next = Some(next.map_or(h.due, |n: Instant| n.min(h.due)));
+                }
+            }
+            if !due.is_empty() {
+                drop(q);
+                for h in due {
+                    h.pending.remap(h.dest, h.bio, None);
+                }
+                q = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            let wait = next.map_or(Duration::from_secs(3600), |n| n.saturating_duration_since(now));
+            q = self.cv.wait_timeout(q, wait).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        // the target is gone: whatever is still held goes on now
+        for cq in q.iter_mut() {
+            for h in cq.drain(..) {
+                h.pending.remap(h.dest, h.bio, None);
+            }
+        }
+    }
 }
 
 impl Delay {
@@ -43,11 +110,19 @@ impl Delay {
                 delay_ms: ms as u32,
             });
         }
-        Ok(Delay {
-            classes,
+        let timer = Arc::new(Timer {
+            queues: Mutex::new(Default::default()),
+            cv: Condvar::new(),
             held: Default::default(),
-            released: Arc::new(AtomicBool::new(false)),
-        })
+            released: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+        });
+        let t = timer.clone();
+        std::thread::Builder::new()
+            .name("delay-timer".into())
+            .spawn(move || t.run())
+            .map_err(|e| format!("starting the delay timer: {e}"))?;
+        Ok(Delay { classes, timer })
     }
 
     /// The counter index (0 read, 1 write/discard, 2 flush) and the triple that applies:
@@ -73,14 +148,23 @@ impl Target for Delay {
         } else {
             c.offset + bio.sector
         };
-        let first = ctx.leaves.len();
-        ctx.remap(&c.dev, Bio { sector, ..bio }, 0)?;
-        if c.delay_ms > 0 && !self.released.load(Ordering::Relaxed) {
-            for l in &mut ctx.leaves[first..] {
-                l.delay_ms = c.delay_ms;
-                l.held = Some(self.held[kind].clone());
-                l.release = Some(self.released.clone());
-            }
+        let remapped = Bio { sector, ..bio };
+        if c.delay_ms == 0 || self.timer.released.load(Ordering::SeqCst) {
+            return ctx.remap(&c.dev, remapped, 0);
+        }
+        let held = Held {
+            due: Instant::now() + Duration::from_millis(u64::from(c.delay_ms)),
+            pending: ctx.submit(bio),
+            dest: c.dev.dest(),
+            bio: remapped,
+        };
+        let mut q = self.timer.queues.lock().unwrap_or_else(|p| p.into_inner());
+        self.timer.held[kind].fetch_add(1, Ordering::Relaxed);
+        let first = q[kind].is_empty();
+        q[kind].push_back(held);
+        drop(q);
+        if first {
+            self.timer.cv.notify_one();
         }
         Ok(())
     }
@@ -93,7 +177,12 @@ impl Target for Delay {
         v.join(" ")
     }
     fn status_params(&self) -> String {
-        let h: Vec<u64> = self.held.iter().map(|h| h.load(Ordering::Relaxed)).collect();
+        let h: Vec<u64> = self
+            .timer
+            .held
+            .iter()
+            .map(|h| h.load(Ordering::Relaxed))
+            .collect();
         format!("{} {} {}", h[0], h[1], h[2])
     }
     fn devices(&self) -> Vec<&DevRef> {
@@ -104,9 +193,19 @@ impl Target for Delay {
         dev_extents(&c.dev, c.offset + sector, nr, out)
     }
     fn presuspend(&self) {
-        self.released.store(true, Ordering::SeqCst);
+        let _q = self.timer.queues.lock().unwrap_or_else(|p| p.into_inner());
+        self.timer.released.store(true, Ordering::SeqCst);
+        self.timer.cv.notify_one();
     }
     fn resume(&self) {
-        self.released.store(false, Ordering::SeqCst);
+        self.timer.released.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Delay {
+    fn drop(&mut self) {
+        let _q = self.timer.queues.lock().unwrap_or_else(|p| p.into_inner());
+        self.timer.stop.store(true, Ordering::SeqCst);
+        self.timer.cv.notify_one();
     }
 }

@@ -2,7 +2,7 @@
 //! down, errors, dropped writes or corruption as the features say.
 
 use super::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
-use crate::io::{errno, Corrupt, LeafKind, Op};
+use crate::io::{errno, LeafKind, Op};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -180,13 +180,11 @@ impl Flakey {
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 
-    fn corruption(&self, bio: &Bio, dir: Dir) -> Corrupt {
+    /// The byte of `bio` to corrupt, and its new value, if any.
+    fn corruption(&self, bio: &Bio, dir: Dir) -> Option<(u64, u8)> {
         if let Some(c) = self.corrupt {
             if c.dir == dir && bio_flags(bio) & c.flags == c.flags && c.nth <= bio.bytes() {
-                return Corrupt::Byte {
-                    index: c.nth - 1,
-                    value: c.value,
-                };
+                return Some((c.nth - 1, c.value));
             }
         }
         let p = if dir == Dir::Read {
@@ -195,11 +193,10 @@ impl Flakey {
             self.random_write
         };
         match p {
-            Some(p) if bio.bytes() > 0 && self.random() % 1_000_000_000 < p => Corrupt::Byte {
-                index: self.random() % bio.bytes(),
-                value: self.random() as u8,
-            },
-            _ => Corrupt::None,
+            Some(p) if bio.bytes() > 0 && self.random() % 1_000_000_000 < p => {
+                Some((self.random() % bio.bytes(), self.random() as u8))
+            }
+            _ => None,
         }
     }
 }
@@ -255,20 +252,38 @@ impl Target for Flakey {
         let corrupt = if bio.op.has_data() {
             self.corruption(&bio, dir)
         } else {
-            Corrupt::None
+            None
         };
+        let Some((index, value)) = corrupt else {
+            return ctx.remap(&self.dev, remapped, 0);
+        };
+        if dir == Dir::Write {
+            // The data goes down corrupted (the kernel corrupts the bio's pages in map).
+            if let Some(b) = ctx.data_of(&bio).get_mut(index as usize) {
+                *b = value;
+            }
+            return ctx.remap(&self.dev, remapped, 0);
+        }
+        // A read is corrupted when it completes, in the leaf holding that byte.
         let first = ctx.leaves.len();
         ctx.remap(&self.dev, remapped, 0)?;
-        if let Corrupt::Byte { index, value } = corrupt {
-            // Give the corruption to the leaf holding that byte of the bio.
-            let mut skip = index;
-            for l in &mut ctx.leaves[first..] {
-                if skip < l.len {
-                    l.corrupt = Corrupt::Byte { index: skip, value };
-                    break;
-                }
-                skip -= l.len;
+        let mut skip = index;
+        for l in &mut ctx.leaves[first..] {
+            if skip < l.len {
+                let prev = l.end_io.take();
+                l.end_io = Some(std::sync::Arc::new(move |ok, data: &mut [u8]| {
+                    if ok {
+                        if let Some(b) = data.get_mut(skip as usize) {
+                            *b = value;
+                        }
+                    }
+                    if let Some(p) = &prev {
+                        p(ok, data);
+                    }
+                }));
+                break;
             }
+            skip -= l.len;
         }
         Ok(())
     }

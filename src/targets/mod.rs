@@ -8,8 +8,10 @@ pub mod striped;
 pub mod thin;
 pub mod zero;
 
-use crate::io::{BackingFile, Corrupt, Leaf, LeafKind, Op, SECTOR};
+use crate::io::{AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, SECTOR};
+use crate::mapper::engine::{Dest, Inbox, Pending};
 use crate::mapper::{Device, Hold};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// A piece of a request handed to a target: sectors relative to the target's start.
@@ -23,8 +25,6 @@ pub struct Bio {
     pub fua: bool,
     /// For WriteZeroes: deallocation is allowed (NBD without NO_HOLE).
     pub punch: bool,
-    /// What a deferred piece waits for, as the target that deferred it said (0: none).
-    pub token: u64,
 }
 
 impl Bio {
@@ -89,6 +89,14 @@ impl DevRef {
                 None => f.path.display().to_string(),
             },
             DevRef::Dm(d) => format!("{}:{}", crate::mapper::DM_MAJOR, d.0.minor),
+        }
+    }
+
+    /// Where a piece finished later goes ([`Pending::remap`]).
+    pub fn dest(&self) -> Dest {
+        match self {
+            DevRef::File(f) => Dest::File(f.clone()),
+            DevRef::Dm(d) => Dest::Dm(d.0.clone()),
         }
     }
 
@@ -189,26 +197,74 @@ fn lcm_not_zero(a: u64, b: u64) -> u64 {
     }
 }
 
-/// The state of one mapping: the leaves produced so far and the devices entered.
+/// The state of one mapping: the leaves produced so far, the devices entered, the
+/// request's data, and how a target takes a piece to finish later.
 pub struct MapCtx<'a> {
     pub leaves: &'a mut Vec<Leaf>,
     pub holds: &'a mut Vec<Hold>,
+    /// The request's data (reads land here, writes carry it; empty without data):
+    /// a target may change it, as flakey corrupts a write.
+    pub data: &'a mut [u8],
     pub depth: u32,
     /// (index in `holds`, target index) of the target being mapped, recorded on each
     /// leaf so an I/O error can be reported to the target that issued it.
     pub origin: (u16, u32),
     /// Start sector of the target being mapped, in its device.
     pub target_start: u64,
+    /// Pieces handed to targets by `submit` during this mapping.
+    pub submitted: u32,
+    inbox: &'a Arc<Inbox>,
+    slot: u32,
+    gen: u32,
+    /// Every leaf and piece produced while set joins this hook (`remap_dest_with`).
+    join: Option<Arc<Join>>,
+}
+
+/// One end-of-I/O hook run once after every leaf and piece that joined it.
+struct Join {
+    left: AtomicUsize,
+    failed: AtomicBool,
+    hook: EndIo,
+}
+
+impl Join {
+    fn child(self: &Arc<Join>) -> EndIo {
+        self.left.fetch_add(1, Ordering::SeqCst);
+        let j = self.clone();
+        Arc::new(move |ok, _: &mut [u8]| j.finish(ok))
+    }
+
+    fn finish(&self, ok: bool) {
+        if !ok {
+            self.failed.store(true, Ordering::SeqCst);
+        }
+        if self.left.fetch_sub(1, Ordering::SeqCst) == 1 {
+            (self.hook)(!self.failed.load(Ordering::SeqCst), &mut []);
+        }
+    }
 }
 
 impl<'a> MapCtx<'a> {
-    pub fn new(leaves: &'a mut Vec<Leaf>, holds: &'a mut Vec<Hold>) -> MapCtx<'a> {
+    pub(crate) fn new(
+        leaves: &'a mut Vec<Leaf>,
+        holds: &'a mut Vec<Hold>,
+        data: &'a mut [u8],
+        inbox: &'a Arc<Inbox>,
+        slot: u32,
+        gen: u32,
+    ) -> MapCtx<'a> {
         MapCtx {
             leaves,
             holds,
+            data,
             depth: 0,
             origin: (0, 0),
             target_start: 0,
+            submitted: 0,
+            inbox,
+            slot,
+            gen,
+            join: None,
         }
     }
 
@@ -220,13 +276,63 @@ impl<'a> MapCtx<'a> {
                 self.push_file_leaf(f, bio, tag);
                 Ok(())
             }
-            DevRef::Dm(d) => {
-                let saved = (self.origin, self.target_start);
-                let r = crate::mapper::map_bio(&d.0, bio, self);
-                (self.origin, self.target_start) = saved;
-                r
-            }
+            DevRef::Dm(d) => self.remap_dm(&d.0, bio),
         }
+    }
+
+    fn remap_dm(&mut self, d: &Arc<Device>, bio: Bio) -> Result<(), MapErr> {
+        let saved = (self.origin, self.target_start);
+        let r = crate::mapper::map_bio(d, bio, self);
+        (self.origin, self.target_start) = saved;
+        r
+    }
+
+    /// As `remap`, to a [`Dest`], running `end_io` (if any) once everything it
+    /// produced is done (with `false` if any of it failed or was never issued).
+    pub fn remap_dest_with(&mut self, dest: &Dest, bio: Bio, end_io: Option<EndIo>) -> Result<(), MapErr> {
+        let go = |ctx: &mut Self| match dest {
+            Dest::File(f) => {
+                ctx.push_file_leaf(f, bio, 0);
+                Ok(())
+            }
+            Dest::Dm(d) => ctx.remap_dm(d, bio),
+        };
+        match end_io {
+            Some(hook) => self.joined(hook, go),
+            None => go(self),
+        }
+    }
+
+    /// Run `end_io` once every leaf and piece `bio`'s mapping onto `dev` produces
+    /// is done: dm-thin maps a new block once the write to it has landed.
+    pub fn remap_with(&mut self, dev: &DevRef, bio: Bio, tag: u16, end_io: EndIo) -> Result<(), MapErr> {
+        self.joined(end_io, |ctx| ctx.remap(dev, bio, tag))
+    }
+
+    /// Run `f` with every leaf and piece it produces joined to `hook`; a hook
+    /// already collecting (an outer one) waits for this one too.
+    fn joined(&mut self, hook: EndIo, f: impl FnOnce(&mut Self) -> Result<(), MapErr>) -> Result<(), MapErr> {
+        let outer = self.join.take();
+        let hook = match &outer {
+            Some(o) => {
+                let up = o.child();
+                Arc::new(move |ok, d: &mut [u8]| {
+                    hook(ok, d);
+                    up(ok, &mut []);
+                }) as EndIo
+            }
+            None => hook,
+        };
+        let j = Arc::new(Join {
+            left: AtomicUsize::new(1),
+            failed: AtomicBool::new(false),
+            hook,
+        });
+        self.join = Some(j.clone());
+        let r = f(self);
+        self.join = outer;
+        j.finish(r.is_ok());
+        r
     }
 
     pub(crate) fn push_file_leaf(&mut self, f: &Arc<BackingFile>, bio: Bio, tag: u16) {
@@ -245,12 +351,13 @@ impl<'a> MapCtx<'a> {
                     return;
                 }
                 // `dmkit stats` counts flushes sent to each file, NBD ones included.
-                f.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                f.flushes.fetch_add(1, Ordering::Relaxed);
                 LeafKind::Flush
             }
             Op::Discard => LeafKind::Discard,
             Op::WriteZeroes => LeafKind::WriteZeroes { punch: bio.punch },
         };
+        let end_io = self.join.as_ref().map(|j| j.child());
         self.leaves.push(Leaf {
             kind,
             file: Some(handle),
@@ -258,45 +365,54 @@ impl<'a> MapCtx<'a> {
             len: bio.bytes(),
             buf_off: bio.buf_off,
             fua: bio.fua,
-            delay_ms: 0,
-            held: None,
-            release: None,
-            corrupt: Corrupt::None,
             done: 0,
             origin: (self.origin.0, self.origin.1, tag),
-            after: None,
+            end_io,
         });
     }
 
-    /// Map `bio` (relative to the current target) again later, when the condition
-    /// that stops it now has passed; the rest of the request goes on meanwhile.
-    pub fn defer(&mut self, bio: Bio) {
-        self.defer_until(bio, 0);
-    }
-
-    /// As `defer`, with a token the target gets back in `bio.token` on the retry.
-    pub fn defer_until(&mut self, bio: Bio, token: u64) {
-        let mut l = Leaf::new(
-            LeafKind::Deferred {
-                op: bio.op,
-                punch: bio.punch,
-            },
-            bio.nr_sectors,
-            bio.buf_off,
-        );
-        l.offset = self.target_start + bio.sector;
-        l.fua = bio.fua;
-        l.done = token;
-        l.origin = (self.origin.0, self.origin.1, 0);
-        self.leaves.push(l);
+    /// Take `bio` (relative to the current target) to finish later, from any thread
+    /// (the kernel's DM_MAPIO_SUBMITTED): the request waits for the [`Pending`].
+    pub fn submit(&mut self, bio: Bio) -> Pending {
+        self.submitted += 1;
+        let end_io = self.join.as_ref().map(|j| j.child());
+        Pending::new(
+            self.inbox.clone(),
+            self.slot,
+            self.gen,
+            self.origin,
+            self.target_start,
+            bio,
+            end_io,
+        )
     }
 
     /// Complete `bio` without I/O: zero-fill it (reads), fail it, or drop it.
     pub fn complete(&mut self, bio: Bio, kind: LeafKind) {
         let mut l = Leaf::new(kind, if bio.op.has_data() { bio.bytes() } else { 0 }, bio.buf_off);
         l.origin = (self.origin.0, self.origin.1, 0);
+        l.end_io = self.join.as_ref().map(|j| j.child());
         self.leaves.push(l);
     }
+
+    /// The part of the request's data `bio` covers (empty without data).
+    pub fn data_of(&mut self, bio: &Bio) -> &mut [u8] {
+        let (a, n) = (bio.buf_off, bio.bytes() as usize);
+        self.data.get_mut(a..a + n).unwrap_or_default()
+    }
+}
+
+/// Run a leaf's end-of-I/O hook with its part of the request buffer.
+pub(crate) fn apply_end_io(h: &EndIo, ok: bool, l: &Leaf, buf: &mut AlignedBuf) {
+    let data = if matches!(l.kind, LeafKind::Read | LeafKind::Write) {
+        let a = l.buf_off;
+        buf.as_mut_slice()
+            .get_mut(a..a + l.len as usize)
+            .unwrap_or_default()
+    } else {
+        &mut []
+    };
+    h(ok, data);
 }
 
 /// One target type's instance in a table.
@@ -459,14 +575,4 @@ pub fn arg_dev(args: &[String], i: usize, offset: u64, len: u64, r: &dyn Resolve
         ));
     }
     Ok(dev)
-}
-
-/// Apply a flakey/corruption action to bytes (used by the connection after a read
-/// completes, or before a write is issued).
-pub fn apply_corrupt(c: Corrupt, piece: &mut [u8]) {
-    if let Corrupt::Byte { index, value } = c {
-        if let Some(b) = piece.get_mut(index as usize) {
-            *b = value;
-        }
-    }
 }

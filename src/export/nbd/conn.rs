@@ -1,21 +1,20 @@
-//! The transmission phase: one thread per connection, one io_uring per thread.
+//! The transmission phase: parse, validate, reply. One thread per connection.
 //!
-//! Requests are parsed from a receive buffer into slots; each slot's request is
-//! mapped through the device's table into leaf I/Os submitted to the same ring;
-//! replies are gathered into one sendmsg per batch. Nothing is shared with other
+//! Requests are parsed from a receive buffer into the slots of the connection's
+//! request engine (`mapper::engine`), which maps and executes them; the socket's
+//! receives and sends go through the engine's ring too, so one wait covers both.
+//! Replies are gathered into one sendmsg per batch. Nothing is shared with other
 //! connections but the device (an atomic in-flight count and its table), and the
 //! steady state allocates nothing.
 
 use super::proto::*;
-use crate::io::queue::{IoQueue, Sqe};
-use crate::io::{AlignedBuf, Leaf, LeafKind, Op, SECTOR};
+use crate::io::queue::Sqe;
+use crate::io::{AlignedBuf, Op, SECTOR};
+use crate::mapper::engine::{Engine, IoEvent};
 use crate::mapper::{self, Device};
-use crate::targets::{apply_corrupt, Bio, MapCtx, MapErr};
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 const RBUF_LEN: usize = 256 << 10;
 /// Requests in flight per connection; more wait in the socket.
@@ -28,29 +27,23 @@ const KEEP_BUF: usize = 4 << 20;
 const SEND_BATCH: usize = 64;
 /// Largest write payload read (and thrown away) from a client before hanging up.
 const MAX_DISCARDED_PAYLOAD: u64 = 2 * MAX_PAYLOAD as u64;
-const ZERO_BUF: usize = 1 << 20;
 
-const KIND_SHIFT: u32 = 60;
-const KIND_LEAF: u64 = 0;
-const KIND_RECV: u64 = 1;
-const KIND_SEND: u64 = 2;
-
-fn ud_leaf(slot: usize, leaf: usize) -> u64 {
-    (KIND_LEAF << KIND_SHIFT) | ((slot as u64) << 32) | leaf as u64
-}
+const TAG_RECV: u64 = 1;
+const TAG_SEND: u64 = 2;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum State {
     Free,
     /// Receiving its write payload.
     Payload,
-    /// Waiting for a suspended device to resume.
-    Parked,
+    /// With the engine.
     InFlight,
     /// Reply queued or being sent.
     Reply,
 }
 
+/// The protocol's side of a request; the engine's request of the same index holds
+/// the operation, the data and the progress.
 struct Slot {
     state: State,
     cookie: u64,
@@ -58,17 +51,8 @@ struct Slot {
     flags: u16,
     offset: u64,
     len: u32,
-    buf: AlignedBuf,
-    leaves: Vec<Leaf>,
-    holds: Vec<mapper::Hold>,
-    pending: u32,
-    /// NBD error of the request (0 = success).
+    /// NBD error decided by the export itself (validation); 0 = the engine's verdict.
     error: u32,
-    /// After the leaves: make the effect durable (FUA on discard / write-zeroes).
-    then_flush: bool,
-    /// A leaf ran a completion hook (a target changed metadata after the I/O): with
-    /// FUA, the request ends with a flush so that change is durable too.
-    hooked: bool,
     hdr: [u8; 32],
     hdr_len: usize,
     data_len: usize,
@@ -87,13 +71,7 @@ impl Slot {
             flags: 0,
             offset: 0,
             len: 0,
-            buf: AlignedBuf::default(),
-            leaves: Vec::with_capacity(8),
-            holds: Vec::with_capacity(4),
-            pending: 0,
             error: 0,
-            then_flush: false,
-            hooked: false,
             hdr: [0; 32],
             hdr_len: 0,
             data_len: 0,
@@ -121,7 +99,7 @@ pub struct Conn {
     base_allocation: bool,
     /// The base of the negotiated `qemu:dirty-bitmap:BASE` context.
     dirty_base: Option<String>,
-    q: IoQueue,
+    engine: Engine,
     rbuf: AlignedBuf,
     rpos: usize,
     rend: usize,
@@ -131,7 +109,6 @@ pub struct Conn {
     /// Payload bytes of a refused write still to be read and thrown away.
     discard: u64,
     slots: Vec<Slot>,
-    free: Vec<usize>,
     inflight_bytes: u64,
     sendq: VecDeque<usize>,
     sending: Vec<usize>,
@@ -139,30 +116,24 @@ pub struct Conn {
     iov_pos: usize,
     msg: libc::msghdr,
     send_inflight: bool,
-    parked: VecDeque<usize>,
-    delayed: Vec<(Instant, usize, usize)>,
-    /// Leaves (slot, leaf) of pieces a target deferred: mapped again each turn.
-    deferred: Vec<(usize, usize)>,
-    ops: u64,
     closing: bool,
     dead: bool,
-    zero_buf: AlignedBuf,
-    cq: Vec<(u64, i32)>,
+    events: Vec<IoEvent>,
 }
 
 impl Conn {
-    pub fn new(fd: RawFd, n: super::handshake::Negotiated) -> Conn {
+    pub fn new(fd: RawFd, n: super::handshake::Negotiated) -> std::io::Result<Conn> {
         // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        Conn {
+        Ok(Conn {
             fd,
+            engine: Engine::new(n.dev.clone(), MAX_SLOTS)?,
             dev: n.dev,
             size: n.size,
             tflags: n.flags,
             structured: n.structured,
             base_allocation: n.base_allocation,
             dirty_base: n.dirty_base,
-            q: IoQueue::new(512),
             rbuf: AlignedBuf::new(RBUF_LEN),
             rpos: 0,
             rend: 0,
@@ -170,87 +141,70 @@ impl Conn {
             payload: None,
             discard: 0,
             slots: (0..MAX_SLOTS).map(|_| Slot::new()).collect(),
-            free: (0..MAX_SLOTS).rev().collect(),
             inflight_bytes: 0,
             sendq: VecDeque::new(),
             sending: Vec::with_capacity(SEND_BATCH),
-            iov: Vec::with_capacity(2 * SEND_BATCH),
+            iov: Vec::with_capacity(3 * SEND_BATCH),
             iov_pos: 0,
             msg,
             send_inflight: false,
-            parked: VecDeque::new(),
-            delayed: Vec::new(),
-            deferred: Vec::new(),
-            ops: 0,
             closing: false,
             dead: false,
-            zero_buf: AlignedBuf::default(),
-            cq: Vec::with_capacity(256),
-        }
+            events: Vec::with_capacity(8),
+        })
     }
 
     /// Serve until the client disconnects; every submitted operation has completed
-    /// when this returns (buffers are never freed under the kernel).
+    /// when this returns (buffers are never freed under the kernel or a target).
     pub fn run(&mut self) {
         loop {
-            if !self.parked.is_empty() {
-                self.retry_parked();
-            }
-            if !self.delayed.is_empty() {
-                self.release_delayed();
-            }
-            if !self.deferred.is_empty() {
-                self.retry_deferred();
-            }
             if !self.dead && !self.closing {
                 self.parse();
                 self.arm_recv();
             }
+            while let Some(r) = self.engine.pop_done() {
+                self.finish(r);
+            }
             if !self.dead && !self.send_inflight && !self.sendq.is_empty() {
                 self.send_batch();
             }
-            let busy = self.free.len() < MAX_SLOTS;
-            if self.ops == 0 && (self.dead || (self.closing && !busy)) {
+            let busy = self.engine.nr_free() < MAX_SLOTS;
+            if !self.engine.busy() && (self.dead || (self.closing && !busy)) {
                 break;
             }
             if self.dead {
                 // Wake a receive that would otherwise wait for the client forever.
                 // SAFETY: shutdown on our own socket descriptor.
                 unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
-            }
-            let waiting = !self.parked.is_empty() || !self.delayed.is_empty() || !self.deferred.is_empty();
-            let timeout = waiting.then_some(Duration::from_millis(1));
-            if self.q.wait(timeout).is_err() {
-                self.dead = true;
-            }
-            let mut cq = std::mem::take(&mut self.cq);
-            self.q.drain(|u, r| cq.push((u, r)));
-            for &(u, r) in &cq {
-                self.ops -= 1;
-                self.complete_op(u, r);
-            }
-            cq.clear();
-            self.cq = cq;
-            if self.dead && self.ops == 0 {
-                // Requests parked or delayed never reach the kernel now.
-                self.parked.clear();
-                self.delayed.clear();
-                self.deferred.clear();
                 break;
             }
+            if self.engine.turn(None).is_err() {
+                self.dead = true;
+            }
+            let mut ev = std::mem::take(&mut self.events);
+            self.engine.io_events(&mut ev);
+            for &(tag, r) in &ev {
+                match tag {
+                    TAG_RECV => {
+                        let into = self.recv_inflight.take().unwrap_or(RecvInto::Rbuf);
+                        self.on_recv(into, r);
+                    }
+                    _ => self.on_sent(r),
+                }
+            }
+            ev.clear();
+            self.events = ev;
         }
-        for s in &mut self.slots {
-            mapper::release(&mut s.holds);
-        }
+        // the receive and send in flight name our buffers: the engine waits for them
+        self.engine.shut_down();
     }
 
-    fn push(&mut self, op: Sqe, ud: u64) {
-        self.ops += 1;
+    fn push(&mut self, op: Sqe, tag: u64) {
         // SAFETY: every pointer in `op` names memory owned by `self` (the receive
-        // buffer, slot buffers, the zero buffer, iovecs and msghdr), which is neither
-        // freed nor moved while `ops > 0`: `run` only returns once every submitted
-        // operation has completed, and buffers are only resized in free slots.
-        unsafe { self.q.push(op, ud) };
+        // buffer, request buffers, iovecs and msghdr), which is neither freed nor
+        // moved until the engine is idle: `run` only returns after `shut_down`,
+        // which waits for every operation, and buffers are only resized in free slots.
+        unsafe { self.engine.push_io(op, tag) };
     }
 
     // ---- receiving and parsing ----
@@ -261,23 +215,25 @@ impl Conn {
         }
         if let Some((slot, got)) = self.payload {
             if self.rpos == self.rend {
-                // Large payloads land in the slot's buffer directly.
+                // Large payloads land in the request's buffer directly.
                 let need = self.slots[slot].len as usize - got;
                 if need >= 64 << 10 {
-                    let ptr = self.slots[slot].buf.as_mut_slice()[got..].as_mut_ptr();
+                    let ptr = self.engine.request_mut(slot).buf.as_mut_slice()[got..].as_mut_ptr();
                     self.push(
                         Sqe::Recv {
                             fd: self.fd,
                             buf: ptr,
                             len: need as u32,
                         },
-                        KIND_RECV << KIND_SHIFT,
+                        TAG_RECV,
                     );
                     self.recv_inflight = Some(RecvInto::Slot(slot));
                     return;
                 }
             }
-        } else if self.discard == 0 && (self.free.is_empty() || self.inflight_bytes >= MAX_INFLIGHT_BYTES) {
+        } else if self.discard == 0
+            && (self.engine.nr_free() == 0 || self.inflight_bytes >= MAX_INFLIGHT_BYTES)
+        {
             return; // back-pressure: the client waits in the socket
         }
         if self.rend == self.rbuf.capacity() {
@@ -294,7 +250,7 @@ impl Conn {
                 buf: ptr,
                 len,
             },
-            KIND_RECV << KIND_SHIFT,
+            TAG_RECV,
         );
         self.recv_inflight = Some(RecvInto::Rbuf);
     }
@@ -348,7 +304,8 @@ impl Conn {
                     break;
                 }
                 let (rpos, src) = (self.rpos, self.rbuf.as_slice());
-                self.slots[slot].buf.as_mut_slice()[got..got + n].copy_from_slice(&src[rpos..rpos + n]);
+                self.engine.request_mut(slot).buf.as_mut_slice()[got..got + n]
+                    .copy_from_slice(&src[rpos..rpos + n]);
                 self.rpos += n;
                 if n == need {
                     self.payload = None;
@@ -359,7 +316,10 @@ impl Conn {
                 }
                 continue;
             }
-            if avail < 28 || self.closing || self.free.is_empty() || self.inflight_bytes >= MAX_INFLIGHT_BYTES
+            if avail < 28
+                || self.closing
+                || self.engine.nr_free() == 0
+                || self.inflight_bytes >= MAX_INFLIGHT_BYTES
             {
                 break;
             }
@@ -383,7 +343,7 @@ impl Conn {
                 self.closing = true;
                 return;
             }
-            let Some(slot) = self.free.pop() else { return };
+            let Some(slot) = self.engine.alloc() else { return };
             let s = &mut self.slots[slot];
             s.cookie = cookie;
             s.cmd = cmd;
@@ -391,8 +351,6 @@ impl Conn {
             s.offset = offset;
             s.len = len;
             s.error = 0;
-            s.then_flush = false;
-            s.hooked = false;
             s.extra.clear();
             s.extra_first = 0;
             if cmd == CMD_WRITE {
@@ -402,22 +360,22 @@ impl Conn {
                             "nbd {}: write payload of {len} bytes; disconnecting",
                             self.dev.name()
                         );
-                        self.free.push(slot);
+                        self.engine.free(slot);
                         self.dead = true;
                         return;
                     }
                     self.discard = u64::from(len);
-                    self.finish_err(slot, EOVERFLOW);
+                    self.refuse(slot, EOVERFLOW);
                     continue;
                 }
-                s.buf.ensure(len as usize);
                 s.state = State::Payload;
+                self.engine.request_mut(slot).buf.ensure(len as usize);
                 self.inflight_bytes += u64::from(len);
                 self.payload = Some((slot, 0));
                 continue;
             }
             if cmd == CMD_READ && len <= MAX_PAYLOAD {
-                s.buf.ensure(len as usize);
+                self.engine.request_mut(slot).buf.ensure(len as usize);
                 self.inflight_bytes += u64::from(len);
             }
             self.dispatch(slot);
@@ -491,21 +449,33 @@ impl Conn {
 
     fn dispatch(&mut self, slot: usize) {
         if let Err(e) = self.validate(&self.slots[slot]) {
-            return self.finish_err(slot, e);
+            return self.refuse(slot, e);
         }
-        let s = &self.slots[slot];
+        let s = &mut self.slots[slot];
+        s.state = State::InFlight;
         if s.cmd == CMD_BLOCK_STATUS {
             return self.block_status(slot);
         }
         // CACHE is advisory and the range is valid; empty reads and writes have nothing to do.
         let Some(op) = Self::op_of(s.cmd).filter(|&op| s.len > 0 || op == Op::Flush) else {
-            return self.finish(slot);
+            return self.engine.complete(slot, 0);
         };
-        // Behind requests waiting for a resume, to keep their order.
-        if !self.parked.is_empty() || !self.map_and_submit(slot, op) {
-            self.slots[slot].state = State::Parked;
-            self.parked.push_back(slot);
-        }
+        let (offset, len, flags) = (s.offset, s.len, s.flags);
+        let q = self.engine.request_mut(slot);
+        q.op = op;
+        q.sector = offset / SECTOR;
+        q.nr_sectors = u64::from(len) / SECTOR;
+        q.fua = flags & CMD_FLAG_FUA != 0;
+        q.punch = flags & CMD_FLAG_NO_HOLE == 0;
+        q.fast_zero = flags & CMD_FLAG_FAST_ZERO != 0;
+        self.engine.start(slot);
+    }
+
+    /// Answer `slot` with an NBD error of the export's own (the request never reaches
+    /// the device).
+    fn refuse(&mut self, slot: usize, e: u32) {
+        self.slots[slot].error = e;
+        self.engine.complete(slot, 0);
     }
 
     /// The operation an NBD command maps to (None: handled by the export itself).
@@ -520,370 +490,14 @@ impl Conn {
         }
     }
 
-    /// Map the request through the device and submit its leaves. False when a device
-    /// on its path is suspended: the caller parks it where its order requires.
-    fn map_and_submit(&mut self, slot: usize, op: Op) -> bool {
-        let dev = self.dev.clone();
-        let s = &mut self.slots[slot];
-        let fua = s.flags & CMD_FLAG_FUA != 0;
-        let bio = Bio {
-            op,
-            sector: s.offset / SECTOR,
-            nr_sectors: u64::from(s.len) / SECTOR,
-            buf_off: 0,
-            fua: fua && op == Op::Write,
-            punch: s.flags & CMD_FLAG_NO_HOLE == 0,
-            token: 0,
-        };
-        s.then_flush = fua && matches!(op, Op::Discard | Op::WriteZeroes);
-        s.leaves.clear();
-        let r = {
-            let mut ctx = MapCtx::new(&mut s.leaves, &mut s.holds);
-            mapper::map_bio(&dev, bio, &mut ctx)
-        };
-        match r {
-            Ok(()) => {
-                crate::io::coalesce(&mut s.leaves);
-                s.state = State::InFlight;
-                self.submit_leaves(slot);
-                true
-            }
-            Err(MapErr::Suspended) => {
-                mapper::release(&mut s.holds);
-                s.leaves.clear();
-                s.state = State::Parked;
-                false
-            }
-            Err(MapErr::Errno(e)) => {
-                mapper::release(&mut s.holds);
-                self.finish_err(slot, nbd_errno(e));
-                true
-            }
-        }
-    }
-
-    fn retry_parked(&mut self) {
-        while let Some(slot) = self.parked.pop_front() {
-            let Some(op) = Self::op_of(self.slots[slot].cmd) else {
-                continue;
-            };
-            if !self.map_and_submit(slot, op) {
-                self.parked.push_front(slot); // still suspended: first in line again
-                return;
-            }
-        }
-    }
-
-    fn submit_leaves(&mut self, slot: usize) {
-        self.submit_leaves_from(slot, 0);
-    }
-
-    /// Issue leaves `from..` of `slot` (deferred and delayed ones wait their turn).
-    fn submit_leaves_from(&mut self, slot: usize, from: usize) {
-        let n = self.slots[slot].leaves.len();
-        let now = Instant::now();
-        for i in from..n {
-            let l = &self.slots[slot].leaves[i];
-            if matches!(l.kind, LeafKind::Deferred { .. }) {
-                self.slots[slot].pending += 1;
-                self.deferred.push((slot, i));
-                continue;
-            }
-            if l.delay_ms > 0 && !l.release.as_ref().is_some_and(|r| r.load(Ordering::Relaxed)) {
-                if let Some(h) = &l.held {
-                    h.fetch_add(1, Ordering::Relaxed);
-                }
-                let due = now + Duration::from_millis(u64::from(l.delay_ms));
-                self.slots[slot].pending += 1;
-                self.delayed.push((due, slot, i));
-                continue;
-            }
-            self.issue_leaf(slot, i);
-        }
-        if self.slots[slot].pending == 0 {
-            self.leaves_done(slot);
-        }
-    }
-
-    /// Map deferred pieces again; those still blocked stay for the next turn.
-    fn retry_deferred(&mut self) {
-        let list = std::mem::take(&mut self.deferred);
-        for (slot, i) in list {
-            let s = &mut self.slots[slot];
-            let l = &s.leaves[i];
-            let LeafKind::Deferred { op, punch } = l.kind else {
-                continue;
-            };
-            let bio = Bio {
-                op,
-                sector: l.offset,
-                nr_sectors: l.len,
-                buf_off: l.buf_off,
-                fua: l.fua,
-                punch,
-                token: l.done,
-            };
-            let Some(dev) = s.holds.get(l.origin.0 as usize).map(|h| h.dev.clone()) else {
-                continue;
-            };
-            let first = s.leaves.len();
-            let r = {
-                let mut ctx = MapCtx::new(&mut s.leaves, &mut s.holds);
-                mapper::map_bio(&dev, bio, &mut ctx)
-            };
-            match r {
-                Err(MapErr::Suspended) => {
-                    s.leaves.truncate(first);
-                    self.deferred.push((slot, i));
-                    continue;
-                }
-                Err(MapErr::Errno(e)) => {
-                    s.leaves.truncate(first);
-                    if s.error == 0 {
-                        s.error = nbd_errno(e);
-                    }
-                }
-                Ok(()) => {}
-            }
-            s.leaves[i].kind = LeafKind::Drop;
-            s.pending += 1; // held while the new leaves are issued
-            self.submit_leaves_from(slot, first);
-            self.slots[slot].pending -= 2;
-            if self.slots[slot].pending == 0 {
-                self.leaves_done(slot);
-            }
-        }
-    }
-
-    fn release_delayed(&mut self) {
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.delayed.len() {
-            let (due, slot, leaf) = self.delayed[i];
-            let l = &self.slots[slot].leaves[leaf];
-            if due <= now || l.release.as_ref().is_some_and(|r| r.load(Ordering::Relaxed)) {
-                if let Some(h) = &l.held {
-                    h.fetch_sub(1, Ordering::Relaxed);
-                }
-                self.delayed.swap_remove(i);
-                self.slots[slot].pending -= 1;
-                self.issue_leaf(slot, leaf);
-                if self.slots[slot].pending == 0 {
-                    self.leaves_done(slot);
-                }
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// Start (or continue, after a short transfer) leaf `i` of `slot`. Leaves with no
-    /// I/O complete here.
-    fn issue_leaf(&mut self, slot: usize, i: usize) {
-        let s = &mut self.slots[slot];
-        let l = &mut s.leaves[i];
-        let ud = ud_leaf(slot, i);
-        let (file, off, rem) = (l.file, l.offset + l.done, l.len - l.done);
-        let base = l.buf_off + l.done as usize;
-        let op = match (l.kind, file) {
-            (LeafKind::Read, Some(f)) => {
-                let buf = s.buf.as_mut_slice()[base..].as_mut_ptr();
-                Sqe::Read {
-                    fd: f.fd_for(buf as usize, off, rem),
-                    buf,
-                    len: rem as u32,
-                    offset: off,
-                }
-            }
-            (LeafKind::Write, Some(f)) => {
-                if l.done == 0 {
-                    apply_corrupt(
-                        l.corrupt,
-                        &mut s.buf.as_mut_slice()[l.buf_off..l.buf_off + l.len as usize],
-                    );
-                }
-                let buf = s.buf.as_slice()[base..].as_ptr();
-                Sqe::Write {
-                    fd: f.fd_for(buf as usize, off, rem),
-                    buf,
-                    len: rem as u32,
-                    offset: off,
-                    dsync: l.fua,
-                }
-            }
-            (LeafKind::Flush, Some(f)) => Sqe::Fsync { fd: f.buffered_fd },
-            (LeafKind::Discard, Some(f)) => Sqe::Fallocate {
-                fd: f.buffered_fd,
-                mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset: off,
-                len: rem,
-            },
-            (LeafKind::WriteZeroes { punch }, Some(f)) => Sqe::Fallocate {
-                fd: f.buffered_fd,
-                mode: if punch {
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
-                } else {
-                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
-                },
-                offset: off,
-                len: rem,
-            },
-            (LeafKind::ZeroFill, _) => {
-                s.buf.as_mut_slice()[l.buf_off..l.buf_off + l.len as usize].fill(0);
-                return;
-            }
-            (LeafKind::Fail(e), _) => {
-                if s.error == 0 {
-                    s.error = nbd_errno(e);
-                }
-                return;
-            }
-            _ => return, // Drop
-        };
-        s.pending += 1;
-        self.push(op, ud);
-    }
-
-    /// Write zeroes by writing from the zero buffer: for files that cannot fallocate.
-    fn issue_zero_write(&mut self, slot: usize, i: usize) {
-        if self.zero_buf.capacity() == 0 {
-            self.zero_buf.ensure(ZERO_BUF);
-        }
-        let l = &self.slots[slot].leaves[i];
-        let Some(f) = l.file else { return };
-        let (off, rem) = (l.offset + l.done, (l.len - l.done).min(ZERO_BUF as u64));
-        let buf = self.zero_buf.as_ptr();
-        self.slots[slot].pending += 1;
-        let op = Sqe::Write {
-            fd: f.fd_for(buf as usize, off, rem),
-            buf,
-            len: rem as u32,
-            offset: off,
-            dsync: false,
-        };
-        self.push(op, ud_leaf(slot, i));
-    }
-
-    fn complete_op(&mut self, ud: u64, r: i32) {
-        match ud >> KIND_SHIFT {
-            KIND_RECV => {
-                let into = self.recv_inflight.take().unwrap_or(RecvInto::Rbuf);
-                self.on_recv(into, r);
-            }
-            KIND_SEND => self.on_sent(r),
-            _ => self.on_leaf(((ud >> 32) & 0xffff) as usize, (ud & 0xffff_ffff) as usize, r),
-        }
-    }
-
-    fn on_leaf(&mut self, slot: usize, i: usize, r: i32) {
-        let s = &mut self.slots[slot];
-        s.pending -= 1;
-        let l = &mut s.leaves[i];
-        let zeroes = matches!(l.kind, LeafKind::WriteZeroes { .. });
-        if r < 0 {
-            let e = -r;
-            if zeroes && matches!(e, libc::EOPNOTSUPP | libc::EINVAL | libc::ENODEV) {
-                if s.flags & CMD_FLAG_FAST_ZERO != 0 {
-                    s.error = ENOTSUP;
-                } else {
-                    // The file cannot zero natively: write zeroes instead.
-                    l.kind = LeafKind::ZeroWrite;
-                    l.done = 0;
-                    self.issue_zero_write(slot, i);
-                    return;
-                }
-            } else {
-                if s.error == 0 {
-                    s.error = nbd_errno(e);
-                }
-                mapper::report_io_error(&s.holds, l.origin);
-            }
-        } else if matches!(l.kind, LeafKind::Read | LeafKind::Write | LeafKind::ZeroWrite) {
-            if r == 0 {
-                if l.kind == LeafKind::Read {
-                    // Past the end of the file: the rest reads as zeroes.
-                    let (a, b) = (l.buf_off + l.done as usize, l.buf_off + l.len as usize);
-                    s.buf.as_mut_slice()[a..b].fill(0);
-                    l.done = l.len;
-                } else if s.error == 0 {
-                    s.error = EIO;
-                }
-            } else {
-                l.done += r as u64;
-            }
-            if l.done < l.len && s.error == 0 {
-                if l.kind == LeafKind::ZeroWrite {
-                    self.issue_zero_write(slot, i);
-                } else {
-                    self.issue_leaf(slot, i);
-                }
-                return;
-            }
-            if l.kind == LeafKind::Read {
-                let (c, a) = (l.corrupt, l.buf_off);
-                let n = l.len as usize;
-                apply_corrupt(c, &mut s.buf.as_mut_slice()[a..a + n]);
-            }
-        }
-        let l = &mut s.leaves[i];
-        if let Some(after) = l.after.take() {
-            let ok = r >= 0 && !(r == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
-            after(ok);
-            s.hooked = true;
-        }
-        if self.slots[slot].pending == 0 {
-            self.leaves_done(slot);
-        }
-    }
-
-    /// Every leaf of `slot` is done.
-    fn leaves_done(&mut self, slot: usize) {
-        let s = &mut self.slots[slot];
-        mapper::release(&mut s.holds);
-        let fua = s.flags & CMD_FLAG_FUA != 0;
-        if (s.then_flush || (s.hooked && fua)) && s.error == 0 {
-            s.then_flush = false;
-            s.hooked = false;
-            // FUA on a discard / write-zeroes: flush what it touched.
-            let dev = self.dev.clone();
-            s.leaves.clear();
-            let bio = Bio {
-                op: Op::Flush,
-                sector: 0,
-                nr_sectors: 0,
-                buf_off: 0,
-                fua: false,
-                punch: false,
-                token: 0,
-            };
-            let r = {
-                let mut ctx = MapCtx::new(&mut s.leaves, &mut s.holds);
-                mapper::map_bio(&dev, bio, &mut ctx)
-            };
-            match r {
-                Ok(()) => return self.submit_leaves(slot),
-                Err(MapErr::Suspended) => {
-                    // Its effect is on the files; the next flush covers it.
-                    mapper::release(&mut s.holds);
-                }
-                Err(MapErr::Errno(e)) => {
-                    mapper::release(&mut s.holds);
-                    s.error = nbd_errno(e);
-                }
-            }
-        }
-        self.finish(slot);
-    }
-
-    fn finish_err(&mut self, slot: usize, e: u32) {
-        self.slots[slot].error = e;
-        self.finish(slot);
-    }
-
     /// Build the reply of `slot` and queue it.
     fn finish(&mut self, slot: usize) {
         let structured = self.structured;
+        let engine_error = self.engine.request(slot).error;
         let s = &mut self.slots[slot];
+        if s.error == 0 && engine_error != 0 {
+            s.error = nbd_errno(engine_error);
+        }
         let mut h = Hdr { b: &mut s.hdr, n: 0 };
         s.data_len = 0;
         if s.error != 0 {
@@ -955,10 +569,9 @@ impl Conn {
                 sector * SECTOR
             );
             let s = &mut self.slots[slot];
-            s.error = EIO;
             s.extra.clear();
             s.extra_first = 0;
-            return self.finish(slot);
+            return self.refuse(slot, EIO);
         }
         let s = &mut self.slots[slot];
         s.extra.clear();
@@ -998,7 +611,7 @@ impl Conn {
                 s.extra.extend_from_slice(&payload);
             }
         }
-        self.finish(slot);
+        self.engine.complete(slot, 0);
     }
 
     // ---- sending ----
@@ -1015,7 +628,7 @@ impl Conn {
             });
             if s.data_len > 0 {
                 self.iov.push(libc::iovec {
-                    iov_base: s.buf.as_ptr() as *mut libc::c_void,
+                    iov_base: self.engine.request(slot).buf.as_ptr() as *mut libc::c_void,
                     iov_len: s.data_len,
                 });
             }
@@ -1036,7 +649,7 @@ impl Conn {
         self.msg.msg_iov = rest.as_mut_ptr();
         self.msg.msg_iovlen = rest.len() as _;
         let msg = &self.msg as *const libc::msghdr;
-        self.push(Sqe::SendMsg { fd: self.fd, msg }, KIND_SEND << KIND_SHIFT);
+        self.push(Sqe::SendMsg { fd: self.fd, msg }, TAG_SEND);
         self.send_inflight = true;
     }
 
@@ -1078,12 +691,12 @@ impl Conn {
         if matches!(s.cmd, CMD_READ | CMD_WRITE) && s.len <= MAX_PAYLOAD {
             self.inflight_bytes -= u64::from(s.len);
         }
-        if s.buf.capacity() > KEEP_BUF {
-            s.buf = AlignedBuf::default();
-        }
         s.state = State::Free;
-        s.leaves.clear();
-        self.free.push(slot);
+        let q = self.engine.request_mut(slot);
+        if q.buf.capacity() > KEEP_BUF {
+            q.buf = AlignedBuf::default();
+        }
+        self.engine.free(slot);
     }
 }
 

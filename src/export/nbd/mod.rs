@@ -36,9 +36,10 @@ pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(mut s: S, reg: &Regist
     clear_receive_timeout(&s);
     let dev = neg.dev.clone();
     dev.open_count.fetch_add(1, Ordering::SeqCst);
-    let mut conn = conn::Conn::new(s.as_raw_fd(), neg);
-    conn.run();
-    drop(conn);
+    match conn::Conn::new(s.as_raw_fd(), neg) {
+        Ok(mut conn) => conn.run(),
+        Err(e) => tracing::warn!("nbd {peer}: cannot serve the connection: {e}"),
+    }
     drop(s);
     dev.open_count.fetch_sub(1, Ordering::SeqCst);
     reg.closed(&dev);

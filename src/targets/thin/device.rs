@@ -3,14 +3,17 @@
 //! A mapped, unshared block takes the fast path: a lookup under the pool lock and a
 //! remap to the data block, FUA and all, with nothing deferred (seed 000). Only I/O to
 //! an unmapped block, a write to a shared block, or I/O to a block being provisioned
-//! takes the slow path: a new data block is prepared (copied from the shared block or
-//! the origin, or zeroed) by the copy engine, the write goes to it, and the mapping is
-//! inserted once the write has landed, so a crash never exposes unwritten data.
+//! takes the slow path, and it never blocks the thread that maps: the piece is taken
+//! ([`Pending`](crate::mapper::engine::Pending)); the copy engine's threads prepare the new data block (copied from
+//! the shared block or the origin, or zeroed); the write is then sent on to it, and
+//! the mapping is inserted once the write has landed, so a crash never exposes
+//! unwritten data. Pieces for a block being provisioned wait in the bio prison and
+//! are requeued when it is mapped; pieces waiting for data space wait in the pool.
 
 use super::{pool::ThinPool, Key, Mode, Pool};
-use crate::io::{errno, BackingFile, Leaf, LeafKind, Op, SECTOR};
+use crate::copier::Copier;
+use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::targets::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub struct ThinDev {
@@ -105,8 +108,7 @@ impl ThinDev {
             (Op::Read, Some(map)) | (Op::Write, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
                 drop(m);
                 let sector = self.data_sector(map.data_block, off);
-                self.remap_pool(Bio { sector, ..bio }, bio, ctx);
-                Ok(())
+                self.remap_pool(Bio { sector, ..bio }, bio, ctx)
             }
             (Op::Read, None) => {
                 drop(m);
@@ -119,16 +121,15 @@ impl ThinDev {
             (Op::WriteZeroes, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
                 drop(m);
                 let sector = self.data_sector(map.data_block, off);
-                self.remap_pool(Bio { sector, ..bio }, bio, ctx);
-                Ok(())
+                self.remap_pool(Bio { sector, ..bio }, bio, ctx)
             }
             _ => self.provision(m, bio, found.map(|x| x.data_block), ctx),
         }
     }
 
     /// Under the pool lock: the mapping of `vblock`, unless the block is being
-    /// provisioned (the piece is deferred) or the lookup failed (the piece fails),
-    /// in which case None and the piece is taken care of.
+    /// provisioned (the piece waits in the prison for it) or the lookup failed (the
+    /// piece fails), in which case None and the piece is taken care of.
     fn lookup_locked(
         &self,
         bio: Bio,
@@ -139,9 +140,8 @@ impl ThinDev {
         Option<crate::thin::Mapping>,
     )> {
         let mut m = self.pool.lock();
-        if m.prison.contains(&Key::Virtual(self.id, vblock)) {
-            drop(m);
-            ctx.defer(bio);
+        if let Some(waiters) = m.prison.get_mut(&Key::Virtual(self.id, vblock)) {
+            waiters.push(ctx.submit(bio));
             return None;
         }
         match m.md.lookup(self.id, vblock) {
@@ -171,7 +171,8 @@ impl ThinDev {
     }
 
     /// The slow path for a write (or write-zeroes) to an unmapped or shared block:
-    /// allocate, prepare the rest of the new block, write, map on completion.
+    /// allocate, prepare the rest of the new block, write, map on completion. The
+    /// preparation runs on the copy engine's threads while the piece waits.
     fn provision(
         &self,
         mut m: std::sync::MutexGuard<'_, super::PoolMd>,
@@ -185,8 +186,8 @@ impl ThinDev {
         let new = match self.pool.alloc(&mut m) {
             Ok(b) => b,
             Err(true) => {
-                drop(m);
-                ctx.defer(bio); // queue until the pool grows (or the timeout)
+                // queued until the pool grows, space comes back, the timeout, or a suspend
+                m.no_space.push(ctx.submit(bio));
                 return Ok(());
             }
             Err(false) => {
@@ -200,113 +201,118 @@ impl ThinDev {
         };
         let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
         let key = Key::Virtual(self.id, vblock);
-        m.prison.insert(key);
+        m.prison.insert(key, Vec::new());
         let zero_new = m.features.zero_new_blocks;
         drop(m);
         let range = (off * SECTOR, bio.nr_sectors * SECTOR);
-        let written = if bio.op == Op::WriteZeroes { (0, 0) } else { range };
-        if let Err(e) = self.prepare(new, old, vblock, written, zero_new) {
-            tracing::warn!("thin {}: preparing data block {new}: {e}", self.id);
-            self.undo(new, key);
-            return Self::fail(ctx, bio, errno::EIO);
+        let zeroes = bio.op == Op::WriteZeroes;
+        let written = if zeroes { (0, 0) } else { range };
+        let jobs = self.prepare_jobs(new, old, vblock, written, zero_new);
+        let cell = Cell {
+            pool: self.pool.clone(),
+            id: self.id,
+            new,
+            vblock,
+        };
+        let data = Bio {
+            sector: self.data_sector(new, off),
+            ..bio
+        };
+        if jobs.is_empty() && !zeroes {
+            // Nothing to prepare (the write covers the block, or zeroing is off):
+            // write now, map once it has landed.
+            return ctx.remap_with(&self.pool_dev, data, 0, cell.end_io());
         }
-        if bio.op == Op::WriteZeroes {
-            // Zero the range now and map the block: nothing is left in flight.
-            let at = self.data_sector(new, 0) * SECTOR + range.0;
-            if let Err(e) = self.pool.copier.zero(&[(&self.pool.data, at)], range.1) {
-                tracing::warn!("thin {}: zeroing data block {new}: {e}", self.id);
-                self.undo(new, key);
-                return Self::fail(ctx, bio, errno::EIO);
+        let pending = ctx.submit(bio);
+        let dest = self.pool_dev.dest();
+        let data_file = self.pool.data.clone();
+        let zero_at = self.data_sector(new, 0) * SECTOR + range.0;
+        self.pool.copier.spawn(Box::new(move |c: &Copier| {
+            let mut r = run_jobs(c, &jobs);
+            if r.is_ok() && zeroes {
+                r = c.zero(&[(&data_file, zero_at)], range.1);
             }
-            self.finish_mapping(new, vblock, key, true);
-            ctx.complete(bio, LeafKind::Drop);
-            return Ok(());
-        }
-        let first = ctx.leaves.len();
-        let sector = self.data_sector(new, off);
-        if !self.remap_pool(Bio { sector, ..bio }, bio, ctx) {
-            // Deferred or failed instead: nothing was written to the new block.
-            self.undo(new, key);
-            return Ok(());
-        }
-        let (pool, id) = (self.pool.clone(), self.id);
-        let hook = move |ok: bool| finish(&pool, id, new, vblock, key, ok);
-        attach_once(&mut ctx.leaves[first..], Arc::new(hook));
+            match r {
+                Err(e) => {
+                    tracing::warn!("thin {}: preparing data block {}: {e}", cell.id, cell.new);
+                    cell.finish(false);
+                    pending.fail(errno::EIO);
+                }
+                Ok(()) if zeroes => {
+                    cell.finish(true);
+                    pending.done();
+                }
+                Ok(()) => pending.remap(dest, data, Some(cell.end_io())),
+            }
+        }));
         Ok(())
     }
 
-    /// Fill the parts of data block `new` outside `written` (byte offset, length in
-    /// the block): from the old shared block, else from the external origin (zeroes
-    /// past its end), else zeroes unless zeroing is off.
-    fn prepare(
+    /// The copy engine's work to fill the parts of data block `new` outside
+    /// `written` (byte offset, length in the block): from the old shared block, else
+    /// from the external origin (zeroes past its end), else zeroes unless zeroing is off.
+    fn prepare_jobs(
         &self,
         new: u64,
         old: Option<u64>,
         vblock: u64,
         written: (u64, u64),
         zero_new: bool,
-    ) -> std::io::Result<()> {
+    ) -> Vec<Job> {
         let block_bytes = self.bs * SECTOR;
         let base = self.data_sector(new, 0) * SECTOR;
         let (a, b) = (written.0, written.0 + written.1);
         let data = &self.pool.data;
+        let mut jobs = Vec::new();
         for (lo, hi) in [(0, a), (b, block_bytes)] {
             if hi <= lo {
                 continue;
             }
             if let Some(o) = old {
                 let src = self.data_sector(o, 0) * SECTOR;
-                self.pool
-                    .copier
-                    .copy(data, src + lo, &[(data, base + lo)], hi - lo)?;
+                jobs.push(Job::Copy(
+                    data.clone(),
+                    src + lo,
+                    data.clone(),
+                    base + lo,
+                    hi - lo,
+                ));
             } else if let Some((_, of)) = &self.origin {
                 let vstart = vblock * block_bytes;
                 let origin_bytes = self.origin_sectors() * SECTOR;
                 let copy_hi = origin_bytes.saturating_sub(vstart).clamp(lo, hi);
                 if copy_hi > lo {
-                    self.pool
-                        .copier
-                        .copy(of, vstart + lo, &[(data, base + lo)], copy_hi - lo)?;
+                    jobs.push(Job::Copy(
+                        of.clone(),
+                        vstart + lo,
+                        data.clone(),
+                        base + lo,
+                        copy_hi - lo,
+                    ));
                 }
                 if hi > copy_hi {
-                    self.pool.copier.zero(&[(data, base + copy_hi)], hi - copy_hi)?;
+                    jobs.push(Job::Zero(data.clone(), base + copy_hi, hi - copy_hi));
                 }
             } else if zero_new {
-                self.pool.copier.zero(&[(data, base + lo)], hi - lo)?;
+                jobs.push(Job::Zero(data.clone(), base + lo, hi - lo));
             }
         }
-        Ok(())
+        jobs
     }
 
     /// Send `data` (a piece remapped to the data device's sectors) through the pool
-    /// device. A suspended pool defers the piece (`orig`, in this thin's sectors) and
-    /// an error fails it, so a thin map never stops halfway through a request whose
-    /// other pieces already provisioned blocks. True when I/O leaves were pushed.
-    fn remap_pool(&self, data: Bio, orig: Bio, ctx: &mut MapCtx) -> bool {
+    /// device; an error fails the piece (`orig`, in this thin's sectors), and a
+    /// suspended pool device requeues the request.
+    fn remap_pool(&self, data: Bio, orig: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let first = ctx.leaves.len();
         match ctx.remap(&self.pool_dev, data, 0) {
-            Ok(()) => true,
-            Err(MapErr::Suspended) => {
-                ctx.leaves.truncate(first);
-                ctx.defer(orig);
-                false
-            }
             Err(MapErr::Errno(e)) => {
                 ctx.leaves.truncate(first);
                 ctx.complete(orig, LeafKind::Fail(e));
-                false
+                Ok(())
             }
+            r => r,
         }
-    }
-
-    fn undo(&self, new: u64, key: Key) {
-        let mut m = self.pool.lock();
-        let _ = m.md.release_data_block(new);
-        m.prison.remove(&key);
-    }
-
-    fn finish_mapping(&self, new: u64, vblock: u64, key: Key, ok: bool) {
-        finish(&self.pool, self.id, new, vblock, key, ok);
     }
 
     fn discard_piece(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
@@ -354,59 +360,72 @@ impl ThinDev {
         }
     }
 
-    /// An empty flush: the metadata must be committed first if it changed.
+    /// An empty flush: the metadata must be committed first if it changed; the
+    /// commit thread sends the flush on once it has.
     fn flush(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let m = self.pool.lock();
-        if bio.token != 0 && self.pool.commits() < bio.token {
-            drop(m);
-            ctx.defer_until(bio, bio.token);
-            return Ok(());
-        }
-        if bio.token == 0 && m.dirty {
+        let mut m = self.pool.lock();
+        if m.dirty && m.mode != Mode::ReadOnly {
             let t = self.pool.request_commit(&m);
-            drop(m);
-            ctx.defer_until(bio, t);
+            let p = ctx.submit(bio);
+            m.flush_waiters.push((t, p, self.pool_dev.dest()));
             return Ok(());
         }
         drop(m);
-        self.remap_pool(Bio { token: 0, ..bio }, bio, ctx);
-        Ok(())
+        self.remap_pool(bio, bio, ctx)
     }
 }
 
-/// Run `hook` once, after every one of `leaves` has finished (ok if all were).
-fn attach_once(leaves: &mut [Leaf], hook: Arc<dyn Fn(bool) + Send + Sync>) {
-    if leaves.len() == 1 {
-        leaves[0].after = Some(hook);
-        return;
-    }
-    let left = Arc::new(AtomicUsize::new(leaves.len()));
-    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for l in leaves {
-        let (left, failed, hook) = (left.clone(), failed.clone(), hook.clone());
-        l.after = Some(Arc::new(move |ok: bool| {
-            if !ok {
-                failed.store(true, Ordering::SeqCst);
-            }
-            if left.fetch_sub(1, Ordering::SeqCst) == 1 {
-                hook(!failed.load(Ordering::SeqCst));
-            }
-        }));
-    }
+/// Copy-engine work preparing a new data block.
+enum Job {
+    /// (source, offset, destination, offset, length)
+    Copy(Arc<BackingFile>, u64, Arc<BackingFile>, u64, u64),
+    /// (destination, offset, length)
+    Zero(Arc<BackingFile>, u64, u64),
 }
 
-/// The write to a new block has landed (or failed): map it, or give it back.
-fn finish(pool: &Pool, id: u64, new: u64, vblock: u64, key: Key, ok: bool) {
-    let mut m = pool.lock();
-    if ok {
-        match m.md.insert(id, vblock, new) {
-            Ok(()) => m.dirty = true,
-            Err(e) => pool.metadata_failed(&mut m, &e),
+fn run_jobs(c: &Copier, jobs: &[Job]) -> std::io::Result<()> {
+    for j in jobs {
+        match j {
+            Job::Copy(src, so, dst, d, len) => c.copy(src, *so, &[(dst, *d)], *len)?,
+            Job::Zero(dst, d, len) => c.zero(&[(dst, *d)], *len)?,
         }
-    } else {
-        let _ = m.md.release_data_block(new);
     }
-    m.prison.remove(&key);
+    Ok(())
+}
+
+/// A block being provisioned: the prison cell of (thin, virtual block) and the
+/// data block reserved for it.
+#[derive(Clone)]
+struct Cell {
+    pool: Arc<Pool>,
+    id: u64,
+    new: u64,
+    vblock: u64,
+}
+
+impl Cell {
+    /// The write to the new block has landed (or failed, or never went): map it,
+    /// or give the block back; either way pieces waiting for it go again.
+    fn finish(&self, ok: bool) {
+        let mut m = self.pool.lock();
+        if ok {
+            match m.md.insert(self.id, self.vblock, self.new) {
+                Ok(()) => m.dirty = true,
+                Err(e) => self.pool.metadata_failed(&mut m, &e),
+            }
+        } else {
+            let _ = m.md.release_data_block(self.new);
+        }
+        let waiters = m.prison.remove(&Key::Virtual(self.id, self.vblock));
+        drop(m);
+        for p in waiters.into_iter().flatten() {
+            p.requeue();
+        }
+    }
+
+    fn end_io(self) -> EndIo {
+        Arc::new(move |ok, _: &mut [u8]| self.finish(ok))
+    }
 }
 
 impl Drop for ThinDev {
@@ -472,6 +491,11 @@ impl Target for ThinDev {
             write_zeroes: true,
             ..self.pool_dev.limits()
         }
+    }
+    /// Pieces of this device queued for space are requeued: they wait for the
+    /// resume at the top, holding nothing, so the suspend returns at once.
+    fn presuspend(&self) {
+        self.pool.requeue_no_space();
     }
     fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
         // Unmapped blocks are holes (zeroes unless an external origin shows through).

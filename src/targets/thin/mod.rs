@@ -13,10 +13,11 @@ pub mod pool;
 
 use crate::copier::Copier;
 use crate::io::BackingFile;
+use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::Device;
 use crate::pdata::{FileDev, PdataError};
 use crate::thin::{FormatOptions, ThinError, ThinPoolMetadata};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -67,8 +68,15 @@ impl Default for Features {
 /// Everything behind the pool's lock.
 pub struct PoolMd {
     pub md: ThinPoolMetadata,
-    /// Blocks whose provisioning or copy is under way: I/O to them waits.
-    pub prison: HashSet<Key>,
+    /// Blocks whose provisioning or copy is under way, with the pieces waiting for
+    /// them (requeued when the cell is released).
+    pub prison: HashMap<Key, Vec<Pending>>,
+    /// Pieces waiting for data space (requeued when space comes, at the no-space
+    /// timeout, when the pool fails, and at suspend).
+    pub no_space: Vec<Pending>,
+    /// Flushes waiting for a commit: the commit count that covers them, and the
+    /// pool device they go on to once it is reached.
+    pub flush_waiters: Vec<(u64, Pending, Dest)>,
     /// Changes since the last commit.
     pub dirty: bool,
     pub mode: Mode,
@@ -231,7 +239,9 @@ impl Pool {
         let pool = Arc::new(Pool {
             md: Mutex::new(PoolMd {
                 md,
-                prison: HashSet::new(),
+                prison: HashMap::new(),
+                no_space: Vec::new(),
+                flush_waiters: Vec::new(),
                 dirty: false,
                 mode,
                 features,
@@ -290,28 +300,53 @@ impl Pool {
         }
         let mut m = self.lock();
         self.started.fetch_add(1, Ordering::SeqCst);
-        if !m.dirty || m.mode == Mode::ReadOnly {
-            self.commits.fetch_add(1, Ordering::SeqCst);
-            return Ok(());
-        }
-        // Zeroed and copied data must be on disk before the mappings that expose it.
-        if let Err(e) = self.data.sync() {
-            self.commits.fetch_add(1, Ordering::SeqCst);
-            return Err(format!("flushing the data device: {e}"));
-        }
-        let r = m.md.commit();
-        match r {
-            Ok(()) => {
-                m.dirty = false;
-                self.commits.fetch_add(1, Ordering::SeqCst);
-                Ok(())
+        let r = if !m.dirty || m.mode == Mode::ReadOnly {
+            Ok(())
+        } else if let Err(e) = self.data.sync() {
+            // Zeroed and copied data must be on disk before the mappings that expose it.
+            Err(format!("flushing the data device: {e}"))
+        } else {
+            match m.md.commit() {
+                Ok(()) => {
+                    m.dirty = false;
+                    Ok(())
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    self.metadata_failed(&mut m, &e);
+                    Err(msg)
+                }
             }
-            Err(e) => {
-                let msg = e.to_string();
-                self.metadata_failed(&mut m, &e);
-                self.commits.fetch_add(1, Ordering::SeqCst);
-                Err(msg)
+        };
+        let done = self.commits.fetch_add(1, Ordering::SeqCst) + 1;
+        // Flushes this commit covers go on to the pool device (or fail with it).
+        let mut covered = Vec::new();
+        let mut i = 0;
+        while i < m.flush_waiters.len() {
+            if m.flush_waiters[i].0 <= done {
+                covered.push(m.flush_waiters.swap_remove(i));
+            } else {
+                i += 1;
             }
+        }
+        drop(m);
+        for (_, p, dest) in covered {
+            if r.is_ok() {
+                let bio = p.bio();
+                p.remap(dest, bio, None);
+            } else {
+                p.fail(crate::io::errno::EIO);
+            }
+        }
+        r
+    }
+
+    /// Send every piece waiting for data space back to be mapped again: space came,
+    /// the pool changed mode, or a device is suspending.
+    pub fn requeue_no_space(&self) {
+        let waiters = std::mem::take(&mut self.lock().no_space);
+        for p in waiters {
+            p.requeue();
         }
     }
 
@@ -330,6 +365,10 @@ impl Pool {
         m.md.set_needs_check(true);
         let _ = m.md.commit();
         m.dirty = false;
+        // pieces waiting for space fail now (the pool takes no writes)
+        for p in m.no_space.drain(..) {
+            p.requeue();
+        }
     }
 
     /// A data block for a new mapping. Err(true): out of space, wait; Err(false): fail.
@@ -391,6 +430,7 @@ impl Pool {
             }
         }
         self.grow(nr_blocks);
+        self.requeue_no_space();
     }
 
     /// Grow the data space to `nr_blocks` (a reloaded, larger pool table).
@@ -435,6 +475,12 @@ impl Pool {
             m.mode = Mode::Write;
             m.out_of_space_since = None;
             self.events.fetch_add(1, Ordering::Relaxed);
+        }
+        if !m.no_space.is_empty() && m.md.nr_free_data_blocks() > 0 {
+            for p in m.no_space.drain(..) {
+                // only posts to the waiting engines: safe under the lock
+                p.requeue();
+            }
         }
     }
 }
@@ -483,7 +529,21 @@ fn commit_worker(weak: Weak<Pool>) {
                 .unwrap_or_else(|p| p.into_inner());
             std::mem::take(&mut *w)
         };
-        let periodic = last.elapsed() >= COMMIT_PERIOD && pool.lock().dirty;
+        let (periodic, give_up) = {
+            let m = pool.lock();
+            // Pieces queued for space past the timeout go again, to fail (alloc
+            // switches the pool to error_if_no_space).
+            let expired = m
+                .out_of_space_since
+                .is_some_and(|t| t.elapsed() >= no_space_timeout());
+            (
+                last.elapsed() >= COMMIT_PERIOD && m.dirty,
+                !m.no_space.is_empty() && (expired || m.mode != Mode::OutOfDataSpace),
+            )
+        };
+        if give_up {
+            pool.requeue_no_space();
+        }
         if wanted || periodic {
             if let Err(e) = pool.commit_now() {
                 tracing::warn!("thin-pool {}: commit failed: {e}", pool.metadata_path.display());

@@ -282,6 +282,11 @@ impl Target for ThinPool {
     fn events(&self) -> u64 {
         self.pool.events.load(std::sync::atomic::Ordering::Relaxed)
     }
+    /// Pieces queued for space go back to be mapped again (the kernel requeues
+    /// them at presuspend), so the suspend never waits for space.
+    fn presuspend(&self) {
+        self.pool.requeue_no_space();
+    }
     fn postsuspend(&self) {
         if let Err(e) = self.pool.commit_now() {
             tracing::warn!("thin-pool suspend: commit failed: {e}");

@@ -1,0 +1,901 @@
+//! The request engine: device-mapper's core under any frontend.
+//!
+//! An [`Engine`] belongs to one frontend thread (an NBD connection today) and owns
+//! its request slots and its io_uring. A frontend fills a [`Request`] (operation,
+//! range, data) and calls [`Engine::start`]; the engine maps it through the device's
+//! table into leaves, issues them, runs the targets' end-of-I/O hooks, emulates FUA
+//! on discards and zeroing with a flush, falls back to writing zeroes where a file
+//! cannot zero natively, parks requests while a device on their path is suspended
+//! and requeues them as the kernel does, and reports the request done. The frontend
+//! only parses, validates and replies; its own socket operations share the ring
+//! ([`Engine::push_io`]) so one wait covers both.
+//!
+//! A target may take a piece and finish it later from any thread (the kernel's
+//! DM_MAPIO_SUBMITTED): [`MapCtx::submit`](crate::targets::MapCtx::submit) hands it
+//! a [`Pending`], which it completes, remaps or requeues. The completion is posted to
+//! the owning engine's inbox and wakes its ring through an eventfd; nothing polls.
+
+use super::{map_bio, release, Device, Hold};
+use crate::io::queue::{IoQueue, Sqe};
+use crate::io::{errno, AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op};
+use crate::targets::{apply_end_io, Bio, MapCtx, MapErr};
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const KIND_SHIFT: u32 = 60;
+const KIND_LEAF: u64 = 0;
+const KIND_WAKE: u64 = 1;
+const KIND_FRONTEND: u64 = 2;
+const ZERO_BUF: usize = 1 << 20;
+
+fn ud_leaf(slot: usize, leaf: usize) -> u64 {
+    (KIND_LEAF << KIND_SHIFT) | ((slot as u64) << 32) | leaf as u64
+}
+
+/// Where a target sends a piece it finishes later: a backing file or a dmkit device.
+#[derive(Clone)]
+pub enum Dest {
+    File(Arc<BackingFile>),
+    Dm(Arc<Device>),
+}
+
+/// How a target finishes a piece it took ([`Pending`]).
+enum Resume {
+    /// Done: 0 or an errno.
+    Done(i32),
+    /// Send `bio` (in `dest`'s sectors) on now, running `end_io` once it is done.
+    Remap {
+        dest: Dest,
+        bio: Bio,
+        end_io: Option<EndIo>,
+    },
+    /// Map the piece again from its target (the condition that held it has passed,
+    /// or its device is suspending: the kernel's DM_MAPIO_REQUEUE).
+    Requeue,
+}
+
+struct Msg {
+    slot: u32,
+    gen: u32,
+    /// (hold index, target index) and start sector of the target that took it.
+    origin: (u16, u32),
+    target_start: u64,
+    bio: Bio,
+    /// The hook of a piece above that this one belongs to.
+    end_io: Option<EndIo>,
+    resume: Resume,
+}
+
+/// Where other threads post completions for one engine.
+pub struct Inbox {
+    msgs: Mutex<Vec<Msg>>,
+    efd: OwnedFd,
+}
+
+impl Inbox {
+    fn new() -> std::io::Result<Inbox> {
+        let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
+        Ok(Inbox {
+            msgs: Mutex::new(Vec::new()),
+            efd,
+        })
+    }
+
+    fn post(&self, m: Msg) {
+        let mut q = self.msgs.lock().unwrap_or_else(|p| p.into_inner());
+        let wake = q.is_empty();
+        q.push(m);
+        drop(q);
+        // One signal per batch: the engine takes the whole list when it wakes.
+        if wake {
+            let _ = rustix::io::write(&self.efd, &1u64.to_ne_bytes());
+        }
+    }
+}
+
+/// A piece of a request that a target took to finish later, from any thread.
+/// Dropping it unfinished fails the piece with EIO, so a request never hangs on a
+/// target that lost it.
+pub struct Pending {
+    inbox: Arc<Inbox>,
+    slot: u32,
+    gen: u32,
+    origin: (u16, u32),
+    target_start: u64,
+    bio: Bio,
+    end_io: Option<EndIo>,
+    sent: bool,
+}
+
+impl Pending {
+    pub(crate) fn new(
+        inbox: Arc<Inbox>,
+        slot: u32,
+        gen: u32,
+        origin: (u16, u32),
+        target_start: u64,
+        bio: Bio,
+        end_io: Option<EndIo>,
+    ) -> Pending {
+        Pending {
+            inbox,
+            slot,
+            gen,
+            origin,
+            target_start,
+            bio,
+            end_io,
+            sent: false,
+        }
+    }
+
+    /// The piece, in the target's sectors.
+    pub fn bio(&self) -> Bio {
+        self.bio
+    }
+
+    fn send(mut self, resume: Resume) {
+        self.sent = true;
+        self.inbox.post(Msg {
+            slot: self.slot,
+            gen: self.gen,
+            origin: self.origin,
+            target_start: self.target_start,
+            bio: self.bio,
+            end_io: self.end_io.take(),
+            resume,
+        });
+    }
+
+    /// The piece is done.
+    pub fn done(self) {
+        self.send(Resume::Done(0));
+    }
+
+    /// The piece failed with `errno`.
+    pub fn fail(self, errno: i32) {
+        self.send(Resume::Done(errno));
+    }
+
+    /// Send the piece on as `bio` (in `dest`'s sectors); `end_io` runs once that
+    /// I/O is done (with `false` if it failed or never ran).
+    pub fn remap(self, dest: Dest, bio: Bio, end_io: Option<EndIo>) {
+        self.send(Resume::Remap { dest, bio, end_io });
+    }
+
+    /// Map the piece again from its target: what held it has passed (a block was
+    /// provisioned, space was added), or its device is suspending.
+    pub fn requeue(self) {
+        self.send(Resume::Requeue);
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.sent {
+            self.sent = true;
+            self.inbox.post(Msg {
+                slot: self.slot,
+                gen: self.gen,
+                origin: self.origin,
+                target_start: self.target_start,
+                bio: self.bio,
+                end_io: self.end_io.take(),
+                resume: Resume::Done(errno::EIO),
+            });
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Free,
+    /// The frontend is filling it (a write's payload is arriving).
+    Filling,
+    InFlight,
+    /// Waiting for a suspended device to resume.
+    Parked,
+    /// Done; the frontend replies and frees it.
+    Done,
+}
+
+/// One request: what the frontend asked, its data, and the engine's progress.
+pub struct Request {
+    pub op: Op,
+    pub sector: u64,
+    pub nr_sectors: u64,
+    /// REQ_FUA: durable before completion (discard and zeroing emulate it with a
+    /// flush afterwards).
+    pub fua: bool,
+    /// WriteZeroes may deallocate.
+    pub punch: bool,
+    /// WriteZeroes must be fast: fail with EOPNOTSUPP rather than write zeroes.
+    pub fast_zero: bool,
+    /// The data: write payloads arrive here, reads land here.
+    pub buf: AlignedBuf,
+    /// 0, or the errno the request failed with.
+    pub error: i32,
+    state: State,
+    gen: u32,
+    leaves: Vec<Leaf>,
+    holds: Vec<Hold>,
+    /// Leaves issued and pieces out with targets, not yet finished.
+    pending: u32,
+    /// A device on the path is suspended: when nothing is pending, release every
+    /// hold and map the whole request again once it resumes.
+    requeue: bool,
+    then_flush: bool,
+    /// A leaf ran an end-of-I/O hook (a target changed metadata): with FUA the
+    /// request ends with a flush so that change is durable too.
+    hooked: bool,
+}
+
+impl Request {
+    fn new() -> Request {
+        Request {
+            op: Op::Read,
+            sector: 0,
+            nr_sectors: 0,
+            fua: false,
+            punch: false,
+            fast_zero: false,
+            buf: AlignedBuf::default(),
+            error: 0,
+            state: State::Free,
+            gen: 0,
+            leaves: Vec::with_capacity(8),
+            holds: Vec::with_capacity(4),
+            pending: 0,
+            requeue: false,
+            then_flush: false,
+            hooked: false,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        (self.nr_sectors * crate::io::SECTOR) as usize
+    }
+}
+
+/// A completion of a frontend operation (`tag`, result).
+pub type IoEvent = (u64, i32);
+
+pub struct Engine {
+    dev: Arc<Device>,
+    q: IoQueue,
+    inbox: Arc<Inbox>,
+    wake_buf: Box<[u8; 8]>,
+    wake_armed: bool,
+    reqs: Vec<Request>,
+    free: Vec<usize>,
+    parked: VecDeque<usize>,
+    /// Operations submitted to the ring and not yet completed (frontend's included).
+    ops: u64,
+    /// Pieces out with targets.
+    asyncs: u64,
+    done: VecDeque<usize>,
+    io_events: Vec<IoEvent>,
+    zero_buf: AlignedBuf,
+    cq: Vec<(u64, i32)>,
+    msgs: Vec<Msg>,
+    closing: bool,
+}
+
+impl Engine {
+    /// An engine for requests to `dev`, with `slots` request slots.
+    pub fn new(dev: Arc<Device>, slots: usize) -> std::io::Result<Engine> {
+        Ok(Engine {
+            dev,
+            q: IoQueue::new(512),
+            inbox: Arc::new(Inbox::new()?),
+            wake_buf: Box::new([0; 8]),
+            wake_armed: false,
+            reqs: (0..slots).map(|_| Request::new()).collect(),
+            free: (0..slots).rev().collect(),
+            parked: VecDeque::new(),
+            ops: 0,
+            asyncs: 0,
+            done: VecDeque::new(),
+            io_events: Vec::with_capacity(64),
+            zero_buf: AlignedBuf::default(),
+            cq: Vec::with_capacity(256),
+            msgs: Vec::new(),
+            closing: false,
+        })
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// A free request slot, to fill and `start`.
+    pub fn alloc(&mut self) -> Option<usize> {
+        let r = self.free.pop()?;
+        let q = &mut self.reqs[r];
+        q.state = State::Filling;
+        q.error = 0;
+        Some(r)
+    }
+
+    pub fn nr_free(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn nr_slots(&self) -> usize {
+        self.reqs.len()
+    }
+
+    pub fn request(&self, r: usize) -> &Request {
+        &self.reqs[r]
+    }
+
+    pub fn request_mut(&mut self, r: usize) -> &mut Request {
+        &mut self.reqs[r]
+    }
+
+    /// Give a slot back (its reply has been sent).
+    pub fn free(&mut self, r: usize) {
+        let q = &mut self.reqs[r];
+        q.state = State::Free;
+        q.leaves.clear();
+        self.free.push(r);
+    }
+
+    /// Finish `r` without mapping it (the frontend answered it itself).
+    pub fn complete(&mut self, r: usize, error: i32) {
+        let q = &mut self.reqs[r];
+        q.error = error;
+        q.state = State::Done;
+        self.done.push_back(r);
+    }
+
+    /// The next request that is done (in completion order).
+    pub fn pop_done(&mut self) -> Option<usize> {
+        self.done.pop_front()
+    }
+
+    /// Completions of the frontend's own operations since the last call.
+    pub fn io_events(&mut self, out: &mut Vec<IoEvent>) {
+        out.append(&mut self.io_events);
+    }
+
+    /// Whether anything is still under way (the frontend may not free buffers the
+    /// kernel or a target could still touch until this is false).
+    pub fn busy(&self) -> bool {
+        // the armed wake read is always there: it is not work under way
+        self.ops > u64::from(self.wake_armed) || self.asyncs > 0
+    }
+
+    /// Queue a frontend operation; its completion comes back through `io_events`.
+    ///
+    /// # Safety
+    /// As [`IoQueue::push`]: the memory `op` names must stay valid and untouched
+    /// until its completion has been returned.
+    pub unsafe fn push_io(&mut self, op: Sqe, tag: u64) {
+        self.ops += 1;
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe {
+            self.q.push(
+                op,
+                (KIND_FRONTEND << KIND_SHIFT) | (tag & ((1 << KIND_SHIFT) - 1)),
+            )
+        };
+    }
+
+    fn push(&mut self, op: Sqe, ud: u64) {
+        self.ops += 1;
+        // SAFETY: every pointer in `op` names memory the engine owns (request
+        // buffers, the zero buffer, the wake buffer), which is neither freed nor
+        // moved while `ops > 0`: slots are only freed once done, buffers only
+        // resized in free slots, and the frontend waits for `busy()` to clear.
+        unsafe { self.q.push(op, ud) };
+    }
+
+    /// Submit what is queued, wait for something to happen (at most `timeout`),
+    /// and handle every completion: leaves, target completions, and frontend
+    /// operations (returned through `io_events`).
+    pub fn turn(&mut self, timeout: Option<Duration>) -> std::io::Result<()> {
+        if !self.parked.is_empty() {
+            self.retry_parked();
+        }
+        if !self.wake_armed && (!self.closing || self.asyncs > 0) {
+            let buf = self.wake_buf.as_mut_ptr();
+            let fd = self.inbox.efd.as_raw_fd();
+            self.push(Sqe::Wake { fd, buf }, KIND_WAKE << KIND_SHIFT);
+            self.wake_armed = true;
+        }
+        let timeout = if self.parked.is_empty() {
+            timeout
+        } else {
+            // Parked requests retry when their device resumes.
+            Some(timeout.map_or(Duration::from_millis(1), |t| t.min(Duration::from_millis(1))))
+        };
+        if !self.done.is_empty() {
+            self.q.wait(Some(Duration::ZERO))?;
+        } else {
+            self.q.wait(timeout)?;
+        }
+        let mut cq = std::mem::take(&mut self.cq);
+        self.q.drain(|u, r| cq.push((u, r)));
+        for &(u, r) in &cq {
+            self.ops -= 1;
+            match u >> KIND_SHIFT {
+                KIND_LEAF => self.on_leaf(((u >> 32) & 0xffff) as usize, (u & 0xffff_ffff) as usize, r),
+                KIND_WAKE => {
+                    self.wake_armed = false;
+                    self.take_inbox();
+                }
+                _ => self.io_events.push((u & ((1 << KIND_SHIFT) - 1), r)),
+            }
+        }
+        cq.clear();
+        self.cq = cq;
+        Ok(())
+    }
+
+    /// The frontend is going away: requests waiting for a resume are dropped (they
+    /// never reached a device), and everything under way is waited for, pieces out
+    /// with targets included, so no buffer is freed under the kernel or a target.
+    pub fn shut_down(&mut self) {
+        self.closing = true;
+        loop {
+            while let Some(r) = self.parked.pop_front() {
+                self.reqs[r].state = State::Done;
+            }
+            self.io_events.clear();
+            self.done.clear();
+            if self.asyncs == 0 && self.wake_armed {
+                // complete the armed wake read, so the ring holds no pointer of ours
+                let _ = rustix::io::write(&self.inbox.efd, &1u64.to_ne_bytes());
+            }
+            if self.ops == 0 && self.asyncs == 0 {
+                break;
+            }
+            if self.turn(Some(Duration::from_millis(10))).is_err() {
+                break;
+            }
+        }
+        for q in &mut self.reqs {
+            release(&mut q.holds);
+        }
+    }
+
+    // ---- mapping ----
+
+    /// Map request `r` through the device and issue it.
+    pub fn start(&mut self, r: usize) {
+        let q = &mut self.reqs[r];
+        q.gen = q.gen.wrapping_add(1);
+        q.error = 0;
+        q.requeue = false;
+        q.hooked = false;
+        q.then_flush = q.fua && matches!(q.op, Op::Discard | Op::WriteZeroes);
+        if !self.parked.is_empty() {
+            // behind requests waiting for a resume, to keep their order
+            q.state = State::Parked;
+            self.parked.push_back(r);
+            return;
+        }
+        self.map_request(r);
+    }
+
+    /// Map `r` from the top; false if it was parked (a device is suspended).
+    fn map_request(&mut self, r: usize) -> bool {
+        let dev = self.dev.clone();
+        let inbox = self.inbox.clone();
+        let q = &mut self.reqs[r];
+        q.state = State::InFlight;
+        let bio = Bio {
+            op: q.op,
+            sector: q.sector,
+            nr_sectors: q.nr_sectors,
+            buf_off: 0,
+            fua: q.fua && q.op == Op::Write,
+            punch: q.punch,
+        };
+        q.leaves.clear();
+        let n = if q.op.has_data() { q.bytes() } else { 0 };
+        let (res, submitted) = {
+            let data = &mut q.buf.as_mut_slice()[..n];
+            let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &inbox, r as u32, q.gen);
+            let res = map_bio(&dev, bio, &mut ctx);
+            (res, ctx.submitted)
+        };
+        q.pending += submitted;
+        self.asyncs += u64::from(submitted);
+        match res {
+            Ok(()) => {
+                crate::io::coalesce(&mut q.leaves);
+                self.issue_from(r, 0);
+            }
+            Err(MapErr::Suspended) => {
+                self.drop_leaves(r, 0);
+                self.reqs[r].requeue = true;
+                if self.reqs[r].pending == 0 {
+                    self.leaves_done(r);
+                }
+                return self.reqs[r].state != State::Parked;
+            }
+            Err(MapErr::Errno(e)) => {
+                self.drop_leaves(r, 0);
+                let q = &mut self.reqs[r];
+                q.error = e;
+                if q.pending == 0 {
+                    self.leaves_done(r);
+                }
+            }
+        }
+        true
+    }
+
+    /// Leaves `from..` of `r` will not be issued: their hooks learn it (`false`).
+    fn drop_leaves(&mut self, r: usize, from: usize) {
+        let q = &mut self.reqs[r];
+        for l in q.leaves.drain(from..) {
+            if let Some(h) = l.end_io {
+                h(false, &mut []);
+            }
+        }
+    }
+
+    fn retry_parked(&mut self) {
+        while let Some(r) = self.parked.pop_front() {
+            if !self.map_request(r) {
+                // still suspended: it went to the back; keep the order
+                if let Some(pos) = self.parked.iter().rposition(|&x| x == r) {
+                    self.parked.remove(pos);
+                }
+                self.parked.push_front(r);
+                return;
+            }
+        }
+    }
+
+    fn park(&mut self, r: usize) {
+        let q = &mut self.reqs[r];
+        release(&mut q.holds);
+        q.leaves.clear();
+        q.requeue = false;
+        q.error = 0;
+        q.state = State::Parked;
+        self.parked.push_back(r);
+    }
+
+    // ---- completions from targets ----
+
+    fn take_inbox(&mut self) {
+        let mut msgs = std::mem::take(&mut self.msgs);
+        std::mem::swap(
+            &mut msgs,
+            &mut self.inbox.msgs.lock().unwrap_or_else(|p| p.into_inner()),
+        );
+        for m in msgs.drain(..) {
+            self.on_msg(m);
+        }
+        self.msgs = msgs;
+    }
+
+    fn on_msg(&mut self, m: Msg) {
+        let r = m.slot as usize;
+        self.asyncs -= 1;
+        if self
+            .reqs
+            .get(r)
+            .is_none_or(|q| q.gen != m.gen || q.state != State::InFlight)
+        {
+            tracing::error!("engine: a target completed a piece of a request that is not in flight");
+            return;
+        }
+        let inbox = self.inbox.clone();
+        let first = self.reqs[r].leaves.len();
+        let q = &mut self.reqs[r];
+        match m.resume {
+            Resume::Done(e) => {
+                if let Some(h) = m.end_io {
+                    h(e == 0, &mut []);
+                    q.hooked = true;
+                }
+                if e != 0 && q.error == 0 {
+                    q.error = e;
+                }
+            }
+            Resume::Remap { dest, bio, end_io } => {
+                let end_io = match (end_io, m.end_io) {
+                    (Some(a), Some(b)) => Some(chain(a, b)),
+                    (a, b) => a.or(b),
+                };
+                let n = if q.op.has_data() { q.bytes() } else { 0 };
+                let (res, submitted) = {
+                    let data = &mut q.buf.as_mut_slice()[..n];
+                    let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &inbox, m.slot, m.gen);
+                    ctx.origin = m.origin;
+                    ctx.target_start = m.target_start;
+                    let res = ctx.remap_dest_with(&dest, bio, end_io);
+                    (res, ctx.submitted)
+                };
+                q.pending += submitted;
+                self.asyncs += u64::from(submitted);
+                self.after_remap(r, first, res);
+            }
+            Resume::Requeue => {
+                if let Some(h) = m.end_io {
+                    // a piece of a piece: the piece above cannot finish; start over
+                    h(false, &mut []);
+                    q.requeue = true;
+                } else {
+                    let dev = q.holds.get(m.origin.0 as usize).map(|h| h.dev.clone());
+                    match dev {
+                        Some(d) if !d.suspended.load(std::sync::atomic::Ordering::SeqCst) => {
+                            let n = if q.op.has_data() { q.bytes() } else { 0 };
+                            let bio = Bio {
+                                sector: m.target_start + m.bio.sector,
+                                ..m.bio
+                            };
+                            let (res, submitted) = {
+                                let data = &mut q.buf.as_mut_slice()[..n];
+                                let mut ctx =
+                                    MapCtx::new(&mut q.leaves, &mut q.holds, data, &inbox, m.slot, m.gen);
+                                let res = map_bio(&d, bio, &mut ctx);
+                                (res, ctx.submitted)
+                            };
+                            q.pending += submitted;
+                            self.asyncs += u64::from(submitted);
+                            self.after_remap(r, first, res);
+                        }
+                        _ => q.requeue = true,
+                    }
+                }
+            }
+        }
+        let q = &mut self.reqs[r];
+        q.pending -= 1;
+        if q.pending == 0 {
+            self.leaves_done(r);
+        }
+    }
+
+    /// New leaves `first..` of `r` were mapped with result `res`: issue them, or
+    /// drop them and requeue or fail the request.
+    fn after_remap(&mut self, r: usize, first: usize, res: Result<(), MapErr>) {
+        match res {
+            Ok(()) => {
+                // held while the new leaves are issued, so none completes the request early
+                self.reqs[r].pending += 1;
+                self.issue_from(r, first);
+                self.reqs[r].pending -= 1;
+            }
+            Err(MapErr::Suspended) => {
+                self.drop_leaves(r, first);
+                self.reqs[r].requeue = true;
+            }
+            Err(MapErr::Errno(e)) => {
+                self.drop_leaves(r, first);
+                let q = &mut self.reqs[r];
+                if q.error == 0 {
+                    q.error = e;
+                }
+            }
+        }
+    }
+
+    // ---- leaves ----
+
+    /// Issue leaves `from..` of `r`; completes the request if nothing is pending.
+    fn issue_from(&mut self, r: usize, from: usize) {
+        let n = self.reqs[r].leaves.len();
+        for i in from..n {
+            self.issue_leaf(r, i);
+        }
+        if self.reqs[r].pending == 0 {
+            self.leaves_done(r);
+        }
+    }
+
+    /// Start (or continue, after a short transfer) leaf `i` of `r`. Leaves with no
+    /// I/O complete here.
+    fn issue_leaf(&mut self, r: usize, i: usize) {
+        let q = &mut self.reqs[r];
+        let l = &q.leaves[i];
+        let (off, rem) = (l.offset + l.done, l.len - l.done);
+        let base = l.buf_off + l.done as usize;
+        let op = match (l.kind, l.file) {
+            (LeafKind::Read, Some(f)) => {
+                let buf = q.buf.as_mut_slice()[base..].as_mut_ptr();
+                Sqe::Read {
+                    fd: f.fd_for(buf as usize, off, rem),
+                    buf,
+                    len: rem as u32,
+                    offset: off,
+                }
+            }
+            (LeafKind::Write, Some(f)) => {
+                let buf = q.buf.as_slice()[base..].as_ptr();
+                Sqe::Write {
+                    fd: f.fd_for(buf as usize, off, rem),
+                    buf,
+                    len: rem as u32,
+                    offset: off,
+                    dsync: l.fua,
+                }
+            }
+            (LeafKind::Flush, Some(f)) => Sqe::Fsync { fd: f.buffered_fd },
+            (LeafKind::Discard, Some(f)) => Sqe::Fallocate {
+                fd: f.buffered_fd,
+                mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset: off,
+                len: rem,
+            },
+            (LeafKind::WriteZeroes { punch }, Some(f)) => Sqe::Fallocate {
+                fd: f.buffered_fd,
+                mode: if punch {
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                } else {
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                },
+                offset: off,
+                len: rem,
+            },
+            (kind, _) => {
+                let ok = match kind {
+                    LeafKind::ZeroFill => {
+                        q.buf.as_mut_slice()[l.buf_off..l.buf_off + l.len as usize].fill(0);
+                        true
+                    }
+                    LeafKind::Fail(e) => {
+                        if q.error == 0 {
+                            q.error = e;
+                        }
+                        false
+                    }
+                    _ => true, // Drop
+                };
+                let l = &mut q.leaves[i];
+                if let Some(h) = l.end_io.take() {
+                    apply_end_io(&h, ok, l, &mut q.buf);
+                    q.hooked = true;
+                }
+                return;
+            }
+        };
+        q.pending += 1;
+        self.push(op, ud_leaf(r, i));
+    }
+
+    /// Write zeroes from the zero buffer: for files that cannot fallocate.
+    fn issue_zero_write(&mut self, r: usize, i: usize) {
+        if self.zero_buf.capacity() == 0 {
+            self.zero_buf.ensure(ZERO_BUF);
+        }
+        let l = &self.reqs[r].leaves[i];
+        let Some(f) = l.file else { return };
+        let (off, rem) = (l.offset + l.done, (l.len - l.done).min(ZERO_BUF as u64));
+        let buf = self.zero_buf.as_ptr();
+        self.reqs[r].pending += 1;
+        let op = Sqe::Write {
+            fd: f.fd_for(buf as usize, off, rem),
+            buf,
+            len: rem as u32,
+            offset: off,
+            dsync: false,
+        };
+        self.push(op, ud_leaf(r, i));
+    }
+
+    fn on_leaf(&mut self, r: usize, i: usize, res: i32) {
+        let q = &mut self.reqs[r];
+        q.pending -= 1;
+        let l = &mut q.leaves[i];
+        let zeroes = matches!(l.kind, LeafKind::WriteZeroes { .. });
+        if res < 0 {
+            let e = -res;
+            if zeroes && matches!(e, libc::EOPNOTSUPP | libc::EINVAL | libc::ENODEV) {
+                if q.fast_zero {
+                    q.error = errno::EOPNOTSUPP;
+                } else {
+                    // The file cannot zero natively: write zeroes instead.
+                    l.kind = LeafKind::ZeroWrite;
+                    l.done = 0;
+                    self.issue_zero_write(r, i);
+                    return;
+                }
+            } else {
+                if q.error == 0 {
+                    q.error = e;
+                }
+                super::report_io_error(&q.holds, l.origin);
+            }
+        } else if matches!(l.kind, LeafKind::Read | LeafKind::Write | LeafKind::ZeroWrite) {
+            if res == 0 {
+                if l.kind == LeafKind::Read {
+                    // Past the end of the file: the rest reads as zeroes.
+                    let (a, b) = (l.buf_off + l.done as usize, l.buf_off + l.len as usize);
+                    q.buf.as_mut_slice()[a..b].fill(0);
+                    l.done = l.len;
+                } else if q.error == 0 {
+                    q.error = errno::EIO;
+                }
+            } else {
+                l.done += res as u64;
+            }
+            if l.done < l.len && q.error == 0 {
+                if l.kind == LeafKind::ZeroWrite {
+                    self.issue_zero_write(r, i);
+                } else {
+                    self.issue_leaf(r, i);
+                }
+                return;
+            }
+        }
+        let l = &mut q.leaves[i];
+        if let Some(h) = l.end_io.take() {
+            let ok = res >= 0 && !(res == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
+            apply_end_io(&h, ok, l, &mut q.buf);
+            q.hooked = true;
+        }
+        if self.reqs[r].pending == 0 {
+            self.leaves_done(r);
+        }
+    }
+
+    /// Every leaf and piece of `r` is done.
+    fn leaves_done(&mut self, r: usize) {
+        if self.reqs[r].requeue {
+            self.park(r);
+            return;
+        }
+        let q = &mut self.reqs[r];
+        release(&mut q.holds);
+        if (q.then_flush || (q.hooked && q.fua)) && q.error == 0 {
+            q.then_flush = false;
+            q.hooked = false;
+            // FUA on a discard / write-zeroes, or on a write whose target changed
+            // metadata: flush what it touched.
+            let dev = self.dev.clone();
+            let inbox = self.inbox.clone();
+            q.leaves.clear();
+            let bio = Bio {
+                op: Op::Flush,
+                sector: 0,
+                nr_sectors: 0,
+                buf_off: 0,
+                fua: false,
+                punch: false,
+            };
+            let (res, submitted) = {
+                let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, &mut [], &inbox, r as u32, q.gen);
+                let res = map_bio(&dev, bio, &mut ctx);
+                (res, ctx.submitted)
+            };
+            q.pending += submitted;
+            self.asyncs += u64::from(submitted);
+            match res {
+                Ok(()) => return self.issue_from(r, 0),
+                Err(MapErr::Suspended) => {
+                    // Its effect is on the files; the next flush covers it.
+                    self.drop_leaves(r, 0);
+                }
+                Err(MapErr::Errno(e)) => {
+                    self.drop_leaves(r, 0);
+                    self.reqs[r].error = e;
+                }
+            }
+            if self.reqs[r].pending > 0 {
+                return;
+            }
+            release(&mut self.reqs[r].holds);
+        }
+        let q = &mut self.reqs[r];
+        q.state = State::Done;
+        self.done.push_back(r);
+    }
+}
+
+/// Run `a` then `b`.
+fn chain(a: EndIo, b: EndIo) -> EndIo {
+    Arc::new(move |ok, data: &mut [u8]| {
+        a(ok, data);
+        b(ok, &mut []);
+    })
+}

@@ -1,0 +1,195 @@
+//! The request engine: targets that finish requests later, from other threads,
+//! without holding up the connection; suspend never waiting on a queued request;
+//! capabilities composed down a stack as clients see them.
+
+mod common;
+
+use common::nbd::{Client, READ, WRITE};
+use common::{pattern, Daemon, Scratch};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// Send every request, then read the replies: the cookies in completion order.
+fn completion_order(c: &mut Client, reqs: &[(u64, u16, u64, u32, Vec<u8>)]) -> Vec<u64> {
+    for (cookie, cmd, off, len, payload) in reqs {
+        c.send(*cmd, 0, *cookie, *off, *len, payload);
+    }
+    let mut order = Vec::new();
+    for _ in reqs {
+        // every reply here is a simple one; reads carry their length of data
+        let mut h = [0u8; 16];
+        use std::io::Read;
+        c.s.read_exact(&mut h).expect("reply");
+        let err = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        assert_eq!(err, 0, "request {cookie} failed");
+        let (_, cmd, _, len, _) = reqs.iter().find(|r| r.0 == cookie).expect("known cookie");
+        if *cmd == READ {
+            let mut d = vec![0u8; *len as usize];
+            c.s.read_exact(&mut d).expect("read data");
+        }
+        order.push(cookie);
+    }
+    order
+}
+
+/// A thin write that provisions a block (here: copying 64 MiB from an external
+/// origin) does not hold up a read of a mapped block sent after it on the same
+/// connection: the copy runs on the copy engine's threads, not the connection's.
+#[test]
+fn provisioning_does_not_delay_reads_on_the_same_connection() {
+    let s = Scratch::new("engine-provision");
+    let meta = s.sparse("meta", 8 * MIB);
+    let data = s.sparse("data", 1024 * MIB);
+    // a sparse origin with data where the test looks
+    let origin = s.sparse("origin", 256 * MIB);
+    let head = pattern(5, 12288);
+    {
+        use std::os::unix::fs::FileExt;
+        let o = std::fs::OpenOptions::new().write(true).open(&origin).unwrap();
+        for b in 1..4u64 {
+            o.write_all_at(&head, b * 64 * MIB).unwrap();
+        }
+    }
+    let d = Daemon::start("engine-provision");
+    // 64 MiB data blocks (131072 sectors), 16 of them
+    d.create(
+        "pool",
+        &format!(
+            "0 {} thin-pool {} {} 131072 0",
+            1024 * MIB / 512,
+            meta.display(),
+            data.display()
+        ),
+    );
+    d.ok(&["message", "pool", "0", "create_thin", "0"]);
+    d.create(
+        "t",
+        &format!(
+            "0 {} thin /dev/mapper/pool 0 {}",
+            256 * MIB / 512,
+            origin.display()
+        ),
+    );
+    let mut c = Client::connect(&d.sock(), "t");
+    let p = pattern(9, 4096);
+    c.write(0, &p); // block 0 is provisioned now
+    for round in 0..3u64 {
+        let block = (round + 1) * 64 * MIB;
+        let order = completion_order(
+            &mut c,
+            &[
+                (1, WRITE, block + 4096, 4096, p.clone()),
+                (2, READ, 0, 4096, Vec::new()),
+            ],
+        );
+        assert_eq!(
+            order,
+            [2, 1],
+            "round {round}: the read waited for the provisioning write"
+        );
+        // and the provisioned block holds the write over the origin's data
+        let got = c.read(block, 3 * 4096);
+        let want = [&head[..4096], &p[..], &head[8192..]].concat();
+        assert_eq!(got, want, "round {round}: provisioned block contents");
+    }
+}
+
+/// A piece queued for data space is requeued when its device suspends, as the
+/// kernel does: the suspend returns at once, and the write completes after the
+/// pool grows and the device resumes.
+#[test]
+fn suspend_returns_while_a_request_is_queued_for_space() {
+    let s = Scratch::new("engine-nospace");
+    let meta = s.sparse("meta", 4 * MIB);
+    let data = s.sparse("data", 2 * 65536);
+    let d = Daemon::start("engine-nospace");
+    let table = |blocks: u64| {
+        format!(
+            "0 {} thin-pool {} {} 128 0",
+            blocks * 128,
+            meta.display(),
+            data.display()
+        )
+    };
+    d.create("pool", &table(2));
+    d.ok(&["message", "pool", "0", "create_thin", "0"]);
+    d.create("t", "0 8192 thin /dev/mapper/pool 0");
+    let mut c = Client::connect(&d.sock(), "t");
+    let p = pattern(3, 65536);
+    c.write(0, &p);
+    c.write(65536, &p);
+    // the pool is full: this write waits for space
+    let sock = d.sock();
+    let writer = std::thread::spawn(move || {
+        let mut c = Client::connect(&sock, "t");
+        let p = pattern(4, 4096);
+        c.call(WRITE, 0, 3 * 65536, 4096, &p)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!writer.is_finished(), "a write to a full pool completed at once");
+    let t = Instant::now();
+    d.ok(&["suspend", "t"]);
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "suspend took {took:?} with a write queued for space"
+    );
+    assert!(
+        !writer.is_finished(),
+        "the queued write completed while suspended"
+    );
+    // grow the pool, resume: the write goes through
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(8 * 65536)
+        .unwrap();
+    d.ok(&["load", "pool", "--table", &table(8)]);
+    let t = Instant::now();
+    d.ok(&["suspend", "pool"]);
+    d.ok(&["resume", "pool"]);
+    assert!(t.elapsed() < Duration::from_secs(1));
+    d.ok(&["resume", "t"]);
+    assert_eq!(
+        writer.join().unwrap(),
+        0,
+        "the queued write failed after the pool grew"
+    );
+    assert_eq!(c.read(3 * 65536, 4096), pattern(4, 4096));
+}
+
+/// A target that completes requests later from its own thread (delay) does not
+/// hold up the connection: a read of the undelayed part of the same device, sent
+/// after a held one, completes first; the held one completes from the timer thread.
+#[test]
+fn a_target_completes_from_another_thread() {
+    let s = Scratch::new("engine-delay");
+    let f = s.sparse("f", 8 * MIB);
+    std::fs::write(&f, pattern(7, (8 * MIB) as usize)).unwrap();
+    let d = Daemon::start("engine-delay");
+    d.create(
+        "dl",
+        &format!(
+            "0 8192 delay {f} 0 400\n8192 8192 linear {f} 8192",
+            f = f.display()
+        ),
+    );
+    let mut c = Client::connect(&d.sock(), "dl");
+    let t = Instant::now();
+    let order = completion_order(
+        &mut c,
+        &[
+            (1, READ, 0, 4096, Vec::new()),
+            (2, READ, 8192 * 512, 4096, Vec::new()),
+        ],
+    );
+    assert_eq!(order, [2, 1], "the undelayed read waited for the delayed one");
+    assert!(
+        t.elapsed() >= Duration::from_millis(400),
+        "the delayed read was not held"
+    );
+    assert_eq!(c.read(0, 4096), pattern(7, (8 * MIB) as usize)[..4096]);
+}
