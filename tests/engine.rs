@@ -193,3 +193,95 @@ fn a_target_completes_from_another_thread() {
     );
     assert_eq!(c.read(0, 4096), pattern(7, (8 * MIB) as usize)[..4096]);
 }
+
+/// Capabilities compose down a stack into what clients see (nbdinfo): `error`
+/// under `linear` takes discards (the kernel's io_err_io_hints) but cannot zero
+/// natively; a thin device offers its pool's block size as the preferred block
+/// size; a device stacked on a read-only device is a read-only export and refuses
+/// writes. A read-only pool's thins stay writable exports, as in the kernel (its
+/// read-only mode still writes mapped, unshared blocks; only provisioning fails).
+#[test]
+fn capabilities_of_a_stack_appear_in_nbdinfo() {
+    common::need("nbdinfo");
+    let s = Scratch::new("engine-caps");
+    let meta = s.sparse("meta", 4 * MIB);
+    let data = s.sparse("data", 64 * MIB);
+    let f = s.sparse("f", 4 * MIB);
+    let d = Daemon::start("engine-caps");
+    d.create("err", "0 2048 error");
+    d.create("over-err", "0 2048 linear /dev/mapper/err 0");
+    d.ok(&[
+        "create",
+        "ro",
+        "--readonly",
+        "--table",
+        &format!("0 2048 linear {} 0", f.display()),
+    ]);
+    d.create("over-ro", "0 2048 linear /dev/mapper/ro 0");
+    let pool = |features: &str| {
+        format!(
+            "0 {} thin-pool {} {} 128 0{features}",
+            64 * MIB / 512,
+            meta.display(),
+            data.display()
+        )
+    };
+    d.create("pool", &pool(""));
+    d.ok(&["message", "pool", "0", "create_thin", "0"]);
+    d.create("t", "0 8192 thin /dev/mapper/pool 0");
+    let info = |n: &str| common::run(std::process::Command::new("nbdinfo").arg(d.uri(n)));
+    let has = |out: &str, line: &str| out.lines().any(|l| l.trim() == line);
+
+    let out = info("over-err");
+    for want in [
+        "can_trim: true",
+        "can_fast_zero: false",
+        "is_read_only: false",
+        "can_multi_conn: true",
+    ] {
+        assert!(has(&out, want), "error under linear: no '{want}' in\n{out}");
+    }
+    let out = info("over-ro");
+    for want in ["is_read_only: true", "can_trim: false", "can_zero: false"] {
+        assert!(
+            has(&out, want),
+            "linear over a read-only device: no '{want}' in\n{out}"
+        );
+    }
+    let mut c = Client::connect(&d.sock(), "over-ro");
+    assert_eq!(
+        c.call(WRITE, 0, 0, 4096, &pattern(1, 4096)),
+        1,
+        "a write to a read-only export: EPERM"
+    );
+    let out = info("t");
+    for want in [
+        "block_size_preferred: 65536",
+        "can_trim: true",
+        "can_fua: true",
+        "is_read_only: false",
+    ] {
+        assert!(has(&out, want), "thin: no '{want}' in\n{out}");
+    }
+    let mut c = Client::connect(&d.sock(), "t");
+    c.write(0, &pattern(2, 4096));
+    // the pool goes read-only: the thin stays a writable export, as in the kernel
+    d.ok(&["load", "pool", "--table", &pool(" 1 read_only")]);
+    d.ok(&["suspend", "pool"]);
+    d.ok(&["resume", "pool"]);
+    let out = info("t");
+    assert!(
+        has(&out, "is_read_only: false"),
+        "thin on a read-only pool:\n{out}"
+    );
+    assert_eq!(
+        c.call(WRITE, 0, 0, 4096, &pattern(3, 4096)),
+        0,
+        "a mapped block stays writable"
+    );
+    assert_eq!(
+        c.call(WRITE, 0, 65536, 4096, &pattern(3, 4096)),
+        5,
+        "provisioning fails: EIO"
+    );
+}

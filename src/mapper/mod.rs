@@ -34,9 +34,6 @@ pub struct Table {
     /// `flush_bypass` holds: once each, however many targets use them.
     pub flush_devices: Vec<FlushDev>,
     pub logical_block_size: u32,
-    /// What the targets can do together (every target must, for discards and
-    /// zeroing), as the export offers it.
-    pub limits: Limits,
 }
 
 impl Table {
@@ -59,18 +56,12 @@ impl Table {
                 }
             }
         }
-        let limits = entries
-            .iter()
-            .map(|e| e.target.limits())
-            .reduce(Limits::and)
-            .unwrap_or(Limits::NONE);
         Table {
             entries,
             size,
             flush_bypass,
             flush_devices,
             logical_block_size: lbs,
-            limits,
         }
     }
 
@@ -175,9 +166,18 @@ impl Device {
         self.live.load().as_ref().map_or(512, |t| t.logical_block_size)
     }
 
-    /// The live table's limits (none without a table).
+    /// What the live table's targets can do together (every target must, for
+    /// discards and zeroing), as the export offers it (none without a table).
     pub fn limits(&self) -> Limits {
-        self.live.load().as_ref().map_or(Limits::NONE, |t| t.limits)
+        // Asked of the live stack each time (at a handshake, a status): a pool
+        // reloaded read-only makes its thins' new connections read-only.
+        self.live.load().as_ref().map_or(Limits::NONE, |t| {
+            t.entries
+                .iter()
+                .map(|e| e.target.limits())
+                .reduce(Limits::and)
+                .unwrap_or(Limits::NONE)
+        })
     }
 
     /// Block new I/O, release what targets hold, and wait for in-flight I/O to drain.

@@ -255,8 +255,7 @@ impl Registry {
     pub fn resume(&self, name: &str) -> Result<(), ControlError> {
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
-        resume_locked(&dev);
-        Ok(())
+        resume_locked(&dev).map_err(|e| dev_err(name, e))
     }
 
     /// `dmsetup remove [--force] [--deferred]`. A device in another table's use
@@ -315,7 +314,9 @@ impl Registry {
             target: Box::new(targets::error::Error),
         }]);
         *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
-        resume_locked(dev);
+        if let Err(e) = resume_locked(dev) {
+            tracing::warn!("{}: resuming the error table: {e}", dev.name());
+        }
         dev.event_nr.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -640,8 +641,25 @@ impl Registry {
 
 /// The body of `resume`, with `dev`'s control lock held: swap in the inactive table
 /// (suspending first), then let queued I/O go.
-fn resume_locked(dev: &Device) {
+/// Resume `dev`: its targets' preresume first (a refusal leaves the device
+/// suspended with the new table still inactive, as the kernel's failed resume
+/// does), then the table swap, then their resume.
+fn resume_locked(dev: &Device) -> Result<(), String> {
     let next = dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let coming = next.clone().or_else(|| dev.live.load_full());
+    if let Some(t) = &coming {
+        for e in &t.entries {
+            if let Err(why) = e.target.preresume() {
+                if let Some(n) = next {
+                    *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
+                }
+                return Err(format!(
+                    "resume refused by {} target: {why}",
+                    e.target.type_name()
+                ));
+            }
+        }
+    }
     if let Some(t) = next {
         if !dev.suspended.load(Ordering::SeqCst) {
             dev.suspend_and_drain();
@@ -658,6 +676,7 @@ fn resume_locked(dev: &Device) {
         }
     }
     dev.suspended.store(false, Ordering::SeqCst);
+    Ok(())
 }
 
 /// Whether `d`'s live table has a target of type `t`.

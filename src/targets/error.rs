@@ -26,8 +26,7 @@ impl Target for Error {
     fn limits(&self) -> Limits {
         Limits {
             discard: true,
-            write_zeroes: false,
-            io_opt: 0,
+            ..Limits::NONE
         }
     }
 }

@@ -117,21 +117,38 @@ impl DevRef {
 
     pub fn limits(&self) -> Limits {
         match self {
-            DevRef::File(_) => Limits::FILE,
-            DevRef::Dm(d) => d.0.limits(),
+            DevRef::File(f) => Limits {
+                read_only: f.read_only,
+                ..Limits::FILE
+            },
+            DevRef::Dm(d) => Limits {
+                read_only: d.0.read_only || d.0.limits().read_only,
+                ..d.0.limits()
+            },
         }
     }
 }
 
 /// What a device can do, as the kernel's queue limits say it: composed up the stack
 /// from the backing files, each target adjusting what it maps onto (the kernel's
-/// `io_hints` and feature checks). The export offers exactly these.
+/// `io_hints` and feature checks, nbdkit's filter capabilities). The export offers
+/// exactly these.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Discards are honoured (TRIM is offered; the kernel's max_discard_sectors > 0).
     pub discard: bool,
     /// Ranges can be zeroed natively (FAST_ZERO is offered).
     pub write_zeroes: bool,
+    /// FUA is honoured (every file takes RWF_DSYNC; a target could refuse it).
+    pub fua: bool,
+    /// Every connection sees one state and a flush on one covers writes completed
+    /// on all (NBD's CAN_MULTI_CONN).
+    pub multi_conn: bool,
+    /// Nothing beneath takes writes (a read-only file, a read-only pool).
+    pub read_only: bool,
+    /// Minimum optimal I/O size in bytes (the kernel's io_min; 0: none): NBD's
+    /// preferred block size.
+    pub io_min: u64,
     /// Optimal I/O size in bytes (0: none); read-ahead is twice it, at least 128 KiB.
     pub io_opt: u64,
 }
@@ -141,6 +158,10 @@ impl Limits {
     pub const NONE: Limits = Limits {
         discard: false,
         write_zeroes: false,
+        fua: true,
+        multi_conn: true,
+        read_only: false,
+        io_min: 0,
         io_opt: 0,
     };
 
@@ -148,7 +169,7 @@ impl Limits {
     pub const FILE: Limits = Limits {
         discard: true,
         write_zeroes: true,
-        io_opt: 0,
+        ..Limits::NONE
     };
 
     /// The limits of a target that passes I/O on to `devs` unchanged: it can do
@@ -158,7 +179,7 @@ impl Limits {
         let mut l = Limits {
             discard: !devs.is_empty(),
             write_zeroes: !devs.is_empty(),
-            io_opt: 0,
+            ..Limits::NONE
         };
         for d in devs {
             l = l.and(d.limits());
@@ -172,6 +193,10 @@ impl Limits {
         Limits {
             discard: self.discard && o.discard,
             write_zeroes: self.write_zeroes && o.write_zeroes,
+            fua: self.fua && o.fua,
+            multi_conn: self.multi_conn && o.multi_conn,
+            read_only: self.read_only || o.read_only,
+            io_min: self.io_min.max(o.io_min),
             io_opt: lcm_not_zero(self.io_opt, o.io_opt),
         }
     }
@@ -477,6 +502,11 @@ pub trait Target: Send + Sync {
     }
     /// Called when the device starts to suspend, before in-flight I/O is drained.
     fn presuspend(&self) {}
+    /// Called before the device resumes with this table; Err refuses the resume
+    /// (the device stays suspended, the table inactive).
+    fn preresume(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// Called when the device resumes with this table.
     fn resume(&self) {}
     /// Called once a suspending device has drained (thin-pool commits here).

@@ -36,7 +36,7 @@ impl Target for Zero {
         Limits {
             discard: true,
             write_zeroes: true,
-            io_opt: 0,
+            ..Limits::NONE
         }
     }
     fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {

@@ -406,7 +406,7 @@ impl Conn {
             return Err(EINVAL);
         }
         let writes = matches!(s.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
-        if writes && self.dev.read_only {
+        if writes && self.tflags & TF_READ_ONLY != 0 {
             return Err(EPERM);
         }
         // Not offered: the device cannot honour it (the kernel's EOPNOTSUPP); the

@@ -75,11 +75,17 @@ fn protocol(msg: &str) -> io::Error {
 /// read-only devices. All connections share one set of backing files and flushes
 /// reach those files, so CAN_MULTI_CONN holds.
 pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
-    let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_SEND_CACHE | TF_CAN_MULTI_CONN;
-    if dev.read_only {
+    let l = dev.limits();
+    let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_CACHE;
+    if l.fua {
+        f |= TF_SEND_FUA;
+    }
+    if l.multi_conn {
+        f |= TF_CAN_MULTI_CONN;
+    }
+    if dev.read_only || l.read_only {
         f |= TF_READ_ONLY;
     } else {
-        let l = dev.limits();
         f |= TF_SEND_WRITE_ZEROES;
         if l.discard {
             f |= TF_SEND_TRIM;
@@ -280,8 +286,15 @@ fn info_go<S: Write>(
             INFO_DESCRIPTION => p.extend_from_slice(description(&dev).as_bytes()),
             INFO_BLOCK_SIZE => {
                 let min = dev.logical_block_size().max(MIN_BLOCK);
+                // the stack's io_min where it is a power of two (a thin pool's block)
+                let io_min = dev.limits().io_min;
+                let pref = if io_min.is_power_of_two() && io_min <= u64::from(MAX_PAYLOAD) {
+                    io_min as u32
+                } else {
+                    PREF_BLOCK
+                };
                 p.extend_from_slice(&min.to_be_bytes());
-                p.extend_from_slice(&PREF_BLOCK.max(min).to_be_bytes());
+                p.extend_from_slice(&pref.max(PREF_BLOCK).max(min).to_be_bytes());
                 p.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
             }
             _ => continue,

@@ -135,6 +135,8 @@ impl Target for ThinPool {
         let mut l = self.data.limits();
         l.discard = l.discard && self.requested.discard_enabled;
         let block = self.pool.block_sectors * crate::io::SECTOR;
+        // the kernel's pool_io_hints: io_min is the data block size
+        l.io_min = l.io_min.max(block);
         if l.io_opt < block || !l.io_opt.is_multiple_of(block) {
             l.io_opt = block;
         }
@@ -275,6 +277,25 @@ impl Target for ThinPool {
     }
     fn devices(&self) -> Vec<&DevRef> {
         vec![&self.data]
+    }
+    /// As the kernel's pool_preresume: a table smaller than the metadata's data
+    /// space (a shrink) is refused, and so is a data device smaller than the table.
+    fn preresume(&self) -> Result<(), String> {
+        let have = self.pool.lock().md.nr_data_blocks();
+        if self.nr_blocks < have {
+            return Err(format!(
+                "pool target ({} blocks) too small: expected {have}",
+                self.nr_blocks
+            ));
+        }
+        let data_sectors = self.data.size_sectors();
+        if data_sectors < self.nr_blocks * self.pool.block_sectors {
+            return Err(format!(
+                "data device ({data_sectors} sectors) smaller than the pool target ({} sectors)",
+                self.nr_blocks * self.pool.block_sectors
+            ));
+        }
+        Ok(())
     }
     fn resume(&self) {
         self.pool.apply(self.requested, self.low_water, self.nr_blocks);

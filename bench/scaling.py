@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Connection scaling, side by side: dmkit (linear, and a provisioned thin),
+`nbdkit file`, `qemu-nbd` and `nbdkit null` (the client's own bound), 1..16 NBD
+connections (fio --numjobs, one connection each) x randread/randwrite/randrw x
+4 KiB/64 KiB at QD32 per connection. Every server works through the page cache
+(like with like: dmkit --buffered, nbdkit file, qemu-nbd --cache=writeback). Records
+IOPS and the server's CPU per request (utime+stime of all its threads over the
+run / requests) in BENCHMARKS.md, section `scaling`.
+
+Usage: bench/scaling.py [--conns 1,2,4,8,16] [--rw randread,randwrite,randrw]
+                        [--bs 4k,64k] [--reps 3] [--runtime 3] [--dir /dev/shm]
+"""
+import argparse, os, subprocess, sys, tempfile, time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402  (the shared helpers of bench/run.py)
+
+SIZE = run.SIZE
+
+
+class Thin:
+    """dmkit serving a thin device whose every block is provisioned, over a pool
+    on `data` (buffered, as the other servers here)."""
+
+    def __init__(self, tmp, data, meta):
+        self.kind = "dmkit-thin"
+        Thin.n = getattr(Thin, "n", 0) + 1
+        self.run = os.path.join(tmp, f"thin-run-{Thin.n}")
+        self.p = subprocess.Popen([run.DMKIT, "serve", "--run-dir", self.run, "--buffered"],
+                                  stderr=subprocess.DEVNULL)
+        run.wait_for(os.path.join(self.run, "control.sock"))
+        fresh = not os.path.exists(meta)
+        if fresh:
+            with open(meta, "wb") as f:
+                f.truncate(64 << 20)
+        cli = [run.DMKIT, "--run-dir", self.run]
+        pool = f"0 {SIZE // 512} thin-pool {meta} {data} 128 0"
+        subprocess.run(cli + ["create", "pool", "--table", pool], check=True)
+        if fresh:
+            subprocess.run(cli + ["message", "pool", "0", "create_thin", "0"], check=True)
+        subprocess.run(cli + ["create", "bench", "--table", f"0 {SIZE // 512} thin /dev/mapper/pool 0"],
+                       check=True)
+        self.uri = f"nbd+unix:///bench?socket={self.run}/nbd.sock"
+        if fresh:
+            # provision every block once
+            subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri={self.uri}", "--rw=write",
+                            "--bs=1M", "--iodepth=8", f"--size={SIZE}"], capture_output=True, check=True)
+
+    def cpu(self):
+        return run.proc_cpu(self.p.pid)
+
+    def stop(self):
+        hwm = run.proc_hwm_kib(self.p.pid)
+        self.p.terminate()
+        self.p.wait(30)
+        subprocess.run(["rm", "-rf", self.run])
+        return hwm
+
+
+class QemuCached(run.Server):
+    def __init__(self, backing, tmp):
+        self.kind, self.tmp = "qemu-nbd-cache", tmp
+        run.Server.n = getattr(run.Server, "n", 0) + 1
+        self.sock = os.path.join(tmp, f"qemu-{run.Server.n}.sock")
+        self.p = subprocess.Popen(["qemu-nbd", "-f", "raw", "--cache=writeback", "--aio=threads",
+                                   "--persistent", "--shared=16", "-k", self.sock, backing],
+                                  stderr=subprocess.DEVNULL)
+        run.wait_for(self.sock)
+        self.uri = f"nbd+unix:///?socket={self.sock}"
+        time.sleep(0.2)
+
+
+def one(kind, backing, tmp, thin_files, conns, fio_args, runtime):
+    if kind == "dmkit-thin":
+        s = Thin(tmp, *thin_files)
+    elif kind == "qemu-nbd-cache":
+        s = QemuCached(backing, tmp)
+    else:
+        s = run.Server(kind, backing, tmp)
+    try:
+        c0, t0 = s.cpu(), time.time()
+        ios, _ = run.fio(["--ioengine=nbd", f"--uri={s.uri}", f"--size={SIZE}", f"--numjobs={conns}"]
+                         + fio_args, runtime)
+        cpu = s.cpu() - c0
+        total = ios * (time.time() - t0 - 1)
+        return ios, (cpu / total * 1e6 if total > 0 else None)
+    finally:
+        s.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conns", default="1,2,4,8,16")
+    ap.add_argument("--rw", default="randread,randwrite,randrw")
+    ap.add_argument("--bs", default="4k,64k")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--runtime", type=int, default=3)
+    ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
+    a = ap.parse_args()
+    kinds = ["dmkit-buffered", "dmkit-thin", "nbdkit", "qemu-nbd-cache", "nbdkit-null"]
+    conns = [int(x) for x in a.conns.split(",")]
+    rws, bss = a.rw.split(","), a.bs.split(",")
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        backing = os.path.join(tmp, "linear.img")
+        thin_data = os.path.join(tmp, "thin-data.img")
+        for f in (backing, thin_data):
+            subprocess.run(["fio", "--name=fill", "--ioengine=psync", "--rw=write", "--bs=1M",
+                            f"--size={SIZE}", f"--filename={f}"], capture_output=True, check=True)
+        thin_files = (thin_data, os.path.join(tmp, "thin-meta.img"))
+        res = {}
+        for rep in range(a.reps):
+            for rw in rws:
+                for bs in bss:
+                    for n in conns:
+                        args = [f"--rw={rw}", f"--bs={bs}", "--iodepth=32"]
+                        for k in kinds:
+                            r = one(k, backing, tmp, thin_files, n, args, a.runtime)
+                            res.setdefault((rw, bs, n, k), []).append(r)
+                            print(f"rep {rep} {rw} {bs} x{n} {k}: {run.fmt(r[0])} IOPS "
+                                  f"{run.fmt(r[1], 2)} µs/req", file=sys.stderr)
+    med = {key: (run.med([r[0] for r in v]), run.med([r[1] for r in v])) for key, v in res.items()}
+    ratio = lambda x, y: "—" if not x or not y else f"{x / y:.2f}"
+    out = [
+        "## Connection scaling (bench/scaling.py)",
+        "",
+        f"`bench/scaling.py --conns {a.conns} --rw {a.rw} --bs {a.bs} --reps {a.reps} --runtime {a.runtime} "
+        f"--dir {a.dir}`: fio's nbd engine, QD32 per connection, 1 GiB file on `{a.dir}`, every "
+        "server through the page cache. Medians of the reps; IOPS, then the server's CPU per request "
+        "in µs (all threads, user+system). The machine's cores are shared by fio and the server.",
+        "",
+        "| rw | bs | conns | dmkit linear | dmkit thin | nbdkit file | qemu-nbd | nbdkit null | "
+        "linear/best anchor | thin/linear | µs/req dmkit linear | thin | nbdkit file | qemu-nbd | "
+        "nbdkit file/dmkit CPU |",
+        "|" + "---|" * 15,
+    ]
+    for rw in rws:
+        for bs in bss:
+            for n in conns:
+                v = {k: med[(rw, bs, n, k)] for k in kinds}
+                lin, thin, nk, qm, null = (v[k] for k in kinds)
+                best = max(nk[0] or 0, qm[0] or 0)
+                out.append(
+                    f"| {rw} | {bs} | {n} | {run.fmt(lin[0])} | {run.fmt(thin[0])} | {run.fmt(nk[0])} | "
+                    f"{run.fmt(qm[0])} | {run.fmt(null[0])} | **{ratio(lin[0], best)}** | "
+                    f"**{ratio(thin[0], lin[0])}** | {run.fmt(lin[1], 2)} | {run.fmt(thin[1], 2)} | "
+                    f"{run.fmt(nk[1], 2)} | {run.fmt(qm[1], 2)} | **{ratio(nk[1], lin[1])}** |")
+    run.write_section(a.out, "scaling", out)
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
