@@ -136,8 +136,11 @@ impl Pending {
         self.bio
     }
 
-    fn send(mut self, resume: Resume) {
-        self.sent = true;
+    /// Post the piece's outcome to its engine, once.
+    fn post(&mut self, resume: Resume) {
+        if std::mem::replace(&mut self.sent, true) {
+            return;
+        }
         self.inbox.post(Msg {
             slot: self.slot,
             gen: self.gen,
@@ -147,6 +150,10 @@ impl Pending {
             end_io: self.end_io.take(),
             resume,
         });
+    }
+
+    fn send(mut self, resume: Resume) {
+        self.post(resume);
     }
 
     /// The piece is done.
@@ -174,18 +181,7 @@ impl Pending {
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if !self.sent {
-            self.sent = true;
-            self.inbox.post(Msg {
-                slot: self.slot,
-                gen: self.gen,
-                origin: self.origin,
-                target_start: self.target_start,
-                bio: self.bio,
-                end_io: self.end_io.take(),
-                resume: Resume::Done(errno::EIO),
-            });
-        }
+        self.post(Resume::Done(errno::EIO));
     }
 }
 
