@@ -56,15 +56,21 @@ enum Resume {
     Requeue,
 }
 
-struct Msg {
-    slot: u32,
-    gen: u32,
+/// Which piece of which request a target took, and where it was mapped.
+pub(crate) struct Piece {
+    pub(crate) slot: u32,
+    pub(crate) gen: u32,
     /// (hold index, target index) and start sector of the target that took it.
-    origin: (u16, u32),
-    target_start: u64,
-    bio: Bio,
+    pub(crate) origin: (u16, u32),
+    pub(crate) target_start: u64,
+    /// The piece, in the target's sectors.
+    pub(crate) bio: Bio,
     /// The hook of a piece above that this one belongs to.
-    end_io: Option<EndIo>,
+    pub(crate) end_io: Option<EndIo>,
+}
+
+struct Msg {
+    piece: Piece,
     resume: Resume,
 }
 
@@ -100,40 +106,22 @@ impl Inbox {
 /// target that lost it.
 pub struct Pending {
     inbox: Arc<Inbox>,
-    slot: u32,
-    gen: u32,
-    origin: (u16, u32),
-    target_start: u64,
-    bio: Bio,
-    end_io: Option<EndIo>,
+    piece: Piece,
     sent: bool,
 }
 
 impl Pending {
-    pub(crate) fn new(
-        inbox: Arc<Inbox>,
-        slot: u32,
-        gen: u32,
-        origin: (u16, u32),
-        target_start: u64,
-        bio: Bio,
-        end_io: Option<EndIo>,
-    ) -> Pending {
+    pub(crate) fn new(inbox: Arc<Inbox>, piece: Piece) -> Pending {
         Pending {
             inbox,
-            slot,
-            gen,
-            origin,
-            target_start,
-            bio,
-            end_io,
+            piece,
             sent: false,
         }
     }
 
     /// The piece, in the target's sectors.
     pub fn bio(&self) -> Bio {
-        self.bio
+        self.piece.bio
     }
 
     /// Post the piece's outcome to its engine, once.
@@ -141,15 +129,11 @@ impl Pending {
         if std::mem::replace(&mut self.sent, true) {
             return;
         }
-        self.inbox.post(Msg {
-            slot: self.slot,
-            gen: self.gen,
-            origin: self.origin,
-            target_start: self.target_start,
-            bio: self.bio,
-            end_io: self.end_io.take(),
-            resume,
-        });
+        let piece = Piece {
+            end_io: self.piece.end_io.take(),
+            ..self.piece
+        };
+        self.inbox.post(Msg { piece, resume });
     }
 
     fn send(mut self, resume: Resume) {
@@ -477,10 +461,26 @@ impl Engine {
         self.map_request(r);
     }
 
+    /// Run `f` with a mapping context over request `r` (its leaves, holds and
+    /// data) and the engine's device; pieces targets took meanwhile are counted.
+    fn map_with(
+        &mut self,
+        r: usize,
+        f: impl FnOnce(&mut MapCtx, &Arc<Device>) -> Result<(), MapErr>,
+    ) -> Result<(), MapErr> {
+        let q = &mut self.reqs[r];
+        let n = if q.op.has_data() { q.bytes() } else { 0 };
+        let data = &mut q.buf.as_mut_slice()[..n];
+        let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &self.inbox, r as u32, q.gen);
+        let res = f(&mut ctx, &self.dev);
+        let submitted = ctx.submitted;
+        q.pending += submitted;
+        self.asyncs += u64::from(submitted);
+        res
+    }
+
     /// Map `r` from the top; false if it was parked (a device is suspended).
     fn map_request(&mut self, r: usize) -> bool {
-        let dev = self.dev.clone();
-        let inbox = self.inbox.clone();
         let q = &mut self.reqs[r];
         q.state = State::InFlight;
         let bio = Bio {
@@ -492,18 +492,9 @@ impl Engine {
             punch: q.punch,
         };
         q.leaves.clear();
-        let n = if q.op.has_data() { q.bytes() } else { 0 };
-        let (res, submitted) = {
-            let data = &mut q.buf.as_mut_slice()[..n];
-            let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &inbox, r as u32, q.gen);
-            let res = map_bio(&dev, bio, &mut ctx);
-            (res, ctx.submitted)
-        };
-        q.pending += submitted;
-        self.asyncs += u64::from(submitted);
-        match res {
+        match self.map_with(r, |ctx, dev| map_bio(dev, bio, ctx)) {
             Ok(()) => {
-                crate::io::coalesce(&mut q.leaves);
+                crate::io::coalesce(&mut self.reqs[r].leaves);
                 self.issue_from(r, 0);
             }
             Err(MapErr::Suspended) => {
@@ -536,15 +527,17 @@ impl Engine {
         }
     }
 
+    /// Map parked requests again, in order; once one is parked again (its device
+    /// is still suspended) the rest stay behind it.
     fn retry_parked(&mut self) {
-        while let Some(r) = self.parked.pop_front() {
-            if !self.map_request(r) {
-                // still suspended: it went to the back; keep the order
-                if let Some(pos) = self.parked.iter().rposition(|&x| x == r) {
-                    self.parked.remove(pos);
-                }
-                self.parked.push_front(r);
-                return;
+        let list = std::mem::take(&mut self.parked);
+        let mut stuck = false;
+        for r in list {
+            if stuck {
+                self.parked.push_back(r);
+            } else {
+                // parked again: `park` put it back in line, first
+                stuck = !self.map_request(r);
             }
         }
     }
@@ -574,20 +567,20 @@ impl Engine {
     }
 
     fn on_msg(&mut self, m: Msg) {
-        let r = m.slot as usize;
+        let r = m.piece.slot as usize;
         self.asyncs -= 1;
         if self
             .reqs
             .get(r)
-            .is_none_or(|q| q.gen != m.gen || q.state != State::InFlight)
+            .is_none_or(|q| q.gen != m.piece.gen || q.state != State::InFlight)
         {
             tracing::error!("engine: a target completed a piece of a request that is not in flight");
             return;
         }
-        let inbox = self.inbox.clone();
         let first = self.reqs[r].leaves.len();
+        let Msg { piece: m, resume } = m;
         let q = &mut self.reqs[r];
-        match m.resume {
+        match resume {
             Resume::Done(e) => {
                 if let Some(h) = m.end_io {
                     h(e == 0, &mut []);
@@ -602,17 +595,11 @@ impl Engine {
                     (Some(a), Some(b)) => Some(chain(a, b)),
                     (a, b) => a.or(b),
                 };
-                let n = if q.op.has_data() { q.bytes() } else { 0 };
-                let (res, submitted) = {
-                    let data = &mut q.buf.as_mut_slice()[..n];
-                    let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &inbox, m.slot, m.gen);
+                let res = self.map_with(r, |ctx, _| {
                     ctx.origin = m.origin;
                     ctx.target_start = m.target_start;
-                    let res = ctx.remap_dest_with(&dest, bio, end_io);
-                    (res, ctx.submitted)
-                };
-                q.pending += submitted;
-                self.asyncs += u64::from(submitted);
+                    ctx.remap_dest_with(&dest, bio, end_io)
+                });
                 self.after_remap(r, first, res);
             }
             Resume::Requeue => {
@@ -624,20 +611,11 @@ impl Engine {
                     let dev = q.holds.get(m.origin.0 as usize).map(|h| h.dev.clone());
                     match dev {
                         Some(d) if !d.suspended.load(std::sync::atomic::Ordering::SeqCst) => {
-                            let n = if q.op.has_data() { q.bytes() } else { 0 };
                             let bio = Bio {
                                 sector: m.target_start + m.bio.sector,
                                 ..m.bio
                             };
-                            let (res, submitted) = {
-                                let data = &mut q.buf.as_mut_slice()[..n];
-                                let mut ctx =
-                                    MapCtx::new(&mut q.leaves, &mut q.holds, data, &inbox, m.slot, m.gen);
-                                let res = map_bio(&d, bio, &mut ctx);
-                                (res, ctx.submitted)
-                            };
-                            q.pending += submitted;
-                            self.asyncs += u64::from(submitted);
+                            let res = self.map_with(r, |ctx, _| map_bio(&d, bio, ctx));
                             self.after_remap(r, first, res);
                         }
                         _ => q.requeue = true,
@@ -848,8 +826,6 @@ impl Engine {
             q.hooked = false;
             // FUA on a discard / write-zeroes, or on a write whose target changed
             // metadata: flush what it touched.
-            let dev = self.dev.clone();
-            let inbox = self.inbox.clone();
             q.leaves.clear();
             let bio = Bio {
                 op: Op::Flush,
@@ -859,13 +835,7 @@ impl Engine {
                 fua: false,
                 punch: false,
             };
-            let (res, submitted) = {
-                let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, &mut [], &inbox, r as u32, q.gen);
-                let res = map_bio(&dev, bio, &mut ctx);
-                (res, ctx.submitted)
-            };
-            q.pending += submitted;
-            self.asyncs += u64::from(submitted);
+            let res = self.map_with(r, |ctx, dev| map_bio(dev, bio, ctx));
             match res {
                 Ok(()) => return self.issue_from(r, 0),
                 Err(MapErr::Suspended) => {

@@ -9,7 +9,7 @@ pub mod thin;
 pub mod zero;
 
 use crate::io::{AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, SECTOR};
-use crate::mapper::engine::{Dest, Inbox, Pending};
+use crate::mapper::engine::{Dest, Inbox, Pending, Piece};
 use crate::mapper::{Device, Hold};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -401,15 +401,15 @@ impl<'a> MapCtx<'a> {
     pub fn submit(&mut self, bio: Bio) -> Pending {
         self.submitted += 1;
         let end_io = self.join.as_ref().map(|j| j.child());
-        Pending::new(
-            self.inbox.clone(),
-            self.slot,
-            self.gen,
-            self.origin,
-            self.target_start,
+        let piece = Piece {
+            slot: self.slot,
+            gen: self.gen,
+            origin: self.origin,
+            target_start: self.target_start,
             bio,
             end_io,
-        )
+        };
+        Pending::new(self.inbox.clone(), piece)
     }
 
     /// Complete `bio` without I/O: zero-fill it (reads), fail it, or drop it.

@@ -31,21 +31,9 @@ const MAX_DISCARDED_PAYLOAD: u64 = 2 * MAX_PAYLOAD as u64;
 const TAG_RECV: u64 = 1;
 const TAG_SEND: u64 = 2;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum State {
-    Free,
-    /// Receiving its write payload.
-    Payload,
-    /// With the engine.
-    InFlight,
-    /// Reply queued or being sent.
-    Reply,
-}
-
 /// The protocol's side of a request; the engine's request of the same index holds
 /// the operation, the data and the progress.
 struct Slot {
-    state: State,
     cookie: u64,
     cmd: u16,
     flags: u16,
@@ -65,7 +53,6 @@ struct Slot {
 impl Slot {
     fn new() -> Slot {
         Slot {
-            state: State::Free,
             cookie: 0,
             cmd: 0,
             flags: 0,
@@ -368,7 +355,6 @@ impl Conn {
                     self.refuse(slot, EOVERFLOW);
                     continue;
                 }
-                s.state = State::Payload;
                 self.engine.request_mut(slot).buf.ensure(len as usize);
                 self.inflight_bytes += u64::from(len);
                 self.payload = Some((slot, 0));
@@ -451,8 +437,7 @@ impl Conn {
         if let Err(e) = self.validate(&self.slots[slot]) {
             return self.refuse(slot, e);
         }
-        let s = &mut self.slots[slot];
-        s.state = State::InFlight;
+        let s = &self.slots[slot];
         if s.cmd == CMD_BLOCK_STATUS {
             return self.block_status(slot);
         }
@@ -528,7 +513,6 @@ impl Conn {
             h.simple(0, s.cookie);
         }
         s.hdr_len = h.n;
-        s.state = State::Reply;
         self.sendq.push_back(slot);
     }
 
@@ -691,7 +675,6 @@ impl Conn {
         if matches!(s.cmd, CMD_READ | CMD_WRITE) && s.len <= MAX_PAYLOAD {
             self.inflight_bytes -= u64::from(s.len);
         }
-        s.state = State::Free;
         let q = self.engine.request_mut(slot);
         if q.buf.capacity() > KEEP_BUF {
             q.buf = AlignedBuf::default();

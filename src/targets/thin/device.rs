@@ -207,7 +207,12 @@ impl ThinDev {
         let range = (off * SECTOR, bio.nr_sectors * SECTOR);
         let zeroes = bio.op == Op::WriteZeroes;
         let written = if zeroes { (0, 0) } else { range };
-        let jobs = self.prepare_jobs(new, old, vblock, written, zero_new);
+        let mut jobs = self.prepare_jobs(new, old, vblock, written, zero_new);
+        if zeroes {
+            // the zeroed range itself, then the block is mapped: nothing to write
+            let at = self.data_sector(new, 0) * SECTOR + range.0;
+            jobs.push(Job::Zero(self.pool.data.clone(), at, range.1));
+        }
         let cell = Cell {
             pool: self.pool.clone(),
             id: self.id,
@@ -218,21 +223,16 @@ impl ThinDev {
             sector: self.data_sector(new, off),
             ..bio
         };
-        if jobs.is_empty() && !zeroes {
+        if jobs.is_empty() {
             // Nothing to prepare (the write covers the block, or zeroing is off):
             // write now, map once it has landed.
             return ctx.remap_with(&self.pool_dev, data, 0, cell.end_io());
         }
         let pending = ctx.submit(bio);
         let dest = self.pool_dev.dest();
-        let data_file = self.pool.data.clone();
-        let zero_at = self.data_sector(new, 0) * SECTOR + range.0;
-        self.pool.copier.spawn(Box::new(move |c: &Copier| {
-            let mut r = run_jobs(c, &jobs);
-            if r.is_ok() && zeroes {
-                r = c.zero(&[(&data_file, zero_at)], range.1);
-            }
-            match r {
+        self.pool
+            .copier
+            .spawn(Box::new(move |c: &Copier| match run_jobs(c, &jobs) {
                 Err(e) => {
                     tracing::warn!("thin {}: preparing data block {}: {e}", cell.id, cell.new);
                     cell.finish(false);
@@ -243,8 +243,7 @@ impl ThinDev {
                     pending.done();
                 }
                 Ok(()) => pending.remap(dest, data, Some(cell.end_io())),
-            }
-        }));
+            }));
         Ok(())
     }
 

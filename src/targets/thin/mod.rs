@@ -320,15 +320,10 @@ impl Pool {
         };
         let done = self.commits.fetch_add(1, Ordering::SeqCst) + 1;
         // Flushes this commit covers go on to the pool device (or fail with it).
-        let mut covered = Vec::new();
-        let mut i = 0;
-        while i < m.flush_waiters.len() {
-            if m.flush_waiters[i].0 <= done {
-                covered.push(m.flush_waiters.swap_remove(i));
-            } else {
-                i += 1;
-            }
-        }
+        let (covered, later): (Vec<_>, Vec<_>) = std::mem::take(&mut m.flush_waiters)
+            .into_iter()
+            .partition(|w| w.0 <= done);
+        m.flush_waiters = later;
         drop(m);
         for (_, p, dest) in covered {
             if r.is_ok() {
