@@ -6,13 +6,15 @@
 //! A missing tool or a failed kernel download fails the test (ci/install.sh
 //! installs and fetches them).
 
+mod oracle;
 mod thin_util;
+use oracle::{marker, markers, md5, GUEST_HELPERS};
 use thin_util::*;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 const BLOCK_SECTORS: u32 = 128; // 64 KiB data blocks
 const BLOCK_BYTES: u64 = BLOCK_SECTORS as u64 * 512;
@@ -21,68 +23,6 @@ const DATA_BLOCKS: u64 = 256; // 16 MiB data
 const THIN_BLOCKS: u64 = 128; // each thin device: 8 MiB
 const THIN_SECTORS: u64 = THIN_BLOCKS * BLOCK_SECTORS as u64;
 const POOL_SECTORS: u64 = DATA_BLOCKS * BLOCK_SECTORS as u64;
-
-/// Boot the kernel with `script` and the disks; the serial output.
-fn oracle(s: &Scratch, script: &str, disks: &[&Path]) -> String {
-    let run = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/run.sh");
-    let sp = s.path("guest.sh");
-    std::fs::write(&sp, script).expect("write script");
-    let out = Command::new("bash")
-        .arg(&run)
-        .arg(&sp)
-        .args(disks)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run tests/oracle/run.sh");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_ne!(
-        out.status.code(),
-        Some(77),
-        "kernel oracle unavailable (ci/install.sh installs it):\n{stderr}"
-    );
-    assert!(
-        out.status.success() && stdout.contains("ORACLE-EXIT 0"),
-        "oracle run failed ({:?}):\nserial:\n{stdout}\nstderr:\n{stderr}",
-        out.status
-    );
-    eprintln!("--- guest serial ---\n{stdout}--- end ---");
-    stdout
-}
-
-/// The guest's `ORACLE <key> <value...>` lines.
-fn markers(serial: &str) -> BTreeMap<String, String> {
-    serial
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("ORACLE "))
-        .filter_map(|l| l.split_once(' '))
-        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
-        .collect()
-}
-
-fn marker<'a>(m: &'a BTreeMap<String, String>, k: &str) -> &'a str {
-    m.get(k)
-        .unwrap_or_else(|| panic!("guest printed no {k} marker: {m:?}"))
-}
-
-fn md5(bytes: &[u8]) -> String {
-    let mut c = Command::new("md5sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("md5sum");
-    let mut stdin = c.stdin.take().unwrap();
-    let data = bytes.to_vec();
-    let w = std::thread::spawn(move || stdin.write_all(&data).expect("feed md5sum"));
-    let out = c.wait_with_output().expect("md5sum");
-    w.join().unwrap();
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
 
 fn file_of(s: &Scratch, name: &str, bytes: u64) -> PathBuf {
     let p = s.path(name);
@@ -199,12 +139,6 @@ fn assert_tools_agree(meta: &Path) {
     }
 }
 
-const GUEST_HELPERS: &str = r#"
-set -e
-sum() { echo 3 > /proc/sys/vm/drop_caches; md5sum < "$1" | cut -d' ' -f1; }
-mk() { dmsetup create "$1" --table "$2"; dmsetup mknodes; }
-"#;
-
 /// dmkit writes a pool (origin, snapshot, writes after the snapshot on both);
 /// the kernel must read exactly the implied contents, then its own writes to
 /// the pool must leave metadata that dmkit and thin_check read back.
@@ -267,7 +201,7 @@ dmsetup remove pool
 echo "ORACLE removed yes"
 "#
     );
-    let serial = oracle(&s, &script, &[&meta, &data]);
+    let serial = oracle::run(&s.dir, &script, &[&meta, &data]);
     let m = markers(&serial);
     assert_eq!(marker(&m, "md5-0"), want0, "kernel reads thin 0 differently");
     assert_eq!(marker(&m, "md5-1"), want1, "kernel reads thin 1 differently");
@@ -326,7 +260,7 @@ dmsetup remove pool
 echo "ORACLE removed yes"
 "#
     );
-    let serial = oracle(&s, &script, &[&meta, &data]);
+    let serial = oracle::run(&s.dir, &script, &[&meta, &data]);
     let m = markers(&serial);
     assert_eq!(marker(&m, "removed"), "yes");
     assert_eq!(

@@ -1,6 +1,7 @@
 //! Mapped devices: their tables, lifecycle (load, suspend, resume, remove) and the
 //! mapping of requests through tables, stacked devices included.
 
+pub mod devio;
 pub mod engine;
 pub mod registry;
 mod report;

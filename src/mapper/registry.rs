@@ -92,6 +92,8 @@ pub struct Registry {
     /// Minors in use, by devices and by creations under way: a new device takes the
     /// lowest free one, and a removed or failed one gives it back (as the kernel's idr).
     minors: Mutex<std::collections::BTreeSet<u32>>,
+    /// State targets share across devices (snapshot origins).
+    shared: targets::Shared,
     pub config: Config,
 }
 
@@ -101,6 +103,7 @@ impl Registry {
             devices: Mutex::new(BTreeMap::new()),
             files: Mutex::new(Vec::new()),
             minors: Mutex::new(std::collections::BTreeSet::new()),
+            shared: targets::Shared::default(),
             config,
         }
     }
@@ -143,7 +146,19 @@ impl Registry {
         // Build the table before the device is visible, so a failed create leaves
         // nothing, its minor included.
         if let Some(table) = table {
-            match self.build_table(&dev, table) {
+            let built = self.build_table(&dev, table).and_then(|t| {
+                // create is load + resume: the targets' resume checks run first
+                for e in &t.entries {
+                    e.target.preresume().map_err(|why| {
+                        dev_err(
+                            name,
+                            format!("resume refused by {} target: {why}", e.target.type_name()),
+                        )
+                    })?;
+                }
+                Ok(t)
+            });
+            match built {
                 Ok(t) => dev.live.store(Some(Arc::new(t))),
                 Err(e) => {
                     self.give_minor(minor);
@@ -162,7 +177,13 @@ impl Registry {
             self.give_minor(minor);
             return Err(e);
         }
-        devs.insert(name.to_string(), dev);
+        devs.insert(name.to_string(), dev.clone());
+        drop(devs);
+        if let Some(t) = dev.live.load_full() {
+            for e in &t.entries {
+                e.target.resume();
+            }
+        }
         Ok(())
     }
 
@@ -716,6 +737,9 @@ struct TableResolver<'a> {
 impl Resolver for TableResolver<'_> {
     fn device(&self) -> &Arc<Device> {
         self.dev
+    }
+    fn shared(&self) -> &targets::Shared {
+        &self.reg.shared
     }
     fn open(&self, name: &str) -> Result<DevRef, String> {
         let dm = if let Some(n) = name.strip_prefix("/dev/mapper/") {

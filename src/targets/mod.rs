@@ -4,6 +4,7 @@ pub mod delay;
 pub mod error;
 pub mod flakey;
 pub mod linear;
+pub mod snapshot;
 pub mod striped;
 pub mod thin;
 pub mod zero;
@@ -540,9 +541,30 @@ pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>
     }
 }
 
+/// State targets share across tables and devices, found by key (the kernel's
+/// module-wide lists): the snapshots of each origin, the snapshot copy engine.
+/// The registry of devices owns it.
+#[derive(Default)]
+pub struct Shared {
+    pub origins: snapshot::Origins,
+    snap_copier: std::sync::OnceLock<Arc<crate::copier::Copier>>,
+}
+
+impl Shared {
+    /// The copy engine of snapshots (COW copies, merges): apart from thin's, so a
+    /// snapshot over a thin device never waits for a thread its own copy holds.
+    pub fn snap_copier(&self) -> Arc<crate::copier::Copier> {
+        self.snap_copier
+            .get_or_init(|| Arc::new(crate::copier::Copier::new(thin::copy_subjob_kb() * 1024, 8)))
+            .clone()
+    }
+}
+
 /// Context for constructing targets: how to open the devices a table names.
 pub trait Resolver {
     fn open(&self, name: &str) -> Result<DevRef, String>;
+    /// State shared between targets.
+    fn shared(&self) -> &Shared;
     /// The device whose table is being built.
     fn device(&self) -> &Arc<Device>;
 }
@@ -564,6 +586,9 @@ pub fn construct(
         "delay" => Ok(Box::new(delay::Delay::new(args, len, r)?)),
         "thin-pool" => Ok(Box::new(thin::pool::ThinPool::new(args, len, r)?)),
         "thin" => Ok(Box::new(thin::device::ThinDev::new(args, r)?)),
+        "snapshot-origin" => Ok(Box::new(snapshot::OriginTarget::new(args, len, r)?)),
+        "snapshot" => Ok(Box::new(snapshot::SnapshotTarget::new(args, len, r, false)?)),
+        "snapshot-merge" => Ok(Box::new(snapshot::SnapshotTarget::new(args, len, r, true)?)),
         other => Err(format!("unknown target type '{other}'")),
     }
 }
@@ -578,6 +603,9 @@ pub const TARGET_TYPES: &[(&str, [u32; 3])] = &[
     ("delay", [1, 3, 0]),
     ("thin-pool", [1, 22, 0]),
     ("thin", [1, 22, 0]),
+    ("snapshot-origin", [1, 9, 0]),
+    ("snapshot", [1, 16, 0]),
+    ("snapshot-merge", [1, 5, 0]),
 ];
 
 /// Parse a numeric target argument, naming the field on error.

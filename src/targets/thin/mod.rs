@@ -138,7 +138,7 @@ pub fn set_copy_subjob_kb(kb: u64) {
     SUBJOB_KB.store(if kb == 0 { 512 } else { kb.min(1024) }, Ordering::Relaxed);
 }
 
-fn copy_subjob_kb() -> usize {
+pub(crate) fn copy_subjob_kb() -> usize {
     SUBJOB_KB.load(Ordering::Relaxed) as usize
 }
 

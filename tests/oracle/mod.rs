@@ -1,0 +1,86 @@
+//! The kernel oracle from a test: boot a stock Debian kernel under qemu
+//! (`tests/oracle/run.sh`, see shared/specs/kernel-oracle.md) with a script and
+//! disk images, and read what the guest printed.
+//!
+//! A missing tool or a failed kernel download fails the test (ci/install.sh
+//! installs and fetches them).
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// Shell helpers for guest scripts: `sum DEV` (md5 of a device, caches dropped)
+/// and `mk NAME TABLE` (create and make its node).
+pub const GUEST_HELPERS: &str = r#"
+set -e
+sum() { echo 3 > /proc/sys/vm/drop_caches; md5sum < "$1" | cut -d' ' -f1; }
+mk() { dmsetup create "$1" --table "$2"; dmsetup mknodes; }
+"#;
+
+/// Boot the kernel with `script` (written into `dir`) and the disks; the serial
+/// output.
+pub fn run(dir: &Path, script: &str, disks: &[&Path]) -> String {
+    let run = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/run.sh");
+    let sp = dir.join("guest.sh");
+    std::fs::write(&sp, script).expect("write script");
+    let out = Command::new("bash")
+        .arg(&run)
+        .arg(&sp)
+        .args(disks)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run tests/oracle/run.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_ne!(
+        out.status.code(),
+        Some(77),
+        "kernel oracle unavailable (ci/install.sh installs it):\n{stderr}"
+    );
+    assert!(
+        out.status.success() && stdout.contains("ORACLE-EXIT 0"),
+        "oracle run failed ({:?}):\nserial:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    eprintln!("--- guest serial ---\n{stdout}--- end ---");
+    stdout
+}
+
+/// The guest's `ORACLE <key> <value...>` lines.
+pub fn markers(serial: &str) -> BTreeMap<String, String> {
+    serial
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("ORACLE "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+        .collect()
+}
+
+pub fn marker<'a>(m: &'a BTreeMap<String, String>, k: &str) -> &'a str {
+    m.get(k)
+        .map(String::as_str)
+        .unwrap_or_else(|| panic!("guest printed no {k} marker: {m:?}"))
+}
+
+/// md5 of `bytes`, as the guest's md5sum prints it.
+pub fn md5(bytes: &[u8]) -> String {
+    let mut c = Command::new("md5sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("md5sum");
+    use std::io::Write;
+    let mut stdin = c.stdin.take().unwrap();
+    let data = bytes.to_vec();
+    let w = std::thread::spawn(move || stdin.write_all(&data).expect("feed md5sum"));
+    let out = c.wait_with_output().expect("md5sum");
+    w.join().unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
