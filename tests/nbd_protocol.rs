@@ -524,17 +524,6 @@ fn write_zeroes_read_back_zeroes() {
 
 // ---- one flush per underlying device (seed 002) ----
 
-/// Flushes `stats NAME` reports for `file`.
-fn flushes(d: &Daemon, name: &str, file: &std::path::Path) -> u64 {
-    let out = d.ok(&["stats", name]);
-    let want = format!("{} flushes=", file.display());
-    out.lines()
-        .find_map(|l| l.strip_prefix(&want))
-        .unwrap_or_else(|| panic!("no line for {} in stats:\n{out}", file.display()))
-        .parse()
-        .expect("flush count")
-}
-
 fn send_flushes(c: &mut Client, n: usize) {
     for _ in 0..n {
         assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
@@ -558,10 +547,10 @@ fn one_flush_per_file_with_1024_segments() {
     let mut c = Client::connect(&d.sock(), "seg");
     assert_eq!(c.size, 1024 * 8 * 512);
     c.write(0, &pattern(1, 8192)); // spans two segments
-    let before = flushes(&d, "seg", &f);
+    let before = d.flushes("seg", &f);
     send_flushes(&mut c, N as usize);
     assert_eq!(
-        flushes(&d, "seg", &f) - before,
+        d.flushes("seg", &f) - before,
         N,
         "file must see one flush per NBD FLUSH"
     );
@@ -578,14 +567,14 @@ fn one_flush_per_file_through_stacked_device() {
     segmented(&d, "seg", &f);
     d.create("top", "0 8192 linear /dev/mapper/seg 0");
     let mut c = Client::connect(&d.sock(), "top");
-    let before = flushes(&d, "top", &f);
+    let before = d.flushes("top", &f);
     assert_eq!(
-        flushes(&d, "seg", &f),
+        d.flushes("seg", &f),
         before,
         "stats through the stack name the same file"
     );
     send_flushes(&mut c, N as usize);
-    assert_eq!(flushes(&d, "top", &f) - before, N);
+    assert_eq!(d.flushes("top", &f) - before, N);
 }
 
 #[test]
@@ -599,10 +588,10 @@ fn striped_flush_reaches_each_file_once() {
         &format!("0 16384 striped 2 8 {} 0 {} 0", a.display(), b.display()),
     );
     let mut c = Client::connect(&d.sock(), "st");
-    let (a0, b0) = (flushes(&d, "st", &a), flushes(&d, "st", &b));
+    let (a0, b0) = (d.flushes("st", &a), d.flushes("st", &b));
     send_flushes(&mut c, N as usize);
-    assert_eq!(flushes(&d, "st", &a) - a0, N, "file a");
-    assert_eq!(flushes(&d, "st", &b) - b0, N, "file b");
+    assert_eq!(d.flushes("st", &a) - a0, N, "file a");
+    assert_eq!(d.flushes("st", &b) - b0, N, "file b");
 }
 
 #[test]

@@ -44,6 +44,24 @@ fn usage(d: &Daemon, name: &str) -> (u64, u64, u64) {
     (a.parse().unwrap(), t.parse().unwrap(), f[4].parse().unwrap())
 }
 
+/// Wait (at most a minute) until the merge of `name` is done: allocated has
+/// fallen to the metadata size.
+fn wait_merged(d: &Daemon, name: &str) {
+    let t0 = Instant::now();
+    loop {
+        let (alloc, _, meta) = usage(d, name);
+        if alloc == meta {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "merge did not finish: {}",
+            status(d, name)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Read a whole device in 1 MiB requests.
 fn read_all(c: &mut Client, size: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(size as usize);
@@ -355,19 +373,7 @@ fn merge_to_completion_with_io_during_it() {
             "read during the merge",
         );
     }
-    let t0 = Instant::now();
-    loop {
-        let (alloc, _, meta) = usage(&d, "lv");
-        if alloc == meta {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "merge did not finish: {}",
-            status(&d, "lv")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_merged(&d, "lv");
     assert_same(&read_all(&mut lv, SIZE), &model, "merged device");
     drop(lv);
     // after the merge the origin file alone holds it all
@@ -427,19 +433,7 @@ fn merge_interrupted_by_sigkill_finishes_after_restart() {
     d.kill9();
     let d = Daemon::start("snap-merge-kill2");
     d.create("lv", &format!("0 {sectors} snapshot-merge {o} {w} P 8"));
-    let t0 = Instant::now();
-    loop {
-        let (alloc, _, meta) = usage(&d, "lv");
-        if alloc == meta {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "merge did not finish: {}",
-            status(&d, "lv")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_merged(&d, "lv");
     let mut lv = Client::connect(&d.sock(), "lv");
     assert_same(&read_all(&mut lv, SIZE), &model, "merged after the restart");
     assert_same(&read_at(&origin, 0, SIZE as usize), &model, "origin file");
@@ -571,31 +565,26 @@ fn one_flush_per_file_through_snapshot_stack() {
     let mut sn = Client::connect(&d.sock(), "sn");
     lv.write(0, &pattern(1, 65536));
     sn.write(65536, &pattern(2, 4096));
-    let flushes = |name: &str, file: &Path| -> u64 {
-        let out = d.ok(&["stats", name]);
-        let want = format!("{} flushes=", file.display());
-        out.lines()
-            .find_map(|l| l.strip_prefix(&want))
-            .unwrap_or_else(|| panic!("no line for {} in stats:\n{out}", file.display()))
-            .parse()
-            .expect("count")
-    };
-    let (f0, c0) = (flushes("sn", &f), flushes("sn", &cow));
+    let (f0, c0) = (d.flushes("sn", &f), d.flushes("sn", &cow));
     for _ in 0..5 {
         assert_eq!(lv.call(FLUSH, 0, 0, 0, &[]), 0);
     }
-    assert_eq!(flushes("sn", &f) - f0, 5, "origin FLUSH: once per file");
-    assert_eq!(flushes("sn", &cow) - c0, 0, "origin FLUSH does not touch the COW");
+    assert_eq!(d.flushes("sn", &f) - f0, 5, "origin FLUSH: once per file");
+    assert_eq!(
+        d.flushes("sn", &cow) - c0,
+        0,
+        "origin FLUSH does not touch the COW"
+    );
     for _ in 0..3 {
         assert_eq!(sn.call(FLUSH, 0, 0, 0, &[]), 0);
     }
     assert_eq!(
-        flushes("sn", &cow) - c0,
+        d.flushes("sn", &cow) - c0,
         3,
         "snapshot FLUSH: once to the COW file"
     );
     assert_eq!(
-        flushes("sn", &f) - f0,
+        d.flushes("sn", &f) - f0,
         5,
         "snapshot FLUSH does not touch the origin"
     );

@@ -152,6 +152,17 @@ impl Daemon {
         );
     }
 
+    /// Flushes `stats NAME` reports for `file`.
+    pub fn flushes(&self, name: &str, file: &Path) -> u64 {
+        let out = self.ok(&["stats", name]);
+        let want = format!("{} flushes=", file.display());
+        out.lines()
+            .find_map(|l| l.strip_prefix(&want))
+            .unwrap_or_else(|| panic!("no line for {} in stats:\n{out}", file.display()))
+            .parse()
+            .expect("flush count")
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path("daemon.log")).unwrap_or_default()
     }

@@ -772,6 +772,22 @@ fn origin_write(
     queued
 }
 
+/// Count an I/O on `chunk` that exception completion or a merge must wait out;
+/// the hook that uncounts it when the I/O is done.
+fn track(core: &Arc<Core>, st: &mut State, chunk: u64) -> crate::io::EndIo {
+    *st.tracked.entry(chunk).or_default() += 1;
+    let c = core.clone();
+    Arc::new(move |_, _| {
+        let mut st = lock(&c.st);
+        if let Some(n) = st.tracked.get_mut(&chunk) {
+            *n -= 1;
+            if *n == 0 {
+                st.tracked.remove(&chunk);
+            }
+        }
+    })
+}
+
 /// What a snapshot target maps a piece of one chunk to.
 pub(crate) fn map_snapshot_chunk(
     core: &Arc<Core>,
@@ -796,18 +812,8 @@ pub(crate) fn map_snapshot_chunk(
                 drop(st);
                 return ctx.remap(cow, to_cow(new), 0);
             }
-            *st.tracked.entry(chunk).or_default() += 1;
+            let hook = track(core, &mut st, chunk);
             drop(st);
-            let c = core.clone();
-            let hook: crate::io::EndIo = Arc::new(move |_, _| {
-                let mut st = lock(&c.st);
-                if let Some(n) = st.tracked.get_mut(&chunk) {
-                    *n -= 1;
-                    if *n == 0 {
-                        st.tracked.remove(&chunk);
-                    }
-                }
-            });
             ctx.remap_with(origin, bio, 0, hook)
         }
         Op::Write => {
@@ -916,18 +922,8 @@ pub(crate) fn map_merge_chunk(
                 drop(st);
                 return ctx.remap(cow, to_cow, 0);
             }
-            *st.tracked.entry(chunk).or_default() += 1;
+            let hook = track(core, &mut st, chunk);
             drop(st);
-            let c = core.clone();
-            let hook: crate::io::EndIo = Arc::new(move |_, _| {
-                let mut st = lock(&c.st);
-                if let Some(n) = st.tracked.get_mut(&chunk) {
-                    *n -= 1;
-                    if *n == 0 {
-                        st.tracked.remove(&chunk);
-                    }
-                }
-            });
             return ctx.remap_with(cow, to_cow, 0, hook);
         }
     }
