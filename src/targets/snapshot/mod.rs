@@ -121,8 +121,6 @@ struct Pe {
     /// A write covering the whole chunk went straight to the COW chunk: it is done
     /// once the exception is committed.
     full: Option<Pending>,
-    /// Its data is in place and it is appended to the store, awaiting the area write.
-    appended: bool,
 }
 
 struct State {
@@ -352,9 +350,14 @@ impl Core {
         })
     }
 
-    /// Origin writes copy into it: active, valid and not merging.
+    /// Origin writes copy into it: active and not merging (and valid, which
+    /// [`Core::cow_for_origin`] checks under its lock).
+    fn takes_origin_copies(&self) -> bool {
+        self.active.load(Ordering::Acquire) && !self.merging.load(Ordering::Acquire)
+    }
+
     fn copies_from_origin(&self) -> bool {
-        self.active.load(Ordering::Acquire) && !self.merging.load(Ordering::Acquire) && lock(&self.st).valid
+        self.takes_origin_copies() && lock(&self.st).valid
     }
 
     fn chunk_of(&self, sector: u64) -> u64 {
@@ -420,7 +423,6 @@ impl Core {
                 seq,
                 waiters: Vec::new(),
                 full: None,
-                appended: false,
             },
         );
         Some(new)
@@ -461,7 +463,10 @@ impl Core {
         st.finished.insert(seq, (chunk, ok, copy));
         st.copies = st.copies.saturating_sub(1);
         let mut release: Vec<Pending> = std::mem::take(&mut st.throttled);
+        // Area writes the commits asked for, in order; and whether the entries
+        // appended so far are committed once they are done (at once, transient).
         let mut writes = Vec::new();
+        let mut committed = false;
         loop {
             let next = st.done_seq;
             let Some((chunk, ok, copy)) = st.finished.remove(&next) else {
@@ -479,11 +484,11 @@ impl Core {
                 if !ok && copy {
                     self.invalidate(&mut st, "a copy to the COW device failed");
                 }
-                let io = match &mut st.store {
-                    Store::Persistent(p) => p.abandon(),
-                    Store::Transient(_) => Default::default(),
-                };
-                writes.push(io);
+                if let Store::Persistent(p) = &mut st.store {
+                    let io = p.abandon();
+                    committed |= io.area.is_some();
+                    writes.push(io);
+                }
                 if let Some(pe) = st.pending.remove(&chunk) {
                     release.extend(pe.waiters);
                     if let Some(f) = pe.full {
@@ -493,41 +498,28 @@ impl Core {
                 continue;
             }
             let new = st.pending.get(&chunk).map_or(0, |pe| pe.new);
-            if let Some(pe) = st.pending.get_mut(&chunk) {
-                pe.appended = true;
-            }
             st.unwritten.push(chunk);
-            let io = match &mut st.store {
-                Store::Persistent(p) => p.commit(chunk, new),
-                // transient: committed at once
-                Store::Transient(_) => store::CommitIo {
-                    zero_chunk: None,
-                    area: Some((0, Vec::new())),
-                },
-            };
-            writes.push(io);
+            match &mut st.store {
+                Store::Persistent(p) => {
+                    let io = p.commit(chunk, new);
+                    committed |= io.area.is_some();
+                    writes.push(io);
+                }
+                Store::Transient(_) => committed = true,
+            }
         }
-        // Write what the commits asked for, in order; the store lock (`io`) keeps
-        // other commits behind.
+        // The store lock (`io`) keeps other commits behind these writes.
         let mut written = true;
-        let mut any = false;
-        for io in writes {
-            if io.area.is_none() {
-                continue;
-            }
-            any = true;
-            if !self.persistent {
-                continue;
-            }
+        for io in writes.iter().filter(|io| io.area.is_some()) {
             drop(st);
-            let r = self.write_commit(&io);
+            let r = self.write_commit(io);
             st = lock(&self.st);
             if let Err(e) = r {
                 self.invalidate(&mut st, &format!("writing the exception store failed: {e}"));
                 written = false;
             }
         }
-        if any {
+        if committed {
             for chunk in std::mem::take(&mut st.unwritten) {
                 let Some(pe) = st.pending.remove(&chunk) else {
                     continue;
@@ -683,7 +675,7 @@ impl Core {
         loop {
             let mut pending = false;
             for c in snaps.live() {
-                if Arc::ptr_eq(&c, self) || !c.copies_from_origin() {
+                if Arc::ptr_eq(&c, self) || !c.takes_origin_copies() {
                     continue;
                 }
                 let mut s = start;
@@ -762,7 +754,7 @@ fn origin_write(
     let mut waiter: Option<&mut dyn FnMut() -> Pending> = Some(submit);
     let mut queued = false;
     for c in snaps.live() {
-        if skip.is_some_and(|s| Arc::ptr_eq(s, &c)) || sector >= c.len || !c.copies_from_origin() {
+        if skip.is_some_and(|s| Arc::ptr_eq(s, &c)) || sector >= c.len || !c.takes_origin_copies() {
             continue;
         }
         if c.cow_for_origin(c.chunk_of(sector), &mut waiter) {
