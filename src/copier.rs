@@ -167,13 +167,41 @@ impl Copier {
         if len == 0 {
             return Ok(());
         }
+        let whole = [Region { src: 0, dst: 0, len }];
         let job = Job::new(
             Some((src, src_off)),
             dests,
             (1 << dests.len()) - 1,
-            len,
+            &whole,
             self.subjob,
         );
+        self.execute(&job, &self.copied)
+    }
+
+    /// Copy many regions of `src` to `dst` as one job (dm-writecache's writeback of
+    /// runs of cache blocks): `(source byte offset, destination byte offset, length)`
+    /// each. Pieces never cross a region, and up to `in_flight` of them run at once, so
+    /// small regions are copied in parallel, in the order given.
+    pub fn copy_regions(
+        &self,
+        src: &BackingFile,
+        dst: &BackingFile,
+        regions: &[(u64, u64, u64)],
+    ) -> io::Result<()> {
+        let regions: Vec<Region> = regions
+            .iter()
+            .filter(|r| r.2 > 0)
+            .map(|&(src, dst, len)| Region { src, dst, len })
+            .collect();
+        for r in &regions {
+            check(&[(dst, r.dst)], r.len, Some(r.src))?;
+        }
+        self.jobs.fetch_add(1, Ordering::Relaxed);
+        if regions.is_empty() {
+            return Ok(());
+        }
+        let dests = [(dst, 0)];
+        let job = Job::new(Some((src, 0)), &dests, 1, &regions, self.subjob);
         self.execute(&job, &self.copied)
     }
 
@@ -194,7 +222,8 @@ impl Copier {
                 return Ok(());
             }
         }
-        let job = Job::new(None, dests, mask, len, self.subjob);
+        let whole = [Region { src: 0, dst: 0, len }];
+        let job = Job::new(None, dests, mask, &whole, self.subjob);
         self.execute(&job, &self.zeroed)
     }
 
@@ -209,6 +238,7 @@ impl Copier {
         let mut eng = Engine {
             job,
             sync: self.sync,
+            region: 0,
             next: 0,
             err: None,
             subjobs: 0,
@@ -241,14 +271,22 @@ fn check(dests: &[(&BackingFile, u64)], len: u64, src_off: Option<u64>) -> io::R
     Ok(())
 }
 
+/// A region of a job: offsets added to the source's and each destination's offset.
+#[derive(Clone, Copy)]
+struct Region {
+    src: u64,
+    dst: u64,
+    len: u64,
+}
+
 /// One job: an optional source, the destinations, which of them to write (bit i =
-/// destination i), the length and the piece (sub-job) size.
+/// destination i), the regions to copy and the piece (sub-job) size.
 struct Job<'a> {
     src: Option<(&'a BackingFile, FileHandle, u64)>,
     dests: &'a [(&'a BackingFile, u64)],
     handles: [Option<FileHandle>; MAX_DESTS],
     mask: u32,
-    len: u64,
+    regions: &'a [Region],
     piece: u64,
 }
 
@@ -257,7 +295,7 @@ impl<'a> Job<'a> {
         src: Option<(&'a BackingFile, u64)>,
         dests: &'a [(&'a BackingFile, u64)],
         mask: u32,
-        len: u64,
+        regions: &'a [Region],
         piece: usize,
     ) -> Job<'a> {
         let mut handles = [None; MAX_DESTS];
@@ -269,7 +307,7 @@ impl<'a> Job<'a> {
             dests,
             handles,
             mask,
-            len,
+            regions,
             piece: piece as u64,
         }
     }
@@ -280,8 +318,10 @@ impl<'a> Job<'a> {
 struct Slot {
     /// The piece's data: this slot's thread-local buffer, or the zero buffer.
     base: *mut u8,
-    /// Offset of the piece within the job, its length, bytes read so far.
-    off: u64,
+    /// Offsets of the piece from the source's and the destinations' offsets, its
+    /// length, bytes read so far.
+    src: u64,
+    dst: u64,
     len: u64,
     rdone: u64,
     /// Bytes written so far to each destination.
@@ -293,7 +333,8 @@ struct Slot {
 impl Slot {
     const EMPTY: Slot = Slot {
         base: std::ptr::null_mut(),
-        off: 0,
+        src: 0,
+        dst: 0,
         len: 0,
         rdone: 0,
         wdone: [0; MAX_DESTS],
@@ -456,7 +497,8 @@ fn fallocate_all(l: &mut Local, dests: &[(&BackingFile, u64)], len: u64, sync: b
 struct Engine<'j> {
     job: &'j Job<'j>,
     sync: bool,
-    /// Job offset of the next piece to hand out.
+    /// The region and the offset in it of the next piece to hand out.
+    region: usize,
     next: u64,
     err: Option<io::Error>,
     subjobs: u64,
@@ -467,7 +509,13 @@ struct Engine<'j> {
 impl Engine<'_> {
     fn run(&mut self, l: &mut Local, in_flight: usize) -> io::Result<()> {
         let piece = self.job.piece as usize;
-        let n = self.job.len.div_ceil(self.job.piece).min(in_flight as u64) as usize;
+        let pieces: u64 = self
+            .job
+            .regions
+            .iter()
+            .map(|r| r.len.div_ceil(self.job.piece))
+            .sum();
+        let n = pieces.min(in_flight as u64) as usize;
         if self.job.src.is_some() {
             if l.bufs.len() < n {
                 l.bufs.resize_with(n, AlignedBuf::default);
@@ -489,11 +537,23 @@ impl Engine<'_> {
     /// Give slot `s` the next piece if there is one and no error occurred; returns the
     /// number of operations queued.
     fn start_piece(&mut self, l: &mut Local, s: usize) -> usize {
-        if self.err.is_some() || self.next >= self.job.len {
+        while self
+            .job
+            .regions
+            .get(self.region)
+            .is_some_and(|r| self.next >= r.len)
+        {
+            self.region += 1;
+            self.next = 0;
+        }
+        let Some(r) = self.job.regions.get(self.region) else {
+            return 0;
+        };
+        if self.err.is_some() {
             return 0;
         }
         let off = self.next;
-        let len = self.job.piece.min(self.job.len - off);
+        let len = self.job.piece.min(r.len - off);
         self.next += len;
         self.subjobs += 1;
         let base = match self.job.src {
@@ -504,7 +564,8 @@ impl Engine<'_> {
         };
         l.slots[s] = Slot {
             base,
-            off,
+            src: r.src + off,
+            dst: r.dst + off,
             len,
             ..Slot::EMPTY
         };
@@ -521,7 +582,7 @@ impl Engine<'_> {
         };
         let slot = &mut l.slots[s];
         let addr = slot.base.wrapping_add(slot.rdone as usize);
-        let offset = src_off + slot.off + slot.rdone;
+        let offset = src_off + slot.src + slot.rdone;
         let len = slot.len - slot.rdone;
         let fd = h.fd_for(addr as usize, offset, len);
         slot.pending += 1;
@@ -550,7 +611,7 @@ impl Engine<'_> {
         let slot = &mut l.slots[s];
         let done = slot.wdone[d];
         let addr = slot.base.wrapping_add(done as usize);
-        let offset = self.job.dests[d].1 + slot.off + done;
+        let offset = self.job.dests[d].1 + slot.dst + done;
         let len = slot.len - done;
         let fd = h.fd_for(addr as usize, offset, len);
         slot.pending += 1;
@@ -580,7 +641,7 @@ impl Engine<'_> {
                 return 0;
             };
             if res < 0 {
-                let e = fail("read", None, f, src_off + slot.off + slot.rdone, -res);
+                let e = fail("read", None, f, src_off + slot.src + slot.rdone, -res);
                 self.err.get_or_insert(e);
                 return 0;
             }
@@ -607,7 +668,7 @@ impl Engine<'_> {
             let (f, off) = self.job.dests[d];
             let errno = if res < 0 { -res } else { libc::EIO };
             self.err
-                .get_or_insert_with(|| fail("write", Some(d), f, off + slot.off + slot.wdone[d], errno));
+                .get_or_insert_with(|| fail("write", Some(d), f, off + slot.dst + slot.wdone[d], errno));
         } else {
             l.slots[s].wdone[d] += res as u64;
             if l.slots[s].wdone[d] < slot.len && self.err.is_none() {

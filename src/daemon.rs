@@ -17,6 +17,8 @@ pub struct ServeOptions {
     pub direct_io: bool,
     /// The copy engine's sub-job size in KiB (kcopyd_subjob_size_kb).
     pub copy_subjob_kb: u64,
+    /// Writecache writeback in LRU order (the pre-2019 kernel), for benchmarks.
+    pub writecache_lru_writeback: bool,
 }
 
 /// The run directory: `$DMKIT_RUN_DIR`, else /run/dmkit for root and
@@ -77,6 +79,7 @@ fn block_signals() -> Result<SigSet> {
 pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals()?;
     crate::targets::thin::set_copy_subjob_kb(opts.copy_subjob_kb);
+    crate::targets::writecache::set_lru_writeback(opts.writecache_lru_writeback);
     let group = opts.group.as_deref().map(group_id).transpose()?;
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let reg = Arc::new(Registry::new(Config {

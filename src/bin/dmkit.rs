@@ -8,6 +8,7 @@ use dmkit::daemon::{default_run_dir, serve, ServeOptions};
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Linux device-mapper in userspace, served over NBD.
 #[derive(Parser, Debug)]
@@ -63,6 +64,10 @@ struct ServeArgs {
     #[arg(long, value_name = "KB", default_value_t = 512,
           value_parser = clap::value_parser!(u64).range(1..=1024))]
     copy_subjob_kb: u64,
+    /// Write a writecache back in the pre-2019 order (oldest block first) instead
+    /// of by origin sector; for benchmarks of the two orders on one build
+    #[arg(long)]
+    writecache_lru_writeback: bool,
 }
 
 fn main() {
@@ -136,6 +141,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 demo,
                 direct_io: !a.buffered,
                 copy_subjob_kb: a.copy_subjob_kb,
+                writecache_lru_writeback: a.writecache_lru_writeback,
             })?;
             Ok(0)
         }
@@ -201,7 +207,20 @@ fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
             sock.display()
         )
     })?;
+    let progress = match verb {
+        DmVerb::Message { name, message, .. }
+            if std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && message.iter().any(|m| m.trim().eq_ignore_ascii_case("flush")) =>
+        {
+            Some(flush_progress(sock.clone(), name.clone()))
+        }
+        _ => None,
+    };
     let (ok, out, err) = dmkit::control::call(&mut s, words, &stdin)?;
+    if let Some((stop, h)) = progress {
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = h.join();
+    }
     print!("{out}");
     if !ok {
         let name = words.first().map_or("", String::as_str);
@@ -209,4 +228,44 @@ fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
         return Ok(1);
     }
     Ok(0)
+}
+
+/// While `message NAME 0 flush` waits on a terminal: show how many blocks a
+/// writecache still has to write back (from its status, twice a second).
+fn flush_progress(
+    sock: PathBuf,
+    name: String,
+) -> (Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<()>) {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let h = std::thread::spawn(move || {
+        let mut shown = false;
+        while !s2.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            let Ok(mut c) = UnixStream::connect(&sock) else {
+                break;
+            };
+            let args = ["status".to_string(), name.clone()];
+            let Ok((true, out, _)) = dmkit::control::call(&mut c, &args, &[]) else {
+                break;
+            };
+            let f: Vec<&str> = out.split_whitespace().collect();
+            if f.get(2) != Some(&"writecache") || f.len() < 6 {
+                break;
+            }
+            let (total, free) = (f[4].parse::<u64>().unwrap_or(0), f[5].parse::<u64>().unwrap_or(0));
+            if s2.load(std::sync::atomic::Ordering::SeqCst) {
+                break;
+            }
+            eprint!(
+                "\r{name}: {} blocks left to write back   ",
+                total.saturating_sub(free)
+            );
+            shown = true;
+        }
+        if shown {
+            eprintln!();
+        }
+    });
+    (stop, h)
 }

@@ -45,6 +45,7 @@ impl Table {
         let mut seen: Vec<DevKey> = Vec::new();
         let mut lbs = 512;
         for e in &entries {
+            lbs = lbs.max(e.target.logical_block_size());
             for d in e.target.devices() {
                 lbs = lbs.max(d.logical_block_size());
                 let k = dev_key(d);

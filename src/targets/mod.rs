@@ -7,6 +7,7 @@ pub mod linear;
 pub mod snapshot;
 pub mod striped;
 pub mod thin;
+pub mod writecache;
 pub mod zero;
 
 use crate::io::{AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, SECTOR};
@@ -466,6 +467,11 @@ pub trait Target: Send + Sync {
     fn flush_bypasses_map(&self) -> bool {
         false
     }
+    /// The smallest I/O the target takes, in bytes (0: whatever its devices take):
+    /// raises the device's logical block size (writecache's block size).
+    fn logical_block_size(&self) -> u32 {
+        0
+    }
     /// The target's queue limits. Default: those of the devices it maps onto.
     fn limits(&self) -> Limits {
         Limits::stacked(&self.devices())
@@ -589,6 +595,7 @@ pub fn construct(
         "snapshot-origin" => Ok(Box::new(snapshot::OriginTarget::new(args, len, r)?)),
         "snapshot" => Ok(Box::new(snapshot::SnapshotTarget::new(args, len, r, false)?)),
         "snapshot-merge" => Ok(Box::new(snapshot::SnapshotTarget::new(args, len, r, true)?)),
+        "writecache" => Ok(Box::new(writecache::Writecache::new(args, len, r)?)),
         other => Err(format!("unknown target type '{other}'")),
     }
 }
@@ -606,6 +613,7 @@ pub const TARGET_TYPES: &[(&str, [u32; 3])] = &[
     ("snapshot-origin", [1, 9, 0]),
     ("snapshot", [1, 16, 0]),
     ("snapshot-merge", [1, 5, 0]),
+    ("writecache", [1, 6, 0]),
 ];
 
 /// Parse a numeric target argument, naming the field on error.

@@ -1,0 +1,212 @@
+//! The kernel's writecache layout on the cache device (little-endian), at
+//! `start_sector`: a 64-byte superblock, then `n_blocks` 16-byte entries
+//! (original sector, seq_count), rounded up to the block size; then the data
+//! blocks. An entry is committed iff its seq_count is below the superblock's; free
+//! entries carry seq_count all-ones.
+//!
+//! Pure bookkeeping: the caller reads and writes the bytes.
+
+pub const MAGIC: u32 = 0x2348_9321;
+pub const VERSION: u32 = 1;
+pub const SB_BYTES: u64 = 64;
+pub const ENTRY_BYTES: u64 = 16;
+/// seq_count (and original sector) of a free entry.
+pub const FREE: u64 = u64::MAX;
+
+/// The superblock fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub magic: u32,
+    pub version: u32,
+    pub block_size: u32,
+    pub n_blocks: u64,
+    pub seq_count: u64,
+}
+
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    b.get(i..i + 4)
+        .and_then(|s| s.try_into().ok())
+        .map_or(0, u32::from_le_bytes)
+}
+
+fn u64_at(b: &[u8], i: usize) -> u64 {
+    b.get(i..i + 8)
+        .and_then(|s| s.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+impl Superblock {
+    pub fn parse(b: &[u8]) -> Superblock {
+        Superblock {
+            magic: u32_at(b, 0),
+            version: u32_at(b, 4),
+            block_size: u32_at(b, 8),
+            n_blocks: u64_at(b, 16),
+            seq_count: u64_at(b, 24),
+        }
+    }
+
+    /// Write the superblock into the first 64 bytes of `b` (the rest of those zero).
+    pub fn store(&self, b: &mut [u8]) {
+        b[..SB_BYTES as usize].fill(0);
+        b[0..4].copy_from_slice(&self.magic.to_le_bytes());
+        b[4..8].copy_from_slice(&self.version.to_le_bytes());
+        b[8..12].copy_from_slice(&self.block_size.to_le_bytes());
+        b[16..24].copy_from_slice(&self.n_blocks.to_le_bytes());
+        b[24..32].copy_from_slice(&self.seq_count.to_le_bytes());
+    }
+}
+
+/// Bytes of the metadata (superblock and entries), rounded up to the block size.
+pub fn metadata_bytes(n_blocks: u64, block_size: u64) -> Option<u64> {
+    let raw = n_blocks.checked_mul(ENTRY_BYTES)?.checked_add(SB_BYTES)?;
+    raw.checked_next_multiple_of(block_size)
+}
+
+/// How many blocks a fresh cache of `area` bytes holds: the largest n whose
+/// metadata and data fit (None: not even one).
+pub fn blocks_for(area: u64, block_size: u64) -> Option<u64> {
+    let mut n = area / (block_size + ENTRY_BYTES);
+    while n > 0 {
+        let fits = metadata_bytes(n, block_size)
+            .and_then(|m| m.checked_add(n.checked_mul(block_size)?))
+            .is_some_and(|total| total <= area);
+        if fits {
+            return Some(n);
+        }
+        n -= 1;
+    }
+    None
+}
+
+/// Byte offset of entry `i` in the metadata.
+pub fn entry_offset(i: u64) -> usize {
+    (SB_BYTES + i * ENTRY_BYTES) as usize
+}
+
+/// Entry `i`: (original sector, seq_count).
+pub fn entry(meta: &[u8], i: u64) -> (u64, u64) {
+    let o = entry_offset(i);
+    (u64_at(meta, o), u64_at(meta, o + 8))
+}
+
+pub fn set_entry(meta: &mut [u8], i: u64, sector: u64, seq: u64) {
+    let o = entry_offset(i);
+    meta[o..o + 8].copy_from_slice(&sector.to_le_bytes());
+    meta[o + 8..o + 16].copy_from_slice(&seq.to_le_bytes());
+}
+
+/// A fresh metadata image as the kernel initialises it: every entry free; the
+/// magic is left 0 (it is written last, once everything else is on disk).
+pub fn fresh(n_blocks: u64, block_size: u32) -> Option<Vec<u8>> {
+    let len = usize::try_from(metadata_bytes(n_blocks, u64::from(block_size))?).ok()?;
+    let mut b = vec![0u8; len];
+    Superblock {
+        magic: 0,
+        version: VERSION,
+        block_size,
+        n_blocks,
+        seq_count: 0,
+    }
+    .store(&mut b);
+    b[SB_BYTES as usize..entry_offset(n_blocks)].fill(0xFF);
+    Some(b)
+}
+
+/// What a metadata image holds once the uncommitted entries are dropped.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Committed entries: (index, original sector, seq_count), the survivor of each sector.
+    pub used: Vec<(u64, u64, u64)>,
+    /// Entries to clear on disk (uncommitted, or older duplicates): their seq_count
+    /// becomes FREE.
+    pub cleared: Vec<u64>,
+}
+
+/// Sort out the entries of `meta` as the kernel's resume does: uncommitted ones
+/// (seq_count ≥ the superblock's) are dropped, of two committed entries for one
+/// sector the newer (higher seq_count) wins, and two with the same seq_count are
+/// corrupt metadata.
+pub fn load(meta: &[u8], n_blocks: u64, sb_seq: u64) -> Result<Loaded, String> {
+    let mut out = Loaded::default();
+    let mut by_sector: std::collections::HashMap<u64, (u64, u64)> = std::collections::HashMap::new();
+    for i in 0..n_blocks {
+        let (sector, seq) = entry(meta, i);
+        if seq == FREE {
+            continue;
+        }
+        if seq >= sb_seq {
+            out.cleared.push(i);
+            continue;
+        }
+        match by_sector.get(&sector).copied() {
+            None => {
+                by_sector.insert(sector, (i, seq));
+            }
+            Some((j, s)) if s == seq => {
+                return Err(format!(
+                "writecache: two identical entries, position {j} and {i}: sector {sector}, seq_count {seq}"
+            ))
+            }
+            Some((_, s)) if s > seq => out.cleared.push(i),
+            Some((j, _)) => {
+                out.cleared.push(j);
+                by_sector.insert(sector, (i, seq));
+            }
+        }
+    }
+    out.used = by_sector
+        .into_iter()
+        .map(|(sec, (i, seq))| (i, sec, seq))
+        .collect();
+    out.used.sort_unstable();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizing_matches_the_kernel_rule() {
+        // 1 MiB, 4 KiB blocks: 255 blocks need 64 + 255·16 = 4144 → 8192 bytes of
+        // metadata + 255·4096 > 1 MiB, so 254.
+        assert_eq!(blocks_for(1 << 20, 4096), Some(254));
+        assert_eq!(metadata_bytes(254, 4096), Some(8192));
+        assert_eq!(blocks_for(4096, 4096), None);
+        assert_eq!(blocks_for(8192, 4096), Some(1));
+        assert_eq!(blocks_for(1024, 512), Some(1));
+    }
+
+    #[test]
+    fn load_keeps_the_newest_committed_entry() {
+        let mut m = fresh(6, 512).unwrap();
+        set_entry(&mut m, 0, 80, 3); // committed
+        set_entry(&mut m, 1, 80, 5); // committed, newer: wins
+        set_entry(&mut m, 2, 16, 7); // uncommitted (sb seq 7)
+        set_entry(&mut m, 3, 24, 1);
+        let l = load(&m, 6, 7).unwrap();
+        assert_eq!(l.used, vec![(1, 80, 5), (3, 24, 1)]);
+        let mut c = l.cleared.clone();
+        c.sort_unstable();
+        assert_eq!(c, vec![0, 2]);
+        set_entry(&mut m, 4, 24, 1);
+        let e = load(&m, 6, 7).unwrap_err();
+        assert!(e.contains("two identical entries"), "{e}");
+    }
+
+    #[test]
+    fn superblock_round_trip() {
+        let mut b = fresh(3, 4096).unwrap();
+        let mut sb = Superblock::parse(&b);
+        assert_eq!(
+            (sb.magic, sb.version, sb.block_size, sb.n_blocks),
+            (0, 1, 4096, 3)
+        );
+        sb.magic = MAGIC;
+        sb.seq_count = 9;
+        sb.store(&mut b);
+        assert_eq!(Superblock::parse(&b), sb);
+        assert_eq!(entry(&b, 2), (FREE, FREE));
+    }
+}

@@ -1,0 +1,429 @@
+//! writecache through the real daemon and NBD, in both modes: table and status
+//! lines, the kernel's error texts, alignment, a model of every block under
+//! watermark writeback with SIGKILL rounds, fio verify through the cache and then
+//! on the bare origin, and retiring a cache (cleaner, then linear).
+
+mod common;
+
+use common::nbd::{Client, FLUSH, WRITE};
+use common::{need, pattern, read_at, run, Daemon, Scratch};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+const BS: u64 = 4096;
+const EIO: u32 = 5;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn status(d: &Daemon, name: &str) -> Vec<u64> {
+    let s = d.ok(&["status", name]);
+    let f: Vec<&str> = s.split_whitespace().collect();
+    assert_eq!(f.len(), 17, "status has 14 fields: {s}");
+    f[3..].iter().map(|x| x.parse().expect("number")).collect()
+}
+
+/// Wait (at most a minute) until `name` holds no dirty block.
+fn wait_clean(d: &Daemon, name: &str) {
+    let t0 = Instant::now();
+    loop {
+        let s = status(d, name);
+        if s[2] == s[1] && s[3] == 0 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "cache did not empty: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A 4 KiB-block model of a device: what each block must read as.
+struct Model {
+    blocks: Vec<Vec<u8>>,
+}
+
+impl Model {
+    fn new(origin: &[u8]) -> Model {
+        Model {
+            blocks: origin.chunks(BS as usize).map(<[u8]>::to_vec).collect(),
+        }
+    }
+    fn bytes(&self) -> Vec<u8> {
+        self.blocks.concat()
+    }
+}
+
+fn read_all(c: &mut Client, size: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(size as usize);
+    let mut off = 0;
+    while off < size {
+        let n = (size - off).min(MIB);
+        out.extend_from_slice(&c.read(off, n as usize));
+        off += n;
+    }
+    out
+}
+
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: differs from the model at byte {i} (block {})",
+            i as u64 / BS
+        );
+    }
+}
+
+fn file_with(s: &Scratch, name: &str, data: &[u8]) -> PathBuf {
+    let p = s.sparse(name, data.len() as u64);
+    std::fs::write(&p, data).expect("write");
+    p
+}
+
+fn table(mode: &str, origin: &Path, cache: &Path, sectors: u64, opts: &str) -> String {
+    let n = opts.split_whitespace().count();
+    format!(
+        "0 {sectors} writecache {mode} {} {} 4096 {n} {opts}",
+        origin.display(),
+        cache.display()
+    )
+}
+
+#[test]
+fn lines_errors_alignment_and_messages() {
+    let d = Daemon::start("wc-lines");
+    let s = &d.dir;
+    let origin = s.sparse("origin", 16 * MIB);
+    let cache = s.sparse("cache", MIB);
+    let sectors = 16 * MIB / 512;
+    let (o, c) = (origin.display(), cache.display());
+    d.create(
+        "wc",
+        &table(
+            "s",
+            &origin,
+            &cache,
+            sectors,
+            "pause_writeback 0 LOW_WATERMARK 10 high_watermark 60 autocommit_time 100",
+        ),
+    );
+    assert_eq!(
+        d.ok(&["table", "wc"]).trim(),
+        format!("0 {sectors} writecache s {o} {c} 4096 8 high_watermark 60 low_watermark 10 autocommit_time 100 pause_writeback 0")
+    );
+    // 1 MiB of 4 KiB blocks: 254 blocks after 8 KiB of metadata
+    assert_eq!(
+        d.ok(&["status", "wc"]).trim(),
+        format!("0 {sectors} writecache 0 254 254 0 0 0 0 0 0 0 0 0 0 0")
+    );
+    let pm = s.sparse("pcache", MIB);
+    d.create(
+        "wp",
+        &table(
+            "P",
+            &origin,
+            &pm,
+            sectors,
+            "nofua cleaner max_age 5000 start_sector 8 metadata_only",
+        ),
+    );
+    assert_eq!(
+        d.ok(&["table", "wp"]).trim(),
+        format!(
+            "0 {sectors} writecache p {o} {} 4096 7 start_sector 8 max_age 5000 cleaner nofua metadata_only",
+            pm.display()
+        )
+    );
+    assert!(
+        d.ok(&["targets"]).contains("writecache       v1.6.0"),
+        "{}",
+        d.ok(&["targets"])
+    );
+
+    // bad tables, each refused with the kernel's words and the culprit
+    let garbage = file_with(s, "garbage", &pattern(3, MIB as usize));
+    let tiny = s.sparse("tiny", 4096);
+    let bad = [
+        (
+            format!("0 {sectors} writecache x {o} {c} 4096 0"),
+            "mode 'x' is neither p nor s",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 3000 0"),
+            "Invalid block size '3000'",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 8192 0"),
+            "Invalid block size '8192'",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 4096 1 bogus"),
+            "Invalid optional argument: 'bogus'",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 4096 1 fua"),
+            "Invalid optional argument: 'fua'",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 4096 2 high_watermark 101"),
+            "Invalid optional argument: 'high_watermark 101'",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 4096 4 high_watermark 10 low_watermark 20"),
+            "High watermark must be greater than or equal to low watermark",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 4096 3 cleaner"),
+            "Invalid number of feature args '3'",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {} 4096 0", tiny.display()),
+            "Invalid device size",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {} 4096 0", garbage.display()),
+            "Invalid magic in the superblock",
+        ),
+        (
+            format!("0 {sectors} writecache s {o} {c} 512 0"),
+            "Block size does not match superblock (512 in the table, 4096 on disk)",
+        ),
+        (
+            format!("0 {} writecache s {o} {c} 4096 0", sectors * 2),
+            "Origin data device lookup failed",
+        ),
+    ];
+    for (t, want) in &bad {
+        let e = d.fails(&["create", "bad", "--table", t]);
+        assert!(e.contains(want), "table {t}: wanted '{want}' in: {e}");
+    }
+    // version ≠ 1
+    let mut v2 = read_at(&cache, 0, 4096);
+    v2[4] = 2;
+    let v2f = file_with(s, "v2", &[v2, vec![0; MIB as usize - 4096]].concat());
+    let e = d.fails(&[
+        "create",
+        "bad",
+        "--table",
+        &table("s", &origin, &v2f, sectors, ""),
+    ]);
+    assert!(e.contains("Invalid version in the superblock (2)"), "{e}");
+
+    // the device serves on; I/O not aligned to the block size fails
+    assert!(
+        run(Command::new("nbdinfo").arg(d.uri("wc"))).contains("block_size_minimum: 4096"),
+        "the export advertises the cache block size"
+    );
+    d.ok(&["message", "wc", "0", "clear_stats"]);
+    let mut cl = Client::connect(&d.sock(), "wc");
+    assert_eq!(cl.call(WRITE, 0, 512, 512, &[7u8; 512]), EIO, "unaligned write");
+    assert_eq!(cl.call(WRITE, 0, 4096, 4096, &[7u8; 4096]), 0);
+    assert_eq!(cl.read(4096, 4096), vec![7u8; 4096]);
+    let st = status(&d, "wc");
+    assert_eq!(
+        (st[2], st[6], st[10], st[4], st[5]),
+        (253, 1, 1, 1, 1),
+        "one block cached, read hit: {st:?}"
+    );
+
+    // messages
+    let e = d.fails(&["message", "wc", "0", "bogus"]);
+    assert!(e.contains("unrecognised message received: 'bogus'"), "{e}");
+    d.ok(&["message", "wc", "0", "clear_stats"]);
+    assert_eq!(status(&d, "wc")[4..], [0u64; 10]);
+    d.ok(&["message", "wc", "0", "flush"]);
+    assert_eq!(status(&d, "wc")[2], 254, "flush wrote everything back");
+    assert_eq!(read_at(&origin, 4096, 4096), vec![7u8; 4096]);
+}
+
+/// Random writes of 1–4 blocks against a model, with flushes, through a cache a
+/// quarter of the written region so watermark writeback runs under the load;
+/// then SIGKILL rounds: every flushed write reads back after restart, unflushed
+/// ones read as either their old or their new data, never anything else.
+fn model_and_kill_rounds(mode: &str, tag: &str) {
+    const SIZE: u64 = 8 * MIB;
+    let s = Scratch::new(tag);
+    let base = pattern(11, SIZE as usize);
+    let origin = file_with(&s, "origin", &base);
+    let cache = s.sparse("cache", 2 * MIB);
+    let sectors = SIZE / 512;
+    let opts = if mode == "s" {
+        "high_watermark 30 low_watermark 20 pause_writeback 0 autocommit_blocks 100"
+    } else {
+        "high_watermark 30 low_watermark 20"
+    };
+    let t = table(mode, &origin, &cache, sectors, opts);
+    let mut model = Model::new(&base);
+    let nb = SIZE / BS;
+    let mut rng = Rng(0x1234_5678 + mode.len() as u64);
+    let mut seed = 100;
+    for round in 0..3 {
+        let mut d = Daemon::start(&format!("{tag}-{round}"));
+        d.create("wc", &t);
+        let mut c = Client::connect(&d.sock(), "wc");
+        assert_same(
+            &read_all(&mut c, SIZE),
+            &model.bytes(),
+            &format!("round {round}: after restart"),
+        );
+        // flushed load
+        for i in 0..600 {
+            let b = rng.below(nb - 4);
+            let n = 1 + rng.below(4);
+            seed += 1;
+            let data = pattern(seed, (n * BS) as usize);
+            c.write(b * BS, &data);
+            for k in 0..n {
+                model.blocks[(b + k) as usize] = data[(k * BS) as usize..((k + 1) * BS) as usize].to_vec();
+            }
+            if i % 50 == 0 {
+                assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+            }
+            if i % 97 == 0 {
+                let r = rng.below(nb - 8);
+                let got = c.read(r * BS, (8 * BS) as usize);
+                assert_same(
+                    &got,
+                    &model.blocks[r as usize..r as usize + 8].concat(),
+                    "read under load",
+                );
+            }
+        }
+        assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+        assert_same(
+            &read_all(&mut c, SIZE),
+            &model.bytes(),
+            &format!("round {round}: after load"),
+        );
+        let st = status(&d, "wc");
+        assert!(st[0] == 0 && st[2] <= st[1] && st[3] <= st[1], "status: {st:?}");
+        assert!(
+            st[10] > st[1],
+            "more blocks went through the cache than it holds: {st:?}"
+        );
+        // unflushed writes, then SIGKILL
+        let mut after: Vec<Option<Vec<u8>>> = vec![None; nb as usize];
+        for _ in 0..100 {
+            let b = rng.below(nb);
+            seed += 1;
+            let data = pattern(seed, BS as usize);
+            c.write(b * BS, &data);
+            after[b as usize] = Some(data);
+        }
+        d.kill9();
+        drop(c);
+        let d = Daemon::start(&format!("{tag}-{round}-after"));
+        d.create("wc", &t);
+        let st = status(&d, "wc");
+        assert!(
+            st[0] == 0 && st[2] <= st[1] && st[3] == 0,
+            "status after restart: {st:?}"
+        );
+        let mut c = Client::connect(&d.sock(), "wc");
+        let got = read_all(&mut c, SIZE);
+        for (i, blk) in got.chunks(BS as usize).enumerate() {
+            let ok = blk == model.blocks[i].as_slice() || after[i].as_deref() == Some(blk);
+            assert!(
+                ok,
+                "round {round}: block {i} is neither its flushed nor its unflushed data"
+            );
+            model.blocks[i] = blk.to_vec();
+        }
+    }
+    // retire the cache: ssd with the flush message, pmem as users retire it
+    let d = Daemon::start(&format!("{tag}-retire"));
+    d.create("wc", &t);
+    if mode == "s" {
+        d.ok(&["message", "wc", "0", "flush"]);
+    } else {
+        d.ok(&["message", "wc", "0", "cleaner"]);
+        wait_clean(&d, "wc");
+    }
+    let st = status(&d, "wc");
+    assert_eq!((st[2], st[3]), (st[1], 0), "nothing dirty: {st:?}");
+    d.ok(&[
+        "load",
+        "wc",
+        "--table",
+        &format!("0 {sectors} linear {} 0", origin.display()),
+    ]);
+    d.ok(&["suspend", "wc"]);
+    d.ok(&["resume", "wc"]);
+    assert!(d.ok(&["table", "wc"]).contains(" linear "));
+    assert_same(
+        &std::fs::read(&origin).expect("origin"),
+        &model.bytes(),
+        "the bare origin",
+    );
+}
+
+#[test]
+fn ssd_model_writeback_and_sigkill() {
+    model_and_kill_rounds("s", "wc-model-s");
+}
+
+#[test]
+fn pmem_model_writeback_and_sigkill() {
+    model_and_kill_rounds("p", "wc-model-p");
+}
+
+/// fio writes and verifies (crc32c) through a cache an eighth of the region, in
+/// both modes; after `flush`, the same verify passes on a linear device over the
+/// bare origin.
+#[test]
+fn fio_verify_through_cache_then_origin() {
+    need("fio");
+    let d = Daemon::start("wc-fio");
+    let s = &d.dir;
+    for (mode, opts) in [("s", "pause_writeback 0"), ("p", "")] {
+        let origin = s.sparse(&format!("origin-{mode}"), 32 * MIB);
+        let cache = s.sparse(&format!("cache-{mode}"), 4 * MIB);
+        let sectors = 32 * MIB / 512;
+        let name = format!("wc{mode}");
+        d.create(&name, &table(mode, &origin, &cache, sectors, opts));
+        let fio = |uri: &str, verify_only: bool| {
+            let mut cmd = Command::new("fio");
+            cmd.args([
+                "--name=wc",
+                "--ioengine=nbd",
+                &format!("--uri={uri}"),
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=16",
+                "--size=32M",
+                "--verify=crc32c",
+                "--verify_fatal=1",
+                "--randseed=42",
+            ]);
+            if verify_only {
+                cmd.arg("--verify_only=1");
+            }
+            run(&mut cmd)
+        };
+        fio(&d.uri(&name), false);
+        let st = status(&d, &name);
+        assert!(
+            st[10] > st[0] + st[1],
+            "more blocks were cached than the cache holds: {st:?}"
+        );
+        d.ok(&["message", &name, "0", "flush"]);
+        let lin = format!("lin{mode}");
+        d.create(&lin, &format!("0 {sectors} linear {} 0", origin.display()));
+        fio(&d.uri(&lin), true);
+    }
+}
