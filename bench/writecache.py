@@ -154,6 +154,8 @@ def main():
         try:
             cache = os.path.join(shm, "cache.img")
             sparse(cache, 256 * MIB)
+            origin = os.path.join(tmp, "origin64.img")
+            sparse(origin, 64 * MIB)
             sec = 64 * MIB // 512
             cells = {
                 "linear over the cache file": f"0 {sec} linear {cache} 0",
