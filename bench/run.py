@@ -5,7 +5,7 @@ engine on the same backing file, same fio jobs, in one run. Writes BENCHMARKS.md
 Usage: bench/run.py [--reps N] [--runtime S] [--backing DIR ...] [--out FILE]
 Needs: fio, nbdkit, qemu-nbd (bench/setup.sh installs them), a release build.
 """
-import argparse, json, os, signal, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, signal, statistics, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DMKIT = os.path.join(ROOT, "target", "release", "dmkit")
@@ -55,6 +55,37 @@ def fio(args, runtime):
     ios = j["read"]["iops"] + j["write"]["iops"]
     bw = (j["read"]["bw_bytes"] + j["write"]["bw_bytes"]) / (1 << 20)
     return ios, bw
+
+
+class Dmkit:
+    """A dmkit daemon (`serve` with `extra` arguments) with devices created from
+    (name, table) pairs; run directories numbered under `tmp`."""
+
+    n = 0
+
+    def __init__(self, tmp, devices=(), extra=()):
+        Dmkit.n += 1
+        self.run = os.path.join(tmp, f"run-{Dmkit.n}")
+        self.p = subprocess.Popen([DMKIT, "serve", "--run-dir", self.run, *extra],
+                                  stderr=subprocess.DEVNULL)
+        wait_for(os.path.join(self.run, "control.sock"))
+        for name, table in devices:
+            self.cli("create", name, input=table)
+
+    def cli(self, *args, input=None):
+        return subprocess.run([DMKIT, "--run-dir", self.run, *args], input=input, text=True,
+                              check=True, capture_output=True).stdout
+
+    def uri(self, name):
+        return f"nbd+unix:///{name}?socket={self.run}/nbd.sock"
+
+    def cpu(self):
+        return proc_cpu(self.p.pid)
+
+    def stop(self):
+        self.p.terminate()
+        self.p.wait(30)
+        shutil.rmtree(self.run, ignore_errors=True)
 
 
 class Server:

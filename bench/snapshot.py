@@ -24,32 +24,9 @@ import run  # noqa: E402
 MIB = 1 << 20
 
 
-class Dmkit:
-    """A dmkit daemon with devices created from (name, table) pairs."""
-
-    def __init__(self, tmp, devices):
-        Dmkit.n = getattr(Dmkit, "n", 0) + 1
-        self.run = os.path.join(tmp, f"run-{Dmkit.n}")
-        self.p = subprocess.Popen([run.DMKIT, "serve", "--run-dir", self.run, "--buffered"],
-                                  stderr=subprocess.DEVNULL)
-        run.wait_for(os.path.join(self.run, "control.sock"))
-        for name, table in devices:
-            self.cli("create", name, input=table)
-
-    def cli(self, *args, input=None):
-        return subprocess.run([run.DMKIT, "--run-dir", self.run, *args], input=input, text=True,
-                              check=True, capture_output=True).stdout
-
-    def uri(self, name):
-        return f"nbd+unix:///{name}?socket={self.run}/nbd.sock"
-
-    def cpu(self):
-        return run.proc_cpu(self.p.pid)
-
-    def stop(self):
-        self.p.terminate()
-        self.p.wait(10)
-        shutil.rmtree(self.run, ignore_errors=True)
+def Dmkit(tmp, devices):
+    """A dmkit daemon through the page cache, as qemu-nbd --cache=writeback."""
+    return run.Dmkit(tmp, devices, ["--buffered"])
 
 
 class QemuOverlay:

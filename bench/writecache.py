@@ -25,30 +25,6 @@ MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class Dmkit:
-    def __init__(self, tmp, extra=()):
-        Dmkit.n = getattr(Dmkit, "n", 0) + 1
-        self.run = os.path.join(tmp, f"run-{Dmkit.n}")
-        self.p = subprocess.Popen([run.DMKIT, "serve", "--run-dir", self.run, *extra],
-                                  stderr=subprocess.DEVNULL)
-        run.wait_for(os.path.join(self.run, "control.sock"))
-
-    def cli(self, *args, input=None):
-        return subprocess.run([run.DMKIT, "--run-dir", self.run, *args], input=input, text=True,
-                              check=True, capture_output=True).stdout
-
-    def uri(self, name):
-        return f"nbd+unix:///{name}?socket={self.run}/nbd.sock"
-
-    def cpu(self):
-        return run.proc_cpu(self.p.pid)
-
-    def stop(self):
-        self.p.terminate()
-        self.p.wait(30)
-        shutil.rmtree(self.run, ignore_errors=True)
-
-
 class SeekDisk:
     """The disk-head model over `path`, as a regular file (nbdfuse) under `mnt`."""
 
@@ -77,7 +53,7 @@ def seed001_flush(tmp, origin, cache_dir, cache_mib, lru):
     cache = os.path.join(cache_dir, "wc-cache.img")
     sparse(cache, cache_mib * MIB)
     size = os.path.getsize(origin)
-    d = Dmkit(tmp, ["--writecache-lru-writeback"] if lru else [])
+    d = run.Dmkit(tmp, extra=["--writecache-lru-writeback"] if lru else [])
     try:
         d.cli("create", "mycache", "--table",
               f"0 {size // 512} writecache s {origin} {cache} 4096 2 pause_writeback 60000")
@@ -103,7 +79,7 @@ def dd_seq(origin, nbytes):
 
 
 def iops(tmp, table_of, name, runtime):
-    d = Dmkit(tmp)
+    d = run.Dmkit(tmp)
     try:
         d.cli("create", name, "--table", table_of)
         c0, t0 = d.cpu(), time.time()

@@ -5,26 +5,12 @@
 mod common;
 
 use common::nbd::{Client, FLUSH, READ, TRIM, WRITE};
-use common::{pattern, read_at, Daemon, Scratch};
+use common::{assert_same, pattern, read_all, read_at, Daemon, Rng, Scratch};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 const EIO: u32 = 5;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn write_file(p: &Path, off: u64, data: &[u8]) {
     use std::os::unix::fs::FileExt;
@@ -59,29 +45,6 @@ fn wait_merged(d: &Daemon, name: &str) {
             status(d, name)
         );
         std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Read a whole device in 1 MiB requests.
-fn read_all(c: &mut Client, size: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(size as usize);
-    let mut off = 0;
-    while off < size {
-        let n = (size - off).min(MIB);
-        out.extend_from_slice(&c.read(off, n as usize));
-        off += n;
-    }
-    out
-}
-
-fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
-    a.iter().zip(b).position(|(x, y)| x != y)
-}
-
-fn assert_same(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = first_difference(got, want) {
-        panic!("{what}: differs from the model at byte {i} (sector {})", i / 512);
     }
 }
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::nbd::{Client, FLUSH, WRITE};
-use common::{need, pattern, read_at, run, Daemon, Scratch};
+use common::{assert_same, need, pattern, read_all, read_at, run, Daemon, Rng, Scratch};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -14,20 +14,6 @@ use std::time::{Duration, Instant};
 const MIB: u64 = 1 << 20;
 const BS: u64 = 4096;
 const EIO: u32 = 5;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn status(d: &Daemon, name: &str) -> Vec<u64> {
     let s = d.ok(&["status", name]);
@@ -65,27 +51,6 @@ impl Model {
     }
     fn bytes(&self) -> Vec<u8> {
         self.blocks.concat()
-    }
-}
-
-fn read_all(c: &mut Client, size: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(size as usize);
-    let mut off = 0;
-    while off < size {
-        let n = (size - off).min(MIB);
-        out.extend_from_slice(&c.read(off, n as usize));
-        off += n;
-    }
-    out
-}
-
-fn assert_same(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!(
-            "{what}: differs from the model at byte {i} (block {})",
-            i as u64 / BS
-        );
     }
 }
 

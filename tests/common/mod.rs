@@ -265,3 +265,39 @@ impl Daemon {
         let _ = self.child.wait();
     }
 }
+
+/// A xorshift generator: reproducible random offsets for model tests.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Read a whole export of `size` bytes in 1 MiB requests.
+pub fn read_all(c: &mut nbd::Client, size: u64) -> Vec<u8> {
+    const MIB: u64 = 1 << 20;
+    let mut out = Vec::with_capacity(size as usize);
+    let mut off = 0;
+    while off < size {
+        let n = (size - off).min(MIB);
+        out.extend_from_slice(&c.read(off, n as usize));
+        off += n;
+    }
+    out
+}
+
+/// Require `got == want`, naming the first differing byte and its sector.
+pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: differs from the model at byte {i} (sector {})", i / 512);
+    }
+}
