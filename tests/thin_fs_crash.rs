@@ -16,13 +16,13 @@
 
 mod common;
 
+use common::fs::{check_files, cmd, must, run_t, write_files, Attach, FileSet};
 use common::nbd::Client;
 use common::{need, pattern, Daemon, Scratch};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
@@ -32,61 +32,6 @@ const POOL_BLOCK_BYTES: u64 = POOL_BLOCK_SECTORS * 512;
 
 // ---------------------------------------------------------------------------
 // Small helpers
-
-/// Run `cmd` with a time limit; returns (success, stdout, stderr). A command
-/// still running at the limit is killed and the test fails.
-fn run_t(cmd: &mut Command, secs: u64) -> (bool, String, String) {
-    let mut c = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
-    // Drain both pipes on threads so a chatty command cannot block on them.
-    let mut so = c.stdout.take().unwrap();
-    let mut se = c.stderr.take().unwrap();
-    let to = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = so.read_to_string(&mut s);
-        s
-    });
-    let te = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = se.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = c.try_wait().expect("wait") {
-            break st;
-        }
-        if t0.elapsed() > Duration::from_secs(secs) {
-            let _ = c.kill();
-            let _ = c.wait();
-            panic!("{cmd:?} did not finish within {secs} s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    (
-        status.success(),
-        to.join().unwrap_or_default(),
-        te.join().unwrap_or_default(),
-    )
-}
-
-/// Run with a time limit and require success; returns stdout.
-fn must(cmd: &mut Command, secs: u64) -> String {
-    let what = format!("{cmd:?}");
-    let (ok, so, se) = run_t(cmd, secs);
-    assert!(ok, "{what} failed:\nstdout: {so}\nstderr: {se}");
-    so
-}
-
-fn cmd(prog: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(prog);
-    c.args(args);
-    c
-}
 
 const THIN_CHECK_PROGRESS: [&str; 4] = [
     "examining superblock",
@@ -180,159 +125,6 @@ impl Rng {
     }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
-    }
-}
-
-// ---------------------------------------------------------------------------
-// A thin device as a block device: nbdfuse → loop device (→ mount)
-
-/// An export attached through nbdfuse and a loop device, optionally mounted.
-/// Dropping it unmounts, detaches and unmounts the FUSE file, also on failure.
-struct Attach {
-    fuse_dir: PathBuf,
-    fuse: Option<Child>,
-    loopdev: Option<String>,
-    mnt: PathBuf,
-    mounted: bool,
-}
-
-impl Attach {
-    fn new(d: &Daemon, base: &Path, export: &str, ro: bool) -> Attach {
-        let fuse_dir = base.join(format!("fuse-{export}"));
-        let mnt = base.join(format!("mnt-{export}"));
-        std::fs::create_dir_all(&fuse_dir).unwrap();
-        std::fs::create_dir_all(&mnt).unwrap();
-        let pidfile = base.join(format!("nbdfuse-{export}.pid"));
-        let _ = std::fs::remove_file(&pidfile);
-        let mut c = Command::new("nbdfuse");
-        if ro {
-            c.arg("-r");
-        }
-        let fuse = c
-            .arg("-P")
-            .arg(&pidfile)
-            .arg(&fuse_dir)
-            .arg(d.uri(export))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(base.join(format!("nbdfuse-{export}.log"))).unwrap(),
-            ))
-            .spawn()
-            .expect("spawn nbdfuse");
-        let mut a = Attach {
-            fuse_dir,
-            fuse: Some(fuse),
-            loopdev: None,
-            mnt,
-            mounted: false,
-        };
-        let file = a.fuse_dir.join("nbd");
-        let t0 = Instant::now();
-        while !(std::fs::metadata(&pidfile).is_ok_and(|m| m.len() > 0) && file.exists()) {
-            if let Some(st) = a.fuse.as_mut().unwrap().try_wait().unwrap() {
-                panic!("nbdfuse for {export} exited: {st}");
-            }
-            assert!(t0.elapsed() < Duration::from_secs(10), "nbdfuse did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let mut args = vec!["--show", "-f"];
-        if ro {
-            args.push("-r");
-        }
-        let f = file.to_str().unwrap().to_string();
-        args.push(&f);
-        let dev = must(&mut cmd("losetup", &args), 30).trim().to_string();
-        assert!(dev.starts_with("/dev/loop"), "losetup said {dev}");
-        a.loopdev = Some(dev);
-        a
-    }
-
-    fn dev(&self) -> &str {
-        self.loopdev.as_deref().unwrap()
-    }
-
-    fn mount(&mut self, opts: &str) {
-        let m = self.mnt.to_str().unwrap().to_string();
-        must(&mut cmd("mount", &["-t", "ext4", "-o", opts, self.dev(), &m]), 60);
-        self.mounted = true;
-    }
-
-    fn umount(&mut self) {
-        if self.mounted {
-            must(&mut cmd("umount", &[self.mnt.to_str().unwrap()]), 60);
-            self.mounted = false;
-        }
-    }
-
-    /// Flush this filesystem to the device (syncfs).
-    fn sync(&self) {
-        must(&mut cmd("sync", &["-f", self.mnt.to_str().unwrap()]), 60);
-    }
-
-    fn fsck(&self) {
-        let (ok, so, se) = run_t(&mut cmd("e2fsck", &["-fn", self.dev()]), 120);
-        assert!(ok, "e2fsck -fn {} failed:\n{so}\n{se}", self.dev());
-    }
-}
-
-impl Drop for Attach {
-    fn drop(&mut self) {
-        let q = |c: &mut Command| {
-            let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
-        };
-        if self.mounted {
-            let m = self.mnt.to_str().unwrap().to_string();
-            q(&mut cmd("fsfreeze", &["-u", &m]));
-            let ok = Command::new("umount")
-                .arg(&m)
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            if !ok {
-                q(&mut cmd("umount", &["-l", &m]));
-            }
-        }
-        if let Some(l) = self.loopdev.take() {
-            q(&mut cmd("losetup", &["-d", &l]));
-        }
-        if let Some(mut f) = self.fuse.take() {
-            q(&mut cmd("fusermount3", &["-u", self.fuse_dir.to_str().unwrap()]));
-            let t0 = Instant::now();
-            while matches!(f.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(10) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if matches!(f.try_wait(), Ok(None)) {
-                q(&mut cmd("fusermount3", &["-uz", self.fuse_dir.to_str().unwrap()]));
-                let _ = f.kill();
-            }
-            let _ = f.wait();
-        }
-    }
-}
-
-/// Files with known content: (relative path, seed, length).
-type FileSet = Vec<(String, u64, usize)>;
-
-fn write_files(root: &Path, files: &FileSet) {
-    for (name, seed, len) in files {
-        let p = root.join(name);
-        if let Some(dir) = p.parent() {
-            std::fs::create_dir_all(dir).unwrap();
-        }
-        std::fs::write(&p, pattern(*seed, *len)).unwrap_or_else(|e| panic!("write {name}: {e}"));
-    }
-}
-
-/// Every file of `files` has exactly its content under `root`.
-fn check_files(root: &Path, files: &FileSet, what: &str) {
-    for (name, seed, len) in files {
-        let got = std::fs::read(root.join(name)).unwrap_or_else(|e| panic!("{what}: read {name}: {e}"));
-        assert_eq!(got.len(), *len, "{what}: {name} has the wrong length");
-        assert!(
-            got == pattern(*seed, *len),
-            "{what}: {name} has the wrong content"
-        );
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::fs::{check_files, cmd, must, write_files, Attach, FileSet};
 use common::nbd::{Client, FLUSH, WRITE};
 use common::{assert_same, need, pattern, read_all, read_at, run, Daemon, Rng, Scratch};
 use std::path::{Path, PathBuf};
@@ -390,5 +391,74 @@ fn fio_verify_through_cache_then_origin() {
         let lin = format!("lin{mode}");
         d.create(&lin, &format!("0 {sectors} linear {} 0", origin.display()));
         fio(&d.uri(&lin), true);
+    }
+}
+
+/// The seed's own check: ext4 on the cache through nbdfuse and a loop device,
+/// files written and synced while watermark writeback runs (the cache is smaller
+/// than the files), then the cache retired while mounted — the `flush` message
+/// (ssd) or `cleaner` (pmem), a linear table over the origin, suspend, resume —
+/// and every file reads back from the bare origin, which passes e2fsck.
+#[test]
+fn ext4_files_survive_retiring_the_cache() {
+    for t in ["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck"] {
+        need(t);
+    }
+    let d = Daemon::start("wc-ext4");
+    let base = d.dir.0.clone();
+    const SIZE: u64 = 64 * MIB;
+    let sectors = SIZE / 512;
+    for mode in ["s", "p"] {
+        let origin = d.dir.sparse(&format!("origin-{mode}"), SIZE);
+        let cache = d.dir.sparse(&format!("cache-{mode}"), 6 * MIB);
+        let name = format!("wc{mode}");
+        d.create(
+            &name,
+            &table(
+                mode,
+                &origin,
+                &cache,
+                sectors,
+                "high_watermark 40 low_watermark 30",
+            ),
+        );
+        let files: FileSet = (0..24u64)
+            .map(|i| (format!("d{}/f{i}", i % 4), 500 + i, (i as usize * 7 + 5) * 9_973))
+            .collect();
+        let mut fs = Attach::new(&d, &base, &name, false);
+        must(&mut cmd("mkfs.ext4", &["-q", "-F", "-b", "4096", fs.dev()]), 60);
+        fs.mount("rw");
+        write_files(&fs.mnt, &files);
+        fs.sync();
+        let st = status(&d, &name);
+        assert!(
+            st[10] > st[1] && st[2] < st[1],
+            "{mode}: more was written than the cache holds, and some is cached: {st:?}"
+        );
+        if mode == "s" {
+            d.ok(&["message", &name, "0", "flush"]);
+        } else {
+            d.ok(&["message", &name, "0", "cleaner"]);
+            wait_clean(&d, &name);
+        }
+        d.ok(&[
+            "load",
+            &name,
+            "--table",
+            &format!("0 {sectors} linear {} 0", origin.display()),
+        ]);
+        d.ok(&["suspend", &name]);
+        d.ok(&["resume", &name]);
+        check_files(&fs.mnt, &files, &format!("{mode}: on the retired device"));
+        fs.umount();
+        drop(fs);
+        // the bare origin, through a device of its own
+        let bare = format!("bare{mode}");
+        d.create(&bare, &format!("0 {sectors} linear {} 0", origin.display()));
+        let mut fs = Attach::new(&d, &base, &bare, false);
+        fs.fsck();
+        fs.mount("ro,noload");
+        check_files(&fs.mnt, &files, &format!("{mode}: on the bare origin"));
+        fs.umount();
     }
 }

@@ -2,6 +2,7 @@
 //! client tools, and a minimal raw NBD client for protocol-level checks.
 #![allow(dead_code)]
 
+pub mod fs;
 pub mod nbd;
 
 use std::path::{Path, PathBuf};
