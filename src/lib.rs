@@ -3,6 +3,7 @@ pub mod control;
 pub mod copier;
 pub mod daemon;
 pub mod export;
+pub mod extents;
 pub mod io;
 pub mod mapper;
 pub mod pdata;

@@ -36,6 +36,14 @@ enum Cmd {
     Thin(dmkit::thin::cli::ThinCmd),
     /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
     Completions { shell: clap_complete::Shell },
+    /// Print a `linear` table that maps a device onto FILE's blocks, one line per
+    /// extent, over the block device holding FILE (FIEMAP; preallocate FILE with
+    /// fallocate first). `dmkit extents FILE | dmkit create NAME` makes the device
+    Extents { file: PathBuf },
+    /// Follow a device's background work until it ends, showing what is left on
+    /// a terminal: a snapshot-merge's merge, or a writecache's write-back (send
+    /// `cleaner` or `flush` first, else new writes keep it going)
+    Progress { name: String },
     #[command(flatten)]
     Dm(DmVerb),
 }
@@ -153,6 +161,11 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             clap_complete::generate(shell, &mut Cli::command(), "dmkit", &mut std::io::stdout());
             Ok(0)
         }
+        Cmd::Extents { file } => {
+            print!("{}", dmkit::extents::linear_table(&file)?);
+            Ok(0)
+        }
+        Cmd::Progress { name } => follow(&run_dir.join("control.sock"), &name),
         Cmd::Dm(verb) => client(&run_dir, &verb, verb_words(argv)),
     }
 }
@@ -230,6 +243,105 @@ fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
     Ok(0)
 }
 
+/// What a device's status says about its background work.
+enum Work {
+    /// Still going: what is left, as a line for the user.
+    Left(String),
+    Done(String),
+    Failed(String),
+    /// No snapshot-merge or writecache target.
+    None,
+}
+
+/// Read the background work from a device's status lines; `first` is the
+/// amount left when following began (for a percentage).
+fn work(name: &str, status: &str, first: &mut Option<u64>) -> Work {
+    for line in status.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.get(2).copied() {
+            Some("snapshot-merge") => {
+                let rest = f.get(3..).unwrap_or(&[]).join(" ");
+                let used = f
+                    .get(3)
+                    .and_then(|x| x.split_once('/'))
+                    .and_then(|x| x.0.parse::<u64>().ok());
+                let (Some(used), Some(meta)) = (used, f.get(4).and_then(|x| x.parse::<u64>().ok())) else {
+                    return Work::Failed(format!("{name}: merge stopped: {rest}"));
+                };
+                let left = used.saturating_sub(meta);
+                let all = *first.get_or_insert(left);
+                if left == 0 {
+                    return Work::Done(format!("{name}: merged"));
+                }
+                let pct = 100.0 * (all.saturating_sub(left)) as f64 / all.max(1) as f64;
+                return Work::Left(format!("{name}: {left} sectors left to merge ({pct:.1}% merged)"));
+            }
+            Some("writecache") => {
+                let n = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok());
+                let (Some(err), Some(total), Some(free)) = (n(3), n(4), n(5)) else {
+                    return Work::Failed(format!("{name}: writecache status: {line}"));
+                };
+                if err != 0 {
+                    return Work::Failed(format!("{name}: the cache is in the error state ({err})"));
+                }
+                let left = total.saturating_sub(free);
+                if left == 0 {
+                    return Work::Done(format!("{name}: nothing left to write back"));
+                }
+                return Work::Left(format!("{name}: {left} blocks left to write back"));
+            }
+            _ => {}
+        }
+    }
+    Work::None
+}
+
+/// One status call to the daemon.
+fn status_of(sock: &Path, name: &str) -> Result<String> {
+    let mut c = UnixStream::connect(sock)
+        .with_context(|| format!("cannot reach the dmkit daemon at {}", sock.display()))?;
+    let args = ["status".to_string(), name.to_string()];
+    let (ok, out, err) = dmkit::control::call(&mut c, &args, &[])?;
+    if !ok {
+        anyhow::bail!("{}", err.trim_end());
+    }
+    Ok(out)
+}
+
+/// `dmkit progress NAME`: poll twice a second until the work ends.
+fn follow(sock: &Path, name: &str) -> Result<i32> {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut first = None;
+    loop {
+        match work(name, &status_of(sock, name)?, &mut first) {
+            Work::Left(l) => {
+                if tty {
+                    eprint!("\r{l}   ");
+                }
+            }
+            Work::Done(l) => {
+                if tty {
+                    eprint!("\r");
+                }
+                println!("{l}");
+                return Ok(0);
+            }
+            Work::Failed(l) => {
+                if tty {
+                    eprintln!();
+                }
+                eprintln!("dmkit progress: {l}");
+                return Ok(1);
+            }
+            Work::None => {
+                eprintln!("dmkit progress: {name} has no snapshot-merge or writecache target");
+                return Ok(1);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+}
+
 /// While `message NAME 0 flush` waits on a terminal: show how many blocks a
 /// writecache still has to write back (from its status, twice a second).
 fn flush_progress(
@@ -242,25 +354,16 @@ fn flush_progress(
         let mut shown = false;
         while !s2.load(std::sync::atomic::Ordering::SeqCst) {
             std::thread::sleep(std::time::Duration::from_millis(500));
-            let Ok(mut c) = UnixStream::connect(&sock) else {
+            let Ok(st) = status_of(&sock, &name) else {
                 break;
             };
-            let args = ["status".to_string(), name.clone()];
-            let Ok((true, out, _)) = dmkit::control::call(&mut c, &args, &[]) else {
+            let Work::Left(l) = work(&name, &st, &mut None) else {
                 break;
             };
-            let f: Vec<&str> = out.split_whitespace().collect();
-            if f.get(2) != Some(&"writecache") || f.len() < 6 {
-                break;
-            }
-            let (total, free) = (f[4].parse::<u64>().unwrap_or(0), f[5].parse::<u64>().unwrap_or(0));
             if s2.load(std::sync::atomic::Ordering::SeqCst) {
                 break;
             }
-            eprint!(
-                "\r{name}: {} blocks left to write back   ",
-                total.saturating_sub(free)
-            );
+            eprint!("\r{l}   ");
             shown = true;
         }
         if shown {

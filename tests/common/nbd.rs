@@ -102,6 +102,23 @@ impl Client {
         e
     }
 
+    /// A write or flush that tolerates the server going away: `None` when the
+    /// connection broke before the reply.
+    pub fn try_call(&mut self, cmd: u16, offset: u64, payload: &[u8]) -> Option<u32> {
+        let mut b = Vec::with_capacity(28 + payload.len());
+        b.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&cmd.to_be_bytes());
+        b.extend_from_slice(&7u64.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        b.extend_from_slice(payload);
+        self.s.write_all(&b).ok()?;
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).ok()?;
+        Some(u32::from_be_bytes(h[4..8].try_into().ok()?))
+    }
+
     pub fn read(&mut self, offset: u64, len: usize) -> Vec<u8> {
         self.send(READ, 0, 9, offset, len as u32, &[]);
         let mut buf = vec![0u8; len];
