@@ -1378,7 +1378,8 @@ impl Cache {
     fn select_lru(&self, st: &mut State, budget: usize) -> Option<Vec<(u64, Vec<u32>)>> {
         let bs = self.bs_sectors();
         let mut runs: Vec<(u64, Vec<u32>)> = Vec::new();
-        let mut taken: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        // sectors taken in this pass: one entry per sector, whatever its duplicates
+        let mut taken: std::collections::HashSet<u64> = std::collections::HashSet::new();
         let mut n = 0;
         let mut cur = st.tail;
         while cur != NIL && n < budget {
@@ -1388,7 +1389,7 @@ impl Cache {
             }
             let e = st.entries[cur as usize];
             let prev = e.prev;
-            if e.writeback || e.writes > 0 || taken.contains(&cur) || older_in_writeback(st, &e) {
+            if e.writeback || e.writes > 0 || taken.contains(&e.sector) {
                 cur = prev;
                 continue;
             }
@@ -1398,25 +1399,23 @@ impl Cache {
                 }
                 break;
             }
-            let mut run = vec![cur];
-            taken.insert(cur);
-            let mut last = (e.sector, cur);
-            for (&(sec, _), &j) in st.tree.range((e.sector, e.key + 1)..) {
-                let f = st.entries[j as usize];
-                if run.len() >= MAX_RUN
-                    || n + run.len() >= budget
-                    || sec != last.0 + bs
-                    || f.writeback
-                    || f.writes > 0
-                    || taken.contains(&j)
-                    || f.seq >= st.seq
-                    || (!self.o.pmem && j != last.1 + 1)
-                {
-                    break;
+            let Some(c) = pick(st, e.sector) else {
+                cur = prev;
+                continue;
+            };
+            let mut run = vec![c];
+            taken.insert(e.sector);
+            let (mut sec, mut last) = (e.sector + bs, c);
+            while run.len() < MAX_RUN && n + run.len() < budget && !taken.contains(&sec) {
+                match pick(st, sec) {
+                    Some(j) if self.o.pmem || j == last + 1 => {
+                        run.push(j);
+                        taken.insert(sec);
+                        last = j;
+                        sec += bs;
+                    }
+                    _ => break,
                 }
-                run.push(j);
-                taken.insert(j);
-                last = (sec, j);
             }
             n += run.len();
             runs.push((e.sector, run));
@@ -1486,14 +1485,7 @@ fn select_sorted(st: &mut State, budget: usize, pmem: bool, bs: u64) -> Vec<(u64
                 group.push(j);
                 it.next();
             }
-            let busy = group.iter().any(|&g| entries[g as usize].writeback);
-            let cand = group
-                .iter()
-                .rev()
-                .copied()
-                .find(|&g| entries[g as usize].seq < seq)
-                .filter(|&g| entries[g as usize].writes == 0);
-            let Some(c) = cand.filter(|_| !busy) else {
+            let Some(c) = pick_of(entries, seq, &group) else {
                 end_run(&mut runs);
                 continue;
             };
@@ -1524,10 +1516,27 @@ fn select_sorted(st: &mut State, budget: usize, pmem: bool, bs: u64) -> Vec<(u64
     runs
 }
 
-fn older_in_writeback(st: &State, e: &Entry) -> bool {
-    st.tree
-        .range((e.sector, 0)..(e.sector, e.key))
-        .any(|(_, &j)| st.entries[j as usize].writeback)
+/// The entry of sector `s` to write back: its newest committed one, unless an
+/// entry of the sector is under writeback or being written (one copy per sector
+/// at a time, or an older copy could land on the origin after a newer one).
+fn pick(st: &State, s: u64) -> Option<u32> {
+    let group: Vec<u32> = st.tree.range((s, 0)..=(s, u64::MAX)).map(|(_, &i)| i).collect();
+    pick_of(&st.entries, st.seq, &group)
+}
+
+/// [`pick`] over a sector's entries, oldest first.
+fn pick_of(entries: &[Entry], seq: u64, group: &[u32]) -> Option<u32> {
+    if group
+        .iter()
+        .any(|&g| entries[g as usize].writeback || entries[g as usize].writes > 0)
+    {
+        return None;
+    }
+    group
+        .iter()
+        .rev()
+        .copied()
+        .find(|&g| entries[g as usize].seq < seq)
 }
 
 /// The newest entry for block `s`.
@@ -1544,9 +1553,12 @@ fn set_meta(st: &mut State, i: u32, sector: u64, seq: u64) {
     }
 }
 
-/// Entry `i` is on the origin: it leaves the cache, and so do older entries of
-/// its sector (a commit frees those only after its I/O, and writeback may have
-/// been quicker).
+/// Entry `i` is on the origin: it leaves the cache. If older entries of its
+/// sector are still there (a commit frees those only after its I/O, and
+/// writeback may have been quicker), they leave now and `i` stays for a later
+/// pass: were both freed in one metadata write, a crash tearing that write
+/// could leave the older entry valid and the newer free, and the old data would
+/// come back.
 fn retire(st: &mut State, i: u32) {
     let e = st.entries[i as usize];
     let older: Vec<u32> = st
@@ -1555,7 +1567,9 @@ fn retire(st: &mut State, i: u32) {
         .map(|(_, &j)| j)
         .filter(|&j| !st.entries[j as usize].writeback)
         .collect();
-    remove_entry(st, i);
+    if older.is_empty() {
+        remove_entry(st, i);
+    }
     for j in older {
         remove_entry(st, j);
     }
