@@ -16,7 +16,7 @@ Writes BENCHMARKS.md, section `writecache`.
 
 Usage: bench/writecache.py [--reps 3] [--cache-mib 16] [--dir /var/tmp] [--seek-ms 8]
 """
-import argparse, os, shutil, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, subprocess, sys, tempfile, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
@@ -78,6 +78,17 @@ def dd_seq(origin, nbytes):
     return time.time() - t0
 
 
+def scattered(origin, nbytes):
+    """The device's own limit for the flush: fio writing as many 4 KiB blocks at
+    random places of the origin, O_DIRECT, 64 in flight (seconds, fio's runtime)."""
+    out = subprocess.run(["fio", "--name=limit", f"--filename={origin}", "--rw=randwrite", "--bs=4k",
+                          "--direct=1", "--ioengine=io_uring", "--iodepth=64", "--norandommap",
+                          f"--size={os.path.getsize(origin)}", f"--io_size={nbytes}",
+                          "--output-format=json"], check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]["write"]
+    return job["runtime"] / 1000
+
+
 def iops(tmp, table_of, name, runtime):
     d = run.Dmkit(tmp)
     try:
@@ -104,7 +115,7 @@ def main():
     a = ap.parse_args()
     cmd = (f"bench/writecache.py --reps {a.reps} --runtime {a.runtime} --cache-mib {a.cache_mib} "
            f"--dir {a.dir} --seek-ms {a.seek_ms} --base-us {a.base_us}")
-    res = {k: [] for k in ("model-sorted", "model-lru", "disk-sorted", "disk-lru", "dd")}
+    res = {k: [] for k in ("model-sorted", "model-lru", "disk-sorted", "disk-lru", "dd", "limit")}
     used = {}
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         origin = os.path.join(tmp, "origin.img")
@@ -126,6 +137,7 @@ def main():
                 res[k].append(t)
                 print(f"  {k}: {t:.3f} s", file=sys.stderr)
             res["dd"].append(dd_seq(origin, used["disk-sorted"] * 4096))
+            res["limit"].append(scattered(origin, used["disk-sorted"] * 4096))
         shm = tempfile.mkdtemp(dir="/dev/shm")
         try:
             cache = os.path.join(shm, "cache.img")
@@ -163,7 +175,11 @@ def main():
              "\nGoal: sorted ≥ 2× faster than LRU order on the model (kernel: 99 s → 44 s, 2.25×).\n",
              "### Flush vs a sequential write of the same bytes to the origin (real disk)\n",
              f"sorted flush {m['disk-sorted']:.3f} s, `dd oflag=direct conv=fdatasync` {m['dd']:.3f} s: "
-             f"**{m['disk-sorted'] / m['dd']:.2f}×** (goal ≤ 1.25×)\n",
+             f"**{m['disk-sorted'] / m['dd']:.2f}×** (goal ≤ 1.25×). The blocks are scattered over the "
+             "origin (a random fill of half its size leaves runs of about two blocks), so the device's own "
+             "limit is its random-write rate, not its sequential one: fio writing as many 4 KiB blocks at "
+             f"random places, O_DIRECT, 64 in flight, takes {m['limit']:.3f} s; flush / that: "
+             f"**{m['disk-sorted'] / m['limit']:.2f}×**.\n",
              "### 4 KiB randwrite QD16 into the cache (cache file on /dev/shm)\n",
              "| device | IOPS | dmkit µs CPU/request | vs linear |",
              "|---|---|---|---|"]

@@ -180,8 +180,9 @@ impl Copier {
 
     /// Copy many regions of `src` to `dst` as one job (dm-writecache's writeback of
     /// runs of cache blocks): `(source byte offset, destination byte offset, length)`
-    /// each. Pieces never cross a region, and up to `in_flight` of them run at once, so
-    /// small regions are copied in parallel, in the order given.
+    /// each. Pieces never cross a region and are no larger than the largest region;
+    /// as many run at once as fill `in_flight` whole sub-jobs (at most 64), so small
+    /// regions are copied many at a time, in the order given.
     pub fn copy_regions(
         &self,
         src: &BackingFile,
@@ -200,9 +201,12 @@ impl Copier {
         if regions.is_empty() {
             return Ok(());
         }
+        let largest = regions.iter().map(|r| r.len).max().unwrap_or(0) as usize;
+        let piece = self.subjob.min(largest.next_multiple_of(MIN_SUBJOB_BYTES));
         let dests = [(dst, 0)];
-        let job = Job::new(Some((src, 0)), &dests, 1, &regions, self.subjob);
-        self.execute(&job, &self.copied)
+        let job = Job::new(Some((src, 0)), &dests, 1, &regions, piece);
+        let in_flight = (self.in_flight * self.subjob / piece.max(1)).min(MAX_IN_FLIGHT);
+        self.execute_with(&job, &self.copied, in_flight)
     }
 
     /// Zero `len` bytes at each destination: fallocate(ZERO_RANGE|KEEP_SIZE) where the file
@@ -235,16 +239,24 @@ impl Copier {
     }
 
     fn execute(&self, job: &Job, bytes: &AtomicU64) -> io::Result<()> {
+        self.execute_with(job, bytes, self.in_flight)
+    }
+
+    fn execute_with(&self, job: &Job, bytes: &AtomicU64, in_flight: usize) -> io::Result<()> {
         let mut eng = Engine {
             job,
-            sync: self.sync,
+            // Buffered files: io_uring would hand most of these to its worker
+            // threads (a buffered write cannot be done without blocking), which
+            // costs more than the copy of a cached piece; plain calls on this
+            // thread are quicker (merge 0.81x of dd instead of 0.68x on tmpfs).
+            sync: self.sync || job.all_buffered(),
             region: 0,
             next: 0,
             err: None,
             subjobs: 0,
             bytes: 0,
         };
-        let r = with_local(|l| eng.run(l, self.in_flight));
+        let r = with_local(|l| eng.run(l, in_flight));
         self.subjobs.fetch_add(eng.subjobs, Ordering::Relaxed);
         bytes.fetch_add(eng.bytes, Ordering::Relaxed);
         r
@@ -310,6 +322,14 @@ impl<'a> Job<'a> {
             regions,
             piece: piece as u64,
         }
+    }
+}
+
+impl Job<'_> {
+    /// No file of the job has an O_DIRECT descriptor.
+    fn all_buffered(&self) -> bool {
+        self.src.is_none_or(|(_, h, _)| h.direct_fd < 0)
+            && self.handles.iter().flatten().all(|h| h.direct_fd < 0)
     }
 }
 
