@@ -1324,7 +1324,7 @@ impl Cache {
                 j => (j as usize).saturating_sub(st.wb_size as usize).min(PASS_BLOCKS),
             };
             let runs = if sorted {
-                select_sorted(&mut st, budget, self.o.pmem, self.bs_sectors())
+                select_sorted(&mut st, budget, self.bs_sectors())
             } else {
                 match self.select_lru(&mut st, budget) {
                     Some(r) => r,
@@ -1405,17 +1405,12 @@ impl Cache {
             };
             let mut run = vec![c];
             taken.insert(e.sector);
-            let (mut sec, mut last) = (e.sector + bs, c);
+            let mut sec = e.sector + bs;
             while run.len() < MAX_RUN && n + run.len() < budget && !taken.contains(&sec) {
-                match pick(st, sec) {
-                    Some(j) if self.o.pmem || j == last + 1 => {
-                        run.push(j);
-                        taken.insert(sec);
-                        last = j;
-                        sec += bs;
-                    }
-                    _ => break,
-                }
+                let Some(j) = pick(st, sec) else { break };
+                run.push(j);
+                taken.insert(sec);
+                sec += bs;
             }
             n += run.len();
             runs.push((e.sector, run));
@@ -1457,10 +1452,11 @@ impl Cache {
 }
 
 /// The 2019 order (writeback_all): walk the tree by original sector from where
-/// the last pass stopped, each run of consecutive sectors (and, ssd, consecutive
-/// cache blocks) one I/O of up to 256 blocks. Of each sector the newest committed
-/// entry is written; a sector with an entry still under writeback waits.
-fn select_sorted(st: &mut State, budget: usize, pmem: bool, bs: u64) -> Vec<(u64, Vec<u32>)> {
+/// the last pass stopped, each run of consecutive sectors one write of up to 256
+/// blocks to the origin, whatever cache blocks hold it (the copier gathers them).
+/// Of each sector the newest committed entry is written; a sector with an entry
+/// still under writeback waits.
+fn select_sorted(st: &mut State, budget: usize, bs: u64) -> Vec<(u64, Vec<u32>)> {
     let mut runs: Vec<(u64, Vec<u32>)> = Vec::new();
     let mut n = 0;
     let cursor = st.wb_cursor;
@@ -1493,8 +1489,7 @@ fn select_sorted(st: &mut State, budget: usize, pmem: bool, bs: u64) -> Vec<(u64
                 Some((start, idx))
                     if !idx.is_empty()
                         && idx.len() < MAX_RUN
-                        && *start + idx.len() as u64 * bs == sec
-                        && (pmem || idx.last().is_some_and(|&l| l + 1 == c)) =>
+                        && *start + idx.len() as u64 * bs == sec =>
                 {
                     idx.push(c)
                 }
