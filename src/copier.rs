@@ -211,7 +211,9 @@ impl Copier {
             run = if joins { run + r.len } else { r.len };
             largest = largest.max(run);
         }
-        let piece = self.subjob.min((largest as usize).next_multiple_of(MIN_SUBJOB_BYTES));
+        let piece = self
+            .subjob
+            .min((largest as usize).next_multiple_of(MIN_SUBJOB_BYTES));
         let dests = [(dst, 0)];
         let mut job = Job::new(Some((src, 0)), &dests, 1, &regions, piece);
         job.gather = true;
@@ -339,10 +341,10 @@ impl<'a> Job<'a> {
 }
 
 impl Job<'_> {
-    /// No file of the job has an O_DIRECT descriptor.
+    /// Every file of the job is buffered (no O_DIRECT descriptor) or in memory.
     fn all_buffered(&self) -> bool {
-        self.src.is_none_or(|(_, h, _)| h.direct_fd < 0)
-            && self.handles.iter().flatten().all(|h| h.direct_fd < 0)
+        let buffered = |h: &FileHandle| h.direct_fd < 0 || h.in_memory;
+        self.src.is_none_or(|(_, h, _)| buffered(&h)) && self.handles.iter().flatten().all(buffered)
     }
 }
 

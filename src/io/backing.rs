@@ -24,6 +24,10 @@ pub struct BackingFile {
     pub identity: (u64, u64),
     pub rdev: Option<(u32, u32)>,
     pub read_only: bool,
+    /// A file of a memory filesystem (tmpfs, ramfs): its I/O never waits for a
+    /// device, so the engine does it inline rather than through io_uring, which
+    /// would hand buffered writes and flushes to its worker threads.
+    pub in_memory: bool,
     /// Empty flushes sent to this file (`dmkit stats` shows them).
     pub flushes: std::sync::atomic::AtomicU64,
 }
@@ -34,6 +38,8 @@ pub struct FileHandle {
     pub buffered_fd: RawFd,
     pub direct_fd: RawFd,
     pub dio_align: u32,
+    /// See [`BackingFile::in_memory`].
+    pub in_memory: bool,
 }
 
 impl FileHandle {
@@ -87,6 +93,11 @@ impl BackingFile {
         } else {
             None
         };
+        const TMPFS_MAGIC: u64 = 0x0102_1994;
+        const RAMFS_MAGIC: u64 = 0x8584_58f6;
+        let in_memory = !is_block_device
+            && rustix::fs::fstatfs(&buffered)
+                .is_ok_and(|st| matches!(st.f_type as u64, TMPFS_MAGIC | RAMFS_MAGIC));
         let identity = if is_block_device {
             (0, meta.rdev())
         } else {
@@ -102,6 +113,7 @@ impl BackingFile {
             identity,
             rdev,
             read_only,
+            in_memory,
             flushes: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -111,6 +123,7 @@ impl BackingFile {
             buffered_fd: self.buffered.as_raw_fd(),
             direct_fd: self.direct.as_ref().map_or(-1, |f| f.as_raw_fd()),
             dio_align: self.dio_align,
+            in_memory: self.in_memory,
         }
     }
 

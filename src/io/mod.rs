@@ -167,6 +167,7 @@ mod tests {
                 buffered_fd: 3,
                 direct_fd: -1,
                 dio_align: 512,
+                in_memory: false,
             }),
             offset,
             ..Leaf::new(kind, len, buf_off)

@@ -151,6 +151,17 @@ impl IoQueue {
         self.queued += 1;
     }
 
+    /// Do `op` now, on this thread, with a plain system call; its completion is
+    /// reported with `user_data` by the next [`IoQueue::drain`], and `wait`
+    /// does not block while it is there. For files whose I/O cannot wait for a
+    /// device (memory filesystems).
+    ///
+    /// # Safety
+    /// As [`IoQueue::push`] (the call completes before this returns).
+    pub unsafe fn push_inline(&mut self, op: Sqe, user_data: u64) {
+        self.sync_exec(op, user_data);
+    }
+
     /// Submit what was queued and wait until at least one completion is ready, or the
     /// timeout passes. Returns without waiting when completions are already there.
     pub fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {

@@ -734,7 +734,15 @@ impl Engine {
             }
         };
         q.pending += 1;
-        self.push(op, ud_leaf(r, i));
+        let inline = l.file.is_some_and(|f| f.in_memory)
+            && matches!(l.kind, LeafKind::Read | LeafKind::Write | LeafKind::Flush);
+        if inline {
+            self.ops += 1;
+            // SAFETY: as in `push`; the call completes before push_inline returns.
+            unsafe { self.q.push_inline(op, ud_leaf(r, i)) };
+        } else {
+            self.push(op, ud_leaf(r, i));
+        }
     }
 
     /// Write zeroes from the zero buffer: for files that cannot fallocate.

@@ -1487,9 +1487,7 @@ fn select_sorted(st: &mut State, budget: usize, bs: u64) -> Vec<(u64, Vec<u32>)>
             };
             match runs.last_mut() {
                 Some((start, idx))
-                    if !idx.is_empty()
-                        && idx.len() < MAX_RUN
-                        && *start + idx.len() as u64 * bs == sec =>
+                    if !idx.is_empty() && idx.len() < MAX_RUN && *start + idx.len() as u64 * bs == sec =>
                 {
                     idx.push(c)
                 }
