@@ -30,6 +30,9 @@ const KIND_WAKE: u64 = 1;
 const KIND_FRONTEND: u64 = 2;
 const ZERO_BUF: usize = 1 << 20;
 
+/// Largest read or write done inline on a memory filesystem.
+const INLINE_MAX: u64 = 64 << 10;
+
 fn ud_leaf(slot: usize, leaf: usize) -> u64 {
     (KIND_LEAF << KIND_SHIFT) | ((slot as u64) << 32) | leaf as u64
 }
@@ -734,8 +737,16 @@ impl Engine {
             }
         };
         q.pending += 1;
+        // Memory filesystems: a small copy costs less done here than handed to an
+        // io_uring worker (4 KiB randwrite 10.1 -> 7.9 us CPU, randread 7.9 -> 4.3-5.1
+        // us); a large one is better done by the workers beside this thread (512 KiB
+        // writes 5.5K IOPS through them, 2.5K here).
         let inline = l.file.is_some_and(|f| f.in_memory)
-            && matches!(l.kind, LeafKind::Read | LeafKind::Write | LeafKind::Flush);
+            && match l.kind {
+                LeafKind::Read | LeafKind::Write => rem <= INLINE_MAX,
+                LeafKind::Flush => true,
+                _ => false,
+            };
         if inline {
             self.ops += 1;
             // SAFETY: as in `push`; the call completes before push_inline returns.
