@@ -308,15 +308,7 @@ fn merge_to_completion_with_io_during_it() {
         "exceptions before the merge: {alloc} vs {meta}"
     );
     // the merge: suspend both, the origin takes the snapshot-merge table
-    d.ok(&["suspend", "lv"]);
-    d.ok(&["suspend", "snap"]);
-    d.ok(&[
-        "load",
-        "lv",
-        "--table",
-        &format!("0 {sectors} snapshot-merge {o} {w} P 8"),
-    ]);
-    d.ok(&["resume", "lv"]);
+    d.start_merge("lv", "snap", &format!("0 {sectors} snapshot-merge {o} {w} P 8"));
     d.ok(&["resume", "snap"]);
     let mut lv = Client::connect(&d.sock(), "lv");
     // the old snapshot device lost its exceptions to the merge

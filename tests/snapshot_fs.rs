@@ -10,7 +10,7 @@ mod common;
 
 use common::fs::{check_files, cmd, must, write_files, Attach, FileSet};
 use common::nbd::Client;
-use common::{need, pattern, read_all, Daemon, Scratch};
+use common::{need_all, pattern, read_all, Daemon, Scratch};
 use std::io::Write;
 use std::process::Command;
 
@@ -30,16 +30,14 @@ fn files(first_seed: u64, n: u64) -> FileSet {
 
 #[test]
 fn ext4_snapshot_keeps_files_and_merges_back() {
-    for t in [
+    need_all(&[
         "nbdfuse",
         "fusermount3",
         "losetup",
         "mkfs.ext4",
         "e2fsck",
         "fsfreeze",
-    ] {
-        need(t);
-    }
+    ]);
     let d = Daemon::start("snap-ext4");
     let base = d.dir.0.clone();
     const SIZE: u64 = 64 * MIB;
@@ -91,15 +89,7 @@ fn ext4_snapshot_keeps_files_and_merges_back() {
     // merge back: the origin, unmounted, takes the snapshot-merge table
     fs.umount();
     drop(fs);
-    d.ok(&["suspend", "lv"]);
-    d.ok(&["suspend", "snap"]);
-    d.ok(&[
-        "load",
-        "lv",
-        "--table",
-        &format!("0 {sectors} snapshot-merge {o} {w} P 16"),
-    ]);
-    d.ok(&["resume", "lv"]);
+    d.start_merge("lv", "snap", &format!("0 {sectors} snapshot-merge {o} {w} P 16"));
     d.ok(&["remove", "snap"]);
     assert_eq!(d.ok(&["progress", "lv"]).trim(), "lv: merged");
     let mut fs = Attach::new(&d, &base, "lv", false);
@@ -115,9 +105,7 @@ fn ext4_snapshot_keeps_files_and_merges_back() {
 
 #[test]
 fn extents_table_over_a_fragmented_file() {
-    for t in ["losetup", "mkfs.ext4", "mount", "umount", "fallocate"] {
-        need(t);
-    }
+    need_all(&["losetup", "mkfs.ext4", "mount", "umount", "fallocate"]);
     let s = Scratch::new("extents");
     let img = s.sparse("fs.img", 64 * MIB);
     must(

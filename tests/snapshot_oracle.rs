@@ -7,24 +7,14 @@ mod common;
 mod oracle;
 
 use common::nbd::{Client, FLUSH};
-use common::{pattern, read_at, Daemon, Scratch};
+use common::{image, pattern, read_at, Daemon, Scratch};
 use oracle::{marker, markers, md5, GUEST_HELPERS};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 8 * MIB;
 const SECTORS: u64 = SIZE / 512;
-
-fn image(s: &Scratch, name: &str, bytes: u64, seed: Option<u64>) -> PathBuf {
-    let p = s.sparse(name, bytes);
-    if let Some(seed) = seed {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().write(true).open(&p).expect("open");
-        f.write_all_at(&pattern(seed, bytes as usize), 0).expect("fill");
-    }
-    p
-}
 
 fn read_all(c: &mut Client) -> Vec<u8> {
     (0..SIZE / MIB)

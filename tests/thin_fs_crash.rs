@@ -18,7 +18,7 @@ mod common;
 
 use common::fs::{check_files, cmd, must, run_t, write_files, Attach, FileSet};
 use common::nbd::Client;
-use common::{need, pattern, Daemon, Scratch};
+use common::{need_all, pattern, Daemon, Scratch};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
@@ -51,11 +51,6 @@ fn assert_thin_check(meta: &Path, when: &str) {
         ok && complaints.is_empty() && so.contains("TRANSACTION_ID="),
         "thin_check {when} failed:\nstdout:\n{so}\nstderr:\n{se}"
     );
-}
-
-/// Require every tool (a missing one fails the test).
-fn tools(names: &[&str]) {
-    names.iter().for_each(|t| need(t));
 }
 
 /// Used data blocks of the pool (status field 5: `<used>/<total>`).
@@ -142,7 +137,7 @@ fn start_pool(d: &Daemon, files: &Scratch, meta_mib: u64, data_mib: u64) -> (Pat
 
 #[test]
 fn ext4_snapshot_keeps_files_while_origin_changes() {
-    tools(&[
+    need_all(&[
         "nbdfuse",
         "fusermount3",
         "losetup",
@@ -272,7 +267,7 @@ fn allocated(p: &Path) -> u64 {
 
 #[test]
 fn fstrim_returns_unshared_blocks_and_snapshot_delete_the_rest() {
-    tools(&[
+    need_all(&[
         "nbdfuse",
         "fusermount3",
         "losetup",
@@ -638,7 +633,7 @@ fn activate(d: &Daemon, meta: &Path, data: &Path, data_bytes: u64, snaps: usize)
 
 #[test]
 fn sigkill_under_write_load_keeps_flushed_writes() {
-    tools(&["thin_check"]);
+    need_all(&["thin_check"]);
     let seed: u64 = std::env::var("DMKIT_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -7,7 +7,7 @@ mod common;
 
 use common::fs::{check_files, cmd, must, write_files, Attach, FileSet};
 use common::nbd::{Client, FLUSH, WRITE};
-use common::{assert_same, need, pattern, read_all, read_at, run, Daemon, Rng, Scratch};
+use common::{assert_same, need, need_all, pattern, read_all, read_at, run, Daemon, Rng, Scratch};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -401,9 +401,7 @@ fn fio_verify_through_cache_then_origin() {
 /// and every file reads back from the bare origin, which passes e2fsck.
 #[test]
 fn ext4_files_survive_retiring_the_cache() {
-    for t in ["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck"] {
-        need(t);
-    }
+    need_all(&["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck"]);
     let d = Daemon::start("wc-ext4");
     let base = d.dir.0.clone();
     const SIZE: u64 = 64 * MIB;

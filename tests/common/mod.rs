@@ -153,6 +153,16 @@ impl Daemon {
         );
     }
 
+    /// Start merging snapshot `snap` into `origin` as lvconvert --merge does:
+    /// both suspended, the origin's table replaced by `merge_table`, the origin
+    /// resumed (`snap` stays suspended).
+    pub fn start_merge(&self, origin: &str, snap: &str, merge_table: &str) {
+        self.ok(&["suspend", origin]);
+        self.ok(&["suspend", snap]);
+        self.ok(&["load", origin, "--table", merge_table]);
+        self.ok(&["resume", origin]);
+    }
+
     /// Flushes `stats NAME` reports for `file`.
     pub fn flushes(&self, name: &str, file: &Path) -> u64 {
         let out = self.ok(&["stats", name]);
@@ -218,6 +228,22 @@ pub fn need(tool: &str) {
         found,
         "required tool '{tool}' is not installed (ci/install.sh installs it)"
     );
+}
+
+/// Require every tool of `tools` (see [`need`]).
+pub fn need_all(tools: &[&str]) {
+    tools.iter().for_each(|t| need(t));
+}
+
+/// A file of `bytes` in `s`: sparse, or holding `pattern(seed)`.
+pub fn image(s: &Scratch, name: &str, bytes: u64, seed: Option<u64>) -> PathBuf {
+    let p = s.sparse(name, bytes);
+    if let Some(seed) = seed {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&p).expect("open");
+        f.write_all_at(&pattern(seed, bytes as usize), 0).expect("fill");
+    }
+    p
 }
 
 /// Run a command and require success; returns stdout.
