@@ -20,7 +20,7 @@ use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
 use crate::targets::{Bio, DevRef, MapCtx, MapErr};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -154,6 +154,9 @@ struct State {
     loaded: bool,
     entries: Vec<Entry>,
     tree: BTreeMap<(u64, u64), u32>,
+    /// The newest entry of each cached sector (the last of its run in `tree`):
+    /// the lookup of every read and write, a hash probe instead of a tree range.
+    newest: HashMap<u64, u32>,
     next_key: u64,
     /// LRU: newest at head.
     head: u32,
@@ -304,6 +307,7 @@ impl Cache {
             loaded: false,
             entries: Vec::new(),
             tree: BTreeMap::new(),
+            newest: HashMap::new(),
             next_key: 0,
             head: NIL,
             tail: NIL,
@@ -485,6 +489,7 @@ impl Cache {
         let mut st = lock(&self.st);
         st.entries = vec![FREE_ENTRY; self.n_blocks as usize];
         st.tree.clear();
+        st.newest.clear();
         st.head = NIL;
         st.tail = NIL;
         st.freeing.clear();
@@ -508,6 +513,7 @@ impl Cache {
                 ..FREE_ENTRY
             };
             st.tree.insert((sector, key), i as u32);
+            st.newest.insert(sector, i as u32);
             lru_push_head(&mut st, i as u32);
         }
         st.free = match st.free {
@@ -1016,6 +1022,7 @@ impl Cache {
             ..FREE_ENTRY
         };
         st.tree.insert((sector, key), i);
+        st.newest.insert(sector, i);
         lru_push_head(st, i);
         st.uncommitted.push(i);
         set_meta(st, i, sector, seq);
@@ -1534,7 +1541,7 @@ fn pick_of(entries: &[Entry], seq: u64, group: &[u32]) -> Option<u32> {
 
 /// The newest entry for block `s`.
 fn newest(st: &State, s: u64) -> Option<u32> {
-    st.tree.range((s, 0)..=(s, u64::MAX)).next_back().map(|(_, &i)| i)
+    st.newest.get(&s).copied()
 }
 
 fn set_meta(st: &mut State, i: u32, sector: u64, seq: u64) {
@@ -1574,6 +1581,12 @@ fn remove_entry(st: &mut State, i: u32) {
     if st.tree.remove(&(e.sector, e.key)).is_none() {
         debug_assert!(false, "writecache: entry {i} removed twice");
         return;
+    }
+    if st.newest.get(&e.sector) == Some(&i) {
+        match st.tree.range((e.sector, 0)..=(e.sector, u64::MAX)).next_back() {
+            Some((_, &j)) => st.newest.insert(e.sector, j),
+            None => st.newest.remove(&e.sector),
+        };
     }
     lru_remove(st, i);
     set_meta(st, i, e.sector, FREE);
