@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::fs::{check_files, cmd, must, write_files, Attach, FileSet};
+use common::fs::{check_files, cmd, must, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::Client;
 use common::{need_all, pattern, read_all, Daemon, Scratch};
 use std::io::Write;
@@ -30,14 +30,8 @@ fn files(first_seed: u64, n: u64) -> FileSet {
 
 #[test]
 fn ext4_snapshot_keeps_files_and_merges_back() {
-    need_all(&[
-        "nbdfuse",
-        "fusermount3",
-        "losetup",
-        "mkfs.ext4",
-        "e2fsck",
-        "fsfreeze",
-    ]);
+    need_all(FS_TOOLS);
+    need_all(&["fsfreeze"]);
     let d = Daemon::start("snap-ext4");
     let base = d.dir.0.clone();
     const SIZE: u64 = 64 * MIB;
@@ -138,6 +132,18 @@ fn extents_table_over_a_fragmented_file() {
         std::fs::write(mnt.join(format!("s{i}")), pattern(i, 16 * 1024)).expect("write");
     }
     must(&mut cmd("sync", &["-f", &mnt_s]), 30);
+    // the rest of the free space taken, so the holes are all there is
+    let avail: u64 = must(&mut cmd("df", &["--output=avail", "-B1", &mnt_s]), 30)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .next()
+        .expect("df avail");
+    let filler = avail.saturating_sub(512 << 10).to_string();
+    let fill_path = mnt.join("filler");
+    must(
+        &mut cmd("fallocate", &["-l", &filler, fill_path.to_str().expect("path")]),
+        30,
+    );
     for i in (0..600).step_by(2) {
         std::fs::remove_file(mnt.join(format!("s{i}"))).expect("rm");
     }
@@ -158,7 +164,7 @@ fn extents_table_over_a_fragmented_file() {
     let d = Daemon::start("extents-d");
     let table = d.ok(&["extents", big.to_str().expect("path")]);
     let lines: Vec<&str> = table.lines().collect();
-    assert!(lines.len() >= 100, "a fragmented file: {} extents", lines.len());
+    assert!(lines.len() >= 64, "a fragmented file: {} extents", lines.len());
     let mut next = 0u64;
     for l in &lines {
         let f: Vec<&str> = l.split_whitespace().collect();

@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::fs::{check_files, cmd, must, run_t, write_files, Attach, FileSet};
+use common::fs::{check_files, cmd, must, run_t, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::Client;
 use common::{need_all, pattern, Daemon, Scratch};
 use std::collections::HashMap;
@@ -137,15 +137,8 @@ fn start_pool(d: &Daemon, files: &Scratch, meta_mib: u64, data_mib: u64) -> (Pat
 
 #[test]
 fn ext4_snapshot_keeps_files_while_origin_changes() {
-    need_all(&[
-        "nbdfuse",
-        "fusermount3",
-        "losetup",
-        "mkfs.ext4",
-        "e2fsck",
-        "fsfreeze",
-        "thin_check",
-    ]);
+    need_all(FS_TOOLS);
+    need_all(&["fsfreeze", "thin_check"]);
     let t0 = Instant::now();
     let files = Scratch::new("thinfs-snap-files");
     let d = Daemon::start("thinfs-snap");
@@ -267,16 +260,8 @@ fn allocated(p: &Path) -> u64 {
 
 #[test]
 fn fstrim_returns_unshared_blocks_and_snapshot_delete_the_rest() {
-    need_all(&[
-        "nbdfuse",
-        "fusermount3",
-        "losetup",
-        "mkfs.ext4",
-        "e2fsck",
-        "fsfreeze",
-        "fstrim",
-        "thin_check",
-    ]);
+    need_all(FS_TOOLS);
+    need_all(&["fsfreeze", "fstrim", "thin_check"]);
     let t0 = Instant::now();
     let files = Scratch::new("thinfs-trim-files");
     let d = Daemon::start("thinfs-trim");

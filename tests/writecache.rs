@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fs::{check_files, cmd, must, write_files, Attach, FileSet};
+use common::fs::{check_files, cmd, must, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::{Client, FLUSH, WRITE};
 use common::{assert_same, need, need_all, pattern, read_all, read_at, run, Daemon, Rng, Scratch};
 use std::path::{Path, PathBuf};
@@ -401,7 +401,7 @@ fn fio_verify_through_cache_then_origin() {
 /// and every file reads back from the bare origin, which passes e2fsck.
 #[test]
 fn ext4_files_survive_retiring_the_cache() {
-    need_all(&["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck"]);
+    need_all(FS_TOOLS);
     let d = Daemon::start("wc-ext4");
     let base = d.dir.0.clone();
     const SIZE: u64 = 64 * MIB;

@@ -3,6 +3,10 @@
 //! write and check files of known content.
 
 use super::{pattern, Daemon};
+
+/// What a test needs to put ext4 on an export: nbdfuse, a loop device, mkfs
+/// and fsck (with `need_all`).
+pub const FS_TOOLS: &[&str] = &["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck"];
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
