@@ -818,12 +818,7 @@ impl Cache {
             }
         }
         drop(st);
-        self.issue(&plan, bio, ctx, devs)?;
-        if let Some(ws) = wait_from {
-            let p = ctx.submit(bio.sub(ws - bio.sector, end - ws, ws));
-            self.park(p, false);
-        }
-        Ok(())
+        self.issue(&plan, bio, ctx, devs, wait_from)
     }
 
     /// Add block `s` (at cache block `at`, or the origin) to the plan, extending
@@ -873,8 +868,16 @@ impl Cache {
     }
 
     /// Send the planned steps: origin steps remapped, cache steps remapped to the
-    /// cache device (ssd) or copied from/to the mapping (pmem).
-    fn issue(&self, plan: &[Step], bio: Bio, ctx: &mut MapCtx, devs: Devs) -> Result<(), MapErr> {
+    /// cache device (ssd) or copied from/to the mapping (pmem); the rest of the
+    /// bio from sector `wait_from` (if any) is parked.
+    fn issue(
+        &self,
+        plan: &[Step],
+        bio: Bio,
+        ctx: &mut MapCtx,
+        devs: Devs,
+        wait_from: Option<u64>,
+    ) -> Result<(), MapErr> {
         let bs = self.bs_sectors();
         for st in plan {
             let piece = bio.sub(st.s - bio.sector, st.n, st.s);
@@ -908,6 +911,11 @@ impl Cache {
                 ..piece
             };
             ctx.remap_with(devs.cache, b, 1, hook)?;
+        }
+        if let Some(ws) = wait_from {
+            let end = bio.sector + bio.nr_sectors;
+            let p = ctx.submit(bio.sub(ws - bio.sector, end - ws, ws));
+            self.park(p, bio.op == Op::Write);
         }
         Ok(())
     }
@@ -1002,12 +1010,7 @@ impl Cache {
             self.wb.notify_one();
         }
         drop(st);
-        self.issue(&plan, bio, ctx, devs)?;
-        if let Some(ws) = wait_from {
-            let p = ctx.submit(bio.sub(ws - bio.sector, end - ws, ws));
-            self.park(p, true);
-        }
-        Ok(())
+        self.issue(&plan, bio, ctx, devs, wait_from)
     }
 
     fn allocate(&self, st: &mut State, i: u32, sector: u64) {
