@@ -57,6 +57,16 @@ def fio(args, runtime):
     return ios, bw
 
 
+def fio_cpu(server, uri, args, runtime):
+    """fio's nbd engine on `uri` while measuring `server`'s CPU: (IOPS, MiB/s,
+    server µs CPU per I/O or None when nothing completed)."""
+    c0, t0 = server.cpu(), time.time()
+    ios, bw = fio(["--ioengine=nbd", f"--uri={uri}"] + list(args), runtime)
+    cpu = server.cpu() - c0
+    total = ios * (time.time() - t0 - 1)  # fio ramps for 1 s before counting
+    return ios, bw, (cpu / total * 1e6 if total > 0 else None)
+
+
 class Dmkit:
     """A dmkit daemon (`serve` with `extra` arguments) with devices created from
     (name, table) pairs; run directories numbered under `tmp`."""
@@ -150,11 +160,7 @@ def measure(kind, backing, tmp, wl_args, runtime, extra_fio=(), table=None):
         subprocess.run(["dd", f"if={backing}", "of=/dev/null", "bs=1M"], capture_output=True)
     s = Server(kind, backing, tmp, table)
     try:
-        c0, t0 = s.cpu(), time.time()
-        ios, bw = fio(["--ioengine=nbd", f"--uri={s.uri}", f"--size={SIZE}"] + wl_args + list(extra_fio), runtime)
-        cpu = s.cpu() - c0
-        total = ios * (time.time() - t0 - 1)  # fio ramps for 1 s before counting
-        return ios, bw, (cpu / total * 1e6 if total > 0 else None), None
+        return *fio_cpu(s, s.uri, [f"--size={SIZE}"] + wl_args + list(extra_fio), runtime), None
     finally:
         hwm = s.stop()
         measure.last_hwm = hwm / 1024

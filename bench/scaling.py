@@ -78,12 +78,8 @@ def one(kind, backing, tmp, thin_files, conns, fio_args, runtime):
     else:
         s = run.Server(kind, backing, tmp)
     try:
-        c0, t0 = s.cpu(), time.time()
-        ios, _ = run.fio(["--ioengine=nbd", f"--uri={s.uri}", f"--size={SIZE}", f"--numjobs={conns}"]
-                         + fio_args, runtime)
-        cpu = s.cpu() - c0
-        total = ios * (time.time() - t0 - 1)
-        return ios, (cpu / total * 1e6 if total > 0 else None)
+        ios, _, cpu = run.fio_cpu(s, s.uri, [f"--size={SIZE}", f"--numjobs={conns}"] + fio_args, runtime)
+        return ios, cpu
     finally:
         s.stop()
 

@@ -49,11 +49,8 @@ class QemuOverlay:
 
 
 def fio_on(server, name, size, args, runtime):
-    c0, t0 = server.cpu(), time.time()
-    ios, _ = run.fio(["--ioengine=nbd", f"--uri={server.uri(name)}", f"--size={size}"] + args, runtime)
-    cpu = server.cpu() - c0
-    total = ios * (time.time() - t0 - 1)
-    return ios, (cpu / total * 1e6 if total > 0 else None)
+    ios, _, cpu = run.fio_cpu(server, server.uri(name), [f"--size={size}"] + args, runtime)
+    return ios, cpu
 
 
 def fill(path, size, seed_byte=0x5a):

@@ -95,12 +95,9 @@ def iops(tmp, table_of, name, runtime):
     d = run.Dmkit(tmp)
     try:
         d.cli("create", name, "--table", table_of)
-        c0, t0 = d.cpu(), time.time()
-        ios, _ = run.fio(["--ioengine=nbd", f"--uri={d.uri(name)}", "--rw=randwrite", "--bs=4k",
-                          "--iodepth=16", "--size=64M"], runtime)
-        cpu = d.cpu() - c0
-        total = ios * (time.time() - t0 - 1)
-        return ios, (cpu / total * 1e6 if total > 0 else None)
+        ios, _, cpu = run.fio_cpu(d, d.uri(name), ["--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=64M"],
+                                  runtime)
+        return ios, cpu
     finally:
         d.stop()
 
