@@ -5,7 +5,9 @@
 mod common;
 
 use common::nbd::{Client, FLUSH, READ, TRIM, WRITE};
-use common::{assert_same, pattern, read_all, read_at, Daemon, Rng, Scratch};
+use common::{
+    accept, assert_same, pattern, read_all, read_at, settle, write_until_killed, Daemon, Rng, Scratch,
+};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -554,13 +556,8 @@ fn one_flush_per_file_through_snapshot_stack() {
 /// written through the snapshot still holds what the origin held when the
 /// snapshot was taken, whatever the origin received (an origin write is not
 /// started before its copy is committed).
-/// (device, block, seed) per attempted write, and the log's length at the last
-/// completed flush.
-type WriteLog = (Vec<(usize, usize, u64)>, usize);
-
 #[test]
 fn sigkill_under_load_keeps_flushed_writes_and_the_snapshot() {
-    use std::sync::{Arc, Mutex};
     const SIZE: u64 = 8 * MIB;
     const BS: u64 = 4096;
     let nb = (SIZE / BS) as usize;
@@ -571,7 +568,7 @@ fn sigkill_under_load_keeps_flushed_writes_and_the_snapshot() {
     let (o, w) = (origin.display().to_string(), cow.display().to_string());
     let base = pattern(8, SIZE as usize);
     // what each 4 KiB block of the origin (0) and the snapshot (1) holds
-    let mut state: [Vec<Vec<u8>>; 2] = [
+    let mut state: Vec<Vec<Vec<u8>>> = vec![
         base.chunks(BS as usize).map(<[u8]>::to_vec).collect(),
         base.chunks(BS as usize).map(<[u8]>::to_vec).collect(),
     ];
@@ -582,36 +579,19 @@ fn sigkill_under_load_keeps_flushed_writes_and_the_snapshot() {
         let mut d = Daemon::start(&format!("snap-kill-load-{round}"));
         d.create("lv", &format!("0 {sectors} snapshot-origin {o}"));
         d.create("sn", &format!("0 {sectors} snapshot {o} {w} P 16"));
-        let log: Arc<Mutex<WriteLog>> = Arc::default();
-        let (l2, sock) = (log.clone(), d.sock());
-        let (mut wr, first_seed) = (Rng(rng.next()), seed);
-        let writer = std::thread::spawn(move || {
-            let mut c = [Client::connect(&sock, "lv"), Client::connect(&sock, "sn")];
-            let mut seed = first_seed;
-            for i in 0.. {
-                let dev = usize::from(wr.below(10) < 4);
-                let b = wr.below(nb as u64) as usize;
-                seed += 1;
-                l2.lock().unwrap().0.push((dev, b, seed));
-                match c[dev].try_call(WRITE, b as u64 * BS, &pattern(seed, BS as usize)) {
-                    Some(0) => {}
-                    _ => return,
-                }
-                if i % 25 == 24 {
-                    let n = l2.lock().unwrap().0.len();
-                    for cl in c.iter_mut() {
-                        if cl.try_call(FLUSH, 0, &[]) != Some(0) {
-                            return;
-                        }
-                    }
-                    l2.lock().unwrap().1 = n;
-                }
-            }
-        });
+        let load = write_until_killed(
+            d.sock(),
+            &["lv", "sn"],
+            |r: &mut Rng| usize::from(r.below(10) < 4),
+            nb,
+            BS,
+            Rng(rng.next()),
+            seed,
+        );
         std::thread::sleep(Duration::from_millis(150 + rng.below(400)));
         d.kill9();
-        let _ = writer.join();
-        let (ops, flushed) = std::mem::take(&mut *log.lock().unwrap());
+        let log = load.finish();
+        let (ops, flushed) = (&log.0, log.1);
         assert!(
             flushed > 100,
             "round {round}: only {flushed} writes before a flush"
@@ -621,18 +601,12 @@ fn sigkill_under_load_keeps_flushed_writes_and_the_snapshot() {
             ops.len()
         );
         seed = ops.last().map_or(seed, |x| x.2) + 1;
-        // the allowed contents of each block
-        let mut allowed: [Vec<Vec<Vec<u8>>>; 2] = [vec![vec![]; nb], vec![vec![]; nb]];
-        for (i, &(dev, b, sd)) in ops.iter().enumerate() {
-            if i < flushed {
-                state[dev][b] = pattern(sd, BS as usize);
-            } else {
-                allowed[dev][b].push(pattern(sd, BS as usize));
-            }
+        for &(dev, b, _) in ops {
             if dev == 1 {
                 written_to_snap[b] = true;
             }
         }
+        let allowed = settle(&mut state, &log, BS);
         let d = Daemon::start(&format!("snap-kill-load-{round}-after"));
         d.create("lv", &format!("0 {sectors} snapshot-origin {o}"));
         d.create("sn", &format!("0 {sectors} snapshot {o} {w} P 16"));
@@ -644,19 +618,20 @@ fn sigkill_under_load_keeps_flushed_writes_and_the_snapshot() {
         for (dev, name) in ["lv", "sn"].iter().enumerate() {
             let mut c = Client::connect(&d.sock(), name);
             let got = read_all(&mut c, SIZE);
-            for (b, blk) in got.chunks(BS as usize).enumerate() {
-                let ok = blk == state[dev][b].as_slice() || allowed[dev][b].iter().any(|a| a == blk);
-                assert!(
-                    ok,
-                    "round {round}: {name} block {b} holds neither its flushed data nor a later write"
-                );
-                if dev == 1 && !written_to_snap[b] {
+            accept(
+                &got,
+                &mut state[dev],
+                &allowed[dev],
+                BS,
+                &format!("round {round}: {name}"),
+            );
+            if dev == 1 {
+                for (b, blk) in got.chunks(BS as usize).enumerate() {
                     assert!(
-                        blk == &base[b * BS as usize..(b + 1) * BS as usize],
+                        written_to_snap[b] || blk == &base[b * BS as usize..(b + 1) * BS as usize],
                         "round {round}: snapshot block {b} shows data the origin received later"
                     );
                 }
-                state[dev][b] = blk.to_vec();
             }
         }
     }

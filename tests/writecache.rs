@@ -7,7 +7,10 @@ mod common;
 
 use common::fs::{check_files, cmd, must, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::{Client, FLUSH, WRITE};
-use common::{assert_same, need, need_all, pattern, read_all, read_at, run, Daemon, Rng, Scratch};
+use common::{
+    accept, assert_same, need, need_all, pattern, read_all, read_at, run, settle, write_until_killed, Daemon,
+    Rng, Scratch,
+};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -459,4 +462,108 @@ fn ext4_files_survive_retiring_the_cache() {
         check_files(&fs.mnt, &files, &format!("{mode}: on the bare origin"));
         fs.umount();
     }
+}
+
+/// A block size below a device's logical block size is refused, naming both: the
+/// cache is a loop device with 4 KiB sectors.
+#[test]
+fn block_size_below_the_devices_logical_block_size_is_refused() {
+    need_all(&["losetup"]);
+    let d = Daemon::start("wc-lbs");
+    let origin = d.dir.sparse("origin", 16 * MIB);
+    let backing = d.dir.sparse("cache4k", 4 * MIB);
+    let lo = must(
+        &mut cmd(
+            "losetup",
+            &["-b", "4096", "--show", "-f", backing.to_str().expect("path")],
+        ),
+        30,
+    )
+    .trim()
+    .to_string();
+    struct Detach(String);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = Command::new("losetup").args(["-d", &self.0]).status();
+        }
+    }
+    let _lo = Detach(lo.clone());
+    let sectors = 16 * MIB / 512;
+    let e = d.fails(&[
+        "create",
+        "wc",
+        "--table",
+        &format!("0 {sectors} writecache s {} {lo} 512 0", origin.display()),
+    ]);
+    assert!(
+        e.contains("Block size is smaller than device logical block size (512 < 4096)"),
+        "{e}"
+    );
+    // 4096 is taken, and the export's minimum block size follows it
+    d.create(
+        "wc",
+        &format!("0 {sectors} writecache s {} {lo} 4096 0", origin.display()),
+    );
+    assert!(run(Command::new("nbdinfo").arg(d.uri("wc"))).contains("block_size_minimum: 4096"));
+}
+
+/// SIGKILL while a thread writes (with a flush every 25 writes) through a cache
+/// a quarter of the region, so commits and watermark writeback run when the
+/// daemon dies: after each restart the status is consistent, every write
+/// acknowledged before the last completed flush reads back, and every other
+/// block holds its flushed data or a later write.
+fn sigkill_under_load(mode: &str, tag: &str) {
+    const SIZE: u64 = 8 * MIB;
+    let nb = (SIZE / BS) as usize;
+    let s = Scratch::new(tag);
+    let base = pattern(12, SIZE as usize);
+    let origin = file_with(&s, "origin", &base);
+    let cache = s.sparse("cache", 2 * MIB);
+    // writeback under the load, from the high watermark on (pause_writeback is ssd's)
+    let opts = match mode {
+        "s" => "high_watermark 30 low_watermark 20 pause_writeback 0",
+        _ => "high_watermark 30 low_watermark 20",
+    };
+    let t = table(mode, &origin, &cache, SIZE / 512, opts);
+    let mut state = vec![base.chunks(BS as usize).map(<[u8]>::to_vec).collect::<Vec<_>>()];
+    let mut rng = Rng(0x5eed + mode.len() as u64);
+    let mut seed = 1u64 << 30;
+    for round in 0..3 {
+        let mut d = Daemon::start(&format!("{tag}-{round}"));
+        d.create("wc", &t);
+        let load = write_until_killed(d.sock(), &["wc"], |_: &mut Rng| 0, nb, BS, Rng(rng.next()), seed);
+        std::thread::sleep(Duration::from_millis(150 + rng.below(400)));
+        d.kill9();
+        let log = load.finish();
+        assert!(log.1 > 100, "round {round}: only {} writes before a flush", log.1);
+        seed = log.0.last().map_or(seed, |x| x.2) + 1;
+        let allowed = settle(&mut state, &log, BS);
+        let d = Daemon::start(&format!("{tag}-{round}-after"));
+        d.create("wc", &t);
+        let st = status(&d, "wc");
+        // (writeback may already be under way again)
+        assert!(
+            st[0] == 0 && st[2] <= st[1] && st[3] <= st[1] - st[2],
+            "round {round}: status after restart: {st:?}"
+        );
+        let mut c = Client::connect(&d.sock(), "wc");
+        let got = read_all(&mut c, SIZE);
+        accept(
+            &got,
+            &mut state[0],
+            &allowed[0],
+            BS,
+            &format!("{mode} round {round}"),
+        );
+    }
+}
+
+#[test]
+fn ssd_sigkill_under_load() {
+    sigkill_under_load("s", "wc-kill-load-s");
+}
+
+#[test]
+fn pmem_sigkill_under_load() {
+    sigkill_under_load("p", "wc-kill-load-p");
 }

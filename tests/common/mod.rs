@@ -328,3 +328,89 @@ pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
         panic!("{what}: differs from the model at byte {i} (sector {})", i / 512);
     }
 }
+
+/// (export, block, pattern seed) of every write attempted, in order, and how
+/// many of them the last completed flush of every export covers.
+pub type WriteLog = (Vec<(usize, usize, u64)>, usize);
+
+/// A thread writing to a daemon until it is killed: see [`write_until_killed`].
+pub struct Load {
+    log: std::sync::Arc<std::sync::Mutex<WriteLog>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// Write `bs`-byte blocks of `pattern(seed)` (seeds counting up from
+/// `first_seed`) at random blocks below `nb` of `exports`, the export chosen by
+/// `pick`, with a flush of every export after each 25 writes, until a request
+/// fails: the daemon was killed.
+pub fn write_until_killed(
+    sock: PathBuf,
+    exports: &[&str],
+    pick: impl Fn(&mut Rng) -> usize + Send + 'static,
+    nb: usize,
+    bs: u64,
+    mut rng: Rng,
+    first_seed: u64,
+) -> Load {
+    let log: std::sync::Arc<std::sync::Mutex<WriteLog>> = Default::default();
+    let l2 = log.clone();
+    let exports: Vec<String> = exports.iter().map(|e| e.to_string()).collect();
+    let thread = std::thread::spawn(move || {
+        let mut c: Vec<nbd::Client> = exports.iter().map(|e| nbd::Client::connect(&sock, e)).collect();
+        let mut seed = first_seed;
+        for i in 0.. {
+            let dev = pick(&mut rng);
+            let b = rng.below(nb as u64) as usize;
+            seed += 1;
+            l2.lock().unwrap().0.push((dev, b, seed));
+            if c[dev].try_call(nbd::WRITE, b as u64 * bs, &pattern(seed, bs as usize)) != Some(0) {
+                return;
+            }
+            if i % 25 == 24 {
+                let n = l2.lock().unwrap().0.len();
+                for cl in c.iter_mut() {
+                    if cl.try_call(nbd::FLUSH, 0, &[]) != Some(0) {
+                        return;
+                    }
+                }
+                l2.lock().unwrap().1 = n;
+            }
+        }
+    });
+    Load { log, thread }
+}
+
+impl Load {
+    /// Wait for the writer to stop (kill the daemon first); its log.
+    pub fn finish(self) -> WriteLog {
+        let _ = self.thread.join();
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+}
+
+/// Fold `log` into `state` (each export's blocks as they must read): writes
+/// the last flush covers become the state; what each block may hold instead
+/// (the later writes) is returned, per export and block.
+pub fn settle(state: &mut [Vec<Vec<u8>>], log: &WriteLog, bs: u64) -> Vec<Vec<Vec<Vec<u8>>>> {
+    let mut allowed: Vec<Vec<Vec<Vec<u8>>>> = state.iter().map(|s| vec![Vec::new(); s.len()]).collect();
+    for (i, &(dev, b, sd)) in log.0.iter().enumerate() {
+        if i < log.1 {
+            state[dev][b] = pattern(sd, bs as usize);
+        } else {
+            allowed[dev][b].push(pattern(sd, bs as usize));
+        }
+    }
+    allowed
+}
+
+/// After a crash: every `bs` block of `got` holds its `state` or one of its
+/// `allowed` later writes; `state` becomes what was read.
+pub fn accept(got: &[u8], state: &mut [Vec<u8>], allowed: &[Vec<Vec<u8>>], bs: u64, what: &str) {
+    for (b, blk) in got.chunks(bs as usize).enumerate() {
+        assert!(
+            blk == state[b].as_slice() || allowed[b].iter().any(|a| a == blk),
+            "{what}: block {b} holds neither its flushed data nor a later write"
+        );
+        state[b] = blk.to_vec();
+    }
+}
