@@ -118,6 +118,36 @@ fn lines_errors_alignment_and_messages() {
             pm.display()
         )
     );
+    // every option at once, given in reverse: the table prints D.13's order
+    for (mode, opts, want) in [
+        (
+            "s",
+            "pause_writeback 100 metadata_only cleaner max_age 9000 autocommit_time 50 \
+             autocommit_blocks 16 writeback_jobs 32 low_watermark 5 high_watermark 70 start_sector 16",
+            "start_sector 16 high_watermark 70 low_watermark 5 writeback_jobs 32 autocommit_blocks 16 \
+             autocommit_time 50 max_age 9000 cleaner metadata_only pause_writeback 100",
+        ),
+        (
+            "p",
+            "metadata_only fua cleaner max_age 9000 autocommit_time 50 autocommit_blocks 16 \
+             writeback_jobs 32 low_watermark 5 high_watermark 70 start_sector 16",
+            "start_sector 16 high_watermark 70 low_watermark 5 writeback_jobs 32 autocommit_blocks 16 \
+             autocommit_time 50 max_age 9000 cleaner fua metadata_only",
+        ),
+    ] {
+        let c = s.sparse(&format!("all-{mode}"), MIB);
+        let name = format!("all{mode}");
+        d.create(&name, &table(mode, &origin, &c, sectors, opts));
+        let n = want.split_whitespace().count();
+        assert_eq!(
+            d.ok(&["table", &name]).trim(),
+            format!(
+                "0 {sectors} writecache {mode} {o} {} 4096 {n} {want}",
+                c.display()
+            )
+        );
+        d.ok(&["remove", &name]);
+    }
     assert!(
         d.ok(&["targets"]).contains("writecache       v1.6.0"),
         "{}",
