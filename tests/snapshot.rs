@@ -636,3 +636,74 @@ fn sigkill_under_load_keeps_flushed_writes_and_the_snapshot() {
         }
     }
 }
+
+/// `discard_zeroes_cow`: a TRIM of a whole chunk with an exception zeroes it in
+/// the COW (the snapshot reads zeroes there), a partial-chunk TRIM or one of a
+/// chunk without exception changes nothing, and the origin is untouched; with
+/// `discard_passdown_origin` too, the TRIM also reaches the origin's device.
+/// A reload of the snapshot's table over the same COW takes its exceptions over.
+#[test]
+fn discards_and_exception_hand_over() {
+    const SIZE: u64 = 4 * MIB;
+    const CHUNK: u64 = 8192;
+    let s = Scratch::new("snap-discard");
+    let d = Daemon::start("snap-discard");
+    let sectors = SIZE / 512;
+    for passdown in [false, true] {
+        let base = pattern(20 + u64::from(passdown), SIZE as usize);
+        let origin = s.path(&format!("origin{passdown}"));
+        std::fs::write(&origin, &base).expect("origin");
+        let cow = s.sparse(&format!("cow{passdown}"), 4 * MIB);
+        let (o, w) = (origin.display(), cow.display());
+        let feats = if passdown {
+            "2 discard_zeroes_cow discard_passdown_origin"
+        } else {
+            "1 discard_zeroes_cow"
+        };
+        let table = format!("0 {sectors} snapshot {o} {w} P 16 {feats}");
+        d.create("sn", &table);
+        let mut sn = Client::connect(&d.sock(), "sn");
+        let mut model = base.clone();
+        // chunk 3 written whole (an exception), chunk 5 in part (an exception by copy)
+        let x = pattern(77, CHUNK as usize);
+        sn.write(3 * CHUNK, &x);
+        model[3 * CHUNK as usize..4 * CHUNK as usize].copy_from_slice(&x);
+        let y = pattern(78, 1024);
+        sn.write(5 * CHUNK + 1024, &y);
+        model[5 * CHUNK as usize + 1024..5 * CHUNK as usize + 2048].copy_from_slice(&y);
+        assert_eq!(sn.call(TRIM, 0, 3 * CHUNK, CHUNK as u32, &[]), 0);
+        assert_eq!(sn.call(TRIM, 0, 5 * CHUNK, 4096, &[]), 0);
+        assert_eq!(sn.call(TRIM, 0, 9 * CHUNK, CHUNK as u32, &[]), 0);
+        model[3 * CHUNK as usize..4 * CHUNK as usize].fill(0);
+        let mut origin_model = base.clone();
+        if passdown {
+            // the origin's file is punched where the TRIMs went, so the
+            // snapshot's chunks without an exception read zeroes there too
+            for (off, len) in [(3 * CHUNK, CHUNK), (5 * CHUNK, 4096), (9 * CHUNK, CHUNK)] {
+                origin_model[off as usize..(off + len) as usize].fill(0);
+            }
+            model[9 * CHUNK as usize..10 * CHUNK as usize].fill(0);
+        }
+        assert_same(
+            &read_all(&mut sn, SIZE),
+            &model,
+            &format!("snapshot (passdown {passdown})"),
+        );
+        assert_same(
+            &read_at(&origin, 0, SIZE as usize),
+            &origin_model,
+            &format!("origin (passdown {passdown})"),
+        );
+        // hand-over: the same table reloaded takes the exceptions over
+        drop(sn);
+        let before = status(&d, "sn");
+        d.ok(&["load", "sn", "--table", &table]);
+        d.ok(&["suspend", "sn"]);
+        d.ok(&["resume", "sn"]);
+        assert_eq!(status(&d, "sn"), before, "status after the hand-over");
+        let mut sn = Client::connect(&d.sock(), "sn");
+        assert_same(&read_all(&mut sn, SIZE), &model, "snapshot after the hand-over");
+        drop(sn);
+        d.ok(&["remove", "sn"]);
+    }
+}
