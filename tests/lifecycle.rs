@@ -33,13 +33,6 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn wait_open_count(d: &Daemon, name: &str, n: u32) {
-    let want = format!("Open count:        {n}");
-    wait_for(&format!("open count {n}"), || {
-        d.info_line(name, "Open count:") == want
-    });
-}
-
 #[test]
 fn load_keeps_live_table_until_resume() {
     let mut d = Daemon::start("load");
@@ -237,7 +230,7 @@ fn remove_rules() {
     // Open through NBD: refused without --force.
     let mut c = Client::connect(&d.sock(), "top");
     assert_eq!(c.read(0, 4096), pattern(9, 4096));
-    wait_open_count(&d, "top", 1);
+    d.wait_open_count("top", 1);
     d.fails(&["remove", "top"]);
     assert_eq!(
         c.read(0, 4096),

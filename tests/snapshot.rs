@@ -661,8 +661,10 @@ fn discards_and_exception_hand_over() {
             "1 discard_zeroes_cow"
         };
         let table = format!("0 {sectors} snapshot {o} {w} P 16 {feats}");
-        d.create("sn", &table);
-        let mut sn = Client::connect(&d.sock(), "sn");
+        // a device per case: a removal could race the client's disconnect
+        let name = format!("sn{passdown}");
+        d.create(&name, &table);
+        let mut sn = Client::connect(&d.sock(), &name);
         let mut model = base.clone();
         // chunk 3 written whole (an exception), chunk 5 in part (an exception by copy)
         let x = pattern(77, CHUNK as usize);
@@ -696,14 +698,12 @@ fn discards_and_exception_hand_over() {
         );
         // hand-over: the same table reloaded takes the exceptions over
         drop(sn);
-        let before = status(&d, "sn");
-        d.ok(&["load", "sn", "--table", &table]);
-        d.ok(&["suspend", "sn"]);
-        d.ok(&["resume", "sn"]);
-        assert_eq!(status(&d, "sn"), before, "status after the hand-over");
-        let mut sn = Client::connect(&d.sock(), "sn");
+        let before = status(&d, &name);
+        d.ok(&["load", &name, "--table", &table]);
+        d.ok(&["suspend", &name]);
+        d.ok(&["resume", &name]);
+        assert_eq!(status(&d, &name), before, "status after the hand-over");
+        let mut sn = Client::connect(&d.sock(), &name);
         assert_same(&read_all(&mut sn, SIZE), &model, "snapshot after the hand-over");
-        drop(sn);
-        d.ok(&["remove", "sn"]);
     }
 }

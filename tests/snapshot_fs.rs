@@ -84,7 +84,7 @@ fn ext4_snapshot_keeps_files_and_merges_back() {
     fs.umount();
     drop(fs);
     d.start_merge("lv", "snap", &format!("0 {sectors} snapshot-merge {o} {w} P 16"));
-    d.ok(&["remove", "snap"]);
+    d.remove_closed("snap");
     assert_eq!(d.ok(&["progress", "lv"]).trim(), "lv: merged");
     let mut fs = Attach::new(&d, &base, "lv", false);
     fs.fsck();
@@ -187,7 +187,7 @@ fn extents_table_over_a_fragmented_file() {
     let new = pattern(78, 256 * 1024);
     c.write(MIB + 4096, &new);
     drop(c);
-    d.ok(&["remove", "seg"]);
+    d.remove_closed("seg");
     std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
     let got = std::fs::read(&big).expect("read big");
     assert!(

@@ -135,6 +135,26 @@ impl Daemon {
             .to_string()
     }
 
+    /// Wait (at most 3 s) until `name`'s open count is `n`: a client's
+    /// disconnect reaches the daemon a moment after the client closed.
+    pub fn wait_open_count(&self, name: &str, n: u32) {
+        let want = format!("Open count:        {n}");
+        let t0 = Instant::now();
+        while self.info_line(name, "Open count:") != want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(3),
+                "timed out waiting for open count {n} of {name}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Remove `name` once its last client's disconnect has arrived.
+    pub fn remove_closed(&self, name: &str) {
+        self.wait_open_count(name, 0);
+        self.ok(&["remove", name]);
+    }
+
     /// Run and require failure; returns stderr.
     pub fn fails(&self, args: &[&str]) -> String {
         let o = self.cli(args);
