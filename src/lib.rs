@@ -7,6 +7,7 @@ pub mod extents;
 pub mod io;
 pub mod mapper;
 pub mod pdata;
+pub mod sim;
 pub mod table;
 pub mod targets;
 pub mod thin;

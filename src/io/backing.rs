@@ -145,7 +145,9 @@ impl BackingFile {
     /// Make everything written durable.
     pub fn sync(&self) -> io::Result<()> {
         self.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.buffered.sync_data()
+        self.buffered.sync_data()?;
+        super::sim::on_flush(self.buffered.as_raw_fd());
+        Ok(())
     }
 
     /// Allocation of `[offset, offset+len)`: a list of (length, is_hole) covering it.

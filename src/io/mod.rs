@@ -8,6 +8,7 @@
 pub mod backing;
 pub mod buf;
 pub mod queue;
+pub mod sim;
 
 pub use backing::BackingFile;
 pub use buf::AlignedBuf;

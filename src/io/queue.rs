@@ -68,9 +68,36 @@ fn uring_wanted() -> bool {
     std::env::var_os("DMKIT_NO_URING").is_none()
 }
 
+/// The simulated disk's view of an operation about to run (see `io::sim`).
+fn sim_hook(op: &Sqe) -> Result<(), i32> {
+    use super::sim;
+    match *op {
+        Sqe::Read { fd, .. } => sim::on_read(fd),
+        Sqe::Write {
+            fd,
+            buf,
+            len,
+            offset,
+            dsync,
+        } => {
+            // SAFETY: `buf`/`len` come from an operation pushed under `push`'s contract.
+            let data = unsafe { std::slice::from_raw_parts(buf, len as usize) };
+            sim::on_write(fd, offset, data, dsync)
+        }
+        // FALLOC_FL_KEEP_SIZE alone allocates and changes no byte
+        Sqe::Fallocate {
+            fd,
+            mode,
+            offset,
+            len,
+        } if mode & !libc::FALLOC_FL_KEEP_SIZE != 0 => sim::on_zero(fd, offset, len),
+        _ => Ok(()),
+    }
+}
+
 impl IoQueue {
     pub fn new(entries: u32) -> IoQueue {
-        let ring = if uring_wanted() {
+        let ring = if uring_wanted() && !super::sim::active() {
             IoUring::builder().setup_single_issuer().build(entries).ok()
         } else {
             None
@@ -211,6 +238,12 @@ impl IoQueue {
     fn sync_exec(&mut self, op: Sqe, user_data: u64) {
         // SAFETY (all calls below): the pointers come from `push`, whose caller
         // guarantees they are valid for the lengths given.
+        if super::sim::active() {
+            if let Err(e) = sim_hook(&op) {
+                self.done.push_back((user_data, -e));
+                return;
+            }
+        }
         let r: isize = unsafe {
             match op {
                 Sqe::Read { fd, buf, len, offset } => {
@@ -232,7 +265,13 @@ impl IoQueue {
                     offset as libc::off_t,
                     if dsync { libc::RWF_DSYNC } else { 0 },
                 ),
-                Sqe::Fsync { fd } => libc::fdatasync(fd) as isize,
+                Sqe::Fsync { fd } => {
+                    let r = libc::fdatasync(fd);
+                    if r == 0 {
+                        super::sim::on_flush(fd);
+                    }
+                    r as isize
+                }
                 Sqe::Fallocate {
                     fd,
                     mode,

@@ -9,9 +9,10 @@
 
 use super::engine::{Dest, Engine};
 use super::Device;
-use crate::io::{errno, Op, SECTOR};
+use crate::io::{errno, sim, Op, SECTOR};
 use std::cell::RefCell;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +28,7 @@ thread_local! {
 pub fn read(dest: &Dest, sector: u64, buf: &mut [u8]) -> io::Result<()> {
     match dest {
         Dest::File(f) => {
+            sim::on_read(f.file().as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
             let mut done = 0;
             while done < buf.len() {
                 let n = f
@@ -55,9 +57,12 @@ pub fn read(dest: &Dest, sector: u64, buf: &mut [u8]) -> io::Result<()> {
 pub fn write(dest: &Dest, sector: u64, buf: &[u8], fua: bool) -> io::Result<()> {
     match dest {
         Dest::File(f) => {
+            let fd = f.file().as_raw_fd();
+            sim::on_write(fd, sector * SECTOR, buf, fua).map_err(io::Error::from_raw_os_error)?;
             f.file().write_all_at(buf, sector * SECTOR)?;
             if fua {
                 f.file().sync_data()?;
+                sim::on_flush(fd);
             }
             Ok(())
         }
@@ -79,6 +84,42 @@ pub fn flush(dest: &Dest) -> io::Result<()> {
     }
 }
 
+/// Discard `sectors` at `sector` of `dest` (punch a hole in a file).
+pub fn discard(dest: &Dest, sector: u64, sectors: u64) -> io::Result<()> {
+    match dest {
+        Dest::File(f) => {
+            let fd = f.file().as_raw_fd();
+            let (off, len) = (sector * SECTOR, sectors * SECTOR);
+            sim::on_zero(fd, off, len).map_err(io::Error::from_raw_os_error)?;
+            rustix::fs::fallocate(
+                f.file(),
+                rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+                off,
+                len,
+            )?;
+            Ok(())
+        }
+        Dest::Dm(d) => {
+            let mut done = 0;
+            while done < sectors {
+                let n = (sectors - done).min(MAX_REQUEST as u64 / SECTOR);
+                request(d, Op::Discard, sector + done, Data::Discard(n), false)?;
+                done += n;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Drop this thread's engine (and the device it holds on to).
+pub fn release_thread_engine() {
+    ENGINE.with(|cell| {
+        if let Some(mut e) = cell.borrow_mut().take() {
+            e.shut_down();
+        }
+    });
+}
+
 /// Size of `dest` in sectors now.
 pub fn size_sectors(dest: &Dest) -> u64 {
     match dest {
@@ -89,6 +130,8 @@ pub fn size_sectors(dest: &Dest) -> u64 {
 
 enum Data<'a> {
     None,
+    /// A range without data (discard): its length in sectors.
+    Discard(u64),
     In(&'a mut [u8]),
     Out(&'a [u8]),
 }
@@ -106,14 +149,17 @@ fn request(dev: &Arc<Device>, op: Op, sector: u64, mut data: Data, fua: bool) ->
             .alloc()
             .ok_or_else(|| io::Error::from_raw_os_error(errno::EIO))?;
         let len = match &data {
-            Data::None => 0,
+            Data::None | Data::Discard(_) => 0,
             Data::In(b) => b.len(),
             Data::Out(b) => b.len(),
         };
         let q = eng.request_mut(r);
         q.op = op;
         q.sector = sector;
-        q.nr_sectors = len as u64 / SECTOR;
+        q.nr_sectors = match &data {
+            Data::Discard(n) => *n,
+            _ => len as u64 / SECTOR,
+        };
         q.fua = fua;
         q.punch = false;
         q.fast_zero = false;

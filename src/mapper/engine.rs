@@ -477,6 +477,7 @@ impl Engine {
         let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &self.inbox, r as u32, q.gen);
         let res = f(&mut ctx, &self.dev);
         let submitted = ctx.submitted;
+        q.then_flush |= ctx.flush_after;
         q.pending += submitted;
         self.asyncs += u64::from(submitted);
         res

@@ -3,8 +3,10 @@
 //! (drop unflushed writes, tear the last one).
 
 use super::{Block, BLOCK_SIZE};
+use crate::io::sim;
 use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -70,10 +72,13 @@ impl MetadataDev for FileDev {
         self.nr_blocks
     }
     fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
+        sim::on_read(self.file.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
         self.file.read_exact_at(buf, block * BLOCK_SIZE as u64)
     }
     fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
-        self.file.write_all_at(buf, block * BLOCK_SIZE as u64)
+        let off = block * BLOCK_SIZE as u64;
+        sim::on_write(self.file.as_raw_fd(), off, buf, false).map_err(io::Error::from_raw_os_error)?;
+        self.file.write_all_at(buf, off)
     }
     fn refresh_size(&mut self) -> io::Result<u64> {
         use std::io::Seek;
@@ -82,9 +87,12 @@ impl MetadataDev for FileDev {
         Ok(self.nr_blocks)
     }
     fn flush(&mut self) -> io::Result<()> {
-        self.file.sync_data()
+        self.file.sync_data()?;
+        sim::on_flush(self.file.as_raw_fd());
+        Ok(())
     }
     fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        sim::on_read(self.file.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
         self.file.read_exact_at(buf, block * BLOCK_SIZE as u64)
     }
     fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {

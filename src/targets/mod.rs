@@ -240,6 +240,9 @@ pub struct MapCtx<'a> {
     pub target_start: u64,
     /// Pieces handed to targets by `submit` during this mapping.
     pub submitted: u32,
+    /// A target asked for an empty flush through the device once the request's
+    /// I/O is done (see [`MapCtx::flush_after`]).
+    pub(crate) flush_after: bool,
     inbox: &'a Arc<Inbox>,
     slot: u32,
     gen: u32,
@@ -288,11 +291,19 @@ impl<'a> MapCtx<'a> {
             origin: (0, 0),
             target_start: 0,
             submitted: 0,
+            flush_after: false,
             inbox,
             slot,
             gen,
             join: None,
         }
+    }
+
+    /// Once the request's I/O is done, send an empty flush down the device before
+    /// completing it: for a FUA write whose durability needs more than its own
+    /// data (dm-thin: a mapping not yet committed).
+    pub fn flush_after(&mut self) {
+        self.flush_after = true;
     }
 
     /// Send `bio` (already in `dev`'s sector space) to `dev`; `tag` is passed back to

@@ -207,7 +207,9 @@ impl ThinPoolMetadata {
         self.sb.data_sm_root = data_root;
         self.sb.metadata_nr_blocks = meta_root.nr_blocks;
         self.tm.cache.write_dirty()?;
-        self.tm.cache.flush()?;
+        if !crate::io::sim::faults::broken_commit_order() {
+            self.tm.cache.flush()?;
+        }
         let image = self.sb.encode();
         self.tm
             .cache
@@ -303,6 +305,11 @@ impl ThinPoolMetadata {
         self.roots.remove(&dev);
         self.top_touched.remove(&dev);
         Ok(())
+    }
+
+    /// Whether `dev` changed since the last commit (dm_thin_changed_this_transaction).
+    pub fn changed(&self, dev: u64) -> bool {
+        self.details_dirty.contains(&dev)
     }
 
     fn put_details(&mut self, dev: u64, d: DeviceDetails) {

@@ -145,6 +145,11 @@ struct State {
     /// Chunks a merge step is copying back: writes to them wait in `merge_queue`.
     merging: (u64, u64),
     merge_queue: Vec<Pending>,
+    /// Invalidated, and the header saying so is not yet durable: origin writes
+    /// wait here, or a crash could bring back a valid snapshot whose exceptions
+    /// miss the chunks they changed.
+    invalidating: bool,
+    after_invalidate: Vec<Pending>,
 }
 
 /// One snapshot's state, shared by the tables that name its COW device.
@@ -337,6 +342,8 @@ impl Core {
                 tracked: HashMap::new(),
                 copies: 0,
                 throttled: Vec::new(),
+                invalidating: false,
+                after_invalidate: Vec::new(),
                 merging: (0, 0),
                 merge_queue: Vec::new(),
             }),
@@ -394,12 +401,23 @@ impl Core {
         st.valid = false;
         self.events.fetch_add(1, Ordering::Relaxed);
         if self.persistent {
+            st.invalidating = true;
             let me = self.clone();
             self.copier.spawn(Box::new(move |_| {
-                let _io = lock(&me.io);
-                let img = store::header_image(false, me.chunk);
-                if let Err(e) = devio::write(&me.cow, 0, &img, true) {
-                    tracing::error!("snapshot: writing the invalidated header failed: {e}");
+                {
+                    let _io = lock(&me.io);
+                    let img = store::header_image(false, me.chunk);
+                    if let Err(e) = devio::write(&me.cow, 0, &img, true) {
+                        tracing::error!("snapshot: writing the invalidated header failed: {e}");
+                    }
+                }
+                let held = {
+                    let mut st = lock(&me.st);
+                    st.invalidating = false;
+                    std::mem::take(&mut st.after_invalidate)
+                };
+                for p in held {
+                    p.requeue();
                 }
             }));
         }
@@ -568,6 +586,12 @@ impl Core {
         waiter: &mut Option<&mut dyn FnMut() -> Pending>,
     ) -> bool {
         let mut st = lock(&self.st);
+        if st.invalidating {
+            if let Some(w) = waiter.take() {
+                st.after_invalidate.push(w());
+            }
+            return true;
+        }
         if !st.valid || st.complete.contains_key(&chunk) {
             return false;
         }

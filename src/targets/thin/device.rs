@@ -106,6 +106,13 @@ impl ThinDev {
         match (bio.op, found) {
             // The fast path: reads of any mapped block, writes to unshared ones.
             (Op::Read, Some(map)) | (Op::Write, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
+                // A FUA write is durable only with its mapping: if this thin
+                // changed since the last commit, a flush (a commit) follows it
+                // before it completes (the kernel's bio_triggers_commit). Seed
+                // 000's fast path holds for the rest, a provisioned thin at rest.
+                if bio.fua && m.md.changed(self.id) {
+                    ctx.flush_after();
+                }
                 drop(m);
                 let sector = self.data_sector(map.data_block, off);
                 self.remap_pool(Bio { sector, ..bio }, bio, ctx)

@@ -98,13 +98,21 @@ pub struct Pool {
     /// Commits started (counted under the metadata lock) and completed so far.
     started: AtomicU64,
     commits: AtomicU64,
-    commit_wanted: Mutex<bool>,
-    commit_cv: Condvar,
+    /// Wakes the commit thread; apart from the pool so the thread waits on it
+    /// without keeping the pool alive.
+    commit_signal: Arc<CommitSignal>,
     /// The pool device, whose in-flight epochs a commit drains.
     pool_dev: Mutex<Weak<Device>>,
     /// Raised on low water and mode changes: the pool device's event counter.
     pub events: AtomicU64,
     stop: AtomicBool,
+}
+
+/// A request for a commit, or for the commit thread to stop.
+#[derive(Default)]
+struct CommitSignal {
+    wanted: Mutex<bool>,
+    cv: Condvar,
 }
 
 /// How long I/O waits for space before failing (the kernel's no_space_timeout).
@@ -165,6 +173,7 @@ impl Pool {
         low_water: u64,
     ) -> Result<Arc<Pool>, String> {
         let key = metadata.identity;
+        wait_for_orphan(key);
         let mut all = pools().lock().unwrap_or_else(|p| p.into_inner());
         all.retain(|(_, w)| w.strong_count() > 0);
         let owned_elsewhere = |p: &Pool| {
@@ -256,16 +265,15 @@ impl Pool {
             copier: copier(),
             started: AtomicU64::new(0),
             commits: AtomicU64::new(0),
-            commit_wanted: Mutex::new(false),
-            commit_cv: Condvar::new(),
+            commit_signal: Arc::new(CommitSignal::default()),
             pool_dev: Mutex::new(Arc::downgrade(owner)),
             events: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
-        let weak = Arc::downgrade(&pool);
+        let (weak, signal) = (Arc::downgrade(&pool), pool.commit_signal.clone());
         std::thread::Builder::new()
             .name("thin-pool-commit".into())
-            .spawn(move || commit_worker(weak))
+            .spawn(move || commit_worker(weak, signal))
             .map_err(|e| format!("starting the commit thread: {e}"))?;
         all.push((key, Arc::downgrade(&pool)));
         Ok(pool)
@@ -283,9 +291,13 @@ impl Pool {
     /// so every change made so far is in the next commit to start; returns the commit
     /// count that, once reached, covers them.
     pub fn request_commit(&self, _m: &PoolMd) -> u64 {
-        let mut w = self.commit_wanted.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self
+            .commit_signal
+            .wanted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         *w = true;
-        self.commit_cv.notify_one();
+        self.commit_signal.cv.notify_one();
         self.started.load(Ordering::SeqCst) + 1
     }
 
@@ -483,11 +495,40 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        self.commit_signal.cv.notify_one();
         let m = self.md.get_mut().unwrap_or_else(|p| p.into_inner());
         if m.dirty && m.mode != Mode::ReadOnly {
             let _ = self.data.sync();
             let _ = m.md.commit();
         }
+    }
+}
+
+/// A pool on `key` whose device is gone is on its way out: something (an I/O
+/// finishing, the commit thread at work) still holds it for a moment, and its
+/// drop commits it one last time. Wait for that rather than take it up again:
+/// a pool created anew on the same metadata (after thin_restore or a repair
+/// swapped it) must read what is there then.
+fn wait_for_orphan(key: (u64, u64)) {
+    let orphan = || {
+        pools()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .filter_map(|(_, w)| w.upgrade())
+            .any(|p| {
+                let owner = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+                owner.is_none_or(|d| d.removed.load(Ordering::SeqCst))
+            })
+    };
+    let t = Instant::now();
+    while orphan() {
+        if t.elapsed() > Duration::from_secs(5) {
+            tracing::warn!("thin-pool: a removed pool on the same metadata is still held after 5 s");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -509,21 +550,24 @@ pub fn commit_all() {
     }
 }
 
-fn commit_worker(weak: Weak<Pool>) {
+/// The commit thread. It holds the pool only while it works, never while it
+/// waits, so the pool goes (and commits for the last time) when its device's
+/// table does, not up to a period later on this thread.
+fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
     let mut last = Instant::now();
     loop {
-        let Some(pool) = weak.upgrade() else { return };
-        if pool.stop.load(Ordering::SeqCst) {
-            return;
-        }
         let wanted = {
-            let w = pool.commit_wanted.lock().unwrap_or_else(|p| p.into_inner());
-            let (mut w, _) = pool
-                .commit_cv
+            let w = signal.wanted.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut w, _) = signal
+                .cv
                 .wait_timeout(w, Duration::from_millis(100))
                 .unwrap_or_else(|p| p.into_inner());
             std::mem::take(&mut *w)
         };
+        let Some(pool) = weak.upgrade() else { return };
+        if pool.stop.load(Ordering::SeqCst) {
+            return;
+        }
         let (periodic, give_up) = {
             let m = pool.lock();
             // Pieces queued for space past the timeout go again, to fail (alloc

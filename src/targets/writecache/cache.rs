@@ -898,9 +898,15 @@ impl Cache {
             }
             let (me, e, write) = (self.arc(), st.epoch, bio.op == Op::Write);
             let blocks = (st.n / bs) as u32;
-            let hook: EndIo = Arc::new(move |_, _: &mut [u8]| {
+            let hook: EndIo = Arc::new(move |ok, _: &mut [u8]| {
                 if let Some(c) = &me {
                     if write {
+                        if !ok {
+                            // The block's entry now names bytes that were never
+                            // written: nothing more may be committed (it would
+                            // point another sector's old data at this one).
+                            c.fail(&mut lock(&c.st));
+                        }
                         c.write_done(i, blocks);
                     }
                     c.leave(e);

@@ -1,0 +1,385 @@
+//! A simulated disk under real backing files, for crash trials (`dmkit sim`).
+//!
+//! A file registered here keeps working as a normal file: every read sees what was
+//! last written. Beside it the simulation keeps what a disk with a volatile write
+//! cache would have on its media: the bytes as of the last completed flush, plus
+//! the writes since, in order. A simulated power loss ([`crash_images`]) keeps a
+//! seed-chosen subset of those writes, tearing some at sector boundaries (a disk
+//! writes sectors atomically, nothing larger); FUA writes are always kept. It can
+//! also fail a chosen read or write with EIO.
+//!
+//! Every write, zeroing and flush of the library reaches a file through a few
+//! places (the I/O queue's system calls, dm-io, the metadata device, the backing
+//! file's sync); each calls the hooks here. Outside a simulation the hooks cost one
+//! relaxed atomic load. Inside one, I/O queues run synchronously (no io_uring), so
+//! every operation passes a hook on the thread that issues it.
+
+use std::collections::HashMap;
+use std::os::fd::RawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use super::SECTOR;
+
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+/// Whether a simulation is running in this process.
+#[inline]
+pub fn active() -> bool {
+    ACTIVE.load(Ordering::Relaxed)
+}
+
+/// A write since the last flush: `data` None is a range zeroed (discard, write-zeroes).
+struct Entry {
+    offset: u64,
+    len: u64,
+    data: Option<Vec<u8>>,
+    fua: bool,
+}
+
+struct Disk {
+    path: PathBuf,
+    /// The media as of the last completed flush.
+    durable: Vec<u8>,
+    log: Vec<Entry>,
+}
+
+/// Which I/O to fail with EIO: the `nth` read or write (counted from 0 over every
+/// registered file) once `armed`.
+#[derive(Clone, Copy, Debug)]
+pub struct FailPlan {
+    pub nth: u64,
+    pub reads: bool,
+    pub writes: bool,
+}
+
+#[derive(Default)]
+struct State {
+    disks: HashMap<(u64, u64), Disk>,
+    /// Set by a crash: from then on nothing is recorded (the media is fixed).
+    frozen: bool,
+    /// Writes recorded so far (all disks); a crash is taken when this reaches
+    /// `crash_at_write`.
+    writes: u64,
+    crash_at_write: Option<u64>,
+    ios: u64,
+    fail: Option<FailPlan>,
+    failed: u64,
+}
+
+fn state() -> MutexGuard<'static, Option<State>> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn key_of_fd(fd: RawFd) -> Option<(u64, u64)> {
+    // SAFETY: fstat only writes the stat buffer it is given; an invalid fd is an error.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `st` is a live, writable stat buffer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return None;
+    }
+    Some((st.st_dev, st.st_ino))
+}
+
+fn key_of_path(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// Start a simulation with no files (replacing any earlier one).
+pub fn begin() {
+    *state() = Some(State::default());
+    ACTIVE.store(true, Ordering::SeqCst);
+}
+
+/// End the simulation: hooks go back to doing nothing.
+pub fn end() {
+    ACTIVE.store(false, Ordering::SeqCst);
+    *state() = None;
+}
+
+/// Put `path` under the simulation; its present content is taken as durable.
+pub fn register(path: &Path) -> std::io::Result<()> {
+    let key = key_of_path(path)?;
+    let durable = std::fs::read(path)?;
+    let mut g = state();
+    let st = g.get_or_insert_with(State::default);
+    st.disks.insert(
+        key,
+        Disk {
+            path: path.to_path_buf(),
+            durable,
+            log: Vec::new(),
+        },
+    );
+    Ok(())
+}
+
+/// Take the crash once `n` more writes have been recorded (None: only when asked).
+pub fn crash_after_writes(n: Option<u64>) {
+    if let Some(st) = state().as_mut() {
+        st.crash_at_write = n.map(|n| st.writes + n);
+    }
+}
+
+/// Fail one I/O as `plan` says (counted from now).
+pub fn fail_io(plan: Option<FailPlan>) {
+    if let Some(st) = state().as_mut() {
+        st.fail = plan.map(|p| FailPlan {
+            nth: st.ios + p.nth,
+            ..p
+        });
+    }
+}
+
+/// I/Os failed so far by [`fail_io`].
+pub fn failed() -> u64 {
+    state().as_ref().map_or(0, |s| s.failed)
+}
+
+/// Whether the crash has been taken (what completes afterwards does not count).
+pub fn frozen() -> bool {
+    state().as_ref().is_some_and(|s| s.frozen)
+}
+
+/// Take the crash now: the media stops changing.
+pub fn freeze() {
+    if let Some(st) = state().as_mut() {
+        st.frozen = true;
+    }
+}
+
+/// Writes recorded since the simulation began.
+pub fn writes() -> u64 {
+    state().as_ref().map_or(0, |s| s.writes)
+}
+
+/// The content each registered file has after the crash, with `pick(n)` (a
+/// seed-driven choice in `0..n`) deciding the fate of every unflushed write: kept
+/// whole, lost, or torn (each of its sectors kept or lost on its own).
+pub fn crash_images(mut pick: impl FnMut(u64) -> u64) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut g = state();
+    let Some(st) = g.as_mut() else {
+        return Vec::new();
+    };
+    st.frozen = true;
+    let mut keys: Vec<_> = st.disks.keys().copied().collect();
+    keys.sort_unstable(); // HashMap order must not feed the seed's choices
+    let mut out = Vec::new();
+    for k in keys {
+        let Some(d) = st.disks.get(&k) else { continue };
+        let mut img = d.durable.clone();
+        for e in &d.log {
+            let fate = if e.fua { 0 } else { pick(4) };
+            let sectors = e.len.div_ceil(SECTOR);
+            for s in 0..sectors {
+                let keep = match fate {
+                    0 | 1 => true,
+                    2 => false,
+                    _ => pick(2) == 0,
+                };
+                if keep {
+                    let lo = s * SECTOR;
+                    let hi = ((s + 1) * SECTOR).min(e.len);
+                    apply(
+                        &mut img,
+                        e.offset + lo,
+                        e.data.as_deref().map(|b| &b[lo as usize..hi as usize]),
+                        hi - lo,
+                    );
+                }
+            }
+        }
+        out.push((d.path.clone(), img));
+    }
+    out
+}
+
+fn apply(img: &mut Vec<u8>, offset: u64, data: Option<&[u8]>, len: u64) {
+    let (lo, hi) = (offset as usize, (offset + len) as usize);
+    if hi > img.len() {
+        img.resize(hi, 0);
+    }
+    match data {
+        Some(b) => img[lo..hi].copy_from_slice(b),
+        None => img[lo..hi].fill(0),
+    }
+}
+
+/// Count an I/O and say whether the failure plan fails it.
+fn should_fail(st: &mut State, write: bool) -> bool {
+    let n = st.ios;
+    st.ios += 1;
+    match st.fail {
+        Some(p) if p.nth == n && ((write && p.writes) || (!write && p.reads)) => {
+            st.failed += 1;
+            true
+        }
+        Some(p) if p.nth == n => {
+            // not this kind: fail the next one that is
+            st.fail = Some(FailPlan { nth: n + 1, ..p });
+            false
+        }
+        _ => false,
+    }
+}
+
+fn record(fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> Result<(), i32> {
+    let Some(key) = key_of_fd(fd) else {
+        return Ok(());
+    };
+    let mut g = state();
+    let Some(st) = g.as_mut() else { return Ok(()) };
+    if !st.disks.contains_key(&key) || st.frozen {
+        return Ok(());
+    }
+    if should_fail(st, true) {
+        return Err(libc::EIO);
+    }
+    st.writes += 1;
+    if std::env::var_os("DMKIT_SIM_TRACE_IO").is_some() {
+        let name = st
+            .disks
+            .get(&key)
+            .map(|d| d.path.display().to_string())
+            .unwrap_or_default();
+        eprintln!(
+            "io: write {name} {offset}+{len} fua {fua} zero {}",
+            data.is_none()
+        );
+    }
+    if let Some(d) = st.disks.get_mut(&key) {
+        d.log.push(Entry {
+            offset,
+            len,
+            data: data.map(<[u8]>::to_vec),
+            fua,
+        });
+    }
+    if st.crash_at_write.is_some_and(|c| st.writes >= c) {
+        st.frozen = true;
+    }
+    Ok(())
+}
+
+/// Before a write of `data` at `offset` of `fd`: record it, or fail it (errno).
+#[inline]
+pub fn on_write(fd: RawFd, offset: u64, data: &[u8], fua: bool) -> Result<(), i32> {
+    if !active() {
+        return Ok(());
+    }
+    record(fd, offset, data.len() as u64, Some(data), fua)
+}
+
+/// Before a range of `fd` is zeroed or deallocated.
+#[inline]
+pub fn on_zero(fd: RawFd, offset: u64, len: u64) -> Result<(), i32> {
+    if !active() {
+        return Ok(());
+    }
+    record(fd, offset, len, None, false)
+}
+
+/// Before a read of `fd`: fail it (errno) if the plan says so.
+#[inline]
+pub fn on_read(fd: RawFd) -> Result<(), i32> {
+    if !active() {
+        return Ok(());
+    }
+    let Some(key) = key_of_fd(fd) else {
+        return Ok(());
+    };
+    let mut g = state();
+    let Some(st) = g.as_mut() else { return Ok(()) };
+    if !st.disks.contains_key(&key) || st.frozen {
+        return Ok(());
+    }
+    if should_fail(st, false) {
+        return Err(libc::EIO);
+    }
+    Ok(())
+}
+
+/// After a flush of `fd` completed: what was written before it is on the media.
+#[inline]
+pub fn on_flush(fd: RawFd) {
+    if !active() {
+        return;
+    }
+    let Some(key) = key_of_fd(fd) else { return };
+    let mut g = state();
+    let Some(st) = g.as_mut() else { return };
+    if st.frozen {
+        return;
+    }
+    if std::env::var_os("DMKIT_SIM_TRACE_IO").is_some() {
+        let name = st
+            .disks
+            .get(&key)
+            .map(|d| d.path.display().to_string())
+            .unwrap_or_default();
+        eprintln!("io: flush {name}");
+    }
+    if let Some(d) = st.disks.get_mut(&key) {
+        let log = std::mem::take(&mut d.log);
+        for e in log {
+            apply(&mut d.durable, e.offset, e.data.as_deref(), e.len);
+        }
+    }
+}
+
+/// Test-only faults that the simulation must be able to catch (`dmkit sim --break`).
+pub mod faults {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static COMMIT_ORDER: AtomicBool = AtomicBool::new(false);
+
+    /// Break the metadata commit order: the superblock goes out without the flush
+    /// that must precede it.
+    pub fn set_broken_commit_order(on: bool) {
+        COMMIT_ORDER.store(on, Ordering::SeqCst);
+    }
+
+    #[inline]
+    pub fn broken_commit_order() -> bool {
+        COMMIT_ORDER.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn crash_keeps_flushed_and_fua_and_tears_at_sectors() {
+        let dir = std::env::temp_dir().join(format!("dmkit-sim-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("disk");
+        std::fs::write(&p, vec![0u8; 8192]).unwrap();
+        begin();
+        register(&p).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let fd = f.as_raw_fd();
+        on_write(fd, 0, &[1; 1024], false).unwrap();
+        f.write_all_at(&[1; 1024], 0).unwrap();
+        on_flush(fd);
+        on_write(fd, 1024, &[2; 1024], true).unwrap();
+        on_write(fd, 2048, &[3; 2048], false).unwrap();
+        // lose every plain write, tear none
+        let imgs = crash_images(|_| 2);
+        end();
+        let img = &imgs[0].1;
+        assert!(img[..1024].iter().all(|&b| b == 1), "flushed write kept");
+        assert!(img[1024..2048].iter().all(|&b| b == 2), "FUA write kept");
+        assert!(img[2048..4096].iter().all(|&b| b == 0), "unflushed write lost");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,925 @@
+//! Deterministic crash trials (`dmkit sim`): one seed drives a random workload
+//! against a device stack on simulated disks ([`crate::io::sim`]), the crash
+//! point, what the crash keeps, and an injected I/O error; the stack is then
+//! reopened from the surviving bytes and checked.
+//!
+//! Every 512-byte sector a trial writes names itself: the write's id, the device
+//! and the sector, then bytes derived from those. So a sector read back is either
+//! zeroes or tells which write it came from, and the checks are exact:
+//!
+//! - before the crash, every read returns the last write to each sector;
+//! - after it, every sector holds its last durable write (acknowledged, then made
+//!   durable by a completed flush or FUA) or a write issued after that one, and
+//!   never a sector of another device or another place, nor bytes never written;
+//! - thin-pool metadata passes dmkit's checker after every trial;
+//! - nothing panics.
+//!
+//! Trials run in-process through the device registry and dm-io, without the
+//! daemon or sockets. The seed fixes the workload, the crash point and the
+//! crash's choices; the order in which a target's own background threads
+//! (writecache writeback) interleave with requests is left to the scheduler.
+
+use crate::io::sim;
+use crate::mapper::devio;
+use crate::mapper::engine::Dest;
+use crate::mapper::registry::{Config, Registry};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+const SECTOR: u64 = 512;
+/// Writes and reads are in 4 KiB units (the writecache block size).
+const BLOCK: u64 = 4096;
+const SPB: u64 = BLOCK / SECTOR;
+
+/// The device stacks a trial can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stack {
+    /// A thin-pool with up to four thins and snapshots of them.
+    Thin,
+    /// writecache (ssd mode) over a linear origin file.
+    Writecache,
+    /// snapshot-origin with one persistent snapshot.
+    Snapshot,
+}
+
+impl Stack {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stack::Thin => "thin",
+            Stack::Writecache => "writecache",
+            Stack::Snapshot => "snapshot",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Stack> {
+        match s {
+            "thin" => Some(Stack::Thin),
+            "writecache" => Some(Stack::Writecache),
+            "snapshot" => Some(Stack::Snapshot),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub stack: Stack,
+    pub seed: u64,
+    /// Operations before the crash (at most; a crash mid-way ends the run).
+    pub ops: usize,
+    /// Test-only: skip the flush before a thin-pool superblock write.
+    pub break_commit_order: bool,
+    /// Inject an I/O error in one trial of four.
+    pub io_errors: bool,
+    /// Where the trial's files go (a memory filesystem keeps trials fast).
+    pub dir: PathBuf,
+}
+
+/// What a passing trial did.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    pub ops: usize,
+    pub acked_writes: u64,
+    pub flushes: u64,
+    /// Sectors checked after the crash.
+    pub sectors_checked: u64,
+    pub crashed_mid_op: bool,
+    pub io_errors_injected: u64,
+}
+
+/// The command that replays a trial.
+pub fn replay_command(o: &Options) -> String {
+    format!(
+        "dmkit sim --stack {} --seed {} --ops {}{}{}",
+        o.stack.name(),
+        o.seed,
+        o.ops,
+        if o.break_commit_order {
+            " --break-commit-order"
+        } else {
+            ""
+        },
+        if o.io_errors { "" } else { " --no-io-errors" }
+    )
+}
+
+/// splitmix64: the one source of every choice a trial makes.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x6a09_e667_f3bc_c909)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next_u64() % n
+        }
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// The content of sector `sector` of device `dev` as write `id` wrote it.
+fn fill_sector(out: &mut [u8], id: u64, dev: u64, sector: u64) {
+    out[0..8].copy_from_slice(&id.to_le_bytes());
+    out[8..16].copy_from_slice(&dev.to_le_bytes());
+    out[16..24].copy_from_slice(&sector.to_le_bytes());
+    let mut x = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (dev << 48) ^ sector;
+    for w in out[24..].chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        w.copy_from_slice(&b[..w.len()]);
+    }
+}
+
+/// Which write a sector read back came from: 0 for zeroes, or an error that
+/// says what is wrong with it.
+fn identify(buf: &[u8], dev: u64, sector: u64) -> Result<u64, String> {
+    if buf.iter().all(|&b| b == 0) {
+        return Ok(0);
+    }
+    let word = |i: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&buf[i..i + 8]);
+        u64::from_le_bytes(a)
+    };
+    let (id, d, s) = (word(0), word(8), word(16));
+    let mut want = [0u8; SECTOR as usize];
+    fill_sector(&mut want, id, d, s);
+    if want[..] != *buf {
+        return Err(format!(
+            "sector {sector} holds bytes no write of this trial wrote"
+        ));
+    }
+    if d != dev || s != sector {
+        return Err(format!(
+            "sector {sector} of device {dev} holds write {id} of device {d} sector {s}"
+        ));
+    }
+    Ok(id)
+}
+
+/// What a sector may hold.
+#[derive(Clone, Default, Debug)]
+struct SectorModel {
+    /// The last write known durable (0: zeroes, never written).
+    durable: u64,
+    /// Writes (and discards, as 0) issued since, oldest first; the last one is
+    /// what a read returns before the crash.
+    newer: Vec<u64>,
+}
+
+impl SectorModel {
+    /// Whether a read before the crash may return `id`: the last write, or after
+    /// discards (which a target may ignore, as dm-thin ignores partial blocks)
+    /// zeroes or the last write before them.
+    fn current_allows(&self, id: u64) -> bool {
+        let mut it = self.newer.iter().rev();
+        loop {
+            match it.next() {
+                Some(0) if id == 0 => return true,
+                Some(0) => continue,
+                Some(&w) => return w == id,
+                None => return id == self.durable,
+            }
+        }
+    }
+    fn allows(&self, id: u64) -> bool {
+        id == self.durable || self.newer.contains(&id)
+    }
+    /// Write `id` (issued after everything in `newer`) is durable.
+    fn make_durable(&mut self, id: u64) {
+        if let Some(i) = self.newer.iter().position(|&x| x == id) {
+            self.durable = id;
+            self.newer.drain(..=i);
+        }
+    }
+}
+
+/// One device's model: sectors by number (absent: never written, zeroes).
+#[derive(Clone, Default)]
+struct DevModel {
+    sectors: BTreeMap<u64, SectorModel>,
+    /// Writes acknowledged since the device's last completed flush.
+    acked: Vec<(u64, u64, u64)>, // (first sector, sectors, id)
+    /// False while a create or delete of it is in doubt (crash during the message).
+    certain: bool,
+}
+
+impl DevModel {
+    fn issue(&mut self, sector: u64, n: u64, id: u64) {
+        for s in sector..sector + n {
+            self.sectors.entry(s).or_default().newer.push(id);
+        }
+    }
+    fn ack(&mut self, sector: u64, n: u64, id: u64, fua: bool) {
+        if fua {
+            for s in sector..sector + n {
+                if let Some(m) = self.sectors.get_mut(&s) {
+                    m.make_durable(id);
+                }
+            }
+        } else {
+            self.acked.push((sector, n, id));
+        }
+    }
+    fn flushed(&mut self) {
+        for (sector, n, id) in std::mem::take(&mut self.acked) {
+            for s in sector..sector + n {
+                if let Some(m) = self.sectors.get_mut(&s) {
+                    m.make_durable(id);
+                }
+            }
+        }
+    }
+}
+
+/// A device of the stack that takes I/O.
+struct Dev {
+    /// dm name.
+    name: String,
+    /// Model key and the id written into its sectors.
+    key: u64,
+    /// Sectors the workload uses.
+    span: u64,
+}
+
+struct Trial {
+    o: Options,
+    rng: Rng,
+    reg: Registry,
+    files: Vec<PathBuf>,
+    models: HashMap<u64, DevModel>,
+    devs: Vec<Dev>,
+    next_id: u64,
+    out: Outcome,
+    /// Thin: the pool's next device id.
+    next_thin: u64,
+    /// Snapshot: whether the snapshot device was made.
+    snap_made: bool,
+    /// The device whose id sectors of a device carry: a snapshot's lineage (its
+    /// origin's, transitively), so data it shares with its origin identifies.
+    owner_of: HashMap<u64, u64>,
+    /// Thin ids deleted for certain: they must stay deleted after the crash.
+    deleted: Vec<u64>,
+    /// Injected I/O errors already accounted for.
+    failures_seen: u64,
+}
+
+/// `DMKIT_SIM_TRACE=1`: print every operation of a trial (for replays).
+fn trace(what: impl FnOnce() -> String) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("DMKIT_SIM_TRACE").is_some()) {
+        eprintln!(
+            "sim: {} [writes {}{}]",
+            what(),
+            sim::writes(),
+            if sim::frozen() { ", crashed" } else { "" }
+        );
+    }
+}
+
+/// Trials share the process-wide simulated disks: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Run one trial. Err says what failed (the caller prints [`replay_command`]).
+pub fn run_trial(o: &Options) -> Result<Outcome, String> {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = o.dir.join(format!("sim-{}-{}", o.stack.name(), o.seed));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    sim::begin();
+    sim::faults::set_broken_commit_order(o.break_commit_order);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trial(o, &dir)));
+    sim::faults::set_broken_commit_order(false);
+    sim::end();
+    devio::release_thread_engine();
+    if std::env::var_os("DMKIT_SIM_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    match r {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("panic: {msg}"))
+        }
+    }
+}
+
+fn make_file(path: &Path, bytes: u64) -> Result<(), String> {
+    let f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    f.set_len(bytes).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
+    let mut t = Trial {
+        o: o.clone(),
+        rng: Rng::new(o.seed),
+        reg: Registry::new(Config { direct_io: false }),
+        files: Vec::new(),
+        models: HashMap::new(),
+        devs: Vec::new(),
+        next_id: 1,
+        out: Outcome::default(),
+        next_thin: 0,
+        snap_made: false,
+        owner_of: HashMap::new(),
+        deleted: Vec::new(),
+        failures_seen: 0,
+    };
+    let sizes: &[(&str, u64)] = match o.stack {
+        Stack::Thin => &[("meta", 4 << 20), ("data", 16 << 20)],
+        Stack::Writecache => &[("origin", 8 << 20), ("cache", 1 << 20)],
+        Stack::Snapshot => &[("origin", 8 << 20), ("cow", 12 << 20)],
+    };
+    for (n, bytes) in sizes {
+        let p = dir.join(n);
+        make_file(&p, *bytes)?;
+        t.files.push(p);
+    }
+    for p in &t.files {
+        sim::register(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    t.build(false)?;
+    // the crash: at a chosen write, or after the last operation
+    let crash_at = t.rng.below(4 * o.ops as u64 + 1);
+    if crash_at < 3 * o.ops as u64 {
+        sim::crash_after_writes(Some(crash_at + 1));
+    }
+    // an I/O error in one trial of four
+    if t.rng.chance(25) && o.io_errors {
+        let nth = t.rng.below(6 * o.ops as u64);
+        let kind = t.rng.below(3);
+        sim::fail_io(Some(sim::FailPlan {
+            nth,
+            reads: kind != 1,
+            writes: kind != 0,
+        }));
+    }
+    while t.out.ops < o.ops && !sim::frozen() {
+        t.step()?;
+        t.out.ops += 1;
+    }
+    trace(|| format!("before the crash: {:?}", t.reg.table_lines(None, true, false)));
+    t.out.crashed_mid_op = sim::frozen();
+    t.out.io_errors_injected = sim::failed();
+    // the power goes
+    let mut crash_rng = Rng::new(o.seed ^ 0xc0ff_ee00);
+    let images = sim::crash_images(|n| crash_rng.below(n));
+    t.teardown();
+    for (p, img) in &images {
+        std::fs::write(p, img).map_err(|e| format!("{}: {e}", p.display()))?;
+        if std::env::var_os("DMKIT_SIM_KEEP").is_some() {
+            let _ = std::fs::write(p.with_extension("crash"), img);
+        }
+    }
+    // back up on what survived, with no more faults
+    sim::begin();
+    t.reg = Registry::new(Config { direct_io: false });
+    t.build(true)?;
+    trace(|| format!("after the crash: {:?}", t.reg.table_lines(None, true, false)));
+    t.verify_all()?;
+    t.teardown();
+    if o.stack == Stack::Thin {
+        let meta = &t.files[0];
+        let dev = crate::pdata::FileDev::open(meta, false).map_err(|e| format!("{}: {e}", meta.display()))?;
+        let r = crate::thin::check::check(Box::new(dev), false);
+        if !r.ok() {
+            return Err(format!(
+                "thin-pool metadata after the crash: {}",
+                r.errors.join("; ")
+            ));
+        }
+    }
+    Ok(t.out)
+}
+
+fn words(s: &str) -> Vec<String> {
+    s.split_whitespace().map(str::to_string).collect()
+}
+
+impl Trial {
+    fn path(&self, i: usize) -> String {
+        self.files[i].display().to_string()
+    }
+
+    /// Create the stack; `again`: after the crash, from the surviving metadata.
+    fn build(&mut self, again: bool) -> Result<(), String> {
+        let e = |x: crate::mapper::registry::ControlError| x.to_string();
+        match self.o.stack {
+            Stack::Thin => {
+                let data_sectors = (16 << 20) / SECTOR;
+                let table = format!(
+                    "0 {data_sectors} thin-pool {} {} 128 0 1 error_if_no_space",
+                    self.path(0),
+                    self.path(1)
+                );
+                self.reg.create("pool", Some(&table), false, None).map_err(e)?;
+                if !again {
+                    for _ in 0..2 {
+                        self.create_thin(None)?;
+                    }
+                    return Ok(());
+                }
+                let keys: Vec<(u64, bool)> = {
+                    let mut k: Vec<_> = self.models.iter().map(|(k, m)| (*k, m.certain)).collect();
+                    k.sort_unstable();
+                    k
+                };
+                self.devs.clear();
+                for (key, certain) in keys {
+                    let name = format!("thin{key}");
+                    let table = format!("0 {} thin /dev/mapper/pool {key}", Self::THIN_SECTORS);
+                    match self.reg.create(&name, Some(&table), false, None) {
+                        Ok(()) => self.devs.push(Dev {
+                            name,
+                            key,
+                            span: Self::THIN_SPAN,
+                        }),
+                        Err(_) if !certain => {
+                            self.models.remove(&key);
+                        }
+                        Err(err) => return Err(format!("thin {key} after the crash: {err}")),
+                    }
+                }
+                // a thin deleted for certain stays deleted
+                for &id in &self.deleted {
+                    let table = format!("0 {} thin /dev/mapper/pool {id}", Self::THIN_SECTORS);
+                    if self.reg.create("gone", Some(&table), false, None).is_ok() {
+                        return Err(format!("thin {id} was deleted before the crash and is back"));
+                    }
+                }
+                Ok(())
+            }
+            Stack::Writecache => {
+                let sectors = (8 << 20) / SECTOR;
+                let table = format!(
+                    "0 {sectors} writecache s {} {} 4096 6 high_watermark 50 low_watermark 20 pause_writeback 0",
+                    self.path(0),
+                    self.path(1)
+                );
+                self.reg.create("wc", Some(&table), false, None).map_err(e)?;
+                if !again {
+                    self.models.insert(
+                        0,
+                        DevModel {
+                            certain: true,
+                            ..Default::default()
+                        },
+                    );
+                }
+                self.devs = vec![Dev {
+                    name: "wc".into(),
+                    key: 0,
+                    span: sectors,
+                }];
+                Ok(())
+            }
+            Stack::Snapshot => {
+                let sectors = (8 << 20) / SECTOR;
+                let table = format!("0 {sectors} snapshot-origin {}", self.path(0));
+                self.reg.create("origin", Some(&table), false, None).map_err(e)?;
+                if !again {
+                    self.models.insert(
+                        0,
+                        DevModel {
+                            certain: true,
+                            ..Default::default()
+                        },
+                    );
+                }
+                self.devs = vec![Dev {
+                    name: "origin".into(),
+                    key: 0,
+                    span: sectors,
+                }];
+                // A snapshot whose creation did not finish before the crash (or
+                // failed) is not checked: loading its COW device now may make a
+                // new snapshot of the origin as it is after the crash.
+                if again && self.models.get(&1).is_some_and(|m| m.certain) {
+                    self.create_snapshot_dev()
+                        .map_err(|err| format!("snapshot after the crash: {err}"))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    const THIN_SECTORS: u64 = (8 << 20) / SECTOR;
+    /// Thins are written in their first 4 MiB, so blocks get overwritten.
+    const THIN_SPAN: u64 = (4 << 20) / SECTOR;
+
+    fn create_snapshot_dev(&mut self) -> Result<(), String> {
+        let sectors = (8 << 20) / SECTOR;
+        let table = format!("0 {sectors} snapshot {} {} P 8", self.path(0), self.path(1));
+        self.reg.suspend("origin", false).map_err(|e| e.to_string())?;
+        let r = self.reg.create("snap", Some(&table), false, None);
+        self.reg.resume("origin").map_err(|e| e.to_string())?;
+        r.map_err(|e| e.to_string())?;
+        self.devs.push(Dev {
+            name: "snap".into(),
+            key: 1,
+            span: sectors,
+        });
+        Ok(())
+    }
+
+    /// create_thin (origin None) or create_snap of `origin`, and its device.
+    fn create_thin(&mut self, origin: Option<u64>) -> Result<(), String> {
+        let id = self.next_thin;
+        self.next_thin += 1;
+        let msg = match origin {
+            None => format!("create_thin {id}"),
+            Some(o) => format!("create_snap {id} {o}"),
+        };
+        let mut model = match origin {
+            None => DevModel::default(),
+            Some(o) => self.models.get(&o).cloned().unwrap_or_default(),
+        };
+        model.certain = false;
+        model.acked.clear();
+        self.models.insert(id, model);
+        if let Some(o) = origin {
+            self.owner_of.insert(id, self.owner(o));
+            self.reg
+                .suspend(&format!("thin{o}"), false)
+                .map_err(|e| e.to_string())?;
+        } else {
+            self.owner_of.insert(id, id);
+        }
+        let r = self.reg.message("pool", 0, &words(&msg));
+        trace(|| format!("message {msg}: {r:?}"));
+        if let Some(o) = origin {
+            self.reg.resume(&format!("thin{o}")).map_err(|e| e.to_string())?;
+        }
+        match r {
+            Ok(_) => {
+                if !sim::frozen() {
+                    if let Some(m) = self.models.get_mut(&id) {
+                        m.certain = true;
+                    }
+                }
+            }
+            Err(_) => {
+                // refused (an injected error): it may still exist after a crash
+                return Ok(());
+            }
+        }
+        let name = format!("thin{id}");
+        let table = format!("0 {} thin /dev/mapper/pool {id}", Self::THIN_SECTORS);
+        self.reg
+            .create(&name, Some(&table), false, None)
+            .map_err(|e| format!("{name}: {e}"))?;
+        self.devs.push(Dev {
+            name,
+            key: id,
+            span: Self::THIN_SPAN,
+        });
+        Ok(())
+    }
+
+    fn teardown(&mut self) {
+        // thins before their pool, the snapshot before its origin
+        let names: Vec<String> = self.reg.list().iter().map(|d| d.name()).collect();
+        devio::release_thread_engine();
+        for pass in 0..3 {
+            for n in &names {
+                let last = pass == 2;
+                let _ = self.reg.remove(n, last, false);
+            }
+        }
+    }
+
+    fn dev_dest(&self, i: usize) -> Result<Dest, String> {
+        self.reg
+            .get(&self.devs[i].name)
+            .map(Dest::Dm)
+            .map_err(|e| e.to_string())
+    }
+
+    /// After an injected I/O error, every write acknowledged and not yet durable
+    /// is undefined on every device of the stack: a target that fails a
+    /// metadata operation drops its uncommitted changes (dm-thin aborts the
+    /// pool's transaction), and its next flush may pass.
+    fn note_failures(&mut self) {
+        let f = sim::failed();
+        if f > self.failures_seen {
+            self.failures_seen = f;
+            for m in self.models.values_mut() {
+                m.acked.clear();
+            }
+        }
+    }
+
+    fn step(&mut self) -> Result<(), String> {
+        self.note_failures();
+        let roll = self.rng.below(100);
+        if self.devs.is_empty() {
+            return Ok(());
+        }
+        let di = self.rng.below(self.devs.len() as u64) as usize;
+        match roll {
+            0..=49 => self.write(di),
+            50..=64 => self.read(di),
+            65..=79 => self.flush(di),
+            80..=86 => self.discard(di),
+            _ => self.message(di),
+        }
+    }
+
+    fn pick_range(&mut self, di: usize) -> (u64, u64) {
+        let span_blocks = self.devs[di].span / SPB;
+        let n = 1 + self.rng.below(16).min(self.rng.below(16));
+        let b = self.rng.below(span_blocks - n);
+        (b * SPB, n * SPB)
+    }
+
+    fn write(&mut self, di: usize) -> Result<(), String> {
+        let (sector, n) = self.pick_range(di);
+        let fua = self.rng.chance(15);
+        let id = self.next_id;
+        self.next_id += 1;
+        let key = self.devs[di].key;
+        let owner = self.owner(key);
+        let mut buf = vec![0u8; (n * SECTOR) as usize];
+        for (i, s) in buf.chunks_mut(SECTOR as usize).enumerate() {
+            fill_sector(s, id, owner, sector + i as u64);
+        }
+        self.model(key).issue(sector, n, id);
+        let dest = self.dev_dest(di)?;
+        let r = devio::write(&dest, sector, &buf, fua);
+        trace(|| {
+            format!(
+                "write {id} to {} sectors {sector}+{n} fua {fua}: {r:?}",
+                self.devs[di].name
+            )
+        });
+        if r.is_ok() && !sim::frozen() {
+            self.model(key).ack(sector, n, id, fua);
+            self.out.acked_writes += 1;
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, di: usize) -> Result<(), String> {
+        let (sector, n) = self.pick_range(di);
+        let dest = self.dev_dest(di)?;
+        let mut buf = vec![0u8; (n * SECTOR) as usize];
+        if devio::read(&dest, sector, &mut buf).is_err() || sim::failed() > 0 || sim::frozen() {
+            // after an injected error or the crash, a read proves nothing
+            return Ok(());
+        }
+        let key = self.devs[di].key;
+        let owner = self.owner(key);
+        let name = self.devs[di].name.clone();
+        let m = self.model(key);
+        for (i, s) in buf.chunks(SECTOR as usize).enumerate() {
+            let sec = sector + i as u64;
+            let got = identify(s, owner, sec).map_err(|e| format!("{name}: before the crash: {e}"))?;
+            let sm = m.sectors.get(&sec).cloned().unwrap_or_default();
+            if !sm.current_allows(got) {
+                return Err(format!(
+                    "{name}: before the crash, sector {sec} reads write {got}; written since the last durable {}: {:?}",
+                    sm.durable, sm.newer
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, di: usize) -> Result<(), String> {
+        let dest = self.dev_dest(di)?;
+        let r = devio::flush(&dest);
+        trace(|| format!("flush {}: {r:?}", self.devs[di].name));
+        let key = self.devs[di].key;
+        self.note_failures();
+        if r.is_ok() && !sim::frozen() {
+            self.model(key).flushed();
+            self.out.flushes += 1;
+        } else if r.is_err() {
+            // A failed flush leaves the writes before it undefined, even if a
+            // later flush succeeds (as fsync after an error on Linux; dm-thin
+            // aborts the transaction, and its later flushes pass).
+            self.model(key).acked.clear();
+        }
+        Ok(())
+    }
+
+    fn discard(&mut self, di: usize) -> Result<(), String> {
+        if self.o.stack == Stack::Snapshot {
+            return self.write(di);
+        }
+        let (sector, n) = self.pick_range(di);
+        let key = self.devs[di].key;
+        // what a discarded sector reads is zeroes or what it held
+        self.model(key).issue(sector, n, 0);
+        let dest = self.dev_dest(di)?;
+        let r = devio::discard(&dest, sector, n);
+        trace(|| format!("discard {} sectors {sector}+{n}: {r:?}", self.devs[di].name));
+        Ok(())
+    }
+
+    fn message(&mut self, di: usize) -> Result<(), String> {
+        match self.o.stack {
+            Stack::Thin => {
+                let live = self.devs.len();
+                let r = self.rng.below(3);
+                if r == 0 && live < 4 {
+                    self.create_thin(None)
+                } else if r == 1 && live < 4 {
+                    let o = self.devs[di].key;
+                    self.create_thin(Some(o))
+                } else if live > 1 {
+                    let d = self.devs.remove(di);
+                    devio::release_thread_engine();
+                    if let Some(m) = self.models.get_mut(&d.key) {
+                        m.certain = false;
+                    }
+                    self.reg
+                        .remove(&d.name, false, false)
+                        .map_err(|e| format!("{}: {e}", d.name))?;
+                    let r = self.reg.message("pool", 0, &words(&format!("delete {}", d.key)));
+                    trace(|| format!("delete {}: {r:?}", d.key));
+                    if r.is_ok() && !sim::frozen() {
+                        self.models.remove(&d.key);
+                        self.deleted.push(d.key);
+                    }
+                    Ok(())
+                } else {
+                    self.write(di)
+                }
+            }
+            Stack::Writecache => {
+                // write everything back to the origin: the data must not change
+                let r = self.reg.message("wc", 0, &words("flush"));
+                trace(|| format!("message flush: {r:?}"));
+                Ok(())
+            }
+            Stack::Snapshot => {
+                if self.snap_made {
+                    return self.write(di);
+                }
+                // a snapshot of the origin as it is now, made as lvcreate makes it
+                self.flush(0)?;
+                let mut model = self.models.get(&0).cloned().unwrap_or_default();
+                model.certain = false;
+                model.acked.clear();
+                self.models.insert(1, model);
+                self.owner_of.insert(1, 0);
+                self.snap_made = true;
+                let r = self.create_snapshot_dev();
+                trace(|| format!("snapshot created: {r:?}"));
+                match r {
+                    Ok(()) => {
+                        if !sim::frozen() {
+                            if let Some(m) = self.models.get_mut(&1) {
+                                m.certain = true;
+                            }
+                        }
+                        Ok(())
+                    }
+                    Err(_) => Ok(()),
+                }
+            }
+        }
+    }
+
+    fn model(&mut self, key: u64) -> &mut DevModel {
+        self.models.entry(key).or_default()
+    }
+
+    /// The device whose id a sector of `key` carries when it was never written
+    /// through `key` itself (a snapshot's sectors come from its origin).
+    fn owner(&self, key: u64) -> u64 {
+        self.owner_of.get(&key).copied().unwrap_or(key)
+    }
+
+    fn verify_all(&mut self) -> Result<(), String> {
+        for i in 0..self.devs.len() {
+            self.verify(i)?;
+        }
+        Ok(())
+    }
+
+    /// After the crash: every sector of the device's span is allowed by its model.
+    fn verify(&mut self, di: usize) -> Result<(), String> {
+        let dest = self.dev_dest(di)?;
+        let (name, key, span) = (self.devs[di].name.clone(), self.devs[di].key, self.devs[di].span);
+        let owner = self.owner(key);
+        if self.o.stack == Stack::Snapshot && key == 1 {
+            let st = self
+                .reg
+                .table_lines(Some(&name), true, false)
+                .map_err(|e| e.to_string())?;
+            if st.contains("Invalid") {
+                // only an I/O error may invalidate it (the COW device cannot fill)
+                if self.out.io_errors_injected == 0 {
+                    return Err(format!("{name}: invalid after the crash with no I/O error: {st}"));
+                }
+                let mut b = vec![0u8; 4096];
+                if devio::read(&dest, 0, &mut b).is_ok() {
+                    return Err(format!("{name}: an invalid snapshot served a read"));
+                }
+                return Ok(());
+            }
+        }
+        let mut buf = vec![0u8; 256 << 10];
+        let per = buf.len() as u64 / SECTOR;
+        let empty = SectorModel::default();
+        let mut s0 = 0;
+        while s0 < span {
+            let n = per.min(span - s0);
+            let b = &mut buf[..(n * SECTOR) as usize];
+            devio::read(&dest, s0, b)
+                .map_err(|e| format!("{name}: read at sector {s0} after the crash: {e}"))?;
+            let m = self.models.get(&key);
+            for (i, s) in b.chunks(SECTOR as usize).enumerate() {
+                let sec = s0 + i as u64;
+                let sm = m.and_then(|m| m.sectors.get(&sec)).unwrap_or(&empty);
+                let got = identify(s, owner, sec).map_err(|e| format!("{name}: after the crash: {e}"))?;
+                if !sm.allows(got) {
+                    let mut one = vec![0u8; 4096];
+                    let again = devio::read(&dest, sec & !7, &mut one)
+                        .map(|_| identify(&one[((sec & 7) * 512) as usize..][..512], owner, sec));
+                    trace(|| format!("re-read of sector {sec} alone: {again:?}"));
+                    return Err(format!(
+                        "{name}: after the crash, sector {sec} holds write {got}; it may hold only {} (durable) or {:?}",
+                        sm.durable, sm.newer
+                    ));
+                }
+                self.out.sectors_checked += 1;
+            }
+            s0 += n;
+        }
+        Ok(())
+    }
+}
+
+/// What a run of trials found.
+#[derive(Debug, Default)]
+pub struct Summary {
+    pub trials: u64,
+    /// Failed trials: the replay command and what failed.
+    pub failures: Vec<(String, String)>,
+    pub acked_writes: u64,
+    pub flushes: u64,
+    pub sectors_checked: u64,
+    /// Trials whose crash came at a chosen write, in the middle of the workload.
+    pub crashed_mid_op: u64,
+    /// Trials in which an injected I/O error was hit.
+    pub with_io_errors: u64,
+}
+
+/// Run `trials` trials with seeds `base.seed`, `base.seed + 1`, ...; stop at the
+/// first failure if `stop_at_first`.
+pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
+    let mut sum = Summary::default();
+    for i in 0..trials {
+        let o = Options {
+            seed: base.seed.wrapping_add(i),
+            ..base.clone()
+        };
+        sum.trials += 1;
+        match run_trial(&o) {
+            Ok(out) => {
+                sum.acked_writes += out.acked_writes;
+                sum.flushes += out.flushes;
+                sum.sectors_checked += out.sectors_checked;
+                sum.crashed_mid_op += u64::from(out.crashed_mid_op);
+                sum.with_io_errors += u64::from(out.io_errors_injected > 0);
+            }
+            Err(e) => {
+                sum.failures.push((replay_command(&o), e));
+                if stop_at_first {
+                    break;
+                }
+            }
+        }
+    }
+    sum
+}
+
+/// A memory filesystem when there is one (`/dev/shm`), else the temporary directory.
+pub fn default_dir() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
