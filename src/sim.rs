@@ -474,40 +474,14 @@ impl Trial {
                     self.path(1)
                 );
                 self.reg.create("wc", Some(&table), false, None).map_err(e)?;
-                if !again {
-                    self.models.insert(
-                        0,
-                        DevModel {
-                            certain: true,
-                            ..Default::default()
-                        },
-                    );
-                }
-                self.devs = vec![Dev {
-                    name: "wc".into(),
-                    key: 0,
-                    span: sectors,
-                }];
+                self.single_device("wc", sectors, again);
                 Ok(())
             }
             Stack::Snapshot => {
                 let sectors = (8 << 20) / SECTOR;
                 let table = format!("0 {sectors} snapshot-origin {}", self.path(0));
                 self.reg.create("origin", Some(&table), false, None).map_err(e)?;
-                if !again {
-                    self.models.insert(
-                        0,
-                        DevModel {
-                            certain: true,
-                            ..Default::default()
-                        },
-                    );
-                }
-                self.devs = vec![Dev {
-                    name: "origin".into(),
-                    key: 0,
-                    span: sectors,
-                }];
+                self.single_device("origin", sectors, again);
                 // A snapshot whose creation did not finish before the crash (or
                 // failed) is not checked: loading its COW device now may make a
                 // new snapshot of the origin as it is after the crash.
@@ -518,6 +492,22 @@ impl Trial {
                 Ok(())
             }
         }
+    }
+
+    /// The stack's one top device, model key 0 (a new model unless `again`).
+    fn single_device(&mut self, name: &str, sectors: u64, again: bool) {
+        if !again {
+            let m = DevModel {
+                certain: true,
+                ..Default::default()
+            };
+            self.models.insert(0, m);
+        }
+        self.devs = vec![Dev {
+            name: name.into(),
+            key: 0,
+            span: sectors,
+        }];
     }
 
     const THIN_SECTORS: u64 = (8 << 20) / SECTOR;

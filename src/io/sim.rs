@@ -227,42 +227,55 @@ fn should_fail(st: &mut State, write: bool) -> bool {
     }
 }
 
-fn record(fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> Result<(), i32> {
+/// Run `f` on the simulation's state if `fd` is a registered file and the
+/// crash has not been taken yet; else nothing happens (Ok).
+fn with_disk(fd: RawFd, f: impl FnOnce(&mut State, (u64, u64)) -> Result<(), i32>) -> Result<(), i32> {
     let Some(key) = key_of_fd(fd) else {
         return Ok(());
     };
     let mut g = state();
-    let Some(st) = g.as_mut() else { return Ok(()) };
-    if !st.disks.contains_key(&key) || st.frozen {
-        return Ok(());
+    match g.as_mut() {
+        Some(st) if !st.frozen && st.disks.contains_key(&key) => f(st, key),
+        _ => Ok(()),
     }
-    if should_fail(st, true) {
-        return Err(libc::EIO);
-    }
-    st.writes += 1;
+}
+
+/// `DMKIT_SIM_TRACE_IO=1`: print every write and flush the simulation records.
+fn trace_io(st: &State, key: (u64, u64), what: &str) {
     if std::env::var_os("DMKIT_SIM_TRACE_IO").is_some() {
         let name = st
             .disks
             .get(&key)
             .map(|d| d.path.display().to_string())
             .unwrap_or_default();
-        eprintln!(
-            "io: write {name} {offset}+{len} fua {fua} zero {}",
-            data.is_none()
+        eprintln!("io: {what} {name}");
+    }
+}
+
+fn record(fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> Result<(), i32> {
+    with_disk(fd, |st, key| {
+        if should_fail(st, true) {
+            return Err(libc::EIO);
+        }
+        st.writes += 1;
+        trace_io(
+            st,
+            key,
+            &format!("write {offset}+{len} fua {fua} zero {}", data.is_none()),
         );
-    }
-    if let Some(d) = st.disks.get_mut(&key) {
-        d.log.push(Entry {
-            offset,
-            len,
-            data: data.map(<[u8]>::to_vec),
-            fua,
-        });
-    }
-    if st.crash_at_write.is_some_and(|c| st.writes >= c) {
-        st.frozen = true;
-    }
-    Ok(())
+        if let Some(d) = st.disks.get_mut(&key) {
+            d.log.push(Entry {
+                offset,
+                len,
+                data: data.map(<[u8]>::to_vec),
+                fua,
+            });
+        }
+        if st.crash_at_write.is_some_and(|c| st.writes >= c) {
+            st.frozen = true;
+        }
+        Ok(())
+    })
 }
 
 /// Before a write of `data` at `offset` of `fd`: record it, or fail it (errno).
@@ -289,18 +302,13 @@ pub fn on_read(fd: RawFd) -> Result<(), i32> {
     if !active() {
         return Ok(());
     }
-    let Some(key) = key_of_fd(fd) else {
-        return Ok(());
-    };
-    let mut g = state();
-    let Some(st) = g.as_mut() else { return Ok(()) };
-    if !st.disks.contains_key(&key) || st.frozen {
-        return Ok(());
-    }
-    if should_fail(st, false) {
-        return Err(libc::EIO);
-    }
-    Ok(())
+    with_disk(fd, |st, _| {
+        if should_fail(st, false) {
+            Err(libc::EIO)
+        } else {
+            Ok(())
+        }
+    })
 }
 
 /// After a flush of `fd` completed: what was written before it is on the media.
@@ -309,26 +317,15 @@ pub fn on_flush(fd: RawFd) {
     if !active() {
         return;
     }
-    let Some(key) = key_of_fd(fd) else { return };
-    let mut g = state();
-    let Some(st) = g.as_mut() else { return };
-    if st.frozen {
-        return;
-    }
-    if std::env::var_os("DMKIT_SIM_TRACE_IO").is_some() {
-        let name = st
-            .disks
-            .get(&key)
-            .map(|d| d.path.display().to_string())
-            .unwrap_or_default();
-        eprintln!("io: flush {name}");
-    }
-    if let Some(d) = st.disks.get_mut(&key) {
-        let log = std::mem::take(&mut d.log);
-        for e in log {
-            apply(&mut d.durable, e.offset, e.data.as_deref(), e.len);
+    let _ = with_disk(fd, |st, key| {
+        trace_io(st, key, "flush");
+        if let Some(d) = st.disks.get_mut(&key) {
+            for e in std::mem::take(&mut d.log) {
+                apply(&mut d.durable, e.offset, e.data.as_deref(), e.len);
+            }
         }
-    }
+        Ok(())
+    });
 }
 
 /// Test-only faults that the simulation must be able to catch (`dmkit sim --break`).
