@@ -11,3 +11,5 @@ ci/install.sh
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
 cargo test --release -- --test-threads=2
+# every fuzz target for a short time (fuzz/README.md)
+ci/fuzz.sh 20

@@ -59,11 +59,9 @@ fn writecache_crash_trials() {
     run(Stack::Writecache, 0, 500, true);
 }
 
-/// Crashes only: with injected I/O errors a snapshot still fails about one
-/// trial in 200 (an invalidation racing an exception commit; see the issue).
 #[test]
 fn snapshot_crash_trials() {
-    run(Stack::Snapshot, 0, 500, false);
+    run(Stack::Snapshot, 0, 500, true);
 }
 
 /// The simulation can fail: with the flush before the thin-pool superblock

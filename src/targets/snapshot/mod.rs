@@ -363,8 +363,13 @@ impl Core {
         self.active.load(Ordering::Acquire) && !self.merging.load(Ordering::Acquire)
     }
 
+    /// Origin writes must come through this snapshot: it is valid, or its
+    /// invalidation is not yet durable (they wait for that).
     fn copies_from_origin(&self) -> bool {
-        self.takes_origin_copies() && lock(&self.st).valid
+        self.takes_origin_copies() && {
+            let st = lock(&self.st);
+            st.valid || st.invalidating
+        }
     }
 
     fn chunk_of(&self, sector: u64) -> u64 {

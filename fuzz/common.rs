@@ -1,0 +1,107 @@
+//! What the fuzz targets share: a registry with a few devices over small files
+//! in a directory of this process's own on a memory filesystem.
+
+#![allow(dead_code)]
+
+use dmkit::mapper::registry::{Config, Registry};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// This process's scratch directory.
+pub fn dir() -> &'static PathBuf {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let base = if std::path::Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        // one directory per fuzz target, so the corpus can name its files
+        let target = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "fuzz".into());
+        let d = base.join(format!("dmkit-fuzz-{target}"));
+        // fresh for each process: a pool formatted by an earlier run is not new
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("scratch directory");
+        d
+    })
+}
+
+/// A file of `bytes` zeroes (created once).
+pub fn file(name: &str, bytes: u64) -> String {
+    let p = dir().join(name);
+    if !p.exists() {
+        let f = std::fs::File::create(&p).expect("scratch file");
+        f.set_len(bytes).expect("scratch file size");
+    }
+    p.display().to_string()
+}
+
+/// A registry with `z` (zero), `lin` (linear over a file), `pool` (thin-pool),
+/// `thin` (a thin of it) and `wc` (writecache), made once per process.
+pub fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
+    R.get_or_init(|| {
+        let reg = Registry::new(Config { direct_io: false });
+        // files the table corpus names, for targets it creates itself
+        for (f, bytes) in [("tmeta", 2 << 20), ("tdata", 4 << 20), ("cow", 1 << 20)] {
+            file(f, bytes);
+        }
+        let mk = |name: &str, table: String| {
+            reg.create(name, Some(&table), false, None)
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        mk("z", "0 131072 zero".into());
+        mk("lin", format!("0 8192 linear {} 0", file("lin", 4 << 20)));
+        mk(
+            "pool",
+            format!(
+                "0 32768 thin-pool {} {} 128 0 1 error_if_no_space",
+                file("meta", 4 << 20),
+                file("data", 16 << 20)
+            ),
+        );
+        reg.message("pool", 0, &["create_thin 0".to_string()])
+            .expect("create_thin");
+        mk("thin", "0 16384 thin /dev/mapper/pool 0".into());
+        mk(
+            "wc",
+            format!(
+                "0 8192 writecache s {} {} 4096 0",
+                file("origin", 4 << 20),
+                file("cache", 1 << 20)
+            ),
+        );
+        reg
+    })
+}
+
+/// An in-memory byte stream: reads from the input, writes are kept.
+pub struct Pipe<'a> {
+    pub input: &'a [u8],
+    pub output: Vec<u8>,
+}
+
+impl std::io::Read for Pipe<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(self.input.len());
+        buf[..n].copy_from_slice(&self.input[..n]);
+        self.input = &self.input[n..];
+        Ok(n)
+    }
+}
+
+impl std::io::Write for Pipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.output.len() > 64 << 20 {
+            return Err(std::io::Error::other("too much output"));
+        }
+        self.output.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

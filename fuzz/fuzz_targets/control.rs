@@ -1,0 +1,15 @@
+//! The control socket's protocol: one request (argument count, arguments,
+//! standard input) from arbitrary bytes, run against the registry.
+#![no_main]
+#[path = "../common.rs"]
+mod common;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let reg = common::registry();
+    let mut p = common::Pipe {
+        input: data,
+        output: Vec::new(),
+    };
+    let _ = dmkit::control::handle(&mut p, reg);
+});

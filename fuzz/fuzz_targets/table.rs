@@ -1,0 +1,21 @@
+//! Table text: the parser, then every target's constructor through a real
+//! create (files of the scratch directory and the registry's devices are there
+//! to be named), then status and table output, then remove.
+#![no_main]
+#[path = "../common.rs"]
+mod common;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let _ = dmkit::table::parse_table(text);
+    let reg = common::registry();
+    if reg.create("t", Some(text), false, None).is_ok() {
+        let _ = reg.table_lines(Some("t"), true, false);
+        let _ = reg.table_lines(Some("t"), false, false);
+        let _ = reg.remove("t", true, false);
+        let _ = reg.remove("t", false, false);
+    }
+});

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Write the seed corpora of the protocol and text fuzz targets (fuzz/corpus/).
+The metadata targets' seeds are images dmkit itself wrote (see README.md)."""
+import os, struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IHAVEOPT = 0x49484156454F5054
+REQ = 0x25609513
+
+
+def put(target, name, data):
+    d = os.path.join(HERE, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def opt(o, payload=b""):
+    return struct.pack(">QII", IHAVEOPT, o, len(payload)) + payload
+
+
+def name(n):
+    return struct.pack(">I", len(n)) + n
+
+
+def go(n, infos=()):
+    return name(n) + struct.pack(">H", len(infos)) + b"".join(struct.pack(">H", i) for i in infos)
+
+
+def meta(export, queries):
+    return name(export) + struct.pack(">I", len(queries)) + b"".join(name(q) for q in queries)
+
+
+flags = struct.pack(">I", 3)
+put("nbd_handshake", "go", flags + opt(7, go(b"z")))
+put("nbd_handshake", "structured_go", flags + opt(8) + opt(7, go(b"lin", [0, 1, 2, 3])))
+put("nbd_handshake", "list_info_abort", flags + opt(3) + opt(6, go(b"thin", [3])) + opt(2))
+put("nbd_handshake", "meta", flags + opt(8) + opt(10, meta(b"thin", [b"base:allocation", b"qemu:dirty-bitmap:1"]))
+    + opt(9, meta(b"thin", [b"base:"])) + opt(7, go(b"thin")))
+put("nbd_handshake", "starttls_unknown", flags + opt(5) + opt(99, b"xx") + opt(1, b"z"))
+put("nbd_handshake", "extended", flags + opt(11) + opt(8) + opt(7, go(b"wc")))
+
+
+def req(cmd, off, length, flags=0, handle=1, payload=b""):
+    return struct.pack(">IHHQQI", REQ, flags, cmd, handle, off, length) + payload
+
+
+READ, WRITE, DISC, FLUSH, TRIM, CACHE, ZEROES, BS = 0, 1, 2, 3, 4, 5, 6, 7
+for pick, dev in enumerate(["z", "lin", "thin", "wc"]):
+    s = bytes([pick])
+    put("nbd_requests", f"{dev}_rw", s + req(WRITE, 4096, 8192, 1, 1, b"\xab" * 8192) + req(READ, 0, 16384, 0, 2)
+        + req(FLUSH, 0, 0, 0, 3) + req(DISC, 0, 0))
+    put("nbd_requests", f"{dev}_trim_zero_bs", s + req(TRIM, 0, 65536) + req(ZEROES, 65536, 65536, 2)
+        + req(ZEROES, 0, 4096, 0x10) + req(BS, 0, 1 << 20, 0, 4) + req(CACHE, 0, 4096))
+    put("nbd_requests", f"{dev}_bad", s + req(READ, 1 << 40, 512) + req(WRITE, 0, 0) + req(77, 0, 0, 0xff)
+        + req(READ, 0, 0xFFFFFFFF))
+
+D = "/dev/shm/dmkit-fuzz-table/"
+for n, t in {
+    "zero": "0 1024 zero",
+    "error": "0 1024 error",
+    "linear": f"0 1024 linear {D}lin 0\n1024 1024 linear /dev/mapper/lin 8",
+    "striped": f"0 2048 striped 2 8 {D}lin 0 /dev/mapper/lin 0",
+    "flakey": f"0 1024 flakey {D}lin 0 1 1 3 corrupt_bio_byte 32 w 1 1 drop_writes",
+    "delay": f"0 1024 delay {D}lin 0 10 {D}lin 0 20",
+    "thin_pool": f"0 4096 thin-pool {D}tmeta {D}tdata 128 0 2 skip_block_zeroing error_if_no_space",
+    "thin": "0 4096 thin /dev/mapper/pool 0",
+    "writecache": f"0 1024 writecache s {D}lin {D}cache 4096 4 high_watermark 50 low_watermark 10",
+    "snapshot": f"0 1024 snapshot {D}lin {D}cow P 8",
+    "origin": f"0 1024 snapshot-origin {D}lin",
+    "bad": "0 x linear\n10 10 nosuch a b",
+}.items():
+    put("table", n, t.encode())
+
+for n, (pick, m) in {
+    "create_thin": (2, "create_thin 7"),
+    "create_snap": (2, "create_snap 8 0"),
+    "delete": (2, "delete 7"),
+    "trans": (2, "set_transaction_id 0 1"),
+    "reserve": (2, "reserve_metadata_snap"),
+    "release": (2, "release_metadata_snap"),
+    "wc_flush": (4, "flush"),
+    "wc_flush_on_suspend": (4, "flush_on_suspend"),
+    "wc_cleaner": (4, "cleaner"),
+    "wc_clear_stats": (4, "clear_stats"),
+    "bad": (0, "@cancel_deferred_remove"),
+    "flakey": (1, "corrupt_bio_byte 1 r 0 0"),
+}.items():
+    put("message", n, bytes([pick]) + m.encode())
+
+
+def control(args, stdin=b""):
+    return struct.pack(">I", len(args)) + b"".join(name(a) for a in args) + name(stdin)
+
+
+for n, c in {
+    "ls": control([b"ls"]),
+    "status": control([b"status"]),
+    "table": control([b"table", b"pool"]),
+    "info": control([b"info", b"-c", b"-o", b"name,open"]),
+    "create_stdin": control([b"create", b"x"], b"0 8 zero"),
+    "message": control([b"message", b"pool", b"0", b"create_thin", b"3"]),
+    "suspend_resume": control([b"suspend", b"lin"]) ,
+    "resume": control([b"resume", b"lin"]),
+    "remove": control([b"remove", b"--force", b"z"]),
+    "deps": control([b"deps", b"-o", b"devname"]),
+}.items():
+    put("control", n, c)
+
+# thin metadata: a few patches (offset, byte) of the base image
+for n, patches in {
+    "superblock": [(0, 0xff)],
+    "node": [(16 * 4096 + 40, 7), (16 * 4096 + 41, 0)],
+    "bitmap": [(4096 + 100, 0)],
+    "none": [],
+}.items():
+    put("thin_metadata", n, b"".join(struct.pack("<IB", o, v) for o, v in patches))
+
+# Metadata images: `seeds/*/fresh` are what dmkit wrote on an empty device (see
+# README.md); here variants with content are derived from them.
+def seeded(target):
+    p = os.path.join(HERE, "seeds", target, "fresh")
+    with open(p, "rb") as f:
+        b = bytearray(f.read())
+    put(target, "fresh", bytes(b))
+    return b
+
+
+wc = seeded("writecache_metadata")
+struct.pack_into("<Q", wc, 24, 6)  # superblock seq_count
+for i, (sector, seq) in enumerate([(0, 1), (8, 2), (0, 3), (16, 5), (24, 9)]):
+    struct.pack_into("<QQ", wc, 64 + 16 * i, sector, seq)  # the last is uncommitted
+put("writecache_metadata", "entries", bytes(wc))
+struct.pack_into("<QQ", wc, 64 + 16, 0, 3)  # two committed entries with one seq
+put("writecache_metadata", "duplicate_seq", bytes(wc))
+
+sn = seeded("snapshot_store")
+for i in range(5):
+    struct.pack_into("<QQ", sn, 4096 + 16 * i, 10 + i, 2 + i)
+put("snapshot_store", "exceptions", bytes(sn))
+struct.pack_into("<QQ", sn, 4096 + 16 * 5, 12, 1)  # an exception pointing at the area
+put("snapshot_store", "bad_exception", bytes(sn))
