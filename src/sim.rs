@@ -179,6 +179,8 @@ struct SectorModel {
     /// Writes (and discards, as 0) issued since, oldest first; the last one is
     /// what a read returns before the crash.
     newer: Vec<u64>,
+    /// Writes that were durable once and were superseded since.
+    past: Vec<u64>,
 }
 
 impl SectorModel {
@@ -196,14 +198,20 @@ impl SectorModel {
             }
         }
     }
+    /// After a crash. A discard that has not been flushed leaves any earlier content of
+    /// the sector possible. The kernel's writecache drops the cache entries and
+    /// passes the discard to the origin without ordering the two, so the
+    /// origin's older copy can come back. The contents after a discard are
+    /// undefined by the block layer anyway.
     fn allows(&self, id: u64) -> bool {
-        id == self.durable || self.newer.contains(&id)
+        id == self.durable || self.newer.contains(&id) || (self.newer.contains(&0) && self.past.contains(&id))
     }
     /// Write `id` (issued after everything in `newer`) is durable.
     fn make_durable(&mut self, id: u64) {
         if let Some(i) = self.newer.iter().position(|&x| x == id) {
+            self.past.push(self.durable);
+            self.past.extend(self.newer.drain(..=i).filter(|&x| x != id));
             self.durable = id;
-            self.newer.drain(..=i);
         }
     }
 }
