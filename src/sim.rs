@@ -302,9 +302,15 @@ fn trace(what: impl FnOnce() -> String) {
 /// Trials share the process-wide simulated disks: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
+/// Hold the process's simulated disks alone (trials and tests that use
+/// [`crate::io::sim`] directly take this first).
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Run one trial. Err says what failed (the caller prints [`replay_command`]).
 pub fn run_trial(o: &Options) -> Result<Outcome, String> {
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = exclusive();
     let dir = o.dir.join(format!("sim-{}-{}", o.stack.name(), o.seed));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     sim::begin();

@@ -84,3 +84,158 @@ fn broken_commit_order_is_caught() {
     eprintln!("caught after {} trials: {why} ({cmd})", s.trials);
     assert!(cmd.contains("--break-commit-order"), "{cmd}");
 }
+
+/// I/O errors from a backing device put each target in its kernel error state.
+mod error_states {
+    use dmkit::io::sim::{self as disk, FailPlan};
+    use dmkit::mapper::devio;
+    use dmkit::mapper::engine::Dest;
+    use dmkit::mapper::registry::{Config, Registry};
+    use std::path::PathBuf;
+
+    struct Setup {
+        dir: PathBuf,
+        reg: Registry,
+    }
+
+    impl Setup {
+        fn new(tag: &str, files: &[(&str, u64)]) -> Setup {
+            let dir = dmkit::sim::default_dir().join(format!("sim-errors-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            disk::begin();
+            for (n, bytes) in files {
+                let p = dir.join(n);
+                std::fs::File::create(&p).unwrap().set_len(*bytes).unwrap();
+                disk::register(&p).unwrap();
+            }
+            Setup {
+                dir,
+                reg: Registry::new(Config { direct_io: false }),
+            }
+        }
+        fn path(&self, n: &str) -> String {
+            self.dir.join(n).display().to_string()
+        }
+        fn dev(&self, n: &str) -> Dest {
+            Dest::Dm(self.reg.get(n).unwrap())
+        }
+        fn status(&self, n: &str) -> String {
+            self.reg.table_lines(Some(n), true, false).unwrap()
+        }
+        /// Fail the next write to a simulated disk.
+        fn fail_next_write(&self) {
+            disk::fail_io(Some(FailPlan {
+                nth: 0,
+                reads: false,
+                writes: true,
+            }));
+        }
+    }
+
+    impl Drop for Setup {
+        fn drop(&mut self) {
+            devio::release_thread_engine();
+            for d in self.reg.list() {
+                let _ = self.reg.remove(&d.name(), true, false);
+                let _ = self.reg.remove(&d.name(), false, false);
+            }
+            disk::end();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[test]
+    fn writecache_cache_write_error_is_sticky() {
+        let _g = dmkit::sim::exclusive();
+        let s = Setup::new("wc", &[("origin", 4 << 20), ("cache", 1 << 20)]);
+        let t = format!(
+            "0 8192 writecache s {} {} 4096 0",
+            s.path("origin"),
+            s.path("cache")
+        );
+        s.reg.create("wc", Some(&t), false, None).unwrap();
+        let wc = s.dev("wc");
+        devio::write(&wc, 0, &[1u8; 4096], false).unwrap();
+        s.fail_next_write();
+        assert!(
+            devio::write(&wc, 8, &[2u8; 4096], false).is_err(),
+            "the failed cache write reaches the caller"
+        );
+        let st = s.status("wc");
+        assert!(st.contains("writecache 1 "), "error state in the status: {st}");
+        assert!(
+            devio::write(&wc, 16, &[3u8; 4096], false).is_err(),
+            "later writes fail: {st}"
+        );
+        assert!(devio::flush(&wc).is_err(), "flushes fail in the error state");
+        let mut b = vec![0u8; 4096];
+        devio::read(&wc, 0, &mut b).unwrap();
+        assert_eq!(b, vec![1u8; 4096], "reads still served");
+    }
+
+    #[test]
+    fn snapshot_cow_write_error_invalidates() {
+        let _g = dmkit::sim::exclusive();
+        let s = Setup::new("snap", &[("origin", 4 << 20), ("cow", 4 << 20)]);
+        let sectors = (4 << 20) / 512;
+        s.reg
+            .create(
+                "o",
+                Some(&format!("0 {sectors} snapshot-origin {}", s.path("origin"))),
+                false,
+                None,
+            )
+            .unwrap();
+        s.reg.suspend("o", false).unwrap();
+        let t = format!("0 {sectors} snapshot {} {} P 8", s.path("origin"), s.path("cow"));
+        s.reg.create("s", Some(&t), false, None).unwrap();
+        s.reg.resume("o").unwrap();
+        let o = s.dev("o");
+        s.fail_next_write(); // the copy of the origin chunk into the COW device
+        devio::write(&o, 0, &[7u8; 4096], false).unwrap();
+        let st = s.status("s");
+        assert!(st.contains("snapshot Invalid"), "{st}");
+        let mut b = vec![0u8; 4096];
+        assert!(
+            devio::read(&s.dev("s"), 0, &mut b).is_err(),
+            "an invalid snapshot fails reads"
+        );
+        devio::read(&o, 0, &mut b).unwrap();
+        assert_eq!(b, vec![7u8; 4096], "the origin goes on");
+        // the invalid header is durable: the snapshot loads invalid again
+        s.reg.remove("s", false, false).unwrap();
+        s.reg.create("s", Some(&t), false, None).unwrap();
+        assert!(s.status("s").contains("snapshot Invalid"), "{}", s.status("s"));
+    }
+
+    #[test]
+    fn thin_pool_metadata_write_error_goes_read_only() {
+        let _g = dmkit::sim::exclusive();
+        let s = Setup::new("thin", &[("meta", 4 << 20), ("data", 16 << 20)]);
+        let t = format!(
+            "0 32768 thin-pool {} {} 128 0 1 error_if_no_space",
+            s.path("meta"),
+            s.path("data")
+        );
+        s.reg.create("pool", Some(&t), false, None).unwrap();
+        s.reg.message("pool", 0, &["create_thin 0".into()]).unwrap();
+        s.reg
+            .create("th", Some("0 16384 thin /dev/mapper/pool 0"), false, None)
+            .unwrap();
+        let th = s.dev("th");
+        devio::write(&th, 0, &[5u8; 4096], false).unwrap();
+        // the flush commits: zeroing, data and metadata writes are done by now
+        // except the commit's own, the first of which fails
+        s.fail_next_write();
+        assert!(devio::flush(&th).is_err(), "the failed commit fails the flush");
+        let st = s.status("pool");
+        assert!(
+            st.contains(" ro ") && st.contains("needs_check"),
+            "read-only with needs_check: {st}"
+        );
+        assert!(
+            devio::write(&th, 1024, &[6u8; 4096], false).is_err(),
+            "a write that must provision fails in read-only mode"
+        );
+    }
+}
