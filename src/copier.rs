@@ -128,15 +128,18 @@ impl Copier {
         let tx = self.service.get_or_init(|| {
             let (tx, rx) = mpsc::channel::<Work>();
             let rx = Arc::new(Mutex::new(rx));
+            // The threads hold the copier weakly: once its last user drops it,
+            // the sender goes with it and they end (they would keep it, and
+            // themselves, alive for ever otherwise).
             for i in 0..SERVICE_THREADS {
-                let (me, rx) = (self.clone(), rx.clone());
+                let (me, rx) = (Arc::downgrade(self), rx.clone());
                 let _ = std::thread::Builder::new()
                     .name(format!("kcopyd-{i}"))
                     .spawn(move || loop {
                         let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                        match next {
-                            Ok(w) => w(&me),
-                            Err(_) => return,
+                        match (next, me.upgrade()) {
+                            (Ok(w), Some(c)) => w(&c),
+                            _ => return,
                         }
                     });
             }
