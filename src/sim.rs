@@ -369,6 +369,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     for p in &t.files {
         sim::register(p).map_err(|e| format!("{}: {e}", p.display()))?;
     }
+    sim::seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     t.build(false)?;
     // the crash: at a chosen write, or after the last operation
     let crash_at = t.rng.below(4 * o.ops as u64 + 1);

@@ -239,3 +239,29 @@ mod error_states {
         );
     }
 }
+
+/// Seeds that found bugs outside the CI budget's range (RELIABILITY.md), kept
+/// as regressions: thin FUA to a block mapped in the current transaction
+/// (1561); a writecache cache write that failed (1943); an unflushed writecache
+/// discard (108744).
+#[test]
+fn regression_seeds() {
+    for (stack, seed) in [
+        (Stack::Thin, 1561),
+        (Stack::Thin, 1101),
+        (Stack::Writecache, 1943),
+        (Stack::Writecache, 108744),
+    ] {
+        let o = Options {
+            stack,
+            seed,
+            ops: 120,
+            break_commit_order: false,
+            io_errors: true,
+            dir: sim::default_dir(),
+        };
+        if let Err(e) = sim::run_trial(&o) {
+            panic!("{e}\n  replay: {}", sim::replay_command(&o));
+        }
+    }
+}

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     let reg = common::registry();
     let origin = common::file("snap-origin", 1 << 20);
     let cow = common::dir().join("snap-cow");
-    let mut img = vec![0u8; 512 << 10];
+    let mut img = vec![0u8; 128 << 10];
     let n = data.len().min(img.len());
     img[..n].copy_from_slice(&data[..n]);
     if std::fs::write(&cow, &img).is_err() {
@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
     let table = format!("0 2048 snapshot {origin} {} P 8", cow.display());
     if reg.create("s", Some(&table), false, None).is_ok() {
         if let Ok(d) = reg.get("s") {
-            let mut b = vec![0u8; 1 << 20];
+            let mut b = vec![0u8; 256 << 10];
             let _ = devio::read(&Dest::Dm(d), 0, &mut b);
         }
         let _ = reg.table_lines(Some("s"), true, false);

@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
     let reg = common::registry();
     let origin = common::file("wc-origin", 1 << 20);
     let cache = common::dir().join("wc-cache");
-    let mut img = vec![0u8; 256 << 10];
+    let mut img = vec![0u8; 128 << 10];
     let n = data.len().min(img.len());
     img[..n].copy_from_slice(&data[..n]);
     if std::fs::write(&cache, &img).is_err() {
@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
     let table = format!("0 2048 writecache s {origin} {} 4096 0", cache.display());
     if reg.create("f", Some(&table), false, None).is_ok() {
         if let Ok(d) = reg.get("f") {
-            let mut b = vec![0u8; 1 << 20];
+            let mut b = vec![0u8; 256 << 10];
             let _ = devio::read(&Dest::Dm(d), 0, &mut b);
         }
         let _ = reg.message("f", 0, &["flush".to_string()]);

@@ -225,6 +225,9 @@ impl IoQueue {
 
     /// Hand every ready completion to `f(user_data, result)`.
     pub fn drain(&mut self, mut f: impl FnMut(u64, i32)) {
+        if super::sim::active() {
+            super::sim::shuffle(self.done.make_contiguous());
+        }
         while let Some((u, r)) = self.done.pop_front() {
             f(u, r);
         }

@@ -67,6 +67,8 @@ struct State {
     ios: u64,
     fail: Option<FailPlan>,
     failed: u64,
+    /// Orders completions that are ready together ([`shuffle`]).
+    rng: u64,
 }
 
 fn state() -> MutexGuard<'static, Option<State>> {
@@ -91,7 +93,10 @@ fn key_of_path(path: &Path) -> std::io::Result<(u64, u64)> {
 
 /// Start a simulation with no files (replacing any earlier one).
 pub fn begin() {
-    *state() = Some(State::default());
+    *state() = Some(State {
+        rng: 0x2545_f491_4f6c_dd1d,
+        ..State::default()
+    });
     ACTIVE.store(true, Ordering::SeqCst);
 }
 
@@ -116,6 +121,30 @@ pub fn register(path: &Path) -> std::io::Result<()> {
         },
     );
     Ok(())
+}
+
+/// Seed the order in which ready completions are reported.
+pub fn seed_completions(seed: u64) {
+    if let Some(st) = state().as_mut() {
+        st.rng = seed | 1;
+    }
+}
+
+/// Put completions that are ready together in a seed-chosen order, as a device
+/// with several I/Os in flight completes them in any order.
+pub fn shuffle<T>(v: &mut [T]) {
+    if v.len() < 2 || !active() {
+        return;
+    }
+    let mut g = state();
+    let Some(st) = g.as_mut() else { return };
+    for i in (1..v.len()).rev() {
+        // xorshift64
+        st.rng ^= st.rng << 13;
+        st.rng ^= st.rng >> 7;
+        st.rng ^= st.rng << 17;
+        v.swap(i, (st.rng % (i as u64 + 1)) as usize);
+    }
 }
 
 /// Take the crash once `n` more writes have been recorded (None: only when asked).
