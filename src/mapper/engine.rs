@@ -675,6 +675,23 @@ impl Engine {
     /// I/O complete here.
     fn issue_leaf(&mut self, r: usize, i: usize) {
         let q = &mut self.reqs[r];
+        // The request buffer bounds every data leaf: the I/O below writes through a
+        // raw pointer. A target that maps outside it (a bug, or metadata it did not
+        // check) fails the request instead.
+        let l = &q.leaves[i];
+        if matches!(l.kind, LeafKind::Read | LeafKind::Write | LeafKind::ZeroFill)
+            && l.buf_off
+                .checked_add(l.len as usize)
+                .is_none_or(|end| end > q.bytes())
+        {
+            tracing::error!(
+                "engine: a target mapped {} bytes at offset {} of a {}-byte request; failing it",
+                l.len,
+                l.buf_off,
+                q.bytes()
+            );
+            q.leaves[i].kind = LeafKind::Fail(crate::io::errno::EIO);
+        }
         let l = &q.leaves[i];
         let (off, rem) = (l.offset + l.done, l.len - l.done);
         let base = l.buf_off + l.done as usize;

@@ -257,6 +257,12 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
     if disk_chunk == 0 || !disk_chunk.is_power_of_two() || !disk_chunk.is_multiple_of(cow_lbs) {
         return Err(failed(format!("invalid on-disk chunk size {disk_chunk}")));
     }
+    // the kernel's bound (INT_MAX bytes), and room for the header and one area
+    if disk_chunk > (i32::MAX as u64) >> 9 || disk_chunk * 2 > cow_sectors {
+        return Err(failed(format!(
+            "on-disk chunk size {disk_chunk} is too high for a COW device of {cow_sectors} sectors"
+        )));
+    }
     if chunk != 0 && chunk != disk_chunk {
         tracing::warn!(
             "snapshot: chunk size {disk_chunk} in device metadata overrides table chunk size of {chunk}"

@@ -476,7 +476,7 @@ impl Cache {
         if sb.magic != format::MAGIC || sb.n_blocks != self.n_blocks {
             return Err("Invalid magic in the superblock".into());
         }
-        let loaded = format::load(&image, self.n_blocks, sb.seq_count)?;
+        let loaded = format::load(&image, self.n_blocks, sb.seq_count, self.bs_sectors())?;
         for &i in &loaded.cleared {
             let (sector, _) = format::entry(&image, i);
             format::set_entry(&mut image, i, sector, FREE);
