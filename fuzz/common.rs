@@ -105,3 +105,41 @@ impl std::io::Write for Pipe<'_> {
         Ok(())
     }
 }
+
+/// Fill scratch file `name` with `data` (zero-padded to `bytes`), create device
+/// `dev` from `table` (which names that file), read its first 256 KiB, send it
+/// `message` if any, take its status, and remove it: a target's constructor and
+/// I/O over metadata from the input.
+pub fn open_on_image(
+    name: &str,
+    bytes: usize,
+    data: &[u8],
+    dev: &str,
+    table: &dyn Fn(&str) -> String,
+    message: Option<&str>,
+) {
+    let reg = registry();
+    let path = dir().join(name);
+    let mut img = vec![0u8; bytes];
+    let n = data.len().min(img.len());
+    img[..n].copy_from_slice(&data[..n]);
+    if std::fs::write(&path, &img).is_err() {
+        return;
+    }
+    if reg
+        .create(dev, Some(&table(&path.display().to_string())), false, None)
+        .is_err()
+    {
+        return;
+    }
+    if let Ok(d) = reg.get(dev) {
+        let mut b = vec![0u8; 256 << 10];
+        let _ = dmkit::mapper::devio::read(&dmkit::mapper::engine::Dest::Dm(d), 0, &mut b);
+    }
+    if let Some(m) = message {
+        let _ = reg.message(dev, 0, &[m.to_string()]);
+    }
+    let _ = reg.table_lines(Some(dev), true, false);
+    let _ = reg.remove(dev, true, false);
+    let _ = reg.remove(dev, false, false);
+}
