@@ -275,8 +275,6 @@ struct Trial {
     out: Outcome,
     /// Thin: the pool's next device id.
     next_thin: u64,
-    /// Snapshot: whether the snapshot device was made.
-    snap_made: bool,
     /// The device whose id sectors of a device carry: a snapshot's lineage (its
     /// origin's, transitively), so data it shares with its origin identifies.
     owner_of: HashMap<u64, u64>,
@@ -351,7 +349,6 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         next_id: 1,
         out: Outcome::default(),
         next_thin: 0,
-        snap_made: false,
         owner_of: HashMap::new(),
         deleted: Vec::new(),
         failures_seen: 0,
@@ -776,7 +773,8 @@ impl Trial {
                 Ok(())
             }
             Stack::Snapshot => {
-                if self.snap_made {
+                // one snapshot per trial: model key 1 once it is taken
+                if self.models.contains_key(&1) {
                     return self.write(di);
                 }
                 // a snapshot of the origin as it is now, made as lvcreate makes it
@@ -786,7 +784,6 @@ impl Trial {
                 model.acked.clear();
                 self.models.insert(1, model);
                 self.owner_of.insert(1, 0);
-                self.snap_made = true;
                 let r = self.create_snapshot_dev();
                 trace(|| format!("snapshot created: {r:?}"));
                 match r {
