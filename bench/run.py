@@ -119,6 +119,12 @@ class Server:
                                       stderr=subprocess.DEVNULL)
             wait_for(self.sock)
             self.uri = f"nbd+unix:///?socket={self.sock}"
+        elif kind == "floor":
+            # examples/nbd_floor.rs: the least a server can spend (cargo build --release --examples)
+            self.p = subprocess.Popen([os.path.join(os.path.dirname(DMKIT), "examples", "nbd_floor"),
+                                       self.sock, backing], stderr=subprocess.DEVNULL)
+            wait_for(self.sock)
+            self.uri = f"nbd+unix:///?socket={self.sock}"
         elif kind == "nbdkit-null":
             self.p = subprocess.Popen(["nbdkit", "-f", "-U", self.sock, "--threads=16", "null", f"size={SIZE}"],
                                       stderr=subprocess.DEVNULL)

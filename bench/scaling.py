@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Connection scaling, side by side: dmkit (linear, and a provisioned thin),
-`nbdkit file`, `qemu-nbd` and `nbdkit null` (the client's own bound), 1..16 NBD
+`nbdkit file`, `qemu-nbd`, `nbdkit null` (the client's own bound) and
+`examples/nbd_floor` (the least a server can spend), 1..16 NBD
 connections (fio --numjobs, one connection each) x randread/randwrite/randrw x
 4 KiB/64 KiB at QD32 per connection. Every server works through the page cache
 (like with like: dmkit --buffered, nbdkit file, qemu-nbd --cache=writeback). Records
@@ -94,7 +95,7 @@ def main():
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
     a = ap.parse_args()
-    kinds = ["dmkit-buffered", "dmkit-thin", "nbdkit", "qemu-nbd-cache", "nbdkit-null"]
+    kinds = ["dmkit-buffered", "dmkit-thin", "nbdkit", "qemu-nbd-cache", "nbdkit-null", "floor"]
     conns = [int(x) for x in a.conns.split(",")]
     rws, bss = a.rw.split(","), a.bs.split(",")
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -123,24 +124,28 @@ def main():
         f"`bench/scaling.py --conns {a.conns} --rw {a.rw} --bs {a.bs} --reps {a.reps} --runtime {a.runtime} "
         f"--dir {a.dir}`: fio's nbd engine, QD32 per connection, 1 GiB file on `{a.dir}`, every "
         "server through the page cache. Medians of the reps; IOPS, then the server's CPU per request "
-        "in µs (all threads, user+system). The machine's cores are shared by fio and the server.",
+        "in µs (all threads, user+system). The machine's cores are shared by fio and the server. "
+        "`floor` is `examples/nbd_floor.rs`: a server that only receives, does a plain pread/pwrite "
+        "per request and sends all replies of a turn with one sendmsg (no validation, no mapping), "
+        "so its CPU per request is what the kernel's part of the work costs on this machine.",
         "",
-        "| rw | bs | conns | dmkit linear | dmkit thin | nbdkit file | qemu-nbd | nbdkit null | "
-        "linear/best anchor | thin/linear | µs/req dmkit linear | thin | nbdkit file | qemu-nbd | "
-        "nbdkit file/dmkit CPU |",
-        "|" + "---|" * 15,
+        "| rw | bs | conns | dmkit linear | dmkit thin | nbdkit file | qemu-nbd | nbdkit null | floor | "
+        "linear/best anchor | thin/linear | µs/req dmkit linear | thin | nbdkit file | qemu-nbd | floor | "
+        "nbdkit file/dmkit CPU | dmkit/floor CPU |",
+        "|" + "---|" * 18,
     ]
     for rw in rws:
         for bs in bss:
             for n in conns:
                 v = {k: med[(rw, bs, n, k)] for k in kinds}
-                lin, thin, nk, qm, null = (v[k] for k in kinds)
+                lin, thin, nk, qm, null, floor = (v[k] for k in kinds)
                 best = max(nk[0] or 0, qm[0] or 0)
                 out.append(
                     f"| {rw} | {bs} | {n} | {run.fmt(lin[0])} | {run.fmt(thin[0])} | {run.fmt(nk[0])} | "
-                    f"{run.fmt(qm[0])} | {run.fmt(null[0])} | **{ratio(lin[0], best)}** | "
+                    f"{run.fmt(qm[0])} | {run.fmt(null[0])} | {run.fmt(floor[0])} | **{ratio(lin[0], best)}** | "
                     f"**{ratio(thin[0], lin[0])}** | {run.fmt(lin[1], 2)} | {run.fmt(thin[1], 2)} | "
-                    f"{run.fmt(nk[1], 2)} | {run.fmt(qm[1], 2)} | **{ratio(nk[1], lin[1])}** |")
+                    f"{run.fmt(nk[1], 2)} | {run.fmt(qm[1], 2)} | {run.fmt(floor[1], 2)} | "
+                    f"**{ratio(nk[1], lin[1])}** | **{ratio(lin[1], floor[1])}** |")
     run.write_section(a.out, "scaling", out)
     print("\n".join(out))
 

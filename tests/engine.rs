@@ -292,6 +292,17 @@ fn capabilities_of_a_stack_appear_in_nbdinfo() {
 /// files, then a second pass verifies what the first wrote.
 #[test]
 fn memory_filesystem_io_verifies() {
+    mem_io_verifies("mem-io", &[]);
+}
+
+/// The same without io_uring (containers often forbid it): the synchronous queue
+/// runs every operation, and the connection's readiness poll is a plain poll(2).
+#[test]
+fn memory_filesystem_io_verifies_without_io_uring() {
+    mem_io_verifies("mem-io-sync", &[("DMKIT_NO_URING", "1")]);
+}
+
+fn mem_io_verifies(tag: &str, env: &[(&str, &str)]) {
     common::need("fio");
     struct Dir(std::path::PathBuf);
     impl Drop for Dir {
@@ -300,11 +311,11 @@ fn memory_filesystem_io_verifies() {
         }
     }
     let dir = Dir(std::path::PathBuf::from(format!(
-        "/dev/shm/dmkit-test-mem-{}",
+        "/dev/shm/dmkit-test-{tag}-{}",
         std::process::id()
     )));
     std::fs::create_dir_all(&dir.0).expect("mkdir in /dev/shm");
-    let d = Daemon::start("mem-io");
+    let d = Daemon::start_with(tag, &[], env);
     let files: Vec<_> = ["a", "b"]
         .iter()
         .map(|n| {

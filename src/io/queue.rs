@@ -44,6 +44,13 @@ pub enum Sqe {
         fd: RawFd,
         msg: *const libc::msghdr,
     },
+    /// Report when `fd` is readable (the result is the poll mask). `multi` keeps it
+    /// armed: every time data arrives another completion follows, until one comes
+    /// without [`more`](IoQueue::drain_flags) (the synchronous backend reports once).
+    PollIn {
+        fd: RawFd,
+        multi: bool,
+    },
     /// Read an eventfd's counter (8 bytes) once it is signalled: how another thread
     /// wakes this queue's owner.
     Wake {
@@ -98,7 +105,17 @@ fn sim_hook(op: &Sqe) -> Result<(), i32> {
 impl IoQueue {
     pub fn new(entries: u32) -> IoQueue {
         let ring = if uring_wanted() && !super::sim::active() {
-            IoUring::builder().setup_single_issuer().build(entries).ok()
+            // Completions run as task work only when this thread waits for them
+            // (DEFER_TASKRUN), not whenever a socket or a worker wakes it; the flag
+            // in the ring says when such work is pending. Kernels before 6.1 lack
+            // it and get the plain ring.
+            IoUring::builder()
+                .setup_single_issuer()
+                .setup_defer_taskrun()
+                .setup_taskrun_flag()
+                .build(entries)
+                .or_else(|_| IoUring::builder().setup_single_issuer().build(entries))
+                .ok()
         } else {
             None
         };
@@ -164,6 +181,11 @@ impl IoQueue {
             Sqe::SendMsg { fd, msg } => opcode::SendMsg::new(types::Fd(fd), msg)
                 .flags(libc::MSG_NOSIGNAL as u32)
                 .build(),
+            Sqe::PollIn { fd, multi } => {
+                opcode::PollAdd::new(types::Fd(fd), (libc::POLLIN | libc::POLLRDHUP) as u32)
+                    .multi(multi)
+                    .build()
+            }
             Sqe::Wake { fd, buf } => opcode::Read::new(types::Fd(fd), buf, 8).build(),
         }
         .user_data(user_data);
@@ -225,15 +247,21 @@ impl IoQueue {
 
     /// Hand every ready completion to `f(user_data, result)`.
     pub fn drain(&mut self, mut f: impl FnMut(u64, i32)) {
+        self.drain_flags(|u, r, _| f(u, r));
+    }
+
+    /// Hand every ready completion to `f(user_data, result, more)`; `more` says a
+    /// multishot operation stays armed and will complete again.
+    pub fn drain_flags(&mut self, mut f: impl FnMut(u64, i32, bool)) {
         if super::sim::active() {
             super::sim::shuffle(self.done.make_contiguous());
         }
         while let Some((u, r)) = self.done.pop_front() {
-            f(u, r);
+            f(u, r, false);
         }
         if let Some(ring) = self.ring.as_mut() {
             for cqe in ring.completion() {
-                f(cqe.user_data(), cqe.result());
+                f(cqe.user_data(), cqe.result(), io_uring::cqueue::more(cqe.flags()));
             }
         }
     }
@@ -289,6 +317,11 @@ impl IoQueue {
                     self.pending_recv.push((user_data, fd, buf, 8));
                     return;
                 }
+                Sqe::PollIn { fd, .. } => {
+                    // no buffer: `sync_wait_recv` reports readiness without reading
+                    self.pending_recv.push((user_data, fd, std::ptr::null_mut(), 0));
+                    return;
+                }
                 Sqe::SendMsg { fd, msg } => libc::sendmsg(fd, msg, libc::MSG_NOSIGNAL),
             }
         };
@@ -312,7 +345,7 @@ impl IoQueue {
             .iter()
             .map(|&(_, fd, _, _)| libc::pollfd {
                 fd,
-                events: libc::POLLIN,
+                events: libc::POLLIN | libc::POLLRDHUP,
                 revents: 0,
             })
             .collect();
@@ -335,6 +368,10 @@ impl IoQueue {
                 continue;
             }
             let (user_data, fd, buf, len) = self.pending_recv.remove(i);
+            if buf.is_null() {
+                self.done.push_back((user_data, i32::from(p.revents)));
+                continue;
+            }
             // SAFETY: `buf`/`len` come from an operation pushed under `push`'s contract.
             let r = unsafe { libc::read(fd, buf.cast(), len as usize) };
             let res = if r < 0 {

@@ -20,7 +20,7 @@ use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{errno, AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op};
 use crate::targets::{apply_end_io, Bio, MapCtx, MapErr};
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +28,9 @@ const KIND_SHIFT: u32 = 60;
 const KIND_LEAF: u64 = 0;
 const KIND_WAKE: u64 = 1;
 const KIND_FRONTEND: u64 = 2;
+/// A frontend's readiness poll: it names no memory and may stay armed when the
+/// engine is idle, so it is not counted in `ops`.
+const KIND_POLL: u64 = 3;
 const ZERO_BUF: usize = 1 << 20;
 
 /// Largest read or write done inline on a memory filesystem.
@@ -242,8 +245,14 @@ impl Request {
     }
 }
 
-/// A completion of a frontend operation (`tag`, result).
-pub type IoEvent = (u64, i32);
+/// A completion of a frontend operation.
+#[derive(Clone, Copy, Debug)]
+pub struct IoEvent {
+    pub tag: u64,
+    pub res: i32,
+    /// A multishot operation ([`Engine::poll_in`]) stays armed.
+    pub more: bool,
+}
 
 pub struct Engine {
     dev: Arc<Device>,
@@ -367,6 +376,18 @@ impl Engine {
         };
     }
 
+    /// Report (as an [`IoEvent`] with `tag`) whenever `fd` becomes readable, until
+    /// an event comes with `more` false. It names no memory, so it may stay armed
+    /// when the frontend goes: the ring's teardown cancels it.
+    pub fn poll_in(&mut self, fd: RawFd, tag: u64) {
+        let op = Sqe::PollIn { fd, multi: true };
+        // SAFETY: a poll names no memory.
+        unsafe {
+            self.q
+                .push(op, (KIND_POLL << KIND_SHIFT) | (tag & ((1 << KIND_SHIFT) - 1)));
+        }
+    }
+
     fn push(&mut self, op: Sqe, ud: u64) {
         self.ops += 1;
         // SAFETY: every pointer in `op` names memory the engine owns (request
@@ -401,7 +422,14 @@ impl Engine {
             self.q.wait(timeout)?;
         }
         let mut cq = std::mem::take(&mut self.cq);
-        self.q.drain(|u, r| cq.push((u, r)));
+        self.q.drain_flags(|u, r, more| {
+            if u >> KIND_SHIFT == KIND_POLL {
+                let tag = u & ((1 << KIND_SHIFT) - 1);
+                self.io_events.push(IoEvent { tag, res: r, more });
+            } else {
+                cq.push((u, r));
+            }
+        });
         for &(u, r) in &cq {
             self.ops -= 1;
             match u >> KIND_SHIFT {
@@ -410,7 +438,11 @@ impl Engine {
                     self.wake_armed = false;
                     self.take_inbox();
                 }
-                _ => self.io_events.push((u & ((1 << KIND_SHIFT) - 1), r)),
+                _ => self.io_events.push(IoEvent {
+                    tag: u & ((1 << KIND_SHIFT) - 1),
+                    res: r,
+                    more: false,
+                }),
             }
         }
         cq.clear();
