@@ -135,7 +135,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     for d in reg.list() {
         let _ = d.flush_sync();
     }
-    crate::targets::thin::commit_all();
+    reg.commit_pools();
     let _ = std::fs::remove_file(&control_path);
     let _ = std::fs::remove_file(&nbd_path);
     Ok(())

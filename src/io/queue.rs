@@ -224,6 +224,12 @@ impl IoQueue {
             }
             return self.sync_wait_recv(timeout);
         };
+        if ready && self.queued == 0 {
+            // Completions of inline operations are there and nothing is to be
+            // submitted: an enter would be a system call for nothing (the ring's
+            // own completions are collected at the next wait).
+            return Ok(());
+        }
         let want = if ready || !ring.completion().is_empty() {
             0
         } else {

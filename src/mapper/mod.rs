@@ -109,6 +109,10 @@ pub struct Device {
     inflight: [AtomicU64; 2],
     epoch: std::sync::atomic::AtomicUsize,
     drain_lock: Mutex<()>,
+    /// Threads waiting for an in-flight count to reach zero (suspend, an epoch
+    /// drain): the request that brings it there wakes them through `drained`.
+    drain_waiters: AtomicU32,
+    drained: (Mutex<()>, std::sync::Condvar),
     pub event_nr: AtomicU32,
     /// NBD connections attached.
     pub open_count: AtomicU32,
@@ -135,6 +139,8 @@ impl Device {
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             epoch: std::sync::atomic::AtomicUsize::new(0),
             drain_lock: Mutex::new(()),
+            drain_waiters: AtomicU32::new(0),
+            drained: (Mutex::new(()), std::sync::Condvar::new()),
             event_nr: AtomicU32::new(0),
             open_count: AtomicU32::new(0),
             holders: AtomicU32::new(0),
@@ -190,7 +196,7 @@ impl Device {
                 e.target.presuspend();
             }
         }
-        wait_until(|| self.in_flight() == 0);
+        self.wait_drained(None, || self.in_flight() == 0);
         if let Some(t) = self.live.load_full() {
             for e in &t.entries {
                 e.target.postsuspend();
@@ -221,9 +227,41 @@ impl Device {
     pub fn drain_epoch(&self, limit: Duration) -> bool {
         let _l = self.drain_lock.lock().unwrap_or_else(|p| p.into_inner());
         let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
-        let t0 = std::time::Instant::now();
-        wait_until(|| self.inflight[old].load(Ordering::SeqCst) == 0 || t0.elapsed() > limit);
-        self.inflight[old].load(Ordering::SeqCst) == 0
+        self.wait_drained(Some(limit), || self.inflight[old].load(Ordering::SeqCst) == 0)
+    }
+
+    /// Sleep until `done` (a count of this device's requests reached zero), woken
+    /// by the request that takes it there ([`release`]); false after `limit`.
+    fn wait_drained(&self, limit: Option<Duration>, done: impl Fn() -> bool) -> bool {
+        let (lock, cv) = &self.drained;
+        let deadline = limit.map(|l| std::time::Instant::now() + l);
+        let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        // Counted before `done` is checked: a release that brings the count to
+        // zero after this check sees the waiter and notifies under the lock,
+        // which this thread only gives up inside `wait`.
+        self.drain_waiters.fetch_add(1, Ordering::SeqCst);
+        let ok = loop {
+            if done() {
+                break true;
+            }
+            let wait = match deadline {
+                None => Duration::from_secs(1),
+                Some(d) => match d.checked_duration_since(std::time::Instant::now()) {
+                    Some(w) if !w.is_zero() => w,
+                    _ => break false,
+                },
+            };
+            g = cv.wait_timeout(g, wait).unwrap_or_else(|p| p.into_inner()).0;
+        };
+        self.drain_waiters.fetch_sub(1, Ordering::SeqCst);
+        ok
+    }
+
+    /// A count of this device's requests fell to zero: wake a waiting drain.
+    #[cold]
+    fn wake_drained(&self) {
+        let _g = self.drained.0.lock().unwrap_or_else(|p| p.into_inner());
+        self.drained.1.notify_all();
     }
 
     /// Make everything written through the live table durable (synchronously, on
@@ -235,18 +273,6 @@ impl Device {
             f.sync()?;
         }
         Ok(())
-    }
-}
-
-fn wait_until(done: impl Fn() -> bool) {
-    let mut spins = 0u32;
-    while !done() {
-        spins += 1;
-        if spins < 100 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(200));
-        }
     }
 }
 
@@ -296,11 +322,11 @@ fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
             break;
         }
         dev.inflight[now].fetch_add(1, Ordering::SeqCst);
-        dev.inflight[e].fetch_sub(1, Ordering::SeqCst);
+        leave(dev, e);
         e = now;
     }
     if dev.suspended.load(Ordering::SeqCst) {
-        dev.inflight[e].fetch_sub(1, Ordering::SeqCst);
+        leave(dev, e);
         return Err(MapErr::Suspended);
     }
     ctx.holds.push(Hold {
@@ -313,7 +339,16 @@ fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
 /// Release every device a request entered (at completion, or before retrying it).
 pub fn release(holds: &mut Vec<Hold>) {
     for h in holds.drain(..) {
-        h.dev.inflight[h.epoch].fetch_sub(1, Ordering::SeqCst);
+        leave(&h.dev, h.epoch);
+    }
+}
+
+/// Uncount one request of `dev` in `epoch`, waking a drain it was the last for.
+#[inline]
+fn leave(dev: &Device, epoch: usize) {
+    let before = dev.inflight[epoch].fetch_sub(1, Ordering::SeqCst);
+    if before == 1 && dev.drain_waiters.load(Ordering::SeqCst) > 0 {
+        dev.wake_drained();
     }
 }
 
@@ -363,15 +398,23 @@ fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(),
     }
     let mut i = table.entry_at(bio.sector);
     let mut done = 0;
+    let data = matches!(bio.op, Op::Read | Op::Write);
     while done < bio.nr_sectors {
         let e = &table.entries[i];
         let sector = bio.sector + done;
-        let n = (e.start + e.len - sector).min(bio.nr_sectors - done);
+        let left_in_target = e.start + e.len - sector;
+        let mut n = left_in_target.min(bio.nr_sectors - done);
+        let max = if data { e.target.max_io_len() } else { 0 };
+        if max > 0 {
+            n = n.min(max - (sector - e.start) % max);
+        }
         ctx.origin = (hold, i as u32);
         ctx.target_start = e.start;
         e.target.map(bio.sub(done, n, sector - e.start), ctx)?;
         done += n;
-        i += 1;
+        if n == left_in_target {
+            i += 1;
+        }
     }
     Ok(())
 }

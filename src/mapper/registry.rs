@@ -98,6 +98,11 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// Commit every thin pool (daemon shutdown, after the devices' flushes).
+    pub fn commit_pools(&self) {
+        self.shared.thin_pools.commit_all();
+    }
+
     pub fn new(config: Config) -> Registry {
         Registry {
             devices: Mutex::new(BTreeMap::new()),

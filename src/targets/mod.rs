@@ -478,6 +478,14 @@ pub trait Target: Send + Sync {
     fn flush_bypasses_map(&self) -> bool {
         false
     }
+    /// The largest read or write `map` is given, in sectors, at boundaries that are
+    /// multiples of it from the target's start (the kernel's `max_io_len`: thin's
+    /// block, a stripe's chunk, a snapshot's chunk); 0: no limit. The engine splits
+    /// there, so `map` sees one block, chunk or stripe at a time. Discards and
+    /// zeroing are not split: targets take them by range.
+    fn max_io_len(&self) -> u64 {
+        0
+    }
     /// The smallest I/O the target takes, in bytes (0: whatever its devices take):
     /// raises the device's logical block size (writecache's block size).
     fn logical_block_size(&self) -> u32 {
@@ -559,11 +567,12 @@ pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>
 }
 
 /// State targets share across tables and devices, found by key (the kernel's
-/// module-wide lists): the snapshots of each origin, the snapshot copy engine.
-/// The registry of devices owns it.
+/// module-wide lists): the snapshots of each origin, the snapshot copy engine,
+/// the thin pools and their copy engine. The registry of devices owns it.
 #[derive(Default)]
 pub struct Shared {
     pub origins: snapshot::Origins,
+    pub thin_pools: thin::Pools,
     snap_copier: std::sync::OnceLock<Arc<crate::copier::Copier>>,
 }
 

@@ -126,7 +126,8 @@ impl Target for Striped {
             }
             Op::Discard | Op::WriteZeroes => self.map_range_per_stripe(bio, ctx),
             Op::Read | Op::Write => {
-                // Split at chunk boundaries (max_io_len = chunk size).
+                // The engine splits at chunk boundaries (max_io_len); a bio from
+                // elsewhere may still span chunks.
                 let mut done = 0;
                 while done < bio.nr_sectors {
                     let sector = bio.sector + done;
@@ -143,6 +144,9 @@ impl Target for Striped {
                 Ok(())
             }
         }
+    }
+    fn max_io_len(&self) -> u64 {
+        self.chunk
     }
     fn table_params(&self) -> String {
         let mut s = format!("{} {}", self.stripes.len(), self.chunk);

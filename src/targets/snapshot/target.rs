@@ -49,6 +49,9 @@ impl Target for OriginTarget {
         if bio.op == Op::Read || bio.op == Op::Flush {
             return ctx.remap(&self.dev, bio, 0);
         }
+        // Writes split at the smallest chunk of the snapshots that copy now (the
+        // kernel's max_io_len, set at resume); that changes as snapshots come and
+        // go, so it is asked here, for writes only, not of the engine.
         let Some(chunk) = self.snaps.min_chunk() else {
             return ctx.remap(&self.dev, bio, 0);
         };
@@ -275,6 +278,10 @@ impl Target for SnapshotTarget {
                 map_snapshot_chunk(core, &self.features, &self.origin, &self.cow, b, ctx)
             }
         })
+    }
+
+    fn max_io_len(&self) -> u64 {
+        self.core.chunk
     }
 
     fn table_params(&self) -> String {

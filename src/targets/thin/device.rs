@@ -113,9 +113,14 @@ impl ThinDev {
                 if bio.fua && m.md.changed(self.id) {
                     ctx.flush_after();
                 }
-                drop(m);
+                // Remapped (so counted in the pool device's epoch) before the lock
+                // goes: a discard of this block and the commit that frees it for
+                // reuse must wait for this I/O, and that commit waits only for I/O
+                // that entered the pool device before it began.
                 let sector = self.data_sector(map.data_block, off);
-                self.remap_pool(Bio { sector, ..bio }, bio, ctx)
+                let r = self.remap_pool(Bio { sector, ..bio }, bio, ctx);
+                drop(m);
+                r
             }
             (Op::Read, None) => {
                 drop(m);
@@ -126,9 +131,11 @@ impl ThinDev {
                 Ok(())
             }
             (Op::WriteZeroes, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
-                drop(m);
+                // under the lock, as above
                 let sector = self.data_sector(map.data_block, off);
-                self.remap_pool(Bio { sector, ..bio }, bio, ctx)
+                let r = self.remap_pool(Bio { sector, ..bio }, bio, ctx);
+                drop(m);
+                r
             }
             _ => self.provision(m, bio, found.map(|x| x.data_block), ctx),
         }
@@ -350,8 +357,9 @@ impl ThinDev {
         let freed = m.md.data_block_ref_count(map.data_block) == 0;
         let passdown = freed && m.features.discard_passdown;
         self.pool.space_returned(&mut m);
-        drop(m);
         if passdown {
+            // Remapped under the lock, so counted in the pool device's epoch before
+            // a commit can free the block for another thin to write.
             let sector = self.data_sector(map.data_block, 0);
             let first = ctx.leaves.len();
             if ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0).is_err() {
@@ -359,8 +367,10 @@ impl ThinDev {
                 ctx.leaves.truncate(first);
                 ctx.complete(bio, LeafKind::Drop);
             }
+            drop(m);
             Ok(())
         } else {
+            drop(m);
             ctx.complete(bio, LeafKind::Drop);
             Ok(())
         }
@@ -451,7 +461,8 @@ impl Target for ThinDev {
         if bio.op == Op::Flush {
             return self.flush(bio, ctx);
         }
-        // Pieces within one data block each (the kernel's max_io_len = block size).
+        // Reads and writes come one data block at a time (max_io_len); discards
+        // and zeroing by range, taken here a block at a time.
         let mut done = 0;
         while done < bio.nr_sectors {
             let s = bio.sector + done;
@@ -465,6 +476,9 @@ impl Target for ThinDev {
             done += n;
         }
         Ok(())
+    }
+    fn max_io_len(&self) -> u64 {
+        self.bs
     }
     fn table_params(&self) -> String {
         let mut s = format!("{} {}", self.pool_dev.table_name(), self.id);

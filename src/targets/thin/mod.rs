@@ -124,18 +124,39 @@ pub fn no_space_timeout() -> Duration {
 }
 
 /// Live pools by their metadata file's identity.
-type PoolList = Mutex<Vec<((u64, u64), Weak<Pool>)>>;
+type PoolList = Vec<((u64, u64), Weak<Pool>)>;
 
-fn pools() -> &'static PoolList {
-    static P: OnceLock<PoolList> = OnceLock::new();
-    P.get_or_init(|| Mutex::new(Vec::new()))
+/// Live pools by their metadata file's identity, and the copy engine they share
+/// (sub-job size from `--copy-subjob-kb`): part of the registry's shared state.
+#[derive(Default)]
+pub struct Pools {
+    list: Mutex<PoolList>,
+    copier: OnceLock<Arc<Copier>>,
 }
 
-/// The copy engine pools use (sub-job size from `--copy-subjob-kb`).
-pub fn copier() -> Arc<Copier> {
-    static C: OnceLock<Arc<Copier>> = OnceLock::new();
-    C.get_or_init(|| Arc::new(Copier::new(copy_subjob_kb() * 1024, 8)))
-        .clone()
+impl Pools {
+    fn copier(&self) -> Arc<Copier> {
+        self.copier
+            .get_or_init(|| Arc::new(Copier::new(copy_subjob_kb() * 1024, 8)))
+            .clone()
+    }
+
+    fn list(&self) -> MutexGuard<'_, PoolList> {
+        self.list.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Commit every live pool (daemon shutdown).
+    pub fn commit_all(&self) {
+        let all: Vec<Arc<Pool>> = self.list().iter().filter_map(|(_, w)| w.upgrade()).collect();
+        for p in all {
+            if let Err(e) = p.commit_now() {
+                tracing::warn!(
+                    "thin-pool {}: final commit failed: {e}",
+                    p.metadata_path.display()
+                );
+            }
+        }
+    }
 }
 
 static SUBJOB_KB: AtomicU64 = AtomicU64::new(512);
@@ -163,7 +184,9 @@ impl Pool {
     /// formatted when the metadata starts with a zeroed block (never with `read_only`).
     /// Another device's pool on the same metadata or data is refused (EBUSY in the
     /// kernel), and so is a reload that changes discard support.
+    #[allow(clippy::too_many_arguments)]
     pub fn get(
+        pools: &Pools,
         owner: &Arc<Device>,
         metadata: &Arc<BackingFile>,
         data: &Arc<BackingFile>,
@@ -173,8 +196,8 @@ impl Pool {
         low_water: u64,
     ) -> Result<Arc<Pool>, String> {
         let key = metadata.identity;
-        wait_for_orphan(key);
-        let mut all = pools().lock().unwrap_or_else(|p| p.into_inner());
+        wait_for_orphan(pools, key);
+        let mut all = pools.list();
         all.retain(|(_, w)| w.strong_count() > 0);
         let owned_elsewhere = |p: &Pool| {
             let o = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
@@ -262,7 +285,7 @@ impl Pool {
             data: data.clone(),
             metadata_path: metadata.path.clone(),
             block_sectors,
-            copier: copier(),
+            copier: pools.copier(),
             started: AtomicU64::new(0),
             commits: AtomicU64::new(0),
             commit_signal: Arc::new(CommitSignal::default()),
@@ -509,11 +532,10 @@ impl Drop for Pool {
 /// drop commits it one last time. Wait for that rather than take it up again:
 /// a pool created anew on the same metadata (after thin_restore or a repair
 /// swapped it) must read what is there then.
-fn wait_for_orphan(key: (u64, u64)) {
+fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
     let orphan = || {
-        pools()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        pools
+            .list()
             .iter()
             .filter(|(k, _)| *k == key)
             .filter_map(|(_, w)| w.upgrade())
@@ -529,24 +551,6 @@ fn wait_for_orphan(key: (u64, u64)) {
             return;
         }
         std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// Commit every live pool (daemon shutdown).
-pub fn commit_all() {
-    let all: Vec<Arc<Pool>> = pools()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .filter_map(|(_, w)| w.upgrade())
-        .collect();
-    for p in all {
-        if let Err(e) = p.commit_now() {
-            tracing::warn!(
-                "thin-pool {}: final commit failed: {e}",
-                p.metadata_path.display()
-            );
-        }
     }
 }
 

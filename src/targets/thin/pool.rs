@@ -72,7 +72,16 @@ impl ThinPool {
         if mf.identity == df.identity {
             return Err("metadata and data devices must differ".into());
         }
-        let pool = Pool::get(r.device(), &mf, &df, bs, nr_blocks, features, low_water)?;
+        let pool = Pool::get(
+            &r.shared().thin_pools,
+            r.device(),
+            &mf,
+            &df,
+            bs,
+            nr_blocks,
+            features,
+            low_water,
+        )?;
         Ok(ThinPool {
             pool,
             metadata,
