@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::nbd::{Client, READ, WRITE};
+use common::nbd::{Client, READ, TRIM, WRITE};
 use common::{pattern, Daemon, Scratch};
 use std::time::{Duration, Instant};
 
@@ -159,6 +159,60 @@ fn suspend_returns_while_a_request_is_queued_for_space() {
         "the queued write failed after the pool grew"
     );
     assert_eq!(c.read(3 * 65536, 4096), pattern(4, 4096));
+}
+
+/// A discard of a thin's mapped block waits for the I/O already in flight to that
+/// block before it unmaps it. A 32 MiB write to a mapped 32 MiB block is sent, then
+/// a discard of the same block on the same connection: the write is in flight on
+/// the ring's workers for milliseconds, the discard maps in microseconds, so a
+/// discard that unmapped at once would reply first. Had it, the block could be
+/// freed, committed and handed to another thin while the old write was still on
+/// its way to it. After both, the block reads as zeroes (unmapped) and the pool's
+/// metadata passes the checker.
+#[test]
+fn a_discard_waits_for_io_in_flight_to_its_block() {
+    const BLOCK: u64 = 32 * MIB;
+    let s = Scratch::new("engine-discard");
+    let meta = s.sparse("meta", 4 * MIB);
+    let data = s.sparse("data", 4 * BLOCK);
+    let d = Daemon::start("engine-discard");
+    d.create(
+        "pool",
+        &format!(
+            // without passdown: the discard does no I/O of its own that the file
+            // system would order after the write
+            "0 {} thin-pool {} {} {} 0 1 no_discard_passdown",
+            4 * BLOCK / 512,
+            meta.display(),
+            data.display(),
+            BLOCK / 512
+        ),
+    );
+    d.ok(&["message", "pool", "0", "create_thin", "0"]);
+    d.create("t", &format!("0 {} thin /dev/mapper/pool 0", 2 * BLOCK / 512));
+    let mut c = Client::connect(&d.sock(), "t");
+    c.write(0, &pattern(1, 4096)); // provisions block 0
+    let order = completion_order(
+        &mut c,
+        &[
+            (1, WRITE, 0, BLOCK as u32, pattern(2, BLOCK as usize)),
+            (2, TRIM, 0, BLOCK as u32, Vec::new()),
+        ],
+    );
+    assert_eq!(
+        order,
+        vec![1, 2],
+        "the discard completed before the write in flight to its block"
+    );
+    assert_eq!(
+        c.read(0, 65536),
+        vec![0u8; 65536],
+        "the discarded block still reads data"
+    );
+    drop(c);
+    d.remove_closed("t");
+    d.remove_closed("pool");
+    d.ok(&["thin", "check", &meta.display().to_string()]);
 }
 
 /// A target that completes requests later from its own thread (delay) does not

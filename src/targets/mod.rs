@@ -541,11 +541,6 @@ pub trait Target: Send + Sync {
     fn events(&self) -> u64 {
         0
     }
-    /// For targets that other targets look up (thin finds its pool through the
-    /// pool device's table).
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
 }
 
 /// Extents of a device range through a device reference (file holes, or a stacked

@@ -10,7 +10,7 @@
 //! unwritten data. Pieces for a block being provisioned wait in the bio prison and
 //! are requeued when it is mapped; pieces waiting for data space wait in the pool.
 
-use super::{pool::ThinPool, Key, Mode, Pool};
+use super::{Key, Mode, Pool};
 use crate::copier::Copier;
 use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::targets::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
@@ -40,16 +40,17 @@ impl ThinDev {
         let DevRef::Dm(hold) = &pool_dev else {
             return Err(format!("'{}' is not a thin-pool device", args[0]));
         };
-        let pool = {
-            let table = hold.0.live.load_full().ok_or("pool device has no live table")?;
-            let tp = table
-                .entries
-                .first()
-                .and_then(|e| e.target.as_any())
-                .and_then(|a| a.downcast_ref::<ThinPool>())
-                .ok_or_else(|| format!("'{}' is not a thin-pool device", args[0]))?;
-            tp.pool.clone()
-        };
+        // The pool is found in the registry's shared state by the device that owns
+        // it; that device's live table must be a thin-pool now.
+        let is_pool = hold
+            .0
+            .live
+            .load_full()
+            .is_some_and(|t| t.entries.len() == 1 && t.entries[0].target.type_name() == "thin-pool");
+        let pool = is_pool
+            .then(|| r.shared().thin_pools.owned_by(&hold.0))
+            .flatten()
+            .ok_or_else(|| format!("'{}' is not a thin-pool device", args[0]))?;
         let id = arg_u64(args, 1, "device id")?;
         let origin = match args.get(2) {
             None => None,
@@ -341,39 +342,23 @@ impl ThinDev {
         let Some((mut m, found)) = self.lookup_locked(bio, vblock, ctx) else {
             return Ok(());
         };
-        let Some(map) = found else {
+        if found.is_none() {
             drop(m);
             ctx.complete(bio, LeafKind::Drop);
             return Ok(());
+        }
+        // I/O already in flight may still read or write this block: the unmap
+        // waits for it on the pool's thread, with the block in the prison so that
+        // I/O arriving meanwhile waits too (`Pool::commit_now`).
+        m.prison.insert(Key::Virtual(self.id, vblock), Vec::new());
+        let d = super::Discard {
+            id: self.id,
+            vblock,
+            piece: ctx.submit(bio),
+            pool_dev: self.pool_dev.dest(),
         };
-        if let Err(e) = m.md.remove(self.id, vblock) {
-            self.pool.metadata_failed(&mut m, &e);
-            return Self::fail(ctx, bio, errno::EIO);
-        }
-        m.dirty = true;
-        // The block is free only if nothing else shares it; only then may the data
-        // device forget it. (A freed block is handed out again only after a commit,
-        // and a commit first waits for the I/O in flight now, this discard included.)
-        let freed = m.md.data_block_ref_count(map.data_block) == 0;
-        let passdown = freed && m.features.discard_passdown;
-        self.pool.space_returned(&mut m);
-        if passdown {
-            // Remapped under the lock, so counted in the pool device's epoch before
-            // a commit can free the block for another thin to write.
-            let sector = self.data_sector(map.data_block, 0);
-            let first = ctx.leaves.len();
-            if ctx.remap(&self.pool_dev, Bio { sector, ..bio }, 0).is_err() {
-                // The unmap is done; a passdown that cannot go now is skipped (advisory).
-                ctx.leaves.truncate(first);
-                ctx.complete(bio, LeafKind::Drop);
-            }
-            drop(m);
-            Ok(())
-        } else {
-            drop(m);
-            ctx.complete(bio, LeafKind::Drop);
-            Ok(())
-        }
+        self.pool.queue_discard(&mut m, d);
+        Ok(())
     }
 
     /// An empty flush: the metadata must be committed first if it changed; the

@@ -87,6 +87,28 @@ pub struct PoolMd {
     pub out_of_space_since: Option<Instant>,
     /// Thin ids with a live target (cannot be deleted).
     pub active: Vec<u64>,
+    /// Discards of mapped blocks waiting for the I/O already in flight to the
+    /// pool (which may still read or write those blocks) before they unmap.
+    pub discards: Vec<Discard>,
+}
+
+/// What a commit finishes once the pool lock is dropped.
+enum Finish {
+    /// Pieces that waited in a released cell.
+    Requeue(Vec<Pending>),
+    /// A deferred discard: passed down to the data block, done, or failed.
+    Discard(Discard, Result<Option<u64>, i32>),
+}
+
+/// A discard of a mapped block, held in the prison (I/O arriving for the block
+/// waits) until the pool's thread has drained the I/O that may still use the
+/// block, then unmapped (the kernel waits on its all_io deferred set the same way).
+pub struct Discard {
+    pub id: u64,
+    pub vblock: u64,
+    pub piece: Pending,
+    /// Where a passdown goes (the pool device).
+    pub pool_dev: Dest,
 }
 
 pub struct Pool {
@@ -95,6 +117,8 @@ pub struct Pool {
     pub metadata_path: std::path::PathBuf,
     pub block_sectors: u64,
     pub copier: Arc<Copier>,
+    /// One commit at a time (the commit thread, control operations).
+    commit_lock: Mutex<()>,
     /// Commits started (counted under the metadata lock) and completed so far.
     started: AtomicU64,
     commits: AtomicU64,
@@ -111,7 +135,8 @@ pub struct Pool {
 /// A request for a commit, or for the commit thread to stop.
 #[derive(Default)]
 struct CommitSignal {
-    wanted: Mutex<bool>,
+    /// (a commit is wanted, deferred unmaps wait)
+    wanted: Mutex<(bool, bool)>,
     cv: Condvar,
 }
 
@@ -143,6 +168,14 @@ impl Pools {
 
     fn list(&self) -> MutexGuard<'_, PoolList> {
         self.list.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The pool whose device is `dev` (what a thin's table names).
+    pub fn owned_by(&self, dev: &Arc<Device>) -> Option<Arc<Pool>> {
+        self.list().iter().filter_map(|(_, w)| w.upgrade()).find(|p| {
+            let o = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+            o.is_some_and(|o| Arc::ptr_eq(&o, dev))
+        })
     }
 
     /// Commit every live pool (daemon shutdown).
@@ -281,11 +314,13 @@ impl Pool {
                 low_water_hit: false,
                 out_of_space_since: None,
                 active: Vec::new(),
+                discards: Vec::new(),
             }),
             data: data.clone(),
             metadata_path: metadata.path.clone(),
             block_sectors,
             copier: pools.copier(),
+            commit_lock: Mutex::new(()),
             started: AtomicU64::new(0),
             commits: AtomicU64::new(0),
             commit_signal: Arc::new(CommitSignal::default()),
@@ -319,22 +354,115 @@ impl Pool {
             .wanted
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        *w = true;
+        w.0 = true;
         self.commit_signal.cv.notify_one();
         self.started.load(Ordering::SeqCst) + 1
+    }
+
+    /// Queue the discard of a mapped block (the caller holds its prison cell) for
+    /// the pool's thread.
+    pub fn queue_discard(&self, m: &mut PoolMd, d: Discard) {
+        m.discards.push(d);
+        let mut w = self
+            .commit_signal
+            .wanted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        w.1 = true;
+        self.commit_signal.cv.notify_one();
+    }
+
+    /// Carry out the deferred discards without a commit (the next one, at most a
+    /// period later, records them): a discard costs a drain of the I/O in flight,
+    /// not a metadata commit. Pool's thread, or the control path.
+    pub fn discard_now(&self) {
+        let _one = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let discards = std::mem::take(&mut self.lock().discards);
+        if discards.is_empty() {
+            return;
+        }
+        let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        if let Some(d) = dev {
+            if !d.drain_epoch(Duration::from_millis(500)) {
+                self.lock().discards.extend(discards);
+                return; // tried again at the next commit or period
+            }
+        }
+        let after = self.apply_deferred(&mut self.lock(), discards);
+        self.finish_deferred(after);
+    }
+
+    /// Carry out deferred discards once the I/O that entered the pool device before
+    /// they were deferred has finished: nothing then reads or writes the blocks
+    /// they free (later I/O waits in the prison), so a block freed here and handed
+    /// out again after a commit holds no stale I/O. Returns what to finish once
+    /// the lock is dropped.
+    fn apply_deferred(&self, m: &mut PoolMd, discards: Vec<Discard>) -> Vec<Finish> {
+        let mut after = Vec::with_capacity(2 * discards.len());
+        for j in discards {
+            let waiters = m.prison.remove(&Key::Virtual(j.id, j.vblock));
+            after.push(Finish::Requeue(waiters.unwrap_or_default()));
+            if m.mode == Mode::ReadOnly || !m.md.devices().contains(&j.id) {
+                // the pool failed meanwhile: the metadata takes no change (advisory)
+                after.push(Finish::Discard(j, Ok(None)));
+                continue;
+            }
+            let res = m.md.lookup(j.id, j.vblock).and_then(|found| {
+                let Some(map) = found else { return Ok(None) };
+                m.md.remove(j.id, j.vblock)?;
+                Ok(Some(map.data_block))
+            });
+            let res = match res {
+                Ok(Some(b)) => {
+                    m.dirty = true;
+                    // The data device may forget the block only if nothing else shares it.
+                    let freed = m.md.data_block_ref_count(b) == 0;
+                    Ok((freed && m.features.discard_passdown).then_some(b))
+                }
+                Ok(None) => Ok(None),
+                Err(e) => {
+                    self.metadata_failed(m, &e);
+                    Err(crate::io::errno::EIO)
+                }
+            };
+            after.push(Finish::Discard(j, res));
+        }
+        self.space_returned(m);
+        after
+    }
+
+    fn finish_deferred(&self, after: Vec<Finish>) {
+        for f in after {
+            match f {
+                Finish::Requeue(waiters) => waiters.into_iter().for_each(Pending::requeue),
+                Finish::Discard(j, Ok(Some(b))) => {
+                    let bio = j.piece.bio();
+                    let sector = b * self.block_sectors + bio.sector % self.block_sectors;
+                    j.piece
+                        .remap(j.pool_dev, crate::targets::Bio { sector, ..bio }, None);
+                }
+                Finish::Discard(j, Ok(None)) => j.piece.done(),
+                Finish::Discard(j, Err(e)) => j.piece.fail(e),
+            }
+        }
     }
 
     /// Commit now, on this thread (control path, commit thread). Waits for the I/O
     /// that entered the pool before; never call it from an NBD connection thread.
     pub fn commit_now(&self) -> Result<(), String> {
+        let _one = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // The discards deferred so far are carried out by this commit, after its drain.
+        let discards = std::mem::take(&mut self.lock().discards);
         let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
         if let Some(d) = dev {
             if !d.drain_epoch(Duration::from_millis(500)) {
+                self.lock().discards.extend(discards);
                 return Err("I/O in flight did not drain (queued for space?); commit postponed".into());
             }
         }
         let mut m = self.lock();
         self.started.fetch_add(1, Ordering::SeqCst);
+        let after = self.apply_deferred(&mut m, discards);
         let r = if !m.dirty || m.mode == Mode::ReadOnly {
             Ok(())
         } else if let Err(e) = self.data.sync() {
@@ -360,6 +488,7 @@ impl Pool {
             .partition(|w| w.0 <= done);
         m.flush_waiters = later;
         drop(m);
+        self.finish_deferred(after);
         for (_, p, dest) in covered {
             if r.is_ok() {
                 let bio = p.bio();
@@ -560,12 +689,15 @@ fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
 fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
     let mut last = Instant::now();
     loop {
-        let wanted = {
-            let w = signal.wanted.lock().unwrap_or_else(|p| p.into_inner());
-            let (mut w, _) = signal
-                .cv
-                .wait_timeout(w, Duration::from_millis(100))
-                .unwrap_or_else(|p| p.into_inner());
+        let (wanted, deferred) = {
+            let mut w = signal.wanted.lock().unwrap_or_else(|p| p.into_inner());
+            if *w == (false, false) {
+                w = signal
+                    .cv
+                    .wait_timeout(w, Duration::from_millis(100))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
             std::mem::take(&mut *w)
         };
         let Some(pool) = weak.upgrade() else { return };
@@ -586,6 +718,9 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         };
         if give_up {
             pool.requeue_no_space();
+        }
+        if !(wanted || periodic) && (deferred || !pool.lock().discards.is_empty()) {
+            pool.discard_now();
         }
         if wanted || periodic {
             if let Err(e) = pool.commit_now() {

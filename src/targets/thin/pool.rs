@@ -322,7 +322,4 @@ impl Target for ThinPool {
             tracing::warn!("thin-pool suspend: commit failed: {e}");
         }
     }
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
-    }
 }
