@@ -162,7 +162,9 @@ fn suspend_returns_while_a_request_is_queued_for_space() {
 }
 
 /// A discard of a thin's mapped block waits for the I/O already in flight to that
-/// block before it unmaps it. A 32 MiB write to a mapped 32 MiB block is sent, then
+/// block before it unmaps it, also I/O that took the lock-free fast path (which
+/// enters the pool device before it looks the block up). A 32 MiB write to a
+/// mapped 32 MiB block is sent, then
 /// a discard of the same block on the same connection: the write is in flight on
 /// the ring's workers for milliseconds, the discard maps in microseconds, so a
 /// discard that unmapped at once would reply first. Had it, the block could be
@@ -191,7 +193,10 @@ fn a_discard_waits_for_io_in_flight_to_its_block() {
     d.ok(&["message", "pool", "0", "create_thin", "0"]);
     d.create("t", &format!("0 {} thin /dev/mapper/pool 0", 2 * BLOCK / 512));
     let mut c = Client::connect(&d.sock(), "t");
-    c.write(0, &pattern(1, 4096)); // provisions block 0
+    // provisions block 0; a read under the pool lock then caches the mapping,
+    // so the write below takes the lock-free fast path
+    c.write(0, &pattern(1, 4096));
+    assert_eq!(c.read(0, 4096), pattern(1, 4096));
     let order = completion_order(
         &mut c,
         &[

@@ -336,6 +336,29 @@ fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
     Ok((ctx.holds.len() - 1) as u16)
 }
 
+/// Enter `dev` for the request of `ctx` before mapping through it: for a target
+/// that must be counted in a device's in-flight epoch before it looks something up
+/// (thin's lock-free fast path). Some(index) when this call took a new hold, which
+/// [`unhold`] may give back.
+pub(crate) fn hold(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<Option<usize>, MapErr> {
+    if dev.removed.load(Ordering::SeqCst) {
+        return Err(MapErr::Errno(crate::io::errno::EIO));
+    }
+    let before = ctx.holds.len();
+    enter(dev, ctx)?;
+    Ok((ctx.holds.len() > before).then_some(before))
+}
+
+/// Give back the hold [`hold`] took at `index`, if nothing was mapped through it
+/// since (it is still the last one).
+pub(crate) fn unhold(ctx: &mut MapCtx, index: usize) {
+    if index + 1 == ctx.holds.len() {
+        if let Some(h) = ctx.holds.pop() {
+            leave(&h.dev, h.epoch);
+        }
+    }
+}
+
 /// Release every device a request entered (at completion, or before retrying it).
 pub fn release(holds: &mut Vec<Hold>) {
     for h in holds.drain(..) {

@@ -1,7 +1,8 @@
 //! `thin <pool dev> <dev id> [<external origin dev>]`.
 //!
-//! A mapped, unshared block takes the fast path: a lookup under the pool lock and a
-//! remap to the data block, FUA and all, with nothing deferred (seed 000). Only I/O to
+//! A mapped, unshared block takes the fast path: a remap to the data block, FUA and
+//! all, with nothing deferred (seed 000). Reads and non-FUA writes of a block the
+//! thin's cache knows (`fast.rs`) take no lock; the rest look up under the pool lock. Only I/O to
 //! an unmapped block, a write to a shared block, or I/O to a block being provisioned
 //! takes the slow path, and it never blocks the thread that maps: the piece is taken
 //! ([`Pending`](crate::mapper::engine::Pending)); the copy engine's threads prepare the new data block (copied from
@@ -18,6 +19,8 @@ use std::sync::Arc;
 
 pub struct ThinDev {
     pool: Arc<Pool>,
+    /// Mapped, unshared blocks of this thin, read without the pool lock.
+    fast: Arc<super::fast::FastMap>,
     /// The pool device: data I/O is remapped through it.
     pool_dev: DevRef,
     id: u64,
@@ -63,7 +66,7 @@ impl ThinDev {
                 Some((d, f))
             }
         };
-        let discard = {
+        let (discard, fast) = {
             let mut m = pool.lock();
             if !m.md.devices().contains(&id) {
                 return Err(format!(
@@ -71,11 +74,12 @@ impl ThinDev {
                 ));
             }
             m.active.push(id);
-            m.features.discard_enabled
+            (m.features.discard_enabled, m.fast_map(id))
         };
         let bs = pool.block_sectors;
         Ok(ThinDev {
             pool,
+            fast,
             pool_dev,
             id,
             origin,
@@ -101,12 +105,34 @@ impl ThinDev {
     /// One piece within one block.
     fn map_piece(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let (vblock, off) = (bio.sector / self.bs, bio.sector % self.bs);
+        // The fast path without the pool lock: a read, or a write without FUA (a
+        // FUA write asks whether the thin changed since the last commit), of a
+        // block the cache knows mapped and unshared. The pool device is entered
+        // first, so a discard that unmaps the block (it clears the cache entry
+        // before it waits for the pool's I/O to drain) waits for this I/O too.
+        if matches!(bio.op, Op::Read | Op::Write) && !bio.fua {
+            if let DevRef::Dm(pd) = &self.pool_dev {
+                let took = crate::mapper::hold(&pd.0, ctx)?;
+                if let Some(b) = self.fast.get(vblock) {
+                    let sector = self.data_sector(b, off);
+                    return self.remap_pool(Bio { sector, ..bio }, bio, ctx);
+                }
+                if let Some(i) = took {
+                    // a miss: the slow path must not hold the pool's epoch while it
+                    // waits (for space, in the prison)
+                    crate::mapper::unhold(ctx, i);
+                }
+            }
+        }
         let Some((m, found)) = self.lookup_locked(bio, vblock, ctx) else {
             return Ok(());
         };
         match (bio.op, found) {
             // The fast path: reads of any mapped block, writes to unshared ones.
             (Op::Read, Some(map)) | (Op::Write, Some(map @ crate::thin::Mapping { shared: false, .. })) => {
+                if !map.shared {
+                    self.fast.set(vblock, map.data_block);
+                }
                 // A FUA write is durable only with its mapping: if this thin
                 // changed since the last commit, a flush (a commit) follows it
                 // before it completes (the kernel's bio_triggers_commit). Seed
@@ -409,6 +435,9 @@ impl Cell {
     /// or give the block back; either way pieces waiting for it go again.
     fn finish(&self, ok: bool) {
         let mut m = self.pool.lock();
+        if let Some(f) = m.fast.get(&self.id) {
+            f.forget(self.vblock);
+        }
         if ok {
             match m.md.insert(self.id, self.vblock, self.new) {
                 Ok(()) => m.dirty = true,

@@ -9,6 +9,7 @@
 //! is never handed out again while an old write to it could still land.
 
 pub mod device;
+mod fast;
 pub mod pool;
 
 use crate::copier::Copier;
@@ -90,6 +91,23 @@ pub struct PoolMd {
     /// Discards of mapped blocks waiting for the I/O already in flight to the
     /// pool (which may still read or write those blocks) before they unmap.
     pub discards: Vec<Discard>,
+    /// Each active thin's lock-free cache of mapped, unshared blocks.
+    pub fast: HashMap<u64, Arc<fast::FastMap>>,
+}
+
+impl PoolMd {
+    /// The cache of thin `id` (made on first use).
+    pub fn fast_map(&mut self, id: u64) -> Arc<fast::FastMap> {
+        self.fast.entry(id).or_default().clone()
+    }
+
+    /// Forget every cached mapping: a message changed the metadata (create_snap
+    /// shares every block of its origin), or it was rolled back.
+    pub fn forget_fast(&self) {
+        for f in self.fast.values() {
+            f.clear();
+        }
+    }
 }
 
 /// What a commit finishes once the pool lock is dropped.
@@ -315,6 +333,7 @@ impl Pool {
                 out_of_space_since: None,
                 active: Vec::new(),
                 discards: Vec::new(),
+                fast: HashMap::new(),
             }),
             data: data.clone(),
             metadata_path: metadata.path.clone(),
@@ -362,6 +381,9 @@ impl Pool {
     /// Queue the discard of a mapped block (the caller holds its prison cell) for
     /// the pool's thread.
     pub fn queue_discard(&self, m: &mut PoolMd, d: Discard) {
+        if let Some(f) = m.fast.get(&d.id) {
+            f.forget(d.vblock);
+        }
         m.discards.push(d);
         let mut w = self
             .commit_signal
@@ -520,6 +542,7 @@ impl Pool {
             m.mode = Mode::ReadOnly;
             self.events.fetch_add(1, Ordering::Relaxed);
         }
+        m.forget_fast();
         let _ = m.md.abort();
         m.md.set_needs_check(true);
         let _ = m.md.commit();

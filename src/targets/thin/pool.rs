@@ -103,6 +103,9 @@ impl ThinPool {
                 return Err("pool is read-only".into());
             }
             let active = m.active.clone();
+            // create_snap makes every block of its origin shared; delete and the
+            // rest change mappings too: the lock-free caches start over
+            m.forget_fast();
             match f(&mut m.md, &active) {
                 Ok(()) => m.dirty = true,
                 Err(e) => {

@@ -1,0 +1,93 @@
+//! Thin's lock-free fast path: a direct-mapped cache of a thin's mapped, unshared
+//! blocks, read without the pool lock.
+//!
+//! Each slot is one atomic word: a valid bit, the virtual block's high bits (the
+//! low bits are the slot index) and the data block, so a reader never sees half an
+//! entry. Entries are only added under the pool lock, from a lookup that found the
+//! block mapped and unshared, and every change that could make one stale clears it
+//! under the same lock before the change: a discard (its block), a new mapping
+//! (its block), a pool message such as create_snap or delete, and a metadata
+//! failure (all). A reader enters the pool device before it looks (see
+//! `ThinDev::map_piece`), so the commit that frees a block waits for it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const SLOTS_LOG2: u32 = 14;
+const SLOTS: usize = 1 << SLOTS_LOG2;
+const DATA_BITS: u32 = 40;
+const TAG_BITS: u32 = 63 - DATA_BITS;
+const VALID: u64 = 1 << 63;
+
+pub struct FastMap {
+    slots: Box<[AtomicU64]>,
+}
+
+impl Default for FastMap {
+    fn default() -> FastMap {
+        FastMap {
+            slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+fn slot_tag(vblock: u64) -> (usize, u64) {
+    ((vblock as usize) & (SLOTS - 1), vblock >> SLOTS_LOG2)
+}
+
+impl FastMap {
+    /// The data block of `vblock`, if cached.
+    #[inline]
+    pub fn get(&self, vblock: u64) -> Option<u64> {
+        let (i, tag) = slot_tag(vblock);
+        let v = self.slots[i].load(Ordering::SeqCst);
+        (v & VALID != 0 && (v >> DATA_BITS) & ((1 << TAG_BITS) - 1) == tag)
+            .then_some(v & ((1 << DATA_BITS) - 1))
+    }
+
+    /// Cache `vblock` → `data` (mapped and unshared, seen under the pool lock).
+    /// Blocks whose numbers do not fit a slot are not cached.
+    pub fn set(&self, vblock: u64, data: u64) {
+        let (i, tag) = slot_tag(vblock);
+        if tag >= 1 << TAG_BITS || data >= 1 << DATA_BITS {
+            return;
+        }
+        self.slots[i].store(VALID | (tag << DATA_BITS) | data, Ordering::SeqCst);
+    }
+
+    /// Forget whatever the slot of `vblock` holds.
+    pub fn forget(&self, vblock: u64) {
+        self.slots[slot_tag(vblock).0].store(0, Ordering::SeqCst);
+    }
+
+    pub fn clear(&self) {
+        for s in self.slots.iter() {
+            s.store(0, Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_get_forget_and_collisions() {
+        let f = FastMap::default();
+        assert_eq!(f.get(5), None);
+        f.set(5, 77);
+        assert_eq!(f.get(5), Some(77));
+        // same slot, other block: not confused with it
+        assert_eq!(f.get(5 + SLOTS as u64), None);
+        f.set(5 + SLOTS as u64, 9);
+        assert_eq!(f.get(5), None);
+        assert_eq!(f.get(5 + SLOTS as u64), Some(9));
+        f.forget(5);
+        assert_eq!(f.get(5 + SLOTS as u64), None);
+        // too large to cache
+        f.set(1, 1 << DATA_BITS);
+        assert_eq!(f.get(1), None);
+        f.set(2, 3);
+        f.clear();
+        assert_eq!(f.get(2), None);
+    }
+}
