@@ -234,7 +234,7 @@ fn full_cow_invalidates_or_overflows() {
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(snap);
-    d.ok(&["remove", "snap"]);
+    d.remove_closed("snap");
     d.create("snap", &t1);
     assert_eq!(status(&d, "snap"), "0 16384 snapshot Invalid");
 

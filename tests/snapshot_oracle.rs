@@ -60,8 +60,8 @@ fn cow_stores_cross_between_dmkit_and_the_kernel() {
         let snap = read_all(&mut sn);
         let st = status(&d, "sn");
         drop((lv, sn));
-        d.ok(&["remove", "sn"]);
-        d.ok(&["remove", "lv"]);
+        d.remove_closed("sn");
+        d.remove_closed("lv");
         (snap, st)
     };
     let b_model = {
@@ -83,8 +83,8 @@ fn cow_stores_cross_between_dmkit_and_the_kernel() {
             "slow",
             &format!("0 {SECTORS} delay {o} 0 0 {o} 0 20", o = ob.display()),
         );
-        d.ok(&["remove", "sn"]);
-        d.ok(&["remove", "lv"]);
+        d.remove_closed("sn");
+        d.remove_closed("lv");
         d.create(
             "m",
             &format!("0 {SECTORS} snapshot-merge /dev/mapper/slow {} P 8", cb.display()),

@@ -606,7 +606,7 @@ pub fn construct(
         "flakey" => Ok(Box::new(flakey::Flakey::new(args, len, r)?)),
         "delay" => Ok(Box::new(delay::Delay::new(args, len, r)?)),
         "thin-pool" => Ok(Box::new(thin::pool::ThinPool::new(args, len, r)?)),
-        "thin" => Ok(Box::new(thin::device::ThinDev::new(args, r)?)),
+        "thin" => Ok(Box::new(thin::device::ThinDev::new(args, len, r)?)),
         "snapshot-origin" => Ok(Box::new(snapshot::OriginTarget::new(args, len, r)?)),
         "snapshot" => Ok(Box::new(snapshot::SnapshotTarget::new(args, len, r, false)?)),
         "snapshot-merge" => Ok(Box::new(snapshot::SnapshotTarget::new(args, len, r, true)?)),

@@ -30,7 +30,7 @@ pub struct ThinDev {
 }
 
 impl ThinDev {
-    pub fn new(args: &[String], r: &dyn Resolver) -> Result<ThinDev, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<ThinDev, String> {
         if !(2..=3).contains(&args.len()) {
             return Err(format!(
                 "thin takes 2 or 3 arguments (<pool dev> <dev id> [<external origin dev>]), got {}",
@@ -74,7 +74,10 @@ impl ThinDev {
                 ));
             }
             m.active.push(id);
-            (m.features.discard_enabled, m.fast_map(id))
+            (
+                m.features.discard_enabled,
+                m.fast_map(id, len.div_ceil(pool.block_sectors)),
+            )
         };
         let bs = pool.block_sectors;
         Ok(ThinDev {
@@ -463,6 +466,10 @@ impl Drop for ThinDev {
         let mut m = self.pool.lock();
         if let Some(i) = m.active.iter().position(|&x| x == self.id) {
             m.active.swap_remove(i);
+        }
+        // the last table of this thin takes its cache along (the pool's and ours)
+        if m.fast.get(&self.id).is_some_and(|f| Arc::strong_count(f) <= 2) {
+            m.fast.remove(&self.id);
         }
     }
 }

@@ -12,33 +12,41 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-const SLOTS_LOG2: u32 = 14;
-const SLOTS: usize = 1 << SLOTS_LOG2;
+/// At most 2^14 slots (128 KiB) per active thin: a thin of up to 16 Ki blocks
+/// (1 GiB of 64 KiB blocks) is cached whole; a larger one keeps the blocks last
+/// looked up, one per slot, and the others take the locked path.
+const MAX_SLOTS_LOG2: u32 = 14;
 const DATA_BITS: u32 = 40;
 const TAG_BITS: u32 = 63 - DATA_BITS;
 const VALID: u64 = 1 << 63;
 
 pub struct FastMap {
     slots: Box<[AtomicU64]>,
-}
-
-impl Default for FastMap {
-    fn default() -> FastMap {
-        FastMap {
-            slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
-        }
-    }
-}
-
-fn slot_tag(vblock: u64) -> (usize, u64) {
-    ((vblock as usize) & (SLOTS - 1), vblock >> SLOTS_LOG2)
+    log2: u32,
 }
 
 impl FastMap {
+    /// A cache for a thin of `blocks` blocks.
+    pub fn new(blocks: u64) -> FastMap {
+        let log2 = blocks
+            .max(2)
+            .next_power_of_two()
+            .trailing_zeros()
+            .min(MAX_SLOTS_LOG2);
+        FastMap {
+            slots: (0..1usize << log2).map(|_| AtomicU64::new(0)).collect(),
+            log2,
+        }
+    }
+
+    fn slot_tag(&self, vblock: u64) -> (usize, u64) {
+        ((vblock as usize) & ((1 << self.log2) - 1), vblock >> self.log2)
+    }
+
     /// The data block of `vblock`, if cached.
     #[inline]
     pub fn get(&self, vblock: u64) -> Option<u64> {
-        let (i, tag) = slot_tag(vblock);
+        let (i, tag) = self.slot_tag(vblock);
         let v = self.slots[i].load(Ordering::SeqCst);
         (v & VALID != 0 && (v >> DATA_BITS) & ((1 << TAG_BITS) - 1) == tag)
             .then_some(v & ((1 << DATA_BITS) - 1))
@@ -47,7 +55,7 @@ impl FastMap {
     /// Cache `vblock` → `data` (mapped and unshared, seen under the pool lock).
     /// Blocks whose numbers do not fit a slot are not cached.
     pub fn set(&self, vblock: u64, data: u64) {
-        let (i, tag) = slot_tag(vblock);
+        let (i, tag) = self.slot_tag(vblock);
         if tag >= 1 << TAG_BITS || data >= 1 << DATA_BITS {
             return;
         }
@@ -56,7 +64,7 @@ impl FastMap {
 
     /// Forget whatever the slot of `vblock` holds.
     pub fn forget(&self, vblock: u64) {
-        self.slots[slot_tag(vblock).0].store(0, Ordering::SeqCst);
+        self.slots[self.slot_tag(vblock).0].store(0, Ordering::SeqCst);
     }
 
     pub fn clear(&self) {
@@ -70,9 +78,12 @@ impl FastMap {
 mod tests {
     use super::*;
 
+    const SLOTS: usize = 1 << MAX_SLOTS_LOG2;
+
     #[test]
     fn set_get_forget_and_collisions() {
-        let f = FastMap::default();
+        let f = FastMap::new(1 << 40);
+        assert_eq!(f.slots.len(), SLOTS);
         assert_eq!(f.get(5), None);
         f.set(5, 77);
         assert_eq!(f.get(5), Some(77));
@@ -89,5 +100,16 @@ mod tests {
         f.set(2, 3);
         f.clear();
         assert_eq!(f.get(2), None);
+    }
+
+    #[test]
+    fn small_thins_get_small_caches() {
+        let f = FastMap::new(3);
+        assert_eq!(f.slots.len(), 4);
+        f.set(1, 10);
+        f.set(5, 50); // the same slot as 1
+        assert_eq!(f.get(1), None);
+        assert_eq!(f.get(5), Some(50));
+        assert_eq!(FastMap::new(0).slots.len(), 2);
     }
 }

@@ -96,9 +96,13 @@ pub struct PoolMd {
 }
 
 impl PoolMd {
-    /// The cache of thin `id` (made on first use).
-    pub fn fast_map(&mut self, id: u64) -> Arc<fast::FastMap> {
-        self.fast.entry(id).or_default().clone()
+    /// The cache of thin `id`, made on first use with a slot per block of its
+    /// `blocks` (up to a bound), and dropped with the thin's last table.
+    pub fn fast_map(&mut self, id: u64, blocks: u64) -> Arc<fast::FastMap> {
+        self.fast
+            .entry(id)
+            .or_insert_with(|| Arc::new(fast::FastMap::new(blocks)))
+            .clone()
     }
 
     /// Forget every cached mapping: a message changed the metadata (create_snap
