@@ -35,21 +35,15 @@ pub enum Sqe {
         offset: u64,
         len: u64,
     },
-    Recv {
-        fd: RawFd,
-        buf: *mut u8,
-        len: u32,
-    },
     SendMsg {
         fd: RawFd,
         msg: *const libc::msghdr,
     },
-    /// Report when `fd` is readable (the result is the poll mask). `multi` keeps it
-    /// armed: every time data arrives another completion follows, until one comes
-    /// without [`more`](IoQueue::drain_flags) (the synchronous backend reports once).
+    /// Report when `fd` is readable (the result is the poll mask), multishot: every
+    /// time data arrives another completion follows, until one comes without
+    /// [`more`](IoQueue::drain_flags) (the synchronous backend reports once).
     PollIn {
         fd: RawFd,
-        multi: bool,
     },
     /// Read an eventfd's counter (8 bytes) once it is signalled: how another thread
     /// wakes this queue's owner.
@@ -63,8 +57,9 @@ pub struct IoQueue {
     ring: Option<IoUring>,
     /// Completions of the synchronous backend, and of io_uring submissions that failed.
     done: VecDeque<(u64, i32)>,
-    /// The synchronous backend's pending receives and wake reads (user data, fd,
-    /// buffer, length): they block only in `wait`, which polls them together.
+    /// The synchronous backend's pending readiness polls and wake reads (user data,
+    /// fd, buffer (null for a poll), length): they block only in `wait`, which
+    /// polls them together.
     pending_recv: Vec<(u64, RawFd, *mut u8, u32)>,
     queued: usize,
 }
@@ -177,13 +172,12 @@ impl IoQueue {
                 .offset(offset)
                 .mode(mode)
                 .build(),
-            Sqe::Recv { fd, buf, len } => opcode::Recv::new(types::Fd(fd), buf, len).build(),
             Sqe::SendMsg { fd, msg } => opcode::SendMsg::new(types::Fd(fd), msg)
                 .flags(libc::MSG_NOSIGNAL as u32)
                 .build(),
-            Sqe::PollIn { fd, multi } => {
+            Sqe::PollIn { fd } => {
                 opcode::PollAdd::new(types::Fd(fd), (libc::POLLIN | libc::POLLRDHUP) as u32)
-                    .multi(multi)
+                    .multi(true)
                     .build()
             }
             Sqe::Wake { fd, buf } => opcode::Read::new(types::Fd(fd), buf, 8).build(),
@@ -315,15 +309,11 @@ impl IoQueue {
                     offset,
                     len,
                 } => libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) as isize,
-                Sqe::Recv { fd, buf, len } => {
-                    self.pending_recv.push((user_data, fd, buf, len));
-                    return;
-                }
                 Sqe::Wake { fd, buf } => {
                     self.pending_recv.push((user_data, fd, buf, 8));
                     return;
                 }
-                Sqe::PollIn { fd, .. } => {
+                Sqe::PollIn { fd } => {
                     // no buffer: `sync_wait_recv` reports readiness without reading
                     self.pending_recv.push((user_data, fd, std::ptr::null_mut(), 0));
                     return;

@@ -31,6 +31,8 @@ const KIND_FRONTEND: u64 = 2;
 /// A frontend's readiness poll: it names no memory and may stay armed when the
 /// engine is idle, so it is not counted in `ops`.
 const KIND_POLL: u64 = 3;
+/// The frontend's tag in the user data below the kind.
+const TAG_MASK: u64 = (1 << KIND_SHIFT) - 1;
 const ZERO_BUF: usize = 1 << 20;
 
 /// Largest read or write done inline on a memory filesystem.
@@ -368,24 +370,18 @@ impl Engine {
     pub unsafe fn push_io(&mut self, op: Sqe, tag: u64) {
         self.ops += 1;
         // SAFETY: the caller's guarantee, passed on.
-        unsafe {
-            self.q.push(
-                op,
-                (KIND_FRONTEND << KIND_SHIFT) | (tag & ((1 << KIND_SHIFT) - 1)),
-            )
-        };
+        unsafe { self.q.push(op, (KIND_FRONTEND << KIND_SHIFT) | (tag & TAG_MASK)) };
     }
 
     /// Report (as an [`IoEvent`] with `tag`) whenever `fd` becomes readable, until
     /// an event comes with `more` false. It names no memory, so it may stay armed
     /// when the frontend goes: the ring's teardown cancels it.
     pub fn poll_in(&mut self, fd: RawFd, tag: u64) {
-        let op = Sqe::PollIn { fd, multi: true };
         // SAFETY: a poll names no memory.
         unsafe {
             self.q
-                .push(op, (KIND_POLL << KIND_SHIFT) | (tag & ((1 << KIND_SHIFT) - 1)));
-        }
+                .push(Sqe::PollIn { fd }, (KIND_POLL << KIND_SHIFT) | (tag & TAG_MASK))
+        };
     }
 
     fn push(&mut self, op: Sqe, ud: u64) {
@@ -424,8 +420,11 @@ impl Engine {
         let mut cq = std::mem::take(&mut self.cq);
         self.q.drain_flags(|u, r, more| {
             if u >> KIND_SHIFT == KIND_POLL {
-                let tag = u & ((1 << KIND_SHIFT) - 1);
-                self.io_events.push(IoEvent { tag, res: r, more });
+                self.io_events.push(IoEvent {
+                    tag: u & TAG_MASK,
+                    res: r,
+                    more,
+                });
             } else {
                 cq.push((u, r));
             }
@@ -439,7 +438,7 @@ impl Engine {
                     self.take_inbox();
                 }
                 _ => self.io_events.push(IoEvent {
-                    tag: u & ((1 << KIND_SHIFT) - 1),
+                    tag: u & TAG_MASK,
                     res: r,
                     more: false,
                 }),

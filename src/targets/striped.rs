@@ -126,8 +126,9 @@ impl Target for Striped {
             }
             Op::Discard | Op::WriteZeroes => self.map_range_per_stripe(bio, ctx),
             Op::Read | Op::Write => {
-                // The engine splits at chunk boundaries (max_io_len); a bio from
-                // elsewhere may still span chunks.
+                // The engine splits at chunk boundaries (max_io_len), so this runs
+                // once; it stays a loop so a bio spanning chunks could never land
+                // on the wrong stripe.
                 let mut done = 0;
                 while done < bio.nr_sectors {
                     let sector = bio.sector + done;

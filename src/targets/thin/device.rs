@@ -2,9 +2,9 @@
 //!
 //! A mapped, unshared block takes the fast path: a remap to the data block, FUA and
 //! all, with nothing deferred (seed 000). Reads and non-FUA writes of a block the
-//! thin's cache knows (`fast.rs`) take no lock; the rest look up under the pool lock. Only I/O to
-//! an unmapped block, a write to a shared block, or I/O to a block being provisioned
-//! takes the slow path, and it never blocks the thread that maps: the piece is taken
+//! thin's cache knows (`fast.rs`) take no lock; the rest look up under the pool
+//! lock. Only I/O to an unmapped block, a write to a shared block, or I/O to a
+//! block being provisioned takes the slow path, and it never blocks the thread that maps: the piece is taken
 //! ([`Pending`](crate::mapper::engine::Pending)); the copy engine's threads prepare the new data block (copied from
 //! the shared block or the origin, or zeroed); the write is then sent on to it, and
 //! the mapping is inserted once the write has landed, so a crash never exposes
@@ -438,9 +438,7 @@ impl Cell {
     /// or give the block back; either way pieces waiting for it go again.
     fn finish(&self, ok: bool) {
         let mut m = self.pool.lock();
-        if let Some(f) = m.fast.get(&self.id) {
-            f.forget(self.vblock);
-        }
+        m.forget_block(self.id, self.vblock);
         if ok {
             match m.md.insert(self.id, self.vblock, self.new) {
                 Ok(()) => m.dirty = true,

@@ -105,6 +105,13 @@ impl PoolMd {
             .clone()
     }
 
+    /// Forget the cached mapping of `vblock` of thin `id` (it is about to change).
+    pub fn forget_block(&self, id: u64, vblock: u64) {
+        if let Some(f) = self.fast.get(&id) {
+            f.forget(vblock);
+        }
+    }
+
     /// Forget every cached mapping: a message changed the metadata (create_snap
     /// shares every block of its origin), or it was rolled back.
     pub fn forget_fast(&self) {
@@ -372,30 +379,39 @@ impl Pool {
     /// so every change made so far is in the next commit to start; returns the commit
     /// count that, once reached, covers them.
     pub fn request_commit(&self, _m: &PoolMd) -> u64 {
-        let mut w = self
-            .commit_signal
-            .wanted
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        w.0 = true;
-        self.commit_signal.cv.notify_one();
+        self.signal(|w| w.0 = true);
         self.started.load(Ordering::SeqCst) + 1
     }
 
     /// Queue the discard of a mapped block (the caller holds its prison cell) for
     /// the pool's thread.
     pub fn queue_discard(&self, m: &mut PoolMd, d: Discard) {
-        if let Some(f) = m.fast.get(&d.id) {
-            f.forget(d.vblock);
-        }
+        m.forget_block(d.id, d.vblock);
         m.discards.push(d);
+        self.signal(|w| w.1 = true);
+    }
+
+    /// Mark what the pool's thread is wanted for, and wake it.
+    fn signal(&self, mark: impl FnOnce(&mut (bool, bool))) {
         let mut w = self
             .commit_signal
             .wanted
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        w.1 = true;
+        mark(&mut w);
         self.commit_signal.cv.notify_one();
+    }
+
+    /// Take the deferred discards and wait for the I/O that entered the pool
+    /// device before: None (the discards put back) if it did not drain in time.
+    fn take_drained_discards(&self) -> Option<Vec<Discard>> {
+        let discards = std::mem::take(&mut self.lock().discards);
+        let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        if dev.is_some_and(|d| !d.drain_epoch(Duration::from_millis(500))) {
+            self.lock().discards.extend(discards);
+            return None;
+        }
+        Some(discards)
     }
 
     /// Carry out the deferred discards without a commit (the next one, at most a
@@ -403,19 +419,14 @@ impl Pool {
     /// not a metadata commit. Pool's thread, or the control path.
     pub fn discard_now(&self) {
         let _one = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let discards = std::mem::take(&mut self.lock().discards);
-        if discards.is_empty() {
+        if self.lock().discards.is_empty() {
             return;
         }
-        let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
-        if let Some(d) = dev {
-            if !d.drain_epoch(Duration::from_millis(500)) {
-                self.lock().discards.extend(discards);
-                return; // tried again at the next commit or period
-            }
+        // not drained: tried again at the next commit or period
+        if let Some(discards) = self.take_drained_discards() {
+            let after = self.apply_deferred(&mut self.lock(), discards);
+            self.finish_deferred(after);
         }
-        let after = self.apply_deferred(&mut self.lock(), discards);
-        self.finish_deferred(after);
     }
 
     /// Carry out deferred discards once the I/O that entered the pool device before
@@ -478,14 +489,9 @@ impl Pool {
     pub fn commit_now(&self) -> Result<(), String> {
         let _one = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
         // The discards deferred so far are carried out by this commit, after its drain.
-        let discards = std::mem::take(&mut self.lock().discards);
-        let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
-        if let Some(d) = dev {
-            if !d.drain_epoch(Duration::from_millis(500)) {
-                self.lock().discards.extend(discards);
-                return Err("I/O in flight did not drain (queued for space?); commit postponed".into());
-            }
-        }
+        let Some(discards) = self.take_drained_discards() else {
+            return Err("I/O in flight did not drain (queued for space?); commit postponed".into());
+        };
         let mut m = self.lock();
         self.started.fetch_add(1, Ordering::SeqCst);
         let after = self.apply_deferred(&mut m, discards);
@@ -716,7 +722,8 @@ fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
 fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
     let mut last = Instant::now();
     loop {
-        let (wanted, deferred) = {
+        // a discard only wakes the thread: `discard_now` finds the work itself
+        let (wanted, _) = {
             let mut w = signal.wanted.lock().unwrap_or_else(|p| p.into_inner());
             if *w == (false, false) {
                 w = signal
@@ -746,14 +753,13 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         if give_up {
             pool.requeue_no_space();
         }
-        if !(wanted || periodic) && (deferred || !pool.lock().discards.is_empty()) {
-            pool.discard_now();
-        }
         if wanted || periodic {
             if let Err(e) = pool.commit_now() {
                 tracing::warn!("thin-pool {}: commit failed: {e}", pool.metadata_path.display());
             }
             last = Instant::now();
+        } else {
+            pool.discard_now();
         }
     }
 }
