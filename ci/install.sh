@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and benchmarks need, when missing: the real
-# NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools, e2fsprogs, and for the
-# kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup.
+# NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools, e2fsprogs, for the
+# kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup,
+# and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
+# ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra).
 # Then fetches the oracle's kernel. Idempotent: with everything present it only checks.
 #
 # qemu: a machine may carry a newer qemu-utils (a backport) than the distribution's
@@ -19,6 +21,8 @@ tools=(
   mkfs.ext4:e2fsprogs e2fsck:e2fsprogs fusermount3:fuse3
   losetup:mount fsfreeze:util-linux fstrim:util-linux mount:mount
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup
+  ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
+  rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
@@ -31,6 +35,9 @@ for pair in "${tools[@]}"; do
   fi
 done
 installed busybox-static || missing+=(busybox-static) # busybox alone is not static
+installed librbd-dev || missing+=(librbd-dev)
+# qemu's rbd driver, at the version of the qemu installed (or about to be)
+installed qemu-block-extra || missing+=(qemu-block-extra)
 
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo=sudo
@@ -45,7 +52,7 @@ if ((${#missing[@]})); then
   qemu=0
   for pkg in "${missing[@]}"; do
     case $pkg in
-      qemu-utils | qemu-system-x86) qemu=1 ;;
+      qemu-utils | qemu-system-x86 | qemu-block-extra) qemu=1 ;;
       *) plain+=("$pkg") ;;
     esac
   done
@@ -59,14 +66,16 @@ if ((${#missing[@]})); then
       exit 1
     fi
     echo "qemu-system-x86 and qemu-utils at $v"
-    apt_install --allow-downgrades "qemu-system-x86=$v" "qemu-utils=$v"
+    apt_install --allow-downgrades "qemu-system-x86=$v" "qemu-utils=$v" "qemu-block-extra=$v"
   fi
 fi
 
 for pair in "${tools[@]}"; do
   has "${pair%%:*}" || { echo "ci/install.sh: ${pair%%:*} still missing after install" >&2; exit 1; }
 done
-installed busybox-static || { echo "ci/install.sh: busybox-static still missing" >&2; exit 1; }
+for pkg in busybox-static librbd-dev qemu-block-extra; do
+  installed "$pkg" || { echo "ci/install.sh: $pkg still missing" >&2; exit 1; }
+done
 
 # The thin-provisioning-tools 1.x reference (Debian trixie's build; bookworm has 0.9),
 # unpacked beside the system without touching its apt sources: the tests run each

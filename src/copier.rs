@@ -348,7 +348,7 @@ impl Job<'_> {
     /// No file of the job does direct I/O: each is buffered (no O_DIRECT
     /// descriptor) or on a memory filesystem.
     fn no_direct_io(&self) -> bool {
-        let buffered = |h: &FileHandle| h.direct_fd < 0 || h.in_memory;
+        let buffered = |h: &FileHandle| h.rbd.is_none() && (h.direct_fd < 0 || h.in_memory);
         self.src.is_none_or(|(_, h, _)| buffered(&h)) && self.handles.iter().flatten().all(buffered)
     }
 }
@@ -460,7 +460,9 @@ impl Local {
     /// # Safety
     /// As [`IoQueue::push`]: the memory `op` names stays valid and untouched until reaped.
     unsafe fn push(&mut self, sync: bool, op: Sqe, ud: u64) {
-        let q = if sync {
+        // RBD operations complete asynchronously whatever the queue: they go where
+        // `reap` waits.
+        let q = if sync && !matches!(op, Sqe::Rbd { .. }) {
             self.sync_queue.get_or_insert_with(IoQueue::synchronous)
         } else {
             self.queue.get_or_insert_with(|| IoQueue::new(RING_ENTRIES))
@@ -517,15 +519,8 @@ impl Local {
 /// fallocate(ZERO_RANGE|KEEP_SIZE) on every destination at once. Returns the mask of
 /// destinations that do not support it (to be zeroed by writes).
 fn fallocate_all(l: &mut Local, dests: &[(&BackingFile, u64)], len: u64, sync: bool) -> io::Result<u32> {
-    let mode = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
     for (i, (f, off)) in dests.iter().enumerate() {
-        let fd = f.handle().buffered_fd;
-        let op = Sqe::Fallocate {
-            fd,
-            mode,
-            offset: *off,
-            len,
-        };
+        let op = f.handle().zero(false, *off, len);
         // SAFETY: fallocate names no memory.
         unsafe { l.push(sync, op, i as u64) };
     }
@@ -672,14 +667,8 @@ impl Engine<'_> {
         let addr = slot.base.wrapping_add((seg.buf + seg.done) as usize);
         let offset = src_off + seg.src + seg.done;
         let len = seg.len - seg.done;
-        let fd = h.fd_for(addr as usize, offset, len);
         slot.pending += 1;
-        let op = Sqe::Read {
-            fd,
-            buf: addr,
-            len: len as u32,
-            offset,
-        };
+        let op = h.read(addr, len, offset);
         // SAFETY: `addr..addr+len` lies in buffer `s` of this thread, which nothing else
         // touches until this read is reaped: `run` reaps every operation before it returns,
         // and a failing ring leaks the buffers (`Local::broken`).
@@ -701,15 +690,8 @@ impl Engine<'_> {
         let addr = slot.base.wrapping_add(done as usize);
         let offset = self.job.dests[d].1 + slot.dst + done;
         let len = slot.len - done;
-        let fd = h.fd_for(addr as usize, offset, len);
         slot.pending += 1;
-        let op = Sqe::Write {
-            fd,
-            buf: addr,
-            len: len as u32,
-            offset,
-            dsync: false,
-        };
+        let op = h.write(addr, len, offset, false);
         // SAFETY: `addr..addr+len` lies in buffer `s` (not written again until every write
         // of the piece is reaped) or the never-written zero buffer; see `issue_read`.
         unsafe { l.push(self.sync, op, (s as u64) << 8 | d as u64) };

@@ -7,13 +7,20 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use super::queue::Sqe;
+use super::rbd::{RbdImage, RbdOp, RbdRef, RbdSpec};
+
 /// A regular file or block device that tables map onto. Opened twice: with O_DIRECT
 /// (when the file system allows it) for aligned I/O, and buffered for the rest.
 #[derive(Debug)]
 pub struct BackingFile {
+    /// The path, or for an RBD image its `rbd:` name.
     pub path: PathBuf,
-    buffered: File,
+    /// None for an RBD image.
+    buffered: Option<File>,
     direct: Option<File>,
+    /// An RBD image instead of a file (`io::rbd`).
+    pub rbd: Option<RbdImage>,
     /// Alignment (bytes) O_DIRECT needs for offsets, lengths and memory.
     pub dio_align: u32,
     /// Logical block size in bytes (512 for regular files).
@@ -40,6 +47,8 @@ pub struct FileHandle {
     pub dio_align: u32,
     /// See [`BackingFile::in_memory`].
     pub in_memory: bool,
+    /// An RBD image (the descriptors are then -1).
+    pub rbd: Option<RbdRef>,
 }
 
 impl FileHandle {
@@ -54,7 +63,95 @@ impl FileHandle {
             self.buffered_fd
         }
     }
+
+    /// Read `len` bytes at `offset` into `buf`.
+    #[inline]
+    pub fn read(&self, buf: *mut u8, len: u64, offset: u64) -> Sqe {
+        match self.rbd {
+            Some(img) => Sqe::Rbd {
+                img,
+                op: RbdOp::Read,
+                buf,
+                len,
+                offset,
+            },
+            None => Sqe::Read {
+                fd: self.fd_for(buf as usize, offset, len),
+                buf,
+                len: len as u32,
+                offset,
+            },
+        }
+    }
+
+    /// Write `len` bytes from `buf` at `offset`; `fua`: durable before completion.
+    #[inline]
+    pub fn write(&self, buf: *const u8, len: u64, offset: u64, fua: bool) -> Sqe {
+        match self.rbd {
+            Some(img) => Sqe::Rbd {
+                img,
+                op: RbdOp::Write { fua },
+                buf: buf.cast_mut(),
+                len,
+                offset,
+            },
+            None => Sqe::Write {
+                fd: self.fd_for(buf as usize, offset, len),
+                buf,
+                len: len as u32,
+                offset,
+                dsync: fua,
+            },
+        }
+    }
+
+    /// Make completed writes durable.
+    pub fn flush(&self) -> Sqe {
+        match self.rbd {
+            Some(img) => Sqe::Rbd {
+                img,
+                op: RbdOp::Flush,
+                buf: std::ptr::null_mut(),
+                len: 0,
+                offset: 0,
+            },
+            None => Sqe::Fsync { fd: self.buffered_fd },
+        }
+    }
+
+    /// Deallocate a range (a file's hole reads as zeroes; an image's discard
+    /// promises nothing about the data).
+    pub fn discard(&self, offset: u64, len: u64) -> Sqe {
+        self.range(RbdOp::Discard, PUNCH, offset, len)
+    }
+
+    /// Zero a range; `punch` lets a file deallocate it.
+    pub fn zero(&self, punch: bool, offset: u64, len: u64) -> Sqe {
+        let mode = if punch { PUNCH } else { ZERO_RANGE };
+        self.range(RbdOp::WriteZeroes, mode, offset, len)
+    }
+
+    fn range(&self, op: RbdOp, mode: i32, offset: u64, len: u64) -> Sqe {
+        match self.rbd {
+            Some(img) => Sqe::Rbd {
+                img,
+                op,
+                buf: std::ptr::null_mut(),
+                len,
+                offset,
+            },
+            None => Sqe::Fallocate {
+                fd: self.buffered_fd,
+                mode,
+                offset,
+                len,
+            },
+        }
+    }
 }
+
+const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
 
 impl BackingFile {
     /// Open `path` read-write (or read-only). `direct` asks for O_DIRECT where possible.
@@ -105,8 +202,9 @@ impl BackingFile {
         };
         Ok(BackingFile {
             path: path.to_path_buf(),
-            buffered,
+            buffered: Some(buffered),
             direct: direct_file,
+            rbd: None,
             dio_align,
             logical_block_size,
             is_block_device,
@@ -118,49 +216,147 @@ impl BackingFile {
         })
     }
 
+    /// Open an RBD image (`rbd:` names); writable ones with the exclusive lock.
+    pub fn open_rbd(spec: &RbdSpec, read_only: bool) -> Result<BackingFile, String> {
+        let img = RbdImage::open(spec, read_only)?;
+        Ok(BackingFile {
+            path: PathBuf::from(spec.to_string()),
+            buffered: None,
+            direct: None,
+            rbd: Some(img),
+            dio_align: 512,
+            logical_block_size: 512,
+            is_block_device: false,
+            identity: Self::rbd_identity(spec),
+            rdev: None,
+            read_only,
+            in_memory: false,
+            flushes: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// An image's identity: one per image of one cluster, whatever user opens it.
+    pub fn rbd_identity(spec: &RbdSpec) -> (u64, u64) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(&(&spec.conf, &spec.pool, &spec.image), &mut h);
+        (u64::MAX, std::hash::Hasher::finish(&h))
+    }
+
     pub fn handle(&self) -> FileHandle {
         FileHandle {
-            buffered_fd: self.buffered.as_raw_fd(),
+            buffered_fd: self.buffered.as_ref().map_or(-1, |f| f.as_raw_fd()),
             direct_fd: self.direct.as_ref().map_or(-1, |f| f.as_raw_fd()),
             dio_align: self.dio_align,
             in_memory: self.in_memory,
+            rbd: self.rbd.as_ref().map(RbdImage::handle),
         }
     }
 
-    /// Size in bytes (block devices ask the kernel; files stat).
+    /// The open file (None for an RBD image).
+    fn f(&self) -> io::Result<&File> {
+        self.buffered
+            .as_ref()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "not a file"))
+    }
+
+    /// Size in bytes (block devices ask the kernel; files stat; images librbd).
     pub fn size(&self) -> io::Result<u64> {
+        if let Some(img) = &self.rbd {
+            return img.size();
+        }
         if self.is_block_device {
-            let mut f = &self.buffered;
+            let mut f = self.f()?;
             use std::io::Seek;
             f.seek(io::SeekFrom::End(0))
         } else {
-            Ok(self.buffered.metadata()?.len())
+            Ok(self.f()?.metadata()?.len())
         }
     }
 
-    pub fn file(&self) -> &File {
-        &self.buffered
+    /// The file itself, where there is one (not for an RBD image).
+    pub fn file(&self) -> Option<&File> {
+        self.buffered.as_ref()
     }
 
     /// Make everything written durable.
     pub fn sync(&self) -> io::Result<()> {
         self.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.buffered.sync_data()?;
-        super::sim::on_flush(self.buffered.as_raw_fd());
+        if let Some(img) = &self.rbd {
+            return img.flush();
+        }
+        let f = self.f()?;
+        f.sync_data()?;
+        super::sim::on_flush(f.as_raw_fd());
+        Ok(())
+    }
+
+    /// Read at byte `off`, synchronously; past the end reads as zeroes.
+    pub fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut done = 0;
+        if let Some(f) = &self.buffered {
+            super::sim::on_read(f.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
+        }
+        while done < buf.len() {
+            let at = off + done as u64;
+            let n = match &self.rbd {
+                Some(img) => img.read_at(&mut buf[done..], at)?,
+                None => self.f()?.read_at(&mut buf[done..], at)?,
+            };
+            if n == 0 {
+                buf[done..].fill(0);
+                break;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Write at byte `off`, synchronously; `fua`: durable before returning.
+    pub fn write_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        if let Some(img) = &self.rbd {
+            img.write_all_at(buf, off)?;
+            return if fua { img.flush() } else { Ok(()) };
+        }
+        let f = self.f()?;
+        let fd = f.as_raw_fd();
+        super::sim::on_write(fd, off, buf, fua).map_err(io::Error::from_raw_os_error)?;
+        f.write_all_at(buf, off)?;
+        if fua {
+            f.sync_data()?;
+            super::sim::on_flush(fd);
+        }
+        Ok(())
+    }
+
+    /// Discard a range, synchronously (a file gets a hole).
+    pub fn discard_at(&self, off: u64, len: u64) -> io::Result<()> {
+        if let Some(img) = &self.rbd {
+            return img.discard(off, len);
+        }
+        let f = self.f()?;
+        super::sim::on_zero(f.as_raw_fd(), off, len).map_err(io::Error::from_raw_os_error)?;
+        rustix::fs::fallocate(
+            f,
+            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+            off,
+            len,
+        )?;
         Ok(())
     }
 
     /// Allocation of `[offset, offset+len)`: a list of (length, is_hole) covering it.
-    /// Block devices report everything as data. Holes of sparse files read as zeroes.
+    /// Block devices and RBD images report everything as data. Holes of sparse files read as zeroes.
     pub fn extents(&self, offset: u64, len: u64, out: &mut Vec<(u64, bool)>) -> io::Result<()> {
         let end = offset + len;
-        if self.is_block_device {
+        let Some(file) = self.buffered.as_ref().filter(|_| !self.is_block_device) else {
             out.push((len, false));
             return Ok(());
-        }
+        };
         let mut pos = offset;
         while pos < end {
-            let data = seek(&self.buffered, SeekFrom::Data(pos))?;
+            let data = seek(file, SeekFrom::Data(pos))?;
             let data = match data {
                 Some(d) => d.min(end),
                 None => end, // no data after pos: hole to the end
@@ -170,7 +366,7 @@ impl BackingFile {
                 pos = data;
                 continue;
             }
-            let hole = seek(&self.buffered, SeekFrom::Hole(pos))?.unwrap_or(end).min(end);
+            let hole = seek(file, SeekFrom::Hole(pos))?.unwrap_or(end).min(end);
             let hole = hole.max(pos + 1);
             out.push((hole - pos, false));
             pos = hole;

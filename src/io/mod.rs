@@ -8,6 +8,7 @@
 pub mod backing;
 pub mod buf;
 pub mod queue;
+pub mod rbd;
 pub mod sim;
 
 pub use backing::BackingFile;
@@ -169,6 +170,7 @@ mod tests {
                 direct_fd: -1,
                 dio_align: 512,
                 in_memory: false,
+                rbd: None,
             }),
             offset,
             ..Leaf::new(kind, len, buf_off)

@@ -7,7 +7,10 @@ use io_uring::{opcode, types, IoUring};
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
+use std::sync::Arc;
 use std::time::Duration;
+
+use super::rbd::{self, Done, RbdOp, RbdRef, RbdSink};
 
 /// One operation. Raw pointers name memory the caller keeps alive and untouched until
 /// the operation's completion has been drained (the contract of [`IoQueue::push`]).
@@ -51,6 +54,30 @@ pub enum Sqe {
         fd: RawFd,
         buf: *mut u8,
     },
+    /// An operation on an RBD image (`io::rbd`), completed by librbd; `buf` and
+    /// `len` as for a read or write (null and the range for the others).
+    Rbd {
+        img: RbdRef,
+        op: RbdOp,
+        buf: *mut u8,
+        len: u64,
+        offset: u64,
+    },
+}
+
+/// The user data of the queue's own read of its RBD sink's eventfd.
+const RBD_WAKE: u64 = u64::MAX;
+
+/// The queue's RBD operations: librbd's callbacks leave results in `sink`, whose
+/// eventfd a read on the ring (or the synchronous poll) waits for.
+struct RbdState {
+    sink: Arc<RbdSink>,
+    in_flight: usize,
+    /// The eventfd read is queued.
+    armed: bool,
+    /// The eventfd read's buffer (boxed: it must not move while the read is queued).
+    wake_buf: Box<u64>,
+    taken: Vec<Done>,
 }
 
 pub struct IoQueue {
@@ -62,6 +89,7 @@ pub struct IoQueue {
     /// polls them together.
     pending_recv: Vec<(u64, RawFd, *mut u8, u32)>,
     queued: usize,
+    rbd: Option<RbdState>,
 }
 
 /// Whether io_uring can be used: not when `DMKIT_NO_URING` is set (tests of the
@@ -119,6 +147,7 @@ impl IoQueue {
             done: VecDeque::new(),
             pending_recv: Vec::new(),
             queued: 0,
+            rbd: None,
         }
     }
 
@@ -129,6 +158,7 @@ impl IoQueue {
             done: VecDeque::new(),
             pending_recv: Vec::new(),
             queued: 0,
+            rbd: None,
         }
     }
 
@@ -142,6 +172,18 @@ impl IoQueue {
     /// Every pointer in `op` must stay valid, and the memory it names must not be
     /// moved or otherwise accessed, until the completion for `user_data` is drained.
     pub unsafe fn push(&mut self, op: Sqe, user_data: u64) {
+        if let Sqe::Rbd {
+            img,
+            op,
+            buf,
+            len,
+            offset,
+        } = op
+        {
+            // SAFETY: the caller's guarantee, passed on.
+            unsafe { self.push_rbd(img, op, buf, len, offset, user_data) };
+            return;
+        }
         let Some(ring) = self.ring.as_mut() else {
             self.sync_exec(op, user_data);
             return;
@@ -181,6 +223,7 @@ impl IoQueue {
                     .build()
             }
             Sqe::Wake { fd, buf } => opcode::Read::new(types::Fd(fd), buf, 8).build(),
+            Sqe::Rbd { .. } => return, // taken above
         }
         .user_data(user_data);
         // SAFETY: the caller guarantees the memory named by the entry outlives it.
@@ -202,7 +245,116 @@ impl IoQueue {
     /// # Safety
     /// As [`IoQueue::push`] (the call completes before this returns).
     pub unsafe fn push_inline(&mut self, op: Sqe, user_data: u64) {
+        if matches!(op, Sqe::Rbd { .. }) {
+            // SAFETY: the caller's guarantee, passed on (librbd is never inline).
+            unsafe { self.push(op, user_data) };
+            return;
+        }
         self.sync_exec(op, user_data);
+    }
+
+    /// Start an RBD operation; its result arrives through the sink.
+    ///
+    /// # Safety
+    /// As [`IoQueue::push`].
+    unsafe fn push_rbd(
+        &mut self,
+        img: RbdRef,
+        op: RbdOp,
+        buf: *mut u8,
+        len: u64,
+        offset: u64,
+        user_data: u64,
+    ) {
+        if self.rbd.is_none() {
+            match RbdSink::new() {
+                Ok(sink) => {
+                    self.rbd = Some(RbdState {
+                        sink,
+                        in_flight: 0,
+                        armed: false,
+                        wake_buf: Box::new(0),
+                        taken: Vec::new(),
+                    })
+                }
+                Err(e) => {
+                    self.done
+                        .push_back((user_data, -e.raw_os_error().unwrap_or(libc::EIO)));
+                    return;
+                }
+            }
+        }
+        let Some(st) = self.rbd.as_mut() else { return };
+        let Ok(len_us) = usize::try_from(len) else {
+            self.done.push_back((user_data, -libc::EINVAL));
+            return;
+        };
+        // SAFETY: the caller keeps `buf` alive and untouched until the result is
+        // drained, which is after the sink has it.
+        match unsafe { rbd::submit(img, op, buf, len_us, offset, &st.sink, user_data) } {
+            Ok(()) => {
+                st.in_flight += 1;
+                self.arm_rbd();
+            }
+            Err(e) => self.done.push_back((user_data, -e)),
+        }
+    }
+
+    /// Queue the read of the sink's eventfd, once, while RBD operations are out.
+    fn arm_rbd(&mut self) {
+        let Some(st) = self.rbd.as_mut() else { return };
+        if st.armed || st.in_flight == 0 {
+            return;
+        }
+        st.armed = true;
+        let (fd, buf) = (
+            st.sink.fd(),
+            std::ptr::from_mut::<u64>(&mut st.wake_buf).cast::<u8>(),
+        );
+        // SAFETY: `wake_buf` is boxed in the queue and outlives the read, which
+        // completes (or is cancelled with the ring) before the queue is dropped.
+        unsafe { self.push(Sqe::Wake { fd, buf }, RBD_WAKE) };
+    }
+
+    /// Hand the results librbd has left to `f`; a FUA write whose data is in goes
+    /// out again as its flush.
+    fn reap_rbd(&mut self, woke: bool, f: &mut impl FnMut(u64, i32, bool)) {
+        let Some(st) = self.rbd.as_mut() else { return };
+        if woke {
+            st.armed = false;
+        }
+        if st.in_flight == 0 {
+            return;
+        }
+        let mut taken = std::mem::take(&mut st.taken);
+        st.sink.take(&mut taken);
+        for d in taken.drain(..) {
+            if let Some(img) = d.then_flush {
+                let Some(st) = self.rbd.as_mut() else { return };
+                st.in_flight -= 1;
+                // SAFETY: a flush names no memory; a positive length is only the
+                // result it reports (the write's).
+                unsafe {
+                    self.push_rbd(
+                        img,
+                        RbdOp::Flush,
+                        std::ptr::null_mut(),
+                        d.res as u64,
+                        0,
+                        d.user_data,
+                    )
+                };
+                continue;
+            }
+            if let Some(st) = self.rbd.as_mut() {
+                st.in_flight -= 1;
+            }
+            f(d.user_data, d.res, false);
+        }
+        if let Some(st) = self.rbd.as_mut() {
+            st.taken = taken;
+        }
+        self.arm_rbd();
     }
 
     /// Submit what was queued and wait until at least one completion is ready, or the
@@ -256,13 +408,25 @@ impl IoQueue {
         if super::sim::active() {
             super::sim::shuffle(self.done.make_contiguous());
         }
+        let mut woke = false;
         while let Some((u, r)) = self.done.pop_front() {
+            if u == RBD_WAKE {
+                woke = true;
+                continue;
+            }
             f(u, r, false);
         }
         if let Some(ring) = self.ring.as_mut() {
             for cqe in ring.completion() {
+                if cqe.user_data() == RBD_WAKE {
+                    woke = true;
+                    continue;
+                }
                 f(cqe.user_data(), cqe.result(), io_uring::cqueue::more(cqe.flags()));
             }
+        }
+        if self.rbd.is_some() {
+            self.reap_rbd(woke, &mut f);
         }
     }
 
@@ -319,6 +483,11 @@ impl IoQueue {
                     return;
                 }
                 Sqe::SendMsg { fd, msg } => libc::sendmsg(fd, msg, libc::MSG_NOSIGNAL),
+                Sqe::Rbd { .. } => {
+                    // `push` takes these
+                    self.done.push_back((user_data, -libc::EINVAL));
+                    return;
+                }
             }
         };
         let res = if r < 0 {

@@ -9,11 +9,9 @@
 
 use super::engine::{Dest, Engine};
 use super::Device;
-use crate::io::{errno, sim, Op, SECTOR};
+use crate::io::{errno, Op, SECTOR};
 use std::cell::RefCell;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,22 +25,7 @@ thread_local! {
 /// Read `buf.len()` bytes at `sector` of `dest`.
 pub fn read(dest: &Dest, sector: u64, buf: &mut [u8]) -> io::Result<()> {
     match dest {
-        Dest::File(f) => {
-            sim::on_read(f.file().as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
-            let mut done = 0;
-            while done < buf.len() {
-                let n = f
-                    .file()
-                    .read_at(&mut buf[done..], sector * SECTOR + done as u64)?;
-                if n == 0 {
-                    // past the end of the file: zeroes, as the request path reads it
-                    buf[done..].fill(0);
-                    break;
-                }
-                done += n;
-            }
-            Ok(())
-        }
+        Dest::File(f) => f.read_at(buf, sector * SECTOR),
         Dest::Dm(d) => {
             for (i, piece) in buf.chunks_mut(MAX_REQUEST).enumerate() {
                 let s = sector + (i * MAX_REQUEST) as u64 / SECTOR;
@@ -56,16 +39,7 @@ pub fn read(dest: &Dest, sector: u64, buf: &mut [u8]) -> io::Result<()> {
 /// Write `buf` at `sector` of `dest`; `fua`: durable before returning.
 pub fn write(dest: &Dest, sector: u64, buf: &[u8], fua: bool) -> io::Result<()> {
     match dest {
-        Dest::File(f) => {
-            let fd = f.file().as_raw_fd();
-            sim::on_write(fd, sector * SECTOR, buf, fua).map_err(io::Error::from_raw_os_error)?;
-            f.file().write_all_at(buf, sector * SECTOR)?;
-            if fua {
-                f.file().sync_data()?;
-                sim::on_flush(fd);
-            }
-            Ok(())
-        }
+        Dest::File(f) => f.write_at(buf, sector * SECTOR, fua),
         Dest::Dm(d) => {
             for (i, piece) in buf.chunks(MAX_REQUEST).enumerate() {
                 let s = sector + (i * MAX_REQUEST) as u64 / SECTOR;
@@ -87,18 +61,7 @@ pub fn flush(dest: &Dest) -> io::Result<()> {
 /// Discard `sectors` at `sector` of `dest` (punch a hole in a file).
 pub fn discard(dest: &Dest, sector: u64, sectors: u64) -> io::Result<()> {
     match dest {
-        Dest::File(f) => {
-            let fd = f.file().as_raw_fd();
-            let (off, len) = (sector * SECTOR, sectors * SECTOR);
-            sim::on_zero(fd, off, len).map_err(io::Error::from_raw_os_error)?;
-            rustix::fs::fallocate(
-                f.file(),
-                rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
-                off,
-                len,
-            )?;
-            Ok(())
-        }
+        Dest::File(f) => f.discard_at(sector * SECTOR, sectors * SECTOR),
         Dest::Dm(d) => {
             let mut done = 0;
             while done < sectors {

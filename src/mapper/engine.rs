@@ -727,42 +727,11 @@ impl Engine {
         let (off, rem) = (l.offset + l.done, l.len - l.done);
         let base = l.buf_off + l.done as usize;
         let op = match (l.kind, l.file) {
-            (LeafKind::Read, Some(f)) => {
-                let buf = q.buf.as_mut_slice()[base..].as_mut_ptr();
-                Sqe::Read {
-                    fd: f.fd_for(buf as usize, off, rem),
-                    buf,
-                    len: rem as u32,
-                    offset: off,
-                }
-            }
-            (LeafKind::Write, Some(f)) => {
-                let buf = q.buf.as_slice()[base..].as_ptr();
-                Sqe::Write {
-                    fd: f.fd_for(buf as usize, off, rem),
-                    buf,
-                    len: rem as u32,
-                    offset: off,
-                    dsync: l.fua,
-                }
-            }
-            (LeafKind::Flush, Some(f)) => Sqe::Fsync { fd: f.buffered_fd },
-            (LeafKind::Discard, Some(f)) => Sqe::Fallocate {
-                fd: f.buffered_fd,
-                mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset: off,
-                len: rem,
-            },
-            (LeafKind::WriteZeroes { punch }, Some(f)) => Sqe::Fallocate {
-                fd: f.buffered_fd,
-                mode: if punch {
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
-                } else {
-                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
-                },
-                offset: off,
-                len: rem,
-            },
+            (LeafKind::Read, Some(f)) => f.read(q.buf.as_mut_slice()[base..].as_mut_ptr(), rem, off),
+            (LeafKind::Write, Some(f)) => f.write(q.buf.as_slice()[base..].as_ptr(), rem, off, l.fua),
+            (LeafKind::Flush, Some(f)) => f.flush(),
+            (LeafKind::Discard, Some(f)) => f.discard(off, rem),
+            (LeafKind::WriteZeroes { punch }, Some(f)) => f.zero(punch, off, rem),
             (kind, _) => {
                 let ok = match kind {
                     LeafKind::ZeroFill => {
@@ -815,14 +784,7 @@ impl Engine {
         let (off, rem) = (l.offset + l.done, (l.len - l.done).min(ZERO_BUF as u64));
         let buf = self.zero_buf.as_ptr();
         self.reqs[r].pending += 1;
-        let op = Sqe::Write {
-            fd: f.fd_for(buf as usize, off, rem),
-            buf,
-            len: rem as u32,
-            offset: off,
-            dsync: false,
-        };
-        self.push(op, ud_leaf(r, i));
+        self.push(f.write(buf, rem, off, false), ud_leaf(r, i));
     }
 
     fn on_leaf(&mut self, r: usize, i: usize, res: i32) {

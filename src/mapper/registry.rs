@@ -660,6 +660,25 @@ impl Registry {
         Ok(DevRef::File(f))
     }
 
+    /// Open an RBD image, or share the one already open: an image is opened
+    /// (and its exclusive lock taken) once per daemon.
+    fn open_rbd(&self, spec: &crate::io::rbd::RbdSpec, read_only: bool) -> Result<DevRef, String> {
+        let (a, b) = BackingFile::rbd_identity(spec);
+        let key = (a, b, read_only);
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(f) = files
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(DevRef::File(f));
+        }
+        let f = Arc::new(BackingFile::open_rbd(spec, read_only)?);
+        files.push((key, Arc::downgrade(&f)));
+        Ok(DevRef::File(f))
+    }
+
     fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
         self.devices().values().find(|d| d.minor == minor).cloned()
     }
@@ -747,6 +766,9 @@ impl Resolver for TableResolver<'_> {
         &self.reg.shared
     }
     fn open(&self, name: &str) -> Result<DevRef, String> {
+        if let Some(spec) = crate::io::rbd::RbdSpec::parse(name) {
+            return self.reg.open_rbd(&spec?, self.read_only);
+        }
         let dm = if let Some(n) = name.strip_prefix("/dev/mapper/") {
             Some(
                 self.reg

@@ -104,6 +104,59 @@ impl MetadataDev for FileDev {
     }
 }
 
+/// A metadata device on any backing file, through its synchronous calls: what
+/// an RBD image uses (a file uses [`FileDev`]).
+pub struct BackingDev {
+    f: Arc<crate::io::BackingFile>,
+    nr_blocks: u64,
+}
+
+impl BackingDev {
+    pub fn new(f: Arc<crate::io::BackingFile>) -> io::Result<BackingDev> {
+        let nr_blocks = f.size()? / BLOCK_SIZE as u64;
+        Ok(BackingDev { f, nr_blocks })
+    }
+}
+
+impl MetadataDev for BackingDev {
+    fn nr_blocks(&self) -> u64 {
+        self.nr_blocks
+    }
+    fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
+        self.f.read_at(buf, block * BLOCK_SIZE as u64)
+    }
+    fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
+        self.f.write_at(buf, block * BLOCK_SIZE as u64, false)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.f.sync()
+    }
+    fn refresh_size(&mut self) -> io::Result<u64> {
+        self.nr_blocks = self.f.size()? / BLOCK_SIZE as u64;
+        Ok(self.nr_blocks)
+    }
+    fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.f.read_at(buf, block * BLOCK_SIZE as u64)
+    }
+    fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {
+        Some(Box::new(BackingDev {
+            f: self.f.clone(),
+            nr_blocks: self.nr_blocks,
+        }))
+    }
+}
+
+/// The metadata device on backing file `f`: the file itself reopened (read-write
+/// where it allows, so a read-only pool can be reloaded writable), or an image
+/// through librbd.
+pub fn open_backing(f: &Arc<crate::io::BackingFile>) -> io::Result<Box<dyn MetadataDev>> {
+    if f.rbd.is_some() {
+        return Ok(Box::new(BackingDev::new(f.clone())?));
+    }
+    let dev = FileDev::open(&f.path, true).or_else(|_| FileDev::open(&f.path, false))?;
+    Ok(Box::new(dev))
+}
+
 #[derive(Default)]
 struct MemState {
     durable: Vec<u8>,

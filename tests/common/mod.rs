@@ -2,6 +2,7 @@
 //! client tools, and a minimal raw NBD client for protocol-level checks.
 #![allow(dead_code)]
 
+pub mod ceph;
 pub mod fs;
 pub mod nbd;
 
@@ -44,6 +45,10 @@ impl Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
+        // DMKIT_KEEP=1 keeps scratch directories (and daemon logs) for a look
+        if std::env::var_os("DMKIT_KEEP").is_some() {
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -61,9 +66,22 @@ impl Daemon {
     }
 
     pub fn start_with(tag: &str, args: &[&str], env: &[(&str, &str)]) -> Daemon {
+        Self::start_wrapped(tag, &[], args, env)
+    }
+
+    /// Start the daemon under `wrapper` (a command that runs the rest of its
+    /// arguments, such as `unshare -m sh -c '...; exec "$0" "$@"'`).
+    pub fn start_wrapped(tag: &str, wrapper: &[&str], args: &[&str], env: &[(&str, &str)]) -> Daemon {
         let dir = Scratch::new(tag);
         let run = dir.path("run");
-        let mut cmd = Command::new(BIN);
+        let mut cmd = match wrapper.split_first() {
+            Some((w, rest)) => {
+                let mut c = Command::new(w);
+                c.args(rest).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
         cmd.arg("serve").arg("--run-dir").arg(&run).args(args);
         for (k, v) in env {
             cmd.env(k, v);

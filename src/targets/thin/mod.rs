@@ -16,7 +16,7 @@ use crate::copier::Copier;
 use crate::io::BackingFile;
 use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::Device;
-use crate::pdata::{FileDev, PdataError};
+use crate::pdata::PdataError;
 use crate::thin::{FormatOptions, ThinError, ThinPoolMetadata};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -144,6 +144,8 @@ pub struct Pool {
     md: Mutex<PoolMd>,
     pub data: Arc<BackingFile>,
     pub metadata_path: std::path::PathBuf,
+    /// The metadata device (its size, and a second handle for thin_ls).
+    pub metadata: Arc<BackingFile>,
     pub block_sectors: u64,
     pub copier: Arc<Copier>,
     /// One commit at a time (the commit thread, control operations).
@@ -234,9 +236,8 @@ pub(crate) fn copy_subjob_kb() -> usize {
 }
 
 fn is_zeroed(f: &BackingFile) -> std::io::Result<bool> {
-    use std::os::unix::fs::FileExt;
     let mut b = vec![0u8; 4096];
-    f.file().read_exact_at(&mut b, 0)?;
+    f.read_at(&mut b, 0)?;
     Ok(b.iter().all(|&x| x == 0))
 }
 
@@ -295,9 +296,7 @@ impl Pool {
         }
         // Writable whenever the file allows, so a read_only pool can be reloaded
         // read-write; read_only itself is the pool's mode.
-        let dev = FileDev::open(&metadata.path, true)
-            .or_else(|_| FileDev::open(&metadata.path, false))
-            .map_err(|e| format!("metadata device: {e}"))?;
+        let dev = crate::pdata::dev::open_backing(metadata).map_err(|e| format!("metadata device: {e}"))?;
         let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
         let md = if fresh {
             if features.read_only {
@@ -308,10 +307,9 @@ impl Pool {
                 nr_data_blocks: nr_blocks,
                 cache_blocks: CACHE_BLOCKS,
             };
-            ThinPoolMetadata::format(Box::new(dev), opts).map_err(|e| format!("formatting metadata: {e}"))?
+            ThinPoolMetadata::format(dev, opts).map_err(|e| format!("formatting metadata: {e}"))?
         } else {
-            ThinPoolMetadata::open(Box::new(dev), CACHE_BLOCKS)
-                .map_err(|e| format!("opening metadata: {e}"))?
+            ThinPoolMetadata::open(dev, CACHE_BLOCKS).map_err(|e| format!("opening metadata: {e}"))?
         };
         if u64::from(md.data_block_size()) != block_sectors {
             return Err(format!(
@@ -348,6 +346,7 @@ impl Pool {
             }),
             data: data.clone(),
             metadata_path: metadata.path.clone(),
+            metadata: metadata.clone(),
             block_sectors,
             copier: pools.copier(),
             commit_lock: Mutex::new(()),
@@ -649,9 +648,7 @@ impl Pool {
             }
         }
         // A bigger metadata file grows the metadata space too.
-        let meta_blocks = std::fs::metadata(&self.metadata_path)
-            .map(|x| x.len() / 4096)
-            .unwrap_or(0);
+        let meta_blocks = self.metadata.size().map(|x| x / 4096).unwrap_or(0);
         if meta_blocks > m.md.nr_metadata_blocks() {
             if let Err(e) = m.md.resize_metadata_dev(meta_blocks) {
                 self.metadata_failed(&mut m, &e);

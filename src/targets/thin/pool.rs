@@ -277,9 +277,9 @@ impl Target for ThinPool {
                     );
                 }
                 let _m = self.pool.lock();
-                let dev = crate::pdata::FileDev::open(&self.pool.metadata_path, false)
+                let dev = crate::pdata::dev::open_backing(&self.pool.metadata)
                     .map_err(|e| format!("{}: {e}", self.pool.metadata_path.display()))?;
-                crate::thin::cli::online_tool(Box::new(dev), words)
+                crate::thin::cli::online_tool(dev, words)
             }
             _ => Err(format!(
                 "unknown or malformed thin-pool message '{}'",

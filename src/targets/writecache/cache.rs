@@ -284,7 +284,8 @@ impl Cache {
                     len,
                     rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
                     rustix::mm::MapFlags::SHARED,
-                    f.file(),
+                    f.file()
+                        .ok_or("Unable to map persistent memory for cache: not a file or block device")?,
                     0,
                 )
             }
