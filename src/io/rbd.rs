@@ -277,6 +277,11 @@ impl Cluster {
             return Err(format!("cannot read {which}: {}", strerror(r.into())));
         }
         c.conf_set("client_mount_timeout", CONNECT_TIMEOUT_S)?;
+        // librbd keeps its cache write-through until the client's first flush,
+        // for guests that never flush. dmkit passes every flush and FUA on (and
+        // the export offers them), so write-back from the start: 4 KiB random
+        // writes at QD32 went from 4.7-5.0K to 9.0K IOPS here.
+        c.conf_set("rbd_cache_writethrough_until_flush", "false")?;
         c.conf_set("rados_mon_op_timeout", CONNECT_TIMEOUT_S)?;
         if c.conf_get("rados_osd_op_timeout")
             .is_none_or(|v| v.parse::<f64>().is_ok_and(|t| t == 0.0))

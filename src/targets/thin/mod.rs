@@ -648,7 +648,13 @@ impl Pool {
             }
         }
         // A bigger metadata file grows the metadata space too.
-        let meta_blocks = self.metadata.size().map(|x| x / 4096).unwrap_or(0);
+        // (at most the largest metadata space, as the kernel uses only that much of
+        // a bigger device)
+        let meta_blocks = self
+            .metadata
+            .size()
+            .map(|x| (x / 4096).min(crate::pdata::space_map::MAX_METADATA_BLOCKS))
+            .unwrap_or(0);
         if meta_blocks > m.md.nr_metadata_blocks() {
             if let Err(e) = m.md.resize_metadata_dev(meta_blocks) {
                 self.metadata_failed(&mut m, &e);
