@@ -23,6 +23,7 @@ import argparse, json, os, shutil, subprocess, sys, tempfile, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
+import writecache  # noqa: E402
 
 MIB = 1 << 20
 IMAGE = 1 << 30
@@ -131,27 +132,6 @@ def wc_iops(c, origin, cache, runtime, tmp):
         os.unlink(cache)
 
 
-def wc_flush(c, origin, cache, cache_mib, lru, tmp):
-    with open(cache, "wb") as f:
-        f.truncate(cache_mib * MIB)
-    d = run.Dmkit(tmp, extra=["--writecache-lru-writeback"] if lru else [])
-    try:
-        d.cli("create", "wc", "--table",
-              f"0 {2 * cache_mib * MIB // 512} writecache s {c.dev(origin)} {cache} 4096 2 pause_writeback 60000")
-        blocks = int(d.cli("status", "wc").split()[4])
-        subprocess.run(["fio", "--name=fill", "--ioengine=nbd", f"--uri={d.uri('wc')}", "--rw=randwrite",
-                        "--bs=4k", "--iodepth=32", f"--size={2 * cache_mib * MIB}",
-                        f"--io_size={blocks * 4096 * 9 // 10}", "--randseed=7", "--verify=0"],
-                       check=True, capture_output=True)
-        used = blocks - int(d.cli("status", "wc").split()[5])
-        t0 = time.time()
-        d.cli("message", "wc", "0", "flush")
-        return time.time() - t0, used
-    finally:
-        d.stop()
-        os.unlink(cache)
-
-
 def rbd_import(c, nbytes, tmp):
     src = os.path.join(tmp, "import.bin")
     with open(src, "wb") as f:
@@ -203,7 +183,8 @@ def main():
             print(f"  {rep} writecache: {wc[-1][0]:,.0f} IOPS", file=sys.stderr)
             for lru in (False, True):
                 c.create("wc-flush", 2 * a.cache_mib * MIB)
-                t, used = wc_flush(c, "wc-flush", cache, a.cache_mib, lru, tmp)
+                t, used = writecache.seed001_flush(tmp, c.dev("wc-flush"), tmp, a.cache_mib, lru,
+                                                   size=2 * a.cache_mib * MIB)
                 flush[lru].append(t)
                 print(f"  {rep} flush lru={lru}: {t:.2f} s ({used} blocks)", file=sys.stderr)
             imp.append(rbd_import(c, used * 4096, tmp))

@@ -48,11 +48,12 @@ def sparse(path, size):
         f.truncate(size)
 
 
-def seed001_flush(tmp, origin, cache_dir, cache_mib, lru):
-    """Fill a fresh cache over `origin`, then time the flush message."""
+def seed001_flush(tmp, origin, cache_dir, cache_mib, lru, size=None):
+    """Fill a fresh cache over `origin` (a file, or any device name a table takes
+    with its `size`), then time the flush message."""
     cache = os.path.join(cache_dir, "wc-cache.img")
     sparse(cache, cache_mib * MIB)
-    size = os.path.getsize(origin)
+    size = size or os.path.getsize(origin)
     d = run.Dmkit(tmp, extra=["--writecache-lru-writeback"] if lru else [])
     try:
         d.cli("create", "mycache", "--table",

@@ -646,25 +646,24 @@ impl Registry {
         } else {
             (m.dev(), m.ino(), read_only)
         };
-        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
-        files.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(f) = files
-            .iter()
-            .find(|(k, _)| *k == key)
-            .and_then(|(_, w)| w.upgrade())
-        {
-            return Ok(DevRef::File(f));
-        }
-        let f = Arc::new(BackingFile::open(p, read_only, self.config.direct_io).map_err(|e| e.to_string())?);
-        files.push((key, Arc::downgrade(&f)));
-        Ok(DevRef::File(f))
+        self.shared(key, || {
+            BackingFile::open(p, read_only, self.config.direct_io).map_err(|e| e.to_string())
+        })
     }
 
     /// Open an RBD image, or share the one already open: an image is opened
     /// (and its exclusive lock taken) once per daemon.
     fn open_rbd(&self, spec: &crate::io::rbd::RbdSpec, read_only: bool) -> Result<DevRef, String> {
         let (a, b) = BackingFile::rbd_identity(spec);
-        let key = (a, b, read_only);
+        self.shared((a, b, read_only), || BackingFile::open_rbd(spec, read_only))
+    }
+
+    /// The backing file open under `key`, or a new one from `open`.
+    fn shared(
+        &self,
+        key: (u64, u64, bool),
+        open: impl FnOnce() -> Result<BackingFile, String>,
+    ) -> Result<DevRef, String> {
         let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
         files.retain(|(_, w)| w.strong_count() > 0);
         if let Some(f) = files
@@ -674,7 +673,7 @@ impl Registry {
         {
             return Ok(DevRef::File(f));
         }
-        let f = Arc::new(BackingFile::open_rbd(spec, read_only)?);
+        let f = Arc::new(open()?);
         files.push((key, Arc::downgrade(&f)));
         Ok(DevRef::File(f))
     }

@@ -44,6 +44,7 @@ impl Cluster {
     /// A new image of `bytes` (features as `rbd create` gives them: with the
     /// exclusive lock).
     pub fn create_image(&self, name: &str, bytes: u64) {
+        // a leftover of an earlier run in this cluster goes first
         let _ = Command::new("rbd")
             .arg("-c")
             .arg(&self.conf)
@@ -72,21 +73,6 @@ impl Cluster {
             &into.to_string_lossy(),
         ]);
         std::fs::read(into).expect("read export")
-    }
-
-    /// `rbd import` of a file as image `name`.
-    pub fn import(&self, from: &Path, name: &str) {
-        let _ = Command::new("rbd")
-            .arg("-c")
-            .arg(&self.conf)
-            .args(["rm", "--no-progress", &format!("rbd/{name}")])
-            .output();
-        self.rbd(&[
-            "import",
-            "--no-progress",
-            &from.to_string_lossy(),
-            &format!("rbd/{name}"),
-        ]);
     }
 }
 
