@@ -395,3 +395,30 @@ fn without_librbd_rbd_tables_fail_in_one_line_and_files_still_work() {
     drop(cl);
     d.remove_closed("f");
 }
+
+/// Without io_uring (DMKIT_NO_URING=1) the synchronous queue polls the RBD
+/// sink's eventfd with its other waits: the same I/O verifies.
+#[test]
+fn images_work_without_io_uring() {
+    need_all(&["fio", "rbd"]);
+    let c = cluster();
+    c.create_image("nouring", 32 * MIB);
+    let d = Daemon::start_with("rbd-nouring", &[], &[("DMKIT_NO_URING", "1")]);
+    d.create(
+        "n",
+        &format!("0 {} linear {} 0", 32 * MIB / 512, c.dev("nouring")),
+    );
+    fio_verify(&d, "n", "24M", &["--bsrange=4k-128k", "--fsync=8"]);
+    let mut cl = Client::connect(&d.sock(), "n");
+    let blk = pattern(4, 8192);
+    assert_eq!(cl.call(WRITE, common::nbd::FLAG_FUA, 0, 8192, &blk), 0);
+    drop(cl);
+    let got = served(&d, "n");
+    assert_eq!(&got[..8192], &blk[..]);
+    assert_same(
+        &c.export("nouring", &d.dir.path("n.rbd")),
+        &got,
+        "rbd export without io_uring",
+    );
+    d.remove_closed("n");
+}
