@@ -2,6 +2,7 @@
 # Installs the Debian packages the tests and benchmarks need, when missing: the real
 # NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools, e2fsprogs, for the
 # kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup,
+# the kernel's NBD client (nbd-client, run in the oracle's guest),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
 # ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra).
 # Then fetches the oracle's kernel. Idempotent: with everything present it only checks.
@@ -23,6 +24,7 @@ tools=(
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
+  nbd-client:nbd-client
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }

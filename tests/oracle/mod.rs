@@ -22,6 +22,11 @@ mk() { dmsetup create "$1" --table "$2"; dmsetup mknodes; }
 /// Boot the kernel with `script` (written into `dir`) and the disks; the serial
 /// output.
 pub fn run(dir: &Path, script: &str, disks: &[&Path]) -> String {
+    run_env(dir, script, disks, &[])
+}
+
+/// [`run`] with environment for run.sh (`ORACLE_BINS`, `ORACLE_MODULES`).
+pub fn run_env(dir: &Path, script: &str, disks: &[&Path], env: &[(&str, &str)]) -> String {
     let run = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/run.sh");
     let sp = dir.join("guest.sh");
     std::fs::write(&sp, script).expect("write script");
@@ -29,6 +34,7 @@ pub fn run(dir: &Path, script: &str, disks: &[&Path]) -> String {
         .arg(&run)
         .arg(&sp)
         .args(disks)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .expect("run tests/oracle/run.sh");

@@ -16,6 +16,10 @@
 # Environment:
 #   DMKIT_ORACLE_CACHE   kernel cache dir (default /var/tmp/dmkit-oracle)
 #   DMKIT_ORACLE_TIMEOUT seconds before qemu is killed (default 300)
+#   ORACLE_BINS          more host binaries for the guest's /bin (with their
+#                        shared libraries), space-separated absolute paths
+#   ORACLE_MODULES       more modules to load, paths under kernel/ (before the
+#                        modules that need them)
 # Exit status: qemu's (0 normally), 124 on timeout, 77 when a prerequisite
 # (package, kernel download) could not be had.
 set -euo pipefail
@@ -94,9 +98,14 @@ ROOT=$WORK/root
 mkdir -p "$ROOT"/{bin,sbin,proc,sys,dev,tmp,mod}
 cp "$BUSYBOX" "$ROOT/bin/busybox"
 cp -L "$DMSETUP" "$ROOT/sbin/dmsetup"
-for lib in $(ldd "$DMSETUP" | grep -o '/[^ ]*'); do
-  mkdir -p "$ROOT$(dirname "$lib")"
-  cp -L "$lib" "$ROOT$lib"
+# each binary with the shared libraries it loads
+for bin in "$DMSETUP" ${ORACLE_BINS:-}; do
+  [ -x "$bin" ] || { echo "oracle: $bin missing" >&2; exit 1; }
+  [ "$bin" = "$DMSETUP" ] || cp -L "$bin" "$ROOT/bin/${bin##*/}"
+  for lib in $(ldd "$bin" | grep -o '/[^ ]*'); do
+    mkdir -p "$ROOT$(dirname "$lib")"
+    cp -L "$lib" "$ROOT$lib"
+  done
 done
 MODULES="
 drivers/virtio/virtio_ring.ko
@@ -114,6 +123,7 @@ drivers/md/persistent-data/dm-persistent-data.ko
 drivers/md/dm-thin-pool.ko
 drivers/md/dm-writecache.ko
 drivers/md/dm-snapshot.ko
+${ORACLE_MODULES:-}
 "
 list=""
 for m in $MODULES; do
