@@ -84,5 +84,7 @@ done
 # `dmkit thin` tool and the reference of the same name on the same metadata.
 ci/fetch-tpt-ref.sh
 
-# The kernel the oracle boots (downloaded once, cached).
+# The kernels the oracle boots (downloaded once, cached): Debian's default (6.1)
+# and the 6.12 series from bookworm-security, which has ublk_drv.
 tests/oracle/run.sh --prepare
+DMKIT_ORACLE_KERNEL=6.12 tests/oracle/run.sh --prepare

@@ -5,6 +5,8 @@
 //! mode (`-nonetlink`). On each: mkfs.ext4, files written, md5s recorded,
 //! fstrim, umount, `e2fsck -fn` clean, mounted again, md5s equal. The kernel
 //! driver sends flushes, FUA writes and trims as a filesystem makes them.
+//! On Debian's 6.1 kernel and on the 6.12 series (bookworm-security), whose
+//! guest also loads ublk_drv: the kernel the ublk frontend will need.
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
 
@@ -16,6 +18,22 @@ const DISK: u64 = 256 << 20;
 
 #[test]
 fn kernel_nbd_client_runs_ext4_on_a_dmkit_device_in_netlink_and_ioctl_mode() {
+    check_kernel(None);
+}
+
+#[test]
+fn kernel_nbd_client_on_the_6_12_kernel_with_ublk_drv_loaded() {
+    let m = check_kernel(Some("6.12"));
+    assert_eq!(
+        oracle::marker(&m, "ublk-control"),
+        "present",
+        "ublk_drv loads in the 6.12 guest"
+    );
+}
+
+/// Boot the kernel series `series` (None: Debian's default) and run the checks;
+/// the guest's markers.
+fn check_kernel(series: Option<&str>) -> std::collections::BTreeMap<String, String> {
     need_all(&["nbd-client", "mke2fs", "e2fsck"]);
     let s = Scratch::new("kernel-nbd");
     let disk = s.sparse("disk.img", DISK);
@@ -44,6 +62,9 @@ i=0; while [ ! -S /run/dmkit/nbd.sock ] && [ $i -lt 200 ]; do sleep 0.1; i=$((i+
 dmkit --run-dir /run/dmkit create lin --table "0 {sectors} linear /dev/vda 0"
 check() {{
   nbd-client -unix /run/dmkit/nbd.sock /dev/nbd0 -name lin $2
+  # in ioctl mode the device is set up by nbd-client's child after the parent
+  # returns (seen on 6.12): wait for its size
+  i=0; while [ "$(cat /sys/block/nbd0/size)" = 0 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
   echo "ORACLE size-$1 $(cat /sys/block/nbd0/size)"
   echo "ORACLE open-$1 $(dmkit --run-dir /run/dmkit info lin | sed -n 's/^Open count: *//p')"
   mkfs.ext4 -q -F -E nodiscard /dev/nbd0
@@ -66,15 +87,16 @@ check netlink "-connections 2"
 check ioctl -nonetlink
 dmkit --run-dir /run/dmkit stats lin | tr ' ' _ | sed 's/^/ORACLE stats /' | head -3 || true
 echo "ORACLE daemon $(kill -0 $(pidof dmkit) && echo alive)"
+echo "ORACLE ublk-control $([ -c /dev/ublk-control ] && echo present || echo absent)"
 "#
     );
-    let modules = "drivers/block/nbd.ko lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko";
-    let serial = oracle::run_env(
-        &s.0,
-        &script,
-        &[&disk],
-        &[("ORACLE_BINS", &bins), ("ORACLE_MODULES", modules)],
-    );
+    let modules = "drivers/block/nbd.ko lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko \
+                   drivers/block/ublk_drv.ko";
+    let mut env = vec![("ORACLE_BINS", bins.as_str()), ("ORACLE_MODULES", modules)];
+    if let Some(k) = series {
+        env.push(("DMKIT_ORACLE_KERNEL", k));
+    }
+    let serial = oracle::run_env(&s.0, &script, &[&disk], &env);
     let m = oracle::markers(&serial);
     // the kernel opens as many connections as asked: dmkit offers multi-conn
     assert_eq!(
@@ -106,4 +128,9 @@ echo "ORACLE daemon $(kill -0 $(pidof dmkit) && echo alive)"
         );
     }
     assert_eq!(oracle::marker(&m, "daemon"), "alive");
+    assert!(
+        !serial.contains("ORACLE-INSMOD-FAILED"),
+        "a module did not load:\n{serial}"
+    );
+    m
 }

@@ -16,6 +16,9 @@
 # Environment:
 #   DMKIT_ORACLE_CACHE   kernel cache dir (default /var/tmp/dmkit-oracle)
 #   DMKIT_ORACLE_TIMEOUT seconds before qemu is killed (default 300)
+#   DMKIT_ORACLE_KERNEL  another kernel series, by its meta package: 6.12 boots
+#                        what linux-image-6.12-amd64 names (bookworm-security;
+#                        it has ublk_drv), instead of linux-image-amd64's 6.1
 #   ORACLE_BINS          more host binaries for the guest's /bin (with their
 #                        shared libraries), space-separated absolute paths
 #   ORACLE_MODULES       more modules to load, paths under kernel/ (before the
@@ -58,12 +61,13 @@ QEMU=$(command -v qemu-system-x86_64) || die_unavailable "qemu-system-x86_64 mis
 mkdir -p "$CACHE" || die_unavailable "cannot create $CACHE"
 exec 9>"$CACHE/.lock"
 flock 9
-kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+META=linux-image-${DMKIT_ORACLE_KERNEL:+$DMKIT_ORACLE_KERNEL-}amd64
+kpkg=$(apt-cache depends "$META" 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
 if [ -z "$kpkg" ]; then
   apt_update
-  kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+  kpkg=$(apt-cache depends "$META" 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
 fi
-[ -n "$kpkg" ] || die_unavailable "apt-cache depends linux-image-amd64 names no kernel"
+[ -n "$kpkg" ] || die_unavailable "apt-cache depends $META names no kernel"
 KDIR=$CACHE/$kpkg
 if [ ! -f "$KDIR/.done" ]; then
   echo "oracle: downloading $kpkg" >&2
@@ -128,11 +132,14 @@ ${ORACLE_MODULES:-}
 list=""
 for m in $MODULES; do
   src=$MODDIR/$m
-  if [ ! -f "$src" ]; then
-    for ext in .xz .zst .gz; do [ -f "$src$ext" ] && { echo "oracle: compressed module $src$ext not supported" >&2; exit 1; }; done
+  if [ -f "$src.xz" ]; then
+    xz -dc "$src.xz" >"$ROOT/mod/${m##*/}" # newer kernels ship modules compressed
+  elif [ -f "$src" ]; then
+    cp "$src" "$ROOT/mod/"
+  else
+    for ext in .zst .gz; do [ -f "$src$ext" ] && { echo "oracle: compressed module $src$ext not supported" >&2; exit 1; }; done
     continue # built in
   fi
-  cp "$src" "$ROOT/mod/"
   list="$list ${m##*/}"
 done
 cp "$SCRIPT" "$ROOT/oracle-test.sh"
