@@ -35,6 +35,16 @@ fn served(d: &Daemon, name: &str) -> Vec<u8> {
     std::fs::read(&p).expect("read copy")
 }
 
+/// A device made from `table` takes a write and reads it back; then it goes.
+fn serves_on(d: &Daemon, table: &str, seed: u64) {
+    d.create("serves-on", table);
+    let mut cl = Client::connect(&d.sock(), "serves-on");
+    cl.write(0, &pattern(seed, 4096));
+    assert_eq!(cl.read(0, 4096), pattern(seed, 4096));
+    drop(cl);
+    d.remove_closed("serves-on");
+}
+
 #[test]
 fn linear_and_striped_over_images_verify_and_match_rbd_export() {
     need_all(&["fio", "nbdcopy", "rbd"]);
@@ -351,12 +361,7 @@ fn unreachable_cluster_and_missing_image_fail_in_one_line_and_the_daemon_serves_
 
     // the daemon serves on, over RBD too
     c.create_image("after-errors", 4 * MIB);
-    d.create("ok", &format!("0 8192 linear {} 0", c.dev("after-errors")));
-    let mut cl = Client::connect(&d.sock(), "ok");
-    cl.write(0, &pattern(3, 4096));
-    assert_eq!(cl.read(0, 4096), pattern(3, 4096));
-    drop(cl);
-    d.remove_closed("ok");
+    serves_on(&d, &format!("0 8192 linear {} 0", c.dev("after-errors")), 3);
 }
 
 /// librbd is loaded only when a table names an image: a daemon that cannot load
@@ -388,12 +393,7 @@ fn without_librbd_rbd_tables_fail_in_one_line_and_files_still_work() {
         "{e}"
     );
     let f = d.dir.sparse("f.img", MIB);
-    d.create("f", &format!("0 2048 linear {} 0", f.display()));
-    let mut cl = Client::connect(&d.sock(), "f");
-    cl.write(0, &pattern(9, 4096));
-    assert_eq!(cl.read(0, 4096), pattern(9, 4096));
-    drop(cl);
-    d.remove_closed("f");
+    serves_on(&d, &format!("0 2048 linear {} 0", f.display()), 9);
 }
 
 /// Without io_uring (DMKIT_NO_URING=1) the synchronous queue polls the RBD

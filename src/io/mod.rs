@@ -14,6 +14,30 @@ pub mod sim;
 pub use backing::BackingFile;
 pub use buf::AlignedBuf;
 
+/// The value open under `key` in `list` while anything still holds it, or a new
+/// one from `open`, remembered weakly: one open file, image or cluster connection
+/// however many tables name it. `open` runs with the list locked, so two callers
+/// never open the same thing twice (an RBD image's exclusive lock would refuse
+/// the second).
+pub fn shared<K: PartialEq, V, E>(
+    list: &std::sync::Mutex<Vec<(K, std::sync::Weak<V>)>>,
+    key: K,
+    open: impl FnOnce() -> Result<V, E>,
+) -> Result<std::sync::Arc<V>, E> {
+    let mut list = list.lock().unwrap_or_else(|p| p.into_inner());
+    list.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(v) = list
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(v);
+    }
+    let v = std::sync::Arc::new(open()?);
+    list.push((key, std::sync::Arc::downgrade(&v)));
+    Ok(v)
+}
+
 /// Bytes per sector: the unit of every table, status line and message.
 pub const SECTOR: u64 = 512;
 pub const SECTOR_SHIFT: u32 = 9;

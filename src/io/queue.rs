@@ -328,13 +328,12 @@ impl IoQueue {
         }
         let mut taken = std::mem::take(&mut st.taken);
         st.sink.take(&mut taken);
+        st.in_flight -= taken.len();
         for d in taken.drain(..) {
-            if let Some(img) = d.then_flush {
-                let Some(st) = self.rbd.as_mut() else { return };
-                st.in_flight -= 1;
+            match d.then_flush {
                 // SAFETY: a flush names no memory; a positive length is only the
                 // result it reports (the write's).
-                unsafe {
+                Some(img) => unsafe {
                     self.push_rbd(
                         img,
                         RbdOp::Flush,
@@ -343,13 +342,9 @@ impl IoQueue {
                         0,
                         d.user_data,
                     )
-                };
-                continue;
+                },
+                None => f(d.user_data, d.res, false),
             }
-            if let Some(st) = self.rbd.as_mut() {
-                st.in_flight -= 1;
-            }
-            f(d.user_data, d.res, false);
         }
         if let Some(st) = self.rbd.as_mut() {
             st.taken = taken;

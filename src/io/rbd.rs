@@ -19,7 +19,6 @@
 //! kept, so a second daemon naming it for writing is refused until this one closes
 //! it.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -211,7 +210,7 @@ fn strerror(r: i64) -> String {
 /// One cluster connection (librados handle) and the pools opened on it.
 struct Cluster {
     handle: RadosT,
-    pools: Mutex<HashMap<String, Weak<PoolCtx>>>,
+    pools: Mutex<Vec<(String, Weak<PoolCtx>)>>,
 }
 
 // SAFETY: a librados handle may be used from any thread (librados is thread-safe).
@@ -235,14 +234,7 @@ static CLUSTERS: Mutex<Vec<(ClusterKey, Weak<Cluster>)>> = Mutex::new(Vec::new()
 impl Cluster {
     fn get(spec: &RbdSpec) -> Result<Arc<Cluster>, String> {
         let key = (spec.conf.clone(), spec.id.clone());
-        let mut all = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
-        all.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(c) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
-            return Ok(c);
-        }
-        let c = Arc::new(Cluster::connect(spec)?);
-        all.push((key, Arc::downgrade(&c)));
-        Ok(c)
+        super::shared(&CLUSTERS, key, || Cluster::connect(spec))
     }
 
     fn connect(spec: &RbdSpec) -> Result<Cluster, String> {
@@ -258,7 +250,7 @@ impl Cluster {
         // From here on the handle is shut down on every error path.
         let c = Cluster {
             handle: h,
-            pools: Mutex::new(HashMap::new()),
+            pools: Mutex::new(Vec::new()),
         };
         let conf = match &spec.conf {
             Some(p) => Some(cstr(&p.to_string_lossy(), "the conf path")?),
@@ -330,32 +322,29 @@ impl Cluster {
     }
 
     fn pool(self: &Arc<Self>, name: &str) -> Result<Arc<PoolCtx>, String> {
-        let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = pools.get(name).and_then(Weak::upgrade) {
-            return Ok(p);
-        }
-        let l = lib()?;
-        let n = cstr(name, "the pool name")?;
-        let mut io: IoctxT = std::ptr::null_mut();
-        // SAFETY: a connected handle; `io` is written on success.
-        let r = unsafe { (l.rados_ioctx_create)(self.handle, n.as_ptr(), &mut io) };
-        if r < 0 {
-            return Err(match -r {
-                libc::ENOENT => format!("pool '{name}' does not exist"),
-                _ => format!("cannot open pool '{name}': {}", strerror(r.into())),
-            });
-        }
-        let p = Arc::new(PoolCtx {
-            cluster: self.clone(),
-            io,
-        });
-        pools.insert(name.into(), Arc::downgrade(&p));
-        Ok(p)
+        super::shared(&self.pools, name.to_string(), || {
+            let l = lib()?;
+            let n = cstr(name, "the pool name")?;
+            let mut io: IoctxT = std::ptr::null_mut();
+            // SAFETY: a connected handle; `io` is written on success.
+            let r = unsafe { (l.rados_ioctx_create)(self.handle, n.as_ptr(), &mut io) };
+            if r < 0 {
+                return Err(match -r {
+                    libc::ENOENT => format!("pool '{name}' does not exist"),
+                    _ => format!("cannot open pool '{name}': {}", strerror(r.into())),
+                });
+            }
+            Ok(PoolCtx {
+                _cluster: self.clone(),
+                io,
+            })
+        })
     }
 }
 
 struct PoolCtx {
-    cluster: Arc<Cluster>,
+    /// Held so the connection outlives its I/O contexts.
+    _cluster: Arc<Cluster>,
     io: IoctxT,
 }
 
@@ -371,14 +360,14 @@ impl Drop for PoolCtx {
             // is closed (each holds the context).
             unsafe { (l.rados_ioctx_destroy)(self.io) };
         }
-        let _ = &self.cluster;
     }
 }
 
 /// An open RBD image.
 pub struct RbdImage {
     pub spec: RbdSpec,
-    pool: Arc<PoolCtx>,
+    /// Held so the I/O context outlives the image.
+    _pool: Arc<PoolCtx>,
     image: ImageT,
     pub read_only: bool,
 }
@@ -403,7 +392,6 @@ impl Drop for RbdImage {
             // before they free a buffer. Closing releases the exclusive lock.
             unsafe { (l.rbd_close)(self.image) };
         }
-        let _ = &self.pool;
     }
 }
 
@@ -432,7 +420,7 @@ impl RbdImage {
         }
         let img = RbdImage {
             spec: spec.clone(),
-            pool,
+            _pool: pool,
             image,
             read_only,
         };

@@ -664,18 +664,7 @@ impl Registry {
         key: (u64, u64, bool),
         open: impl FnOnce() -> Result<BackingFile, String>,
     ) -> Result<DevRef, String> {
-        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
-        files.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(f) = files
-            .iter()
-            .find(|(k, _)| *k == key)
-            .and_then(|(_, w)| w.upgrade())
-        {
-            return Ok(DevRef::File(f));
-        }
-        let f = Arc::new(open()?);
-        files.push((key, Arc::downgrade(&f)));
-        Ok(DevRef::File(f))
+        crate::io::shared(&self.files, key, open).map(DevRef::File)
     }
 
     fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {

@@ -62,10 +62,12 @@ mkdir -p "$CACHE" || die_unavailable "cannot create $CACHE"
 exec 9>"$CACHE/.lock"
 flock 9
 META=linux-image-${DMKIT_ORACLE_KERNEL:+$DMKIT_ORACLE_KERNEL-}amd64
-kpkg=$(apt-cache depends "$META" 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+# the versioned package the meta package names today
+resolve() { apt-cache depends "$META" 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1; }
+kpkg=$(resolve)
 if [ -z "$kpkg" ]; then
   apt_update
-  kpkg=$(apt-cache depends "$META" 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+  kpkg=$(resolve)
 fi
 [ -n "$kpkg" ] || die_unavailable "apt-cache depends $META names no kernel"
 KDIR=$CACHE/$kpkg

@@ -143,8 +143,8 @@ pub struct Discard {
 pub struct Pool {
     md: Mutex<PoolMd>,
     pub data: Arc<BackingFile>,
-    pub metadata_path: std::path::PathBuf,
-    /// The metadata device (its size, and a second handle for thin_ls).
+    /// The metadata device (its path in messages, its size, a second handle for
+    /// thin_ls).
     pub metadata: Arc<BackingFile>,
     pub block_sectors: u64,
     pub copier: Arc<Copier>,
@@ -216,7 +216,7 @@ impl Pools {
             if let Err(e) = p.commit_now() {
                 tracing::warn!(
                     "thin-pool {}: final commit failed: {e}",
-                    p.metadata_path.display()
+                    p.metadata.path.display()
                 );
             }
         }
@@ -345,7 +345,6 @@ impl Pool {
                 fast: HashMap::new(),
             }),
             data: data.clone(),
-            metadata_path: metadata.path.clone(),
             metadata: metadata.clone(),
             block_sectors,
             copier: pools.copier(),
@@ -545,7 +544,7 @@ impl Pool {
     pub fn metadata_failed(&self, m: &mut PoolMd, e: &ThinError) {
         tracing::warn!(
             "thin-pool {}: metadata failure: {e}; switching to read-only",
-            self.metadata_path.display()
+            self.metadata.path.display()
         );
         if m.mode != Mode::ReadOnly {
             m.mode = Mode::ReadOnly;
@@ -573,7 +572,7 @@ impl Pool {
                     self.events.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(
                         "thin-pool {}: reached low water mark ({free} free data blocks)",
-                        self.metadata_path.display()
+                        self.metadata.path.display()
                     );
                 }
                 Ok(b)
@@ -582,7 +581,7 @@ impl Pool {
                 if m.mode == Mode::Write {
                     m.mode = Mode::OutOfDataSpace;
                     self.events.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("thin-pool {}: out of data space", self.metadata_path.display());
+                    tracing::warn!("thin-pool {}: out of data space", self.metadata.path.display());
                 }
                 let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
                 if !m.features.error_if_no_space && since.elapsed() >= no_space_timeout() {
@@ -758,7 +757,7 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         }
         if wanted || periodic {
             if let Err(e) = pool.commit_now() {
-                tracing::warn!("thin-pool {}: commit failed: {e}", pool.metadata_path.display());
+                tracing::warn!("thin-pool {}: commit failed: {e}", pool.metadata.path.display());
             }
             last = Instant::now();
         } else {

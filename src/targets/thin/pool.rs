@@ -273,12 +273,12 @@ impl Target for ThinPool {
                 if let Err(e) = self.pool.commit_now() {
                     tracing::warn!(
                         "thin-pool {}: commit before {cmd}: {e}",
-                        self.pool.metadata_path.display()
+                        self.pool.metadata.path.display()
                     );
                 }
                 let _m = self.pool.lock();
                 let dev = crate::pdata::dev::open_backing(&self.pool.metadata)
-                    .map_err(|e| format!("{}: {e}", self.pool.metadata_path.display()))?;
+                    .map_err(|e| format!("{}: {e}", self.pool.metadata.path.display()))?;
                 crate::thin::cli::online_tool(dev, words)
             }
             _ => Err(format!(
