@@ -19,6 +19,14 @@ pub struct ServeOptions {
     pub copy_subjob_kb: u64,
     /// Writecache writeback in LRU order (the pre-2019 kernel), for benchmarks.
     pub writecache_lru_writeback: bool,
+    /// Make the devices recorded in the run directory again, and take over the
+    /// block devices they were attached as.
+    pub restore: bool,
+}
+
+/// Where the daemon records its devices (`control::state`).
+pub fn state_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("devices.state")
 }
 
 /// The run directory: `$DMKIT_RUN_DIR`, else /run/dmkit for root and
@@ -89,6 +97,29 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let nbd_path = opts.run_dir.join("nbd.sock");
     let control = bind(&control_path, group)?;
     let nbd = bind(&nbd_path, group)?;
+    let state = state_path(&opts.run_dir);
+    if !opts.restore && state.exists() {
+        // a previous daemon's devices: kept aside, not replayed
+        let prev = state.with_extension("prev");
+        let _ = std::fs::rename(&state, &prev);
+        tracing::info!(
+            "the previous daemon's devices are in {} (`serve --restore` makes them again)",
+            prev.display()
+        );
+    }
+    let ctx = Arc::new(crate::control::Ctx::new(reg.clone(), Some(state.clone())));
+    if opts.restore && state.exists() {
+        let (ok, errors) = crate::control::state::restore(&ctx, &state)
+            .with_context(|| format!("restoring from {}", state.display()))?;
+        for e in &errors {
+            tracing::error!("restore: {e}");
+        }
+        tracing::info!(
+            "restored {ok} requests from {} ({} failed)",
+            state.display(),
+            errors.len()
+        );
+    }
     {
         let reg = reg.clone();
         std::thread::Builder::new()
@@ -104,17 +135,17 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         tracing::info!("NBD over TCP on {addr}");
     }
     {
-        let reg = reg.clone();
+        let ctx = ctx.clone();
         std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 for s in control.incoming() {
                     let Ok(mut s) = s else { continue };
-                    let reg = reg.clone();
+                    let ctx = ctx.clone();
                     let _ = std::thread::Builder::new()
                         .name("control-conn".into())
                         .spawn(move || {
-                            if let Err(e) = crate::control::handle(&mut s, &reg) {
+                            if let Err(e) = crate::control::handle(&mut s, &ctx) {
                                 tracing::warn!("control request failed: {e}");
                             }
                         });
@@ -132,6 +163,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     // Wait for SIGINT/SIGTERM, then make everything durable and leave.
     let sig = set.wait().context("waiting for a signal")?;
     tracing::info!("{sig}: flushing devices and exiting");
+    // Block devices stay (with recovery the kernel holds their requests for the
+    // next daemon); what their queues took is finished first, so the flush
+    // below covers every request acknowledged.
+    ctx.ublk.pause_all(std::time::Duration::from_secs(30));
     for d in reg.list() {
         let _ = d.flush_sync();
     }

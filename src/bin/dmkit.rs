@@ -108,6 +108,11 @@ struct ServeArgs {
     /// of by origin sector; for benchmarks of the two orders on one build
     #[arg(long)]
     writecache_lru_writeback: bool,
+    /// Make the devices the previous daemon had again (recorded in the run
+    /// directory's devices.state) and take over their ublk block devices, whose
+    /// requests the kernel held meanwhile
+    #[arg(long)]
+    restore: bool,
 }
 
 fn main() {
@@ -182,6 +187,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 direct_io: !a.buffered,
                 copy_subjob_kb: a.copy_subjob_kb,
                 writecache_lru_writeback: a.writecache_lru_writeback,
+                restore: a.restore,
             })?;
             Ok(0)
         }

@@ -5,12 +5,38 @@
 //! as length + bytes. The daemon does all parsing and formatting, so every client
 //! sees the same output.
 
+pub mod state;
 pub mod verbs;
 
+use crate::export::ublk;
 use crate::mapper::registry::Registry;
 use clap::Parser;
 use std::io::{self, Read, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
 use verbs::{DmVerb, Request, ShowArgs, TableArgs};
+
+/// What control requests act on: the devices, their block devices, and where
+/// the daemon records them for `serve --restore`.
+pub struct Ctx {
+    pub reg: Arc<Registry>,
+    pub ublk: ublk::Frontend,
+    /// The state file (None: not recorded).
+    pub state: Option<PathBuf>,
+    /// Serialises writes of the state file.
+    changes: std::sync::Mutex<()>,
+}
+
+impl Ctx {
+    pub fn new(reg: Arc<Registry>, state: Option<PathBuf>) -> Ctx {
+        Ctx {
+            reg,
+            ublk: ublk::Frontend::default(),
+            state,
+            changes: std::sync::Mutex::new(()),
+        }
+    }
+}
 
 /// Most bytes one request may carry (a table of many thousands of lines fits).
 const MAX_REQUEST: u32 = 64 << 20;
@@ -58,7 +84,7 @@ pub fn call<S: Read + Write>(s: &mut S, args: &[String], stdin: &[u8]) -> io::Re
 }
 
 /// Server side: read one request, run it, write the reply.
-pub fn handle<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<()> {
+pub fn handle<S: Read + Write>(s: &mut S, ctx: &Ctx) -> io::Result<()> {
     let mut budget = MAX_REQUEST;
     let mut n = [0u8; 4];
     s.read_exact(&mut n)?;
@@ -71,7 +97,7 @@ pub fn handle<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<()> {
         args.push(String::from_utf8_lossy(&get(s, &mut budget)?).into_owned());
     }
     let stdin = String::from_utf8_lossy(&get(s, &mut budget)?).into_owned();
-    let (ok, out, err) = match execute(reg, &args, &stdin) {
+    let (ok, out, err) = match execute(ctx, &args, &stdin) {
         Ok(out) => (true, out, String::new()),
         Err(e) => (false, String::new(), e),
     };
@@ -93,11 +119,39 @@ fn filter_target(out: String, t: Option<&str>) -> String {
         .collect()
 }
 
-/// Run one dmsetup-style verb; Ok(stdout) or Err(the one-line error).
-pub fn execute(reg: &Registry, args: &[String], stdin: &str) -> Result<String, String> {
+/// Run one dmsetup-style verb; Ok(stdout) or Err(the one-line error). A verb
+/// that changes devices is recorded in the state file.
+pub fn execute(ctx: &Ctx, args: &[String], stdin: &str) -> Result<String, String> {
     // The CLI parsed these words already; only a client of its own gets an error.
     let req = Request::try_parse_from(args)
         .map_err(|e| verbs::one_line(&e, "dmkit").unwrap_or_else(|| "help is not a request".into()))?;
+    let changes = !matches!(
+        req.verb,
+        DmVerb::Status(_)
+            | DmVerb::Table(_)
+            | DmVerb::Info { .. }
+            | DmVerb::Ls { .. }
+            | DmVerb::Deps { .. }
+            | DmVerb::Targets
+            | DmVerb::Version
+            | DmVerb::Stats { .. }
+            | DmVerb::Message { .. }
+    );
+    let r = run_verb(ctx, req.verb, stdin);
+    if changes && r.is_ok() {
+        if let Some(path) = &ctx.state {
+            // each save writes the state as it is now: the last one wins
+            let _g = ctx.changes.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = state::save(ctx, path) {
+                tracing::warn!("recording the devices in {}: {e}", path.display());
+            }
+        }
+    }
+    r
+}
+
+fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
+    let reg = &*ctx.reg;
     let e = |x: crate::mapper::registry::ControlError| x.to_string();
     let table = |t: &TableArgs| -> Option<String> {
         if t.notable {
@@ -109,7 +163,7 @@ pub fn execute(reg: &Registry, args: &[String], stdin: &str) -> Result<String, S
         }
     };
     let done = |r: Result<(), _>| r.map(|_| String::new()).map_err(e);
-    match req.verb {
+    match verb {
         DmVerb::Create {
             name,
             table: t,
@@ -134,7 +188,13 @@ pub fn execute(reg: &Registry, args: &[String], stdin: &str) -> Result<String, S
             setuuid,
         } => match (new_name, setuuid) {
             (_, Some(u)) => done(reg.set_uuid(&name, &u)),
-            (Some(n), None) => done(reg.rename(&name, &n)),
+            (Some(n), None) => {
+                done(reg.rename(&name, &n))?;
+                if let Ok(d) = reg.get(&n) {
+                    ctx.ublk.renamed(&d);
+                }
+                Ok(String::new())
+            }
             (None, None) => Err("rename: a new name or --setuuid is required".into()),
         },
         DmVerb::Message {
@@ -178,6 +238,15 @@ pub fn execute(reg: &Registry, args: &[String], stdin: &str) -> Result<String, S
         DmVerb::Targets => Ok(Registry::targets()),
         DmVerb::Stats { name } => reg.stats(&name).map_err(e),
         DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
+        DmVerb::Attach { name, recover } => {
+            let dev = reg.get(&name).map_err(e)?;
+            let path = ctx.ublk.attach(&dev, recover)?;
+            Ok(format!("{path}\n"))
+        }
+        DmVerb::Detach { name } => {
+            let dev = reg.get(&name).map_err(e)?;
+            ctx.ublk.detach(&dev).map(|()| String::new())
+        }
     }
 }
 

@@ -108,6 +108,17 @@ pub enum DmVerb {
     Version,
     /// dmkit's own: the backing files under a device and the flushes each received
     Stats { name: String },
+    /// dmkit's own: make a device a kernel block device through ublk (ublk_drv,
+    /// Linux 6.5+): /dev/ublkbN, and /dev/mapper/NAME pointing at it
+    Attach {
+        name: String,
+        /// Take over the block device with this ublk id that a previous daemon
+        /// served (what `serve --restore` does)
+        #[arg(long, value_name = "ID")]
+        recover: Option<u32>,
+    },
+    /// dmkit's own: remove a device's block device (refused while mounted)
+    Detach { name: String },
 }
 
 #[derive(Args, Debug, Clone)]

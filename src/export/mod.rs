@@ -1,2 +1,3 @@
 //! Exports: how clients reach mapped devices.
 pub mod nbd;
+pub mod ublk;

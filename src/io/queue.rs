@@ -54,6 +54,13 @@ pub enum Sqe {
         fd: RawFd,
         buf: *mut u8,
     },
+    /// A driver command (IORING_OP_URING_CMD) with its 16 command bytes: the
+    /// ublk frontend's fetch and commit. io_uring only.
+    UringCmd {
+        fd: RawFd,
+        cmd_op: u32,
+        cmd: [u8; 16],
+    },
     /// An operation on an RBD image (`io::rbd`), completed by librbd; `buf` and
     /// `len` as for a read or write (null and the range for the others).
     Rbd {
@@ -223,6 +230,9 @@ impl IoQueue {
                     .build()
             }
             Sqe::Wake { fd, buf } => opcode::Read::new(types::Fd(fd), buf, 8).build(),
+            Sqe::UringCmd { fd, cmd_op, cmd } => {
+                opcode::UringCmd16::new(types::Fd(fd), cmd_op).cmd(cmd).build()
+            }
             Sqe::Rbd { .. } => return, // taken above
         }
         .user_data(user_data);
@@ -481,6 +491,11 @@ impl IoQueue {
                 Sqe::Rbd { .. } => {
                     // `push` takes these
                     self.done.push_back((user_data, -libc::EINVAL));
+                    return;
+                }
+                Sqe::UringCmd { .. } => {
+                    // a driver command exists only on a ring
+                    self.done.push_back((user_data, -libc::EOPNOTSUPP));
                     return;
                 }
             }

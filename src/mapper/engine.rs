@@ -304,6 +304,11 @@ impl Engine {
         &self.dev
     }
 
+    /// Whether the engine runs on io_uring (else system calls: no driver commands).
+    pub fn uses_uring(&self) -> bool {
+        self.q.is_uring()
+    }
+
     /// A free request slot, to fill and `start`.
     pub fn alloc(&mut self) -> Option<usize> {
         let r = self.free.pop()?;

@@ -124,6 +124,8 @@ pub struct Device {
     pub deferred_remove: AtomicBool,
     /// Serialises control operations (load/suspend/resume/remove) on this device.
     pub control: Mutex<()>,
+    /// The kernel block device a frontend made of it (ublk's /dev/ublkbN).
+    pub block_device: Mutex<Option<String>>,
 }
 
 impl Device {
@@ -147,6 +149,7 @@ impl Device {
             removed: AtomicBool::new(false),
             deferred_remove: AtomicBool::new(false),
             control: Mutex::new(()),
+            block_device: Mutex::new(None),
         }
     }
 
@@ -160,6 +163,17 @@ impl Device {
 
     pub fn uuid(&self) -> Option<String> {
         self.uuid.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn block_device(&self) -> Option<String> {
+        self.block_device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn set_block_device(&self, path: Option<String>) {
+        *self.block_device.lock().unwrap_or_else(|p| p.into_inner()) = path;
     }
 
     pub fn set_uuid(&self, uuid: &str) {

@@ -128,6 +128,21 @@ impl Registry {
         self.devices().values().cloned().collect()
     }
 
+    /// Every device, each after the devices its tables map onto (the order to
+    /// create them in again).
+    pub fn creation_order(&self) -> Vec<Arc<Device>> {
+        let mut left = self.list();
+        let mut out: Vec<Arc<Device>> = Vec::with_capacity(left.len());
+        while !left.is_empty() {
+            let ready = left
+                .iter()
+                .position(|d| !left.iter().any(|o| !Arc::ptr_eq(o, d) && table_uses(d, o)))
+                .unwrap_or(0);
+            out.push(left.remove(ready));
+        }
+        out
+    }
+
     /// `dmsetup create NAME --table ...`: create, load, resume (`--notable`: no
     /// table, `None`).
     pub fn create(
@@ -305,6 +320,12 @@ impl Registry {
                     "Device or resource busy: used by the table of {}",
                     users.join(", ")
                 ),
+            ));
+        }
+        if let Some(b) = dev.block_device() {
+            return Err(dev_err(
+                name,
+                format!("Device or resource busy: attached as {b} (dmkit detach {name} first)"),
             ));
         }
         let opens = dev.open_count.load(Ordering::SeqCst);
@@ -559,6 +580,9 @@ impl Registry {
             row(&mut out, "Event number", d.events().to_string());
             row(&mut out, "Major, minor", format!("{DM_MAJOR}, {}", d.minor));
             row(&mut out, "Number of targets", targets.to_string());
+            if let Some(b) = d.block_device() {
+                row(&mut out, "Block device", b);
+            }
             if let Some(u) = &d.uuid() {
                 let _ = writeln!(out, "UUID: {u}");
             }
@@ -581,7 +605,10 @@ impl Registry {
             return super::report::tree(&devs);
         }
         devs.iter()
-            .map(|d| format!("{}\t({DM_MAJOR}:{})\n", d.name(), d.minor))
+            .map(|d| match d.block_device() {
+                Some(b) => format!("{}\t({DM_MAJOR}:{})\t{b}\n", d.name(), d.minor),
+                None => format!("{}\t({DM_MAJOR}:{})\n", d.name(), d.minor),
+            })
             .collect()
     }
 
@@ -740,6 +767,22 @@ fn table_uses(d: &Device, target: &Arc<Device>) -> bool {
     refs(d, target, 0)
 }
 
+/// The node of block device `ma:mi`: udev's /dev/block link, else the name
+/// the kernel gives it (/sys/dev/block/MA:MI/uevent), where no udev runs.
+fn block_node(ma: u32, mi: u32) -> std::path::PathBuf {
+    let link = std::path::PathBuf::from(format!("/dev/block/{ma}:{mi}"));
+    if link.exists() {
+        return link;
+    }
+    std::fs::read_to_string(format!("/sys/dev/block/{ma}:{mi}/uevent"))
+        .ok()
+        .and_then(|u| {
+            u.lines()
+                .find_map(|l| l.strip_prefix("DEVNAME=").map(|n| Path::new("/dev").join(n)))
+        })
+        .unwrap_or(link)
+}
+
 struct TableResolver<'a> {
     reg: &'a Registry,
     dev: &'a Arc<Device>,
@@ -775,8 +818,7 @@ impl Resolver for TableResolver<'_> {
                         .ok_or_else(|| format!("no dmkit device {ma}:{mi}"))?,
                 )
             } else {
-                let p = format!("/dev/block/{ma}:{mi}");
-                return self.reg.open_file(Path::new(&p), self.read_only);
+                return self.reg.open_file(&block_node(ma, mi), self.read_only);
             }
         } else {
             None

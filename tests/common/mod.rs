@@ -273,6 +273,15 @@ pub fn need_all(tools: &[&str]) {
     tools.iter().for_each(|t| need(t));
 }
 
+/// The absolute path of tool `t` (for a guest's ORACLE_BINS); fails if missing.
+pub fn tool_path(t: &str) -> String {
+    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
+        .iter()
+        .map(|d| format!("{d}/{t}"))
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or_else(|| panic!("{t} not found (ci/install.sh installs it)"))
+}
+
 /// A file of `bytes` in `s`: sparse, or holding `pattern(seed)`.
 pub fn image(s: &Scratch, name: &str, bytes: u64, seed: Option<u64>) -> PathBuf {
     let p = s.sparse(name, bytes);

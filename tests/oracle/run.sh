@@ -23,6 +23,7 @@
 #                        shared libraries), space-separated absolute paths
 #   ORACLE_MODULES       more modules to load, paths under kernel/ (before the
 #                        modules that need them)
+#   ORACLE_SMP, ORACLE_MEM  the guest's CPUs (default 1) and MiB (default 512)
 # Exit status: qemu's (0 normally), 124 on timeout, 77 when a prerequisite
 # (package, kernel download) could not be had.
 set -euo pipefail
@@ -171,7 +172,7 @@ for d in "$@"; do
   drives+=(-drive "file=$d,format=raw,if=virtio,cache=unsafe")
 done
 set +e
-nice -n 19 timeout "$TIMEOUT" "$QEMU" -accel tcg -cpu max -m 512 -smp 1 \
+nice -n 19 timeout "$TIMEOUT" "$QEMU" -accel tcg -cpu max -m "${ORACLE_MEM:-512}" -smp "${ORACLE_SMP:-1}" \
   -nodefaults -display none -no-reboot -monitor none \
   -serial "file:$WORK/serial.log" \
   -kernel "$VMLINUZ" -initrd "$WORK/initrd.gz" \

@@ -1,0 +1,142 @@
+//! The state file: the daemon's devices as the control requests that make them
+//! again, rewritten after every change, replayed by `dmkit serve --restore`.
+//!
+//! One argument per line, a blank line after each request. Tables are what
+//! `table` prints, with dmkit devices named by path instead of by minor (a
+//! restored device may get another minor). Pools, caches and snapshots keep
+//! their own state in their metadata; the file holds only what the kernel's
+//! device-mapper would lose at a reboot: which tables are loaded, and which
+//! device is attached as which ublk block device.
+
+use super::Ctx;
+use crate::mapper::DM_MAJOR;
+use clap::Parser;
+use std::io::Write;
+use std::path::Path;
+
+/// The requests that make the daemon's devices again, in order.
+pub fn requests(ctx: &Ctx) -> Vec<Vec<String>> {
+    let devs = ctx.reg.creation_order();
+    let by_minor: std::collections::HashMap<String, String> = devs
+        .iter()
+        .map(|d| {
+            (
+                format!("{DM_MAJOR}:{}", d.minor),
+                format!("/dev/mapper/{}", d.name()),
+            )
+        })
+        .collect();
+    let mut out = Vec::new();
+    for d in &devs {
+        let name = d.name();
+        let mut req = vec!["create".to_string(), name.clone()];
+        if let Some(u) = d.uuid() {
+            req.extend(["--uuid".to_string(), u]);
+        }
+        if d.read_only {
+            req.push("--readonly".into());
+        }
+        match ctx.reg.table_lines(Some(&name), false, false) {
+            Ok(t) if !t.trim().is_empty() => {
+                for line in t.lines() {
+                    let line: Vec<&str> = line
+                        .split(' ')
+                        .map(|w| by_minor.get(w).map_or(w, String::as_str))
+                        .collect();
+                    req.extend(["--table".to_string(), line.join(" ")]);
+                }
+            }
+            _ => req.push("--notable".into()),
+        }
+        out.push(req);
+    }
+    for (d, id) in ctx.ublk.ids() {
+        out.push(vec![
+            "attach".into(),
+            d.name(),
+            "--recover".into(),
+            id.to_string(),
+        ]);
+    }
+    out
+}
+
+/// Write the state file (a new file renamed over the old one).
+pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<()> {
+    let mut text = String::from("# dmkit's devices: `dmkit serve --restore` makes them again\n\n");
+    for req in requests(ctx) {
+        for a in req {
+            text.push_str(&a);
+            text.push('\n');
+        }
+        text.push('\n');
+    }
+    let tmp = path.with_extension("new");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Parse a state file into its requests.
+pub fn parse(text: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let mut cur: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        if line.is_empty() {
+            if !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(line.to_string());
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Replay the state file: each request that fails is reported and the rest go
+/// on. The file is then rewritten from what is there; if anything failed, the
+/// old one is kept beside it as `.prev`. The number of requests that
+/// succeeded, and the errors.
+pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> {
+    let text = std::fs::read_to_string(path)?;
+    let mut ok = 0;
+    let mut errors = Vec::new();
+    for req in parse(&text) {
+        let r = super::Request::try_parse_from(&req)
+            .map_err(|e| e.to_string())
+            .and_then(|r| super::run_verb(ctx, r.verb, ""));
+        match r {
+            Ok(_) => ok += 1,
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        std::fs::copy(path, path.with_extension("prev"))?;
+    }
+    save(ctx, path)?;
+    Ok((ok, errors))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_splits_requests_on_blank_lines() {
+        let t = "# c\n\ncreate\na\n--table\n0 8 zero\n\nattach\na\n--recover\n3\n\n";
+        assert_eq!(
+            parse(t),
+            vec![
+                vec!["create", "a", "--table", "0 8 zero"],
+                vec!["attach", "a", "--recover", "3"]
+            ]
+        );
+    }
+}

@@ -1,0 +1,424 @@
+//! The ublk frontend: a dmkit device as a kernel block device, /dev/ublkbN (and
+//! /dev/mapper/NAME pointing at it), served through the kernel's ublk driver.
+//!
+//! `attach` adds a ublk device whose parameters are the stack's composed limits,
+//! starts one queue thread per core (`queue`), and starts the device. The device
+//! is added with USER_RECOVERY and USER_RECOVERY_REISSUE where the driver has
+//! them: when the daemon dies, the driver holds the device's requests (a mounted
+//! filesystem sees a pause), and `attach` with the old id in a new daemon takes
+//! the same /dev/ublkbN over, the requests the old daemon had taken reissued.
+//!
+//! Written on the `io-uring` crate the engine already uses rather than on
+//! libublk: the driver's interface is a dozen structs and commands
+//! (`sys`), libublk brings bindgen and libclang into the build and its own
+//! executor, and dmkit's queues must be its engines, whose rings carry the
+//! backing I/O (and librbd's completions) beside the driver's commands.
+
+pub mod ctrl;
+pub mod queue;
+pub mod sys;
+
+use crate::mapper::Device;
+use ctrl::Control;
+use queue::{QueueCtl, QueueSpec};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Requests each queue holds at once.
+const QUEUE_DEPTH: u16 = 128;
+/// Largest request (the device's max_sectors is this).
+const MAX_IO: u32 = 512 << 10;
+/// How long a new daemon waits for the driver to finish quiescing a device the
+/// old one left (the driver notices a dead server within seconds).
+const RECOVERY_WAIT: Duration = Duration::from_secs(30);
+
+struct Attached {
+    dev: Arc<Device>,
+    id: u32,
+    queues: Vec<JoinHandle<()>>,
+    ctl: Arc<QueueCtl>,
+    cdev: Arc<std::fs::File>,
+    /// /dev/mapper/NAME, if we made it.
+    link: Option<PathBuf>,
+}
+
+impl Attached {
+    fn block_device(&self) -> String {
+        block_path(self.id)
+    }
+}
+
+fn block_path(id: u32) -> String {
+    format!("/dev/ublkb{id}")
+}
+
+/// The daemon's attached devices.
+#[derive(Default)]
+pub struct Frontend {
+    attached: Mutex<Vec<Attached>>,
+}
+
+/// How many queues a device gets: one per core, at most 4.
+fn nr_queues() -> u16 {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4) as u16)
+}
+
+/// The device parameters the stack under `dev` honours.
+fn params(dev: &Device) -> sys::Params {
+    let limits = dev.limits();
+    let lbs = dev.logical_block_size().max(512);
+    let shift = |v: u64| {
+        if v.is_power_of_two() {
+            v.trailing_zeros() as u8
+        } else {
+            0
+        }
+    };
+    let mut attrs = sys::ATTR_VOLATILE_CACHE;
+    if limits.fua {
+        attrs |= sys::ATTR_FUA;
+    }
+    if limits.read_only || dev.read_only {
+        attrs |= sys::ATTR_READ_ONLY;
+    }
+    let mut p = sys::Params {
+        types: sys::PARAM_TYPE_BASIC,
+        basic: sys::ParamBasic {
+            attrs,
+            logical_bs_shift: shift(u64::from(lbs)),
+            physical_bs_shift: shift(u64::from(lbs)),
+            io_min_shift: shift(limits.io_min.max(u64::from(lbs))),
+            io_opt_shift: shift(limits.io_opt),
+            max_sectors: MAX_IO >> 9,
+            dev_sectors: dev.size_sectors(),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    if limits.discard || limits.write_zeroes {
+        p.types |= sys::PARAM_TYPE_DISCARD;
+        let gran = limits.io_min.max(u64::from(lbs)).min(u64::from(u32::MAX)) as u32;
+        p.discard = sys::ParamDiscard {
+            discard_granularity: gran,
+            max_discard_sectors: if limits.discard { u32::MAX >> 9 } else { 0 },
+            max_write_zeroes_sectors: if limits.write_zeroes { u32::MAX >> 9 } else { 0 },
+            max_discard_segments: 1,
+            ..Default::default()
+        };
+    }
+    p
+}
+
+/// Open /dev/ublkcN, which devtmpfs (or udev) makes just after ADD_DEV.
+fn open_cdev(id: u32) -> Result<std::fs::File, String> {
+    let path = format!("/dev/ublkc{id}");
+    let t = Instant::now();
+    loop {
+        match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => return Ok(f),
+            Err(e) if t.elapsed() > Duration::from_secs(5) => return Err(format!("opening {path}: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Whether process `pid` is alive.
+fn alive(pid: i32) -> bool {
+    pid > 0 && std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+impl Frontend {
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<Attached>> {
+        self.attached.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The block device `dev` is attached as.
+    pub fn block_device(&self, dev: &Arc<Device>) -> Option<String> {
+        self.list()
+            .iter()
+            .find(|a| Arc::ptr_eq(&a.dev, dev))
+            .map(Attached::block_device)
+    }
+
+    /// The attached devices and their ublk ids.
+    pub fn ids(&self) -> Vec<(Arc<Device>, u32)> {
+        self.list().iter().map(|a| (a.dev.clone(), a.id)).collect()
+    }
+
+    /// Make `dev` a block device, or (with `recover`: the id a previous daemon
+    /// had it attached as) take that block device over. The block device's path.
+    pub fn attach(&self, dev: &Arc<Device>, recover: Option<u32>) -> Result<String, String> {
+        let name = dev.name();
+        if let Some(b) = self.block_device(dev) {
+            return Err(format!("{name}: attached already as {b}"));
+        }
+        if dev.size_sectors() == 0 {
+            return Err(format!("{name}: no table loaded (a block device needs a size)"));
+        }
+        let mut ctl = Control::open()?;
+        let features = ctl.features();
+        let mut recovered = None;
+        if let Some(id) = recover {
+            recovered = self
+                .take_over(&mut ctl, id)
+                .map_err(|e| format!("{name}: /dev/ublkb{id}: {e}"))?;
+        }
+        let (info, fresh) = match recovered {
+            Some(info) => (info, false),
+            None => (
+                self.add(&mut ctl, dev, features)
+                    .map_err(|e| format!("{name}: {e}"))?,
+                true,
+            ),
+        };
+        let id = info.dev_id;
+        let started = self.start_queues(dev, &info).and_then(|(queues, qctl, cdev)| {
+            let r = if fresh {
+                ctl.start(id).map_err(|e| format!("starting the device: {e}"))
+            } else {
+                ctl.end_recovery(id)
+                    .map_err(|e| format!("ending the recovery: {e}"))
+            };
+            let a = Attached {
+                dev: dev.clone(),
+                id,
+                queues,
+                ctl: qctl,
+                cdev,
+                link: None,
+            };
+            match r {
+                Ok(()) => Ok(a),
+                Err(e) => {
+                    Self::stop(&mut ctl, a);
+                    Err(e)
+                }
+            }
+        });
+        let mut a = match started {
+            Ok(a) => a,
+            Err(e) => {
+                if fresh {
+                    let _ = ctl.delete(id);
+                }
+                return Err(format!("{name}: {e}"));
+            }
+        };
+        a.link = link(&name, id);
+        tracing::info!(
+            "{name}: {} as {} ({} queues of {}; driver features: {})",
+            if fresh { "attached" } else { "recovered" },
+            a.block_device(),
+            info.nr_hw_queues,
+            info.queue_depth,
+            sys::feature_names(features).join(",")
+        );
+        let path = a.block_device();
+        dev.set_block_device(Some(path.clone()));
+        self.list().push(a);
+        Ok(path)
+    }
+
+    /// ADD_DEV and SET_PARAMS for `dev`.
+    fn add(&self, ctl: &mut Control, dev: &Device, features: u64) -> Result<sys::DevInfo, String> {
+        // Before GET_FEATURES (Linux 6.5) the driver had recovery but not the
+        // ioctl encoding; dmkit needs the encoding, so 6.5 is the floor.
+        let mut flags = sys::F_CMD_IOCTL_ENCODE;
+        flags |= features & (sys::F_USER_RECOVERY | sys::F_USER_RECOVERY_REISSUE);
+        let mut info = sys::DevInfo {
+            nr_hw_queues: nr_queues(),
+            queue_depth: QUEUE_DEPTH,
+            max_io_buf_bytes: MAX_IO,
+            dev_id: u32::MAX,
+            flags,
+            ..Default::default()
+        };
+        ctl.add(&mut info).map_err(|e| match e.raw_os_error() {
+            Some(libc::EPERM) | Some(libc::EACCES) => {
+                "the ublk driver refused to add a device: permission denied (run the daemon as root)"
+                    .to_string()
+            }
+            _ => format!("adding a ublk device: {e}"),
+        })?;
+        let mut p = params(dev);
+        if let Err(e) = ctl.set_params(info.dev_id, &mut p) {
+            let _ = ctl.delete(info.dev_id);
+            return Err(format!("setting the device's parameters: {e}"));
+        }
+        Ok(info)
+    }
+
+    /// Start recovering device `id` left by a daemon that died; None if there is
+    /// nothing to take over (then a new device is added).
+    fn take_over(&self, ctl: &mut Control, id: u32) -> Result<Option<sys::DevInfo>, String> {
+        let t = Instant::now();
+        loop {
+            let info = match ctl.info(id) {
+                Ok(i) => i,
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(None),
+                Err(e) => return Err(format!("reading its state: {e}")),
+            };
+            match info.state {
+                sys::S_DEV_LIVE
+                    if alive(info.ublksrv_pid) && info.ublksrv_pid != std::process::id() as i32 =>
+                {
+                    return Err(format!("served by a running process (pid {})", info.ublksrv_pid))
+                }
+                sys::S_DEV_DEAD => {
+                    // never started, or stopped: nothing is mounted on it
+                    let _ = ctl.delete(id);
+                    return Ok(None);
+                }
+                _ if info.flags & sys::F_USER_RECOVERY == 0 => {
+                    return Err("added without recovery: it cannot be taken over (detach it)".into())
+                }
+                _ => {}
+            }
+            match ctl.start_recovery(id) {
+                Ok(()) => return Ok(Some(info)),
+                // the driver has not finished quiescing it yet
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && t.elapsed() < RECOVERY_WAIT => {
+                    std::thread::sleep(Duration::from_millis(100))
+                }
+                Err(e) => return Err(format!("starting the recovery: {e}")),
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn start_queues(
+        &self,
+        dev: &Arc<Device>,
+        info: &sys::DevInfo,
+    ) -> Result<(Vec<JoinHandle<()>>, Arc<QueueCtl>, Arc<std::fs::File>), String> {
+        let cdev = Arc::new(open_cdev(info.dev_id)?);
+        let qctl = Arc::new(QueueCtl::new().map_err(|e| format!("an eventfd: {e}"))?);
+        let mut queues = Vec::new();
+        for q_id in 0..info.nr_hw_queues {
+            let spec = QueueSpec {
+                dev: dev.clone(),
+                cdev: cdev.clone(),
+                q_id,
+                depth: info.queue_depth,
+                max_io: info.max_io_buf_bytes as usize,
+                ctl: qctl.clone(),
+            };
+            let h = std::thread::Builder::new()
+                .name(format!("ublk{}q{q_id}", info.dev_id))
+                .spawn(move || queue::run(spec))
+                .map_err(|e| format!("starting a queue thread: {e}"))?;
+            queues.push(h);
+        }
+        match qctl.wait_ready(queues.len()) {
+            Ok(()) => Ok((queues, qctl, cdev)),
+            Err(e) => {
+                // the queues that did start are aborted by the caller's delete
+                Err(e)
+            }
+        }
+    }
+
+    /// STOP_DEV, then wait for the queues (the driver aborts their fetches).
+    fn stop(ctl: &mut Control, a: Attached) {
+        if let Err(e) = ctl.stop(a.id) {
+            tracing::warn!("stopping /dev/ublkb{}: {e}", a.id);
+        }
+        for h in a.queues {
+            let _ = h.join();
+        }
+        drop(a.cdev);
+        if let Some(l) = a.link {
+            let _ = std::fs::remove_file(l);
+        }
+    }
+
+    /// Remove `dev`'s block device. Refused while a filesystem or another
+    /// exclusive holder has it.
+    pub fn detach(&self, dev: &Arc<Device>) -> Result<(), String> {
+        let name = dev.name();
+        let mut list = self.list();
+        let Some(i) = list.iter().position(|a| Arc::ptr_eq(&a.dev, dev)) else {
+            return Err(format!("{name}: not attached"));
+        };
+        let path = list[i].block_device();
+        if let Err(e) = rustix::fs::open(
+            &path,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) {
+            if e == rustix::io::Errno::BUSY {
+                return Err(format!(
+                    "{name}: {path} is in use (mounted, or held by another device); unmount it first"
+                ));
+            }
+        }
+        let mut ctl = Control::open()?;
+        let a = list.remove(i);
+        drop(list);
+        let id = a.id;
+        dev.set_block_device(None);
+        Self::stop(&mut ctl, a);
+        ctl.delete(id)
+            .map_err(|e| format!("{name}: deleting {path}: {e}"))?;
+        tracing::info!("{name}: detached {path}");
+        Ok(())
+    }
+
+    /// The device was renamed: move its /dev/mapper link.
+    pub fn renamed(&self, dev: &Arc<Device>) {
+        let mut list = self.list();
+        if let Some(a) = list.iter_mut().find(|a| Arc::ptr_eq(&a.dev, dev)) {
+            if let Some(l) = a.link.take() {
+                let _ = std::fs::remove_file(l);
+            }
+            a.link = link(&dev.name(), a.id);
+        }
+    }
+
+    /// The daemon is exiting: let every queue finish what it took and take no
+    /// more; the driver keeps the rest for the next daemon (with recovery).
+    pub fn pause_all(&self, limit: Duration) {
+        for a in self.list().iter() {
+            if !a.ctl.pause(a.queues.len(), limit) {
+                tracing::warn!("{}: requests still in flight at exit", a.block_device());
+            }
+        }
+    }
+}
+
+/// /dev/mapper/NAME -> ../ublkbN, unless something else has that name.
+fn link(name: &str, id: u32) -> Option<PathBuf> {
+    let dir = PathBuf::from("/dev/mapper");
+    let _ = std::fs::create_dir_all(&dir);
+    let l = dir.join(name);
+    let target = format!("../ublkb{id}");
+    match std::fs::read_link(&l) {
+        Ok(t) if t.to_string_lossy().starts_with("../ublkb") => {
+            let _ = std::fs::remove_file(&l);
+        }
+        Ok(_) => {
+            tracing::warn!(
+                "{}: exists (a kernel device-mapper device?); not linked",
+                l.display()
+            );
+            return None;
+        }
+        Err(_) if l.exists() => {
+            tracing::warn!(
+                "{}: exists (a kernel device-mapper device?); not linked",
+                l.display()
+            );
+            return None;
+        }
+        Err(_) => {}
+    }
+    match std::os::unix::fs::symlink(&target, &l) {
+        Ok(()) => Some(l),
+        Err(e) => {
+            tracing::warn!("{}: {e}", l.display());
+            None
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! The ublk frontend (issue 17), inside the oracle's guest on the 6.12 kernel
+//! series with ublk_drv loaded: one boot for every check.
+//!
+//! - A linear device, a thin (its pool provisioning during the test) and a
+//!   writecache, each attached as /dev/ublkbN with /dev/mapper/NAME: fio
+//!   `--verify=crc32c` on the raw device; then mkfs.ext4, files written, md5s
+//!   recorded, umount, `e2fsck -fn` clean, mounted again, md5s equal. The block
+//!   device's queue limits are the stack's (sysfs). On the thin, `fstrim`
+//!   reaches the pool: its mapped blocks fall.
+//! - Errors: a second attach, detach while mounted, remove while attached.
+//! - Restart under load: fio with verify on a mounted ext4 over the linear
+//!   device; the daemon SIGKILLed and started again with `--restore` ten times
+//!   while it runs; fio ends without an error and its verify passes.
+//! - Upgrade: the same on the thin with SIGTERM, three times (the daemon lets
+//!   its queues finish what they took and commits the pool before it exits).
+//! - Detach: /dev/ublkbN and /dev/mapper/NAME go; the devices can be removed.
+//!
+//! A missing tool or kernel fails the test (ci/install.sh installs them).
+
+mod common;
+mod oracle;
+use common::{tool_path, Scratch, BIN};
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn ublk_block_devices_restart_under_a_mounted_filesystem() {
+    let s = Scratch::new("ublk");
+    let disks = [
+        s.sparse("lin.img", 256 * MIB),
+        s.sparse("meta.img", 16 * MIB),
+        s.sparse("data.img", 512 * MIB),
+        s.sparse("cache.img", 64 * MIB),
+        s.sparse("origin.img", 256 * MIB),
+    ];
+    let bins = [
+        BIN.to_string(),
+        tool_path("mke2fs"),
+        tool_path("e2fsck"),
+        tool_path("fio"),
+    ]
+    .join(" ");
+    let lin = 256 * MIB / 512;
+    let data = 512 * MIB / 512;
+    let thin = 384 * MIB / 512;
+    let origin = 256 * MIB / 512;
+    let script = format!(
+        r#"
+set -e
+mkdir -p /run/dmkit /mnt /tmp /etc
+ln -sf /bin/mke2fs /bin/mkfs.ext4
+D="dmkit --run-dir /run/dmkit"
+start() {{
+  rm -f /run/dmkit/control.sock
+  dmkit serve --run-dir /run/dmkit $1 >> /tmp/dmkit.log 2>&1 &
+  echo $! > /tmp/pid
+  i=0; while [ ! -S /run/dmkit/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+  $D version > /dev/null
+}}
+start
+$D create lin --table "0 {lin} linear /dev/vda 0"
+$D create pool --table "0 {data} thin-pool /dev/vdb /dev/vdc 128 0"
+$D message pool 0 create_thin 0
+$D create thin --table "0 {thin} thin /dev/mapper/pool 0"
+$D create wc --table "0 {origin} writecache s /dev/vde /dev/vdd 4096 0"
+used() {{ $D status pool | cut -d' ' -f6 | cut -d/ -f1; }}
+q() {{ cat /sys/block/$(basename $(readlink -f /dev/mapper/$1))/queue/$2; }}
+
+for dev in lin thin wc; do
+  b=$($D attach $dev)
+  echo "ORACLE path-$dev $b $(readlink /dev/mapper/$dev)"
+  echo "ORACLE limits-$dev lbs=$(q $dev logical_block_size) discard=$(q $dev discard_max_bytes) gran=$(q $dev discard_granularity) fua=$(q $dev fua) cache=$(q $dev write_cache | tr ' ' _) max=$(q $dev max_sectors_kb)"
+  fio --name=raw --filename=/dev/mapper/$dev --rw=randwrite --bs=4k --size=24M --ioengine=io_uring \
+      --iodepth=16 --direct=1 --verify=crc32c > /tmp/fio-raw-$dev 2>&1 \
+    && echo "ORACLE fio-raw-$dev ok" || {{ echo "ORACLE fio-raw-$dev failed"; cat /tmp/fio-raw-$dev; }}
+  mkfs.ext4 -q -F /dev/mapper/$dev
+  mkdir -p /mnt/$dev
+  mount -t ext4 /dev/mapper/$dev /mnt/$dev
+  for f in 1 2 3 4; do dd if=/dev/urandom of=/mnt/$dev/f$f bs=64k count=$((f * 64)) 2>/dev/null; done
+  sync
+  (cd /mnt/$dev && md5sum f1 f2 f3 f4) > /tmp/sums-$dev
+  if [ $dev = thin ]; then
+    before=$(used)
+    rm /mnt/thin/f4; sync
+    fstrim /mnt/thin
+    echo "ORACLE trim-thin $before $(used)"
+    grep -v f4 /tmp/sums-thin > /tmp/s; mv /tmp/s /tmp/sums-thin
+  fi
+  umount /mnt/$dev
+  e2fsck -fn /dev/mapper/$dev > /tmp/fsck 2>&1 && echo "ORACLE fsck-$dev clean" || {{ echo "ORACLE fsck-$dev dirty"; cat /tmp/fsck; }}
+  mount -t ext4 /dev/mapper/$dev /mnt/$dev
+  (cd /mnt/$dev && md5sum -c /tmp/sums-$dev > /dev/null) && echo "ORACLE md5-$dev same" || echo "ORACLE md5-$dev differ"
+done
+$D ls | grep -q "^lin.*/dev/ublkb" && echo "ORACLE ls shows"
+
+echo "ORACLE again $({{ $D attach lin 2>&1; echo " rc=$?"; }} | tr ' \n' __)"
+echo "ORACLE detach-mounted $($D detach lin 2>&1 | tr ' ' _)"
+echo "ORACLE remove-attached $($D remove lin 2>&1 | tr ' ' _)"
+
+# restart: fio with verify runs on the mounted filesystem meanwhile
+load() {{
+  n=0
+  while [ ! -f /tmp/stop-$1 ]; do
+    fio --name=v --filename=/mnt/$1/fio.dat --size=8M --rw=randwrite --bs=4k --ioengine=psync \
+        --direct=1 --verify=crc32c > /tmp/fio-$1 2>&1 || {{ echo "ORACLE fio-$1-failed $n"; cat /tmp/fio-$1; }}
+    n=$((n+1))
+  done
+  echo "ORACLE fio-$1-runs $n"
+}}
+restarts() {{
+  load $1 &
+  L=$!
+  for k in $(seq $3); do
+    sleep 1
+    kill -$2 $(cat /tmp/pid)
+    while kill -0 $(cat /tmp/pid) 2>/dev/null; do sleep 0.05; done
+    start --restore
+    echo "ORACLE restart-$1-$k $(readlink /dev/mapper/$1)"
+  done
+  sleep 1
+  touch /tmp/stop-$1
+  wait $L
+}}
+restarts lin KILL 10
+restarts thin TERM 3
+for dev in lin thin; do
+  umount /mnt/$dev
+  e2fsck -fn /dev/mapper/$dev > /tmp/fsck 2>&1 && echo "ORACLE fsck-after-$dev clean" || {{ echo "ORACLE fsck-after-$dev dirty"; cat /tmp/fsck; }}
+done
+grep -c recovered /tmp/dmkit.log | sed 's/^/ORACLE recovered /'
+
+umount /mnt/wc
+for dev in lin thin wc; do $D detach $dev; done
+echo "ORACLE gone $(ls /dev/ublkb* /dev/mapper/lin 2>/dev/null | wc -l)"
+$D remove thin && $D remove pool && $D remove wc && $D remove lin && echo "ORACLE removed yes"
+echo "ORACLE daemon $(kill -0 $(cat /tmp/pid) && echo alive)"
+grep -i "error\|panic" /tmp/dmkit.log | head -5 || true
+"#
+    );
+    let modules = "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
+    let env = [
+        ("ORACLE_BINS", bins.as_str()),
+        ("ORACLE_MODULES", modules),
+        ("DMKIT_ORACLE_KERNEL", "6.12"),
+        ("DMKIT_ORACLE_TIMEOUT", "900"),
+    ];
+    let paths: Vec<&std::path::Path> = disks.iter().map(|p| p.as_path()).collect();
+    let serial = oracle::run_env(&s.0, &script, &paths, &env);
+    let m = oracle::markers(&serial);
+    let get = |k: &str| oracle::marker(&m, k).to_string();
+
+    for (dev, lbs) in [("lin", 512), ("thin", 512), ("wc", 4096)] {
+        let path = get(&format!("path-{dev}"));
+        assert!(
+            path.starts_with("/dev/ublkb") && path.contains(" ../ublkb"),
+            "{dev}: attached with a /dev/mapper link: {path}"
+        );
+        let limits = get(&format!("limits-{dev}"));
+        assert!(limits.contains(&format!("lbs={lbs} ")), "{dev}: {limits}");
+        assert!(limits.contains("fua=1"), "{dev}: {limits}");
+        assert!(limits.contains("cache=write_back"), "{dev}: {limits}");
+        assert!(limits.contains("max=512"), "{dev}: {limits}");
+        assert!(
+            !limits.contains("discard=0 "),
+            "{dev}: discard offered, as the stack honours it: {limits}"
+        );
+        for check in ["fio-raw", "fsck", "md5"] {
+            let want = match check {
+                "fio-raw" => "ok",
+                "fsck" => "clean",
+                _ => "same",
+            };
+            assert_eq!(get(&format!("{check}-{dev}")), want, "{dev}: {check}");
+        }
+    }
+    // the thin pool's block is 64 KiB: so is the discard granularity
+    assert!(
+        get("limits-thin").contains("gran=65536"),
+        "{}",
+        get("limits-thin")
+    );
+    // the writecache's block is 4 KiB: its logical block size and granularity
+    assert!(get("limits-wc").contains("gran=4096"), "{}", get("limits-wc"));
+    let trim: Vec<u64> = get("trim-thin")
+        .split(' ')
+        .map(|v| v.parse().expect("used data blocks"))
+        .collect();
+    assert!(
+        trim[1] + 60 < trim[0],
+        "fstrim gave the pool back the deleted file's blocks (16 MiB = 256 blocks): {trim:?}"
+    );
+    assert_eq!(get("ls"), "shows");
+    let again = get("again");
+    assert!(
+        again.contains("attached_already_as_/dev/ublkb") && again.contains("_rc=1"),
+        "{again}"
+    );
+    assert!(
+        get("detach-mounted").contains("is_in_use_(mounted"),
+        "{}",
+        get("detach-mounted")
+    );
+    assert!(
+        get("remove-attached").contains("attached_as_/dev/ublkb"),
+        "{}",
+        get("remove-attached")
+    );
+
+    for (dev, n) in [("lin", 10), ("thin", 3)] {
+        for k in 1..=n {
+            assert!(
+                get(&format!("restart-{dev}-{k}")).starts_with("../ublkb"),
+                "{dev}: restart {k} kept the block device"
+            );
+        }
+        assert!(
+            !m.keys().any(|k| k.starts_with(&format!("fio-{dev}-failed"))),
+            "{dev}: fio failed across a restart: {m:?}"
+        );
+        let runs: u32 = get(&format!("fio-{dev}-runs")).parse().expect("runs");
+        assert!(runs >= 1, "{dev}: fio ran");
+        assert_eq!(
+            get(&format!("fsck-after-{dev}")),
+            "clean",
+            "{dev}: fsck after the restarts"
+        );
+    }
+    // three devices attached, thirteen restarts
+    assert_eq!(
+        get("recovered"),
+        "39",
+        "every restart took every block device over"
+    );
+    assert_eq!(get("gone"), "0", "detach removes /dev/ublkbN and the link");
+    assert_eq!(get("removed"), "yes");
+    assert_eq!(get("daemon"), "alive");
+}
