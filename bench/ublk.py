@@ -121,7 +121,7 @@ def main():
         "## ublk frontend vs the kernel's nbd client and loop device (issue 17)",
         "",
         f"`bench/ublk.py --reps {a.reps} --runtime {a.runtime} --smp {a.smp}`: inside the kernel oracle's guest "
-        f"(Debian's {marks.get('kernel', '6.12')} series under qemu TCG, {marks['cpus']} vCPUs, on this 2-core machine), "
+        f"(Debian's kernel {marks.get('kernel', '6.12')} under qemu TCG, {marks['cpus']} vCPUs, on this 2-core machine), "
         "one boot, medians of the reps. The backing is one 256 MiB RAM disk (brd, written in full first); "
         "the same fio job on each block device: 4 KiB, QD32, io_uring, O_DIRECT. TCG inflates every absolute "
         "figure: only the ratios, taken in the same run, count.",
