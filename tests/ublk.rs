@@ -7,12 +7,15 @@
 //!   recorded, umount, `e2fsck -fn` clean, mounted again, md5s equal. The block
 //!   device's queue limits are the stack's (sysfs). On the thin, `fstrim`
 //!   reaches the pool: its mapped blocks fall.
-//! - Errors: a second attach, detach while mounted, remove while attached.
+//! - Errors: a second attach, detach while mounted, remove while attached, a
+//!   resume that would resize it, and a daemon that is not root.
 //! - Restart under load: fio with verify on a mounted ext4 over the linear
 //!   device; the daemon SIGKILLed and started again with `--restore` ten times
 //!   while it runs; fio ends without an error and its verify passes.
 //! - Upgrade: the same on the thin with SIGTERM, three times (the daemon lets
 //!   its queues finish what they took and commits the pool before it exits).
+//! - After the restarts, the files written before them read back the same on
+//!   all three (the writecache, mounted throughout, reopened from its cache).
 //! - Detach: /dev/ublkbN and /dev/mapper/NAME go; the devices can be removed.
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
@@ -96,6 +99,18 @@ $D ls | grep -q "^lin.*/dev/ublkb" && echo "ORACLE ls shows"
 echo "ORACLE again $({{ $D attach lin 2>&1; echo " rc=$?"; }} | tr ' \n' __)"
 echo "ORACLE detach-mounted $($D detach lin 2>&1 | tr ' ' _)"
 echo "ORACLE remove-attached $($D remove lin 2>&1 | tr ' ' _)"
+$D load lin --table "0 1024 linear /dev/vda 0"
+echo "ORACLE resize-attached $($D resume lin 2>&1 | tr ' ' _)"
+$D clear lin
+# a daemon that is not root: no permission for /dev/ublk-control
+echo "user:x:1000:1000::/tmp:/bin/sh" >> /etc/passwd
+mkdir -p /tmp/user && truncate -s 16M /tmp/user/f.img && chown -R 1000:1000 /tmp/user
+U() {{ su user -s /bin/sh -c "$*"; }}
+U 'dmkit serve --run-dir /tmp/user > /tmp/user/log 2>&1 & echo $! > /tmp/user/pid'
+i=0; while [ ! -S /tmp/user/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+U 'dmkit --run-dir /tmp/user create u --table "0 32768 linear /tmp/user/f.img 0"'
+echo "ORACLE attach-user $(U 'dmkit --run-dir /tmp/user attach u 2>&1; echo " rc=$?"' | tr ' \n' __)"
+kill $(cat /tmp/user/pid)
 
 # restart: fio with verify runs on the mounted filesystem meanwhile
 load() {{
@@ -123,6 +138,12 @@ restarts() {{
 }}
 restarts lin KILL 10
 restarts thin TERM 3
+# the files written before the restarts, read back through the reopened stacks
+# (the writecache's from its cache metadata)
+for dev in lin thin wc; do
+  echo 3 > /proc/sys/vm/drop_caches
+  (cd /mnt/$dev && md5sum -c /tmp/sums-$dev > /dev/null) && echo "ORACLE md5-after-$dev same" || echo "ORACLE md5-after-$dev differ"
+done
 for dev in lin thin; do
   umount /mnt/$dev
   e2fsck -fn /dev/mapper/$dev > /tmp/fsck 2>&1 && echo "ORACLE fsck-after-$dev clean" || {{ echo "ORACLE fsck-after-$dev dirty"; cat /tmp/fsck; }}
@@ -204,6 +225,17 @@ grep -i "error\|panic" /tmp/dmkit.log | head -5 || true
         get("remove-attached").contains("attached_as_/dev/ublkb"),
         "{}",
         get("remove-attached")
+    );
+
+    assert!(
+        get("resize-attached").contains("whose_size_the_kernel_cannot_change"),
+        "{}",
+        get("resize-attached")
+    );
+    let user = get("attach-user");
+    assert!(
+        user.contains("no_permission_to_open_/dev/ublk-control") && user.contains("_rc=1"),
+        "{user}"
     );
 
     for (dev, n) in [("lin", 10), ("thin", 3)] {

@@ -176,7 +176,10 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         },
         DmVerb::Clear { name } => done(reg.clear(&name)),
         DmVerb::Suspend { name, noflush, .. } => done(reg.suspend(&name, noflush)),
-        DmVerb::Resume { name } => done(reg.resume(&name)),
+        DmVerb::Resume { name } => {
+            check_resize(reg, &name)?;
+            done(reg.resume(&name))
+        }
         DmVerb::Remove {
             name,
             force,
@@ -247,6 +250,29 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             let dev = reg.get(&name).map_err(e)?;
             ctx.ublk.detach(&dev).map(|()| String::new())
         }
+    }
+}
+
+/// A resume that would change the size of a device attached as a block device is
+/// refused: the ublk driver cannot resize a device (before Linux 6.16).
+fn check_resize(reg: &Registry, name: &str) -> Result<(), String> {
+    let Ok(dev) = reg.get(name) else { return Ok(()) };
+    let Some(b) = dev.block_device() else {
+        return Ok(());
+    };
+    let new = dev
+        .inactive
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|t| t.size);
+    match new {
+        Some(n) if n != dev.size_sectors() => Err(format!(
+            "{name}: attached as {b}, whose size the kernel cannot change: the new table has {n} sectors, \
+             the device {}; detach it first (or load a table of the same size)",
+            dev.size_sectors()
+        )),
+        _ => Ok(()),
     }
 }
 
