@@ -3,9 +3,10 @@
 
 #![allow(dead_code)]
 
+use dmkit::control::Ctx;
 use dmkit::mapper::registry::{Config, Registry};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// This process's scratch directory.
 pub fn dir() -> &'static PathBuf {
@@ -42,8 +43,17 @@ pub fn file(name: &str, bytes: u64) -> String {
 /// A registry with `z` (zero), `lin` (linear over a file), `pool` (thin-pool),
 /// `thin` (a thin of it) and `wc` (writecache), made once per process.
 pub fn registry() -> &'static Registry {
-    static R: OnceLock<Registry> = OnceLock::new();
-    R.get_or_init(|| {
+    &ctx().reg
+}
+
+/// The control requests' context over [`registry`] (no state file).
+pub fn ctx() -> &'static Ctx {
+    static C: OnceLock<Ctx> = OnceLock::new();
+    C.get_or_init(|| Ctx::sandboxed(Arc::new(make_registry())))
+}
+
+fn make_registry() -> Registry {
+    {
         let reg = Registry::new(Config { direct_io: false });
         // files the table corpus names, for targets it creates itself
         for (f, bytes) in [("tmeta", 2 << 20), ("tdata", 4 << 20), ("cow", 1 << 20)] {
@@ -75,7 +85,7 @@ pub fn registry() -> &'static Registry {
             ),
         );
         reg
-    })
+    }
 }
 
 /// An in-memory byte stream: reads from the input, writes are kept.

@@ -36,6 +36,15 @@ impl Ctx {
             changes: std::sync::Mutex::new(()),
         }
     }
+
+    /// A context that makes no kernel block devices and records nothing (for
+    /// fuzzing the protocol).
+    pub fn sandboxed(reg: Arc<Registry>) -> Ctx {
+        Ctx {
+            ublk: ublk::Frontend::disabled(),
+            ..Ctx::new(reg, None)
+        }
+    }
 }
 
 /// Most bytes one request may carry (a table of many thousands of lines fits).

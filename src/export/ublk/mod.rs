@@ -58,6 +58,11 @@ fn block_path(id: u32) -> String {
 #[derive(Default)]
 pub struct Frontend {
     attached: Mutex<Vec<Attached>>,
+    /// One attach at a time (the check that a device is not attached holds
+    /// until it is).
+    attaching: Mutex<()>,
+    /// Attaching is refused (fuzzing the control protocol makes no block devices).
+    disabled: bool,
 }
 
 /// How many queues a device gets: one per core, at most 4.
@@ -130,6 +135,14 @@ fn alive(pid: i32) -> bool {
 }
 
 impl Frontend {
+    /// A frontend that refuses to attach anything.
+    pub fn disabled() -> Frontend {
+        Frontend {
+            disabled: true,
+            ..Frontend::default()
+        }
+    }
+
     fn list(&self) -> std::sync::MutexGuard<'_, Vec<Attached>> {
         self.attached.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -150,7 +163,11 @@ impl Frontend {
     /// Make `dev` a block device, or (with `recover`: the id a previous daemon
     /// had it attached as) take that block device over. The block device's path.
     pub fn attach(&self, dev: &Arc<Device>, recover: Option<u32>) -> Result<String, String> {
+        let _one = self.attaching.lock().unwrap_or_else(|p| p.into_inner());
         let name = dev.name();
+        if self.disabled {
+            return Err(format!("{name}: block devices are disabled here"));
+        }
         if let Some(b) = self.block_device(dev) {
             return Err(format!("{name}: attached already as {b}"));
         }
@@ -174,25 +191,21 @@ impl Frontend {
             ),
         };
         let id = info.dev_id;
-        let started = self.start_queues(dev, &info).and_then(|(queues, qctl, cdev)| {
+        let started = self.start_queues(&mut ctl, dev, &info, fresh).and_then(|a| {
             let r = if fresh {
                 ctl.start(id).map_err(|e| format!("starting the device: {e}"))
             } else {
                 ctl.end_recovery(id)
                     .map_err(|e| format!("ending the recovery: {e}"))
             };
-            let a = Attached {
-                dev: dev.clone(),
-                id,
-                queues,
-                ctl: qctl,
-                cdev,
-                link: None,
-            };
             match r {
                 Ok(()) => Ok(a),
                 Err(e) => {
-                    Self::stop(&mut ctl, a);
+                    // a recovered device stays quiesced rather than failing a
+                    // mounted filesystem's requests
+                    if fresh {
+                        Self::stop(&mut ctl, a);
+                    }
                     Err(e)
                 }
             }
@@ -287,15 +300,28 @@ impl Frontend {
         }
     }
 
-    #[allow(clippy::type_complexity)]
+    /// Start the device's queue threads and wait until each has its fetches at
+    /// the driver. If one cannot, a new device is stopped (the driver aborts the
+    /// others' fetches, so they end); a device being recovered is left quiesced,
+    /// its requests held, for another attempt.
     fn start_queues(
         &self,
+        ctl: &mut Control,
         dev: &Arc<Device>,
         info: &sys::DevInfo,
-    ) -> Result<(Vec<JoinHandle<()>>, Arc<QueueCtl>, Arc<std::fs::File>), String> {
+        fresh: bool,
+    ) -> Result<Attached, String> {
         let cdev = Arc::new(open_cdev(info.dev_id)?);
         let qctl = Arc::new(QueueCtl::new().map_err(|e| format!("an eventfd: {e}"))?);
-        let mut queues = Vec::new();
+        let mut a = Attached {
+            dev: dev.clone(),
+            id: info.dev_id,
+            queues: Vec::new(),
+            ctl: qctl.clone(),
+            cdev: cdev.clone(),
+            link: None,
+        };
+        let mut failed = None;
         for q_id in 0..info.nr_hw_queues {
             let spec = QueueSpec {
                 dev: dev.clone(),
@@ -305,16 +331,32 @@ impl Frontend {
                 max_io: info.max_io_buf_bytes as usize,
                 ctl: qctl.clone(),
             };
-            let h = std::thread::Builder::new()
+            match std::thread::Builder::new()
                 .name(format!("ublk{}q{q_id}", info.dev_id))
                 .spawn(move || queue::run(spec))
-                .map_err(|e| format!("starting a queue thread: {e}"))?;
-            queues.push(h);
+            {
+                Ok(h) => a.queues.push(h),
+                Err(e) => {
+                    failed = Some(format!("starting a queue thread: {e}"));
+                    break;
+                }
+            }
         }
-        match qctl.wait_ready(queues.len()) {
-            Ok(()) => Ok((queues, qctl, cdev)),
+        let r = match failed {
+            Some(e) => Err(e),
+            None => qctl.wait_ready(a.queues.len()),
+        };
+        match r {
+            Ok(()) => Ok(a),
+            Err(e) if fresh => {
+                Self::stop(ctl, a);
+                Err(e)
+            }
             Err(e) => {
-                // the queues that did start are aborted by the caller's delete
+                tracing::error!(
+                    "/dev/ublkb{}: recovery failed, the device stays quiesced: {e}",
+                    info.dev_id
+                );
                 Err(e)
             }
         }
