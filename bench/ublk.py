@@ -24,7 +24,11 @@ completed.
 
 Writes BENCHMARKS.md, section `ublk`.
 
-Usage: bench/ublk.py [--reps 3] [--runtime 8] [--smp 2]
+With --here the same shell script runs on this machine instead (root, and a
+kernel with ublk_drv, nbd, loop and brd as modules; it replaces any brd RAM
+disks). Not run on the development machine, which cannot load modules.
+
+Usage: bench/ublk.py [--reps 3] [--runtime 8] [--smp 2] [--here]
 """
 import argparse, os, statistics, subprocess, sys, tempfile
 
@@ -35,19 +39,24 @@ KINDS = ["ublk", "nbd", "loop", "ram"]
 RWS = ["randread", "randwrite"]
 GUEST = r"""
 set -e
-mkdir -p /run/dmkit /tmp
-# run.sh loaded brd with its defaults (16 disks of 4 MiB): one of 256 MiB instead
-rmmod brd; insmod /mod/brd.ko rd_nr=1 rd_size=262144
+mkdir -p RUNDIR /tmp
+# one RAM disk of 256 MiB (in the guest run.sh loaded brd with its defaults)
+if [ -f /mod/brd.ko ]; then
+  rmmod brd; insmod /mod/brd.ko rd_nr=1 rd_size=262144
+else
+  modprobe -r brd 2>/dev/null || true
+  modprobe brd rd_nr=1 rd_size=262144 && modprobe ublk_drv && modprobe nbd && modprobe loop
+fi
 echo "ORACLE kernel $(uname -r)"
 [ -b /dev/ram0 ] || { echo "ORACLE error no-brd"; exit 1; }
 fio --name=fill --filename=/dev/ram0 --rw=write --bs=1M --direct=1 --ioengine=psync > /dev/null
-dmkit serve --run-dir /run/dmkit > /tmp/dmkit.log 2>&1 &
+dmkit serve --run-dir RUNDIR > /tmp/dmkit.log 2>&1 &
 PID=$!
-i=0; while [ ! -S /run/dmkit/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
-D="dmkit --run-dir /run/dmkit"
+i=0; while [ ! -S RUNDIR/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+D="dmkit --run-dir RUNDIR"
 $D create lin --table "0 524288 linear /dev/ram0 0"
 $D attach lin > /dev/null
-nbd-client -unix /run/dmkit/nbd.sock /dev/nbd0 -name lin -connections $(nproc) > /dev/null
+nbd-client -unix RUNDIR/nbd.sock /dev/nbd0 -name lin -connections $(nproc) > /dev/null
 LOOP=$(ul-losetup --direct-io=on -f --show /dev/ram0)
 echo "ORACLE loop-dio $(cat /sys/block/${LOOP#/dev/}/loop/dio)"
 echo "ORACLE cpus $(nproc)"
@@ -67,6 +76,8 @@ for rep in $(seq REPS); do
 done
 nbd-client -d /dev/nbd0 > /dev/null
 $D detach lin
+ul-losetup -d $LOOP
+kill $PID
 echo "ORACLE clk $(getconf CLK_TCK 2>/dev/null || echo 100)"
 """
 
@@ -76,6 +87,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=8)
     ap.add_argument("--smp", type=int, default=2)
+    ap.add_argument("--here", action="store_true", help="run on this machine, not in the oracle's guest")
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
     a = ap.parse_args()
     dmkit = os.path.join(run.ROOT, "target", "release", "dmkit")
@@ -84,7 +96,8 @@ def main():
         losetup = os.path.join(tmp, "ul-losetup")
         os.symlink("/usr/sbin/losetup", losetup)
         script = (GUEST.replace("REPS", str(a.reps)).replace("KINDS", " ".join(KINDS))
-                  .replace("RWS", " ".join(RWS)).replace("RUNTIME", str(a.runtime)))
+                  .replace("RWS", " ".join(RWS)).replace("RUNTIME", str(a.runtime))
+                  .replace("RUNDIR", os.path.join(tmp, "run") if a.here else "/run/dmkit"))
         sp = os.path.join(tmp, "guest.sh")
         open(sp, "w").write(script)
         bins = " ".join([dmkit, "/usr/bin/fio", "/usr/sbin/nbd-client", losetup, "/usr/bin/getconf"])
@@ -93,8 +106,12 @@ def main():
                                   "drivers/block/brd.ko",
                    ORACLE_SMP=str(a.smp), ORACLE_MEM="1024",
                    DMKIT_ORACLE_TIMEOUT=str(600 + a.reps * len(KINDS) * len(RWS) * (a.runtime + 4) * 3))
-        r = subprocess.run(["bash", os.path.join(run.ROOT, "tests", "oracle", "run.sh"), sp],
-                           env=env, capture_output=True, text=True)
+        if a.here:
+            env["PATH"] = f"{os.path.dirname(dmkit)}:{tmp}:{env['PATH']}"
+            r = subprocess.run(["sh", sp], env=env, capture_output=True, text=True)
+        else:
+            r = subprocess.run(["bash", os.path.join(run.ROOT, "tests", "oracle", "run.sh"), sp],
+                               env=env, capture_output=True, text=True)
     serial = r.stdout
     marks = {}
     for line in serial.splitlines():
@@ -102,7 +119,7 @@ def main():
         if line.startswith("ORACLE "):
             k, _, v = line[7:].partition(" ")
             marks[k] = v
-    if r.returncode != 0 or "clk" not in marks:
+    if (r.returncode != 0 and not a.here) or "clk" not in marks:
         sys.exit(f"guest run failed ({r.returncode}):\n{serial}\n{r.stderr}")
     clk = int(marks["clk"])
     res = {}
@@ -120,11 +137,14 @@ def main():
     lines = [
         "## ublk frontend vs the kernel's nbd client and loop device (issue 17)",
         "",
-        f"`bench/ublk.py --reps {a.reps} --runtime {a.runtime} --smp {a.smp}`: inside the kernel oracle's guest "
-        f"(Debian's kernel {marks.get('kernel', '6.12')} under qemu TCG, {marks['cpus']} vCPUs, on this 2-core machine), "
-        "one boot, medians of the reps. The backing is one 256 MiB RAM disk (brd, written in full first); "
-        "the same fio job on each block device: 4 KiB, QD32, io_uring, O_DIRECT. TCG inflates every absolute "
-        "figure: only the ratios, taken in the same run, count.",
+        (f"`bench/ublk.py --reps {a.reps} --runtime {a.runtime} --here`: on kernel {marks.get('kernel')}, "
+         f"{marks['cpus']} CPUs, medians of the reps. " if a.here else
+         f"`bench/ublk.py --reps {a.reps} --runtime {a.runtime} --smp {a.smp}`: inside the kernel oracle's guest "
+         f"(Debian's kernel {marks.get('kernel', '6.12')} under qemu TCG, {marks['cpus']} vCPUs, on this 2-core "
+         "machine), one boot, medians of the reps. TCG inflates every absolute figure: only the ratios, taken in "
+         "the same run, count. ")
+        + "The backing is one 256 MiB RAM disk (brd, written in full first); "
+        "the same fio job on each block device: 4 KiB, QD32, io_uring, O_DIRECT.",
         "",
         "| rw | ublk (dmkit linear) IOPS | kernel nbd (same dmkit device) IOPS | loop, direct I/O IOPS | RAM disk IOPS "
         "| ublk / nbd | ublk / loop | dmkit CPU/req, ublk (µs) | dmkit CPU/req, nbd (µs) |",
