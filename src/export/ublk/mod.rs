@@ -464,3 +464,44 @@ fn link(name: &str, id: u32) -> Option<PathBuf> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mapper::registry::{Config, Registry};
+
+    fn device(table: &str, read_only: bool) -> Arc<Device> {
+        let reg = Registry::new(Config::default());
+        reg.create("d", Some(table), read_only, None).expect("create");
+        reg.get("d").expect("device")
+    }
+
+    #[test]
+    fn parameters_are_the_stacks_limits() {
+        // zero takes discards and zeroing: both offered, one segment
+        let p = params(&device("0 8192 zero", false));
+        assert_eq!(p.types, sys::PARAM_TYPE_BASIC | sys::PARAM_TYPE_DISCARD);
+        assert_eq!(p.basic.dev_sectors, 8192);
+        assert_eq!((p.basic.logical_bs_shift, p.basic.physical_bs_shift), (9, 9));
+        assert_eq!(p.basic.max_sectors, MAX_IO >> 9);
+        assert_ne!(
+            p.basic.attrs & sys::ATTR_VOLATILE_CACHE,
+            0,
+            "flushes reach the stack"
+        );
+        assert_ne!(p.basic.attrs & sys::ATTR_FUA, 0);
+        assert_eq!(p.basic.attrs & sys::ATTR_READ_ONLY, 0);
+        assert_eq!(p.discard.max_discard_segments, 1);
+        assert!(p.discard.max_discard_sectors > 0 && p.discard.max_write_zeroes_sectors > 0);
+        assert_eq!(p.discard.discard_granularity, 512);
+
+        // error takes discards but cannot zero: no write-zeroes
+        let p = params(&device("0 8192 error", false));
+        assert!(p.discard.max_discard_sectors > 0);
+        assert_eq!(p.discard.max_write_zeroes_sectors, 0);
+
+        // a read-only device is a read-only disk
+        let p = params(&device("0 8192 zero", true));
+        assert_ne!(p.basic.attrs & sys::ATTR_READ_ONLY, 0);
+    }
+}
