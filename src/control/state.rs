@@ -61,9 +61,20 @@ pub fn requests(ctx: &Ctx) -> Vec<Vec<String>> {
     out
 }
 
+/// This boot of the machine (tables name block devices by number, which a
+/// reboot may give to other disks).
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+const BOOT: &str = "# boot ";
+
 /// Write the state file (a new file renamed over the old one).
 pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<()> {
-    let mut text = String::from("# dmkit's devices: `dmkit serve --restore` makes them again\n\n");
+    let mut text = String::from("# dmkit's devices: `dmkit serve --restore` makes them again\n");
+    text.push_str(&format!("{BOOT}{}\n\n", boot_id()));
     for req in requests(ctx) {
         for a in req {
             text.push_str(&a);
@@ -108,6 +119,18 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
     let text = std::fs::read_to_string(path)?;
     let mut ok = 0;
     let mut errors = Vec::new();
+    let recorded = text.lines().find_map(|l| l.strip_prefix(BOOT)).unwrap_or("");
+    if recorded != boot_id() {
+        // after a reboot the numbers in the tables may name other disks, and the
+        // block devices are gone: nothing is replayed
+        std::fs::rename(path, path.with_extension("prev"))?;
+        errors.push(format!(
+            "{} was written before the machine rebooted: not replayed (kept as {})",
+            path.display(),
+            path.with_extension("prev").display()
+        ));
+        return Ok((0, errors));
+    }
     for req in parse(&text) {
         let r = super::Request::try_parse_from(&req)
             .map_err(|e| e.to_string())
@@ -127,6 +150,35 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ctx() -> Ctx {
+        use crate::mapper::registry::{Config, Registry};
+        Ctx::sandboxed(std::sync::Arc::new(Registry::new(Config::default())))
+    }
+
+    #[test]
+    fn a_record_is_replayed_in_the_same_boot_only() {
+        let dir = std::env::temp_dir().join(format!("dmkit-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("devices.state");
+        let record = "create\nz\n--table\n0 8 zero\n\n";
+
+        std::fs::write(&path, format!("{BOOT}{}\n\n{record}", boot_id())).expect("write");
+        let c = ctx();
+        assert_eq!(restore(&c, &path).expect("restore"), (1, vec![]));
+        assert!(c.reg.get("z").is_ok());
+        // as `table` prints it: a space after a target without arguments, as dmsetup's
+        assert_eq!(requests(&c), vec![vec!["create", "z", "--table", "0 8 zero "]]);
+
+        std::fs::write(&path, format!("{BOOT}another-boot\n\n{record}")).expect("write");
+        let c = ctx();
+        let (ok, errors) = restore(&c, &path).expect("restore");
+        assert_eq!(ok, 0);
+        assert!(errors[0].contains("before the machine rebooted"), "{errors:?}");
+        assert!(c.reg.get("z").is_err(), "nothing replayed");
+        assert!(path.with_extension("prev").exists() && !path.exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn parse_splits_requests_on_blank_lines() {
