@@ -100,12 +100,12 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let state = state_path(&opts.run_dir);
     if !opts.restore && state.exists() {
         // a previous daemon's devices: kept aside, not replayed
-        let prev = state.with_extension("prev");
-        let _ = std::fs::rename(&state, &prev);
-        tracing::info!(
-            "the previous daemon's devices are in {} (`serve --restore` makes them again)",
-            prev.display()
-        );
+        if let Ok(prev) = crate::control::state::set_aside(&state) {
+            tracing::info!(
+                "the previous daemon's devices are in {} (`serve --restore` makes them again)",
+                prev.display()
+            );
+        }
     }
     let ctx = Arc::new(crate::control::Ctx::new(reg.clone(), Some(state.clone())));
     if opts.restore && state.exists() {

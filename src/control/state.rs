@@ -89,6 +89,18 @@ pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// Where a record that is not replayed is kept.
+pub fn prev_path(path: &Path) -> std::path::PathBuf {
+    path.with_extension("prev")
+}
+
+/// Move the record at `path` aside, unreplayed; where it went.
+pub fn set_aside(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    let prev = prev_path(path);
+    std::fs::rename(path, &prev)?;
+    Ok(prev)
+}
+
 /// Parse a state file into its requests.
 pub fn parse(text: &str) -> Vec<Vec<String>> {
     let mut out = Vec::new();
@@ -123,11 +135,11 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
     if recorded != boot_id() {
         // after a reboot the numbers in the tables may name other disks, and the
         // block devices are gone: nothing is replayed
-        std::fs::rename(path, path.with_extension("prev"))?;
+        let prev = set_aside(path)?;
         errors.push(format!(
             "{} was written before the machine rebooted: not replayed (kept as {})",
             path.display(),
-            path.with_extension("prev").display()
+            prev.display()
         ));
         return Ok((0, errors));
     }
@@ -141,7 +153,7 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
         }
     }
     if !errors.is_empty() {
-        std::fs::copy(path, path.with_extension("prev"))?;
+        std::fs::copy(path, prev_path(path))?;
     }
     save(ctx, path)?;
     Ok((ok, errors))
@@ -176,7 +188,7 @@ mod tests {
         assert_eq!(ok, 0);
         assert!(errors[0].contains("before the machine rebooted"), "{errors:?}");
         assert!(c.reg.get("z").is_err(), "nothing replayed");
-        assert!(path.with_extension("prev").exists() && !path.exists());
+        assert!(prev_path(&path).exists() && !path.exists());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

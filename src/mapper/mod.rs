@@ -125,7 +125,7 @@ pub struct Device {
     /// Serialises control operations (load/suspend/resume/remove) on this device.
     pub control: Mutex<()>,
     /// The kernel block device a frontend made of it (ublk's /dev/ublkbN).
-    pub block_device: Mutex<Option<String>>,
+    block_device: Mutex<Option<String>>,
 }
 
 impl Device {

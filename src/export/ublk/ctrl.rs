@@ -44,18 +44,8 @@ impl Control {
 
     /// Run one command; the driver's result (>= 0) or its errno.
     fn cmd(&mut self, op: u32, c: CtrlCmd) -> io::Result<i32> {
-        let mut raw = [0u8; 80];
-        // SAFETY: CtrlCmd is a plain repr(C) struct of 32 bytes; it is copied
-        // byte for byte into the command area, as the driver reads it.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                std::ptr::from_ref(&c).cast::<u8>(),
-                std::mem::size_of::<CtrlCmd>(),
-            )
-        };
-        raw[..bytes.len()].copy_from_slice(bytes);
         let e = opcode::UringCmd80::new(types::Fd(self.file.as_raw_fd()), op)
-            .cmd(raw)
+            .cmd(c.bytes())
             .build()
             .user_data(1);
         // SAFETY: the command names `c.addr` (the caller's buffer, alive across

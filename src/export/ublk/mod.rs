@@ -46,12 +46,8 @@ struct Attached {
 
 impl Attached {
     fn block_device(&self) -> String {
-        block_path(self.id)
+        format!("/dev/ublkb{}", self.id)
     }
-}
-
-fn block_path(id: u32) -> String {
-    format!("/dev/ublkb{id}")
 }
 
 /// The daemon's attached devices.
@@ -147,14 +143,6 @@ impl Frontend {
         self.attached.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The block device `dev` is attached as.
-    pub fn block_device(&self, dev: &Arc<Device>) -> Option<String> {
-        self.list()
-            .iter()
-            .find(|a| Arc::ptr_eq(&a.dev, dev))
-            .map(Attached::block_device)
-    }
-
     /// The attached devices and their ublk ids.
     pub fn ids(&self) -> Vec<(Arc<Device>, u32)> {
         self.list().iter().map(|a| (a.dev.clone(), a.id)).collect()
@@ -168,7 +156,7 @@ impl Frontend {
         if self.disabled {
             return Err(format!("{name}: block devices are disabled here"));
         }
-        if let Some(b) = self.block_device(dev) {
+        if let Some(b) = dev.block_device() {
             return Err(format!("{name}: attached already as {b}"));
         }
         if dev.size_sectors() == 0 {
@@ -436,25 +424,15 @@ fn link(name: &str, id: u32) -> Option<PathBuf> {
     let _ = std::fs::create_dir_all(&dir);
     let l = dir.join(name);
     let target = format!("../ublkb{id}");
-    match std::fs::read_link(&l) {
-        Ok(t) if t.to_string_lossy().starts_with("../ublkb") => {
-            let _ = std::fs::remove_file(&l);
-        }
-        Ok(_) => {
-            tracing::warn!(
-                "{}: exists (a kernel device-mapper device?); not linked",
-                l.display()
-            );
-            return None;
-        }
-        Err(_) if l.exists() => {
-            tracing::warn!(
-                "{}: exists (a kernel device-mapper device?); not linked",
-                l.display()
-            );
-            return None;
-        }
-        Err(_) => {}
+    let ours = std::fs::read_link(&l).is_ok_and(|t| t.to_string_lossy().starts_with("../ublkb"));
+    if ours {
+        let _ = std::fs::remove_file(&l);
+    } else if l.symlink_metadata().is_ok() {
+        tracing::warn!(
+            "{}: exists (a kernel device-mapper device?); not linked",
+            l.display()
+        );
+        return None;
     }
     match std::os::unix::fs::symlink(&target, &l) {
         Ok(()) => Some(l),

@@ -98,6 +98,22 @@ pub struct CtrlCmd {
     pub reserved: u32,
 }
 
+impl CtrlCmd {
+    /// The command area of a 128-byte SQE (80 bytes), this command first.
+    pub fn bytes(&self) -> [u8; 80] {
+        let mut b = [0u8; 80];
+        b[0..4].copy_from_slice(&self.dev_id.to_ne_bytes());
+        b[4..6].copy_from_slice(&self.queue_id.to_ne_bytes());
+        b[6..8].copy_from_slice(&self.len.to_ne_bytes());
+        b[8..16].copy_from_slice(&self.addr.to_ne_bytes());
+        b[16..24].copy_from_slice(&self.data.to_ne_bytes());
+        b[24..26].copy_from_slice(&self.dev_path_len.to_ne_bytes());
+        b[26..28].copy_from_slice(&self.pad.to_ne_bytes());
+        b[28..32].copy_from_slice(&self.reserved.to_ne_bytes());
+        b
+    }
+}
+
 /// struct ublksrv_ctrl_dev_info.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
@@ -194,6 +210,13 @@ pub struct Params {
 }
 
 const _: () = assert!(std::mem::size_of::<CtrlCmd>() == 32);
+// where `CtrlCmd::bytes` puts each field
+const _: () = assert!(std::mem::offset_of!(CtrlCmd, queue_id) == 4);
+const _: () = assert!(std::mem::offset_of!(CtrlCmd, len) == 6);
+const _: () = assert!(std::mem::offset_of!(CtrlCmd, addr) == 8);
+const _: () = assert!(std::mem::offset_of!(CtrlCmd, data) == 16);
+const _: () = assert!(std::mem::offset_of!(CtrlCmd, dev_path_len) == 24);
+const _: () = assert!(std::mem::offset_of!(CtrlCmd, reserved) == 28);
 const _: () = assert!(std::mem::size_of::<DevInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<IoDesc>() == 24);
 const _: () = assert!(std::mem::size_of::<IoCmd>() == 16);
