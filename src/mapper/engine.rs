@@ -650,7 +650,7 @@ impl Engine {
                 } else {
                     let dev = q.holds.get(m.origin.0 as usize).map(|h| h.dev.clone());
                     match dev {
-                        Some(d) if !d.suspended.load(std::sync::atomic::Ordering::SeqCst) => {
+                        Some(d) if !d.io_suspended() => {
                             let bio = Bio {
                                 sector: m.target_start + m.bio.sector,
                                 ..m.bio

@@ -103,7 +103,13 @@ pub struct Device {
     pub read_only: bool,
     pub live: ArcSwapOption<Table>,
     pub inactive: Mutex<Option<Arc<Table>>>,
+    /// Suspended by its user (`suspend`; `info` shows it).
     pub suspended: AtomicBool,
+    /// Suspended by other devices for their own sake (a thin pool suspends its
+    /// active thins while it is suspended: the kernel's dm_internal_suspend_noflush
+    /// and DMF_SUSPENDED_INTERNALLY): I/O waits as in a suspend, `info` does not
+    /// show it. Changed only under `control`, as `suspended` is.
+    internal_suspends: AtomicU32,
     /// Requests being mapped or in flight through this device, counted in the
     /// epoch they entered (see `drain_epoch`).
     inflight: [AtomicU64; 2],
@@ -138,6 +144,7 @@ impl Device {
             live: ArcSwapOption::empty(),
             inactive: Mutex::new(None),
             suspended: AtomicBool::new(false),
+            internal_suspends: AtomicU32::new(0),
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             epoch: std::sync::atomic::AtomicUsize::new(0),
             drain_lock: Mutex::new(()),
@@ -202,9 +209,33 @@ impl Device {
         })
     }
 
-    /// Block new I/O, release what targets hold, and wait for in-flight I/O to drain.
+    /// Whether I/O to this device waits (suspended by its user or internally).
+    #[inline]
+    pub fn io_suspended(&self) -> bool {
+        self.suspended.load(Ordering::SeqCst) || self.internal_suspends.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether another device holds this one suspended.
+    pub fn internally_suspended(&self) -> bool {
+        self.internal_suspends.load(Ordering::SeqCst) > 0
+    }
+
+    /// The user's suspend (its control lock held): block new I/O, release what
+    /// targets hold, and wait for in-flight I/O to drain. A device suspended
+    /// internally has done all that already: it only becomes suspended in the
+    /// user's eyes too (the kernel waits for the internal resume instead; the
+    /// end state is the same, and the caller is not held up by another device).
     pub fn suspend_and_drain(&self) {
+        let internally = self.internally_suspended();
         self.suspended.store(true, Ordering::SeqCst);
+        if !internally {
+            self.presuspend_and_drain();
+        }
+    }
+
+    /// With I/O already blocked: the targets' presuspend, the drain of what is in
+    /// flight, the targets' postsuspend.
+    fn presuspend_and_drain(&self) {
         if let Some(t) = self.live.load_full() {
             for e in &t.entries {
                 e.target.presuspend();
@@ -216,6 +247,59 @@ impl Device {
                 e.target.postsuspend();
             }
         }
+    }
+
+    /// Suspend this device for another device's sake, without flushing (the
+    /// kernel's dm_internal_suspend_noflush): I/O waits as in a suspend, queued I/O
+    /// that targets requeue at presuspend waits for the resume at the top, and the
+    /// user's suspend state does not change. Nested calls count; each is undone by
+    /// one [`internal_resume`](Self::internal_resume). Takes this device's control
+    /// lock: the caller may hold another device's (a pool's), never this one's.
+    pub fn internal_suspend_noflush(&self) {
+        let _c = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        let before = self.internal_suspends.fetch_add(1, Ordering::SeqCst);
+        // nested, or suspended by the user already: drained, targets presuspended
+        if before == 0 && !self.suspended.load(Ordering::SeqCst) {
+            self.presuspend_and_drain();
+        }
+    }
+
+    /// Undo one [`internal_suspend_noflush`](Self::internal_suspend_noflush). The
+    /// last one resumes the live table's targets and lets I/O go, unless the user
+    /// has suspended the device meanwhile (then the user's resume does). A target
+    /// that refuses the resume leaves the device suspended, as the user sees it
+    /// (the kernel's __dm_internal_resume does the same).
+    pub fn internal_resume(&self) {
+        let _c = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        let left = match self.internal_suspends.load(Ordering::SeqCst) {
+            0 => {
+                tracing::error!("{}: internal resume without an internal suspend", self.name());
+                return;
+            }
+            n => n - 1,
+        };
+        if left > 0 || self.suspended.load(Ordering::SeqCst) {
+            self.internal_suspends.store(left, Ordering::SeqCst);
+            return;
+        }
+        if let Some(t) = self.live.load_full() {
+            for e in &t.entries {
+                if let Err(why) = e.target.preresume() {
+                    tracing::error!(
+                        "{}: internal resume refused by {} target: {why}; the device stays suspended",
+                        self.name(),
+                        e.target.type_name()
+                    );
+                    self.suspended.store(true, Ordering::SeqCst);
+                    self.internal_suspends.store(0, Ordering::SeqCst);
+                    return;
+                }
+            }
+            for e in &t.entries {
+                e.target.resume();
+            }
+        }
+        self.internal_suspends.store(0, Ordering::SeqCst);
     }
 
     /// The event number `info` shows: the device's own events and its targets'.
@@ -339,7 +423,7 @@ fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
         leave(dev, e);
         e = now;
     }
-    if dev.suspended.load(Ordering::SeqCst) {
+    if dev.io_suspended() {
         leave(dev, e);
         return Err(MapErr::Suspended);
     }

@@ -730,9 +730,13 @@ fn resume_locked(dev: &Device) -> Result<(), String> {
         // No request is in flight: the old table (and its files) can go.
         dev.live.store(Some(t));
     }
-    if let Some(t) = dev.live.load_full() {
-        for e in &t.entries {
-            e.target.resume();
+    // Held suspended by another device (a suspended pool holds its thins): the
+    // targets resume, and I/O goes, when that device lets go (Device::internal_resume).
+    if !dev.internally_suspended() {
+        if let Some(t) = dev.live.load_full() {
+            for e in &t.entries {
+                e.target.resume();
+            }
         }
     }
     dev.suspended.store(false, Ordering::SeqCst);

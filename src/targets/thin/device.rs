@@ -14,8 +14,9 @@
 use super::{Key, Mode, Pool};
 use crate::copier::Copier;
 use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
+use crate::mapper::Device;
 use crate::targets::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 pub struct ThinDev {
     pool: Arc<Pool>,
@@ -23,6 +24,8 @@ pub struct ThinDev {
     fast: Arc<super::fast::FastMap>,
     /// The pool device: data I/O is remapped through it.
     pool_dev: DevRef,
+    /// The device whose table this target is in (the pool suspends it with itself).
+    dev: Weak<Device>,
     id: u64,
     origin: Option<(DevRef, Arc<BackingFile>)>,
     bs: u64,
@@ -73,7 +76,7 @@ impl ThinDev {
                     "thin device {id} does not exist in the pool (create_thin first)"
                 ));
             }
-            m.active.push(id);
+            m.active.push((id, Arc::downgrade(r.device())));
             (
                 m.features.discard_enabled,
                 m.fast_map(id, len.div_ceil(pool.block_sectors)),
@@ -84,6 +87,7 @@ impl ThinDev {
             pool,
             fast,
             pool_dev,
+            dev: Arc::downgrade(r.device()),
             id,
             origin,
             bs,
@@ -462,7 +466,12 @@ impl Cell {
 impl Drop for ThinDev {
     fn drop(&mut self) {
         let mut m = self.pool.lock();
-        if let Some(i) = m.active.iter().position(|&x| x == self.id) {
+        // one entry per target: any of this thin's on the same device will do
+        if let Some(i) = m
+            .active
+            .iter()
+            .position(|(id, d)| *id == self.id && Weak::ptr_eq(d, &self.dev))
+        {
             m.active.swap_remove(i);
         }
         // the last table of this thin takes its cache along (the pool's and ours)

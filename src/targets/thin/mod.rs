@@ -86,8 +86,10 @@ pub struct PoolMd {
     pub low_water_hit: bool,
     /// When the pool ran out of data space (queued I/O fails after the timeout).
     pub out_of_space_since: Option<Instant>,
-    /// Thin ids with a live target (cannot be deleted).
-    pub active: Vec<u64>,
+    /// The thin targets built on the pool (live or loaded): the thin id (which
+    /// cannot be deleted) and the device whose table holds it (suspended with the
+    /// pool). One entry per target.
+    pub active: Vec<(u64, Weak<Device>)>,
     /// Discards of mapped blocks waiting for the I/O already in flight to the
     /// pool (which may still read or write those blocks) before they unmap.
     pub discards: Vec<Discard>,
@@ -161,6 +163,8 @@ pub struct Pool {
     /// Raised on low water and mode changes: the pool device's event counter.
     pub events: AtomicU64,
     stop: AtomicBool,
+    /// The thin devices the pool's suspend suspended internally, for its resume.
+    held_thins: Mutex<Vec<Arc<Device>>>,
 }
 
 /// A request for a commit, or for the commit thread to stop.
@@ -355,6 +359,7 @@ impl Pool {
             pool_dev: Mutex::new(Arc::downgrade(owner)),
             events: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            held_thins: Mutex::new(Vec::new()),
         });
         let (weak, signal) = (Arc::downgrade(&pool), pool.commit_signal.clone());
         std::thread::Builder::new()
@@ -599,9 +604,42 @@ impl Pool {
         }
     }
 
+    /// At the pool's suspend, before its own I/O drains: suspend every device with
+    /// a thin target on this pool internally, without flushing (the kernel's
+    /// pool_suspend_active_thins). Their presuspend sends the pieces waiting for
+    /// space back to wait for the resume at the top, holding nothing, so neither
+    /// suspend waits for space, whatever part of a request already went through
+    /// the pool device. The user's suspend state of the thins does not change.
+    pub fn suspend_active_thins(&self) {
+        let mut devs: Vec<Arc<Device>> = Vec::new();
+        for d in self.lock().active.iter().filter_map(|(_, w)| w.upgrade()) {
+            if !devs.iter().any(|x| Arc::ptr_eq(x, &d)) {
+                devs.push(d);
+            }
+        }
+        // without the pool lock: the thins' presuspend and drain take it
+        for d in &devs {
+            d.internal_suspend_noflush();
+        }
+        self.held_thins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(devs);
+    }
+
+    /// At the pool's resume, once space has grown and what waited for it is
+    /// requeued: resume the thins its suspend held (pool_resume_active_thins).
+    pub fn resume_active_thins(&self) {
+        let devs = std::mem::take(&mut *self.held_thins.lock().unwrap_or_else(|p| p.into_inner()));
+        for d in devs {
+            d.internal_resume();
+        }
+    }
+
     /// At resume: the table's features and low water apply, the mode follows them
     /// (read_only, or back to read-write unless needs_check holds it), and the data and
-    /// metadata space grow to the table's and the file's sizes.
+    /// metadata space grow to the table's and the file's sizes (the kernel's
+    /// maybe_resize_data_dev and maybe_resize_metadata_dev), committed at once.
     pub fn apply(&self, features: Features, low_water: u64, nr_blocks: u64) {
         {
             let mut m = self.lock();
@@ -619,24 +657,34 @@ impl Pool {
                 self.events.fetch_add(1, Ordering::Relaxed);
             }
         }
-        self.grow(nr_blocks);
+        if self.grow(nr_blocks) {
+            if let Err(e) = self.commit_now() {
+                tracing::warn!(
+                    "thin-pool {}: commit after growing: {e}",
+                    self.metadata.path.display()
+                );
+            }
+        }
         self.requeue_no_space();
     }
 
-    /// Grow the data space to `nr_blocks` (a reloaded, larger pool table).
-    fn grow(&self, nr_blocks: u64) {
+    /// Grow the data space to `nr_blocks` (a reloaded, larger pool table), and the
+    /// metadata space to the metadata file's size; whether either grew.
+    fn grow(&self, nr_blocks: u64) -> bool {
         let mut m = self.lock();
         if m.mode == Mode::ReadOnly {
-            return;
+            return false;
         }
+        let mut grew = false;
         if nr_blocks > m.md.nr_data_blocks() {
             if m.md.needs_check() {
                 tracing::warn!("thin-pool: not growing the data device: needs_check is set");
-                return;
+                return false;
             }
             match m.md.resize_data_dev(nr_blocks) {
                 Ok(()) => {
                     m.dirty = true;
+                    grew = true;
                     m.low_water_hit = false;
                     if m.mode == Mode::OutOfDataSpace {
                         m.mode = Mode::Write;
@@ -659,8 +707,10 @@ impl Pool {
                 self.metadata_failed(&mut m, &e);
             } else {
                 m.dirty = true;
+                grew = true;
             }
         }
+        grew
     }
 
     /// Free space came back (a delete, a discard): leave out-of-space mode.

@@ -102,7 +102,7 @@ impl ThinPool {
             if m.mode == Mode::ReadOnly {
                 return Err("pool is read-only".into());
             }
-            let active = m.active.clone();
+            let active: Vec<u64> = m.active.iter().map(|(id, _)| *id).collect();
             // create_snap makes every block of its origin shared; delete and the
             // rest change mappings too: the lock-free caches start over
             m.forget_fast();
@@ -309,15 +309,20 @@ impl Target for ThinPool {
         }
         Ok(())
     }
+    /// The table applies and space grows, what waited for space is requeued,
+    /// then the thins the suspend held resume (the kernel's pool_resume).
     fn resume(&self) {
         self.pool.apply(self.requested, self.low_water, self.nr_blocks);
+        self.pool.resume_active_thins();
     }
     fn events(&self) -> u64 {
         self.pool.events.load(std::sync::atomic::Ordering::Relaxed)
     }
-    /// Pieces queued for space go back to be mapped again (the kernel requeues
-    /// them at presuspend), so the suspend never waits for space.
+    /// The pool's active thins are suspended internally first (their pieces
+    /// queued for space wait for the resume at the top, as the kernel's
+    /// pool_presuspend), so the suspend never waits for space.
     fn presuspend(&self) {
+        self.pool.suspend_active_thins();
         self.pool.requeue_no_space();
     }
     fn postsuspend(&self) {
