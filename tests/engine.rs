@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::nbd::{Client, READ, TRIM, WRITE};
+use common::nbd::{reply_ready, Client, FLAG_FUA, READ, TRIM, WRITE};
 use common::{pattern, Daemon, Scratch};
 use std::time::{Duration, Instant};
 
@@ -159,6 +159,63 @@ fn suspend_returns_while_a_request_is_queued_for_space() {
         "the queued write failed after the pool grew"
     );
     assert_eq!(c.read(3 * 65536, 4096), pattern(4, 4096));
+}
+
+/// A FUA request whose device suspends while it is in flight does not complete
+/// without its flush (issue 29, item 5). A FUA discard is held by a delay target
+/// (400 ms for writes and discards, none for flushes); `suspend --noflush` starts,
+/// and the delay target's presuspend sends the discard on at once, so it
+/// completes while the device is suspending and its trailing flush is mapped on a
+/// suspended device. That flush waits for the resume like any request: the reply
+/// does not come while the device is suspended, and the backing file has seen no
+/// flush; after the resume the flush reaches the file (`dmkit stats`) and only
+/// then does the discard complete.
+#[test]
+fn a_fua_requests_flush_waits_for_the_resume() {
+    let s = Scratch::new("engine-fua-suspend");
+    let f = s.sparse("f", 8 * MIB);
+    std::fs::write(&f, pattern(2, (8 * MIB) as usize)).unwrap();
+    let d = Daemon::start("engine-fua-suspend");
+    d.create(
+        "dl",
+        &format!("0 16384 delay {f} 0 0 {f} 0 400 {f} 0 0", f = f.display()),
+    );
+    let mut c = Client::connect(&d.sock(), "dl");
+    let before = d.flushes("dl", &f);
+    c.send(TRIM, FLAG_FUA, 1, 0, 65536, &[]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !reply_ready(&c, Duration::from_millis(1)),
+        "the delayed discard was not held"
+    );
+    let t = Instant::now();
+    d.ok(&["suspend", "dl", "--noflush"]);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "suspend took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        !reply_ready(&c, Duration::from_millis(300)),
+        "the FUA discard completed while its device was suspended, before its flush"
+    );
+    assert_eq!(
+        d.flushes("dl", &f),
+        before,
+        "a flush reached the file while the device was suspended"
+    );
+    d.ok(&["resume", "dl"]);
+    assert_eq!(c.reply(None), (1, 0), "the FUA discard failed");
+    assert_eq!(
+        d.flushes("dl", &f),
+        before + 1,
+        "the FUA discard's flush did not reach the file"
+    );
+    assert_eq!(c.read(0, 65536), vec![0u8; 65536], "the discard did not land");
+    assert_eq!(
+        c.read(65536, 4096),
+        pattern(2, (8 * MIB) as usize)[65536..65536 + 4096]
+    );
 }
 
 /// A discard of a thin's mapped block waits for the I/O already in flight to that

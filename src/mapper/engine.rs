@@ -215,6 +215,10 @@ pub struct Request {
     /// hold and map the whole request again once it resumes.
     requeue: bool,
     then_flush: bool,
+    /// What is left of the request is its trailing flush (FUA emulated, or the
+    /// commit a FUA write's metadata needs): the device was suspending when it
+    /// was mapped, and the retry after the resume maps only the flush.
+    flush_only: bool,
     /// A leaf ran an end-of-I/O hook (a target changed metadata): with FUA the
     /// request ends with a flush so that change is durable too.
     hooked: bool,
@@ -238,6 +242,7 @@ impl Request {
             pending: 0,
             requeue: false,
             then_flush: false,
+            flush_only: false,
             hooked: false,
         }
     }
@@ -490,6 +495,7 @@ impl Engine {
         q.error = 0;
         q.requeue = false;
         q.hooked = false;
+        q.flush_only = false;
         q.then_flush = q.fua && matches!(q.op, Op::Discard | Op::WriteZeroes);
         if !self.parked.is_empty() {
             // behind requests waiting for a resume, to keep their order
@@ -519,21 +525,27 @@ impl Engine {
         res
     }
 
-    /// Map `r` from the top; false if it was parked (a device is suspended).
+    /// Map `r` from the top (or only its trailing flush, if that is what was
+    /// left when it was parked); false if it was parked (a device is suspended).
     fn map_request(&mut self, r: usize) -> bool {
         let q = &mut self.reqs[r];
         q.state = State::InFlight;
-        let bio = Bio {
-            op: q.op,
-            sector: q.sector,
-            nr_sectors: q.nr_sectors,
-            buf_off: 0,
-            fua: q.fua && q.op == Op::Write,
-            punch: q.punch,
+        let bio = if q.flush_only {
+            FLUSH
+        } else {
+            Bio {
+                op: q.op,
+                sector: q.sector,
+                nr_sectors: q.nr_sectors,
+                buf_off: 0,
+                fua: q.fua && q.op == Op::Write,
+                punch: q.punch,
+            }
         };
         q.leaves.clear();
         match self.map_with(r, |ctx, dev| map_bio(dev, bio, ctx)) {
             Ok(()) => {
+                self.reqs[r].flush_only = false;
                 crate::io::coalesce(&mut self.reqs[r].leaves);
                 self.issue_from(r, 0);
             }
@@ -548,6 +560,7 @@ impl Engine {
             Err(MapErr::Errno(e)) => {
                 self.drop_leaves(r, 0);
                 let q = &mut self.reqs[r];
+                q.flush_only = false;
                 q.error = e;
                 if q.pending == 0 {
                     self.leaves_done(r);
@@ -862,20 +875,21 @@ impl Engine {
             // FUA on a discard / write-zeroes, or on a write whose target changed
             // metadata: flush what it touched.
             q.leaves.clear();
-            let bio = Bio {
-                op: Op::Flush,
-                sector: 0,
-                nr_sectors: 0,
-                buf_off: 0,
-                fua: false,
-                punch: false,
-            };
-            let res = self.map_with(r, |ctx, dev| map_bio(dev, bio, ctx));
+            let res = self.map_with(r, |ctx, dev| map_bio(dev, FLUSH, ctx));
             match res {
                 Ok(()) => return self.issue_from(r, 0),
                 Err(MapErr::Suspended) => {
-                    // Its effect is on the files; the next flush covers it.
+                    // A device on the path is suspending: the flush waits for the
+                    // resume like any request (the request completes only after
+                    // it), once the pieces a target took meanwhile are back.
                     self.drop_leaves(r, 0);
+                    let q = &mut self.reqs[r];
+                    q.flush_only = true;
+                    q.requeue = true;
+                    if q.pending == 0 {
+                        self.park(r);
+                    }
+                    return;
                 }
                 Err(MapErr::Errno(e)) => {
                     self.drop_leaves(r, 0);
@@ -892,6 +906,16 @@ impl Engine {
         self.done.push_back(r);
     }
 }
+
+/// An empty flush (REQ_PREFLUSH with no data).
+const FLUSH: Bio = Bio {
+    op: Op::Flush,
+    sector: 0,
+    nr_sectors: 0,
+    buf_off: 0,
+    fua: false,
+    punch: false,
+};
 
 /// Run `a` then `b`.
 fn chain(a: EndIo, b: EndIo) -> EndIo {
