@@ -86,6 +86,7 @@ fn block_signals() -> Result<SigSet> {
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals()?;
+    crate::panics::install_hook();
     crate::targets::thin::set_copy_subjob_kb(opts.copy_subjob_kb);
     crate::targets::writecache::set_lru_writeback(opts.writecache_lru_writeback);
     let group = opts.group.as_deref().map(group_id).transpose()?;

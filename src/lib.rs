@@ -6,6 +6,7 @@ pub mod export;
 pub mod extents;
 pub mod io;
 pub mod mapper;
+pub mod panics;
 pub mod pdata;
 pub mod sim;
 pub mod table;

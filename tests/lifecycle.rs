@@ -425,3 +425,102 @@ fn flakey_corrupt_read_byte() {
     assert_eq!(read_at(&f, MIB, 4096), vec![0x42; 4096]);
     assert_eq!(c.read(MIB, 4096)[0], 255);
 }
+
+/// A panic while a device's request is mapped (armed by the test-only `__panic`
+/// message, which `DMKIT_TEST_PANIC=1` enables) fails that request and every
+/// later one on the device with EIO, is logged with the thread, the device and
+/// the location, and leaves the daemon and its other devices (a linear, a thin
+/// on a pool) serving. A panic where it cannot be caught safely (the control
+/// path) ends the daemon, logged the same way. Without the variable the message
+/// is an unknown message.
+#[test]
+fn a_panicking_worker_fails_its_device_only() {
+    let mut d = Daemon::start_with("panic", &[], &[("DMKIT_TEST_PANIC", "1")]);
+    let a = file_with(&d, "a", 4, 1, MIB as usize);
+    let b = file_with(&d, "b", 4, 2, MIB as usize);
+    let meta = d.dir.sparse("meta", 4 * MIB);
+    let data = d.dir.sparse("data", 16 * MIB);
+    d.create("bad", &format!("0 8192 linear {} 0", a.display()));
+    d.create("good", &format!("0 8192 linear {} 0", b.display()));
+    d.create(
+        "pool",
+        &format!("0 32768 thin-pool {} {} 128 0", meta.display(), data.display()),
+    );
+    d.ok(&["message", "pool", "0", "create_thin 0"]);
+    d.create("thin", "0 8192 thin /dev/mapper/pool 0");
+    let mut bad = Client::connect(&d.sock(), "bad");
+    let mut good = Client::connect(&d.sock(), "good");
+    let mut thin = Client::connect(&d.sock(), "thin");
+    assert_eq!(bad.read(0, 4096), pattern(1, 4096));
+
+    d.ok(&["message", "bad", "0", "__panic"]);
+    let w = pattern(9, 4096);
+    assert_eq!(
+        bad.call(WRITE, 0, 8192, 4096, &w),
+        EIO,
+        "the request that panicked"
+    );
+    assert_eq!(
+        bad.call(READ, 0, 0, 4096, &[]),
+        EIO,
+        "the device fails after a panic"
+    );
+    let mut again = Client::connect(&d.sock(), "bad");
+    assert_eq!(again.call(READ, 0, 0, 4096, &[]), EIO, "a new connection too");
+    assert_eq!(read_at(&a, 8192, 4096), pattern(1, MIB as usize)[8192..12288]);
+    let log = d.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("panic in thread"))
+        .unwrap_or_else(|| panic!("no panic logged:\n{log}"));
+    assert!(
+        line.contains("panic in thread nbd-conn serving device bad at src/mapper/mod.rs:")
+            && line.contains("bad: the panic armed by the __panic message")
+            && line.contains("fails with EIO"),
+        "{line}"
+    );
+
+    // the others serve on, through the connections they had and new ones
+    good.write(4096, &w);
+    assert_eq!(good.read(4096, 4096), w);
+    thin.write(0, &w);
+    assert_eq!(thin.read(0, 4096), w);
+    let mut fresh = Client::connect(&d.sock(), "good");
+    assert_eq!(fresh.read(0, 4096), pattern(2, 4096));
+    assert_eq!(read_at(&b, 4096, 4096), w);
+    let ls = d.ok(&["ls"]);
+    for name in ["bad", "good", "pool", "thin"] {
+        assert!(ls.lines().any(|l| l.starts_with(name)), "{name} in ls:\n{ls}");
+    }
+    assert!(d.alive());
+    drop((bad, again));
+    d.remove_closed("bad");
+    d.create("bad", &format!("0 8192 linear {} 0", a.display()));
+    assert_eq!(
+        Client::connect(&d.sock(), "bad").read(0, 4096),
+        pattern(1, 4096),
+        "made again"
+    );
+
+    // where a panic cannot be caught safely, the daemon ends, and says why
+    let o = d.cli(&["message", "good", "0", "__panic", "control"]);
+    assert!(!o.status.success());
+    wait_for("the daemon to exit", || !d.alive());
+    let log = d.log();
+    assert!(
+        log.lines().any(|l| l
+            .contains("panic in thread control-conn serving no device at src/mapper/registry.rs:")
+            && l.contains("the daemon exits so nothing half changed is committed")),
+        "{log}"
+    );
+
+    // not enabled: an unknown message
+    let d = Daemon::start("panic-off");
+    let c = file_with(&d, "c", 4, 3, 0);
+    d.create("c", &format!("0 8192 linear {} 0", c.display()));
+    let e = d.fails(&["message", "c", "0", "__panic"]);
+    assert!(e.contains("message '__panic' refused"), "{e}");
+    let mut cl = Client::connect(&d.sock(), "c");
+    cl.write(0, &w);
+    assert_eq!(cl.read(0, 4096), w);
+}

@@ -285,6 +285,8 @@ pub struct Engine {
 impl Engine {
     /// An engine for requests to `dev`, with `slots` request slots.
     pub fn new(dev: Arc<Device>, slots: usize) -> std::io::Result<Engine> {
+        // this thread serves `dev`: a panic on it is logged under the device's name
+        crate::panics::set_device(&dev.name());
         Ok(Engine {
             dev,
             q: IoQueue::new(512),
@@ -517,7 +519,11 @@ impl Engine {
         let n = if q.op.has_data() { q.bytes() } else { 0 };
         let data = &mut q.buf.as_mut_slice()[..n];
         let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &self.inbox, r as u32, q.gen);
-        let res = f(&mut ctx, &self.dev);
+        // A target that panics fails the request and the device (crate::panics).
+        let res = crate::panics::catching(|| f(&mut ctx, &self.dev)).unwrap_or_else(|| {
+            self.dev.fail();
+            Err(MapErr::Errno(errno::EIO))
+        });
         let submitted = ctx.submitted;
         q.then_flush |= ctx.flush_after;
         q.pending += submitted;
@@ -575,7 +581,7 @@ impl Engine {
         let q = &mut self.reqs[r];
         for l in q.leaves.drain(from..) {
             if let Some(h) = l.end_io {
-                h(false, &mut []);
+                guarded(&self.dev, &mut q.error, || h(false, &mut []));
             }
         }
     }
@@ -636,7 +642,7 @@ impl Engine {
         match resume {
             Resume::Done(e) => {
                 if let Some(h) = m.end_io {
-                    h(e == 0, &mut []);
+                    guarded(&self.dev, &mut q.error, || h(e == 0, &mut []));
                     q.hooked = true;
                 }
                 if e != 0 && q.error == 0 {
@@ -658,7 +664,7 @@ impl Engine {
             Resume::Requeue => {
                 if let Some(h) = m.end_io {
                     // a piece of a piece: the piece above cannot finish; start over
-                    h(false, &mut []);
+                    guarded(&self.dev, &mut q.error, || h(false, &mut []));
                     q.requeue = true;
                 } else {
                     let dev = q.holds.get(m.origin.0 as usize).map(|h| h.dev.clone());
@@ -766,7 +772,7 @@ impl Engine {
                 };
                 let l = &mut q.leaves[i];
                 if let Some(h) = l.end_io.take() {
-                    apply_end_io(&h, ok, l, &mut q.buf);
+                    guarded(&self.dev, &mut q.error, || apply_end_io(&h, ok, l, &mut q.buf));
                     q.hooked = true;
                 }
                 return;
@@ -853,7 +859,7 @@ impl Engine {
         let l = &mut q.leaves[i];
         if let Some(h) = l.end_io.take() {
             let ok = res >= 0 && !(res == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
-            apply_end_io(&h, ok, l, &mut q.buf);
+            guarded(&self.dev, &mut q.error, || apply_end_io(&h, ok, l, &mut q.buf));
             q.hooked = true;
         }
         if self.reqs[r].pending == 0 {
@@ -916,6 +922,17 @@ const FLUSH: Bio = Bio {
     fua: false,
     punch: false,
 };
+
+/// Run a target's end-of-I/O hook: a panic in it fails the request (`error`)
+/// and the device, as one in the map path does.
+fn guarded(dev: &Device, error: &mut i32, f: impl FnOnce()) {
+    if crate::panics::catching(f).is_none() {
+        dev.fail();
+        if *error == 0 {
+            *error = errno::EIO;
+        }
+    }
+}
 
 /// Run `a` then `b`.
 fn chain(a: EndIo, b: EndIo) -> EndIo {

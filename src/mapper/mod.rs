@@ -11,7 +11,7 @@ pub use registry::Registry;
 use crate::io::{Op, SECTOR};
 use crate::targets::{Bio, DevRef, Limits, MapCtx, MapErr, Target};
 use arc_swap::ArcSwapOption;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -132,7 +132,16 @@ pub struct Device {
     pub control: Mutex<()>,
     /// The kernel block device a frontend made of it (ublk's /dev/ublkbN).
     block_device: Mutex<Option<String>>,
+    /// `FAULT_*`: a worker panicked serving it (its I/O fails, see
+    /// `crate::panics`), or a test armed a panic.
+    fault: AtomicU8,
 }
+
+const FAULT_NONE: u8 = 0;
+/// The next request mapped through the device panics (the `__panic` message).
+const FAULT_ARMED: u8 = 1;
+/// A worker panicked serving the device: its I/O fails with EIO until it is removed.
+const FAULT_FAILED: u8 = 2;
 
 impl Device {
     pub fn new(name: String, minor: u32, uuid: Option<String>, read_only: bool) -> Device {
@@ -157,7 +166,26 @@ impl Device {
             deferred_remove: AtomicBool::new(false),
             control: Mutex::new(()),
             block_device: Mutex::new(None),
+            fault: AtomicU8::new(FAULT_NONE),
         }
+    }
+
+    /// A worker panicked serving this device: fail its I/O from now on.
+    pub fn fail(&self) {
+        self.fault.store(FAULT_FAILED, Ordering::SeqCst);
+    }
+
+    /// Failed after a panic (see [`Device::fail`]).
+    pub fn failed(&self) -> bool {
+        self.fault.load(Ordering::SeqCst) == FAULT_FAILED
+    }
+
+    /// Make the next request mapped through this device panic (tests of what a
+    /// panic does; the registry allows it only under `DMKIT_TEST_PANIC=1`).
+    pub fn arm_panic(&self) {
+        let _ = self
+            .fault
+            .compare_exchange(FAULT_NONE, FAULT_ARMED, Ordering::SeqCst, Ordering::SeqCst);
     }
 
     pub fn name(&self) -> String {
@@ -482,6 +510,19 @@ pub fn map_bio(dev: &Arc<Device>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapE
     // than wait for a resume that never comes.
     if dev.removed.load(Ordering::SeqCst) {
         return Err(MapErr::Errno(crate::io::errno::EIO));
+    }
+    match dev.fault.load(Ordering::Relaxed) {
+        FAULT_NONE => {}
+        FAULT_ARMED
+            if dev
+                .fault
+                .compare_exchange(FAULT_ARMED, FAULT_NONE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok() =>
+        {
+            panic!("{}: the panic armed by the __panic message", dev.name())
+        }
+        FAULT_ARMED => {}
+        _ => return Err(MapErr::Errno(crate::io::errno::EIO)),
     }
     let hold = enter(dev, ctx)?;
     let guard = dev.live.load();

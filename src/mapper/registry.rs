@@ -415,6 +415,15 @@ impl Registry {
         if words.is_empty() {
             return Err(dev_err(name, "message: message text required"));
         }
+        if words.first().is_some_and(|w| w == "__panic") && crate::panics::test_panics_enabled() {
+            // tests of crate::panics: the device's next request panics where it
+            // is mapped, or (`__panic control`) this control request does
+            if words.get(1).is_some_and(|w| w == "control") {
+                panic!("{name}: the panic asked for by `__panic control`");
+            }
+            dev.arm_panic();
+            return Ok(String::new());
+        }
         if let Some(w) = words.first().filter(|w| w.starts_with('@')) {
             if w.eq_ignore_ascii_case("@cancel_deferred_remove") && words.len() == 1 {
                 // Succeeds whether or not a remove was pending, as the kernel's.

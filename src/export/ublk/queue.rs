@@ -151,6 +151,8 @@ struct Queue {
     tag_of: Vec<u16>,
     /// Tags with a command at the driver.
     cmds: usize,
+    /// Tags whose last command the driver refused (see `refused`).
+    refused: Vec<bool>,
     /// Requests with the engine.
     in_flight: usize,
     /// Fetched while paused: left to the driver for the next daemon.
@@ -194,6 +196,7 @@ impl Queue {
             max_io: s.max_io,
             tag_of: vec![0; usize::from(s.depth)],
             cmds: 0,
+            refused: vec![false; usize::from(s.depth)],
             in_flight: 0,
             held: 0,
             paused: false,
@@ -256,9 +259,12 @@ impl Queue {
                 let tag = e.tag as u16;
                 match e.res {
                     sys::IO_RES_OK if self.paused => self.held += 1,
-                    sys::IO_RES_OK => self.start(tag),
+                    sys::IO_RES_OK => {
+                        self.refused[usize::from(tag)] = false;
+                        self.start(tag)
+                    }
                     sys::IO_RES_ABORT => {}
-                    r => tracing::warn!("ublk queue {} tag {tag}: command failed: {r}", self.q_id),
+                    r => self.refused(tag, r),
                 }
             }
             ev.clear();
@@ -266,6 +272,37 @@ impl Queue {
             self.check_pause();
         }
         self.engine.shut_down();
+    }
+
+    /// The driver refused the tag's command (`r`): without a command at the
+    /// driver the tag would hold its request, and the filesystem above, for ever.
+    /// The request is committed again as failed (EIO), which also fetches the
+    /// tag's next one. Refused again, the tag cannot be served by this process:
+    /// the daemon exits, and the driver's recovery hands the tag's request to
+    /// `serve --restore` (unless the daemon is exiting already).
+    fn refused(&mut self, tag: u16, r: i32) {
+        let dev = self.engine.device().name();
+        let t = usize::from(tag);
+        if !std::mem::replace(&mut self.refused[t], true) {
+            tracing::error!(
+                "{dev}: ublk queue {} tag {tag}: the driver refused a command ({}); failing the tag's request with EIO",
+                self.q_id,
+                std::io::Error::from_raw_os_error(-r)
+            );
+            self.command(sys::IO_COMMIT_AND_FETCH_REQ, tag, -libc::EIO);
+        } else if self.paused {
+            tracing::error!(
+                "{dev}: ublk queue {} tag {tag}: the driver refused a command again ({}); the daemon is exiting",
+                self.q_id,
+                std::io::Error::from_raw_os_error(-r)
+            );
+        } else {
+            crate::panics::exit(&format!(
+                "{dev}: ublk queue {} tag {tag}: the driver refused a command again ({}), so the tag cannot be served",
+                self.q_id,
+                std::io::Error::from_raw_os_error(-r)
+            ));
+        }
     }
 
     /// Once asked to pause: stop starting requests, and say so when none is left.

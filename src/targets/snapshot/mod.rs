@@ -184,8 +184,11 @@ struct MergeThread {
     handle: std::thread::JoinHandle<()>,
 }
 
+/// A snapshot's state, locked; a lock a panicking thread left behind ends the
+/// daemon, as the state may be half changed (crate::panics).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock()
+        .unwrap_or_else(|_| crate::panics::poisoned("a snapshot's exception store"))
 }
 
 /// What opening a store found.

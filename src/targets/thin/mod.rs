@@ -370,8 +370,12 @@ impl Pool {
         Ok(pool)
     }
 
+    /// The metadata, locked. A lock a panicking thread left behind ends the
+    /// daemon: the metadata may be half changed (crate::panics).
     pub fn lock(&self) -> MutexGuard<'_, PoolMd> {
-        self.md.lock().unwrap_or_else(|p| p.into_inner())
+        self.md
+            .lock()
+            .unwrap_or_else(|_| crate::panics::poisoned("a thin pool's metadata"))
     }
 
     pub fn commits(&self) -> u64 {
@@ -772,6 +776,14 @@ fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
 /// waits, so the pool goes (and commits for the last time) when its device's
 /// table does, not up to a period later on this thread.
 fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
+    let dev = weak.upgrade().and_then(|p| {
+        let d = p.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        d
+    });
+    if let Some(d) = dev {
+        // named in the log of a panic on this thread
+        crate::panics::set_device(&d.name());
+    }
     let mut last = Instant::now();
     loop {
         // a discard only wakes the thread: `discard_now` finds the work itself

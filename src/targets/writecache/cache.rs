@@ -247,8 +247,11 @@ pub struct Cache {
     weak: std::sync::Weak<Cache>,
 }
 
+/// The cache's state, locked; a lock a panicking thread left behind ends the
+/// daemon, as the state may be half changed (crate::panics).
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock()
+        .unwrap_or_else(|_| crate::panics::poisoned("a writecache's state"))
 }
 
 fn eio() -> io::Error {
