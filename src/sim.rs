@@ -73,6 +73,10 @@ pub struct Options {
     pub io_errors: bool,
     /// Where the trial's files go (a memory filesystem keeps trials fast).
     pub dir: PathBuf,
+    /// Thin: in trials whose seed is a multiple of this (0: none), the reference
+    /// `thin_check` checks the crash image and the recovered metadata too, and
+    /// must agree with dmkit's checker.
+    pub ref_check_every: u64,
 }
 
 /// What a passing trial did.
@@ -85,12 +89,16 @@ pub struct Outcome {
     pub sectors_checked: u64,
     pub crashed_mid_op: bool,
     pub io_errors_injected: u64,
+    /// Where the crash was placed.
+    pub crash: Option<CrashKind>,
+    /// Metadata images the reference thin_check agreed on.
+    pub ref_checked: u64,
 }
 
 /// The command that replays a trial.
 pub fn replay_command(o: &Options) -> String {
     format!(
-        "dmkit sim --stack {} --seed {} --ops {}{}{}",
+        "dmkit sim --stack {} --seed {} --ops {}{}{}{}",
         o.stack.name(),
         o.seed,
         o.ops,
@@ -99,7 +107,12 @@ pub fn replay_command(o: &Options) -> String {
         } else {
             ""
         },
-        if o.io_errors { "" } else { " --no-io-errors" }
+        if o.io_errors { "" } else { " --no-io-errors" },
+        if o.ref_check_every > 0 && o.stack == Stack::Thin {
+            " --ref-check-every 1"
+        } else {
+            ""
+        }
     )
 }
 
@@ -338,8 +351,41 @@ fn make_file(path: &Path, bytes: u64) -> Result<(), String> {
     f.set_len(bytes).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
-    let mut t = Trial {
+/// Where a trial's crash goes. A first run of the workload without a crash
+/// counts the events; the second run crashes at one of them, chosen by the seed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashKind {
+    /// As a flush inside a commit is about to reach the media: the point where a
+    /// missing or misplaced flush shows (3 trials of 4).
+    CommitFlush,
+    /// Just after a write chosen uniformly among all of them.
+    Write,
+    /// After the last operation (with whatever is still unflushed).
+    End,
+}
+
+fn choose_crash(seed: u64, counts: sim::Counts) -> (CrashKind, Option<sim::CrashAt>, sim::Fates) {
+    let mut r = Rng::new(seed ^ 0x5eed_c4a5_11ed_0001);
+    let roll = r.below(100);
+    let fates = if r.chance(50) {
+        sim::Fates::Independent
+    } else {
+        sim::Fates::NewestFirst
+    };
+    let (kind, at) = if roll < 75 && counts.commit_flushes > 0 {
+        let n = 1 + r.below(counts.commit_flushes);
+        (CrashKind::CommitFlush, Some(sim::CrashAt::CommitFlush(n)))
+    } else if roll < 90 && counts.writes > 0 {
+        let n = 1 + r.below(counts.writes);
+        (CrashKind::Write, Some(sim::CrashAt::Write(n)))
+    } else {
+        (CrashKind::End, None)
+    };
+    (kind, at, fates)
+}
+
+fn new_trial(o: &Options) -> Trial {
+    Trial {
         o: o.clone(),
         rng: Rng::new(o.seed),
         reg: Registry::new(Config { direct_io: false }),
@@ -352,14 +398,29 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         owner_of: HashMap::new(),
         deleted: Vec::new(),
         failures_seen: 0,
-    };
+    }
+}
+
+/// Make the stack on new files under a new simulation and run the workload until
+/// its last operation or the crash `at`.
+fn run_workload(
+    o: &Options,
+    dir: &Path,
+    at: Option<sim::CrashAt>,
+    fail: Option<sim::FailPlan>,
+) -> Result<Trial, String> {
+    let mut t = new_trial(o);
     let sizes: &[(&str, u64)] = match o.stack {
         Stack::Thin => &[("meta", 4 << 20), ("data", 16 << 20)],
         Stack::Writecache => &[("origin", 8 << 20), ("cache", 1 << 20)],
         Stack::Snapshot => &[("origin", 8 << 20), ("cow", 12 << 20)],
     };
+    sim::begin();
     for (n, bytes) in sizes {
         let p = dir.join(n);
+        // a new file each run: a pool of the first run still on its way out
+        // keeps the old one (pools are found by the metadata file's identity)
+        let _ = std::fs::remove_file(&p);
         make_file(&p, *bytes)?;
         t.files.push(p);
     }
@@ -368,37 +429,57 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     }
     sim::seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     t.build(false)?;
-    // the crash: at a chosen write, or after the last operation
-    let crash_at = t.rng.below(4 * o.ops as u64 + 1);
-    if crash_at < 3 * o.ops as u64 {
-        sim::crash_after_writes(Some(crash_at + 1));
-    }
-    // an I/O error in one trial of four
-    if t.rng.chance(25) && o.io_errors {
-        let nth = t.rng.below(6 * o.ops as u64);
-        let kind = t.rng.below(3);
-        sim::fail_io(Some(sim::FailPlan {
-            nth,
-            reads: kind != 1,
-            writes: kind != 0,
-        }));
-    }
+    sim::crash_at(at);
+    sim::fail_io(fail);
     while t.out.ops < o.ops && !sim::frozen() {
         t.step()?;
         t.out.ops += 1;
     }
+    Ok(t)
+}
+
+fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
+    // the first run counts the events a crash can be placed at
+    let mut first = run_workload(o, dir, None, None)?;
+    let counts = sim::counts();
+    let (kind, at, fates) = choose_crash(o.seed, counts);
+    // an I/O error in one trial of four, before the crash point
+    let mut r = Rng::new(o.seed ^ 0xe10e_4404_0000_0001);
+    let fail = (r.chance(25) && o.io_errors).then(|| {
+        let kind = r.below(3);
+        sim::FailPlan {
+            nth: r.below(sim::ios_before(at)),
+            reads: kind != 1,
+            writes: kind != 0,
+        }
+    });
+    first.teardown();
+    drop(first);
+    trace(|| {
+        format!("events of a run without a crash: {counts:?}; the crash: {kind:?} {at:?} {fates:?}; I/O error: {fail:?}")
+    });
+    let mut t = run_workload(o, dir, at, fail)?;
     trace(|| format!("before the crash: {:?}", t.reg.table_lines(None, true, false)));
+    t.out.crash = Some(kind);
     t.out.crashed_mid_op = sim::frozen();
     t.out.io_errors_injected = sim::failed();
     // the power goes
     let mut crash_rng = Rng::new(o.seed ^ 0xc0ff_ee00);
-    let images = sim::crash_images(|n| crash_rng.below(n));
+    let images = sim::crash_images(fates, |n| crash_rng.below(n));
     t.teardown();
     for (p, img) in &images {
         std::fs::write(p, img).map_err(|e| format!("{}: {e}", p.display()))?;
         if std::env::var_os("DMKIT_SIM_KEEP").is_some() {
             let _ = std::fs::write(p.with_extension("crash"), img);
         }
+    }
+    let ref_check =
+        o.stack == Stack::Thin && o.ref_check_every > 0 && o.seed.is_multiple_of(o.ref_check_every);
+    if ref_check {
+        // what the crash left, before the pool takes it up again
+        let verdict = compare_thin_checks(&t.files[0], dir)?;
+        t.out.ref_checked += 1;
+        trace(|| format!("crash image: {verdict}"));
     }
     // back up on what survived, with no more faults
     sim::begin();
@@ -417,8 +498,57 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
                 r.errors.join("; ")
             ));
         }
+        if ref_check {
+            compare_thin_checks(meta, dir)?;
+            t.out.ref_checked += 1;
+        }
     }
     Ok(t.out)
+}
+
+/// The reference `thin_check` (thin-provisioning-tools 1.x): `DMKIT_REF_THIN_CHECK`,
+/// else `$TPT_REF/usr/sbin/thin_check`, else where ci/install.sh puts it.
+pub fn ref_thin_check() -> PathBuf {
+    if let Some(p) = std::env::var_os("DMKIT_REF_THIN_CHECK") {
+        return PathBuf::from(p);
+    }
+    std::env::var_os("TPT_REF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/dmkit-ref/thin-provisioning-tools"))
+        .join("usr/sbin/thin_check")
+}
+
+/// dmkit's checker and the reference `thin_check` on the metadata in `meta` must
+/// agree (both clean, or both not); Err names the file and both verdicts.
+/// Returns the common verdict.
+fn compare_thin_checks(meta: &Path, dir: &Path) -> Result<&'static str, String> {
+    let bin = ref_thin_check();
+    // a copy: the reference takes the file exclusively, and ours may be in use
+    let copy = dir.join("meta.check");
+    std::fs::copy(meta, &copy).map_err(|e| format!("{}: {e}", copy.display()))?;
+    let ours = {
+        let dev =
+            crate::pdata::FileDev::open(&copy, false).map_err(|e| format!("{}: {e}", copy.display()))?;
+        crate::thin::check::check(Box::new(dev), false)
+    };
+    let out = std::process::Command::new(&bin)
+        .arg(&copy)
+        .output()
+        .map_err(|e| format!("reference {}: {e} (ci/install.sh installs it)", bin.display()))?;
+    let _ = std::fs::remove_file(&copy);
+    let theirs = out.status.success();
+    if ours.ok() != theirs {
+        return Err(format!(
+            "thin_check disagrees on {}: dmkit {} ({}), reference {} ({}: {})",
+            meta.display(),
+            if ours.ok() { "clean" } else { "damaged" },
+            ours.errors.join("; "),
+            if theirs { "clean" } else { "damaged" },
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(if theirs { "clean (both)" } else { "damaged (both)" })
 }
 
 fn words(s: &str) -> Vec<String> {
@@ -885,6 +1015,13 @@ pub struct Summary {
     pub crashed_mid_op: u64,
     /// Trials in which an injected I/O error was hit.
     pub with_io_errors: u64,
+    /// Trials whose crash was placed at a flush inside a commit, after a chosen
+    /// write, and after the last operation.
+    pub at_commit_flush: u64,
+    pub at_write: u64,
+    pub at_end: u64,
+    /// Metadata images on which the reference thin_check agreed with dmkit's.
+    pub ref_checked: u64,
 }
 
 /// Run `trials` trials with seeds `base.seed`, `base.seed + 1`, ...; stop at the
@@ -904,6 +1041,12 @@ pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
                 sum.sectors_checked += out.sectors_checked;
                 sum.crashed_mid_op += u64::from(out.crashed_mid_op);
                 sum.with_io_errors += u64::from(out.io_errors_injected > 0);
+                sum.ref_checked += out.ref_checked;
+                match out.crash {
+                    Some(CrashKind::CommitFlush) => sum.at_commit_flush += 1,
+                    Some(CrashKind::Write) => sum.at_write += 1,
+                    Some(CrashKind::End) | None => sum.at_end += 1,
+                }
             }
             Err(e) => {
                 sum.failures.push((replay_command(&o), e));

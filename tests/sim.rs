@@ -5,6 +5,9 @@
 
 use dmkit::sim::{self, Options, Stack};
 
+/// The thin trials' sample checked by the reference thin_check too.
+const REF_CHECK_EVERY: u64 = 25;
+
 fn run(stack: Stack, first: u64, trials: u64, io_errors: bool) {
     let o = Options {
         stack,
@@ -13,16 +16,22 @@ fn run(stack: Stack, first: u64, trials: u64, io_errors: bool) {
         break_commit_order: false,
         io_errors,
         dir: sim::default_dir(),
+        ref_check_every: REF_CHECK_EVERY,
     };
     let s = sim::run_trials(&o, trials, false);
     eprintln!(
-        "{}: {} trials, {} crashed mid-workload, {} with an I/O error, {} writes acknowledged, {} sectors checked",
+        "{}: {} trials, {} crashed mid-workload ({} at a flush inside a commit, {} after a chosen write, {} at the end), \
+         {} with an I/O error, {} writes acknowledged, {} sectors checked, {} metadata images agreed on by the reference thin_check",
         stack.name(),
         s.trials,
         s.crashed_mid_op,
+        s.at_commit_flush,
+        s.at_write,
+        s.at_end,
         s.with_io_errors,
         s.acked_writes,
-        s.sectors_checked
+        s.sectors_checked,
+        s.ref_checked
     );
     let report: Vec<String> = s
         .failures
@@ -37,9 +46,27 @@ fn run(stack: Stack, first: u64, trials: u64, io_errors: bool) {
     );
     // the budget exercised what it should
     assert!(
-        s.crashed_mid_op > trials / 4,
+        s.crashed_mid_op > trials / 2,
         "too few crashes in the middle of a workload"
     );
+    assert!(
+        s.at_commit_flush > trials / 2 && s.at_write > trials / 20 && s.at_end > trials / 40,
+        "crash points: {} at a commit flush, {} at a write, {} at the end",
+        s.at_commit_flush,
+        s.at_write,
+        s.at_end
+    );
+    assert_eq!(s.at_commit_flush + s.at_write + s.at_end, s.trials);
+    if stack == Stack::Thin {
+        // the crash image and the recovered metadata of each sampled trial
+        assert_eq!(
+            s.ref_checked,
+            2 * trials.div_ceil(REF_CHECK_EVERY),
+            "reference checks"
+        );
+    } else {
+        assert_eq!(s.ref_checked, 0);
+    }
     assert!(s.acked_writes > trials * 20 && s.sectors_checked > trials * 8192);
     if io_errors {
         assert!(
@@ -51,21 +78,23 @@ fn run(stack: Stack, first: u64, trials: u64, io_errors: bool) {
 
 #[test]
 fn thin_pool_crash_trials() {
-    run(Stack::Thin, 0, 500, true);
+    run(Stack::Thin, 0, 300, true);
 }
 
 #[test]
 fn writecache_crash_trials() {
-    run(Stack::Writecache, 0, 500, true);
+    run(Stack::Writecache, 0, 300, true);
 }
 
 #[test]
 fn snapshot_crash_trials() {
-    run(Stack::Snapshot, 0, 500, true);
+    run(Stack::Snapshot, 0, 300, true);
 }
 
-/// The simulation can fail: with the flush before the thin-pool superblock
-/// write left out (a test-only switch), a trial fails within the first 100 seeds.
+/// The simulation has power: with the flush before the thin-pool superblock
+/// write left out (a test-only switch), most trials fail, each with damaged
+/// metadata when the pool is opened again, and the reference thin_check agrees
+/// that the sampled crash images are damaged.
 #[test]
 fn broken_commit_order_is_caught() {
     let o = Options {
@@ -75,14 +104,31 @@ fn broken_commit_order_is_caught() {
         break_commit_order: true,
         io_errors: false,
         dir: sim::default_dir(),
+        ref_check_every: 10,
     };
-    let s = sim::run_trials(&o, 100, true);
-    let (cmd, why) = s
-        .failures
-        .first()
-        .unwrap_or_else(|| panic!("100 trials with a broken commit order all passed"));
-    eprintln!("caught after {} trials: {why} ({cmd})", s.trials);
-    assert!(cmd.contains("--break-commit-order"), "{cmd}");
+    let s = sim::run_trials(&o, 100, false);
+    eprintln!(
+        "{} of {} trials with a broken commit order failed; first: {:?}",
+        s.failures.len(),
+        s.trials,
+        s.failures.first()
+    );
+    assert!(
+        s.failures.len() >= 40,
+        "only {} of 100 trials with a broken commit order failed",
+        s.failures.len()
+    );
+    for (cmd, why) in &s.failures {
+        assert!(cmd.contains("--break-commit-order"), "{cmd}");
+        assert!(
+            why.contains("bad checksum") || why.contains("after the crash") || why.contains("metadata"),
+            "an unexpected failure: {why} ({cmd})"
+        );
+        assert!(
+            !why.contains("disagrees"),
+            "dmkit and the reference disagree: {why} ({cmd})"
+        );
+    }
 }
 
 /// I/O errors from a backing device put each target in its kernel error state.
@@ -259,6 +305,7 @@ fn regression_seeds() {
             break_commit_order: false,
             io_errors: true,
             dir: sim::default_dir(),
+            ref_check_every: 0,
         };
         if let Err(e) = sim::run_trial(&o) {
             panic!("{e}\n  replay: {}", sim::replay_command(&o));

@@ -55,15 +55,55 @@ pub struct FailPlan {
     pub writes: bool,
 }
 
+/// Where the power goes, counted over every registered file from the start of
+/// the simulation (the counts of a run without a crash, [`counts`], say how
+/// many there are to choose from).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashAt {
+    /// Just after the nth write (from 1) is recorded: it is among the writes the
+    /// crash keeps, loses or tears.
+    Write(u64),
+    /// As the nth flush (from 1) issued inside a commit ([`commit_window`]) is
+    /// about to take effect: everything the commit wrote before it is still
+    /// unflushed (for a metadata commit, the superblock write and the flush after
+    /// it when the order is broken).
+    CommitFlush(u64),
+}
+
+/// Events recorded so far, of the kinds a crash can be placed at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub writes: u64,
+    pub flushes: u64,
+    /// Flushes issued while a commit was open.
+    pub commit_flushes: u64,
+    /// Writes issued while a commit was open.
+    pub commit_writes: u64,
+}
+
+/// How a crash treats the writes not yet flushed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fates {
+    /// Each is kept, lost or torn on its own (kept 1/2, lost 1/4, torn 1/4).
+    Independent,
+    /// Newest first: the last write to each file is kept and every older one is
+    /// lost (1/2), torn (1/4) or kept (1/4), as a disk whose cache writes back
+    /// in reverse. The harshest order for code that relies on a missing flush.
+    NewestFirst,
+}
+
 #[derive(Default)]
 struct State {
     disks: HashMap<(u64, u64), Disk>,
     /// Set by a crash: from then on nothing is recorded (the media is fixed).
     frozen: bool,
-    /// Writes recorded so far (all disks); a crash is taken when this reaches
-    /// `crash_at_write`.
-    writes: u64,
-    crash_at_write: Option<u64>,
+    counts: Counts,
+    crash_at: Option<CrashAt>,
+    /// Commits open now (targets mark them with [`commit_window`]).
+    commits_open: u32,
+    /// I/Os counted (`ios`) when each write, and each flush inside a commit, came.
+    ios_at_write: Vec<u64>,
+    ios_at_commit_flush: Vec<u64>,
     ios: u64,
     fail: Option<FailPlan>,
     failed: u64,
@@ -150,7 +190,65 @@ pub fn shuffle<T>(v: &mut [T]) {
 /// Take the crash once `n` more writes have been recorded (None: only when asked).
 pub fn crash_after_writes(n: Option<u64>) {
     if let Some(st) = state().as_mut() {
-        st.crash_at_write = n.map(|n| st.writes + n);
+        st.crash_at = n.map(|n| CrashAt::Write(st.counts.writes + n));
+    }
+}
+
+/// Take the crash at `at` (None: only when asked).
+pub fn crash_at(at: Option<CrashAt>) {
+    if let Some(st) = state().as_mut() {
+        st.crash_at = at;
+    }
+}
+
+/// Events recorded since the simulation began.
+pub fn counts() -> Counts {
+    state().as_ref().map(|s| s.counts).unwrap_or_default()
+}
+
+/// Reads and writes counted before the event `at` (all so far for None): a
+/// [`FailPlan`] below this fails an I/O before that crash point.
+pub fn ios_before(at: Option<CrashAt>) -> u64 {
+    let g = state();
+    let Some(st) = g.as_ref() else { return 0 };
+    let at_event = |v: &Vec<u64>, n: u64| {
+        usize::try_from(n.saturating_sub(1))
+            .ok()
+            .and_then(|i| v.get(i).copied())
+            .unwrap_or(st.ios)
+    };
+    match at {
+        Some(CrashAt::Write(n)) => at_event(&st.ios_at_write, n),
+        Some(CrashAt::CommitFlush(n)) => at_event(&st.ios_at_commit_flush, n),
+        None => st.ios,
+    }
+}
+
+/// A commit is open until the guard drops: a target marks the span in which it
+/// makes its changes durable (metadata writes, the flush, the superblock), so
+/// the crash can be placed inside it. Costs nothing outside a simulation.
+#[must_use]
+pub fn commit_window() -> CommitWindow {
+    let open = active();
+    if open {
+        if let Some(st) = state().as_mut() {
+            st.commits_open += 1;
+        }
+    }
+    CommitWindow { open }
+}
+
+pub struct CommitWindow {
+    open: bool,
+}
+
+impl Drop for CommitWindow {
+    fn drop(&mut self) {
+        if self.open {
+            if let Some(st) = state().as_mut() {
+                st.commits_open = st.commits_open.saturating_sub(1);
+            }
+        }
     }
 }
 
@@ -183,13 +281,14 @@ pub fn freeze() {
 
 /// Writes recorded since the simulation began.
 pub fn writes() -> u64 {
-    state().as_ref().map_or(0, |s| s.writes)
+    state().as_ref().map_or(0, |s| s.counts.writes)
 }
 
 /// The content each registered file has after the crash, with `pick(n)` (a
-/// seed-driven choice in `0..n`) deciding the fate of every unflushed write: kept
-/// whole, lost, or torn (each of its sectors kept or lost on its own).
-pub fn crash_images(mut pick: impl FnMut(u64) -> u64) -> Vec<(PathBuf, Vec<u8>)> {
+/// seed-driven choice in `0..n`) deciding the fate of every unflushed write as
+/// `fates` says: kept whole, lost, or torn (each of its sectors kept or lost on
+/// its own). FUA writes are always kept.
+pub fn crash_images(fates: Fates, mut pick: impl FnMut(u64) -> u64) -> Vec<(PathBuf, Vec<u8>)> {
     let mut g = state();
     let Some(st) = g.as_mut() else {
         return Vec::new();
@@ -201,8 +300,15 @@ pub fn crash_images(mut pick: impl FnMut(u64) -> u64) -> Vec<(PathBuf, Vec<u8>)>
     for k in keys {
         let Some(d) = st.disks.get(&k) else { continue };
         let mut img = d.durable.clone();
-        for e in &d.log {
-            let fate = if e.fua { 0 } else { pick(4) };
+        let newest = d.log.len().saturating_sub(1);
+        for (i, e) in d.log.iter().enumerate() {
+            // 0, 1: kept; 2: lost; 3: torn
+            let fate = match fates {
+                _ if e.fua => 0,
+                Fates::Independent => pick(4),
+                Fates::NewestFirst if i == newest => 0,
+                Fates::NewestFirst => [2, 2, 3, 0][pick(4) as usize],
+            };
             let sectors = e.len.div_ceil(SECTOR);
             for s in 0..sectors {
                 let keep = match fate {
@@ -286,7 +392,11 @@ fn record(fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> R
         if should_fail(st, true) {
             return Err(libc::EIO);
         }
-        st.writes += 1;
+        st.counts.writes += 1;
+        st.ios_at_write.push(st.ios);
+        if st.commits_open > 0 {
+            st.counts.commit_writes += 1;
+        }
         trace_io(
             st,
             key,
@@ -300,7 +410,7 @@ fn record(fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> R
                 fua,
             });
         }
-        if st.crash_at_write.is_some_and(|c| st.writes >= c) {
+        if st.crash_at == Some(CrashAt::Write(st.counts.writes)) {
             st.frozen = true;
         }
         Ok(())
@@ -347,6 +457,17 @@ pub fn on_flush(fd: RawFd) {
         return;
     }
     let _ = with_disk(fd, |st, key| {
+        st.counts.flushes += 1;
+        if st.commits_open > 0 {
+            st.counts.commit_flushes += 1;
+            st.ios_at_commit_flush.push(st.ios);
+            if st.crash_at == Some(CrashAt::CommitFlush(st.counts.commit_flushes)) {
+                // the power goes before the flush reaches the media
+                trace_io(st, key, "flush: the crash");
+                st.frozen = true;
+                return Ok(());
+            }
+        }
         trace_io(st, key, "flush");
         if let Some(d) = st.disks.get_mut(&key) {
             for e in std::mem::take(&mut d.log) {
@@ -400,7 +521,7 @@ mod tests {
         on_write(fd, 1024, &[2; 1024], true).unwrap();
         on_write(fd, 2048, &[3; 2048], false).unwrap();
         // lose every plain write, tear none
-        let imgs = crash_images(|_| 2);
+        let imgs = crash_images(Fates::Independent, |_| 2);
         end();
         let img = &imgs[0].1;
         assert!(img[..1024].iter().all(|&b| b == 1), "flushed write kept");

@@ -196,6 +196,7 @@ impl ThinPoolMetadata {
     /// Make everything done since the last commit durable: write all dirty
     /// blocks, flush, write the superblock, flush.
     pub fn commit(&mut self) -> Result<()> {
+        let _window = crate::io::sim::commit_window();
         for dev in std::mem::take(&mut self.details_dirty) {
             if let Some(d) = self.details.get(&dev) {
                 let v = d.encode();

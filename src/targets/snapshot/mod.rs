@@ -574,6 +574,7 @@ impl Core {
     }
 
     fn write_commit(&self, io: &store::CommitIo) -> std::io::Result<()> {
+        let _window = crate::io::sim::commit_window();
         if let Some(z) = io.zero_chunk {
             devio::write(
                 &self.cow,

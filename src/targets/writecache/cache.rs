@@ -1071,6 +1071,7 @@ impl Cache {
     /// committed are freed and persisted too.
     pub fn persist(&self, commit: bool) -> io::Result<()> {
         let _c = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _window = crate::io::sim::commit_window();
         let mut commit = commit;
         loop {
             let mut st = lock(&self.st);
