@@ -22,6 +22,9 @@ pub struct ServeOptions {
     /// Make the devices recorded in the run directory again, and take over the
     /// block devices they were attached as.
     pub restore: bool,
+    /// Called once the sockets are listening and the devices are made (the
+    /// parent of `serve --background` waits for it).
+    pub ready: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// Where the daemon records its devices (`control::state`).
@@ -99,27 +102,54 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let control = bind(&control_path, group)?;
     let nbd = bind(&nbd_path, group)?;
     let state = state_path(&opts.run_dir);
+    let prev = crate::control::state::prev_path(&state);
     if !opts.restore && state.exists() {
         // a previous daemon's devices: kept aside, not replayed
+        let devices = recorded_devices(&state);
         if let Ok(prev) = crate::control::state::set_aside(&state) {
             tracing::info!(
-                "the previous daemon's devices are in {} (`serve --restore` makes them again)",
-                prev.display()
+                "the previous daemon's {devices} devices are not made again: they are recorded in {}; \
+                 stop this daemon and run `dmkit serve --restore` to make them again (it reads {} \
+                 while this daemon records no devices of its own in {})",
+                prev.display(),
+                prev.file_name()
+                    .map_or_else(Default::default, |f| f.to_string_lossy()),
+                state.display()
             );
         }
     }
     let ctx = Arc::new(crate::control::Ctx::new(reg.clone(), Some(state.clone())));
-    if opts.restore && state.exists() {
-        let (ok, errors) = crate::control::state::restore(&ctx, &state)
-            .with_context(|| format!("restoring from {}", state.display()))?;
-        for e in &errors {
-            tracing::error!("restore: {e}");
+    if opts.restore {
+        if prev.exists() && recorded_devices(&state) == 0 {
+            // set aside by a daemon started without --restore that made no devices
+            tracing::info!(
+                "restoring from {} ({} records no devices)",
+                prev.display(),
+                state.display()
+            );
+            std::fs::rename(&prev, &state)
+                .with_context(|| format!("moving {} to {}", prev.display(), state.display()))?;
         }
-        tracing::info!(
-            "restored {ok} requests from {} ({} failed)",
-            state.display(),
-            errors.len()
-        );
+        if state.exists() {
+            let (_, errors) = crate::control::state::restore(&ctx, &state)
+                .with_context(|| format!("restoring from {}", state.display()))?;
+            for e in &errors {
+                tracing::error!("restore: {e}");
+            }
+            tracing::info!(
+                "restored {} devices ({} attached as block devices) from {}; {} requests failed",
+                reg.list().len(),
+                ctx.ublk.ids().len(),
+                state.display(),
+                errors.len()
+            );
+        } else {
+            tracing::info!(
+                "nothing to restore: neither {} nor {} exists",
+                state.display(),
+                prev.display()
+            );
+        }
     }
     {
         let reg = reg.clone();
@@ -161,6 +191,15 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     if let Some(dir) = &opts.demo {
         demo(&reg, dir, &nbd_path, opts.nbd_listen.as_deref())?;
     }
+    // the pid for scripts (`kill $(cat RUN_DIR/serve.pid)`), once it answers
+    let pid_path = opts.run_dir.join("serve.pid");
+    if let Err(e) = std::fs::write(&pid_path, format!("{}\n", std::process::id())) {
+        tracing::warn!("writing {}: {e}", pid_path.display());
+    }
+    if let Some(ready) = opts.ready {
+        ready();
+    }
+    notify_systemd();
     // Wait for SIGINT/SIGTERM, then make everything durable and leave.
     let sig = set.wait().context("waiting for a signal")?;
     tracing::info!("{sig}: flushing devices and exiting");
@@ -174,7 +213,41 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     reg.commit_pools();
     let _ = std::fs::remove_file(&control_path);
     let _ = std::fs::remove_file(&nbd_path);
+    let _ = std::fs::remove_file(&pid_path);
     Ok(())
+}
+
+/// The number of devices a state file records (its `create` requests).
+fn recorded_devices(state: &Path) -> usize {
+    std::fs::read_to_string(state).map_or(0, |t| {
+        crate::control::state::parse(&t)
+            .iter()
+            .filter(|r| r.first().is_some_and(|v| v == "create"))
+            .count()
+    })
+}
+
+/// Tell systemd the daemon is ready (`Type=notify`): READY=1 to $NOTIFY_SOCKET,
+/// a path or an abstract name starting with '@'.
+fn notify_systemd() {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(s) = std::os::unix::net::UnixDatagram::unbound() else {
+        return;
+    };
+    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
+    let r = match bytes.strip_prefix(b"@") {
+        Some(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            std::os::unix::net::SocketAddr::from_abstract_name(name)
+                .and_then(|a| s.send_to_addr(b"READY=1", &a))
+        }
+        None => s.send_to(b"READY=1", &path),
+    };
+    if let Err(e) = r {
+        tracing::warn!("telling systemd we are ready ({}): {e}", path.to_string_lossy());
+    }
 }
 
 /// Create sparse demo backing files (on first run) and the demo devices: a thin pool

@@ -16,11 +16,13 @@ use std::sync::Arc;
     name = "dmkit",
     version,
     disable_help_subcommand = true,
-    after_help = "The run directory holds control.sock and nbd.sock: --run-dir, else $DMKIT_RUN_DIR, else /run/dmkit (root) or $XDG_RUNTIME_DIR/dmkit."
+    after_help = "The run directory holds control.sock and nbd.sock: --run-dir, else $DMKIT_RUN_DIR, else /run/dmkit (root), $XDG_RUNTIME_DIR/dmkit, or /tmp/dmkit-<uid> without XDG_RUNTIME_DIR.
+
+Start: dmkit serve --background && dmkit create z --table \"0 2097152 zero\" && dmkit ls"
 )]
 struct Cli {
-    /// The daemon's run directory (control.sock, nbd.sock)
-    #[arg(long, value_name = "DIR")]
+    /// The daemon's run directory (control.sock, nbd.sock), before or after the verb
+    #[arg(long, global = true, value_name = "DIR")]
     run_dir: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
@@ -29,6 +31,11 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run the daemon: the control socket and the NBD export
+    #[command(after_help = "Examples:
+  dmkit serve --background            # returns once the daemon answers; log in RUN_DIR/serve.log
+  dmkit serve --demo                  # a thin pool, a thin volume and a snapshot to try
+  dmkit serve --group disk            # sockets mode 0660, group disk: its members may use dmkit
+  dmkit serve --restore --background  # after a crash: the previous daemon's devices again")]
     Serve(ServeArgs),
     /// The thin-provisioning-tools commands, option for option as thin_check,
     /// thin_dump, ... 1.x (a link named thin_check to dmkit is thin_check)
@@ -87,9 +94,12 @@ struct SimArgs {
 
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
-    /// The run directory (as the global --run-dir)
-    #[arg(long, value_name = "DIR")]
-    run_dir: Option<PathBuf>,
+    /// Run in the background: return once the sockets are listening and the
+    /// devices are made (exit status 0), or with the error that stopped the
+    /// start (1); the daemon's log goes to RUN_DIR/serve.log. Under systemd
+    /// (Type=notify), READY=1 goes to $NOTIFY_SOCKET either way
+    #[arg(long)]
+    background: bool,
     /// Also serve NBD over TCP on this address
     #[arg(long, value_name = "ADDR:PORT")]
     nbd_listen: Option<String>,
@@ -114,7 +124,8 @@ struct ServeArgs {
     #[arg(long)]
     writecache_lru_writeback: bool,
     /// Make the devices the previous daemon had again (recorded in the run
-    /// directory's devices.state) and take over their ublk block devices, whose
+    /// directory's devices.state, or devices.prev where a daemon started without
+    /// --restore set them aside) and take over their ublk block devices, whose
     /// requests the kernel held meanwhile
     #[arg(long)]
     restore: bool,
@@ -128,6 +139,11 @@ fn main() {
     }
     // `dmkit thin ...` parses as the tools do (paths need not be UTF-8).
     if let Some(i) = thin_word(&argv_os) {
+        if let Some(dir) = run_dir_before_verb(&argv_os[..i]) {
+            // the tools ask the daemon about /dev/mapper/POOL through the default
+            // run directory; single-threaded still, so the environment is ours
+            std::env::set_var("DMKIT_RUN_DIR", dir);
+        }
         std::process::exit(dmkit::thin::cli::main(argv_os[i + 1..].to_vec()));
     }
     let argv: Vec<String> = argv_os.iter().map(|a| a.to_string_lossy().into_owned()).collect();
@@ -163,6 +179,8 @@ fn main() {
     match run(cli, &argv) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
+            // the parent of `serve --background` prints it, if this is its child
+            tell_parent(&format!("{e:#}"));
             eprintln!("dmkit: {e:#}");
             std::process::exit(1);
         }
@@ -173,6 +191,10 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
     let run_dir = cli.run_dir.clone().unwrap_or_else(default_run_dir);
     match cli.cmd {
         Cmd::Serve(a) => {
+            if a.background {
+                // before any thread starts: the child goes on, the parent waits
+                daemonise(&run_dir)?;
+            }
             // Log lines on stderr; RUST_LOG filters them (default: info).
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -184,8 +206,9 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 .init();
             let demo = (a.demo || a.demo_dir.is_some())
                 .then(|| a.demo_dir.unwrap_or_else(|| PathBuf::from("dmkit-demo")));
+            let ready = a.background.then(|| background(&run_dir)).transpose()?;
             serve(ServeOptions {
-                run_dir: a.run_dir.unwrap_or(run_dir),
+                run_dir,
                 nbd_listen: a.nbd_listen,
                 group: a.group,
                 demo,
@@ -193,6 +216,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 copy_subjob_kb: a.copy_subjob_kb,
                 writecache_lru_writeback: a.writecache_lru_writeback,
                 restore: a.restore,
+                ready,
             })?;
             Ok(0)
         }
@@ -254,6 +278,99 @@ fn sim(a: SimArgs) -> Result<i32> {
     Ok(if s.failures.is_empty() { 0 } else { 1 })
 }
 
+/// The write end of the ready pipe of `serve --background`, in the child.
+static READY_PIPE: std::sync::Mutex<Option<std::io::PipeWriter>> = std::sync::Mutex::new(None);
+
+/// `serve --background`: fork. The parent waits on a pipe for the child's word
+/// (ready, or the error that stopped it) and exits with it; the child leaves
+/// the terminal's session, with its log in RUN_DIR/serve.log, and returns.
+fn daemonise(run_dir: &Path) -> Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    let log_path = run_dir.join("serve.log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let (mut rx, tx) = std::io::pipe().context("making the ready pipe")?;
+    // SAFETY: no other thread exists yet (this runs before the daemon starts
+    // any), so the child is a whole copy of this process.
+    match unsafe { libc::fork() } {
+        -1 => Err(std::io::Error::last_os_error()).context("fork"),
+        0 => {
+            drop(rx);
+            let null = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")?;
+            use std::os::fd::AsRawFd;
+            for (from, to) in [(null.as_raw_fd(), 0), (null.as_raw_fd(), 1), (log.as_raw_fd(), 2)] {
+                // SAFETY: plain descriptor calls on descriptors this process owns.
+                if unsafe { libc::dup2(from, to) } < 0 {
+                    return Err(std::io::Error::last_os_error()).context("redirecting the daemon's output");
+                }
+            }
+            // SAFETY: setsid has no memory effects; it fails only for a group leader,
+            // which a fresh child is not.
+            unsafe { libc::setsid() };
+            *READY_PIPE.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+            Ok(())
+        }
+        pid => {
+            drop(tx);
+            let mut word = String::new();
+            let _ = rx.read_to_string(&mut word);
+            if word == "ready" {
+                println!(
+                    "dmkit serve: running in the background (pid {pid}); control {}, log {}",
+                    run_dir.join("control.sock").display(),
+                    log_path.display()
+                );
+                let _ = std::io::stdout().flush();
+                std::process::exit(0);
+            }
+            let why = if word.is_empty() {
+                format!(
+                    "the daemon (pid {pid}) exited before it was ready; see {}",
+                    log_path.display()
+                )
+            } else {
+                word
+            };
+            eprintln!("dmkit serve: {why}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// The daemon's ready word for the waiting parent.
+fn background(_run_dir: &Path) -> Result<Box<dyn FnOnce() + Send>> {
+    Ok(Box::new(|| tell_parent("ready")))
+}
+
+/// Send the parent of `serve --background` its word (once; no-op otherwise).
+fn tell_parent(word: &str) {
+    use std::io::Write;
+    if let Some(mut tx) = READY_PIPE.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let _ = tx.write_all(word.as_bytes());
+    }
+}
+
+/// `--run-dir DIR` among the words before the verb.
+fn run_dir_before_verb(words: &[std::ffi::OsString]) -> Option<std::ffi::OsString> {
+    let mut it = words.iter().skip(1);
+    while let Some(a) = it.next() {
+        if a == "--run-dir" {
+            return it.next().cloned();
+        }
+        if let Some(d) = a.to_str().and_then(|a| a.strip_prefix("--run-dir=")) {
+            return Some(d.into());
+        }
+    }
+    None
+}
+
 /// The index of the verb word if it is `thin` (only `--run-dir` comes before it).
 fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
     let mut i = 1;
@@ -288,7 +405,8 @@ fn verb_words(argv: &[String]) -> &[String] {
 
 fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
     let from_stdin = match verb {
-        DmVerb::Create { table, .. } | DmVerb::Load { table, .. } => table.from_stdin(),
+        DmVerb::Create { table, notable, .. } => table.from_stdin(*notable),
+        DmVerb::Load { table, .. } => table.from_stdin(false),
         _ => false,
     };
     let mut stdin = Vec::new();
@@ -298,12 +416,7 @@ fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
             .context("reading the table from standard input")?;
     }
     let sock = run_dir.join("control.sock");
-    let mut s = UnixStream::connect(&sock).with_context(|| {
-        format!(
-            "cannot reach the dmkit daemon at {} (is `dmkit serve` running?)",
-            sock.display()
-        )
-    })?;
+    let mut s = connect(&sock)?;
     let progress = match verb {
         DmVerb::Message { name, message, .. }
             if std::io::IsTerminal::is_terminal(&std::io::stderr())
@@ -321,10 +434,50 @@ fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
     print!("{out}");
     if !ok {
         let name = words.first().map_or("", String::as_str);
-        eprintln!("dmkit {name}: {}", err.trim_end());
+        // one line per error (several when several devices were named)
+        for line in err.trim_end().lines() {
+            eprintln!("dmkit {name}: {line}");
+        }
         return Ok(1);
     }
     Ok(0)
+}
+
+/// Connect to the daemon's control socket, saying what is wrong when that fails:
+/// no daemon there, or one this user may not talk to.
+fn connect(sock: &Path) -> Result<UnixStream> {
+    match UnixStream::connect(sock) {
+        Ok(s) => Ok(s),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            use std::os::unix::fs::MetadataExt;
+            let owner = std::fs::metadata(sock)
+                .map(|m| {
+                    format!(
+                        " (mode {:04o}, owner uid {} gid {})",
+                        m.mode() & 0o7777,
+                        m.uid(),
+                        m.gid()
+                    )
+                })
+                .unwrap_or_default();
+            anyhow::bail!(
+                "permission denied on the dmkit daemon's socket {}{owner}: the daemon is running, but                  this user may not use it; run as its user, or start the daemon with                  `dmkit serve --group GROUP` (sockets mode 0660) and join that group",
+                sock.display()
+            )
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            anyhow::bail!(
+                "no dmkit daemon at {} ({e}): start one with `dmkit serve --background`, or name its                  run directory (--run-dir DIR or DMKIT_RUN_DIR)",
+                sock.display()
+            )
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot reach the dmkit daemon at {}", sock.display())),
+    }
 }
 
 /// What a device's status says about its background work.
@@ -382,8 +535,7 @@ fn work(name: &str, status: &str, first: &mut Option<u64>) -> Work {
 
 /// One status call to the daemon.
 fn status_of(sock: &Path, name: &str) -> Result<String> {
-    let mut c = UnixStream::connect(sock)
-        .with_context(|| format!("cannot reach the dmkit daemon at {}", sock.display()))?;
+    let mut c = connect(sock)?;
     let args = ["status".to_string(), name.to_string()];
     let (ok, out, err) = dmkit::control::call(&mut c, &args, &[])?;
     if !ok {

@@ -145,6 +145,9 @@ pub fn execute(ctx: &Ctx, args: &[String], stdin: &str) -> Result<String, String
             | DmVerb::Version
             | DmVerb::Stats { .. }
             | DmVerb::Message { .. }
+            | DmVerb::Wait { .. }
+            | DmVerb::Mknodes { .. }
+            | DmVerb::UdevcompleteAll { .. }
     );
     let r = run_verb(ctx, req.verb, stdin);
     if changes && r.is_ok() {
@@ -162,8 +165,8 @@ pub fn execute(ctx: &Ctx, args: &[String], stdin: &str) -> Result<String, String
 fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
     let reg = &*ctx.reg;
     let e = |x: crate::mapper::registry::ControlError| x.to_string();
-    let table = |t: &TableArgs| -> Option<String> {
-        if t.notable {
+    let table = |t: &TableArgs, notable: bool| -> Option<String> {
+        if notable {
             None
         } else if t.lines.is_empty() {
             Some(stdin.to_string())
@@ -176,24 +179,35 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         DmVerb::Create {
             name,
             table: t,
+            notable,
             readonly,
             uuid,
-        } => done(reg.create(&name, table(&t).as_deref(), readonly, uuid)),
-        DmVerb::Load { name, table: t } => match table(&t) {
+        } => done(reg.create(&name, table(&t, notable).as_deref(), readonly, uuid)),
+        DmVerb::Load { name, table: t } => match table(&t, false) {
             Some(text) => done(reg.load(&name, &text)),
-            None => Err("load: a table is required (--notable is for create)".into()),
+            None => Err("a table is required".into()),
         },
-        DmVerb::Clear { name } => done(reg.clear(&name)),
-        DmVerb::Suspend { name, noflush, .. } => done(reg.suspend(&name, noflush)),
-        DmVerb::Resume { name } => {
-            check_resize(reg, &name)?;
-            done(reg.resume(&name))
+        DmVerb::Clear { devs } => each(reg, &devs.names, &devs.pick, |n| done(reg.clear(n))),
+        DmVerb::Suspend { devs, noflush, .. } => {
+            each(reg, &devs.names, &devs.pick, |n| done(reg.suspend(n, noflush)))
         }
+        DmVerb::Resume { devs } => each(reg, &devs.names, &devs.pick, |n| {
+            check_resize(reg, n)?;
+            let r = done(reg.resume(n));
+            // the old table may have held a device marked for deferred removal
+            reg.reap_deferred();
+            r
+        }),
         DmVerb::Remove {
-            name,
+            devs,
             force,
             deferred,
-        } => done(reg.remove(&name, force, deferred)),
+        } => each(reg, &devs.names, &devs.pick, |n| {
+            let r = done(reg.remove(n, force, deferred));
+            reg.reap_deferred();
+            r
+        }),
+        DmVerb::RemoveAll { force, deferred } => reg.remove_all(force, deferred).map(|()| String::new()),
         DmVerb::Rename {
             name,
             new_name,
@@ -207,17 +221,16 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
                 }
                 Ok(String::new())
             }
-            (None, None) => Err("rename: a new name or --setuuid is required".into()),
+            (None, None) => Err("a new name or --setuuid is required".into()),
         },
         DmVerb::Message {
             name,
             sector,
             message,
         } => {
-            let sector = sector
-                .trim()
-                .parse::<u64>()
-                .map_err(|_| format!("message: invalid sector '{sector}'"))?;
+            let sector = sector.trim().parse::<u64>().map_err(|_| {
+                format!("invalid sector '{sector}': a number of 512-byte sectors (0: the first target)")
+            })?;
             let mut r = reg.message(&name, sector, &message).map_err(e)?;
             if !r.is_empty() && !r.ends_with('\n') {
                 r.push('\n');
@@ -227,28 +240,50 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         DmVerb::Status(a) => show(reg, a, true),
         DmVerb::Table(a) => show(reg, a, false),
         DmVerb::Info {
-            name,
+            devs,
             columns,
             options,
             noheadings,
             separator,
         } => {
+            let names = picked(reg, &devs.names, &devs.pick)?;
             if columns {
-                reg.info_columns(
-                    name.as_deref(),
-                    options.as_deref(),
-                    !noheadings,
-                    separator.as_deref(),
-                )
-                .map_err(e)
+                if names.is_empty() {
+                    return reg
+                        .info_columns(None, options.as_deref(), !noheadings, separator.as_deref())
+                        .map_err(e);
+                }
+                let mut first = true;
+                each_name(&names, |n| {
+                    let r = reg.info_columns(
+                        Some(n),
+                        options.as_deref(),
+                        !noheadings && first,
+                        separator.as_deref(),
+                    );
+                    first = false;
+                    r.map_err(e)
+                })
+            } else if names.is_empty() {
+                reg.info(None).map_err(e)
             } else {
-                reg.info(name.as_deref()).map_err(e)
+                each_name(&names, |n| reg.info(Some(n)).map_err(e))
             }
         }
         DmVerb::Ls { tree, target } => Ok(reg.ls(tree, target.as_deref())),
-        DmVerb::Deps { name } => reg.deps(name.as_deref()).map_err(e),
+        DmVerb::Deps { devs } => {
+            let names = picked(reg, &devs.names, &devs.pick)?;
+            match names.as_slice() {
+                [] => reg.deps(None).map_err(e),
+                [one] => reg.deps(Some(one)).map_err(e),
+                _ => each_name(&names, |n| reg.deps(Some(n)).map(|o| prefixed(n, &o)).map_err(e)),
+            }
+        }
+        DmVerb::Wait { name, event_nr, .. } => wait(reg, &name, event_nr.unwrap_or(0)),
+        // no device nodes and no udev cookies here: nothing to do, as the help says
+        DmVerb::Mknodes { .. } | DmVerb::UdevcompleteAll { .. } => Ok(String::new()),
         DmVerb::Targets => Ok(Registry::targets()),
-        DmVerb::Stats { name } => reg.stats(&name).map_err(e),
+        DmVerb::Stats { devs } => each(reg, &devs.names, &devs.pick, |n| reg.stats(n).map_err(e)),
         DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
         DmVerb::Attach { name, recover } => {
             let dev = reg.get(&name).map_err(e)?;
@@ -260,6 +295,86 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             ctx.ublk.detach(&dev).map(|()| String::new())
         }
     }
+}
+
+/// The names given, with the device `-u UUID` or `-j MAJOR -m MINOR` picks.
+fn picked(reg: &Registry, names: &[String], pick: &verbs::Pick) -> Result<Vec<String>, String> {
+    let mut out = names.to_vec();
+    if let Some(u) = &pick.uuid {
+        let d = reg
+            .list()
+            .into_iter()
+            .find(|d| d.uuid().as_deref() == Some(u.as_str()));
+        out.push(d.ok_or_else(|| format!("uuid {u}: No such device"))?.name());
+    }
+    if let (Some(major), Some(minor)) = (pick.major, pick.minor) {
+        let d = (major == crate::mapper::DM_MAJOR)
+            .then(|| reg.list().into_iter().find(|d| d.minor == minor))
+            .flatten();
+        let what = format!("{major}:{minor}: No such device");
+        out.push(
+            d.ok_or_else(|| {
+                if major == crate::mapper::DM_MAJOR {
+                    what
+                } else {
+                    format!("{what} (dmkit's devices have major {})", crate::mapper::DM_MAJOR)
+                }
+            })?
+            .name(),
+        );
+    }
+    Ok(out)
+}
+
+/// Run `f` on each device picked, in order, as dmsetup does with several names:
+/// every one is tried; the outputs are joined and so are the errors (one line each).
+fn each(
+    reg: &Registry,
+    names: &[String],
+    pick: &verbs::Pick,
+    f: impl FnMut(&str) -> Result<String, String>,
+) -> Result<String, String> {
+    each_name(&picked(reg, names, pick)?, f)
+}
+
+fn each_name(names: &[String], mut f: impl FnMut(&str) -> Result<String, String>) -> Result<String, String> {
+    let mut out = String::new();
+    let mut errors = Vec::new();
+    for n in names {
+        match f(n) {
+            Ok(o) => out.push_str(&o),
+            Err(e) => errors.push(e),
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
+/// `NAME: ` before each line, as dmsetup prints several devices.
+fn prefixed(name: &str, out: &str) -> String {
+    if out.is_empty() {
+        return format!("{name}: \n");
+    }
+    out.lines().map(|l| format!("{name}: {l}\n")).collect()
+}
+
+/// `dmsetup wait NAME [EVENT_NR]`: return once the device's event counter exceeds
+/// `event_nr` (at once if it does already), or fail if the device goes.
+fn wait(reg: &Registry, name: &str, event_nr: u64) -> Result<String, String> {
+    let dev = reg.get(name).map_err(|x| x.to_string())?;
+    while dev.events() <= event_nr {
+        if dev.removed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(format!(
+                "{name}: removed while waiting for event {}",
+                event_nr + 1
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(String::new())
 }
 
 /// A resume that would change the size of a device attached as a block device is
@@ -286,8 +401,12 @@ fn check_resize(reg: &Registry, name: &str) -> Result<(), String> {
 }
 
 fn show(reg: &Registry, a: ShowArgs, status: bool) -> Result<String, String> {
-    let out = reg
-        .table_lines(a.name.as_deref(), status, a.inactive)
-        .map_err(|x| x.to_string())?;
+    let names = picked(reg, &a.devs.names, &a.devs.pick)?;
+    let lines = |n: Option<&str>| reg.table_lines(n, status, a.inactive).map_err(|x| x.to_string());
+    let out = match names.as_slice() {
+        [] => lines(None)?,
+        [one] => lines(Some(one))?,
+        _ => each_name(&names, |n| lines(Some(n)).map(|o| prefixed(n, &o)))?,
+    };
     Ok(filter_target(out, a.target.as_deref()))
 }

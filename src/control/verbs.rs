@@ -3,17 +3,33 @@
 //! `try_parse_from`, so both sides agree on every flag.
 
 use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
 
 /// The device-mapper verbs, with dmsetup's names, flags and output.
 #[derive(Subcommand, Debug, Clone)]
 pub enum DmVerb {
     /// Create a device, load its table and resume it (the table comes from
     /// standard input without --table)
+    #[command(
+        after_help = "A table line is `<start> <length> <target> <args>`, start and length in \
+512-byte sectors (2097152 sectors = 1 GiB); the lines cover the device from sector 0 without gaps. \
+`dmkit targets` lists the target types; dm-targets(7) and the kernel's \
+Documentation/admin-guide/device-mapper/ describe each one's arguments.
+
+Examples:
+  truncate -s 1G a.img
+  dmkit create lin --table \"0 2097152 linear $PWD/a.img 0\"
+  echo \"0 2097152 zero\" | dmkit create z
+  dmkit create empty --notable        # a device without a table; `load` then `resume`"
+    )]
     Create {
-        /// Device name (also the NBD export name)
+        /// Device name (also the NBD export name; /dev/mapper/NAME in other tables)
         name: String,
         #[command(flatten)]
         table: TableArgs,
+        /// Create the device without a table
+        #[arg(long, conflicts_with = "lines")]
+        notable: bool,
         /// Make the device read-only
         #[arg(short, long)]
         readonly: bool,
@@ -21,16 +37,26 @@ pub enum DmVerb {
         #[arg(short, long)]
         uuid: Option<String>,
     },
-    /// Load a table into the inactive slot (resume makes it live)
-    #[command(visible_alias = "reload")]
+    /// Load a table into the inactive slot (resume makes it live); the table
+    /// comes from standard input without --table
+    #[command(
+        visible_alias = "reload",
+        after_help = "Example (grow a linear device to 2 GiB):
+  dmkit load lin --table \"0 4194304 linear $PWD/a.img 0\"
+  dmkit table lin --inactive          # what resume will make live
+  dmkit resume lin"
+    )]
     Load {
         name: String,
         #[command(flatten)]
         table: TableArgs,
     },
-    /// Suspend a device: new I/O waits, in-flight I/O drains, then a flush
+    /// Suspend devices: new I/O waits, in-flight I/O drains, then a flush
+    #[command(after_help = "Example:
+  dmkit suspend vol && dmkit message pool 0 \"create_snap 1 0\" && dmkit resume vol")]
     Suspend {
-        name: String,
+        #[command(flatten)]
+        devs: Devices,
         /// Do not flush outstanding I/O
         #[arg(long)]
         noflush: bool,
@@ -38,23 +64,61 @@ pub enum DmVerb {
         #[arg(long)]
         nolockfs: bool,
     },
-    /// Resume a device, swapping in the inactive table if there is one
-    Resume { name: String },
-    /// Remove a device
-    #[command(visible_alias = "rm")]
+    /// Resume devices, swapping in the inactive table if there is one
+    #[command(after_help = "Example:
+  dmkit load lin --table \"0 2097152 zero\" && dmkit resume lin")]
+    Resume {
+        #[command(flatten)]
+        devs: Devices,
+    },
+    /// Remove devices
+    #[command(
+        visible_alias = "rm",
+        after_help = "A device used by another device's table, or attached as a block device, \
+cannot go (with --deferred it goes when its last user does).
+
+Examples:
+  dmkit remove top fast               # several at once, users first
+  dmkit remove --deferred fast        # marked now, removed at its last close"
+    )]
     Remove {
-        name: String,
+        #[command(flatten)]
+        devs: Devices,
         /// Replace the table with `error` first (the remove still fails while the
         /// device is open)
         #[arg(short, long)]
         force: bool,
-        /// Remove at the last close if the device is open now
+        /// Remove at the last close, or when the last table using it goes, if the
+        /// device is in use now
+        #[arg(long)]
+        deferred: bool,
+    },
+    /// Remove every device, users before the devices they use
+    #[command(
+        name = "remove_all",
+        alias = "remove-all",
+        after_help = "Example:
+  dmkit remove_all --force"
+    )]
+    RemoveAll {
+        /// Replace open devices' tables with `error` first
+        #[arg(short, long)]
+        force: bool,
+        /// Mark devices still in use for removal at their last close
         #[arg(long)]
         deferred: bool,
     },
     /// Drop the inactive table
-    Clear { name: String },
+    #[command(after_help = "Example:
+  dmkit load lin --table \"0 2097152 zero\" && dmkit clear lin   # the load is undone")]
+    Clear {
+        #[command(flatten)]
+        devs: Devices,
+    },
     /// Rename a device, or give a device without a uuid one
+    #[command(after_help = "Examples:
+  dmkit rename top bottom
+  dmkit rename bottom --setuuid dmkit-0001")]
     Rename {
         name: String,
         /// The new name
@@ -64,20 +128,48 @@ pub enum DmVerb {
         #[arg(long)]
         setuuid: Option<String>,
     },
-    /// Send a message to the target at SECTOR (words are split on white space)
+    /// Send a message to the target at SECTOR of a device's live table
+    #[command(
+        after_help = "The message goes to the target whose table line covers SECTOR (0: the \
+first line). Its words may be given as one argument or several; they are split on white space, \
+as the kernel splits them. Each target's messages are its kernel's (thin-pool: create_thin, \
+create_snap, delete, set_transaction_id, reserve_metadata_snap, release_metadata_snap; \
+writecache: flush, flush_on_suspend, cleaner, clear_stats; flakey, delay: none).
+
+Examples:
+  dmkit message pool 0 \"create_thin 0\"
+  dmkit message pool 0 create_snap 1 0
+  dmkit message mycache 0 flush"
+    )]
     Message {
+        /// The device
         name: String,
+        /// The sector (in 512-byte sectors) the message's target covers; 0 for
+        /// a one-target table
         sector: String,
+        /// The message's words
         #[arg(required = true, num_args = 1.., allow_hyphen_values = true, trailing_var_arg = true)]
         message: Vec<String>,
     },
     /// Print each target's status line
+    #[command(after_help = "Examples:
+  dmkit status pool                   # 0 20971520 thin-pool 0 10/4096 0/163840 ...
+  dmkit status                        # every device, each line after `NAME: `
+  dmkit status --target thin")]
     Status(ShowArgs),
     /// Print each target's table line
+    #[command(after_help = "Examples:
+  dmkit table top                     # 0 4194304 linear 253:0 0
+  dmkit table top --inactive")]
     Table(ShowArgs),
     /// Print device information (the long form, or columns with -c)
+    #[command(after_help = "Examples:
+  dmkit info vol
+  dmkit info -c -o name,open,attr
+  dmkit info -c -o help               # the fields")]
     Info {
-        name: Option<String>,
+        #[command(flatten)]
+        devs: AnyDevices,
         /// Columns: one line per device
         #[arg(short = 'c', long)]
         columns: bool,
@@ -92,6 +184,10 @@ pub enum DmVerb {
         separator: Option<String>,
     },
     /// List devices
+    #[command(after_help = "Examples:
+  dmkit ls
+  dmkit ls --tree
+  dmkit ls --target thin-pool")]
     Ls {
         /// Show each device over the devices it maps onto
         #[arg(long)]
@@ -101,15 +197,69 @@ pub enum DmVerb {
         target: Option<String>,
     },
     /// List the devices each device maps onto
-    Deps { name: Option<String> },
+    #[command(after_help = "Example:
+  dmkit deps top                      # 1 dependencies  : (253, 0)")]
+    Deps {
+        #[command(flatten)]
+        devs: AnyDevices,
+    },
+    /// Wait until a device's event counter exceeds EVENT_NR (default 0), as
+    /// dmsetup wait does
+    #[command(
+        after_help = "A device's events are those of the kernel's targets: a thin pool \
+passing its low water mark or running out of space, a snapshot becoming invalid, a table swap. \
+`dmkit info NAME` shows the counter (Event number).
+
+Example:
+  dmkit wait pool $(dmkit info -c --noheadings -o events pool)   # the next event"
+    )]
+    Wait {
+        /// The device
+        name: String,
+        /// The event number to wait beyond
+        event_nr: Option<u64>,
+        /// Accepted for dmsetup compatibility
+        #[arg(long)]
+        noflush: bool,
+    },
+    /// Accepted for dmsetup compatibility; does nothing: dmkit's devices have no
+    /// device nodes (`attach` makes /dev/mapper/NAME for an attached device)
+    #[command(after_help = "Example:
+  dmkit mknodes")]
+    Mknodes {
+        /// Ignored
+        names: Vec<String>,
+    },
+    /// Accepted for dmsetup compatibility; does nothing: dmkit makes no udev
+    /// events, so there are no udev cookies to complete
+    #[command(
+        name = "udevcomplete_all",
+        after_help = "Example:
+  dmkit udevcomplete_all"
+    )]
+    UdevcompleteAll {
+        /// Ignored (dmsetup: only cookies older than this many minutes)
+        age: Option<u64>,
+    },
     /// List the target types and their versions
+    #[command(after_help = "Example:
+  dmkit targets                       # linear v1.4.0, thin-pool v1.23.0, ...")]
     Targets,
     /// Print the daemon's version
+    #[command(after_help = "Example:
+  dmkit version")]
     Version,
     /// dmkit's own: the backing files under a device and the flushes each received
-    Stats { name: String },
+    #[command(after_help = "Example:
+  dmkit stats pool                    # /…/meta.img flushes=3, /…/data.img flushes=3")]
+    Stats {
+        #[command(flatten)]
+        devs: Devices,
+    },
     /// dmkit's own: make a device a kernel block device through ublk (ublk_drv,
     /// Linux 6.5+): /dev/ublkbN, and /dev/mapper/NAME pointing at it
+    #[command(after_help = "Example:
+  modprobe ublk_drv && dmkit attach vol   # prints /dev/ublkb0")]
     Attach {
         name: String,
         /// Take over the block device with this ublk id that a previous daemon
@@ -118,29 +268,65 @@ pub enum DmVerb {
         recover: Option<u32>,
     },
     /// dmkit's own: remove a device's block device (refused while mounted)
+    #[command(after_help = "Example:
+  umount /mnt/vol && dmkit detach vol")]
     Detach { name: String },
+}
+
+/// The devices a verb acts on: names, or one device picked by uuid or number.
+#[derive(Args, Debug, Clone)]
+pub struct Devices {
+    /// Device names (several: each in turn, as dmsetup does)
+    #[arg(value_name = "NAME", required_unless_present_any = ["uuid", "minor"])]
+    pub names: Vec<String>,
+    #[command(flatten)]
+    pub pick: Pick,
+}
+
+/// Devices for a verb that acts on every device when none is named.
+#[derive(Args, Debug, Clone)]
+pub struct AnyDevices {
+    /// Device names (none: every device)
+    #[arg(value_name = "NAME")]
+    pub names: Vec<String>,
+    #[command(flatten)]
+    pub pick: Pick,
+}
+
+/// dmsetup's other ways to name a device.
+#[derive(Args, Debug, Clone, Default)]
+pub struct Pick {
+    /// The device with this uuid
+    #[arg(short = 'u', long = "uuid", value_name = "UUID")]
+    pub uuid: Option<String>,
+    /// With --minor: the device with this number (dmkit's devices have major 253)
+    #[arg(short = 'j', long, value_name = "MAJOR", requires = "minor")]
+    pub major: Option<u32>,
+    /// With --major: the device with this minor number
+    #[arg(short = 'm', long, value_name = "MINOR", requires = "major")]
+    pub minor: Option<u32>,
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct TableArgs {
-    /// A table line `<start> <length> <target> <args>`; repeat for several lines
-    #[arg(long = "table")]
+    /// A table line `<start> <length> <target> <args>` (512-byte sectors); repeat
+    /// for several lines
+    #[arg(long = "table", value_name = "LINE")]
     pub lines: Vec<String>,
-    /// Create the device without a table
-    #[arg(long, conflicts_with = "lines")]
-    pub notable: bool,
 }
 
 impl TableArgs {
-    /// Whether the table is to come from standard input.
-    pub fn from_stdin(&self) -> bool {
-        self.lines.is_empty() && !self.notable
+    /// Whether the table is to come from standard input (`notable`: create's
+    /// --notable).
+    pub fn from_stdin(&self, notable: bool) -> bool {
+        self.lines.is_empty() && !notable
     }
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct ShowArgs {
-    pub name: Option<String>,
+    #[command(flatten)]
+    pub devs: AnyDevices,
     /// Only lines of targets of this type
     #[arg(long)]
     pub target: Option<String>,
@@ -153,12 +339,17 @@ pub struct ShowArgs {
 #[derive(Parser, Debug)]
 #[command(name = "dmkit", no_binary_name = true, disable_help_subcommand = true)]
 pub struct Request {
+    /// The client's run directory (the CLI takes it anywhere on the line; the
+    /// daemon ignores it)
+    #[arg(long, global = true, hide = true, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
     #[command(subcommand)]
     pub verb: DmVerb,
 }
 
-/// A clap error as dmkit reports errors: one line, naming the command and where
-/// to find its help. `None` for `--help` and `--version`, which are not errors.
+/// A clap error as dmkit reports errors: one line, naming the command, what is
+/// missing or unknown, a suggestion if clap has one, and where to find its help.
+/// `None` for `--help` and `--version`, which are not errors.
 pub fn one_line(e: &clap::Error, command: &str) -> Option<String> {
     use clap::error::ErrorKind;
     if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
@@ -170,7 +361,25 @@ pub fn one_line(e: &clap::Error, command: &str) -> Option<String> {
         _ => command,
     };
     let text = e.render().to_string();
-    let first = text.lines().next().unwrap_or("invalid arguments");
-    let first = first.strip_prefix("error: ").unwrap_or(first);
-    Some(format!("{command}: {first} (see '{command} --help')"))
+    let mut lines = text.lines();
+    let first = lines.next().unwrap_or("invalid arguments");
+    let mut msg = first.strip_prefix("error: ").unwrap_or(first).to_string();
+    // "the following required arguments were not provided:" lists them on the
+    // indented lines that follow
+    if msg.ends_with(':') {
+        let listed: Vec<&str> = lines
+            .clone()
+            .take_while(|l| l.starts_with("  ") && !l.trim().is_empty())
+            .map(str::trim)
+            .collect();
+        msg.push(' ');
+        msg.push_str(&listed.join(" "));
+    }
+    for tip in text.lines().filter_map(|l| l.trim().strip_prefix("tip: ")) {
+        match tip.split_once(" exists: ") {
+            Some((_, what)) => msg.push_str(&format!("; did you mean {what}?")),
+            None => msg.push_str(&format!("; {tip}")),
+        }
+    }
+    Some(format!("{command}: {msg} (see '{command} --help')"))
 }

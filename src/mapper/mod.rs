@@ -408,7 +408,7 @@ pub(crate) fn collect_files(dev: &Device, out: &mut Vec<Arc<crate::io::BackingFi
         return;
     }
     for e in &t.entries {
-        for d in e.target.devices() {
+        for d in e.target.held_devices() {
             match d {
                 DevRef::File(f) => {
                     if !out.iter().any(|g| g.identity == f.identity) {

@@ -21,6 +21,9 @@ pub enum ControlError {
     Table(#[from] TableError),
     #[error("{name}: {what}")]
     Device { name: String, what: String },
+    /// A request that names no device and is wrong in itself.
+    #[error("{0}")]
+    Usage(String),
 }
 
 fn dev_err(name: &str, what: impl Into<String>) -> ControlError {
@@ -308,6 +311,11 @@ impl Registry {
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
         if dev.holders.load(Ordering::SeqCst) > 0 {
+            if deferred {
+                // as the kernel: marked, removed when its last user goes, and success
+                dev.deferred_remove.store(true, Ordering::SeqCst);
+                return Ok(());
+            }
             let users: Vec<String> = self
                 .list()
                 .into_iter()
@@ -346,6 +354,66 @@ impl Registry {
         }
         self.drop_device(&dev);
         Ok(())
+    }
+
+    /// Remove the devices marked for deferred removal that nothing holds or
+    /// opens any more (after a remove or a table swap let go of them).
+    pub fn reap_deferred(&self) {
+        loop {
+            let ready: Vec<Arc<Device>> = self
+                .list()
+                .into_iter()
+                .filter(|d| d.deferred_remove.load(Ordering::SeqCst))
+                .collect();
+            let before = self.devices().len();
+            for d in ready {
+                self.closed(&d);
+            }
+            // a removal may free the device under it
+            if self.devices().len() == before {
+                return;
+            }
+        }
+    }
+
+    /// `dmsetup remove_all [--force] [--deferred]`: remove every device, the
+    /// devices that use others first; the ones that cannot go are named.
+    pub fn remove_all(&self, force: bool, deferred: bool) -> Result<(), String> {
+        let mut errors: Vec<String>;
+        loop {
+            errors = Vec::new();
+            let before = self.devices().len();
+            for d in self.list() {
+                if d.holders.load(Ordering::SeqCst) > 0 && !deferred {
+                    continue; // its users go first
+                }
+                if let Err(e) = self.remove(&d.name(), force, deferred) {
+                    errors.push(e.to_string());
+                }
+            }
+            self.reap_deferred();
+            if self.devices().len() == before {
+                break;
+            }
+        }
+        for d in self.list() {
+            if d.holders.load(Ordering::SeqCst) > 0 && !d.deferred_remove.load(Ordering::SeqCst) {
+                errors.push(
+                    dev_err(
+                        &d.name(),
+                        "Device or resource busy: used by another device's table",
+                    )
+                    .to_string(),
+                );
+            }
+        }
+        errors.sort();
+        errors.dedup();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("\n"))
+        }
     }
 
     /// Load a table of one `error` target of the same size and resume it, as
@@ -640,7 +708,10 @@ impl Registry {
         headings: bool,
         separator: Option<&str>,
     ) -> Result<String, ControlError> {
-        let fields = super::report::fields(fields).map_err(|what| dev_err("info", what))?;
+        if fields.is_some_and(|f| f.trim().eq_ignore_ascii_case("help")) {
+            return Ok(super::report::fields_help());
+        }
+        let fields = super::report::fields(fields).map_err(ControlError::Usage)?;
         let Some(devs) = self.selected(name)? else {
             return Ok("No devices found\n".into());
         };

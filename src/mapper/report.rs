@@ -154,6 +154,18 @@ const FIELDS: &[Field] = &[
     },
 ];
 
+/// `info -c -o help`: the fields `-o` takes, with their headings.
+pub(super) fn fields_help() -> String {
+    let mut out = String::from(
+        "Device-mapper info fields (-o takes a comma-separated list; +F adds to the default):\n",
+    );
+    for f in FIELDS {
+        let _ = writeln!(out, "  {:<16} {}", f.key, f.heading);
+    }
+    let _ = writeln!(out, "Default: {DEFAULT_FIELDS}");
+    out
+}
+
 /// The fields `info -c` prints without `-o`.
 const DEFAULT_FIELDS: &str = "name,major,minor,attr,open,segments,events,uuid";
 
@@ -300,7 +312,7 @@ fn used(d: &Device) -> Vec<Used> {
     };
     let mut out: Vec<Used> = Vec::new();
     for e in &t.entries {
-        for r in e.target.devices() {
+        for r in e.target.held_devices() {
             let u = match r {
                 DevRef::Dm(h) => Used {
                     name: h.0.name(),

@@ -473,6 +473,12 @@ pub trait Target: Send + Sync {
     fn devices(&self) -> Vec<&DevRef> {
         Vec::new()
     }
+    /// Every device the target's table line opened, in table order, as the
+    /// kernel's table lists them for `deps`: the devices it maps onto and any it
+    /// keeps metadata on (a thin pool's metadata device).
+    fn held_devices(&self) -> Vec<&DevRef> {
+        self.devices()
+    }
     /// An empty flush may go straight to each underlying device, once, without the
     /// target's map (the kernel's flush_bypasses_map: linear and striped).
     fn flush_bypasses_map(&self) -> bool {

@@ -525,19 +525,51 @@ pub fn main(args: Vec<OsString>) -> i32 {
     }
 }
 
-/// Link every tool name in `dir` to the running dmkit binary.
+/// Link every tool name in `dir` to the running dmkit binary. A link that
+/// points there already stays (running it again is harmless); any other file
+/// of a tool's name is replaced only with `force`, and none is touched until
+/// all of them may be.
 fn links(dir: &Path, force: bool) -> std::io::Result<()> {
     let exe = std::env::current_exe()?;
+    let err = |p: &Path, e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", p.display()));
+    let mut todo = Vec::new();
     for (name, _) in TOOLS {
         let p = dir.join(name);
-        if force && p.symlink_metadata().is_ok() {
-            std::fs::remove_file(&p)?;
+        match p.symlink_metadata() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => todo.push((p, false)),
+            Err(e) => return Err(err(&p, e)),
+            Ok(_) if ours(&p, &exe) => println!("{} -> {} (already)", p.display(), exe.display()),
+            Ok(_) if force => todo.push((p, true)),
+            Ok(_) => {
+                let what = std::fs::read_link(&p)
+                    .map(|t| format!("a link to {}", t.display()))
+                    .unwrap_or_else(|_| "a file".into());
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{} is {what}, not this dmkit: nothing linked (--force replaces it)",
+                        p.display()
+                    ),
+                ));
+            }
         }
-        std::os::unix::fs::symlink(&exe, &p)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+    }
+    for (p, replace) in todo {
+        if replace {
+            std::fs::remove_file(&p).map_err(|e| err(&p, e))?;
+        }
+        std::os::unix::fs::symlink(&exe, &p).map_err(|e| err(&p, e))?;
         println!("{} -> {}", p.display(), exe.display());
     }
     Ok(())
+}
+
+/// Whether `p` is (or leads to) the dmkit binary `exe`.
+fn ours(p: &Path, exe: &Path) -> bool {
+    match (std::fs::canonicalize(p), std::fs::canonicalize(exe)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
 }
 
 /// The input checks 1.x makes before it opens metadata: it exists, it is a file or
@@ -585,7 +617,10 @@ fn quietly(r: Outcome, quiet: bool) -> Outcome {
 fn stat(path: &Path, what: &str) -> Result<std::fs::Metadata, Failure> {
     std::fs::metadata(path).map_err(|e| {
         Failure::Message(match e.kind() {
-            std::io::ErrorKind::NotFound => format!("Couldn't find {what} file '{}'", path.display()),
+            std::io::ErrorKind::NotFound => match other::mapper_hint(path) {
+                Some(hint) if what == "input" => hint,
+                _ => format!("Couldn't find {what} file '{}'", path.display()),
+            },
             _ => format!("Invalid {what} file: {e}"),
         })
     })

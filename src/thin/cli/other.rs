@@ -579,11 +579,14 @@ fn ask_daemon(pool: String, tool_words: Vec<String>) -> Outcome {
             sock.display()
         ))
     })?;
-    let mut words = vec!["message".to_string(), pool, "0".to_string()];
+    let mut words = vec!["message".to_string(), pool.clone(), "0".to_string()];
     words.extend(tool_words);
     let (ok, out, err) = crate::control::call(&mut s, &words, b"")
         .map_err(|e| Failure::Message(format!("talking to the daemon: {e}")))?;
     if !ok {
+        if let Some(DaemonDev::Other(why)) = daemon_device(&pool) {
+            return Err(Failure::Message(why));
+        }
         // the pool's own words, without the registry's "NAME: message '...' refused: "
         let e = err.trim_end();
         let e = e.rsplit_once(" refused: ").map_or(e, |x| x.1);
@@ -591,6 +594,44 @@ fn ask_daemon(pool: String, tool_words: Vec<String>) -> Outcome {
     }
     // the tool's text, and the one newline `online` added to it
     emit(out.strip_suffix('\n').unwrap_or(&out))
+}
+
+/// What the daemon serves as `/dev/mapper/NAME`, for a tool's error.
+pub(super) enum DaemonDev {
+    /// A thin pool, with its metadata file.
+    Pool(String),
+    /// Not a thin pool: the error to give.
+    Other(String),
+}
+
+/// Ask the daemon (if one answers) what device NAME is.
+pub(super) fn daemon_device(name: &str) -> Option<DaemonDev> {
+    let sock = crate::daemon::default_run_dir().join("control.sock");
+    let mut s = std::os::unix::net::UnixStream::connect(sock).ok()?;
+    let words = ["table".to_string(), name.to_string()];
+    let (ok, out, _) = crate::control::call(&mut s, &words, b"").ok()?;
+    if !ok {
+        return None;
+    }
+    let first: Vec<&str> = out.lines().next().unwrap_or("").split(' ').collect();
+    Some(match first.get(2) {
+        Some(&"thin-pool") => DaemonDev::Pool(first.get(3).unwrap_or(&"?").to_string()),
+        Some(t) => DaemonDev::Other(format!("dev {name} is a {t} device, not a thin-pool")),
+        None => DaemonDev::Other(format!("dev {name} has no table, so it is not a thin-pool")),
+    })
+}
+
+/// Why `/dev/mapper/NAME` is no input file, when the daemon serves NAME.
+pub(super) fn mapper_hint(input: &Path) -> Option<String> {
+    let name = live_pool(input)?;
+    Some(match daemon_device(&name)? {
+        DaemonDev::Other(why) => why,
+        DaemonDev::Pool(meta) => format!(
+            "{} is dmkit's pool {name}, not a kernel device: its metadata is {meta}, which the tools \
+             read once the pool is removed (thin ls and thin delta also read the live pool)",
+            input.display()
+        ),
+    })
 }
 
 /// A tool run inside the daemon on a live pool's metadata (`words`: the tool's
