@@ -115,7 +115,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             tracing::error!("restore: {e}");
         }
         tracing::info!(
-            "restored {ok} requests from {} ({} failed)",
+            "restored {ok} devices from {} ({} errors)",
             state.display(),
             errors.len()
         );

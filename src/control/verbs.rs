@@ -119,6 +119,10 @@ pub enum DmVerb {
     },
     /// dmkit's own: remove a device's block device (refused while mounted)
     Detach { name: String },
+    /// dmkit's own: the device whose table holds the file or block device PATH
+    /// (what a tool refused with EBUSY names)
+    #[command(hide = true)]
+    Holder { path: std::path::PathBuf },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -129,6 +133,10 @@ pub struct TableArgs {
     /// Create the device without a table
     #[arg(long, conflicts_with = "lines")]
     pub notable: bool,
+    /// The caller's working directory, which relative paths in the table are
+    /// resolved against (the CLI sends it)
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub cwd: Option<std::path::PathBuf>,
 }
 
 impl TableArgs {

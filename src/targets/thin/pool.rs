@@ -290,6 +290,9 @@ impl Target for ThinPool {
     fn devices(&self) -> Vec<&DevRef> {
         vec![&self.data]
     }
+    fn held(&self) -> Vec<&DevRef> {
+        vec![&self.metadata, &self.data]
+    }
     /// As the kernel's pool_preresume: a table smaller than the metadata's data
     /// space (a shrink) is refused, and so is a data device smaller than the table.
     fn preresume(&self) -> Result<(), String> {
