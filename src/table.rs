@@ -61,6 +61,23 @@ pub fn split_args(line: &str) -> Vec<String> {
     out
 }
 
+/// A word as a table line carries it: a backslash before white space and before
+/// a backslash, which [`split_args`] reads back as the word (the kernel's
+/// `dm_split_args` escape), so a printed table loads again as it was.
+pub fn escape(word: &str) -> std::borrow::Cow<'_, str> {
+    if !word.chars().any(|c| c == '\\' || c.is_whitespace()) {
+        return std::borrow::Cow::Borrowed(word);
+    }
+    let mut out = String::with_capacity(word.len() + 4);
+    for c in word.chars() {
+        if c == '\\' || c.is_whitespace() {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Parse a sector count field of a table line.
 pub fn parse_sectors(line: usize, field: &str, v: &str) -> Result<u64, TableError> {
     v.parse::<u64>()
@@ -133,6 +150,24 @@ mod tests {
         assert_eq!(t[0].args, vec!["/a b".to_string(), "0".to_string()]);
         assert_eq!(t[1].start, 8);
         assert_eq!(t[1].line_no, 4);
+    }
+
+    #[test]
+    fn escaped_words_split_back() {
+        for w in [
+            "/a b",
+            "tab\there",
+            "back\\slash",
+            "plain",
+            "end\\",
+            " lead",
+            "a  b",
+        ] {
+            let line = format!("0 8 linear {} 0", escape(w));
+            let t = parse_table(&line).unwrap();
+            assert_eq!(t[0].args, vec![w.to_string(), "0".to_string()], "{line}");
+        }
+        assert!(matches!(escape("plain"), std::borrow::Cow::Borrowed(_)));
     }
 
     #[test]

@@ -426,6 +426,15 @@ fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {
         }
         _ => None,
     };
+    // relative paths in a table are the caller's, as the kernel resolves them
+    let mut words = words.to_vec();
+    if let DmVerb::Create { table, .. } | DmVerb::Load { table, .. } = verb {
+        if table.cwd.is_none() {
+            let cwd = std::env::current_dir().context("the current directory")?;
+            words.extend(["--cwd".to_string(), cwd.to_string_lossy().into_owned()]);
+        }
+    }
+    let words = words.as_slice();
     let (ok, out, err) = dmkit::control::call(&mut s, words, &stdin)?;
     if let Some((stop, h)) = progress {
         stop.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -144,11 +144,13 @@ pub fn execute(ctx: &Ctx, args: &[String], stdin: &str) -> Result<String, String
             | DmVerb::Targets
             | DmVerb::Version
             | DmVerb::Stats { .. }
-            | DmVerb::Message { .. }
             | DmVerb::Wait { .. }
             | DmVerb::Mknodes { .. }
             | DmVerb::UdevcompleteAll { .. }
+            | DmVerb::Holder { .. }
     );
+    // a message may set state the table does not show (writecache `cleaner`):
+    // recorded too
     let r = run_verb(ctx, req.verb, stdin);
     if changes && r.is_ok() {
         if let Some(path) = &ctx.state {
@@ -182,9 +184,15 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             notable,
             readonly,
             uuid,
-        } => done(reg.create(&name, table(&t, notable).as_deref(), readonly, uuid)),
+        } => done(reg.create_in(
+            &name,
+            table(&t, notable).as_deref(),
+            readonly,
+            uuid,
+            t.cwd.as_deref(),
+        )),
         DmVerb::Load { name, table: t } => match table(&t, false) {
-            Some(text) => done(reg.load(&name, &text)),
+            Some(text) => done(reg.load_in(&name, &text, t.cwd.as_deref())),
             None => Err("a table is required".into()),
         },
         DmVerb::Clear { devs } => each(reg, &devs.names, &devs.pick, |n| done(reg.clear(n))),
@@ -290,6 +298,7 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             let path = ctx.ublk.attach(&dev, recover)?;
             Ok(format!("{path}\n"))
         }
+        DmVerb::Holder { path } => Ok(reg.holder(&path).map(|n| n + "\n").unwrap_or_default()),
         DmVerb::Detach { name } => {
             let dev = reg.get(&name).map_err(e)?;
             ctx.ublk.detach(&dev).map(|()| String::new())

@@ -8,7 +8,7 @@
 //! device-mapper would lose at a reboot: which tables are loaded, and which
 //! device is attached as which ublk block device.
 
-use super::Ctx;
+use super::{verbs, Ctx};
 use crate::mapper::DM_MAJOR;
 use clap::Parser;
 use std::io::Write;
@@ -22,7 +22,7 @@ pub fn requests(ctx: &Ctx) -> Vec<Vec<String>> {
         .map(|d| {
             (
                 format!("{DM_MAJOR}:{}", d.minor),
-                format!("/dev/mapper/{}", d.name()),
+                format!("/dev/mapper/{}", crate::table::escape(&d.name())),
             )
         })
         .collect();
@@ -36,19 +36,40 @@ pub fn requests(ctx: &Ctx) -> Vec<Vec<String>> {
         if d.read_only {
             req.push("--readonly".into());
         }
+        // words are split on single spaces: an escaped path keeps its `\ `
+        let by_path = |line: &str| -> String {
+            line.split(' ')
+                .map(|w| by_minor.get(w).map_or(w, String::as_str))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
         match ctx.reg.table_lines(Some(&name), false, false) {
             Ok(t) if !t.trim().is_empty() => {
                 for line in t.lines() {
-                    let line: Vec<&str> = line
-                        .split(' ')
-                        .map(|w| by_minor.get(w).map_or(w, String::as_str))
-                        .collect();
-                    req.extend(["--table".to_string(), line.join(" ")]);
+                    req.extend(["--table".to_string(), by_path(line)]);
                 }
             }
             _ => req.push("--notable".into()),
         }
         out.push(req);
+        // state messages set that the table does not show
+        if let Some(t) = d.live.load_full() {
+            for e in &t.entries {
+                for m in e.target.replay_messages() {
+                    out.push(vec!["message".into(), name.clone(), e.start.to_string(), m]);
+                }
+            }
+        }
+        // a table loaded and not yet resumed
+        if let Ok(t) = ctx.reg.table_lines(Some(&name), false, true) {
+            if !t.trim().is_empty() {
+                let mut load = vec!["load".to_string(), name.clone()];
+                for line in t.lines() {
+                    load.extend(["--table".to_string(), by_path(line)]);
+                }
+                out.push(load);
+            }
+        }
     }
     for (d, id) in ctx.ublk.ids() {
         out.push(vec![
@@ -124,12 +145,16 @@ pub fn parse(text: &str) -> Vec<Vec<String>> {
 }
 
 /// Replay the state file: each request that fails is reported and the rest go
-/// on. The file is then rewritten from what is there; if anything failed, the
-/// old one is kept beside it as `.prev`. The number of requests that
-/// succeeded, and the errors.
+/// on. A device that cannot be made again is reported by name, the requests
+/// about it are skipped, and the block device it was attached as is failed
+/// (stopped: its filesystem gets errors instead of waiting for a server that
+/// will not come). The file is then rewritten from what is there; if anything
+/// failed, the old one is kept beside it as `.prev`. The number of devices made
+/// again, and the errors.
 pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> {
     let text = std::fs::read_to_string(path)?;
-    let mut ok = 0;
+    let mut devices = 0;
+    let mut lost: Vec<String> = Vec::new();
     let mut errors = Vec::new();
     let recorded = text.lines().find_map(|l| l.strip_prefix(BOOT)).unwrap_or("");
     if recorded != boot_id() {
@@ -144,19 +169,47 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
         return Ok((0, errors));
     }
     for req in parse(&text) {
+        let verb = req.first().map_or("", String::as_str);
+        let name = req.get(1).map_or("", String::as_str).to_string();
+        let recover = (verb == "attach")
+            .then(|| req.iter().skip_while(|a| *a != "--recover").nth(1))
+            .flatten()
+            .and_then(|id| id.parse::<u32>().ok());
+        if verb != "create" && lost.contains(&name) {
+            if let Some(id) = recover {
+                errors.push(fail_block_device(ctx, &name, id));
+            }
+            continue;
+        }
         let r = super::Request::try_parse_from(&req)
-            .map_err(|e| e.to_string())
+            .map_err(|e| verbs::one_line(&e, "dmkit").unwrap_or_else(|| e.to_string()))
             .and_then(|r| super::run_verb(ctx, r.verb, ""));
-        match r {
-            Ok(_) => ok += 1,
-            Err(e) => errors.push(e),
+        match (verb, r) {
+            ("create", Ok(_)) => devices += 1,
+            ("create", Err(e)) => {
+                errors.push(format!("device '{name}' not restored: {e}"));
+                lost.push(name);
+            }
+            (_, Ok(_)) => {}
+            (_, Err(e)) => errors.push(format!("device '{name}': {verb} not replayed: {e}")),
         }
     }
     if !errors.is_empty() {
         std::fs::copy(path, prev_path(path))?;
     }
     save(ctx, path)?;
-    Ok((ok, errors))
+    Ok((devices, errors))
+}
+
+/// The block device `id` that device `name` was attached as, whose device is
+/// lost: stopped, so what waits on it fails. What happened, as a line.
+fn fail_block_device(ctx: &Ctx, name: &str, id: u32) -> String {
+    match ctx.ublk.fail(id) {
+        Ok(()) => format!(
+            "device '{name}': its block device /dev/ublkb{id} was stopped (its I/O fails; unmount it)"
+        ),
+        Err(e) => format!("device '{name}': its block device /dev/ublkb{id} could not be stopped: {e}"),
+    }
 }
 
 #[cfg(test)]

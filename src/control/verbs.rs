@@ -271,6 +271,10 @@ Example:
     #[command(after_help = "Example:
   umount /mnt/vol && dmkit detach vol")]
     Detach { name: String },
+    /// dmkit's own: the device whose table holds the file or block device PATH
+    /// (what a tool refused with EBUSY names)
+    #[command(hide = true)]
+    Holder { path: std::path::PathBuf },
 }
 
 /// The devices a verb acts on: names, or one device picked by uuid or number.
@@ -313,6 +317,10 @@ pub struct TableArgs {
     /// for several lines
     #[arg(long = "table", value_name = "LINE")]
     pub lines: Vec<String>,
+    /// The caller's working directory, which relative paths in the table are
+    /// resolved against (the CLI sends it)
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub cwd: Option<std::path::PathBuf>,
 }
 
 impl TableArgs {

@@ -37,6 +37,8 @@ pub struct BackingFile {
     pub in_memory: bool,
     /// Empty flushes sent to this file (`dmkit stats` shows them).
     pub flushes: std::sync::atomic::AtomicU64,
+    /// The exclusive hold a table keeps on the file (`io::hold`).
+    pub hold: Option<std::sync::Arc<super::hold::Hold>>,
 }
 
 /// What the fast path needs of a backing file: copyable, no reference count.
@@ -213,6 +215,7 @@ impl BackingFile {
             read_only,
             in_memory,
             flushes: std::sync::atomic::AtomicU64::new(0),
+            hold: None,
         })
     }
 
@@ -232,6 +235,7 @@ impl BackingFile {
             read_only,
             in_memory: false,
             flushes: std::sync::atomic::AtomicU64::new(0),
+            hold: None,
         })
     }
 

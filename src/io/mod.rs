@@ -7,6 +7,7 @@
 
 pub mod backing;
 pub mod buf;
+pub mod hold;
 pub mod queue;
 pub mod rbd;
 pub mod sim;

@@ -147,13 +147,27 @@ impl Registry {
     }
 
     /// `dmsetup create NAME --table ...`: create, load, resume (`--notable`: no
-    /// table, `None`).
+    /// table, `None`). Relative paths in the table are the daemon's.
     pub fn create(
         &self,
         name: &str,
         table: Option<&str>,
         read_only: bool,
         uuid: Option<String>,
+    ) -> Result<(), ControlError> {
+        self.create_in(name, table, read_only, uuid, None)
+    }
+
+    /// [`Registry::create`] for a caller in directory `cwd`, which relative paths
+    /// in the table are resolved against (as the kernel's lookup of a path is the
+    /// caller's); the table keeps them absolute.
+    pub fn create_in(
+        &self,
+        name: &str,
+        table: Option<&str>,
+        read_only: bool,
+        uuid: Option<String>,
+        cwd: Option<&Path>,
     ) -> Result<(), ControlError> {
         check_name(name)?;
         check_uuid(name, uuid.as_deref())?;
@@ -169,7 +183,7 @@ impl Registry {
         // Build the table before the device is visible, so a failed create leaves
         // nothing, its minor included.
         if let Some(table) = table {
-            let built = self.build_table(&dev, table).and_then(|t| {
+            let built = self.build_table(&dev, table, cwd).and_then(|t| {
                 // create is load + resume: the targets' resume checks run first
                 for e in &t.entries {
                     e.target.preresume().map_err(|why| {
@@ -266,9 +280,14 @@ impl Registry {
 
     /// `dmsetup load`: construct the table and keep it as the inactive one.
     pub fn load(&self, name: &str, table: &str) -> Result<(), ControlError> {
+        self.load_in(name, table, None)
+    }
+
+    /// [`Registry::load`] for a caller in directory `cwd` (see [`Registry::create_in`]).
+    pub fn load_in(&self, name: &str, table: &str, cwd: Option<&Path>) -> Result<(), ControlError> {
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
-        let t = self.build_table(&dev, table)?;
+        let t = self.build_table(&dev, table, cwd)?;
         *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
         Ok(())
     }
@@ -521,12 +540,19 @@ impl Registry {
             .map_err(|why| dev_err(name, format!("message '{}' refused: {why}", words.join(" "))))
     }
 
-    fn build_table(&self, dev: &Arc<Device>, text: &str) -> Result<Table, ControlError> {
+    fn build_table(&self, dev: &Arc<Device>, text: &str, cwd: Option<&Path>) -> Result<Table, ControlError> {
         let lines = parse_table(text)?;
+        if let Some(c) = cwd.filter(|c| !c.is_absolute()) {
+            return Err(dev_err(
+                &dev.name(),
+                format!("the caller's directory '{}' is not absolute", c.display()),
+            ));
+        }
         let resolver = TableResolver {
             reg: self,
             dev,
             read_only: dev.read_only,
+            cwd,
         };
         let mut entries = Vec::with_capacity(lines.len());
         for l in &lines {
@@ -744,17 +770,38 @@ impl Registry {
             .collect()
     }
 
-    /// Open a backing file, or share the one already open for the same file.
+    /// Open a backing file, or share the one already open for the same file. The
+    /// file is held exclusively while any table names it (`io::hold`), read-only
+    /// or not, as the kernel's dm_get_device claims.
     fn open_file(&self, p: &Path, read_only: bool) -> Result<DevRef, String> {
-        use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
-        let key = if m.file_type().is_block_device() {
-            (0, m.rdev(), read_only)
-        } else {
-            (m.dev(), m.ino(), read_only)
-        };
-        self.shared(key, || {
-            BackingFile::open(p, read_only, self.config.direct_io).map_err(|e| e.to_string())
+        let hold = crate::io::hold::hold(p).map_err(|e| match e {
+            crate::io::hold::HoldError::Io { err, .. } => err.to_string(),
+            busy => busy.to_string(),
+        })?;
+        let (a, b) = hold.identity;
+        self.shared((a, b, read_only), || {
+            let mut f = BackingFile::open(p, read_only, self.config.direct_io).map_err(|e| e.to_string())?;
+            f.hold = Some(hold);
+            Ok(f)
+        })
+    }
+
+    /// The device whose table (live or inactive) holds the file at `path`, the
+    /// first in creation order (`dmkit holder`, what a refused tool names).
+    pub fn holder(&self, path: &Path) -> Option<String> {
+        let id = crate::io::hold::identity(path).ok()?;
+        self.creation_order().into_iter().find_map(|d| {
+            let live = d.live.load_full();
+            let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let holds = live.iter().chain(inactive.iter()).any(|t| {
+                t.entries.iter().any(|e| {
+                    e.target
+                        .held_devices()
+                        .iter()
+                        .any(|r| matches!(r, DevRef::File(f) if f.rbd.is_none() && f.identity == id))
+                })
+            });
+            holds.then(|| d.name())
         })
     }
 
@@ -871,6 +918,25 @@ struct TableResolver<'a> {
     reg: &'a Registry,
     dev: &'a Arc<Device>,
     read_only: bool,
+    /// The caller's directory, for relative paths (None: the daemon's).
+    cwd: Option<&'a Path>,
+}
+
+/// `name` as an absolute path: relative ones from `cwd` (else the daemon's
+/// directory), `.` components dropped.
+fn absolute(name: &str, cwd: Option<&Path>) -> std::path::PathBuf {
+    let p = Path::new(name);
+    if p.is_absolute() {
+        return p.to_path_buf();
+    }
+    let base = match cwd {
+        Some(c) => c.to_path_buf(),
+        None => std::env::current_dir().unwrap_or_else(|_| "/".into()),
+    };
+    base.join(p)
+        .components()
+        .filter(|c| !matches!(c, std::path::Component::CurDir))
+        .collect()
 }
 
 impl Resolver for TableResolver<'_> {
@@ -914,7 +980,7 @@ impl Resolver for TableResolver<'_> {
                 }
                 Ok(DevRef::Dm(DmHold::new(d)))
             }
-            None => self.reg.open_file(Path::new(name), self.read_only),
+            None => self.reg.open_file(&absolute(name, self.cwd), self.read_only),
         }
     }
 }

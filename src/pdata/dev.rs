@@ -42,6 +42,8 @@ pub trait MetadataDev: Send {
 pub struct FileDev {
     file: File,
     nr_blocks: u64,
+    /// A writing tool's exclusive claim on the file, kept while it writes.
+    claim: Option<std::sync::Arc<crate::io::hold::Hold>>,
 }
 
 impl FileDev {
@@ -63,7 +65,14 @@ impl FileDev {
         Ok(FileDev {
             file,
             nr_blocks: len / BLOCK_SIZE as u64,
+            claim: None,
         })
+    }
+
+    /// Keep `claim` (on this file) for as long as the device is open.
+    pub fn with_claim(mut self, claim: crate::io::hold::Hold) -> FileDev {
+        self.claim = Some(std::sync::Arc::new(claim));
+        self
     }
 }
 
@@ -100,6 +109,7 @@ impl MetadataDev for FileDev {
         Some(Box::new(FileDev {
             file,
             nr_blocks: self.nr_blocks,
+            claim: self.claim.clone(),
         }))
     }
 }

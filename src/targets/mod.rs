@@ -83,12 +83,13 @@ impl Drop for DmHold {
 
 impl DevRef {
     /// How `dmsetup table` prints the device: `major:minor` for block devices and
-    /// dmkit devices, the path for regular files (which have no device number).
+    /// dmkit devices, the path for regular files (which have no device number),
+    /// escaped as the table parser reads it back.
     pub fn table_name(&self) -> String {
         match self {
             DevRef::File(f) => match f.rdev {
                 Some((ma, mi)) => format!("{ma}:{mi}"),
-                None => f.path.display().to_string(),
+                None => crate::table::escape(&f.path.to_string_lossy()).into_owned(),
             },
             DevRef::Dm(d) => format!("{}:{}", crate::mapper::DM_MAJOR, d.0.minor),
         }
@@ -478,6 +479,12 @@ pub trait Target: Send + Sync {
     /// keeps metadata on (a thin pool's metadata device).
     fn held_devices(&self) -> Vec<&DevRef> {
         self.devices()
+    }
+    /// The messages that make the state earlier messages set again (writecache
+    /// `cleaner`), in order: recorded with the table for `serve --restore`, as a
+    /// reboot would lose them in the kernel but a daemon restart must not.
+    fn replay_messages(&self) -> Vec<String> {
+        Vec::new()
     }
     /// An empty flush may go straight to each underlying device, once, without the
     /// target's map (the kernel's flush_bypasses_map: linear and striped).

@@ -72,7 +72,23 @@ impl Daemon {
     /// Start the daemon under `wrapper` (a command that runs the rest of its
     /// arguments, such as `unshare -m sh -c '...; exec "$0" "$@"'`).
     pub fn start_wrapped(tag: &str, wrapper: &[&str], args: &[&str], env: &[(&str, &str)]) -> Daemon {
-        let dir = Scratch::new(tag);
+        Self::spawn(Scratch::new(tag), wrapper, args, env)
+    }
+
+    /// SIGKILL the daemon and start `dmkit serve --restore` in the same run
+    /// directory (its log goes on in the same file).
+    pub fn kill9_and_restore(mut self) -> Daemon {
+        self.kill9();
+        let dir = std::mem::replace(&mut self.dir, Scratch(PathBuf::new()));
+        // the dead daemon's sockets: the new one binds them before it restores
+        for s in ["control.sock", "nbd.sock"] {
+            let _ = std::fs::remove_file(self.run.join(s));
+        }
+        drop(self);
+        Self::spawn(dir, &[], &["--restore"], &[])
+    }
+
+    fn spawn(dir: Scratch, wrapper: &[&str], args: &[&str], env: &[(&str, &str)]) -> Daemon {
         let run = dir.path("run");
         let mut cmd = match wrapper.split_first() {
             Some((w, rest)) => {
@@ -89,7 +105,11 @@ impl Daemon {
         let child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::from(
-                std::fs::File::create(dir.path("daemon.log")).expect("log"),
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(dir.path("daemon.log"))
+                    .expect("log"),
             ))
             .spawn()
             .expect("spawn dmkit serve");

@@ -396,6 +396,38 @@ impl Frontend {
         Ok(())
     }
 
+    /// Fail block device `id`, left by a previous daemon, whose dmkit device
+    /// could not be made again: STOP_DEV makes the driver fail the requests it
+    /// holds and remove the disk, so a filesystem on it gets errors rather than
+    /// waiting for ever; the device is deleted once nothing has it open (the
+    /// driver's DEL_DEV waits for the unmount, so on a thread of its own).
+    pub fn fail(&self, id: u32) -> Result<(), String> {
+        if self.disabled {
+            return Err("block devices are disabled here".into());
+        }
+        let mut ctl = Control::open()?;
+        let info = match ctl.info(id) {
+            Ok(i) => i,
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
+            Err(e) => return Err(format!("reading its state: {e}")),
+        };
+        if info.state == sys::S_DEV_LIVE
+            && alive(info.ublksrv_pid)
+            && info.ublksrv_pid != std::process::id() as i32
+        {
+            return Err(format!("served by a running process (pid {})", info.ublksrv_pid));
+        }
+        ctl.stop(id).map_err(|e| format!("stopping it: {e}"))?;
+        tracing::error!("/dev/ublkb{id}: stopped (its device could not be restored); its I/O fails");
+        let _ = std::thread::Builder::new()
+            .name(format!("ublk{id}-delete"))
+            .spawn(move || match ctl.delete(id) {
+                Ok(()) => tracing::info!("/dev/ublkb{id}: deleted"),
+                Err(e) => tracing::warn!("/dev/ublkb{id}: deleting: {e}"),
+            });
+        Ok(())
+    }
+
     /// The device was renamed: move its /dev/mapper link.
     pub fn renamed(&self, dev: &Arc<Device>) {
         let mut list = self.list();

@@ -665,6 +665,19 @@ impl Cache {
         lock(&self.st).flush_on_suspend = true;
     }
 
+    /// The messages that set the state this cache has beyond its table's
+    /// arguments (`cleaner` implies `flush_on_suspend`).
+    pub fn replay_messages(&self) -> Vec<String> {
+        let st = lock(&self.st);
+        if st.cleaner && !self.o.cleaner {
+            vec!["cleaner".into()]
+        } else if st.flush_on_suspend && !st.cleaner {
+            vec!["flush_on_suspend".into()]
+        } else {
+            Vec::new()
+        }
+    }
+
     /// The `flush` message: commit, write back every block, return when the cache
     /// is empty.
     pub fn flush_message(&self) -> Result<(), String> {

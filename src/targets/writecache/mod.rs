@@ -379,6 +379,10 @@ impl Target for Writecache {
         vec![&self.origin, &self.cache_dev]
     }
 
+    fn replay_messages(&self) -> Vec<String> {
+        self.cache.replay_messages()
+    }
+
     fn limits(&self) -> Limits {
         let o = self.origin.limits();
         Limits {

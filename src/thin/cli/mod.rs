@@ -632,10 +632,24 @@ fn file_or_block_device(md: &std::fs::Metadata) -> bool {
 }
 
 /// Metadata to read (or, for a repairing check, write), checked as 1.x checks it.
+/// Written metadata is claimed first: refused while a pool holds it.
 pub fn open_input(path: &Path, writable: bool) -> Result<crate::pdata::FileDev, Failure> {
     check_input(path)?;
-    crate::pdata::FileDev::open(path, writable)
-        .map_err(|e| Failure::Message(format!("{}: {e}", path.display())))
+    let claim = writable.then(|| claim(path)).transpose()?;
+    let dev = crate::pdata::FileDev::open(path, writable)
+        .map_err(|e| Failure::Message(format!("{}: {e}", path.display())))?;
+    Ok(match claim {
+        Some(c) => dev.with_claim(c),
+        None => dev,
+    })
+}
+
+/// The exclusive claim a tool takes on a file it writes: the daemon holds the
+/// files its tables name the same way, so a live pool's metadata or data is
+/// refused with EBUSY and the device and process that hold it, as the kernel's
+/// exclusive open refuses the reference tools.
+pub fn claim(path: &Path) -> Result<crate::io::hold::Hold, Failure> {
+    crate::io::hold::claim(path).map_err(|e| Failure::Message(e.to_string()))
 }
 
 /// The output of restore and repair: it must exist and hold a small pool.
@@ -645,8 +659,10 @@ pub fn open_output(p: &Path) -> Result<crate::pdata::FileDev, Failure> {
             "Invalid output file: Not a block device or regular file".into(),
         ));
     }
+    let claim = claim(p)?;
     let dev = crate::pdata::FileDev::open(p, true)
-        .map_err(|e| Failure::Message(format!("Invalid output file: {e}")))?;
+        .map_err(|e| Failure::Message(format!("Invalid output file: {e}")))?
+        .with_claim(claim);
     if crate::pdata::MetadataDev::nr_blocks(&dev) < 10 {
         return Err(Failure::Message("Output file too small.".into()));
     }

@@ -90,7 +90,10 @@ pub fn run_rmap(a: RmapArgs) -> Outcome {
 pub fn run_trim(a: TrimArgs) -> Outcome {
     let meta = req(a.metadata_dev);
     let data = req(a.data_dev);
+    // trim discards what the metadata calls free: a live pool's metadata moves
+    // under it, so both its files are claimed as a pool holds them
     let dev = open_input(&meta, false)?;
+    let _claims = [super::claim(&meta)?, super::claim(&data)?];
     // a second handle for the pool once the check (which takes the first) passed
     let again = crate::pdata::MetadataDev::try_clone(&dev)
         .ok_or_else(|| Failure::Message(format!("{}: cannot open it twice", meta.display())))?;

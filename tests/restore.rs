@@ -1,0 +1,253 @@
+//! `serve --restore` brings back every device the daemon held: tables over paths
+//! with white space (printed escaped, so `table | load` and the state file read
+//! them back), the state messages set (writecache `cleaner`,
+//! `flush_on_suspend`), and a device that cannot come back is reported by name
+//! while the others do. (A lost device's ublk block device is stopped; that runs
+//! only where ublk does, in the oracle guest: see `Frontend::fail`.)
+
+mod common;
+
+use common::fs::{cmd, run_t};
+use common::nbd::{Client, FLUSH};
+use common::{assert_same, image, pattern, read_all, Daemon};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// `path` as a table line carries it.
+fn esc(path: &std::path::Path) -> String {
+    let mut out = String::new();
+    for c in path.to_string_lossy().chars() {
+        if c == '\\' || c.is_whitespace() {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `name`'s table with dmkit devices named instead of numbered (a restored
+/// device may get another minor).
+fn table_by_name(d: &Daemon, name: &str) -> String {
+    let ls = d.ok(&["ls"]);
+    let mut t = d.ok(&["table", name]);
+    for l in ls.lines() {
+        let mut f = l.split('\t');
+        if let (Some(n), Some(num)) = (f.next(), f.next()) {
+            let num = num.trim_matches(|c| c == '(' || c == ')');
+            t = t.replace(&format!(" {num} "), &format!(" <{n}> "));
+        }
+    }
+    t
+}
+
+/// The devices `ls` lists, by name.
+fn names(d: &Daemon) -> Vec<String> {
+    d.ok(&["ls"])
+        .lines()
+        .filter_map(|l| l.split('\t').next().map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn white_space_paths_round_trip_through_table_load_and_restore() {
+    let d = Daemon::start("ws");
+    let dir = d.dir.path("my dir");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let disk = image(&d.dir, "my dir/my disk.img", 4 * MIB, Some(29));
+    let odd = image(&d.dir, "my dir/back\\slash\ttab.img", 4 * MIB, Some(30));
+    let sectors = 4 * MIB / 512;
+    d.create("lin", &format!("0 {sectors} linear {} 0", esc(&disk)));
+    d.create(
+        "two",
+        &format!(
+            "0 {sectors} linear {} 0\n{sectors} {sectors} linear {} 0",
+            esc(&odd),
+            esc(&disk)
+        ),
+    );
+    // a device with a space in its name, stacked: the state file names it by path
+    d.create("my dev", &format!("0 {sectors} linear /dev/mapper/lin 0"));
+    d.create("top", &format!("0 {sectors} linear /dev/mapper/my\\ dev 0"));
+
+    let want_lin = format!("0 {sectors} linear {} 0\n", esc(&disk));
+    assert_eq!(d.ok(&["table", "lin"]), want_lin);
+    assert!(want_lin.contains("my\\ dir/my\\ disk.img"), "{want_lin}");
+    let two = d.ok(&["table", "two"]);
+    assert!(two.contains("back\\\\slash\\\ttab.img"), "{two}");
+
+    // table | load | resume gives the same table, on every device
+    for name in ["lin", "two", "my dev", "top"] {
+        let t = d.ok(&["table", name]);
+        let o = d.cli_in(&["load", name], &t);
+        assert!(
+            o.status.success(),
+            "load {name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        d.ok(&["resume", name]);
+        assert_eq!(d.ok(&["table", name]), t, "{name} after table | load");
+    }
+    let before: Vec<String> = ["lin", "two", "my dev", "top"]
+        .iter()
+        .map(|n| table_by_name(&d, n))
+        .collect();
+    assert_eq!(before[3], format!("0 {sectors} linear <my dev> 0\n"));
+
+    // SIGKILL, then --restore: everything comes back, as it was
+    let d = d.kill9_and_restore();
+    let log = d.log();
+    assert!(log.contains("restored 4 devices from"), "{log}");
+    assert!(log.contains("(0 errors)"), "{log}");
+    for (n, t) in ["lin", "two", "my dev", "top"].iter().zip(&before) {
+        assert_eq!(&table_by_name(&d, n), t, "{n} after restore");
+    }
+    let mut c = Client::connect(&d.sock(), "top");
+    assert_same(
+        &read_all(&mut c, 4 * MIB),
+        &pattern(29, (4 * MIB) as usize),
+        "top",
+    );
+    let mut c = Client::connect(&d.sock(), "two");
+    let mut want = pattern(30, (4 * MIB) as usize);
+    want.extend(pattern(29, (4 * MIB) as usize));
+    assert_same(&read_all(&mut c, 8 * MIB), &want, "two");
+}
+
+/// Status fields of a writecache: (blocks, free, writeback).
+fn wc_status(d: &Daemon) -> (u64, u64, u64) {
+    let s = d.ok(&["status", "wc"]);
+    let f: Vec<u64> = s
+        .split_whitespace()
+        .skip(3)
+        .map(|x| x.parse().expect("number"))
+        .collect();
+    (f[1], f[2], f[3])
+}
+
+/// 1 MiB written through NBD and flushed (so the cache's metadata holds it).
+fn write_dirty(d: &Daemon, seed: u64) {
+    let mut c = Client::connect(&d.sock(), "wc");
+    c.write(0, &pattern(seed, MIB as usize));
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0, "flush");
+}
+
+fn wc_daemon(tag: &str) -> (Daemon, String) {
+    let d = Daemon::start(tag);
+    let origin = image(&d.dir, "slow disk.img", 16 * MIB, None);
+    let cache = image(&d.dir, "fast.img", 8 * MIB, None);
+    let table = format!(
+        "0 {} writecache s {} {} 4096 0",
+        16 * MIB / 512,
+        esc(&origin),
+        esc(&cache)
+    );
+    d.create("wc", &table);
+    (d, table)
+}
+
+#[test]
+fn writecache_cleaner_set_by_message_survives_kill_and_restore() {
+    let (d, table) = wc_daemon("cleaner");
+    d.ok(&["message", "wc", "0", "cleaner"]);
+    // the kernel's table line does not show a cleaner set by message: the
+    // state file records the message itself
+    assert_eq!(d.ok(&["table", "wc"]).trim_end(), table);
+    let state = std::fs::read_to_string(d.run.join("devices.state")).expect("state");
+    assert!(state.contains("\n\nmessage\nwc\n0\ncleaner\n\n"), "{state}");
+
+    let d = d.kill9_and_restore();
+    assert!(d.log().contains("restored 1 devices from"), "{}", d.log());
+    // 1 MiB of 8 is below the high watermark: only a cleaner writes it back,
+    // and the README's retire recipe (`progress`) returns once it has
+    write_dirty(&d, 7);
+    let (ok, out, err) = run_t(
+        &mut cmd(
+            common::BIN,
+            &["--run-dir", d.run.to_str().expect("utf-8"), "progress", "wc"],
+        ),
+        60,
+    );
+    assert!(ok, "progress: {out}{err}");
+    assert!(out.contains("wc: nothing left to write back"), "{out}");
+    let (blocks, free, wb) = wc_status(&d);
+    assert_eq!((free, wb), (blocks, 0), "everything written back");
+    common::assert_same(
+        &common::read_at(&d.dir.path("slow disk.img"), 0, MIB as usize),
+        &pattern(7, MIB as usize),
+        "origin after writeback",
+    );
+}
+
+#[test]
+fn writecache_flush_on_suspend_survives_kill_and_restore() {
+    let (d, _) = wc_daemon("fos");
+    write_dirty(&d, 8);
+    d.ok(&["message", "wc", "0", "flush_on_suspend"]);
+    let d = d.kill9_and_restore();
+    let (blocks, free, _) = wc_status(&d);
+    assert!(free < blocks, "dirty blocks came back: {free}/{blocks}");
+    // the restored cache writes everything back at its next suspend
+    d.ok(&["suspend", "wc"]);
+    let (blocks, free, wb) = wc_status(&d);
+    assert_eq!((free, wb), (blocks, 0), "written back at suspend");
+    d.ok(&["resume", "wc"]);
+    common::assert_same(
+        &common::read_at(&d.dir.path("slow disk.img"), 0, MIB as usize),
+        &pattern(8, MIB as usize),
+        "origin after the suspend",
+    );
+    // one-shot, as the kernel's: recorded no more after the suspend used it
+    let state = std::fs::read_to_string(d.run.join("devices.state")).expect("state");
+    assert!(!state.contains("flush_on_suspend"), "{state}");
+}
+
+#[test]
+fn a_device_that_cannot_be_restored_is_reported_and_the_others_come_back() {
+    let d = Daemon::start("lost");
+    let keep = image(&d.dir, "keep.img", 2 * MIB, Some(1));
+    let gone = image(&d.dir, "gone.img", 2 * MIB, Some(2));
+    let s = 2 * MIB / 512;
+    d.create("keep", &format!("0 {s} linear {} 0", keep.display()));
+    d.create("gone", &format!("0 {s} linear {} 0", gone.display()));
+    d.create("ontop", &format!("0 {s} linear /dev/mapper/gone 0"));
+    d.create("after", &format!("0 {s} linear /dev/mapper/keep 0"));
+    let mut d = d;
+    d.kill9();
+    std::fs::remove_file(&gone).expect("remove the backing file");
+    let d = d.kill9_and_restore();
+    let t0 = Instant::now();
+    while !d.log().contains("restored ") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no restore line: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = d.log();
+    let line = |what: &str| {
+        log.lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no '{what}' in the log:\n{log}"))
+            .to_string()
+    };
+    let g = line("device 'gone' not restored");
+    assert!(g.contains("No such file or directory"), "{g}");
+    assert!(g.contains("gone.img"), "{g}");
+    let o = line("device 'ontop' not restored");
+    assert!(o.contains("no dmkit device named 'gone'"), "{o}");
+    assert!(line("restored 2 devices from").contains("(2 errors)"), "{log}");
+    assert_eq!(names(&d), vec!["after", "keep"]);
+    let mut c = Client::connect(&d.sock(), "after");
+    assert_same(
+        &read_all(&mut c, 2 * MIB),
+        &pattern(1, (2 * MIB) as usize),
+        "after",
+    );
+    // the record of what was lost is kept beside the new one
+    let prev = std::fs::read_to_string(d.run.join("devices.prev")).expect("devices.prev");
+    assert!(prev.contains("\nontop\n"), "{prev}");
+    let now = std::fs::read_to_string(d.run.join("devices.state")).expect("state");
+    assert!(!now.contains("gone"), "{now}");
+}
