@@ -37,6 +37,9 @@ pub struct BackingFile {
     pub in_memory: bool,
     /// Empty flushes sent to this file (`dmkit stats` shows them).
     pub flushes: std::sync::atomic::AtomicU64,
+    /// Writes with FUA sent to this file (`dmkit stats` shows them): mapped
+    /// requests', the copy engine's, and synchronous ones.
+    pub fua_writes: std::sync::atomic::AtomicU64,
 }
 
 /// What the fast path needs of a backing file: copyable, no reference count.
@@ -213,6 +216,7 @@ impl BackingFile {
             read_only,
             in_memory,
             flushes: std::sync::atomic::AtomicU64::new(0),
+            fua_writes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -232,6 +236,7 @@ impl BackingFile {
             read_only,
             in_memory: false,
             flushes: std::sync::atomic::AtomicU64::new(0),
+            fua_writes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -314,6 +319,9 @@ impl BackingFile {
 
     /// Write at byte `off`, synchronously; `fua`: durable before returning.
     pub fn write_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()> {
+        if fua {
+            self.fua_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         use std::os::unix::fs::FileExt;
         if let Some(img) = &self.rbd {
             img.write_all_at(buf, off)?;
