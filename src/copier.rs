@@ -188,12 +188,14 @@ impl Copier {
     /// from wherever they are and written as one I/O (up to a sub-job), so a run of
     /// consecutive origin blocks is one write whatever cache blocks hold it. Pieces
     /// are no larger than the longest such run; as many run at once as fill
-    /// `in_flight` whole sub-jobs (at most 64), in the order given.
+    /// `in_flight` whole sub-jobs (at most 64), in the order given. With `fua`
+    /// every write carries FUA (pmem writecache's writeback without `nofua`).
     pub fn copy_regions(
         &self,
         src: &BackingFile,
         dst: &BackingFile,
         regions: &[(u64, u64, u64)],
+        fua: bool,
     ) -> io::Result<()> {
         let regions: Vec<Region> = regions
             .iter()
@@ -220,6 +222,7 @@ impl Copier {
         let dests = [(dst, 0)];
         let mut job = Job::new(Some((src, 0)), &dests, 1, &regions, piece);
         job.gather = true;
+        job.fua = fua;
         let in_flight = (self.in_flight * self.subjob / piece.max(1)).min(MAX_IN_FLIGHT);
         self.execute_with(&job, &self.copied, in_flight)
     }
@@ -318,6 +321,8 @@ struct Job<'a> {
     piece: u64,
     /// Regions adjacent on the destination share pieces (see `copy_regions`).
     gather: bool,
+    /// Writes carry FUA (durable when done).
+    fua: bool,
 }
 
 impl<'a> Job<'a> {
@@ -340,6 +345,7 @@ impl<'a> Job<'a> {
             regions,
             piece: piece as u64,
             gather: false,
+            fua: false,
         }
     }
 }
@@ -691,7 +697,10 @@ impl Engine<'_> {
         let offset = self.job.dests[d].1 + slot.dst + done;
         let len = slot.len - done;
         slot.pending += 1;
-        let op = h.write(addr, len, offset, false);
+        if self.job.fua {
+            self.job.dests[d].0.fua_writes.fetch_add(1, Ordering::Relaxed);
+        }
+        let op = h.write(addr, len, offset, self.job.fua);
         // SAFETY: `addr..addr+len` lies in buffer `s` (not written again until every write
         // of the piece is reaped) or the never-written zero buffer; see `issue_read`.
         unsafe { l.push(self.sync, op, (s as u64) << 8 | d as u64) };
@@ -865,7 +874,7 @@ mod tests {
         regions.extend([(150 * b, 30 * b, b), (10 * b, 31 * b, 2 * b), (99 * b, 33 * b, b)]);
         for (i, c) in engines(64 << 10, 8).iter().enumerate() {
             let d = sc.file(&format!("d{i}"), &vec![0xAB; 256 << 10]);
-            c.copy_regions(&src, &d, &regions).unwrap();
+            c.copy_regions(&src, &d, &regions, false).unwrap();
             let got = read(&d);
             let mut want = vec![0xABu8; 256 << 10];
             for &(so, dofs, len) in &regions {

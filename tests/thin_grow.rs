@@ -272,3 +272,86 @@ fn error_if_no_space_fails_the_write_then_the_pool_grows() {
     assert_eq!(pool_space(&d), ("rw".to_string(), 5, 16));
     remove_and_check(d, &pool);
 }
+
+/// The user's suspend of a thin and its pool's internal one nest, as in the
+/// kernel. LVM's order first, with a write waiting for space: `suspend t`, then
+/// `suspend pool` (each within two seconds), grow, `resume pool`: the thin stays
+/// suspended (its info says so) and the write still waits; `resume t`: the write
+/// completes. Then the other way round: while the pool is suspended, a write to a
+/// new block waits; `suspend t` and `resume t` return at once and the write still
+/// waits for the pool; `resume pool`: it completes. The data reads back and the
+/// reference thin_check passes.
+#[test]
+fn thin_and_pool_suspends_nest() {
+    let (d, pool, _s) = full_pool("grow-nest", &[]);
+    let mut waiting = qemu_write(&d, 3 * B, 2 * B, 0x22);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        waiting.try_wait().expect("qemu-io status").is_none(),
+        "a write to a full pool completed at once"
+    );
+    for dev in ["t", "pool"] {
+        let t = Instant::now();
+        d.ok(&["suspend", dev]);
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "suspend {dev} took {:?}",
+            t.elapsed()
+        );
+    }
+    grow_file(&pool.data, 16 * B);
+    d.ok(&["load", "pool", "--table", &pool.table(16)]);
+    d.ok(&["resume", "pool"]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        waiting.try_wait().expect("qemu-io status").is_none(),
+        "the write completed while its thin was suspended"
+    );
+    assert_eq!(d.info_line("t", "State:"), "State:             SUSPENDED");
+    d.ok(&["resume", "t"]);
+    assert_wrote(
+        finish(waiting, Duration::from_secs(10)),
+        2 * B,
+        "the write that waited for space",
+    );
+
+    d.ok(&["suspend", "pool"]);
+    let mut second = qemu_write(&d, 8 * B, B, 0x44);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        second.try_wait().expect("qemu-io status").is_none(),
+        "a write completed while the pool was suspended"
+    );
+    let t = Instant::now();
+    d.ok(&["suspend", "t"]);
+    assert_eq!(d.info_line("t", "State:"), "State:             SUSPENDED");
+    d.ok(&["resume", "t"]);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "suspend and resume of the thin took {:?} with its pool suspended",
+        t.elapsed()
+    );
+    assert_eq!(d.info_line("t", "State:"), "State:             ACTIVE");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        second.try_wait().expect("qemu-io status").is_none(),
+        "the thin's resume let a write through while its pool was suspended"
+    );
+    d.ok(&["resume", "pool"]);
+    assert_wrote(
+        finish(second, Duration::from_secs(10)),
+        B,
+        "the write sent while the pool was suspended",
+    );
+
+    let mut want = vec![0u8; THIN as usize];
+    want[..(3 * B) as usize].fill(0x11);
+    want[(3 * B) as usize..(5 * B) as usize].fill(0x22);
+    want[(8 * B) as usize..(9 * B) as usize].fill(0x44);
+    assert!(
+        read_thin(&d) == want,
+        "the thin does not read back what was written"
+    );
+    assert_eq!(pool_space(&d), ("rw".to_string(), 6, 16));
+    remove_and_check(d, &pool);
+}

@@ -250,6 +250,53 @@ fn lines_errors_alignment_and_messages() {
     assert_eq!(read_at(&origin, 4096, 4096), vec![7u8; 4096]);
 }
 
+/// `fua` / `nofua` do what the kernel's do (dm-writecache.c, WC_MODE_FUA): in
+/// pmem mode, by default and with `fua`, each writeback write to the origin
+/// carries FUA and no flush of the origin follows; with `nofua` the writes are
+/// plain and one flush of the origin follows them. ssd mode (which refuses both
+/// words) always writes back with plain writes and a flush. `dmkit stats` counts
+/// both per backing file; the origin holds the data after the writeback.
+#[test]
+fn writeback_fua_and_nofua() {
+    for (mode, opts, fua) in [
+        ("p", "", true),
+        ("p", "fua", true),
+        ("p", "nofua", false),
+        ("s", "", false),
+    ] {
+        let tag = format!("wc-fua-{mode}-{}", if opts.is_empty() { "default" } else { opts });
+        let s = Scratch::new(&tag);
+        let origin = file_with(&s, "origin", &vec![0u8; (8 * MIB) as usize]);
+        let cache = s.sparse("cache", 4 * MIB);
+        let d = Daemon::start(&tag);
+        d.create("wc", &table(mode, &origin, &cache, 8 * MIB / 512, opts));
+        let mut c = Client::connect(&d.sock(), "wc");
+        let data = pattern(11, 65536);
+        c.write(0, &data);
+        c.write(MIB, &data);
+        let (f0, w0) = (d.flushes("wc", &origin), d.fua_writes("wc", &origin));
+        d.ok(&["message", "wc", "0", "flush"]);
+        let st = status(&d, "wc");
+        assert_eq!(
+            st[2], st[1],
+            "{tag}: the flush message wrote everything back: {st:?}"
+        );
+        let (f1, w1) = (d.flushes("wc", &origin), d.fua_writes("wc", &origin));
+        if fua {
+            assert!(w1 > w0, "{tag}: no FUA write reached the origin ({w0} -> {w1})");
+            assert_eq!(f1, f0, "{tag}: the origin was flushed after FUA writes");
+        } else {
+            assert_eq!(w1, w0, "{tag}: writeback wrote with FUA");
+            assert!(
+                f1 > f0,
+                "{tag}: the origin was not flushed after writeback ({f0} -> {f1})"
+            );
+        }
+        assert!(read_at(&origin, 0, 65536) == data, "{tag}: origin block 0");
+        assert!(read_at(&origin, MIB, 65536) == data, "{tag}: origin at 1 MiB");
+    }
+}
+
 /// Random writes of 1–4 blocks against a model, with flushes, through a cache a
 /// quarter of the written region so watermark writeback runs under the load;
 /// then SIGKILL rounds: every flushed write reads back after restart, unflushed

@@ -39,6 +39,9 @@ pub struct BackingFile {
     pub flushes: std::sync::atomic::AtomicU64,
     /// The exclusive hold a table keeps on the file (`io::hold`).
     pub hold: Option<std::sync::Arc<super::hold::Hold>>,
+    /// Writes with FUA sent to this file (`dmkit stats` shows them): mapped
+    /// requests', the copy engine's, and synchronous ones.
+    pub fua_writes: std::sync::atomic::AtomicU64,
 }
 
 /// What the fast path needs of a backing file: copyable, no reference count.
@@ -216,6 +219,7 @@ impl BackingFile {
             in_memory,
             flushes: std::sync::atomic::AtomicU64::new(0),
             hold: None,
+            fua_writes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -236,6 +240,7 @@ impl BackingFile {
             in_memory: false,
             flushes: std::sync::atomic::AtomicU64::new(0),
             hold: None,
+            fua_writes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -318,6 +323,9 @@ impl BackingFile {
 
     /// Write at byte `off`, synchronously; `fua`: durable before returning.
     pub fn write_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()> {
+        if fua {
+            self.fua_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         use std::os::unix::fs::FileExt;
         if let Some(img) = &self.rbd {
             img.write_all_at(buf, off)?;

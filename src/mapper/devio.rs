@@ -155,7 +155,8 @@ fn request(dev: &Arc<Device>, op: Op, sector: u64, mut data: Data, fua: bool) ->
 }
 
 /// Copy `sectors` from `src` at `src_sector` to `dst` at `dst_sector`: through the
-/// copy engine between files, in 1 MiB pieces through dm-io otherwise.
+/// copy engine between files, in 1 MiB pieces through dm-io otherwise; with `fua`
+/// every write to `dst` carries FUA.
 pub fn copy(
     copier: &crate::copier::Copier,
     src: &Dest,
@@ -163,8 +164,13 @@ pub fn copy(
     dst: &Dest,
     dst_sector: u64,
     sectors: u64,
+    fua: bool,
 ) -> io::Result<()> {
     if let (Dest::File(s), Dest::File(d)) = (src, dst) {
+        if fua {
+            let regions = [(src_sector * SECTOR, dst_sector * SECTOR, sectors * SECTOR)];
+            return copier.copy_regions(s, d, &regions, true);
+        }
         return copier.copy(
             s,
             src_sector * SECTOR,
@@ -178,7 +184,7 @@ pub fn copy(
         let n = (sectors - done).min(MAX_REQUEST as u64 / SECTOR);
         let b = &mut buf[..(n * SECTOR) as usize];
         read(src, src_sector + done, b)?;
-        write(dst, dst_sector + done, b, false)?;
+        write(dst, dst_sector + done, b, fua)?;
         done += n;
     }
     Ok(())

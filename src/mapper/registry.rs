@@ -745,7 +745,7 @@ impl Registry {
     }
 
     /// `dmkit stats NAME`: the backing files under a device (through stacked
-    /// devices) and the flushes each has received.
+    /// devices), the flushes and the FUA writes each has received.
     pub fn stats(&self, name: &str) -> Result<String, ControlError> {
         let dev = self.get(name)?;
         let mut files = Vec::new();
@@ -754,9 +754,10 @@ impl Registry {
             .iter()
             .map(|f| {
                 format!(
-                    "{} flushes={}\n",
+                    "{} flushes={} fua_writes={}\n",
                     f.path.display(),
-                    f.flushes.load(Ordering::Relaxed)
+                    f.flushes.load(Ordering::Relaxed),
+                    f.fua_writes.load(Ordering::Relaxed)
                 )
             })
             .collect())

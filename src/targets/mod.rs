@@ -378,7 +378,12 @@ impl<'a> MapCtx<'a> {
         let handle = f.handle();
         let kind = match bio.op {
             Op::Read => LeafKind::Read,
-            Op::Write => LeafKind::Write,
+            Op::Write => {
+                if bio.fua {
+                    f.fua_writes.fetch_add(1, Ordering::Relaxed);
+                }
+                LeafKind::Write
+            }
             Op::Flush => {
                 // One flush per underlying file, however many targets or stacked
                 // devices lead to it.

@@ -223,13 +223,28 @@ impl Daemon {
 
     /// Flushes `stats NAME` reports for `file`.
     pub fn flushes(&self, name: &str, file: &Path) -> u64 {
+        self.stat(name, file, "flushes")
+    }
+
+    /// FUA writes `stats NAME` reports for `file`.
+    pub fn fua_writes(&self, name: &str, file: &Path) -> u64 {
+        self.stat(name, file, "fua_writes")
+    }
+
+    /// The counter `key` of `file`'s line in `stats NAME`
+    /// (`PATH flushes=N fua_writes=M`).
+    fn stat(&self, name: &str, file: &Path, key: &str) -> u64 {
         let out = self.ok(&["stats", name]);
-        let want = format!("{} flushes=", file.display());
-        out.lines()
-            .find_map(|l| l.strip_prefix(&want))
-            .unwrap_or_else(|| panic!("no line for {} in stats:\n{out}", file.display()))
+        let prefix = format!("{} ", file.display());
+        let line = out
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no line for {} in stats:\n{out}", file.display()));
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+            .unwrap_or_else(|| panic!("no {key}= in stats line: {line}"))
             .parse()
-            .expect("flush count")
+            .unwrap_or_else(|_| panic!("{key} is not a number: {line}"))
     }
 
     pub fn log(&self) -> String {

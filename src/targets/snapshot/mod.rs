@@ -471,7 +471,7 @@ impl Core {
             let r = if n == 0 {
                 Ok(())
             } else {
-                devio::copy(c, &me.origin, start, &me.cow, new << me.shift, n)
+                devio::copy(c, &me.origin, start, &me.cow, new << me.shift, n, false)
             };
             if let Err(e) = &r {
                 tracing::error!("snapshot: copying origin chunk {chunk} to COW chunk {new} failed: {e}");
@@ -753,6 +753,7 @@ impl Core {
                 &self.origin,
                 start,
                 count,
+                false,
             )
             .map_err(|e| format!("copying COW chunks {new}.. to origin chunk {old} failed: {e}"))?;
         }

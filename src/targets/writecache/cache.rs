@@ -1386,7 +1386,14 @@ impl Cache {
             }
             st.wb_size += n as u64;
             drop(st);
-            let r = self.copy_runs(&runs).and_then(|()| devio::flush(&self.origin));
+            // pmem with `fua` (its default): each write to the origin carries FUA
+            // and nothing follows; `nofua` and ssd mode: plain writes, then one
+            // flush of the origin before the blocks are freed (the kernel's
+            // WC_MODE_FUA in writeback and in __writecache_endio_pmem/ssd)
+            let fua = self.o.writeback_fua();
+            let r =
+                self.copy_runs(&runs, fua)
+                    .and_then(|()| if fua { Ok(()) } else { devio::flush(&self.origin) });
             let mut st = lock(&self.st);
             st.wb_size -= n as u64;
             for (_, idx) in &runs {
@@ -1453,7 +1460,7 @@ impl Cache {
         Some(runs)
     }
 
-    fn copy_runs(&self, runs: &[(u64, Vec<u32>)]) -> io::Result<()> {
+    fn copy_runs(&self, runs: &[(u64, Vec<u32>)], fua: bool) -> io::Result<()> {
         let bsb = u64::from(self.o.block_size);
         let mut regions: Vec<(u64, u64, u64)> = Vec::new();
         for (sector, idx) in runs {
@@ -1467,7 +1474,7 @@ impl Cache {
             }
         }
         match (&self.cache_file, &self.origin_file) {
-            (Some(c), Some(o)) => self.copier.copy_regions(c, o, &regions),
+            (Some(c), Some(o)) => self.copier.copy_regions(c, o, &regions, fua),
             _ => {
                 for &(s, d, len) in &regions {
                     devio::copy(
@@ -1477,6 +1484,7 @@ impl Cache {
                         &self.origin,
                         d / SECTOR,
                         len / SECTOR,
+                        fua,
                     )?;
                 }
                 Ok(())

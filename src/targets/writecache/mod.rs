@@ -65,6 +65,13 @@ impl Options {
         self.writeback_jobs.unwrap_or(65536)
     }
 
+    /// Whether writeback writes to the origin carry FUA: pmem mode unless
+    /// `nofua` (the kernel's writeback_fua, on by default); ssd mode never (its
+    /// writeback is a copy followed by a flush of the origin).
+    pub fn writeback_fua(&self) -> bool {
+        self.pmem && self.fua.unwrap_or(true)
+    }
+
     /// ms of idleness before watermark writeback starts (ssd only).
     pub fn pause_ms(&self) -> u32 {
         if self.pmem {
