@@ -470,7 +470,9 @@ fn connect(sock: &Path) -> Result<UnixStream> {
                 })
                 .unwrap_or_default();
             anyhow::bail!(
-                "permission denied on the dmkit daemon's socket {}{owner}: the daemon is running, but                  this user may not use it; run as its user, or start the daemon with                  `dmkit serve --group GROUP` (sockets mode 0660) and join that group",
+                "permission denied on the dmkit daemon's socket {}{owner}: the daemon is running, but \
+                 this user may not use it; run as its user, or start the daemon with \
+                 `dmkit serve --group GROUP` (sockets mode 0660) and join that group",
                 sock.display()
             )
         }
@@ -481,7 +483,8 @@ fn connect(sock: &Path) -> Result<UnixStream> {
             ) =>
         {
             anyhow::bail!(
-                "no dmkit daemon at {} ({e}): start one with `dmkit serve --background`, or name its                  run directory (--run-dir DIR or DMKIT_RUN_DIR)",
+                "no dmkit daemon at {} ({e}): start one with `dmkit serve --background`, or name its \
+                 run directory (--run-dir DIR or DMKIT_RUN_DIR)",
                 sock.display()
             )
         }

@@ -13,8 +13,8 @@ pub enum DmVerb {
     #[command(
         after_help = "A table line is `<start> <length> <target> <args>`, start and length in \
 512-byte sectors (2097152 sectors = 1 GiB); the lines cover the device from sector 0 without gaps. \
-`dmkit targets` lists the target types; dm-targets(7) and the kernel's \
-Documentation/admin-guide/device-mapper/ describe each one's arguments.
+`dmkit targets` lists the target types; the kernel's Documentation/admin-guide/device-mapper/ \
+describes each one's arguments, and the README's recipes use them.
 
 Examples:
   truncate -s 1G a.img
@@ -74,8 +74,9 @@ Examples:
     /// Remove devices
     #[command(
         visible_alias = "rm",
-        after_help = "A device used by another device's table, or attached as a block device, \
-cannot go (with --deferred it goes when its last user does).
+        after_help = "A device that another device's table uses, or that an NBD client has open, \
+cannot go now: --deferred marks it, and it goes when its last user does. An attached device \
+needs `dmkit detach` first.
 
 Examples:
   dmkit remove top fast               # several at once, users first
@@ -206,8 +207,9 @@ Examples:
     /// Wait until a device's event counter exceeds EVENT_NR (default 0), as
     /// dmsetup wait does
     #[command(
-        after_help = "A device's events are those of the kernel's targets: a thin pool \
-passing its low water mark or running out of space, a snapshot becoming invalid, a table swap. \
+        after_help = "A device's events are its targets' (a thin pool passing its low \
+water mark or running out of space, a snapshot becoming invalid, an I/O error a target reports) \
+and its own (a rename, a new uuid, remove --force's error table). \
 `dmkit info NAME` shows the counter (Event number).
 
 Example:
