@@ -16,13 +16,13 @@ else
     fz=(cargo fuzz)
 fi
 python3 make_corpus.py
-"${fz[@]}" build -O
+"${fz[@]}" build -O -a
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 for t in $("${fz[@]}" list); do
     mkdir -p "$work/$t"
     cp -r "corpus/$t/." "$work/$t/"
-    if ! "${fz[@]}" run -O "$t" "$work/$t" -- -max_total_time="$secs" -rss_limit_mb=4096 -timeout=20 \
+    if ! "${fz[@]}" run -O -a "$t" "$work/$t" -- -max_total_time="$secs" -rss_limit_mb=4096 -timeout=20 \
         >"$work/$t.log" 2>&1; then
         echo "fuzz: $t FAILED"
         grep -v '^#' "$work/$t.log" | tail -60

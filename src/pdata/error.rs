@@ -56,6 +56,14 @@ pub enum PdataError {
     BlockNr { block: u64, kind: BlockKind, found: u64 },
     #[error("metadata block {block}: {what}")]
     Corrupt { block: u64, what: String },
+    #[error("metadata block {block}: {field} is {value}, more than {why} ({limit})")]
+    Field {
+        block: u64,
+        field: &'static str,
+        value: u64,
+        limit: u64,
+        why: String,
+    },
     #[error("out of metadata space ({nr_blocks} blocks, none free)")]
     NoMetadataSpace { nr_blocks: u64 },
     #[error("out of data space ({nr_blocks} blocks, none free)")]

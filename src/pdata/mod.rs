@@ -3,6 +3,7 @@
 //! checksums, a bounded block cache, copy-on-write transactions, btrees and
 //! reference-counting space maps.
 
+pub mod bounds;
 pub mod btree;
 pub mod cache;
 pub mod checksum;

@@ -100,12 +100,12 @@ struct Recount {
 }
 
 impl Recount {
-    fn new(nr_blocks: u64) -> Recount {
-        Recount {
-            small: vec![0; nr_blocks as usize],
+    fn new(field: &'static str, nr_blocks: u64) -> crate::pdata::Result<Recount> {
+        Ok(Recount {
+            small: crate::pdata::bounds::zeroed_vec(0, field, nr_blocks)?,
             big: FastMap::default(),
             beyond: BTreeMap::new(),
-        }
+        })
     }
 
     /// One more reference to `b`; returns the count before it.
@@ -172,9 +172,6 @@ impl Summary {
         self.io_errors = self.io_errors.saturating_add(o.io_errors);
     }
 }
-
-/// Data block numbers are 40 bits wide in a mapping.
-const MAX_DATA_BLOCKS: u64 = 1 << 40;
 
 struct Checker {
     tm: TransactionManager,
@@ -531,16 +528,22 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
     if let Some(r) = o.override_details_root {
         sb.details_root = r;
     }
-    if sb.data_sm_root.nr_blocks > MAX_DATA_BLOCKS {
-        report.fail(format!(
-            "superblock: data space map has {} blocks, more than a mapping can address",
-            sb.data_sm_root.nr_blocks
-        ));
-        return report;
-    }
     if o.super_block_only {
         return finish(tm, o, report, &sb, Vec::new(), Vec::new());
     }
+    let recounts = Recount::new("metadata device blocks", nr_blocks).and_then(|m| {
+        Ok((
+            m,
+            Recount::new(SmKind::Data.nr_blocks_field(), sb.data_sm_root.nr_blocks)?,
+        ))
+    });
+    let (meta_expected, data_expected) = match recounts {
+        Ok(r) => r,
+        Err(e) => {
+            report.fail(e.to_string());
+            return report;
+        }
+    };
     // The space maps load on a second thread while the trees are walked.
     let preload = (!o.metadata_snap && !o.skip_mappings)
         .then(|| tm.cache.dev().try_clone())
@@ -556,8 +559,8 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         });
     let mut c = Checker {
         tm,
-        meta_expected: Recount::new(nr_blocks),
-        data_expected: Recount::new(sb.data_sm_root.nr_blocks),
+        meta_expected,
+        data_expected,
         bottom: FastMap::default(),
         spare: Vec::new(),
         errors: Vec::new(),

@@ -29,8 +29,8 @@ fn io(e: std::io::Error) -> ThinError {
 pub fn reader(dev: Box<dyn MetadataDev>, cache_blocks: usize) -> TransactionManager {
     TransactionManager::new(
         BlockCache::new(dev, cache_blocks),
-        SpaceMap::new(SmKind::Metadata, 0),
-        SpaceMap::new(SmKind::Data, 0),
+        SpaceMap::empty(SmKind::Metadata),
+        SpaceMap::empty(SmKind::Data),
     )
 }
 

@@ -68,7 +68,8 @@ fn check_data_block_size(s: u32) -> Result<()> {
     Ok(())
 }
 
-/// Read and sanity-check the superblock at block 0.
+/// Read and sanity-check the superblock at block 0. Every size in it is
+/// checked against the metadata device before any reader sizes anything by it.
 pub fn read_superblock(cache: &mut BlockCache) -> Result<Superblock> {
     let sb = Superblock::decode(cache.read(SUPERBLOCK_LOCATION, BlockKind::Superblock)?);
     if sb.magic != MAGIC {
@@ -80,7 +81,21 @@ pub fn read_superblock(cache: &mut BlockCache) -> Result<Superblock> {
             sb.incompat_flags
         )));
     }
+    check_sizes(&sb, SUPERBLOCK_LOCATION, cache.nr_blocks())?;
     Ok(sb)
+}
+
+/// The sizes a superblock (at `block`, on a metadata device of `dev_blocks`)
+/// states: its space maps' and its data block size.
+fn check_sizes(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
+    disk::check_root(SmKind::Metadata, &sb.meta_sm_root, block, dev_blocks)?;
+    disk::check_root(SmKind::Data, &sb.data_sm_root, block, dev_blocks)?;
+    check_data_block_size(sb.data_block_size).map_err(|_| {
+        ThinError::BadSuperblock(format!(
+            "data_block_size is {} sectors: must be 128..2097152 and a multiple of 128",
+            sb.data_block_size
+        ))
+    })
 }
 
 impl ThinPoolMetadata {
@@ -94,9 +109,9 @@ impl ThinPoolMetadata {
                 "metadata device too small ({nr_meta} blocks)"
             )));
         }
-        let mut meta = SpaceMap::new(SmKind::Metadata, nr_meta);
+        let mut meta = SpaceMap::new(SmKind::Metadata, nr_meta)?;
         meta.set(SUPERBLOCK_LOCATION, 1)?;
-        let data = SpaceMap::new(SmKind::Data, opts.nr_data_blocks);
+        let data = SpaceMap::new(SmKind::Data, opts.nr_data_blocks)?;
         let mut tm = TransactionManager::new(cache, meta, data);
         disk::create_trees(&mut tm, SmKind::Metadata)?;
         disk::create_trees(&mut tm, SmKind::Data)?;
@@ -140,8 +155,8 @@ impl ThinPoolMetadata {
         let cache = BlockCache::new(dev, cache_blocks);
         let tm = TransactionManager::new(
             cache,
-            SpaceMap::new(SmKind::Metadata, 0),
-            SpaceMap::new(SmKind::Data, 0),
+            SpaceMap::empty(SmKind::Metadata),
+            SpaceMap::empty(SmKind::Data),
         );
         let mut md = ThinPoolMetadata {
             tm,
@@ -161,13 +176,6 @@ impl ThinPoolMetadata {
         self.tm.abort();
         self.map_cache.clear();
         let sb = read_superblock(&mut self.tm.cache)?;
-        if sb.meta_sm_root.nr_blocks > self.tm.cache.nr_blocks() {
-            return Err(ThinError::BadSuperblock(format!(
-                "metadata space map has {} blocks but the device only {}",
-                sb.meta_sm_root.nr_blocks,
-                self.tm.cache.nr_blocks()
-            )));
-        }
         self.tm.meta = disk::load(&mut self.tm, SmKind::Metadata, &sb.meta_sm_root)?;
         self.tm.data = disk::load(&mut self.tm, SmKind::Data, &sb.data_sm_root)?;
         let mut details = BTreeMap::new();

@@ -19,6 +19,7 @@ use super::superblock::{
 };
 use crate::pdata::btree::node;
 use crate::pdata::cache::validate;
+use crate::pdata::space_map::{disk, SmKind};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{BlockKind, BLOCK_SIZE};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -106,6 +107,10 @@ pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
     let raw = tm.cache.read_raw(0)?;
     let sb_ok = validate(0, BlockKind::Superblock, &raw).is_ok();
     let ref_sb = sb_ok.then(|| Superblock::decode(&raw));
+    if let (Some(sb), None) = (&ref_sb, o.nr_data_blocks) {
+        // the data size it states is what the repaired pool gets
+        disk::check_root(SmKind::Data, &sb.data_sm_root, 0, tm.cache.nr_blocks())?;
+    }
     if let Some(sb) = &ref_sb {
         if let Ok(mut p) = plan_of(tm, sb) {
             if trees_readable(tm, &p) {

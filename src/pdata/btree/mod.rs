@@ -83,9 +83,9 @@ pub fn leaves(
         height += 1;
     }
     let mut out = Vec::new();
-    let mut skipped = 0;
-    leaves_rec(tm, root, leaf_vs, tolerant, height, &mut out, &mut skipped)?;
-    Ok((out, skipped))
+    let mut budget = Visits::new(tm, root);
+    leaves_rec(tm, root, leaf_vs, tolerant, height, &mut out, &mut budget)?;
+    Ok((out, budget.skipped))
 }
 
 fn leaves_rec(
@@ -95,8 +95,9 @@ fn leaves_rec(
     tolerant: bool,
     height: usize,
     out: &mut Vec<u64>,
-    skipped: &mut u64,
+    budget: &mut Visits,
 ) -> Result<()> {
+    budget.take()?;
     if height == 0 {
         out.push(b);
         return Ok(());
@@ -106,22 +107,25 @@ fn leaves_rec(
             .map(|i| node::value_u64(d, i))
             .collect::<Vec<_>>(),
         Ok(_) if tolerant => {
-            *skipped += 1;
+            budget.skipped += 1;
             return Ok(());
         }
         Ok(_) => return Err(corrupt(b, "btree leaves at different depths")),
         Err(_) if tolerant => {
-            *skipped += 1;
+            budget.skipped += 1;
             return Ok(());
         }
         Err(e) => return Err(e),
     };
     if height == 1 {
-        out.extend(kids);
+        for c in kids {
+            budget.take()?;
+            out.push(c);
+        }
         return Ok(());
     }
     for c in kids {
-        leaves_rec(tm, c, leaf_vs, tolerant, height - 1, out, skipped)?;
+        leaves_rec(tm, c, leaf_vs, tolerant, height - 1, out, budget)?;
     }
     Ok(())
 }
@@ -262,7 +266,8 @@ pub fn walk_range(
     hi: u64,
     f: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    walk_rec(tm, root, leaf_vs, lo, hi, f, 0)
+    let mut budget = Visits::new(tm, root);
+    walk_rec(tm, root, leaf_vs, (lo, hi), f, 0, &mut budget)
 }
 
 /// Visit every (key, value) in key order.
@@ -272,21 +277,58 @@ pub fn walk(
     leaf_vs: usize,
     f: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    walk_rec(tm, root, leaf_vs, 0, u64::MAX, f, 0)
+    walk_range(tm, root, leaf_vs, 0, u64::MAX, f)
+}
+
+/// Nodes one walk of one tree may visit. In a sound tree every node has one
+/// parent, so a walk reaches no more nodes than the device has blocks; a node
+/// that lies (children pointing back up or at one shared subtree many times
+/// over) could otherwise make a walk take exponential time and memory.
+struct Visits {
+    root: u64,
+    left: u64,
+    nr_blocks: u64,
+    /// Subtrees a tolerant `leaves` could not read.
+    skipped: u64,
+}
+
+impl Visits {
+    fn new(tm: &TransactionManager, root: u64) -> Visits {
+        let nr_blocks = tm.cache.nr_blocks();
+        Visits {
+            root,
+            left: nr_blocks,
+            nr_blocks,
+            skipped: 0,
+        }
+    }
+    fn take(&mut self) -> Result<()> {
+        self.left = self.left.checked_sub(1).ok_or_else(|| {
+            corrupt(
+                self.root,
+                format!(
+                    "btree reaches more nodes than the metadata device has blocks ({}): a node is reached twice",
+                    self.nr_blocks
+                ),
+            )
+        })?;
+        Ok(())
+    }
 }
 
 fn walk_rec(
     tm: &mut TransactionManager,
     b: u64,
     leaf_vs: usize,
-    lo: u64,
-    hi: u64,
+    (lo, hi): (u64, u64),
     f: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
     depth: usize,
+    budget: &mut Visits,
 ) -> Result<()> {
     if depth >= MAX_DEPTH {
         return Err(corrupt(b, "btree deeper than 32 levels (cycle?)"));
     }
+    budget.take()?;
     let d = read_node(tm, b, leaf_vs)?;
     let n = node::nr_entries(d);
     if node::is_leaf(d) {
@@ -308,7 +350,7 @@ fn walk_rec(
         .map(|i| node::value_u64(d, i))
         .collect();
     for c in kids {
-        walk_rec(tm, c, leaf_vs, lo, hi, f, depth + 1)?;
+        walk_rec(tm, c, leaf_vs, (lo, hi), f, depth + 1, budget)?;
     }
     Ok(())
 }

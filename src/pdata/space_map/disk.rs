@@ -3,7 +3,8 @@
 //! btree. Loading decodes everything into the in-core `SpaceMap`; committing
 //! writes back what changed.
 
-use super::{SmKind, SpaceMap, ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
+use super::{SmKind, SpaceMap, ENTRIES_PER_BITMAP};
+use crate::pdata::bounds;
 use crate::pdata::btree::{self, ValueKind};
 use crate::pdata::error::{corrupt, BlockKind, PdataError, Result};
 use crate::pdata::tm::TransactionManager;
@@ -196,32 +197,59 @@ fn load_overflow(tm: &mut TransactionManager, root: u64) -> Result<Overflow> {
     Ok(Overflow(m))
 }
 
+/// Check the sizes in an sm root (read from the superblock at block
+/// `sb_block`) against the metadata device of `dev_blocks` blocks it lives on,
+/// before anything is sized by them: the metadata space map cannot describe
+/// more blocks than the device has, and each bitmap of the data space map is a
+/// metadata block of its own.
+pub fn check_root(kind: SmKind, root: &SmRoot, sb_block: u64, dev_blocks: u64) -> Result<()> {
+    let field = kind.nr_blocks_field();
+    bounds::field(
+        sb_block,
+        field,
+        root.nr_blocks,
+        kind.max_blocks(),
+        kind.max_blocks_why(),
+    )?;
+    match kind {
+        SmKind::Metadata => bounds::field(
+            sb_block,
+            field,
+            root.nr_blocks,
+            dev_blocks,
+            "the metadata device's blocks",
+        )?,
+        SmKind::Data => bounds::field(
+            sb_block,
+            field,
+            root.nr_blocks,
+            dev_blocks.saturating_mul(ENTRIES_PER_BITMAP),
+            format!("the bitmaps a metadata device of {dev_blocks} blocks can hold describe"),
+        )?,
+    };
+    Ok(())
+}
+
 /// Decode a space map from disk into core.
 pub fn load(tm: &mut TransactionManager, kind: SmKind, root: &SmRoot) -> Result<SpaceMap> {
-    let mut sm = SpaceMap::new(kind, root.nr_blocks);
+    check_root(kind, root, 0, tm.cache.nr_blocks())?;
+    let mut sm = SpaceMap::new(kind, root.nr_blocks)?;
     let nr_bitmaps = sm.nr_bitmaps();
     match kind {
         SmKind::Metadata => {
-            if nr_bitmaps > MAX_METADATA_BITMAPS {
-                return Err(corrupt(
-                    0,
-                    format!("metadata space map has {} blocks, too many", root.nr_blocks),
-                ));
-            }
             let d = tm.read(root.bitmap_root, BlockKind::Index)?;
             for i in 0..nr_bitmaps as usize {
                 sm.bitmap_locs[i] = decode_index_entry(&d[16 + 16 * i..32 + 16 * i]).0;
             }
         }
         SmKind::Data => {
-            let mut locs = vec![0u64; nr_bitmaps as usize];
+            let locs = &mut sm.bitmap_locs;
             btree::walk(tm, root.bitmap_root, 16, &mut |k, v| {
                 if let Some(slot) = locs.get_mut(k as usize) {
                     *slot = decode_index_entry(v).0;
                 }
                 Ok(())
             })?;
-            sm.bitmap_locs = locs;
         }
     }
     let overflow = load_overflow(tm, root.ref_count_root)?;
@@ -364,7 +392,7 @@ mod tests {
     #[test]
     fn bitmap_round_trip() {
         let nr = 2 * ENTRIES_PER_BITMAP + 1001;
-        let mut sm = SpaceMap::new(SmKind::Data, nr);
+        let mut sm = SpaceMap::new(SmKind::Data, nr).unwrap();
         let mut x = 0x1234_5678_9abc_def0u64;
         let mut overflow = Overflow::default();
         for b in 0..nr {
@@ -382,7 +410,7 @@ mod tests {
                 overflow.insert(b, c);
             }
         }
-        let mut loaded = SpaceMap::new(SmKind::Data, nr);
+        let mut loaded = SpaceMap::new(SmKind::Data, nr).unwrap();
         for idx in 0..sm.nr_bitmaps() {
             let mut d = [0u8; crate::pdata::BLOCK_SIZE];
             let info = encode_bitmap(&sm, idx, &mut d);
@@ -396,7 +424,8 @@ mod tests {
         overflow.clear();
         let mut d = [0u8; crate::pdata::BLOCK_SIZE];
         encode_bitmap(&sm, 0, &mut d);
-        let e = decode_bitmap(&mut SpaceMap::new(SmKind::Data, nr), 0, 7, &d, &overflow).unwrap_err();
+        let e =
+            decode_bitmap(&mut SpaceMap::new(SmKind::Data, nr).unwrap(), 0, 7, &d, &overflow).unwrap_err();
         assert!(e.to_string().contains("7"), "{e}");
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod disk;
 
+use super::bounds;
 use super::cache::FastMap;
 use super::error::{PdataError, Result};
 
@@ -26,6 +27,32 @@ const OVERFLOW_REBUILD: usize = 1 << 14;
 pub enum SmKind {
     Metadata,
     Data,
+}
+
+/// Data blocks a mapping can name (40 bits of its value).
+pub const MAX_DATA_BLOCKS: u64 = 1 << 40;
+
+impl SmKind {
+    /// The superblock field holding this space map's size, as errors name it.
+    pub fn nr_blocks_field(self) -> &'static str {
+        match self {
+            SmKind::Metadata => "metadata space map nr_blocks",
+            SmKind::Data => "data space map nr_blocks",
+        }
+    }
+    /// The most blocks the on-disk format lets this space map describe.
+    pub fn max_blocks(self) -> u64 {
+        match self {
+            SmKind::Metadata => MAX_METADATA_BLOCKS,
+            SmKind::Data => MAX_DATA_BLOCKS,
+        }
+    }
+    pub(crate) fn max_blocks_why(self) -> &'static str {
+        match self {
+            SmKind::Metadata => "the 255 bitmaps of the metadata index block describe",
+            SmKind::Data => "a mapping's 40-bit block number can address",
+        }
+    }
 }
 
 /// Blocks (or bitmaps) changed in this transaction: a hash set, for an insert that
@@ -107,25 +134,51 @@ pub struct SpaceMap {
 }
 
 impl SpaceMap {
-    pub fn new(kind: SmKind, nr_blocks: u64) -> SpaceMap {
-        let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
+    /// A space map of no blocks (a reader's, or one about to be loaded).
+    pub fn empty(kind: SmKind) -> SpaceMap {
         SpaceMap {
             kind,
-            nr_blocks,
-            counts: vec![0; nr_blocks as usize],
+            nr_blocks: 0,
+            counts: Vec::new(),
             big: FastMap::default(),
             nr_allocated: 0,
-            toggled: vec![0; (nr_blocks as usize).div_ceil(64)],
+            toggled: Vec::new(),
+            flipped: Vec::new(),
+            cursor: 0,
+            dirty_bitmaps: DirtySet::default(),
+            overflow_changed: DirtySet::default(),
+            overflow_rebuild: false,
+            bitmap_locs: Vec::new(),
+            bitmap_info: Vec::new(),
+            index_root: 0,
+            ref_count_root: 0,
+        }
+    }
+
+    /// An empty space map of `nr_blocks` (the superblock's sm root field, or a
+    /// size to format with), refused if the format cannot describe it or memory
+    /// cannot hold it.
+    pub fn new(kind: SmKind, nr_blocks: u64) -> Result<SpaceMap> {
+        let field = kind.nr_blocks_field();
+        bounds::field(0, field, nr_blocks, kind.max_blocks(), kind.max_blocks_why())?;
+        let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
+        Ok(SpaceMap {
+            kind,
+            nr_blocks,
+            counts: bounds::zeroed_vec(0, field, nr_blocks)?,
+            big: FastMap::default(),
+            nr_allocated: 0,
+            toggled: bounds::zeroed_vec(0, field, nr_blocks.div_ceil(64))?,
             flipped: Vec::new(),
             cursor: 0,
             dirty_bitmaps: (0..nr_bitmaps).collect(),
             overflow_changed: DirtySet::default(),
             overflow_rebuild: false,
-            bitmap_locs: vec![0; nr_bitmaps as usize],
-            bitmap_info: vec![(0, 0); nr_bitmaps as usize],
+            bitmap_locs: bounds::zeroed_vec(0, field, nr_bitmaps)?,
+            bitmap_info: bounds::zeroed_vec(0, field, nr_bitmaps)?,
             index_root: 0,
             ref_count_root: 0,
-        }
+        })
     }
 
     pub fn nr_blocks(&self) -> u64 {
@@ -247,18 +300,29 @@ impl SpaceMap {
                 self.kind, self.nr_blocks
             )));
         }
-        if self.kind == SmKind::Metadata && nr_blocks > MAX_METADATA_BLOCKS {
-            return Err(PdataError::Invalid(format!(
-                "metadata space map is limited to {MAX_METADATA_BLOCKS} blocks"
-            )));
-        }
-        let old_bitmaps = self.nr_bitmaps();
-        self.nr_blocks = nr_blocks;
-        self.counts.resize(nr_blocks as usize, 0);
-        self.toggled.resize((nr_blocks as usize).div_ceil(64), 0);
+        let field = self.kind.nr_blocks_field();
+        bounds::field(
+            0,
+            field,
+            nr_blocks,
+            self.kind.max_blocks(),
+            self.kind.max_blocks_why(),
+        )?;
         let nr_bitmaps = nr_blocks.div_ceil(ENTRIES_PER_BITMAP);
-        self.bitmap_locs.resize(nr_bitmaps as usize, 0);
-        self.bitmap_info.resize(nr_bitmaps as usize, (0, 0));
+        let (old_blocks, old_bitmaps) = (self.nr_blocks, self.nr_bitmaps());
+        let grown = bounds::resize(&mut self.counts, 0, field, nr_blocks)
+            .and_then(|_| bounds::resize(&mut self.toggled, 0, field, nr_blocks.div_ceil(64)))
+            .and_then(|_| bounds::resize(&mut self.bitmap_info, 0, field, nr_bitmaps))
+            .and_then(|_| bounds::resize(&mut self.bitmap_locs, 0, field, nr_bitmaps));
+        if let Err(e) = grown {
+            // a refused grow leaves the map as it was
+            self.counts.truncate(old_blocks as usize);
+            self.toggled.truncate((old_blocks as usize).div_ceil(64));
+            self.bitmap_info.truncate(old_bitmaps as usize);
+            self.bitmap_locs.truncate(old_bitmaps as usize);
+            return Err(e);
+        }
+        self.nr_blocks = nr_blocks;
         // The last old bitmap may have been partial: its nr_free changes.
         if old_bitmaps > 0 {
             self.dirty_bitmaps.insert(old_bitmaps - 1);
@@ -317,7 +381,7 @@ mod tests {
 
     #[test]
     fn alloc_respects_committed_state() {
-        let mut sm = SpaceMap::new(SmKind::Data, 4);
+        let mut sm = SpaceMap::new(SmKind::Data, 4).unwrap();
         let a = sm.alloc().unwrap();
         sm.transaction_committed();
         sm.dec(a).unwrap();
@@ -331,7 +395,7 @@ mod tests {
 
     #[test]
     fn big_counts_and_dirty_tracking() {
-        let mut sm = SpaceMap::new(SmKind::Metadata, 20000);
+        let mut sm = SpaceMap::new(SmKind::Metadata, 20000).unwrap();
         sm.transaction_committed();
         for _ in 0..300 {
             sm.inc(17000).unwrap();

@@ -275,7 +275,10 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
     let mut p = Persistent::new(chunk);
     let total_chunks = cow_sectors / chunk;
     let mut area = 0u64;
-    let mut buf = vec![0u8; (chunk * 512) as usize];
+    // chunk is bounded by the device above; memory is asked, not assumed
+    let mut buf: Vec<u8> =
+        crate::pdata::bounds::zeroed_vec(0, "snapshot header chunk_size (in bytes)", chunk * 512)
+            .map_err(|e| failed(e.to_string()))?;
     loop {
         let at = p.area_chunk(area);
         if at >= total_chunks {

@@ -3,6 +3,7 @@
 
 use super::{open_input, req, DeltaArgs, Failure, LsArgs, Outcome, RmapArgs, TrimArgs};
 use crate::pdata::btree::{self, node};
+use crate::pdata::space_map::SmKind;
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::BlockKind;
 use crate::thin::dump::{pick_superblock, plan_of, reader, superblock_error, Plan};
@@ -117,7 +118,7 @@ pub fn run_trim(a: TrimArgs) -> Outcome {
         (&f).seek(std::io::SeekFrom::End(0))
             .map_err(|e| Failure::Message(format!("{}: {e}", data.display())))?
     };
-    let want = nr * block_bytes;
+    let want = nr.saturating_mul(block_bytes);
     if size < want {
         return Err(Failure::Message(format!(
             "unexpected data device size, wanted {want} bytes"
@@ -397,18 +398,18 @@ pub fn ls_field(s: &str) -> Result<usize, String> {
 }
 
 /// 1.x's short size: the largest binary unit with at most 8192 of it, truncated.
-pub fn pretty_size(bytes: u64) -> String {
+pub fn pretty_size(bytes: u128) -> String {
     const UNITS: [&str; 7] = ["b", "KiB", "MiB", "GiB", "Tib", "PiB", "EiB"];
     if bytes == 0 {
         return "0b".into();
     }
-    let mut i = ((63 - bytes.leading_zeros()) / 10).saturating_sub(1) as usize;
+    let mut i = (((127 - bytes.leading_zeros()) / 10).saturating_sub(1) as usize).min(6);
     let mut m = bytes >> (10 * i);
-    if m > 8192 {
-        m = (m as f64 / 1024.0).round() as u64;
+    if m > 8192 && i < 6 {
+        m = (m as f64 / 1024.0).round() as u128;
         i += 1;
     }
-    format!("{m}{}", UNITS[i.min(6)])
+    format!("{m}{}", UNITS[i])
 }
 
 /// Per device: mapped, shared, highest mapped block.
@@ -430,7 +431,9 @@ pub fn usage(
         }
     }
     // references to each data block, counting a shared leaf once per use
-    let mut refs = vec![0u8; nr_data_blocks as usize];
+    let mut refs: Vec<u8> =
+        crate::pdata::bounds::zeroed_vec(0, SmKind::Data.nr_blocks_field(), nr_data_blocks)
+            .map_err(|e| Failure::Message(e.to_string()))?;
     let mut leaf_values: HashMap<u64, (Vec<u64>, Option<u64>)> = HashMap::new();
     for (&l, &n) in &uses {
         let d = tm
@@ -515,14 +518,16 @@ pub fn ls_text(tm: &mut TransactionManager, a: &LsArgs) -> Result<String, Failur
     } else {
         vec![(0, 0, None); plan.devices.len()]
     };
-    let bs = sb.data_block_size as u64;
+    // u128: a block count or key from metadata times the block size can pass 2^64
+    let bs = u128::from(sb.data_block_size);
     let mut rows: Vec<Vec<String>> = Vec::new();
     if !a.no_headers {
         rows.push(fields.iter().map(|&f| LS_FIELDS[f].to_string()).collect());
     }
     for ((dev, d, _), (mapped, shared, hi)) in plan.devices.iter().zip(usage) {
-        let ex = mapped - shared;
-        let hb = hi.unwrap_or(0);
+        let ex = u128::from(mapped.saturating_sub(shared));
+        let (mapped, shared) = (u128::from(mapped), u128::from(shared));
+        let hb = u128::from(hi.unwrap_or(0));
         let row = fields
             .iter()
             .map(|&f| match LS_FIELDS[f] {
