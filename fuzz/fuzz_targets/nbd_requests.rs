@@ -68,13 +68,15 @@ fn requests(input: &mut [u8]) -> (Vec<Req>, bool) {
         if r.cmd == 2 {
             return (reqs, true); // DISC: nothing after it is read
         }
+        // known before its payload: a write refused for its size is answered
+        // while its payload is still being thrown away
+        reqs.push(r);
         if r.cmd == 1 {
             if r.len > MAX_DISCARDED_PAYLOAD || ((input.len() - pos) as u64) < u64::from(r.len) {
                 return (reqs, false);
             }
             pos += r.len as usize;
         }
-        reqs.push(r);
     }
 }
 
