@@ -75,6 +75,9 @@ fn make_registry() -> Registry {
         );
         reg.message("pool", 0, &["create_thin 0".to_string()])
             .expect("create_thin");
+        // the base of the thin's qemu:dirty-bitmap:1 context (nbd_requests)
+        reg.message("pool", 0, &["create_snap 1 0".to_string()])
+            .expect("create_snap");
         mk("thin", "0 16384 thin /dev/mapper/pool 0".into());
         mk(
             "wc",

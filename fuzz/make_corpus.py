@@ -54,6 +54,18 @@ for pick, dev in enumerate(["z", "lin", "thin", "wc"]):
         + req(ZEROES, 0, 4096, 0x10) + req(BS, 0, 1 << 20, 0, 4) + req(CACHE, 0, 4096))
     put("nbd_requests", f"{dev}_bad", s + req(READ, 1 << 40, 512) + req(WRITE, 0, 0) + req(77, 0, 0, 0xff)
         + req(READ, 0, 0xFFFFFFFF))
+    # bits 2-3 of the first byte: 1 simple replies, 2 base:allocation, 3 and qemu:dirty-bitmap:1
+    put("nbd_requests", f"{dev}_simple", bytes([pick | 4]) + req(WRITE, 0, 4096, 1, 1, b"\xcd" * 4096)
+        + req(READ, 0, 4096, 4, 2) + req(BS, 0, 4096) + req(READ, 0, 0) + req(DISC, 0, 0))
+    for mode in (2, 3):
+        put("nbd_requests", f"{dev}_status{mode}", bytes([pick | mode << 2]) + req(WRITE, 65536, 65536, 0, 1, b"\x11" * 65536)
+            + req(BS, 0, 1 << 20, 0, 2) + req(BS, 0, 1 << 20, 8, 3) + req(BS, 4096, 512, 8, 4) + req(BS, 0, 0, 0, 5)
+            + req(BS, 0, 0xFFFFFE00, 0, 6) + req(BS, 1 << 40, 512, 8, 7) + req(READ, 0, 0, 0, 8))
+# A zero-length WRITE waited for a payload of nothing, and left every later
+# request on its connection unanswered (issue 29).
+put("nbd_requests", "regress-zero-length-write", bytes([1]) + req(WRITE, 0, 0) + req(READ, 0, 512, 0, 2)
+    + req(WRITE, 512, 0, 1, 3) + req(FLUSH, 0, 0, 0, 4))
+put("nbd_requests", "regress-zero-length-read-structured", bytes([1 | 2 << 2]) + req(READ, 0, 0) + req(BS, 0, 0, 8, 2))
 
 D = "/dev/shm/dmkit-fuzz-table/"
 for n, t in {

@@ -196,3 +196,178 @@ pub fn reply_ready(c: &Client, within: Duration) -> bool {
     c.s.set_read_timeout(Some(Duration::from_secs(20))).ok();
     n > 0
 }
+
+pub const CACHE: u16 = 5;
+pub const BLOCK_STATUS: u16 = 7;
+pub const FLAG_NO_HOLE: u16 = 2;
+pub const FLAG_DF: u16 = 4;
+pub const FLAG_REQ_ONE: u16 = 8;
+pub const FLAG_FAST_ZERO: u16 = 0x10;
+pub const FLAG_PAYLOAD_LEN: u16 = 0x20;
+pub const REPLY_TYPE_NONE: u16 = 0;
+pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+pub const REPLY_TYPE_ERROR: u16 = 0x8001;
+pub const REPLY_FLAG_DONE: u16 = 1;
+
+/// One reply as it came off the wire: a simple reply (with a read's data), or one
+/// chunk of a structured reply.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Reply {
+    Simple {
+        cookie: u64,
+        error: u32,
+        data: Vec<u8>,
+    },
+    Chunk {
+        cookie: u64,
+        flags: u16,
+        typ: u16,
+        payload: Vec<u8>,
+    },
+}
+
+/// Payloads shown by length and first bytes: a failed assertion on a 32 MiB read
+/// stays readable.
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |b: &[u8]| format!("{} bytes {:02x?}", b.len(), &b[..b.len().min(16)]);
+        match self {
+            Reply::Simple { cookie, error, data } => {
+                write!(
+                    f,
+                    "Simple {{ cookie: {cookie:#x}, error: {error}, data: {} }}",
+                    show(data)
+                )
+            }
+            Reply::Chunk {
+                cookie,
+                flags,
+                typ,
+                payload,
+            } => write!(
+                f,
+                "Chunk {{ cookie: {cookie:#x}, flags: {flags:#x}, type: {typ:#x}, payload: {} }}",
+                show(payload)
+            ),
+        }
+    }
+}
+
+impl Reply {
+    pub fn cookie(&self) -> u64 {
+        match self {
+            Reply::Simple { cookie, .. } | Reply::Chunk { cookie, .. } => *cookie,
+        }
+    }
+
+    /// The error a reply carries: a simple reply's error field, or an error
+    /// chunk's error value (0 for any other chunk).
+    pub fn error(&self) -> u32 {
+        match self {
+            Reply::Simple { error, .. } => *error,
+            Reply::Chunk { typ, payload, .. } if typ & 0x8000 != 0 => {
+                u32::from_be_bytes(payload[0..4].try_into().expect("error chunk too short"))
+            }
+            Reply::Chunk { .. } => 0,
+        }
+    }
+
+    pub fn done(&self) -> bool {
+        match self {
+            Reply::Simple { .. } => true,
+            Reply::Chunk { flags, .. } => flags & REPLY_FLAG_DONE != 0,
+        }
+    }
+}
+
+impl Client {
+    /// Read the next reply, simple or structured. A successful simple reply is
+    /// followed by `data_len(cookie)` bytes of read data (0 for anything else).
+    pub fn next_reply(&mut self, data_len: impl Fn(u64) -> usize) -> Reply {
+        let mut m = [0u8; 4];
+        self.s.read_exact(&mut m).expect("reply magic");
+        match u32::from_be_bytes(m) {
+            0x6744_6698 => {
+                let mut h = [0u8; 12];
+                self.s.read_exact(&mut h).expect("simple reply");
+                let error = u32::from_be_bytes(h[0..4].try_into().unwrap());
+                let cookie = u64::from_be_bytes(h[4..12].try_into().unwrap());
+                let mut data = vec![0u8; if error == 0 { data_len(cookie) } else { 0 }];
+                self.s.read_exact(&mut data).expect("read data");
+                Reply::Simple { cookie, error, data }
+            }
+            0x668e_33ef => {
+                let mut h = [0u8; 16];
+                self.s.read_exact(&mut h).expect("chunk header");
+                let flags = u16::from_be_bytes(h[0..2].try_into().unwrap());
+                let typ = u16::from_be_bytes(h[2..4].try_into().unwrap());
+                let cookie = u64::from_be_bytes(h[4..12].try_into().unwrap());
+                let len = u32::from_be_bytes(h[12..16].try_into().unwrap()) as usize;
+                assert!(len <= (32 << 20) + 8, "chunk payload of {len} bytes");
+                let mut payload = vec![0u8; len];
+                self.s.read_exact(&mut payload).expect("chunk payload");
+                Reply::Chunk {
+                    cookie,
+                    flags,
+                    typ,
+                    payload,
+                }
+            }
+            x => panic!("bad reply magic {x:#x}"),
+        }
+    }
+
+    /// Every chunk of the structured reply to `cookie`, up to the one marked DONE
+    /// (no other request may be in flight).
+    pub fn chunks(&mut self, cookie: u64) -> Vec<Reply> {
+        let mut out = Vec::new();
+        loop {
+            let r = self.next_reply(|_| 0);
+            assert_eq!(r.cookie(), cookie, "chunk of another request: {r:?}");
+            assert!(
+                matches!(r, Reply::Chunk { .. }),
+                "simple reply in structured mode: {r:?}"
+            );
+            let done = r.done();
+            out.push(r);
+            if done {
+                return out;
+            }
+        }
+    }
+}
+
+/// A handshake with structured replies and, when `contexts` is not empty,
+/// SET_META_CONTEXT for them; the contexts the server selected (id, name).
+pub fn connect_structured(sock: &Path, export: &str, contexts: &[&str]) -> (Client, Vec<(u32, String)>) {
+    let mut s = greet(sock);
+    opt(&mut s, 8, &[]);
+    let (typ, p) = opt_reply(&mut s);
+    assert_eq!((typ, p.len()), (1, 0), "STRUCTURED_REPLY not acknowledged");
+    let mut selected = Vec::new();
+    if !contexts.is_empty() {
+        let mut d = Vec::new();
+        d.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        d.extend_from_slice(export.as_bytes());
+        d.extend_from_slice(&(contexts.len() as u32).to_be_bytes());
+        for c in contexts {
+            d.extend_from_slice(&(c.len() as u32).to_be_bytes());
+            d.extend_from_slice(c.as_bytes());
+        }
+        opt(&mut s, 10, &d);
+        loop {
+            let (typ, p) = opt_reply(&mut s);
+            match typ {
+                4 => selected.push((
+                    u32::from_be_bytes(p[0..4].try_into().unwrap()),
+                    String::from_utf8(p[4..].to_vec()).expect("context name"),
+                )),
+                1 => break,
+                e => panic!("SET_META_CONTEXT answered {e:#x}"),
+            }
+        }
+    }
+    let c = go_on(s, export).unwrap_or_else(|(_, e)| panic!("NBD_OPT_GO for {export} failed: {e:#x}"));
+    (c, selected)
+}

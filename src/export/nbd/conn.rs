@@ -21,10 +21,22 @@ use std::sync::Arc;
 const RBUF_LEN: usize = 256 << 10;
 /// Requests in flight per connection; more wait in the socket.
 const MAX_SLOTS: usize = 256;
-/// Payload bytes held by requests of one connection before parsing pauses.
-const MAX_INFLIGHT_BYTES: u64 = 96 << 20;
-/// Slot buffers larger than this are given back when the slot is freed.
-const KEEP_BUF: usize = 4 << 20;
+/// Bytes one connection may hold for its requests: a read's data and a write's
+/// payload from the moment the request is taken until its reply has been written
+/// to the socket, and a block-status reply until it is written. Requests wait in
+/// the socket while a new one would go past this, so a client that sends and never
+/// reads its replies costs the daemon this much and no more, however many requests
+/// it sends (before this bound it was 96 MiB of requests under way, and unsent
+/// replies on top). 8 MiB keeps the deepest queues of the common clients in
+/// flight (fio's 8 x 512 KiB, nbdcopy's 32 x 256 KiB, qemu's 16 x 512 KiB); a
+/// request larger than that (up to the 32 MiB maximum payload) is taken alone.
+const MAX_HELD_BYTES: u64 = 8 << 20;
+/// Buffer capacity kept in the slots of one connection (so that steady I/O does
+/// not allocate); a buffer freed while the slots hold more is given back. Without
+/// a bound, a client could leave a large buffer in each of the 256 slots in turn.
+const MAX_KEPT_BYTES: usize = MAX_HELD_BYTES as usize;
+/// A block-status reply kept no larger than this in a freed slot.
+const KEEP_EXTRA: usize = 4096;
 /// Replies gathered into one sendmsg.
 const SEND_BATCH: usize = 64;
 /// Largest write payload read (and thrown away) from a client before hanging up.
@@ -50,6 +62,8 @@ struct Slot {
     /// BLOCK_STATUS: the first chunk's payload is `extra[..extra_first]`; the rest
     /// of `extra` is further chunks, headers included.
     extra_first: usize,
+    /// What this request counts in the connection's held bytes.
+    held: u64,
 }
 
 impl Slot {
@@ -66,6 +80,7 @@ impl Slot {
             data_len: 0,
             extra: Vec::new(),
             extra_first: 0,
+            held: 0,
         }
     }
 }
@@ -103,7 +118,11 @@ pub struct Conn {
     /// Payload bytes of a refused write still to be read and thrown away.
     discard: u64,
     slots: Vec<Slot>,
-    inflight_bytes: u64,
+    /// Bytes held for requests taken and not yet answered on the wire (see
+    /// [`MAX_HELD_BYTES`]).
+    held_bytes: u64,
+    /// Capacity of the slots' data buffers, taken or free.
+    buf_bytes: usize,
     sendq: VecDeque<usize>,
     sending: Vec<usize>,
     iov: Vec<libc::iovec>,
@@ -137,7 +156,8 @@ impl Conn {
             payload: None,
             discard: 0,
             slots: (0..MAX_SLOTS).map(|_| Slot::new()).collect(),
-            inflight_bytes: 0,
+            held_bytes: 0,
+            buf_bytes: 0,
             sendq: VecDeque::new(),
             sending: Vec::with_capacity(SEND_BATCH),
             iov: Vec::with_capacity(3 * SEND_BATCH),
@@ -221,9 +241,7 @@ impl Conn {
                     return Some((RecvInto::Slot(slot), ptr, need));
                 }
             }
-        } else if self.discard == 0
-            && (self.engine.nr_free() == 0 || self.inflight_bytes >= MAX_INFLIGHT_BYTES)
-        {
+        } else if self.discard == 0 && (self.engine.nr_free() == 0 || self.held_bytes >= MAX_HELD_BYTES) {
             return None; // back-pressure: the client waits in the socket
         }
         if self.rend == self.rbuf.capacity() {
@@ -338,11 +356,7 @@ impl Conn {
                 }
                 continue;
             }
-            if avail < 28
-                || self.closing
-                || self.engine.nr_free() == 0
-                || self.inflight_bytes >= MAX_INFLIGHT_BYTES
-            {
+            if avail < 28 || self.closing || self.engine.nr_free() == 0 {
                 break;
             }
             let h = &self.rbuf.as_slice()[self.rpos..self.rpos + 28];
@@ -360,6 +374,16 @@ impl Conn {
             let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap_or_default());
             let offset = u64::from_be_bytes(h[16..24].try_into().unwrap_or_default());
             let len = u32::from_be_bytes([h[24], h[25], h[26], h[27]]);
+            // What the request will hold: the data of a read or write it serves
+            // (a larger one is refused, its payload thrown away as it comes).
+            let cost = if matches!(cmd, CMD_READ | CMD_WRITE) && len <= MAX_PAYLOAD {
+                u64::from(len)
+            } else {
+                0
+            };
+            if self.held_bytes > 0 && self.held_bytes + cost > MAX_HELD_BYTES {
+                break; // back-pressure: wait for replies to go out
+            }
             self.rpos += 28;
             if cmd == CMD_DISC {
                 self.closing = true;
@@ -375,7 +399,16 @@ impl Conn {
             s.error = 0;
             s.extra.clear();
             s.extra_first = 0;
-            if cmd == CMD_WRITE {
+            s.held = cost;
+            self.held_bytes += cost;
+            if cost > 0 {
+                let buf = &mut self.engine.request_mut(slot).buf;
+                let had = buf.capacity();
+                buf.ensure(len as usize);
+                self.buf_bytes += buf.capacity() - had;
+            }
+            // A zero-length write has no payload to wait for.
+            if cmd == CMD_WRITE && len > 0 {
                 if u64::from(len) > MAX_PAYLOAD as u64 {
                     if u64::from(len) > MAX_DISCARDED_PAYLOAD {
                         tracing::warn!(
@@ -390,14 +423,8 @@ impl Conn {
                     self.refuse(slot, EOVERFLOW);
                     continue;
                 }
-                self.engine.request_mut(slot).buf.ensure(len as usize);
-                self.inflight_bytes += u64::from(len);
                 self.payload = Some((slot, 0));
                 continue;
-            }
-            if cmd == CMD_READ && len <= MAX_PAYLOAD {
-                self.engine.request_mut(slot).buf.ensure(len as usize);
-                self.inflight_bytes += u64::from(len);
             }
             self.dispatch(slot);
         }
@@ -423,7 +450,15 @@ impl Conn {
             CMD_FLUSH | CMD_CACHE => CMD_FLAG_FUA,
             _ => return Err(EINVAL),
         };
-        if s.flags & !known != 0 {
+        // FUA and DF only where the export offered them (DF: structured replies)
+        let mut flags_offered = known;
+        if self.tflags & TF_SEND_FUA == 0 {
+            flags_offered &= !CMD_FLAG_FUA;
+        }
+        if self.tflags & TF_SEND_DF == 0 {
+            flags_offered &= !CMD_FLAG_DF;
+        }
+        if s.flags & !flags_offered != 0 {
             return Err(EINVAL);
         }
         let writes = matches!(s.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
@@ -460,6 +495,10 @@ impl Conn {
             });
         }
         if !aligned {
+            return Err(EINVAL);
+        }
+        // No descriptor (each is non-empty) can describe an empty range.
+        if s.cmd == CMD_BLOCK_STATUS && s.len == 0 {
             return Err(EINVAL);
         }
         if s.cmd == CMD_READ && s.len > MAX_PAYLOAD {
@@ -528,6 +567,9 @@ impl Conn {
             } else {
                 h.simple(s.error, s.cookie);
             }
+        } else if s.cmd == CMD_READ && s.len == 0 && structured {
+            // an OFFSET_DATA chunk carries at least one byte
+            h.chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, s.cookie, 0);
         } else if s.cmd == CMD_READ {
             if structured {
                 h.chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, s.cookie, 8 + s.len);
@@ -630,6 +672,9 @@ impl Conn {
                 s.extra.extend_from_slice(&payload);
             }
         }
+        let n = s.extra.len() as u64;
+        s.held += n;
+        self.held_bytes += n;
         self.engine.complete(slot, 0);
     }
 
@@ -707,11 +752,14 @@ impl Conn {
 
     fn free_slot(&mut self, slot: usize) {
         let s = &mut self.slots[slot];
-        if matches!(s.cmd, CMD_READ | CMD_WRITE) && s.len <= MAX_PAYLOAD {
-            self.inflight_bytes -= u64::from(s.len);
+        self.held_bytes -= s.held;
+        s.held = 0;
+        if s.extra.capacity() > KEEP_EXTRA {
+            s.extra = Vec::new();
         }
         let q = self.engine.request_mut(slot);
-        if q.buf.capacity() > KEEP_BUF {
+        if self.buf_bytes > MAX_KEPT_BYTES {
+            self.buf_bytes -= q.buf.capacity();
             q.buf = AlignedBuf::default();
         }
         self.engine.free(slot);
