@@ -753,8 +753,11 @@ impl Engine {
                 };
                 let l = &mut q.leaves[i];
                 if let Some(h) = l.end_io.take() {
-                    apply_end_io(&h, ok, l, &mut q.buf);
+                    let e = apply_end_io(&h, ok, l, &mut q.buf);
                     q.hooked = true;
+                    if e != 0 && q.error == 0 {
+                        q.error = e;
+                    }
                 }
                 return;
             }
@@ -840,8 +843,11 @@ impl Engine {
         let l = &mut q.leaves[i];
         if let Some(h) = l.end_io.take() {
             let ok = res >= 0 && !(res == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
-            apply_end_io(&h, ok, l, &mut q.buf);
+            let e = apply_end_io(&h, ok, l, &mut q.buf);
             q.hooked = true;
+            if e != 0 && q.error == 0 {
+                q.error = e;
+            }
         }
         if self.reqs[r].pending == 0 {
             self.leaves_done(r);
@@ -896,7 +902,12 @@ impl Engine {
 /// Run `a` then `b`.
 fn chain(a: EndIo, b: EndIo) -> EndIo {
     Arc::new(move |ok, data: &mut [u8]| {
-        a(ok, data);
-        b(ok, &mut []);
+        let e = a(ok, data);
+        let be = b(ok && e == 0, &mut []);
+        if e != 0 {
+            e
+        } else {
+            be
+        }
     })
 }
