@@ -105,7 +105,9 @@ pub enum LeafKind {
 /// without data). dm-thin inserts a new mapping here once the data block is
 /// written; flakey corrupts read data here. A leaf that is dropped without being
 /// issued (its request is requeued) runs it with `false`, so a target can undo.
-pub type EndIo = std::sync::Arc<dyn Fn(bool, &mut [u8]) + Send + Sync>;
+/// Returns 0, or an errno that fails the request although its I/O succeeded
+/// (dm-thin: the pool failed before the new block could be mapped).
+pub type EndIo = std::sync::Arc<dyn Fn(bool, &mut [u8]) -> i32 + Send + Sync>;
 
 /// One unit of work on a backing file (or a completion without one).
 #[derive(Clone)]
@@ -212,7 +214,7 @@ mod tests {
             leaf(LeafKind::Write, 65536, 4096, 12288),
             // a completion hook: never merged
             Leaf {
-                end_io: Some(std::sync::Arc::new(|_, _| {})),
+                end_io: Some(std::sync::Arc::new(|_, _| 0)),
                 ..leaf(LeafKind::Write, 69632, 4096, 16384)
             },
             leaf(LeafKind::Write, 73728, 4096, 20480),

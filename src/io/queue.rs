@@ -97,6 +97,11 @@ pub struct IoQueue {
     pending_recv: Vec<(u64, RawFd, *mut u8, u32)>,
     queued: usize,
     rbd: Option<RbdState>,
+    /// Under a simulation ([`super::sim`]): disk operations pushed and not yet
+    /// carried out. They run at the next wait, in a seed-chosen order, as a
+    /// device with several I/Os in flight carries them out in any order; a flush
+    /// covers only the writes that ran before it.
+    held: Vec<(Sqe, u64)>,
 }
 
 /// Whether io_uring can be used: not when `DMKIT_NO_URING` is set (tests of the
@@ -155,6 +160,7 @@ impl IoQueue {
             pending_recv: Vec::new(),
             queued: 0,
             rbd: None,
+            held: Vec::new(),
         }
     }
 
@@ -166,6 +172,7 @@ impl IoQueue {
             pending_recv: Vec::new(),
             queued: 0,
             rbd: None,
+            held: Vec::new(),
         }
     }
 
@@ -192,7 +199,7 @@ impl IoQueue {
             return;
         }
         let Some(ring) = self.ring.as_mut() else {
-            self.sync_exec(op, user_data);
+            self.sync_exec_or_hold(op, user_data);
             return;
         };
         let entry = match op {
@@ -260,7 +267,36 @@ impl IoQueue {
             unsafe { self.push(op, user_data) };
             return;
         }
-        self.sync_exec(op, user_data);
+        self.sync_exec_or_hold(op, user_data);
+    }
+
+    /// Carry out `op` now, or under a simulation hold a disk operation until
+    /// the next wait.
+    fn sync_exec_or_hold(&mut self, op: Sqe, user_data: u64) {
+        let disk_op = matches!(
+            op,
+            Sqe::Read { .. } | Sqe::Write { .. } | Sqe::Fsync { .. } | Sqe::Fallocate { .. }
+        );
+        if disk_op && super::sim::active() {
+            self.held.push((op, user_data));
+        } else {
+            self.sync_exec(op, user_data);
+        }
+    }
+
+    /// Carry out the held disk operations, in a seed-chosen order.
+    fn run_held(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let mut held = std::mem::take(&mut self.held);
+        super::sim::shuffle(&mut held);
+        for (op, user_data) in held.drain(..) {
+            self.sync_exec(op, user_data);
+        }
+        if self.held.is_empty() {
+            self.held = held; // keep the allocation
+        }
     }
 
     /// Start an RBD operation; its result arrives through the sink.
@@ -365,6 +401,7 @@ impl IoQueue {
     /// Submit what was queued and wait until at least one completion is ready, or the
     /// timeout passes. Returns without waiting when completions are already there.
     pub fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        self.run_held();
         let ready = !self.done.is_empty();
         let Some(ring) = self.ring.as_mut() else {
             if ready {
@@ -410,6 +447,7 @@ impl IoQueue {
     /// Hand every ready completion to `f(user_data, result, more)`; `more` says a
     /// multishot operation stays armed and will complete again.
     pub fn drain_flags(&mut self, mut f: impl FnMut(u64, i32, bool)) {
+        self.run_held();
         if super::sim::active() {
             super::sim::shuffle(self.done.make_contiguous());
         }

@@ -581,7 +581,9 @@ impl Engine {
         let q = &mut self.reqs[r];
         for l in q.leaves.drain(from..) {
             if let Some(h) = l.end_io {
-                guarded(&self.dev, &mut q.error, || h(false, &mut []));
+                guarded(&self.dev, &mut q.error, || {
+                    h(false, &mut []);
+                });
             }
         }
     }
@@ -642,7 +644,9 @@ impl Engine {
         match resume {
             Resume::Done(e) => {
                 if let Some(h) = m.end_io {
-                    guarded(&self.dev, &mut q.error, || h(e == 0, &mut []));
+                    guarded(&self.dev, &mut q.error, || {
+                        h(e == 0, &mut []);
+                    });
                     q.hooked = true;
                 }
                 if e != 0 && q.error == 0 {
@@ -664,7 +668,9 @@ impl Engine {
             Resume::Requeue => {
                 if let Some(h) = m.end_io {
                     // a piece of a piece: the piece above cannot finish; start over
-                    guarded(&self.dev, &mut q.error, || h(false, &mut []));
+                    guarded(&self.dev, &mut q.error, || {
+                        h(false, &mut []);
+                    });
                     q.requeue = true;
                 } else {
                     let dev = q.holds.get(m.origin.0 as usize).map(|h| h.dev.clone());
@@ -772,8 +778,14 @@ impl Engine {
                 };
                 let l = &mut q.leaves[i];
                 if let Some(h) = l.end_io.take() {
-                    guarded(&self.dev, &mut q.error, || apply_end_io(&h, ok, l, &mut q.buf));
+                    let mut e = 0;
+                    guarded(&self.dev, &mut q.error, || {
+                        e = apply_end_io(&h, ok, l, &mut q.buf)
+                    });
                     q.hooked = true;
+                    if e != 0 && q.error == 0 {
+                        q.error = e;
+                    }
                 }
                 return;
             }
@@ -859,8 +871,14 @@ impl Engine {
         let l = &mut q.leaves[i];
         if let Some(h) = l.end_io.take() {
             let ok = res >= 0 && !(res == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
-            guarded(&self.dev, &mut q.error, || apply_end_io(&h, ok, l, &mut q.buf));
+            let mut e = 0;
+            guarded(&self.dev, &mut q.error, || {
+                e = apply_end_io(&h, ok, l, &mut q.buf)
+            });
             q.hooked = true;
+            if e != 0 && q.error == 0 {
+                q.error = e;
+            }
         }
         if self.reqs[r].pending == 0 {
             self.leaves_done(r);
@@ -937,7 +955,12 @@ fn guarded(dev: &Device, error: &mut i32, f: impl FnOnce()) {
 /// Run `a` then `b`.
 fn chain(a: EndIo, b: EndIo) -> EndIo {
     Arc::new(move |ok, data: &mut [u8]| {
-        a(ok, data);
-        b(ok, &mut []);
+        let e = a(ok, data);
+        let be = b(ok && e == 0, &mut []);
+        if e != 0 {
+            e
+        } else {
+            be
+        }
     })
 }

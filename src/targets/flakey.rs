@@ -277,8 +277,9 @@ impl Target for Flakey {
                             *b = value;
                         }
                     }
-                    if let Some(p) = &prev {
-                        p(ok, data);
+                    match &prev {
+                        Some(p) => p(ok, data),
+                        None => 0,
                     }
                 }));
                 break;

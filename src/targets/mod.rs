@@ -265,13 +265,15 @@ impl Join {
         Arc::new(move |ok, _: &mut [u8]| j.finish(ok))
     }
 
-    fn finish(&self, ok: bool) {
+    /// One member is done; the last runs the hook (and reports its errno).
+    fn finish(&self, ok: bool) -> i32 {
         if !ok {
             self.failed.store(true, Ordering::SeqCst);
         }
         if self.left.fetch_sub(1, Ordering::SeqCst) == 1 {
-            (self.hook)(!self.failed.load(Ordering::SeqCst), &mut []);
+            return (self.hook)(!self.failed.load(Ordering::SeqCst), &mut []);
         }
+        0
     }
 }
 
@@ -356,8 +358,13 @@ impl<'a> MapCtx<'a> {
             Some(o) => {
                 let up = o.child();
                 Arc::new(move |ok, d: &mut [u8]| {
-                    hook(ok, d);
-                    up(ok, &mut []);
+                    let e = hook(ok, d);
+                    let up_e = up(ok && e == 0, &mut []);
+                    if e != 0 {
+                        e
+                    } else {
+                        up_e
+                    }
                 }) as EndIo
             }
             None => hook,
@@ -370,7 +377,9 @@ impl<'a> MapCtx<'a> {
         self.join = Some(j.clone());
         let r = f(self);
         self.join = outer;
-        j.finish(r.is_ok());
+        // the mapping's own share: its errno, if it is the last, fails nothing
+        // more than the map result below does
+        let _ = j.finish(r.is_ok());
         r
     }
 
@@ -447,7 +456,7 @@ impl<'a> MapCtx<'a> {
 }
 
 /// Run a leaf's end-of-I/O hook with its part of the request buffer.
-pub(crate) fn apply_end_io(h: &EndIo, ok: bool, l: &Leaf, buf: &mut AlignedBuf) {
+pub(crate) fn apply_end_io(h: &EndIo, ok: bool, l: &Leaf, buf: &mut AlignedBuf) -> i32 {
     let data = if matches!(l.kind, LeafKind::Read | LeafKind::Write) {
         let a = l.buf_off;
         buf.as_mut_slice()
@@ -456,7 +465,7 @@ pub(crate) fn apply_end_io(h: &EndIo, ok: bool, l: &Leaf, buf: &mut AlignedBuf) 
     } else {
         &mut []
     };
-    h(ok, data);
+    h(ok, data)
 }
 
 /// One target type's instance in a table.

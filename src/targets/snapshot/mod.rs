@@ -820,6 +820,7 @@ fn track(core: &Arc<Core>, st: &mut State, chunk: u64) -> crate::io::EndIo {
                 st.tracked.remove(&chunk);
             }
         }
+        0
     })
 }
 
@@ -889,6 +890,7 @@ pub(crate) fn map_snapshot_chunk(
                 let hook: crate::io::EndIo = Arc::new(move |ok, _| {
                     let c2 = c.clone();
                     c.copier.spawn(Box::new(move |_| c2.finish(chunk, ok, false)));
+                    0
                 });
                 return ctx.remap_with(cow, to_cow(new), 0, hook);
             }

@@ -283,13 +283,13 @@ impl ThinDev {
             .spawn(Box::new(move |c: &Copier| match run_jobs(c, &jobs) {
                 Err(e) => {
                     tracing::warn!("thin {}: preparing data block {}: {e}", cell.id, cell.new);
-                    cell.finish(false);
+                    let _ = cell.finish(false);
                     pending.fail(errno::EIO);
                 }
-                Ok(()) if zeroes => {
-                    cell.finish(true);
-                    pending.done();
-                }
+                Ok(()) if zeroes => match cell.finish(true) {
+                    0 => pending.done(),
+                    e => pending.fail(e),
+                },
                 Ok(()) => pending.remap(dest, data, Some(cell.end_io())),
             }));
         Ok(())
@@ -440,22 +440,33 @@ struct Cell {
 impl Cell {
     /// The write to the new block has landed (or failed, or never went): map it,
     /// or give the block back; either way pieces waiting for it go again.
-    fn finish(&self, ok: bool) {
+    fn finish(&self, ok: bool) -> i32 {
         let mut m = self.pool.lock();
         m.forget_block(self.id, self.vblock);
-        if ok {
+        let mut res = 0;
+        if !ok {
+            let _ = m.md.release_data_block(self.new);
+        } else if m.mode == Mode::ReadOnly {
+            // The pool failed while the block was being written: its transaction
+            // (the block's allocation with it) is gone and nothing more is
+            // committed, so the write cannot be mapped and must not succeed
+            // (the kernel's process_prepared_mapping_fail).
+            res = errno::EIO;
+        } else {
             match m.md.insert(self.id, self.vblock, self.new) {
                 Ok(()) => m.dirty = true,
-                Err(e) => self.pool.metadata_failed(&mut m, &e),
+                Err(e) => {
+                    self.pool.metadata_failed(&mut m, &e);
+                    res = errno::EIO;
+                }
             }
-        } else {
-            let _ = m.md.release_data_block(self.new);
         }
         let waiters = m.prison.remove(&Key::Virtual(self.id, self.vblock));
         drop(m);
         for p in waiters.into_iter().flatten() {
             p.requeue();
         }
+        res
     }
 
     fn end_io(self) -> EndIo {

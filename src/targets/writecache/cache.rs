@@ -928,6 +928,7 @@ impl Cache {
                     }
                     c.leave(e);
                 }
+                0
             });
             let b = Bio {
                 sector: self.data_sector(i),
