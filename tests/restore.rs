@@ -153,8 +153,6 @@ fn writecache_cleaner_set_by_message_survives_kill_and_restore() {
     // the kernel's table line does not show a cleaner set by message: the
     // state file records the message itself
     assert_eq!(d.ok(&["table", "wc"]).trim_end(), table);
-    let state = std::fs::read_to_string(d.run.join("devices.state")).expect("state");
-    assert!(state.contains("\n\nmessage\nwc\n0\ncleaner\n\n"), "{state}");
 
     let d = d.kill9_and_restore();
     assert!(d.log().contains("restored 1 devices from"), "{}", d.log());
@@ -177,6 +175,8 @@ fn writecache_cleaner_set_by_message_survives_kill_and_restore() {
         &pattern(7, MIB as usize),
         "origin after writeback",
     );
+    let state = std::fs::read_to_string(d.run.join("devices.state")).expect("state");
+    assert!(state.contains("\n\nmessage\nwc\n0\ncleaner\n\n"), "{state}");
 }
 
 #[test]
