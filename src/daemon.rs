@@ -131,14 +131,13 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                 .with_context(|| format!("moving {} to {}", prev.display(), state.display()))?;
         }
         if state.exists() {
-            let (_, errors) = crate::control::state::restore(&ctx, &state)
+            let (ok, errors) = crate::control::state::restore(&ctx, &state)
                 .with_context(|| format!("restoring from {}", state.display()))?;
             for e in &errors {
                 tracing::error!("restore: {e}");
             }
             tracing::info!(
-                "restored {} devices ({} attached as block devices) from {}; {} requests failed",
-                reg.list().len(),
+                "restored {ok} devices ({} attached as block devices) from {} ({} errors)",
                 ctx.ublk.ids().len(),
                 state.display(),
                 errors.len()

@@ -343,7 +343,7 @@ fn background_serve_and_the_restore_message_after_a_kill_9_are_true() {
     let log = std::fs::read_to_string(run.join("serve.log")).expect("log");
     assert!(
         log.contains(&format!(
-            "restored 3 devices (0 attached as block devices) from {}; 0 requests failed",
+            "restored 3 devices (0 attached as block devices) from {} (0 errors)",
             run.join("devices.state").display()
         )),
         "{log}"
