@@ -90,7 +90,7 @@ if [ ! -c /dev/ublk-control ]; then
 fi
 check netlink "-connections 2"
 check ioctl -nonetlink
-dmkit --run-dir /run/dmkit stats lin | tr ' ' _ | sed 's/^/ORACLE stats /' | head -3 || true
+echo "ORACLE flushes $(dmkit --run-dir /run/dmkit stats lin | sed -n 's/^.* flushes=//p')"
 echo "ORACLE daemon $(kill -0 $(pidof dmkit) && echo alive)"
 echo "ORACLE ublk-control $([ -c /dev/ublk-control ] && echo present || echo absent)"
 "#
@@ -133,6 +133,9 @@ echo "ORACLE ublk-control $([ -c /dev/ublk-control ] && echo present || echo abs
         );
     }
     assert_eq!(oracle::marker(&m, "daemon"), "alive");
+    // the kernel's client sent flushes (fsync, umount) and they reached the disk
+    let flushes: u64 = oracle::marker(&m, "flushes").parse().expect("flush count");
+    assert!(flushes > 0, "flushes to /dev/vda: {flushes}");
     assert!(
         !serial.contains("ORACLE-INSMOD-FAILED"),
         "a module did not load:\n{serial}"

@@ -191,6 +191,10 @@ struct Checker {
     skip: bool,
     /// Bottom-level nodes that could not be used.
     bad_bottom: u64,
+    /// Distinct nodes that failed to read, by cause (1.x's totals count a node
+    /// devices share once).
+    bad_io: u64,
+    bad_checksum: u64,
 }
 
 impl Checker {
@@ -264,6 +268,10 @@ impl Checker {
             Err(e) => {
                 let io = matches!(e, PdataError::Io { .. } | PdataError::OutOfRange { .. });
                 let cs = matches!(e, PdataError::Checksum { .. });
+                if at.t == Tree::Bottom {
+                    self.bad_io += u64::from(io);
+                    self.bad_checksum += u64::from(cs);
+                }
                 self.err(format!("node error: {e}"));
                 Summary {
                     checksum_errors: u32::from(cs),
@@ -573,6 +581,8 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         underfull: 0,
         skip: o.skip_mappings,
         bad_bottom: 0,
+        bad_io: 0,
+        bad_checksum: 0,
     };
     if o.metadata_snap {
         let held = match c.tm.read(sb.held_root, BlockKind::Superblock) {
@@ -697,6 +707,17 @@ fn superblock_error(e: &PdataError) -> String {
 /// The details tree, the top-level tree, the two agreeing, and (unless skipped)
 /// every device's mappings. False if a fatal error ended the check.
 fn devices_and_mappings(c: &mut Checker, report: &mut Report, sb: &Superblock, prefix: &str) -> bool {
+    // 1.x's order, titles included: the top-level mapping tree is read first
+    // (before any title), then the details tree under its title; the
+    // "mapping tree" title comes once the two agree, and not when the
+    // mappings are skipped
+    let roots = match c.index_tree(sb.mapping_root, Tree::Top, &format!("{prefix}mapping top-level")) {
+        Ok(r) => r,
+        Err(e) => {
+            report.fail(e);
+            return false;
+        }
+    };
     if prefix.is_empty() {
         report.title("device details tree");
     }
@@ -711,16 +732,6 @@ fn devices_and_mappings(c: &mut Checker, report: &mut Report, sb: &Superblock, p
             return false;
         }
     };
-    if prefix.is_empty() {
-        report.title("mapping tree");
-    }
-    let roots = match c.index_tree(sb.mapping_root, Tree::Top, &format!("{prefix}mapping top-level")) {
-        Ok(r) => r,
-        Err(e) => {
-            report.fail(e);
-            return false;
-        }
-    };
     if !details.keys().eq(roots.keys()) {
         report.fail(format!(
             "{prefix}Inconsistency between the details tree and the mapping tree"
@@ -729,6 +740,9 @@ fn devices_and_mappings(c: &mut Checker, report: &mut Report, sb: &Superblock, p
     }
     if c.skip {
         return true;
+    }
+    if prefix.is_empty() {
+        report.title("mapping tree");
     }
     let mut lines = Vec::new();
     let mut details_of_faults = Vec::new();
@@ -773,7 +787,7 @@ fn devices_and_mappings(c: &mut Checker, report: &mut Report, sb: &Superblock, p
         ));
         report.msg(format!(
             "{} io errors, {} checksum errors",
-            nodes.io_errors, nodes.checksum_errors
+            c.bad_io, c.bad_checksum
         ));
     }
     for l in lines {

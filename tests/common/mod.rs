@@ -465,7 +465,7 @@ pub fn write_until_killed(
 impl Load {
     /// Wait for the writer to stop (kill the daemon first); its log.
     pub fn finish(self) -> WriteLog {
-        let _ = self.thread.join();
+        self.thread.join().expect("the writer thread panicked");
         std::mem::take(&mut *self.log.lock().unwrap())
     }
 }

@@ -1,7 +1,7 @@
 //! `thin_check`.
 
 use super::{open_input, quietly, req, CheckArgs, Failure, Outcome};
-use crate::thin::check::{check_with, CheckOptions, Line};
+use crate::thin::check::{check_with, CheckOptions, Line, Report};
 use std::io::Write;
 
 pub fn run(a: CheckArgs) -> Outcome {
@@ -25,6 +25,18 @@ fn check(a: CheckArgs) -> Outcome {
     let dev = open_input(&input, a.auto_repair || a.clear_needs_check_flag)?;
     let r = check_with(Box::new(dev), o);
     if !a.quiet {
+        print_report(&r, a.super_block_only, a.ignore_non_fatal_errors);
+    }
+    if r.passed(a.ignore_non_fatal_errors) {
+        Ok(())
+    } else {
+        Err(Failure::Quiet(super::EXIT_FAILURE))
+    }
+}
+
+/// What thin_check prints of a check (thin_trim prints it too, as 1.x does).
+pub(super) fn print_report(r: &Report, super_block_only: bool, ignore_non_fatal: bool) {
+    {
         if let Some((tid, free)) = r.info {
             // a closed standard output loses these lines, nothing else
             let mut out = std::io::stdout().lock();
@@ -32,7 +44,8 @@ fn check(a: CheckArgs) -> Outcome {
             let _ = writeln!(out, "METADATA_FREE_BLOCKS={free}");
             let _ = out.flush();
         }
-        if r.info.is_some() || r.fatal.is_none() {
+        // 1.x gives no progress titles to a superblock-only check
+        if (r.info.is_some() || r.fatal.is_none()) && !super_block_only {
             eprintln!("Checking thin metadata");
         }
         for l in &r.lines {
@@ -42,13 +55,8 @@ fn check(a: CheckArgs) -> Outcome {
         }
         if let Some(f) = &r.fatal {
             eprintln!("{f}");
-        } else if let (Some(n), false) = (&r.non_fatal, a.ignore_non_fatal_errors) {
+        } else if let (Some(n), false) = (&r.non_fatal, ignore_non_fatal) {
             eprintln!("{n}");
         }
-    }
-    if r.passed(a.ignore_non_fatal_errors) {
-        Ok(())
-    } else {
-        Err(Failure::Quiet(super::EXIT_FAILURE))
     }
 }

@@ -16,9 +16,11 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-/// The version `-V` prints: the thin-provisioning-tools release whose interface
-/// these commands implement. LVM reads it to decide which options it may pass.
-pub const TOOLS_VERSION: &str = "1.3.3";
+/// The version `-V` prints: the thin-provisioning-tools release these commands
+/// are tested beside (Debian trixie's 1.1.0, tests/thin_tools.rs). LVM reads it
+/// to decide which options it may pass; every option its version checks gate
+/// (`--clear-needs-check-flag` from 0.3.2, ...) is older than 1.1.0.
+pub const TOOLS_VERSION: &str = "1.1.0";
 
 /// The multi-call names, and the `dmkit thin` verb each is.
 pub const TOOLS: &[(&str, &str)] = &[

@@ -99,6 +99,10 @@ pub fn run_trim(a: TrimArgs) -> Outcome {
     let again = crate::pdata::MetadataDev::try_clone(&dev)
         .ok_or_else(|| Failure::Message(format!("{}: cannot open it twice", meta.display())))?;
     let r = crate::thin::check::check_with(Box::new(dev), crate::thin::check::CheckOptions::default());
+    if !a.quiet && r.passed(false) {
+        // 1.x's thin_trim reports its check as thin_check does
+        super::check::print_report(&r, false, false);
+    }
     if !r.passed(false) {
         if !a.quiet {
             eprintln!("metadata contains errors (run thin_check for details).\nperhaps you need to run thin_repair.");
