@@ -91,7 +91,7 @@ fn promised(heading: &str) -> &'static [&'static str] {
         h if h.contains("incremental backup") => &["backup.raw\n", "full2.raw\n"],
         h if h.contains("The thin tools") => &[
             "bin/thin_check -> ",
-            "1.3.3\n", // thin_check -V
+            "1.1.0\n", // thin_check -V
         ],
         // and the extents block under the same heading
         h if h.contains("1024-segment") => &["1024\n", "seg.img flushes=", " linear 7:"],
