@@ -6,7 +6,8 @@
 //! mode, discards) and the writeback thread copies committed blocks to the
 //! origin. A commit snapshots the dirty metadata under the lock, then writes it,
 //! waits for the cache I/O issued before the snapshot (an epoch counter, as
-//! SRCU), flushes the cache device and writes the superblock with FUA.
+//! SRCU; if one of them failed, nothing is committed), flushes the cache
+//! device and writes the superblock with FUA.
 //!
 //! Freed entries (written back, discarded, or older duplicates) are not reused
 //! until their free state is on disk and no read issued before can still be
@@ -1117,6 +1118,13 @@ impl Cache {
                     self.msync(self.block_in_map(i), self.o.block_size as usize)?;
                 }
                 self.drain_epoch();
+                // A cache write counted in the drained epoch may have failed
+                // while we waited: its end-io hook entered the error state
+                // before it left the epoch. Its entry is among `newly`, naming a
+                // block that may hold another sector's old data: commit nothing.
+                if lock(&self.st).error {
+                    return Err(eio());
+                }
                 if !regions.is_empty() || overwrote || committing {
                     self.flush_cache()?;
                 }
@@ -1127,7 +1135,7 @@ impl Cache {
             })();
             let mut st = lock(&self.st);
             if let Err(e) = r {
-                tracing::error!("writecache: metadata write failed: {e}");
+                tracing::error!("writecache: commit failed: {e}");
                 self.fail(&mut st);
                 return Err(e);
             }
