@@ -481,7 +481,18 @@ impl Cache {
         if sb.magic != format::MAGIC || sb.n_blocks != self.n_blocks {
             return Err("Invalid magic in the superblock".into());
         }
-        let loaded = format::load(&image, self.n_blocks, sb.seq_count, self.bs_sectors())?;
+        // an origin whose size cannot be read bounds nothing but the byte address
+        let origin_sectors = match devio::size_sectors(&self.origin) {
+            0 => u64::MAX / SECTOR,
+            n => n,
+        };
+        let loaded = format::load(
+            &image,
+            self.n_blocks,
+            sb.seq_count,
+            self.bs_sectors(),
+            origin_sectors,
+        )?;
         for &i in &loaded.cleared {
             let (sector, _) = format::entry(&image, i);
             format::set_entry(&mut image, i, sector, FREE);

@@ -126,8 +126,16 @@ pub struct Loaded {
 /// Sort out the entries of `meta` as the kernel's resume does: uncommitted ones
 /// (seq_count ≥ the superblock's) are dropped, of two committed entries for one
 /// sector the newer (higher seq_count) wins, and two with the same seq_count are
-/// corrupt metadata.
-pub fn load(meta: &[u8], n_blocks: u64, sb_seq: u64, block_sectors: u64) -> Result<Loaded, String> {
+/// corrupt metadata. A committed entry whose block does not lie within the first
+/// `origin_sectors` sectors of the origin is corrupt too: it could never be
+/// written back.
+pub fn load(
+    meta: &[u8],
+    n_blocks: u64,
+    sb_seq: u64,
+    block_sectors: u64,
+    origin_sectors: u64,
+) -> Result<Loaded, String> {
     let mut out = Loaded::default();
     let mut by_sector: std::collections::HashMap<u64, (u64, u64)> = std::collections::HashMap::new();
     for i in 0..n_blocks {
@@ -142,6 +150,14 @@ pub fn load(meta: &[u8], n_blocks: u64, sb_seq: u64, block_sectors: u64) -> Resu
         if block_sectors > 1 && sector % block_sectors != 0 {
             return Err(format!(
                 "writecache: entry {i} maps sector {sector}, which is not a multiple of the block size ({block_sectors} sectors)"
+            ));
+        }
+        if sector
+            .checked_add(block_sectors.max(1))
+            .is_none_or(|end| end > origin_sectors)
+        {
+            return Err(format!(
+                "writecache: entry {i} maps sector {sector}, past the end of the origin ({origin_sectors} sectors)"
             ));
         }
         match by_sector.get(&sector).copied() {
@@ -190,14 +206,29 @@ mod tests {
         set_entry(&mut m, 1, 80, 5); // committed, newer: wins
         set_entry(&mut m, 2, 16, 7); // uncommitted (sb seq 7)
         set_entry(&mut m, 3, 24, 1);
-        let l = load(&m, 6, 7, 1).unwrap();
+        let l = load(&m, 6, 7, 1, 1 << 20).unwrap();
         assert_eq!(l.used, vec![(1, 80, 5), (3, 24, 1)]);
         let mut c = l.cleared.clone();
         c.sort_unstable();
         assert_eq!(c, vec![0, 2]);
         set_entry(&mut m, 4, 24, 1);
-        let e = load(&m, 6, 7, 1).unwrap_err();
+        let e = load(&m, 6, 7, 1, 1 << 20).unwrap_err();
         assert!(e.contains("two identical entries"), "{e}");
+    }
+
+    #[test]
+    fn load_refuses_an_entry_past_the_origin() {
+        let mut m = fresh(6, 4096).unwrap();
+        set_entry(&mut m, 0, u64::MAX - 7, 1);
+        let e = load(&m, 6, 7, 8, 1 << 20).unwrap_err();
+        assert!(
+            e.contains("entry 0") && e.contains("past the end of the origin"),
+            "{e}"
+        );
+        set_entry(&mut m, 0, (1 << 20) - 8, 1);
+        assert!(load(&m, 6, 7, 8, 1 << 20).is_ok());
+        set_entry(&mut m, 0, 1 << 20, 1);
+        assert!(load(&m, 6, 7, 8, 1 << 20).is_err());
     }
 
     #[test]
@@ -206,9 +237,9 @@ mod tests {
         // read past the end of its request
         let mut m = fresh(6, 4096).unwrap();
         set_entry(&mut m, 0, 16, 1);
-        assert!(load(&m, 6, 7, 8).is_ok());
+        assert!(load(&m, 6, 7, 8, 1 << 20).is_ok());
         set_entry(&mut m, 1, 2044, 2);
-        let e = load(&m, 6, 7, 8).unwrap_err();
+        let e = load(&m, 6, 7, 8, 1 << 20).unwrap_err();
         assert!(
             e.contains("entry 1 maps sector 2044") && e.contains("block size"),
             "{e}"
