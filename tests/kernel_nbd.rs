@@ -90,7 +90,7 @@ if [ ! -c /dev/ublk-control ]; then
 fi
 check netlink "-connections 2"
 check ioctl -nonetlink
-echo "ORACLE flushes $(dmkit --run-dir /run/dmkit stats lin | sed -n 's/^.* flushes=//p')"
+echo "ORACLE flushes $(dmkit --run-dir /run/dmkit stats lin | sed -n 's/^.* flushes=\([0-9]*\).*/\1/p')"
 echo "ORACLE daemon $(kill -0 $(pidof dmkit) && echo alive)"
 echo "ORACLE ublk-control $([ -c /dev/ublk-control ] && echo present || echo absent)"
 "#
