@@ -326,15 +326,7 @@ impl Queue {
         };
         self.in_flight += 1;
         self.tag_of[slot] = tag;
-        let flags = d.op_flags >> 8;
-        let op = match (d.op_flags & 0xff) as u8 {
-            sys::OP_READ => Some(Op::Read),
-            sys::OP_WRITE => Some(Op::Write),
-            sys::OP_FLUSH => Some(Op::Flush),
-            sys::OP_DISCARD => Some(Op::Discard),
-            sys::OP_WRITE_ZEROES => Some(Op::WriteZeroes),
-            _ => None,
-        };
+        let (op, fua, nounmap) = decode_op_flags(d.op_flags);
         let bytes = u64::from(d.nr_sectors) * SECTOR;
         let size = self.engine.device().size_sectors();
         let end = d.start_sector.checked_add(u64::from(d.nr_sectors));
@@ -360,8 +352,8 @@ impl Queue {
         } else {
             u64::from(d.nr_sectors)
         };
-        q.fua = flags & sys::IO_F_FUA != 0;
-        q.punch = flags & sys::IO_F_NOUNMAP == 0;
+        q.fua = fua;
+        q.punch = !nounmap;
         q.fast_zero = false;
         self.engine.start(slot);
     }
@@ -384,5 +376,48 @@ impl Queue {
         self.engine.free(slot);
         self.in_flight -= 1;
         self.command(sys::IO_COMMIT_AND_FETCH_REQ, tag, result);
+    }
+}
+
+/// A request's operation, FUA and NOUNMAP from its descriptor's `op_flags`: the
+/// operation in bits 0-7, the flags (`sys::IO_F_*`) at their own bit positions in
+/// the same word (the kernel's ublk_req_build_flags), not shifted down by 8.
+fn decode_op_flags(op_flags: u32) -> (Option<Op>, bool, bool) {
+    let op = match (op_flags & 0xff) as u8 {
+        sys::OP_READ => Some(Op::Read),
+        sys::OP_WRITE => Some(Op::Write),
+        sys::OP_FLUSH => Some(Op::Flush),
+        sys::OP_DISCARD => Some(Op::Discard),
+        sys::OP_WRITE_ZEROES => Some(Op::WriteZeroes),
+        _ => None,
+    };
+    (
+        op,
+        op_flags & sys::IO_F_FUA != 0,
+        op_flags & sys::IO_F_NOUNMAP != 0,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FUA write (ext4's journal commit block) must reach the engine as FUA: a
+    /// thin commits its metadata before it completes one to a changed thin. The
+    /// flags were read shifted by 8, so FUA and NOUNMAP were never seen.
+    #[test]
+    fn fua_and_nounmap_are_read_where_the_kernel_puts_them() {
+        // values of include/uapi/linux/ublk_cmd.h
+        assert_eq!(sys::IO_F_FUA, 1 << 13);
+        assert_eq!(sys::IO_F_NOUNMAP, 1 << 15);
+        let w = u32::from(sys::OP_WRITE);
+        assert_eq!(decode_op_flags(w), (Some(Op::Write), false, false));
+        assert_eq!(decode_op_flags(w | (1 << 13)), (Some(Op::Write), true, false));
+        let z = u32::from(sys::OP_WRITE_ZEROES) | (1 << 15);
+        assert_eq!(decode_op_flags(z), (Some(Op::WriteZeroes), false, true));
+        // failfast flags (bits 8-10, set on every request) are neither
+        let f = u32::from(sys::OP_FLUSH) | 0x700;
+        assert_eq!(decode_op_flags(f), (Some(Op::Flush), false, false));
+        assert_eq!(decode_op_flags(4).0, None); // WRITE_SAME
     }
 }
