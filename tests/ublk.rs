@@ -137,6 +137,7 @@ writer() {{
   n=0
   : > /tmp/durable-$1
   while [ ! -f /tmp/stop ]; do
+    echo w-$n > /tmp/writing-$1
     dd if=/dev/urandom of=/mnt/$1/w-$n bs=64k count=2 conv=fsync 2>/dev/null
     (cd /mnt/$1 && md5sum w-$n) >> /tmp/durable-$1
     n=$((n+1))
@@ -160,6 +161,10 @@ for sig in KILL TERM KILL KILL TERM KILL; do
   dd if=/dev/urandom of=/tmp/direct bs=64k count=2 2>/dev/null
   dd if=/tmp/direct of=/mnt/lin/direct-$k bs=64k oflag=direct 2>/dev/null
   echo "$(md5sum < /tmp/direct | cut -d' ' -f1)  direct-$k" >> /tmp/kept-lin-$k
+  # a file being written when a SIGKILL lands may lose the thin's and the
+  # writecache's uncommitted writes (README: as a power cut would, while the
+  # filesystem goes on believing them written): left out of the final check
+  if [ $sig = KILL ]; then for dev in thin wc; do cat /tmp/writing-$dev >> /tmp/spanned-$dev; done; fi
   kill -$sig $(cat /tmp/pid)
   while kill -0 $(cat /tmp/pid) 2>/dev/null; do sleep 0.05; done
   start --restore
@@ -173,7 +178,8 @@ for p in $(cat /tmp/loads); do wait $p; done
 # every file the writers finished, and those written before the restarts, read
 # back the same (the writecache's through its reopened cache metadata)
 for dev in lin thin wc; do
-  cat /tmp/durable-$dev >> /tmp/sums-$dev
+  touch /tmp/spanned-$dev
+  awk 'NR == FNR {{ skip[$1] = 1; next }} !($2 in skip)' /tmp/spanned-$dev /tmp/durable-$dev >> /tmp/sums-$dev
   echo 3 > /proc/sys/vm/drop_caches
   (cd /mnt/$dev && md5sum -c /tmp/sums-$dev > /dev/null) && echo "ORACLE md5-after-$dev same $(wc -l < /tmp/sums-$dev)" || echo "ORACLE md5-after-$dev differ"
 done
