@@ -614,7 +614,7 @@ fn sigkill_under_load(mode: &str, tag: &str) {
         std::thread::sleep(Duration::from_millis(150 + rng.below(400)));
         d.kill9();
         let log = load.finish();
-        assert!(log.1 > 100, "round {round}: only {} writes before a flush", log.1);
+        assert!(log.1 > 20, "round {round}: only {} writes before a flush", log.1);
         seed = log.0.last().map_or(seed, |x| x.2) + 1;
         let allowed = settle(&mut state, &log, BS);
         let d = Daemon::start(&format!("{tag}-{round}-after"));
