@@ -87,11 +87,9 @@ fn error_lines(stderr: &str) -> Vec<&str> {
         .collect()
 }
 
-/// `path` is refused: by a pool `create` in `d` (one line containing `want`; the
-/// daemon still serves `keeper`), and by each thin tool (exit 64, one error line
-/// containing `want`). `repair`: None if repair rebuilds without the lying
-/// field, else what its error says.
-fn refused_everywhere(d: &Daemon, path: &Path, want: &str, repair: Option<&str>, what: &str) {
+/// A pool `create` over `path` in `d` fails with one line naming `want` and the
+/// target, leaves no device, and the daemon still serves `keeper`.
+fn create_is_refused(d: &Daemon, path: &Path, want: &str, what: &str) {
     let data = d.dir.path("data");
     let e = d.fails(&[
         "create",
@@ -118,6 +116,14 @@ fn refused_everywhere(d: &Daemon, path: &Path, want: &str, repair: Option<&str>,
         &pattern(7, 1 << 20),
         &format!("{what}: keeper after the refused create"),
     );
+}
+
+/// `path` is refused: by a pool `create` in `d` (one line containing `want`; the
+/// daemon still serves `keeper`), and by each thin tool (exit 64, one error line
+/// containing `want`). `repair`: None if repair rebuilds without the lying
+/// field, else what its error says.
+fn refused_everywhere(d: &Daemon, path: &Path, want: &str, repair: Option<&str>, what: &str) {
+    create_is_refused(d, path, want, what);
 
     let p = path.to_str().expect("utf-8 path");
     let out = d.dir.sparse("repaired", META_BLOCKS * BLOCK_SIZE as u64);
@@ -264,24 +270,7 @@ fn lying_btree_node_headers_are_refused_by_name() {
             lie(&good, details, BlockKind::BtreeNode, off, &v.to_le_bytes()),
         )
         .expect("write");
-        let data = d.dir.path("data");
-        let e = d.fails(&[
-            "create",
-            "lying",
-            "--table",
-            &format!(
-                "0 {POOL_SECTORS} thin-pool {} {} 128 10",
-                path.display(),
-                data.display()
-            ),
-        ]);
-        assert!(e.contains(&want), "{what}: create error does not name it: {e}");
-        let mut c = nbd::Client::connect(&d.sock(), "keeper");
-        assert_same(
-            &c.read(0, 1 << 20),
-            &pattern(7, 1 << 20),
-            &format!("{what}: keeper"),
-        );
+        create_is_refused(&d, &path, &want, what);
         let p = path.to_str().expect("utf-8 path");
         for (verb, args) in [
             ("check", vec![p]),

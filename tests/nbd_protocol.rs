@@ -28,6 +28,16 @@ fn setup(tag: &str, mib: u64) -> (Daemon, PathBuf) {
 
 /// A client connected before the abuse: after it, it must still write and read
 /// back correctly, a new client must connect, and the daemon must be running.
+/// A connection to export "d" with structured replies (no meta context) or
+/// with simple replies.
+fn connect_either(d: &Daemon, structured: bool) -> Client {
+    if structured {
+        nbd::connect_structured(&d.sock(), "d", &[]).0
+    } else {
+        Client::connect(&d.sock(), "d")
+    }
+}
+
 fn still_serving(d: &mut Daemon, by: &mut Client, export: &str) {
     let data = pattern(0xB1, 64 << 10);
     by.write(by.size - (64 << 10), &data);
@@ -862,11 +872,7 @@ fn unknown_commands_every_length() {
     let (mut d, _f) = setup("unkcmd", 8);
     let mut by = Client::connect(&d.sock(), "d");
     for structured in [false, true] {
-        let mut c = if structured {
-            nbd::connect_structured(&d.sock(), "d", &[]).0
-        } else {
-            Client::connect(&d.sock(), "d")
-        };
+        let mut c = connect_either(&d, structured);
         for cmd in [8u16, 9, 42, 0x7fff, 0x8000, 0xffff] {
             for (flags, len) in [(0u16, 0u32), (0, 512), (FLAG_FUA, 4096), (0xffff, u32::MAX)] {
                 let cookie = (u64::from(cmd) << 16) | u64::from(flags);
@@ -1062,11 +1068,7 @@ fn duplicated_and_odd_cookies() {
     )
     .unwrap();
     for structured in [false, true] {
-        let mut c = if structured {
-            nbd::connect_structured(&d.sock(), "d", &[]).0
-        } else {
-            Client::connect(&d.sock(), "d")
-        };
+        let mut c = connect_either(&d, structured);
         // A simple reply does not say how much data follows it: only the cookie
         // does, so reads share cookies with reads and writes with writes.
         let reads = [5u64, 5, u64::MAX, 5];
@@ -1128,11 +1130,7 @@ fn maximal_lengths() {
     let max = 32 * MIB as u32;
     let big = pattern(3, max as usize);
     for structured in [false, true] {
-        let mut c = if structured {
-            nbd::connect_structured(&d.sock(), "d", &[]).0
-        } else {
-            Client::connect(&d.sock(), "d")
-        };
+        let mut c = connect_either(&d, structured);
         c.send(WRITE, 0, 1, 0, max, &big);
         assert_eq!(c.next_reply(|_| 0), simple(1, 0), "32 MiB write");
         c.send(READ, 0, 2, 0, max, &[]);
@@ -1186,11 +1184,7 @@ fn disc_with_requests_in_flight() {
     let (mut d, f) = setup("discfly", 8);
     let mut by = Client::connect(&d.sock(), "d");
     for structured in [false, true] {
-        let mut c = if structured {
-            nbd::connect_structured(&d.sock(), "d", &[]).0
-        } else {
-            Client::connect(&d.sock(), "d")
-        };
+        let mut c = connect_either(&d, structured);
         let seed = 50 * u64::from(structured);
         let mut batch = Vec::new();
         let mut req = |cmd: u16, cookie: u64, off: u64, len: u32, payload: &[u8]| {
