@@ -96,6 +96,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let reg = Arc::new(Registry::new(Config {
         direct_io: opts.direct_io,
+        restart_logs: Some(opts.run_dir.join("uncommitted")),
     }));
     let control_path = opts.run_dir.join("control.sock");
     let nbd_path = opts.run_dir.join("nbd.sock");

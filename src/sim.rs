@@ -78,6 +78,12 @@ pub struct Options {
     /// `thin_check` checks the crash image and the recovered metadata too, and
     /// must agree with dmkit's checker.
     pub ref_check_every: u64,
+    /// The crash is a kill of the daemon, not a power cut: every write issued
+    /// is kept, the restart logs (`io::restart_log`) are on, and every write
+    /// acknowledged before the kill must be there after it.
+    pub kill: bool,
+    /// Test-only: kill trials without the restart logs (they must fail).
+    pub no_restart_logs: bool,
 }
 
 /// What a passing trial did.
@@ -101,7 +107,7 @@ pub struct Outcome {
 /// The command that replays a trial.
 pub fn replay_command(o: &Options) -> String {
     format!(
-        "dmkit sim --stack {} --seed {} --ops {}{}{}{}",
+        "dmkit sim --stack {} --seed {} --ops {}{}{}{}{}",
         o.stack.name(),
         o.seed,
         o.ops,
@@ -111,6 +117,7 @@ pub fn replay_command(o: &Options) -> String {
             ""
         },
         if o.io_errors { "" } else { " --no-io-errors" },
+        if o.kill { " --kill" } else { "" },
         if o.ref_check_every > 0 && o.stack == Stack::Thin {
             " --ref-check-every 1"
         } else {
@@ -197,6 +204,8 @@ struct SectorModel {
     newer: Vec<u64>,
     /// Writes that were durable once and were superseded since.
     past: Vec<u64>,
+    /// How many of `newer` (from the oldest) were acknowledged.
+    acked: usize,
 }
 
 impl SectorModel {
@@ -222,12 +231,37 @@ impl SectorModel {
     fn allows(&self, id: u64) -> bool {
         id == self.durable || self.newer.contains(&id) || (self.newer.contains(&0) && self.past.contains(&id))
     }
+    /// After a kill of the daemon: what was acknowledged (as a read before the
+    /// kill), or a write still in flight; after a discard, an older copy as after
+    /// a crash.
+    fn kill_allows(&self, id: u64) -> bool {
+        let (acked, later) = self.newer.split_at(self.acked.min(self.newer.len()));
+        if later.contains(&id) || (self.newer.contains(&0) && self.past.contains(&id)) {
+            return true;
+        }
+        let mut it = acked.iter().rev();
+        loop {
+            match it.next() {
+                Some(0) if id == 0 => return true,
+                Some(0) => continue,
+                Some(&w) => return w == id,
+                None => return id == self.durable,
+            }
+        }
+    }
+    /// Write `id` was acknowledged.
+    fn acknowledged(&mut self, id: u64) {
+        if let Some(i) = self.newer.iter().position(|&x| x == id) {
+            self.acked = self.acked.max(i + 1);
+        }
+    }
     /// Write `id` (issued after everything in `newer`) is durable.
     fn make_durable(&mut self, id: u64) {
         if let Some(i) = self.newer.iter().position(|&x| x == id) {
             self.past.push(self.durable);
             self.past.extend(self.newer.drain(..=i).filter(|&x| x != id));
             self.durable = id;
+            self.acked = self.acked.saturating_sub(i + 1);
         }
     }
 }
@@ -250,6 +284,11 @@ impl DevModel {
         }
     }
     fn ack(&mut self, sector: u64, n: u64, id: u64, fua: bool, seq: u64) {
+        for s in sector..sector + n {
+            if let Some(m) = self.sectors.get_mut(&s) {
+                m.acknowledged(id);
+            }
+        }
         if fua {
             for s in sector..sector + n {
                 if let Some(m) = self.sectors.get_mut(&s) {
@@ -408,6 +447,15 @@ pub fn run_trial(o: &Options) -> Result<Outcome, String> {
     }
 }
 
+fn copy_dir(d: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    std::fs::read_dir(d)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| std::fs::read(e.path()).ok().map(|b| (e.path(), b)))
+        .collect()
+}
+
 fn make_file(path: &Path, bytes: u64) -> Result<(), String> {
     let f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
     f.set_len(bytes).map_err(|e| format!("{}: {e}", path.display()))
@@ -426,10 +474,12 @@ pub enum CrashKind {
     End,
 }
 
-fn choose_crash(seed: u64, counts: sim::Counts) -> (CrashKind, Option<sim::CrashAt>, sim::Fates) {
+fn choose_crash(seed: u64, counts: sim::Counts, kill: bool) -> (CrashKind, Option<sim::CrashAt>, sim::Fates) {
     let mut r = Rng::new(seed ^ 0x5eed_c4a5_11ed_0001);
     let roll = r.below(100);
-    let fates = if r.chance(50) {
+    let fates = if kill {
+        sim::Fates::Kept
+    } else if r.chance(50) {
         sim::Fates::Independent
     } else {
         sim::Fates::NewestFirst
@@ -446,11 +496,20 @@ fn choose_crash(seed: u64, counts: sim::Counts) -> (CrashKind, Option<sim::Crash
     (kind, at, fates)
 }
 
-fn new_trial(o: &Options) -> Trial {
+/// The trial's registry: a daemon's, with restart logs under `dir` when the
+/// crash is a kill.
+fn registry(o: &Options, dir: &Path) -> Registry {
+    Registry::new(Config {
+        direct_io: false,
+        restart_logs: (o.kill && !o.no_restart_logs).then(|| dir.join("uncommitted")),
+    })
+}
+
+fn new_trial(o: &Options, dir: &Path) -> Trial {
     Trial {
         o: o.clone(),
         rng: Rng::new(o.seed),
-        reg: Registry::new(Config { direct_io: false }),
+        reg: registry(o, dir),
         files: Vec::new(),
         models: HashMap::new(),
         devs: Vec::new(),
@@ -477,7 +536,9 @@ fn run_workload(
     at: Option<sim::CrashAt>,
     fail: Option<sim::FailPlan>,
 ) -> Result<Trial, String> {
-    let mut t = new_trial(o);
+    let mut t = new_trial(o, dir);
+    // a log of the first run (its files had other identities) is no use
+    let _ = std::fs::remove_dir_all(dir.join("uncommitted"));
     let sizes: &[(&str, u64)] = match o.stack {
         Stack::Thin => &[("meta", 4 << 20), ("data", 16 << 20)],
         Stack::Writecache => &[("origin", 8 << 20), ("cache", 1 << 20)],
@@ -511,7 +572,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     // the first run counts the events a crash can be placed at
     let mut first = run_workload(o, dir, None, None)?;
     let counts = sim::counts();
-    let (kind, at, fates) = choose_crash(o.seed, counts);
+    let (kind, at, fates) = choose_crash(o.seed, counts, o.kill);
     // an I/O error in one trial of four, before the crash point
     let mut r = Rng::new(o.seed ^ 0xe10e_4404_0000_0001);
     let fail = (r.chance(25) && o.io_errors).then(|| {
@@ -536,6 +597,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     // the power goes
     let mut crash_rng = Rng::new(o.seed ^ 0xc0ff_ee00);
     let images = sim::crash_images(fates, |n| crash_rng.below(n));
+    let logs_at_kill = copy_dir(&dir.join("uncommitted"));
     t.teardown();
     for (p, img) in &images {
         std::fs::write(p, img).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -553,7 +615,13 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     }
     // back up on what survived, with no more faults
     sim::begin();
-    t.reg = Registry::new(Config { direct_io: false });
+    t.reg = registry(o, dir);
+    for (p, b) in &logs_at_kill {
+        if std::fs::read(p).ok().as_ref() != Some(b) {
+            trace(|| format!("restart log {} changed after the kill", p.display()));
+            let _ = std::fs::write(p, b);
+        }
+    }
     t.build(true)?;
     trace(|| format!("after the crash: {:?}", t.reg.table_lines(None, true, false)));
     t.verify_all()?;
@@ -1249,7 +1317,15 @@ impl Trial {
                 let sec = s0 + i as u64;
                 let sm = m.and_then(|m| m.sectors.get(&sec)).unwrap_or(&empty);
                 let got = identify(s, owner, sec).map_err(|e| format!("{name}: after the crash: {e}"))?;
-                if !sm.allows(got) {
+                // after an injected I/O error, what was acknowledged and not
+                // yet durable is undefined (see `note_failures`): a kill then
+                // keeps what a crash would
+                let ok = if self.o.kill && self.out.io_errors_injected == 0 {
+                    sm.kill_allows(got)
+                } else {
+                    sm.allows(got)
+                };
+                if !ok {
                     let mut one = vec![0u8; 4096];
                     let again = devio::read(&dest, sec & !7, &mut one)
                         .map(|_| identify(&one[((sec & 7) * 512) as usize..][..512], owner, sec));

@@ -251,3 +251,193 @@ fn a_device_that_cannot_be_restored_is_reported_and_the_others_come_back() {
     let now = std::fs::read_to_string(d.run.join("devices.state")).expect("state");
     assert!(!now.contains("gone"), "{now}");
 }
+
+/// Wait for the restarted daemon's "restored N devices" line; the log then.
+fn restored(d: &Daemon) -> String {
+    let t0 = Instant::now();
+    while !d.log().contains("restored ") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no restore line: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.log()
+}
+
+/// A pool (commits only on flush: the period is an hour) with thin 0 on
+/// `thin`; 4 MiB of pattern 1 written and a partial block at 8 MiB + 4 KiB,
+/// flushed; then snapshot 1 of it, and pattern 2 over its first MiB, not
+/// flushed (16 blocks whose sharing breaks: new mappings replacing old ones).
+/// Returns thin 0's expected first 9 MiB.
+fn thin_acked_unflushed(d: &Daemon) -> Vec<u8> {
+    let meta = image(&d.dir, "meta.img", 4 * MIB, None);
+    let data = image(&d.dir, "data.img", 64 * MIB, None);
+    d.create(
+        "pool",
+        &format!(
+            "0 {} thin-pool {} {} 128 0",
+            64 * MIB / 512,
+            meta.display(),
+            data.display()
+        ),
+    );
+    d.ok(&["message", "pool", "0", "create_thin 0"]);
+    d.create("thin", &format!("0 {} thin /dev/mapper/pool 0", 32 * MIB / 512));
+    let mut c = Client::connect(&d.sock(), "thin");
+    let mut want = vec![0u8; 9 * MIB as usize];
+    want[..4 * MIB as usize].copy_from_slice(&pattern(1, 4 * MIB as usize));
+    c.write(0, &want[..4 * MIB as usize]);
+    let at = (8 * MIB + 4096) as usize;
+    want[at..at + 8192].copy_from_slice(&pattern(3, 8192));
+    c.write(at as u64, &want[at..at + 8192]);
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0, "flush");
+    d.ok(&["message", "pool", "0", "create_snap 1 0"]);
+    want[..MIB as usize].copy_from_slice(&pattern(2, MIB as usize));
+    c.write(0, &want[..MIB as usize]);
+    want
+}
+
+/// A writecache that commits only on flush (or when its log fills), on
+/// `name`, of mode `mode`, with 2 MiB of pattern `seed` written over it and
+/// not flushed, then its first 64 KiB written again (in place: uncommitted).
+fn wc_acked_unflushed(d: &Daemon, name: &str, mode: &str, seed: u64) -> Vec<u8> {
+    let origin = image(&d.dir, &format!("{name}-origin.img"), 16 * MIB, None);
+    let cache = image(&d.dir, &format!("{name}-cache.img"), 8 * MIB, None);
+    d.create(
+        name,
+        &format!(
+            "0 {} writecache {mode} {} {} 4096 4 autocommit_blocks 1000000 autocommit_time 3600000",
+            16 * MIB / 512,
+            origin.display(),
+            cache.display()
+        ),
+    );
+    let mut c = Client::connect(&d.sock(), name);
+    let mut want = pattern(seed, 2 * MIB as usize);
+    c.write(0, &want);
+    want[..65536].copy_from_slice(&pattern(seed + 10, 65536));
+    c.write(0, &want[..65536]);
+    want
+}
+
+/// Writes a thin pool or a writecache acknowledged and had not committed (no
+/// flush came) are there after a SIGKILL and `serve --restore`, as after a
+/// SIGTERM: a filesystem mounted over ublk lives through the kill and trusts
+/// them (`io::restart_log`). Before, the thin's new mappings and the caches'
+/// new entries were lost, and the filesystem's blocks read back stale.
+#[test]
+fn writes_acknowledged_before_a_kill_9_are_there_after_restore() {
+    let d = Daemon::start_with("acked", &[], &[("DMKIT_THIN_COMMIT_PERIOD_MS", "3600000")]);
+    let thin = thin_acked_unflushed(&d);
+    let ssd = wc_acked_unflushed(&d, "wcs", "s", 40);
+    let pmem = wc_acked_unflushed(&d, "wcp", "p", 50);
+    let d = d.kill9_and_restore();
+    let log = restored(&d);
+    assert!(log.contains("restored 4 devices ("), "{log}");
+    // replayed, not committed before the kill by chance
+    assert!(
+        log.contains("committed 16 block mappings the previous daemon had acknowledged"),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("writecache: committed 512 blocks the previous daemon had acknowledged")
+            .count(),
+        2,
+        "{log}"
+    );
+    d.create("snap", &format!("0 {} thin /dev/mapper/pool 1", 32 * MIB / 512));
+    let check = |d: &Daemon, what: &str| {
+        let mut c = Client::connect(&d.sock(), "thin");
+        assert_same(&c.read(0, 9 * MIB as usize), &thin, &format!("thin {what}"));
+        let mut s = Client::connect(&d.sock(), "snap");
+        let mut old = thin.clone();
+        old[..MIB as usize].copy_from_slice(&pattern(1, MIB as usize));
+        assert_same(&s.read(0, 9 * MIB as usize), &old, &format!("snapshot {what}"));
+        for (name, want) in [("wcs", &ssd), ("wcp", &pmem)] {
+            let mut c = Client::connect(&d.sock(), name);
+            assert_same(&c.read(0, 2 * MIB as usize), want, &format!("{name} {what}"));
+        }
+    };
+    check(&d, "after the kill");
+    // what was replayed is committed: a second kill at once loses nothing
+    let d = d.kill9_and_restore();
+    let log = restored(&d);
+    assert!(log.contains("restored 5 devices ("), "{log}");
+    check(&d, "after a second kill");
+    // the pool's metadata is as the reference sees it: consistent
+    let mut d = d;
+    d.kill9();
+    let (ok, out, err) = run_t(
+        &mut cmd(
+            &common::tool_path("thin_check"),
+            &[d.dir.path("meta.img").to_str().expect("utf-8")],
+        ),
+        60,
+    );
+    assert!(ok, "thin_check: {out}{err}");
+}
+
+/// A restart log that lies (a valid checksum, a record naming a data block
+/// the committed metadata uses) is refused with an error naming it; the pool
+/// is not made, the metadata is not touched, and without the log it opens.
+#[test]
+fn a_restart_log_that_lies_is_refused_and_named() {
+    let d = Daemon::start_with("lying-log", &[], &[("DMKIT_THIN_COMMIT_PERIOD_MS", "3600000")]);
+    thin_acked_unflushed(&d);
+    let mut d = d;
+    d.kill9();
+    let logs: Vec<_> = std::fs::read_dir(d.run.join("uncommitted"))
+        .expect("the restart logs")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("thin-pool-"))
+        })
+        .collect();
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    let mut bytes = std::fs::read(&logs[0]).expect("log");
+    // record 0 (at 128, 48 bytes): its data block (word c, at 32) becomes 0,
+    // mapped since the flush; the checksum (at 12) sealed again
+    let r = &mut bytes[128..176];
+    r[32..40].copy_from_slice(&0u64.to_le_bytes());
+    let c = crc32c::crc32c_append(crc32c::crc32c(&r[..12]), &r[16..]);
+    r[12..16].copy_from_slice(&c.to_le_bytes());
+    std::fs::write(&logs[0], &bytes).expect("write log");
+    let meta_before = std::fs::read(d.dir.path("meta.img")).expect("meta");
+    let d = d.kill9_and_restore();
+    let log = restored(&d);
+    let line = log
+        .lines()
+        .find(|l| l.contains("device 'pool' not restored"))
+        .unwrap_or_else(|| panic!("no error for the pool:\n{log}"));
+    assert!(line.contains("restart log record 0"), "{line}");
+    assert!(line.contains("data block is out of range or in use"), "{line}");
+    assert!(line.contains(&format!("remove {}", logs[0].display())), "{line}");
+    assert!(
+        std::fs::read(d.dir.path("meta.img")).expect("meta") == meta_before,
+        "metadata untouched"
+    );
+    std::fs::remove_file(&logs[0]).expect("remove the log");
+    let meta = d.dir.path("meta.img");
+    let data = d.dir.path("data.img");
+    d.create(
+        "pool",
+        &format!(
+            "0 {} thin-pool {} {} 128 0",
+            64 * MIB / 512,
+            meta.display(),
+            data.display()
+        ),
+    );
+    d.create("thin", &format!("0 {} thin /dev/mapper/pool 0", 32 * MIB / 512));
+    // without the log: what was flushed (pattern 1), not the unflushed MiB
+    let mut c = Client::connect(&d.sock(), "thin");
+    assert_same(
+        &c.read(0, 2 * MIB as usize),
+        &pattern(1, 2 * MIB as usize),
+        "thin without the log",
+    );
+}

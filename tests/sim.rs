@@ -9,6 +9,10 @@ use dmkit::sim::{self, Options, Stack};
 const REF_CHECK_EVERY: u64 = 25;
 
 fn run(stack: Stack, first: u64, trials: u64, io_errors: bool) {
+    run_as(stack, first, trials, io_errors, false)
+}
+
+fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
     let o = Options {
         stack,
         seed: first,
@@ -17,12 +21,15 @@ fn run(stack: Stack, first: u64, trials: u64, io_errors: bool) {
         io_errors,
         dir: sim::default_dir(),
         ref_check_every: REF_CHECK_EVERY,
+        kill,
+        no_restart_logs: false,
     };
     let s = sim::run_trials(&o, trials, false);
     eprintln!(
-        "{}: {} trials, {} crashed mid-workload ({} at a flush inside a commit, {} after a chosen write, {} at the end), \
+        "{}{}: {} trials, {} crashed mid-workload ({} at a flush inside a commit, {} after a chosen write, {} at the end), \
          {} with an I/O error, {} writes acknowledged, {} sectors checked, {} metadata images agreed on by the reference thin_check",
         stack.name(),
+        if kill { " (killed)" } else { "" },
         s.trials,
         s.crashed_mid_op,
         s.at_commit_flush,
@@ -91,6 +98,60 @@ fn snapshot_crash_trials() {
     run(Stack::Snapshot, 0, 300, true);
 }
 
+/// The crash is a kill of the daemon (`dmkit sim --kill`): every write issued
+/// before it is kept, and every write acknowledged before it reads back after
+/// the next daemon opened the pool (its restart log replayed).
+#[test]
+fn thin_pool_kill_trials() {
+    run_as(Stack::Thin, 0, 100, true, true);
+}
+
+#[test]
+fn writecache_kill_trials() {
+    run_as(Stack::Writecache, 0, 100, true, true);
+}
+
+/// The kill trials have power: without the restart logs (a test-only switch)
+/// many trials lose acknowledged writes.
+#[test]
+fn kill_trials_without_restart_logs_fail() {
+    let mut failed = 0;
+    for stack in [Stack::Thin, Stack::Writecache] {
+        let o = Options {
+            stack,
+            seed: 0,
+            ops: 120,
+            break_commit_order: false,
+            io_errors: false,
+            dir: sim::default_dir(),
+            ref_check_every: 0,
+            kill: true,
+            no_restart_logs: true,
+        };
+        let s = sim::run_trials(&o, 50, false);
+        eprintln!(
+            "{}: {} of 50 kill trials without restart logs failed",
+            stack.name(),
+            s.failures.len()
+        );
+        assert!(
+            s.failures
+                .iter()
+                .all(|(_, why)| why.contains("after the crash, sector")),
+            "{:?}",
+            s.failures
+        );
+        assert!(
+            s.failures.len() >= 10,
+            "{}: only {} of 50 failed",
+            stack.name(),
+            s.failures.len()
+        );
+        failed += s.failures.len();
+    }
+    assert!(failed >= 20);
+}
+
 /// The simulation has power: with the flush before the thin-pool superblock
 /// write left out (a test-only switch), most trials fail, each with damaged
 /// metadata when the pool is opened again, and the reference thin_check agrees
@@ -105,6 +166,8 @@ fn broken_commit_order_is_caught() {
         io_errors: false,
         dir: sim::default_dir(),
         ref_check_every: 10,
+        kill: false,
+        no_restart_logs: false,
     };
     let s = sim::run_trials(&o, 100, false);
     eprintln!(
@@ -156,7 +219,10 @@ mod error_states {
             }
             Setup {
                 dir,
-                reg: Registry::new(Config { direct_io: false }),
+                reg: Registry::new(Config {
+                    direct_io: false,
+                    restart_logs: None,
+                }),
             }
         }
         fn path(&self, n: &str) -> String {
@@ -306,6 +372,8 @@ fn regression_seeds() {
             io_errors: true,
             dir: sim::default_dir(),
             ref_check_every: 0,
+            kill: false,
+            no_restart_logs: false,
         };
         if let Err(e) = sim::run_trial(&o) {
             panic!("{e}\n  replay: {}", sim::replay_command(&o));

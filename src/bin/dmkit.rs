@@ -90,6 +90,11 @@ struct SimArgs {
     /// agree with dmkit's checker (0: never)
     #[arg(long, value_name = "N", default_value_t = 50)]
     ref_check_every: u64,
+    /// The crash is a kill of the daemon (every write issued is kept), and every
+    /// write acknowledged before it must be there after it: checks the restart
+    /// logs of thin pools and writecaches
+    #[arg(long)]
+    kill: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -250,6 +255,8 @@ fn sim(a: SimArgs) -> Result<i32> {
         io_errors: !a.no_io_errors,
         dir: a.dir.unwrap_or_else(sim::default_dir),
         ref_check_every: a.ref_check_every,
+        kill: a.kill,
+        no_restart_logs: false,
     };
     let t = std::time::Instant::now();
     let s = sim::run_trials(&o, a.trials, !a.keep_going);

@@ -8,8 +8,10 @@
 pub mod backing;
 pub mod buf;
 pub mod hold;
+pub mod mapped;
 pub mod queue;
 pub mod rbd;
+pub mod restart_log;
 pub mod sim;
 
 pub use backing::BackingFile;

@@ -90,6 +90,9 @@ pub enum Fates {
     /// lost (1/2), torn (1/4) or kept (1/4), as a disk whose cache writes back
     /// in reverse. The harshest order for code that relies on a missing flush.
     NewestFirst,
+    /// Every write is kept: the daemon was killed, the machine's page cache
+    /// and disks carry on (`dmkit sim --kill`).
+    Kept,
 }
 
 #[derive(Default)]
@@ -306,6 +309,7 @@ pub fn crash_images(fates: Fates, mut pick: impl FnMut(u64) -> u64) -> Vec<(Path
             let fate = match fates {
                 _ if e.fua => 0,
                 Fates::Independent => pick(4),
+                Fates::Kept => 0,
                 Fates::NewestFirst if i == newest => 0,
                 Fates::NewestFirst => [2, 2, 3, 0][pick(4) as usize],
             };

@@ -75,11 +75,17 @@ fn uuid_free(
 pub struct Config {
     /// Open backing files with O_DIRECT where the file system allows it.
     pub direct_io: bool,
+    /// Where thin pools and writecaches record what they acknowledged and have
+    /// not committed yet, for the next daemon (`io::restart_log`); none, none kept.
+    pub restart_logs: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { direct_io: true }
+        Config {
+            direct_io: true,
+            restart_logs: None,
+        }
     }
 }
 
@@ -111,7 +117,7 @@ impl Registry {
             devices: Mutex::new(BTreeMap::new()),
             files: Mutex::new(Vec::new()),
             minors: Mutex::new(std::collections::BTreeSet::new()),
-            shared: targets::Shared::default(),
+            shared: targets::Shared::new(config.restart_logs.clone()),
             config,
         }
     }

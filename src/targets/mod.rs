@@ -596,9 +596,18 @@ pub struct Shared {
     pub origins: snapshot::Origins,
     pub thin_pools: thin::Pools,
     snap_copier: std::sync::OnceLock<Arc<crate::copier::Copier>>,
+    /// The directory of the restart logs (`io::restart_log`), if kept.
+    pub restart_logs: Option<std::path::PathBuf>,
 }
 
 impl Shared {
+    pub fn new(restart_logs: Option<std::path::PathBuf>) -> Shared {
+        Shared {
+            restart_logs,
+            ..Shared::default()
+        }
+    }
+
     /// The copy engine of snapshots (COW copies, merges): apart from thin's, so a
     /// snapshot over a thin device never waits for a thread its own copy holds.
     pub fn snap_copier(&self) -> Arc<crate::copier::Copier> {

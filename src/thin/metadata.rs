@@ -229,6 +229,13 @@ impl ThinPoolMetadata {
         Ok(())
     }
 
+    /// Names the committed state: right after `open` or `commit`, the same value
+    /// for the same superblock (what a restart log follows, `io::restart_log`).
+    pub fn committed_identity(&self) -> u64 {
+        let b = self.sb.encode();
+        (u64::from(crc32c::crc32c(&b[..])) << 32) | (self.sb.mapping_root & 0xffff_ffff)
+    }
+
     /// Drop everything since the last commit.
     pub fn abort(&mut self) -> Result<()> {
         self.load()
@@ -490,6 +497,12 @@ impl ThinPoolMetadata {
         self.check_data_block(b)?;
         self.tm.data.dec(b)?;
         Ok(())
+    }
+
+    /// Whether data block `b` was in use at the last commit (a block allocated
+    /// then and mapped only now was committed as allocated, unmapped).
+    pub fn data_block_in_use_at_commit(&self, b: u64) -> bool {
+        b < self.tm.data.nr_blocks() && self.tm.data.committed(b)
     }
 
     pub fn data_block_ref_count(&self, b: u64) -> u32 {

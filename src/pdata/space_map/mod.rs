@@ -268,7 +268,8 @@ impl SpaceMap {
         Ok(c - 1)
     }
 
-    fn committed(&self, b: u64) -> bool {
+    /// Whether block `b` was in use at the last commit.
+    pub fn committed(&self, b: u64) -> bool {
         let toggled = self.toggled[(b / 64) as usize] & (1 << (b % 64)) != 0;
         (self.counts[b as usize] != 0) != toggled
     }

@@ -454,7 +454,14 @@ impl Cell {
             res = errno::EIO;
         } else {
             match m.md.insert(self.id, self.vblock, self.new) {
-                Ok(()) => m.dirty = true,
+                Ok(()) => {
+                    m.dirty = true;
+                    // before the write is acknowledged: a daemon started after
+                    // this one is killed maps it again (io::restart_log)
+                    if !m.log_mapping(self.id, self.vblock, self.new) {
+                        self.pool.request_commit(&m);
+                    }
+                }
                 Err(e) => {
                     self.pool.metadata_failed(&mut m, &e);
                     res = errno::EIO;

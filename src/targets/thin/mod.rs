@@ -13,6 +13,7 @@ mod fast;
 pub mod pool;
 
 use crate::copier::Copier;
+use crate::io::restart_log::{Previous, Record, RestartLog};
 use crate::io::BackingFile;
 use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::Device;
@@ -26,8 +27,17 @@ use std::time::{Duration, Instant};
 /// Metadata blocks the block cache may hold (4 KiB each): 64 MiB.
 const CACHE_BLOCKS: usize = 16384;
 /// A commit runs at least this often while there are changes (the kernel's
-/// COMMIT_PERIOD).
-const COMMIT_PERIOD: Duration = Duration::from_secs(1);
+/// COMMIT_PERIOD); tests that need writes left uncommitted lengthen it with
+/// DMKIT_THIN_COMMIT_PERIOD_MS.
+fn commit_period() -> Duration {
+    static P: OnceLock<Duration> = OnceLock::new();
+    *P.get_or_init(|| {
+        let ms = std::env::var("DMKIT_THIN_COMMIT_PERIOD_MS")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        Duration::from_millis(ms.unwrap_or(1000))
+    })
+}
 
 /// Keys of the bio prison: a virtual block of a thin, or a data block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,6 +105,9 @@ pub struct PoolMd {
     pub discards: Vec<Discard>,
     /// Each active thin's lock-free cache of mapped, unshared blocks.
     pub fast: HashMap<u64, Arc<fast::FastMap>>,
+    /// The mappings inserted since the last commit, for a daemon started after
+    /// this one is killed (`io::restart_log`); none without a run directory.
+    restart: Option<RestartLog>,
 }
 
 impl PoolMd {
@@ -111,6 +124,37 @@ impl PoolMd {
     pub fn forget_block(&self, id: u64, vblock: u64) {
         if let Some(f) = self.fast.get(&id) {
             f.forget(vblock);
+        }
+    }
+
+    /// Record a mapping about to be acknowledged, uncommitted (`io::restart_log`).
+    /// False when the log is full: the caller asks for a commit.
+    pub fn log_mapping(&mut self, id: u64, vblock: u64, block: u64) -> bool {
+        let time = u64::from(self.md.time());
+        // a commit between the block's allocation and its mapping committed the
+        // allocation: the replay takes that reference over instead of a new one
+        let kind = if self.md.data_block_in_use_at_commit(block) {
+            MAPPED_ALLOCATED_BEFORE
+        } else {
+            MAPPED
+        };
+        match &mut self.restart {
+            Some(l) => l.append(Record {
+                kind,
+                a: id,
+                b: vblock,
+                c: block,
+                d: time,
+            }),
+            None => true,
+        }
+    }
+
+    /// A commit landed: the restart log starts over on top of it.
+    fn committed(&mut self) {
+        let identity = self.md.committed_identity();
+        if let Some(l) = &mut self.restart {
+            l.begin(identity);
         }
     }
 
@@ -261,6 +305,7 @@ impl Pool {
         nr_blocks: u64,
         features: Features,
         low_water: u64,
+        restart_logs: Option<&std::path::Path>,
     ) -> Result<Arc<Pool>, String> {
         let key = metadata.identity;
         wait_for_orphan(pools, key);
@@ -302,7 +347,7 @@ impl Pool {
         // read-write; read_only itself is the pool's mode.
         let dev = crate::pdata::dev::open_backing(metadata).map_err(|e| format!("metadata device: {e}"))?;
         let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
-        let md = if fresh {
+        let mut md = if fresh {
             if features.read_only {
                 return Err("read_only pool with unformatted metadata".into());
             }
@@ -332,6 +377,28 @@ impl Pool {
         } else {
             Mode::Write
         };
+        let restart = match restart_logs {
+            Some(dir) if mode == Mode::Write => {
+                let path = RestartLog::path(dir, "thin-pool", key);
+                replay_restart_log(&mut md, data, &path, &metadata.path)?;
+                let cap = usize::try_from(md.nr_data_blocks()).unwrap_or(usize::MAX);
+                match RestartLog::create(&path, cap) {
+                    Ok(mut l) => {
+                        l.begin(md.committed_identity());
+                        Some(l)
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "thin-pool {}: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
+                            metadata.path.display(),
+                            path.display()
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let pool = Arc::new(Pool {
             md: Mutex::new(PoolMd {
                 md,
@@ -347,6 +414,7 @@ impl Pool {
                 active: Vec::new(),
                 discards: Vec::new(),
                 fast: HashMap::new(),
+                restart,
             }),
             data: data.clone(),
             metadata: metadata.clone(),
@@ -511,6 +579,7 @@ impl Pool {
             match m.md.commit() {
                 Ok(()) => {
                     m.dirty = false;
+                    m.committed();
                     Ok(())
                 }
                 Err(e) => {
@@ -745,6 +814,102 @@ impl Drop for Pool {
     }
 }
 
+/// Restart-log records: thin `a`'s block `b` mapped to data block `c` at time
+/// `d`, the block allocated since the last commit (free in it) or before it
+/// (committed as allocated and mapped by nothing).
+const MAPPED: u32 = 1;
+const MAPPED_ALLOCATED_BEFORE: u32 = 2;
+
+/// Map again what a killed daemon acknowledged and had not committed, when its
+/// restart log follows the metadata as committed now, and commit it. A record
+/// that does not fit (a device that does not exist, a data block out of range or
+/// in use) is an error naming it, and nothing is replayed.
+fn replay_restart_log(
+    md: &mut ThinPoolMetadata,
+    data: &BackingFile,
+    log: &std::path::Path,
+    path: &std::path::Path,
+) -> Result<(), String> {
+    let here = md.committed_identity();
+    let records = match RestartLog::previous(log) {
+        Previous::Records { identity, records } if identity == here && !records.is_empty() => records,
+        Previous::Overflowed { identity } if identity == here => {
+            tracing::warn!(
+                "thin-pool {}: the previous daemon acknowledged more writes than its restart log holds and was killed before committing them: they are lost",
+                path.display()
+            );
+            return Ok(());
+        }
+        _ => return Ok(()),
+    };
+    let n = records.len();
+    let apply = |md: &mut ThinPoolMetadata| -> Result<(), String> {
+        // blocks committed as allocated must be mapped by nothing yet
+        let before: std::collections::HashSet<u64> = records
+            .iter()
+            .filter(|r| r.kind == MAPPED_ALLOCATED_BEFORE)
+            .map(|r| r.c)
+            .collect();
+        if !before.is_empty() {
+            let mut mapped = None;
+            for dev in md.devices() {
+                md.mappings_in(dev, 0, u64::MAX, &mut |v, d, _| {
+                    if mapped.is_none() && before.contains(&d) {
+                        mapped = Some((dev, v, d));
+                    }
+                })
+                .map_err(|e| format!("reading thin {dev}'s mappings: {e}"))?;
+            }
+            if let Some((dev, v, d)) = mapped {
+                return Err(format!(
+                    "a record maps data block {d}, which thin {dev} maps already (its block {v})"
+                ));
+            }
+        }
+        for (i, r) in records.iter().enumerate() {
+            let at = || {
+                format!(
+                    "restart log record {i} (thin {} block {} -> data block {})",
+                    r.a, r.b, r.c
+                )
+            };
+            if md.device_details(r.a).is_err() {
+                return Err(format!("{}: no such thin device", at()));
+            }
+            let time = u32::try_from(r.d).map_err(|_| format!("{}: bad time {}", at(), r.d))?;
+            let count = if r.c < md.nr_data_blocks() {
+                md.data_block_ref_count(r.c)
+            } else {
+                u32::MAX
+            };
+            match (r.kind, count) {
+                (MAPPED, 0) => md.insert_shared(r.a, r.b, r.c, time),
+                (MAPPED_ALLOCATED_BEFORE, 1) => md.insert_with_time(r.a, r.b, r.c, time),
+                (MAPPED | MAPPED_ALLOCATED_BEFORE, _) => {
+                    return Err(format!("{}: the data block is out of range or in use", at()))
+                }
+                (k, _) => return Err(format!("{}: unknown kind {k}", at())),
+            }
+            .map_err(|e| format!("{}: {e}", at()))?;
+        }
+        data.sync()
+            .map_err(|e| format!("flushing the data device: {e}"))?;
+        md.commit().map_err(|e| format!("committing: {e}"))
+    };
+    if let Err(e) = apply(md) {
+        let _ = md.abort();
+        return Err(format!(
+            "replaying the writes the previous daemon acknowledged: {e} (remove {} to open the pool without them)",
+            log.display()
+        ));
+    }
+    tracing::info!(
+        "thin-pool {}: committed {n} block mappings the previous daemon had acknowledged before it was killed",
+        path.display()
+    );
+    Ok(())
+}
+
 /// A pool on `key` whose device is gone is on its way out: something (an I/O
 /// finishing, the commit thread at work) still holds it for a moment, and its
 /// drop commits it one last time. Wait for that rather than take it up again:
@@ -810,7 +975,7 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
                 .out_of_space_since
                 .is_some_and(|t| t.elapsed() >= no_space_timeout());
             (
-                last.elapsed() >= COMMIT_PERIOD && m.dirty,
+                last.elapsed() >= commit_period() && m.dirty,
                 !m.no_space.is_empty() && (expired || m.mode != Mode::OutOfDataSpace),
             )
         };

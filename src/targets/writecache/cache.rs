@@ -17,6 +17,8 @@
 use super::format::{self, Superblock, FREE};
 use super::Options;
 use crate::copier::Copier;
+use crate::io::mapped::Mapped;
+use crate::io::restart_log::{Previous, Record, RestartLog};
 use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
@@ -58,6 +60,8 @@ struct Entry {
     writes: u32,
     /// When the block was allocated (ms since the cache opened), for max_age.
     born: u64,
+    /// In the restart log or committed: a daemon started after a kill finds it.
+    logged: bool,
 }
 
 const FREE_ENTRY: Entry = Entry {
@@ -69,7 +73,13 @@ const FREE_ENTRY: Entry = Entry {
     writeback: false,
     writes: 0,
     born: 0,
+    logged: false,
 };
+
+/// Restart-log records (`io::restart_log`): entry `a` holds sector `b` with seq
+/// `c` (its data has landed); entry `a` of seq `c` was freed.
+const ALLOCATED: u32 = 1;
+const FREED: u32 = 2;
 
 /// Free entries: ssd allocates by index from a wrapping cursor (so new blocks go
 /// to the cache device sequentially); pmem first in, first out.
@@ -100,6 +110,16 @@ impl FreeList {
                 set.insert(i);
             }
             FreeList::Pmem(q) => q.push_back(i),
+        }
+    }
+    /// Take the blocks of `these` off the list.
+    fn take_all(&mut self, these: &std::collections::HashSet<u32>) {
+        if these.is_empty() {
+            return;
+        }
+        match self {
+            FreeList::Ssd { set, .. } => set.retain(|i| !these.contains(i)),
+            FreeList::Pmem(q) => q.retain(|i| !these.contains(i)),
         }
     }
     fn len(&self) -> usize {
@@ -195,28 +215,10 @@ struct State {
     high_free: u64,
     low_free: u64,
     stats: Stats,
-}
-
-/// Where the data lives in pmem mode: the cache file mapped shared.
-struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain shared memory; which parts are accessed by whom is
-// decided under the state lock (a block is written only by the request that owns
-// it in that moment, and read by writeback only while it is under writeback).
-unsafe impl Send for Mapping {}
-// SAFETY: as Send.
-unsafe impl Sync for Mapping {}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly what mmap returned; nothing uses them after Drop.
-        unsafe {
-            let _ = rustix::mm::munmap(self.ptr.cast(), self.len);
-        }
-    }
+    /// The entries whose data landed since the commit before last, by their seq's
+    /// parity: a commit under way keeps its entries' log while the next
+    /// entries start the other (`io::restart_log`).
+    restart: [Option<RestartLog>; 2],
 }
 
 pub struct Cache {
@@ -227,7 +229,10 @@ pub struct Cache {
     cache: Dest,
     origin_file: Option<Arc<BackingFile>>,
     cache_file: Option<Arc<BackingFile>>,
-    map: Option<Mapping>,
+    /// pmem mode: where the data lives, the cache file mapped shared. A block is
+    /// written only by the request that owns it in that moment, and read by
+    /// writeback only while it is under writeback (decided under the state lock).
+    map: Option<Mapped>,
     st: Mutex<State>,
     /// Wakes the writer thread.
     work: Condvar,
@@ -246,6 +251,8 @@ pub struct Cache {
     copier: Copier,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     weak: std::sync::Weak<Cache>,
+    /// The two restart logs' paths, when kept (a cache on a file, a run directory).
+    restart: Option<[std::path::PathBuf; 2]>,
 }
 
 /// The cache's state, locked; a lock a panicking thread left behind ends the
@@ -269,7 +276,14 @@ impl Cache {
         cache: Dest,
         origin_file: Option<Arc<BackingFile>>,
         cache_file: Option<Arc<BackingFile>>,
+        restart_logs: Option<&std::path::Path>,
     ) -> Result<Arc<Cache>, String> {
+        let restart = match (restart_logs, &cache_file) {
+            (Some(dir), Some(f)) => {
+                Some([0, 1].map(|k| RestartLog::path(dir, &format!("writecache{k}"), f.identity)))
+            }
+            _ => None,
+        };
         let bs = u64::from(o.block_size);
         let meta_bytes = format::metadata_bytes(n_blocks, bs).ok_or("Overflow in size calculation")?;
         let map = if o.pmem {
@@ -280,21 +294,13 @@ impl Cache {
                 .size()
                 .map_err(|e| format!("Unable to map persistent memory for cache: {e}"))?;
             let len = usize::try_from(len).map_err(|_| "Unable to map persistent memory for cache")?;
-            // SAFETY: a fresh shared mapping of the whole file; we never hand out
-            // references into it that outlive the Cache (which unmaps on drop).
-            let ptr = unsafe {
-                rustix::mm::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                    rustix::mm::MapFlags::SHARED,
-                    f.file()
-                        .ok_or("Unable to map persistent memory for cache: not a file or block device")?,
-                    0,
-                )
-            }
-            .map_err(|e| format!("Unable to map persistent memory for cache: {e}"))?;
-            Some(Mapping { ptr: ptr.cast(), len })
+            let file = f
+                .file()
+                .ok_or("Unable to map persistent memory for cache: not a file or block device")?;
+            Some(
+                Mapped::new(file, len)
+                    .map_err(|e| format!("Unable to map persistent memory for cache: {e}"))?,
+            )
         } else {
             None
         };
@@ -342,6 +348,7 @@ impl Cache {
             high_free,
             low_free,
             stats: Stats::default(),
+            restart: [None, None],
         };
         Ok(Arc::new_cyclic(|weak| Cache {
             weak: weak.clone(),
@@ -366,6 +373,7 @@ impl Cache {
             last_io: AtomicU64::new(0),
             copier: Copier::new(0, 16),
             threads: Mutex::new(Vec::new()),
+            restart,
             o,
         }))
     }
@@ -432,35 +440,21 @@ impl Cache {
 
     /// `len` bytes at byte `off` of the mapping.
     fn mapped(&self, off: usize, len: usize) -> Option<&[u8]> {
-        let m = self.map.as_ref()?;
-        if off.checked_add(len)? > m.len {
-            return None;
-        }
-        // SAFETY: in bounds of the live mapping; see `Mapping` for who touches what.
-        Some(unsafe { std::slice::from_raw_parts(m.ptr.add(off), len) })
+        self.map.as_ref()?.bytes(off, len)
     }
 
+    /// The same to write: the block (or metadata range) is written only by its
+    /// owner of the moment, decided under the state lock.
     #[allow(clippy::mut_from_ref)]
     fn mapped_mut(&self, off: usize, len: usize) -> Option<&mut [u8]> {
-        let m = self.map.as_ref()?;
-        if off.checked_add(len)? > m.len {
-            return None;
-        }
-        // SAFETY: in bounds of the live mapping; the block (or metadata range) is
-        // written only by its owner of the moment, decided under the state lock.
-        Some(unsafe { std::slice::from_raw_parts_mut(m.ptr.add(off), len) })
+        self.map.as_ref()?.bytes_mut(off, len)
     }
 
     fn msync(&self, off: usize, len: usize) -> io::Result<()> {
-        let Some(m) = self.map.as_ref() else {
-            return Ok(());
-        };
-        let page = 4096usize;
-        let start = off & !(page - 1);
-        let end = (off + len).min(m.len);
-        // SAFETY: a page-aligned range inside the live mapping.
-        unsafe { rustix::mm::msync(m.ptr.add(start).cast(), end - start, rustix::mm::MsyncFlags::SYNC) }
-            .map_err(io::Error::from)
+        match self.map.as_ref() {
+            Some(m) => m.msync(off, len),
+            None => Ok(()),
+        }
     }
 
     fn block_in_map(&self, i: u32) -> usize {
@@ -526,6 +520,7 @@ impl Cache {
                 seq,
                 key,
                 born: now,
+                logged: true,
                 ..FREE_ENTRY
             };
             st.tree.insert((sector, key), i as u32);
@@ -545,8 +540,129 @@ impl Cache {
             }
         }
         st.image = image;
+        let replayed = self.replay_restart_log(&mut st, origin_sectors)?;
         st.loaded = true;
+        drop(st);
+        drop(_c);
+        if replayed > 0 {
+            self.persist(true)
+                .map_err(|e| format!("committing the writes the previous daemon acknowledged: {e}"))?;
+            tracing::info!(
+                "writecache: committed {replayed} blocks the previous daemon had acknowledged before it was killed"
+            );
+        }
         Ok(())
+    }
+
+    /// Open the restart logs after a load, and take back the entries a killed
+    /// daemon acknowledged on top of the metadata as committed now: their data
+    /// is in the cache, their entries were not yet committed. Returns how many;
+    /// a record that does not fit is an error naming the log.
+    fn replay_restart_log(&self, st: &mut State, origin_sectors: u64) -> Result<usize, String> {
+        let Some(paths) = &self.restart else {
+            return Ok(0);
+        };
+        let seq = st.seq;
+        let refuse = |path: &std::path::Path, what: String| {
+            format!(
+                "replaying the writes the previous daemon acknowledged: {what} (remove {} to open the cache without them)",
+                path.display()
+            )
+        };
+        // the entries of each slot and sector as the logs leave them: those of
+        // seq `seq`, then those of `seq + 1` if a commit was under way (entries
+        // allocated after its snapshot, acknowledged before it landed)
+        let mut slots: HashMap<u32, u64> = HashMap::new();
+        let mut by_sector: HashMap<u64, u32> = HashMap::new();
+        let mut order: Vec<u32> = Vec::new();
+        for want in [seq, seq + 1] {
+            let path = &paths[(want % 2) as usize];
+            let records = match RestartLog::previous(path) {
+                Previous::Records { identity, records } if identity == want => records,
+                Previous::Overflowed { identity } if identity == want => {
+                    tracing::warn!(
+                        "writecache: the previous daemon acknowledged more writes than its restart log {} holds and was killed before committing them: they are lost",
+                        path.display()
+                    );
+                    continue;
+                }
+                _ => continue,
+            };
+            for (n, r) in records.iter().enumerate() {
+                let slot = u32::try_from(r.a)
+                    .ok()
+                    .filter(|&i| u64::from(i) < self.n_blocks)
+                    .ok_or_else(|| refuse(path, format!("record {n}: no cache block {}", r.a)))?;
+                if r.c != want {
+                    return Err(refuse(
+                        path,
+                        format!("record {n}: seq {} in the log of seq {want}", r.c),
+                    ));
+                }
+                if let Some(old) = slots.remove(&slot) {
+                    if by_sector.get(&old) == Some(&slot) {
+                        by_sector.remove(&old);
+                    }
+                }
+                match r.kind {
+                    ALLOCATED => {
+                        if r.b % self.bs_sectors() != 0 || r.b >= origin_sectors {
+                            return Err(refuse(
+                                path,
+                                format!("record {n}: sector {} is not a block of the origin", r.b),
+                            ));
+                        }
+                        if let Some(j) = by_sector.insert(r.b, slot) {
+                            slots.remove(&j);
+                        }
+                        slots.insert(slot, r.b);
+                        order.push(slot);
+                    }
+                    FREED => {}
+                    k => return Err(refuse(path, format!("record {n}: unknown kind {k}"))),
+                }
+            }
+        }
+        // room for every block allocated and freed again in one generation
+        let cap = (self.n_blocks as usize).saturating_mul(4).max(4096);
+        let mut logs = [0, 1].map(|k| RestartLog::create(&paths[k], cap));
+        let mut take = Vec::with_capacity(slots.len());
+        for slot in order {
+            if let Some(sector) = slots.remove(&slot) {
+                if st.entries[slot as usize].sector != FREE {
+                    return Err(refuse(
+                        &paths[(seq % 2) as usize],
+                        format!("cache block {slot} is in use in the committed metadata"),
+                    ));
+                }
+                take.push((slot, sector));
+            }
+        }
+        st.free.take_all(&take.iter().map(|&(i, _)| i).collect());
+        for &(slot, sector) in &take {
+            self.allocate(st, slot, sector);
+        }
+        let replayed = take.len();
+        st.restart = [None, None];
+        for (k, l) in logs.iter_mut().enumerate() {
+            match l {
+                Ok(l) => {
+                    if k as u64 == seq % 2 {
+                        l.begin(seq);
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    "writecache: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
+                    paths[k].display()
+                ),
+            }
+        }
+        st.restart = logs.map(Result::ok);
+        // what was taken back is logged again, in case this daemon dies too
+        for i in st.uncommitted.clone() {
+            log_allocated(st, i);
+        }
+        Ok(replayed)
     }
 
     // ---- lifecycle ----
@@ -936,7 +1052,7 @@ impl Cache {
                             // point another sector's old data at this one).
                             c.fail(&mut lock(&c.st));
                         }
-                        c.write_done(i, blocks);
+                        c.write_done(i, blocks, ok);
                     }
                     c.leave(e);
                 }
@@ -1030,6 +1146,9 @@ impl Cache {
                     if let Some(dst) = self.mapped_mut(self.block_in_map(i), src.len()) {
                         dst.copy_from_slice(src);
                     }
+                    for b in i..i + (step.n / bs) as u32 {
+                        log_allocated(&mut st, b);
+                    }
                 }
             }
         }
@@ -1067,13 +1186,17 @@ impl Cache {
         set_meta(st, i, sector, seq);
     }
 
-    fn write_done(&self, first: u32, blocks: u32) {
+    fn write_done(&self, first: u32, blocks: u32, ok: bool) {
         let mut st = lock(&self.st);
         let mut wake = false;
         for i in first..first + blocks {
             if let Some(e) = st.entries.get_mut(i as usize) {
                 e.writes = e.writes.saturating_sub(1);
                 wake |= e.writes == 0;
+            }
+            if ok {
+                // landed, about to be acknowledged
+                log_allocated(&mut st, i);
             }
         }
         let w = if wake && !st.read_waiters.is_empty() {
@@ -1209,6 +1332,10 @@ impl Cache {
         };
         let sb_block = if committing {
             st.seq += 1;
+            let s = st.seq;
+            if let Some(l) = &mut st.restart[(s % 2) as usize] {
+                l.begin(s);
+            }
             let mut sb = Superblock::parse(&st.image);
             sb.seq_count = st.seq;
             sb.store(&mut st.image);
@@ -1637,6 +1764,22 @@ fn remove_entry(st: &mut State, i: u32) {
         debug_assert!(false, "writecache: entry {i} removed twice");
         return;
     }
+    if e.logged {
+        // a later record of the block may name another sector; this one must
+        // not come back in a replay (a committed entry's log has moved on)
+        if let Some(l) = st.restart[(e.seq % 2) as usize]
+            .as_mut()
+            .filter(|l| l.identity() == e.seq)
+        {
+            l.append(Record {
+                kind: FREED,
+                a: u64::from(i),
+                b: e.sector,
+                c: e.seq,
+                d: 0,
+            });
+        }
+    }
     if st.newest.get(&e.sector) == Some(&i) {
         match st.tree.range((e.sector, 0)..=(e.sector, u64::MAX)).next_back() {
             Some((_, &j)) => st.newest.insert(e.sector, j),
@@ -1648,6 +1791,32 @@ fn remove_entry(st: &mut State, i: u32) {
     st.entries[i as usize].sector = FREE;
     st.entries[i as usize].seq = FREE;
     st.freeing.push(i);
+}
+
+/// Entry `i`'s data has landed: record it in its seq's restart log before the
+/// write is acknowledged, once (committed entries count as recorded).
+fn log_allocated(st: &mut State, i: u32) {
+    let Some(e) = st.entries.get(i as usize).copied() else {
+        return;
+    };
+    if e.logged || e.sector == FREE {
+        return;
+    }
+    st.entries[i as usize].logged = true;
+    if let Some(l) = st.restart[(e.seq % 2) as usize]
+        .as_mut()
+        .filter(|l| l.identity() == e.seq)
+    {
+        if !l.append(Record {
+            kind: ALLOCATED,
+            a: u64::from(i),
+            b: e.sector,
+            c: e.seq,
+            d: 0,
+        }) {
+            st.commit_now = true;
+        }
+    }
 }
 
 fn lru_push_head(st: &mut State, i: u32) {

@@ -263,6 +263,7 @@ impl Writecache {
             cache_dev.dest(),
             file(&origin),
             file(&cache_dev),
+            r.shared().restart_logs.as_deref(),
         )?;
         Ok(Writecache {
             origin,

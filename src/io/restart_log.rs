@@ -1,0 +1,341 @@
+//! What a killed daemon must not take with it: changes acknowledged to clients
+//! and not yet committed to the on-disk metadata.
+//!
+//! A thin pool maps a block once its write has landed and commits the mapping
+//! at the next flush or period; a writecache does the same with its entries. A
+//! power cut loses those changes, as with the kernel's targets, and whatever sat
+//! above the device goes down with the machine. A killed daemon is different:
+//! its clients live on (a filesystem mounted over ublk, whose requests the
+//! kernel holds and reissues to the next daemon), believing every acknowledged
+//! write done. So each such change is also recorded, before it is acknowledged,
+//! in a file of the run directory mapped shared: the record is in the kernel's
+//! page cache the moment it is stored, costs no system call, and outlives the
+//! process (the data it describes went to the backing files before, and is in
+//! the page cache too). The next daemon to open the same committed metadata in
+//! the same boot replays the records and commits them. After a reboot the
+//! records are ignored: the machine took its clients' memory with it, and the
+//! on-disk format's own crash rules apply.
+//!
+//! Layout: a 128-byte header (magic, the identity of the committed metadata the
+//! records follow, a generation, an overflow flag, the boot id, a checksum),
+//! then 48-byte records each carrying the generation and a checksum. A new
+//! generation begins at each commit: records of older ones stop counting at
+//! once, and a record torn by a kill fails its checksum and ends the log.
+
+use super::mapped::Mapped;
+use std::fs::OpenOptions;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"DMKRLOG1");
+const HEADER: usize = 128;
+const RECORD: usize = 48;
+/// At most this many records per log (48 MiB of address space, filled lazily).
+pub const MAX_RECORDS: usize = 1 << 20;
+
+/// One acknowledged change: its kind and four words, as its owner defines them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub kind: u32,
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub d: u64,
+}
+
+/// What a previous daemon left in a log.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Previous {
+    /// No log, another boot's, or one that never began.
+    Nothing,
+    /// Records following the committed metadata `identity`.
+    Records { identity: u64, records: Vec<Record> },
+    /// More changes than the log holds were acknowledged: they cannot be replayed.
+    Overflowed { identity: u64 },
+}
+
+pub struct RestartLog {
+    map: Mapped,
+    cap: usize,
+    len: usize,
+    gen: u64,
+    full: bool,
+}
+
+/// Under `dmkit sim --kill`, once the simulated daemon is dead: what it does
+/// after that point must not reach the log.
+fn killed() -> bool {
+    super::sim::active() && super::sim::frozen()
+}
+
+fn boot_id() -> [u8; 40] {
+    let mut b = [0u8; 40];
+    if let Ok(s) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
+        let s = s.trim().as_bytes();
+        let n = s.len().min(b.len());
+        b[..n].copy_from_slice(&s[..n]);
+    }
+    b
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w)
+}
+
+/// The checksum of a header or record: everything but its own 4 bytes at `at`.
+fn csum(b: &[u8], at: usize) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&b[..at]), &b[at + 4..])
+}
+
+impl Record {
+    fn store(&self, gen: u64, out: &mut [u8]) {
+        out[0..8].copy_from_slice(&gen.to_le_bytes());
+        out[8..12].copy_from_slice(&self.kind.to_le_bytes());
+        out[16..24].copy_from_slice(&self.a.to_le_bytes());
+        out[24..32].copy_from_slice(&self.b.to_le_bytes());
+        out[32..40].copy_from_slice(&self.c.to_le_bytes());
+        out[40..48].copy_from_slice(&self.d.to_le_bytes());
+        let c = csum(out, 12);
+        out[12..16].copy_from_slice(&c.to_le_bytes());
+    }
+
+    fn load(gen: u64, b: &[u8]) -> Option<Record> {
+        if le64(b, 0) != gen || le32(b, 12) != csum(b, 12) {
+            return None;
+        }
+        Some(Record {
+            kind: le32(b, 8),
+            a: le64(b, 16),
+            b: le64(b, 24),
+            c: le64(b, 32),
+            d: le64(b, 40),
+        })
+    }
+}
+
+impl RestartLog {
+    /// The log of the thing `what` whose backing file has `identity`, in `dir`.
+    pub fn path(dir: &Path, what: &str, identity: (u64, u64)) -> PathBuf {
+        dir.join(format!("{what}-{}-{}", identity.0, identity.1))
+    }
+
+    /// What the log at `path` holds from a daemon of this boot.
+    pub fn previous(path: &Path) -> Previous {
+        let mut bytes = Vec::new();
+        let limit = (HEADER + MAX_RECORDS * RECORD) as u64;
+        let read = std::fs::File::open(path).and_then(|f| f.take(limit).read_to_end(&mut bytes));
+        if read.is_err() {
+            return Previous::Nothing;
+        }
+        if bytes.len() < HEADER || le64(&bytes, 0) != MAGIC || le32(&bytes, 28) != csum(&bytes[..HEADER], 28)
+        {
+            return Previous::Nothing;
+        }
+        if bytes[32..72] != boot_id() {
+            return Previous::Nothing;
+        }
+        let (identity, gen) = (le64(&bytes, 8), le64(&bytes, 16));
+        if le32(&bytes, 24) != 0 {
+            return Previous::Overflowed { identity };
+        }
+        let records = bytes[HEADER..]
+            .chunks_exact(RECORD)
+            .take(MAX_RECORDS)
+            .map_while(|r| Record::load(gen, r))
+            .collect();
+        Previous::Records { identity, records }
+    }
+
+    /// A new, empty log at `path` with room for `cap` records (bounded by
+    /// MAX_RECORDS); it counts once `begin` names what it follows.
+    pub fn create(path: &Path, cap: usize) -> std::io::Result<RestartLog> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let cap = cap.clamp(1, MAX_RECORDS);
+        // a new file renamed into place: a previous owner still mapping the old
+        // one (a table being replaced) writes only to that
+        let tmp = path.with_extension("new");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        let len = HEADER + cap * RECORD;
+        f.set_len(len as u64)?;
+        let map = Mapped::new(&f, len)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(RestartLog {
+            map,
+            cap,
+            len: 0,
+            gen: 0,
+            full: false,
+        })
+    }
+
+    /// Start over after a commit: the records that follow describe changes
+    /// made on top of the committed metadata `identity`.
+    pub fn begin(&mut self, identity: u64) {
+        self.gen += 1;
+        self.len = 0;
+        self.full = false;
+        self.store_header(identity);
+    }
+
+    fn store_header(&mut self, identity: u64) {
+        let Some(h) = self.map.bytes_mut(0, HEADER).filter(|_| !killed()) else {
+            return;
+        };
+        // a kill between these stores leaves a header that fails its checksum:
+        // nothing is replayed, as nothing was uncommitted yet
+        h[28..32].fill(0);
+        h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+        h[8..16].copy_from_slice(&identity.to_le_bytes());
+        h[16..24].copy_from_slice(&self.gen.to_le_bytes());
+        h[24..28].copy_from_slice(&u32::from(self.full).to_le_bytes());
+        h[32..72].copy_from_slice(&boot_id());
+        let c = csum(h, 28);
+        h[28..32].copy_from_slice(&c.to_le_bytes());
+    }
+
+    /// Record a change before it is acknowledged. False once the log is full:
+    /// the log says so (nothing of this generation will be replayed) and the
+    /// owner should commit soon.
+    pub fn append(&mut self, r: Record) -> bool {
+        if self.full || killed() {
+            return false;
+        }
+        if self.len == self.cap {
+            self.full = true;
+            self.store_header(self.identity());
+            return false;
+        }
+        let Some(out) = self.map.bytes_mut(HEADER + self.len * RECORD, RECORD) else {
+            return false;
+        };
+        r.store(self.gen, out);
+        self.len += 1;
+        true
+    }
+
+    /// What the records follow (as `begin` named it).
+    pub fn identity(&self) -> u64 {
+        self.map.bytes(8, 8).map_or(0, |b| le64(b, 0))
+    }
+
+    /// Records in this generation so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("dmkit-restart-log-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn rec(i: u64) -> Record {
+        Record {
+            kind: 1,
+            a: i,
+            b: i * 2,
+            c: 7,
+            d: u64::MAX - i,
+        }
+    }
+
+    #[test]
+    fn records_of_the_current_generation_are_what_a_next_daemon_reads() {
+        let p = RestartLog::path(&dir("current"), "t", (1, 2));
+        assert_eq!(RestartLog::previous(&p), Previous::Nothing);
+        let mut l = RestartLog::create(&p, 4).unwrap();
+        assert_eq!(RestartLog::previous(&p), Previous::Nothing, "not begun");
+        l.begin(11);
+        assert!(l.append(rec(1)) && l.append(rec(2)));
+        assert_eq!(
+            RestartLog::previous(&p),
+            Previous::Records {
+                identity: 11,
+                records: vec![rec(1), rec(2)]
+            }
+        );
+        // a commit: the old records stop counting, though still in the file
+        l.begin(12);
+        assert!(l.append(rec(3)));
+        assert_eq!(
+            RestartLog::previous(&p),
+            Previous::Records {
+                identity: 12,
+                records: vec![rec(3)]
+            }
+        );
+        // full: the log says it cannot be replayed
+        assert!(l.append(rec(4)) && l.append(rec(5)) && l.append(rec(6)));
+        assert!(!l.append(rec(7)));
+        assert_eq!(RestartLog::previous(&p), Previous::Overflowed { identity: 12 });
+        l.begin(13);
+        assert_eq!(
+            RestartLog::previous(&p),
+            Previous::Records {
+                identity: 13,
+                records: vec![]
+            }
+        );
+    }
+
+    #[test]
+    fn a_torn_record_or_header_ends_what_is_replayed() {
+        let p = RestartLog::path(&dir("torn"), "t", (1, 2));
+        let mut l = RestartLog::create(&p, 8).unwrap();
+        l.begin(5);
+        for i in 0..3 {
+            assert!(l.append(rec(i)));
+        }
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[HEADER + RECORD + 20] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        assert_eq!(
+            RestartLog::previous(&p),
+            Previous::Records {
+                identity: 5,
+                records: vec![rec(0)]
+            }
+        );
+        bytes[9] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        assert_eq!(RestartLog::previous(&p), Previous::Nothing);
+    }
+
+    #[test]
+    fn another_boots_log_is_ignored() {
+        let p = RestartLog::path(&dir("boot"), "t", (1, 2));
+        let mut l = RestartLog::create(&p, 8).unwrap();
+        l.begin(5);
+        assert!(l.append(rec(0)));
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[40] ^= 1;
+        let c = csum(&bytes[..HEADER], 28);
+        bytes[28..32].copy_from_slice(&c.to_le_bytes());
+        std::fs::write(&p, &bytes).unwrap();
+        assert_eq!(RestartLog::previous(&p), Previous::Nothing);
+    }
+}
