@@ -1182,7 +1182,8 @@ impl Trial {
                 } else if res != 0 {
                     // A failed flush leaves the writes before it undefined, even if a
                     // later flush succeeds (as fsync after an error on Linux; dm-thin
-                    // aborts the transaction, and its later flushes pass).
+                    // aborts the transaction, and the later flushes of a thin that
+                    // had nothing uncommitted then pass).
                     self.model(key).acked.clear();
                 }
             }

@@ -350,6 +350,51 @@ mod error_states {
             "a write that must provision fails in read-only mode"
         );
     }
+
+    /// A thin whose uncommitted changes a metadata failure dropped (another
+    /// thin's commit failed and the pool aborted its transaction) fails its
+    /// flushes from then on, as the kernel's dm_thin_aborted_changes does: a
+    /// flush (or the commit a FUA write asks for) that passed would call a
+    /// write durable whose mapping is gone (seed 134 of the thin crash trials:
+    /// a FUA write acknowledged, then read back as zeroes after the crash).
+    #[test]
+    fn thin_flush_after_its_changes_were_aborted_fails() {
+        let _g = dmkit::sim::exclusive();
+        let s = Setup::new("thinabort", &[("meta", 4 << 20), ("data", 16 << 20)]);
+        let t = format!(
+            "0 32768 thin-pool {} {} 128 0 1 error_if_no_space",
+            s.path("meta"),
+            s.path("data")
+        );
+        s.reg.create("pool", Some(&t), false, None).unwrap();
+        for id in 0..3 {
+            s.reg.message("pool", 0, &[format!("create_thin {id}")]).unwrap();
+            let table = format!("0 16384 thin /dev/mapper/pool {id}");
+            s.reg
+                .create(&format!("th{id}"), Some(&table), false, None)
+                .unwrap();
+        }
+        let (th0, th1, th2) = (s.dev("th0"), s.dev("th1"), s.dev("th2"));
+        // both provision a block in the same transaction
+        devio::write(&th0, 0, &[5u8; 4096], false).unwrap();
+        devio::write(&th1, 0, &[6u8; 4096], false).unwrap();
+        // th1's flush commits; the commit's first metadata write fails
+        s.fail_next_write();
+        assert!(devio::flush(&th1).is_err(), "the failed commit fails th1's flush");
+        assert!(s.status("pool").contains(" ro "), "{}", s.status("pool"));
+        // th0's write went with the aborted transaction: no flush may call it durable
+        let flushed = devio::flush(&th0);
+        let mut b = vec![0u8; 4096];
+        devio::read(&th0, 0, &mut b).unwrap();
+        assert!(
+            flushed.is_err() || b == vec![5u8; 4096],
+            "th0's flush passed but its write is gone ({flushed:?}, block reads {:?}...)",
+            &b[..4]
+        );
+        assert!(devio::flush(&th1).is_err(), "th1's changes were dropped too");
+        // a thin that changed nothing in the aborted transaction still flushes
+        devio::flush(&th2).unwrap();
+    }
 }
 
 /// Seeds that found bugs outside the CI budget's range (RELIABILITY.md), kept

@@ -205,7 +205,9 @@ impl ThinPoolMetadata {
     /// blocks, flush, write the superblock, flush.
     pub fn commit(&mut self) -> Result<()> {
         let _window = crate::io::sim::commit_window();
-        for dev in std::mem::take(&mut self.details_dirty) {
+        // The changed devices stay `changed` until the commit is done: a commit
+        // that fails leaves them so, for the pool to know whose changes its abort drops.
+        for &dev in &self.details_dirty {
             if let Some(d) = self.details.get(&dev) {
                 let v = d.encode();
                 self.sb.details_root = btree::insert(&mut self.tm, self.sb.details_root, dev, &v, DETAILS)?.0;
@@ -226,6 +228,7 @@ impl ThinPoolMetadata {
         self.tm.cache.flush()?;
         self.tm.transaction_committed();
         self.top_touched.clear();
+        self.details_dirty.clear();
         Ok(())
     }
 

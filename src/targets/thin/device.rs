@@ -395,13 +395,20 @@ impl ThinDev {
     }
 
     /// An empty flush: the metadata must be committed first if it changed; the
-    /// commit thread sends the flush on once it has.
+    /// commit thread sends the flush on once it has. It fails if a metadata
+    /// failure dropped this thin's uncommitted changes (the kernel's `issue`):
+    /// the pool is read-only then, nothing is committed any more, and passing
+    /// would make the writes it covers (a FUA write's own, too) look durable.
     fn flush(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let mut m = self.pool.lock();
+        if m.aborted.contains(&self.id) {
+            drop(m);
+            return Self::fail(ctx, bio, errno::EIO);
+        }
         if m.dirty && m.mode != Mode::ReadOnly {
             let t = self.pool.request_commit(&m);
             let p = ctx.submit(bio);
-            m.flush_waiters.push((t, p, self.pool_dev.dest()));
+            m.flush_waiters.push((t, self.id, p, self.pool_dev.dest()));
             return Ok(());
         }
         drop(m);

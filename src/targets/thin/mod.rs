@@ -85,9 +85,9 @@ pub struct PoolMd {
     /// Pieces waiting for data space (requeued when space comes, at the no-space
     /// timeout, when the pool fails, and at suspend).
     pub no_space: Vec<Pending>,
-    /// Flushes waiting for a commit: the commit count that covers them, and the
-    /// pool device they go on to once it is reached.
-    pub flush_waiters: Vec<(u64, Pending, Dest)>,
+    /// Flushes waiting for a commit: the commit count that covers them, the thin
+    /// they came from, and the pool device they go on to once it is reached.
+    pub flush_waiters: Vec<(u64, u64, Pending, Dest)>,
     /// Changes since the last commit.
     pub dirty: bool,
     pub mode: Mode,
@@ -108,6 +108,12 @@ pub struct PoolMd {
     /// The mappings inserted since the last commit, for a daemon started after
     /// this one is killed (`io::restart_log`); none without a run directory.
     restart: Option<RestartLog>,
+    /// Thins that had changes in a transaction a metadata failure aborted (the
+    /// kernel's dm_thin_aborted_changes): what they wrote since the commit before
+    /// is gone, so none of their flushes, nor the commit a FUA write asks for,
+    /// may pass from then on, or a write whose mapping was dropped would be
+    /// acknowledged as durable.
+    pub aborted: std::collections::HashSet<u64>,
 }
 
 impl PoolMd {
@@ -415,6 +421,7 @@ impl Pool {
                 discards: Vec::new(),
                 fast: HashMap::new(),
                 restart,
+                aborted: std::collections::HashSet::new(),
             }),
             data: data.clone(),
             metadata: metadata.clone(),
@@ -595,10 +602,16 @@ impl Pool {
             .into_iter()
             .partition(|w| w.0 <= done);
         m.flush_waiters = later;
+        // A flush whose thin's changes a metadata failure dropped since it was
+        // queued (the pool is read-only now, so this "commit" wrote nothing) fails.
+        let covered: Vec<_> = covered
+            .into_iter()
+            .map(|(_, id, p, dest)| (!m.aborted.contains(&id), p, dest))
+            .collect();
         drop(m);
         self.finish_deferred(after);
-        for (_, p, dest) in covered {
-            if r.is_ok() {
+        for (kept, p, dest) in covered {
+            if r.is_ok() && kept {
                 let bio = p.bio();
                 p.remap(dest, bio, None);
             } else {
@@ -629,6 +642,9 @@ impl Pool {
             self.events.fetch_add(1, Ordering::Relaxed);
         }
         m.forget_fast();
+        // (td->aborted_with_changes = td->changed, before the abort forgets them)
+        let changed: Vec<u64> = m.md.devices().into_iter().filter(|&d| m.md.changed(d)).collect();
+        m.aborted.extend(changed);
         let _ = m.md.abort();
         m.md.set_needs_check(true);
         let _ = m.md.commit();
