@@ -20,7 +20,10 @@
 //! - After the restarts, every file the writers finished (those written before
 //!   them too, and those being written when a signal landed) reads back the same
 //!   on all three, and `e2fsck -fn` finds each filesystem clean.
-//! - The daemon logged no panic and no error.
+//! - A device that cannot be restored (its backing file removed while no daemon
+//!   ran): after `serve --restore` its block device is stopped and deleted, and
+//!   the log names it.
+//! - The daemon logged no panic and no error (but that stop).
 //! - Detach: /dev/ublkbN and /dev/mapper/NAME go; the devices can be removed.
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
@@ -187,6 +190,20 @@ for dev in lin thin wc; do
 done
 echo "ORACLE recovered $(grep -c recovered /tmp/dmkit.log)"
 
+# a device that cannot come back (its backing file went while no daemon ran):
+# its block device is stopped and deleted, not left holding its I/O
+truncate -s 64M /tmp/lost.img
+$D create lost --table "0 131072 linear /tmp/lost.img 0"
+lb=$($D attach lost)
+echo "ORACLE lost-attached $([ -b $lb ] && echo yes)"
+kill -KILL $(cat /tmp/pid)
+while kill -0 $(cat /tmp/pid) 2>/dev/null; do sleep 0.05; done
+rm /tmp/lost.img
+start --restore
+i=0; while [ -e $lb ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+echo "ORACLE lost-gone $([ -e $lb ] && echo present || echo gone) $(ls /dev/mapper/lost 2>/dev/null | wc -l)"
+echo "ORACLE lost-logged $(grep -c "device 'lost' not restored" /tmp/dmkit.log) $(grep -c 'stopped (its device could not be restored)' /tmp/dmkit.log)"
+
 for dev in lin thin wc; do $D detach $dev; done
 echo "ORACLE gone $(ls /dev/ublkb* /dev/mapper/lin 2>/dev/null | wc -l)"
 $D remove thin && $D remove pool && $D remove wc && $D remove lin && echo "ORACLE removed yes"
@@ -194,7 +211,7 @@ echo "ORACLE daemon $(kill -0 $(cat /tmp/pid) && echo alive)"
 # the daemon logged no panic and no error (shown for the assertion's message)
 grep -i "panic\|error" /tmp/dmkit.log | head -5 || :
 echo "ORACLE log-panics $(grep -ci panic /tmp/dmkit.log)"
-echo "ORACLE log-errors $(grep -c ERROR /tmp/dmkit.log)"
+echo "ORACLE log-errors $(grep ERROR /tmp/dmkit.log | grep -v "lost\|could not be restored" | wc -l)"
 "#
     );
     let modules = "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
@@ -323,6 +340,17 @@ echo "ORACLE log-errors $(grep -c ERROR /tmp/dmkit.log)"
         get("recovered"),
         "18",
         "every restart took every block device over"
+    );
+    assert_eq!(get("lost-attached"), "yes");
+    assert_eq!(
+        get("lost-gone"),
+        "gone 0",
+        "the block device of a device that could not be restored is deleted, and its link"
+    );
+    assert_eq!(
+        get("lost-logged"),
+        "1 1",
+        "the lost device is reported by name, and its block device's stop logged"
     );
     assert_eq!(get("gone"), "0", "detach removes /dev/ublkbN and the link");
     assert_eq!(get("removed"), "yes");

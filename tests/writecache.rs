@@ -611,10 +611,16 @@ fn sigkill_under_load(mode: &str, tag: &str) {
         let mut d = Daemon::start(&format!("{tag}-{round}"));
         d.create("wc", &t);
         let load = write_until_killed(d.sock(), &["wc"], |_: &mut Rng| 0, nb, BS, Rng(rng.next()), seed);
-        std::thread::sleep(Duration::from_millis(150 + rng.below(400)));
+        // the kill lands after a number of flushed writes the round chooses
+        let n = 50 + rng.below(200) as usize;
+        let ran = load.wait_flushed(n, Duration::from_secs(60));
         d.kill9();
         let log = load.finish();
-        assert!(log.1 > 20, "round {round}: only {} writes before a flush", log.1);
+        assert!(
+            ran,
+            "round {round}: {} writes covered by a flush, not {n}, within 60 s",
+            log.1
+        );
         seed = log.0.last().map_or(seed, |x| x.2) + 1;
         let allowed = settle(&mut state, &log, BS);
         let d = Daemon::start(&format!("{tag}-{round}-after"));

@@ -56,6 +56,8 @@ pub enum Previous {
 
 pub struct RestartLog {
     map: Mapped,
+    path: PathBuf,
+    file: std::fs::File,
     cap: usize,
     len: usize,
     gen: u64,
@@ -176,6 +178,8 @@ impl RestartLog {
         std::fs::rename(&tmp, path)?;
         Ok(RestartLog {
             map,
+            path: path.to_path_buf(),
+            file: f,
             cap,
             len: 0,
             gen: 0,
@@ -226,6 +230,19 @@ impl RestartLog {
         r.store(self.gen, out);
         self.len += 1;
         true
+    }
+
+    /// Remove the log's file, once its owner has committed everything and goes
+    /// away; not if another owner has put a new log in its place since.
+    pub fn remove(&self) {
+        use std::os::unix::fs::MetadataExt;
+        let mine = self.file.metadata().map(|m| (m.dev(), m.ino()));
+        let there = std::fs::metadata(&self.path).map(|m| (m.dev(), m.ino()));
+        if let (Ok(a), Ok(b)) = (mine, there) {
+            if a == b {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
     }
 
     /// What the records follow (as `begin` named it).

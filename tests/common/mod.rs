@@ -463,6 +463,19 @@ pub fn write_until_killed(
 }
 
 impl Load {
+    /// Wait until at least `n` writes are covered by a completed flush (at most
+    /// `within`); false if they were not.
+    pub fn wait_flushed(&self, n: usize, within: Duration) -> bool {
+        let t0 = Instant::now();
+        while self.log.lock().unwrap().1 < n {
+            if t0.elapsed() > within || self.thread.is_finished() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
     /// Wait for the writer to stop (kill the daemon first); its log.
     pub fn finish(self) -> WriteLog {
         self.thread.join().expect("the writer thread panicked");

@@ -823,9 +823,13 @@ impl Drop for Pool {
         self.stop.store(true, Ordering::SeqCst);
         self.commit_signal.cv.notify_one();
         let m = self.md.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut clean = !m.dirty;
         if m.dirty && m.mode != Mode::ReadOnly {
-            let _ = self.data.sync();
-            let _ = m.md.commit();
+            clean = self.data.sync().is_ok() && m.md.commit().is_ok();
+        }
+        // everything committed: the pool's restart log has nothing to give
+        if let Some(l) = m.restart.as_ref().filter(|_| clean) {
+            l.remove();
         }
     }
 }

@@ -746,6 +746,15 @@ impl Cache {
         }
     }
 
+    /// The target goes: if everything is committed, its restart logs have
+    /// nothing to give and are removed (unless a new table's cache replaced them).
+    pub fn remove_restart_logs(&self) {
+        let st = lock(&self.st);
+        if st.loaded && st.uncommitted.is_empty() && !st.error {
+            st.restart.iter().flatten().for_each(RestartLog::remove);
+        }
+    }
+
     pub fn is_running(&self) -> bool {
         !self.threads.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
     }

@@ -427,6 +427,7 @@ impl Drop for Writecache {
             let _ = self.cache.persist(true);
             self.cache.stop_threads();
         }
+        self.cache.remove_restart_logs();
     }
 }
 
