@@ -38,6 +38,32 @@ pub struct Table {
 }
 
 impl Table {
+    /// Every target's preresume in order: the first refusal, as "resume refused
+    /// by TYPE target: WHY" (a refused resume leaves the device suspended).
+    pub fn preresume(&self) -> Result<(), String> {
+        for e in &self.entries {
+            e.target
+                .preresume()
+                .map_err(|why| format!("resume refused by {} target: {why}", e.target.type_name()))?;
+        }
+        Ok(())
+    }
+
+    /// Every target's resume.
+    pub fn resume(&self) {
+        self.entries.iter().for_each(|e| e.target.resume());
+    }
+
+    /// Every target's presuspend.
+    pub fn presuspend(&self) {
+        self.entries.iter().for_each(|e| e.target.presuspend());
+    }
+
+    /// Every target's postsuspend.
+    pub fn postsuspend(&self) {
+        self.entries.iter().for_each(|e| e.target.postsuspend());
+    }
+
     pub fn new(entries: Vec<TableEntry>) -> Table {
         let size = entries.last().map_or(0, |e| e.start + e.len);
         let flush_bypass = entries.iter().all(|e| e.target.flush_bypasses_map());
@@ -265,15 +291,11 @@ impl Device {
     /// flight, the targets' postsuspend.
     fn presuspend_and_drain(&self) {
         if let Some(t) = self.live.load_full() {
-            for e in &t.entries {
-                e.target.presuspend();
-            }
+            t.presuspend();
         }
         self.wait_drained(None, || self.in_flight() == 0);
         if let Some(t) = self.live.load_full() {
-            for e in &t.entries {
-                e.target.postsuspend();
-            }
+            t.postsuspend();
         }
     }
 
@@ -311,21 +333,13 @@ impl Device {
             return;
         }
         if let Some(t) = self.live.load_full() {
-            for e in &t.entries {
-                if let Err(why) = e.target.preresume() {
-                    tracing::error!(
-                        "{}: internal resume refused by {} target: {why}; the device stays suspended",
-                        self.name(),
-                        e.target.type_name()
-                    );
-                    self.suspended.store(true, Ordering::SeqCst);
-                    self.internal_suspends.store(0, Ordering::SeqCst);
-                    return;
-                }
+            if let Err(why) = t.preresume() {
+                tracing::error!("{}: internal {why}; the device stays suspended", self.name());
+                self.suspended.store(true, Ordering::SeqCst);
+                self.internal_suspends.store(0, Ordering::SeqCst);
+                return;
             }
-            for e in &t.entries {
-                e.target.resume();
-            }
+            t.resume();
         }
         self.internal_suspends.store(0, Ordering::SeqCst);
     }

@@ -191,14 +191,7 @@ impl Registry {
         if let Some(table) = table {
             let built = self.build_table(&dev, table, cwd).and_then(|t| {
                 // create is load + resume: the targets' resume checks run first
-                for e in &t.entries {
-                    e.target.preresume().map_err(|why| {
-                        dev_err(
-                            name,
-                            format!("resume refused by {} target: {why}", e.target.type_name()),
-                        )
-                    })?;
-                }
+                t.preresume().map_err(|why| dev_err(name, why))?;
                 Ok(t)
             });
             match built {
@@ -223,9 +216,7 @@ impl Registry {
         devs.insert(name.to_string(), dev.clone());
         drop(devs);
         if let Some(t) = dev.live.load_full() {
-            for e in &t.entries {
-                e.target.resume();
-            }
+            t.resume();
         }
         Ok(())
     }
@@ -841,18 +832,11 @@ impl Registry {
 fn resume_locked(dev: &Device) -> Result<(), String> {
     let next = dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
     let coming = next.clone().or_else(|| dev.live.load_full());
-    if let Some(t) = &coming {
-        for e in &t.entries {
-            if let Err(why) = e.target.preresume() {
-                if let Some(n) = next {
-                    *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
-                }
-                return Err(format!(
-                    "resume refused by {} target: {why}",
-                    e.target.type_name()
-                ));
-            }
+    if let Some(Err(why)) = coming.as_ref().map(|t| t.preresume()) {
+        if let Some(n) = next {
+            *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
         }
+        return Err(why);
     }
     if let Some(t) = next {
         if !dev.suspended.load(Ordering::SeqCst) {
@@ -868,9 +852,7 @@ fn resume_locked(dev: &Device) -> Result<(), String> {
     // targets resume, and I/O goes, when that device lets go (Device::internal_resume).
     if !dev.internally_suspended() {
         if let Some(t) = dev.live.load_full() {
-            for e in &t.entries {
-                e.target.resume();
-            }
+            t.resume();
         }
     }
     dev.suspended.store(false, Ordering::SeqCst);
