@@ -127,6 +127,10 @@ pub struct PoolMd {
     /// may pass from then on, or a write whose mapping was dropped would be
     /// acknowledged as durable.
     pub aborted: std::collections::HashSet<u64>,
+    /// Transactions a metadata failure dropped so far: a pool message whose
+    /// commit is done by another thread learns from it whether its change was
+    /// committed or rolled back (the pool is read-only either way then).
+    pub aborts: u64,
 }
 
 impl PoolMd {
@@ -471,6 +475,7 @@ impl Pool {
                 fast: HashMap::new(),
                 restart,
                 aborted: std::collections::HashSet::new(),
+                aborts: 0,
             }),
             data: data.clone(),
             metadata: metadata.clone(),
@@ -717,6 +722,7 @@ impl Pool {
         // (td->aborted_with_changes = td->changed, before the abort forgets them)
         let changed: Vec<u64> = m.md.devices().into_iter().filter(|&d| m.md.changed(d)).collect();
         m.aborted.extend(changed);
+        m.aborts += 1;
         let _ = m.md.abort();
         m.md.set_needs_check(true);
         let _ = m.md.commit();
