@@ -9,7 +9,7 @@
 mod common;
 
 use common::nbd::{Client, FLAG_FUA, FLUSH, TRIM, WRITE};
-use common::{need, pattern, read_at, Daemon, Scratch};
+use common::{assert_same, need, pattern, read_at, Daemon, Scratch};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -920,6 +920,75 @@ fn discard_shared_block_keeps_data_then_frees_after_snapshot_delete() {
     assert_eq!(c.read(2 * B, B as usize), a);
     assert_eq!(c.read(3 * B, B as usize), vec![0; B as usize]);
     assert_eq!(c.read(4 * B, B as usize), a);
+    drop(c);
+    stop_and_check(d, &f);
+}
+
+/// A discard passed down to the data device holds its data block until the
+/// passdown has landed (the kernel's process_prepared_discard_passdown_pt1/pt2
+/// raise and drop its count around the passdown): a block freed by the unmap and
+/// made allocatable by a commit must not be given to a new write while the
+/// passdown can still punch it, or an acknowledged write reads back as zeroes.
+/// The passdown is made slow (DMKIT_TEST_PASSDOWN_DELAY_MS) and the pool full,
+/// so the discarded block is the only one a new write could get.
+#[test]
+fn discard_passdown_in_flight_holds_its_block() {
+    let (d, f) = pool_daemon(
+        "passdown-hold",
+        4 * MIB,
+        4,
+        &[],
+        &[("DMKIT_TEST_PASSDOWN_DELAY_MS", "1500")],
+    );
+    let mut c = fill_four(&d);
+    let old = pattern(11, 4 * B as usize);
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+    let trimmer = {
+        let sock = d.sock();
+        std::thread::spawn(move || {
+            let mut t = Client::connect(&sock, "t0");
+            let t0 = Instant::now();
+            let e = t.call(TRIM, 0, 0, B as u32, &[]);
+            (e, t0.elapsed())
+        })
+    };
+    // the pool's thread unmaps the block at once; its passdown waits 1.5 s
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!trimmer.is_finished(), "the TRIM completed before its passdown");
+    let used_while_held = used_data(&d);
+    // a commit: the unmapped block is free in the metadata from now on
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+    let new = pattern(12, B as usize);
+    let t0 = Instant::now();
+    c.write(5 * B, &new);
+    let write_took = t0.elapsed();
+    let (e, trim_took) = trimmer.join().unwrap();
+    assert_eq!(e, 0, "TRIM");
+    assert!(
+        trim_took >= Duration::from_millis(1400),
+        "TRIM took {trim_took:?}"
+    );
+    assert_same(
+        &c.read(5 * B, B as usize),
+        &new,
+        "an acknowledged write to the discarded block, after its passdown",
+    );
+    assert_same(
+        &c.read(0, B as usize),
+        &vec![0; B as usize],
+        "the discarded block",
+    );
+    assert_same(&c.read(B, 3 * B as usize), &old[B as usize..], "blocks 1-3");
+    assert_eq!(
+        used_while_held, 4,
+        "a block held by its passdown counts as used (the kernel's inc_data_range)"
+    );
+    assert!(
+        write_took >= Duration::from_millis(800),
+        "the write got a block while the only free one was held by a passdown ({write_took:?})"
+    );
+    let st = pool_status(&d);
+    assert_eq!((st.mode.as_str(), st.used_data), ("rw", 4), "{st:?}");
     drop(c);
     stop_and_check(d, &f);
 }

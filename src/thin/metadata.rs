@@ -502,6 +502,17 @@ impl ThinPoolMetadata {
         Ok(())
     }
 
+    /// Hold free data block `b` back from allocation, in memory only, until
+    /// [`ThinPoolMetadata::unhold_data_block`]: I/O to it is still on its way
+    /// (a discard's passdown). False if the block is in use (nothing held).
+    pub fn hold_data_block(&mut self, b: u64) -> bool {
+        self.tm.data.hold(b)
+    }
+
+    pub fn unhold_data_block(&mut self, b: u64) {
+        self.tm.data.unhold(b);
+    }
+
     /// Whether data block `b` was in use at the last commit (a block allocated
     /// then and mapped only now was committed as allocated, unmapped).
     pub fn data_block_in_use_at_commit(&self, b: u64) -> bool {

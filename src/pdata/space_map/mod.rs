@@ -131,6 +131,10 @@ pub struct SpaceMap {
     /// Index block (metadata sm) or index btree root (data sm).
     pub(crate) index_root: u64,
     pub(crate) ref_count_root: u64,
+    /// Free blocks held back from allocation (with how many holds each), in
+    /// memory only: the user's I/O to them has not finished yet (a thin
+    /// discard's passdown). Never written: a restart finds them free.
+    held: FastMap<u64, u32>,
 }
 
 impl SpaceMap {
@@ -152,6 +156,7 @@ impl SpaceMap {
             bitmap_info: Vec::new(),
             index_root: 0,
             ref_count_root: 0,
+            held: FastMap::default(),
         }
     }
 
@@ -178,6 +183,7 @@ impl SpaceMap {
             bitmap_info: bounds::zeroed_vec(0, field, nr_bitmaps)?,
             index_root: 0,
             ref_count_root: 0,
+            held: FastMap::default(),
         })
     }
 
@@ -187,8 +193,9 @@ impl SpaceMap {
     pub fn nr_allocated(&self) -> u64 {
         self.nr_allocated
     }
+    /// Blocks free and not held (what `alloc` can still hand out, committed or not).
     pub fn nr_free(&self) -> u64 {
-        self.nr_blocks - self.nr_allocated
+        (self.nr_blocks - self.nr_allocated).saturating_sub(self.held.len() as u64)
     }
     pub fn nr_bitmaps(&self) -> u64 {
         self.bitmap_locs.len() as u64
@@ -280,7 +287,7 @@ impl SpaceMap {
         if self.nr_allocated < n {
             let start = self.cursor.min(n);
             for b in (start..n).chain(0..start) {
-                if self.counts[b as usize] == 0 && !self.committed(b) {
+                if self.counts[b as usize] == 0 && !self.committed(b) && !self.is_held(b) {
                     self.set(b, 1)?;
                     self.cursor = b + 1;
                     return Ok(b);
@@ -291,6 +298,31 @@ impl SpaceMap {
             SmKind::Metadata => PdataError::NoMetadataSpace { nr_blocks: n },
             SmKind::Data => PdataError::NoDataSpace { nr_blocks: n },
         })
+    }
+
+    /// Hold free block `b` back from allocation until [`SpaceMap::unhold`]; false
+    /// (nothing held) if it is in use or out of range. Holds are not counted in
+    /// the on-disk space map: they end with the process.
+    pub fn hold(&mut self, b: u64) -> bool {
+        if b >= self.nr_blocks || self.count(b) != 0 {
+            return false;
+        }
+        *self.held.entry(b).or_insert(0) += 1;
+        true
+    }
+
+    /// Drop one hold of `b` taken by [`SpaceMap::hold`].
+    pub fn unhold(&mut self, b: u64) {
+        if let Some(h) = self.held.get_mut(&b) {
+            *h -= 1;
+            if *h == 0 {
+                self.held.remove(&b);
+            }
+        }
+    }
+
+    fn is_held(&self, b: u64) -> bool {
+        !self.held.is_empty() && self.held.contains_key(&b)
     }
 
     /// Grow to `nr_blocks`; new blocks are free. Shrinking is refused.
@@ -392,6 +424,25 @@ mod tests {
         assert!(sm.alloc().is_err());
         sm.transaction_committed();
         assert_eq!(sm.alloc().unwrap(), a);
+    }
+
+    #[test]
+    fn held_block_is_not_allocated_until_unheld() {
+        let mut sm = SpaceMap::new(SmKind::Data, 2).unwrap();
+        let a = sm.alloc().unwrap();
+        let b = sm.alloc().unwrap();
+        sm.transaction_committed();
+        assert!(!sm.hold(a), "a block in use cannot be held");
+        sm.dec(a).unwrap();
+        assert!(sm.hold(a));
+        assert_eq!(sm.nr_free(), 0, "a held block is not free");
+        sm.transaction_committed();
+        assert!(sm.alloc().is_err(), "a held block was allocated");
+        assert_eq!(sm.nr_allocated(), 1, "holds are not written");
+        sm.unhold(a);
+        assert_eq!(sm.nr_free(), 1);
+        assert_eq!(sm.alloc().unwrap(), a);
+        assert!(!sm.hold(b) && !sm.hold(7));
     }
 
     #[test]

@@ -39,6 +39,19 @@ fn commit_period() -> Duration {
     })
 }
 
+/// Tests only: how long a discard's passdown waits before it is sent to the data
+/// device (DMKIT_TEST_PASSDOWN_DELAY_MS; 0, the default, sends it at once), so a
+/// test can hold a passdown in flight while other I/O runs.
+fn passdown_delay() -> Duration {
+    static P: OnceLock<Duration> = OnceLock::new();
+    *P.get_or_init(|| {
+        let ms = std::env::var("DMKIT_TEST_PASSDOWN_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        Duration::from_millis(ms.unwrap_or(0))
+    })
+}
+
 /// Keys of the bio prison: a virtual block of a thin, or a data block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Key {
@@ -114,6 +127,10 @@ pub struct PoolMd {
     /// may pass from then on, or a write whose mapping was dropped would be
     /// acknowledged as durable.
     pub aborted: std::collections::HashSet<u64>,
+    /// Transactions a metadata failure dropped so far: a pool message whose
+    /// commit is done by another thread learns from it whether its change was
+    /// committed or rolled back (the pool is read-only either way then).
+    pub aborts: u64,
 }
 
 impl PoolMd {
@@ -192,7 +209,42 @@ pub struct Discard {
     pub pool_dev: Dest,
 }
 
+/// A discard's passdown on its way to the data device: its data block, unmapped
+/// and free in the metadata, is held out of allocation (in memory only, never
+/// committed) until the passdown has finished, failed or been dropped unsent,
+/// whichever the engine reports first; dropping the hold releases it too, so a
+/// passdown that is never issued cannot keep its block forever.
+struct PassdownHold {
+    pool: Weak<Pool>,
+    block: u64,
+    released: AtomicBool,
+}
+
+impl PassdownHold {
+    /// Never called with the pool lock held: the engine runs end_io hooks outside
+    /// the targets' locks (as it does `device::Cell::finish`).
+    fn release(&self) {
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(pool) = self.pool.upgrade() {
+            let mut m = pool.lock();
+            m.md.unhold_data_block(self.block);
+            // what waited for space may have been waiting for this block
+            pool.space_returned(&mut m);
+        }
+    }
+}
+
+impl Drop for PassdownHold {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 pub struct Pool {
+    /// Itself, for the holds of passdowns in flight.
+    me: Weak<Pool>,
     md: Mutex<PoolMd>,
     pub data: Arc<BackingFile>,
     /// The metadata device (its path in messages, its size, a second handle for
@@ -405,7 +457,8 @@ impl Pool {
             }
             _ => None,
         };
-        let pool = Arc::new(Pool {
+        let pool = Arc::new_cyclic(|me| Pool {
+            me: me.clone(),
             md: Mutex::new(PoolMd {
                 md,
                 prison: HashMap::new(),
@@ -422,6 +475,7 @@ impl Pool {
                 fast: HashMap::new(),
                 restart,
                 aborted: std::collections::HashSet::new(),
+                aborts: 0,
             }),
             data: data.clone(),
             metadata: metadata.clone(),
@@ -534,9 +588,15 @@ impl Pool {
             let res = match res {
                 Ok(Some(b)) => {
                     m.dirty = true;
-                    // The data device may forget the block only if nothing else shares it.
+                    // The data device may forget the block only if nothing else
+                    // shares it, and the block is held out of allocation until the
+                    // passdown has landed (PassdownHold): once a commit frees it, a
+                    // new write could be given it, and a passdown arriving after
+                    // that write would wipe it (the kernel's inc_data_range in
+                    // process_prepared_discard_passdown_pt1).
                     let freed = m.md.data_block_ref_count(b) == 0;
-                    Ok((freed && m.features.discard_passdown).then_some(b))
+                    let pass = freed && m.features.discard_passdown && m.md.hold_data_block(b);
+                    Ok(pass.then_some(b))
                 }
                 Ok(None) => Ok(None),
                 Err(e) => {
@@ -557,8 +617,25 @@ impl Pool {
                 Finish::Discard(j, Ok(Some(b))) => {
                     let bio = j.piece.bio();
                     let sector = b * self.block_sectors + bio.sector % self.block_sectors;
-                    j.piece
-                        .remap(j.pool_dev, crate::targets::Bio { sector, ..bio }, None);
+                    let bio = crate::targets::Bio { sector, ..bio };
+                    let hold = PassdownHold {
+                        pool: self.me.clone(),
+                        block: b,
+                        released: AtomicBool::new(false),
+                    };
+                    let end_io: crate::io::EndIo = Arc::new(move |_, _: &mut [u8]| {
+                        hold.release();
+                        0
+                    });
+                    let delay = passdown_delay();
+                    if delay.is_zero() {
+                        j.piece.remap(j.pool_dev, bio, Some(end_io));
+                    } else {
+                        std::thread::spawn(move || {
+                            std::thread::sleep(delay);
+                            j.piece.remap(j.pool_dev, bio, Some(end_io));
+                        });
+                    }
                 }
                 Finish::Discard(j, Ok(None)) => j.piece.done(),
                 Finish::Discard(j, Err(e)) => j.piece.fail(e),
@@ -645,6 +722,7 @@ impl Pool {
         // (td->aborted_with_changes = td->changed, before the abort forgets them)
         let changed: Vec<u64> = m.md.devices().into_iter().filter(|&d| m.md.changed(d)).collect();
         m.aborted.extend(changed);
+        m.aborts += 1;
         let _ = m.md.abort();
         m.md.set_needs_check(true);
         let _ = m.md.commit();

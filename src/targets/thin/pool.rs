@@ -98,7 +98,7 @@ impl ThinPool {
         &self,
         f: impl FnOnce(&mut crate::thin::ThinPoolMetadata, &[u64]) -> Result<(), ThinError>,
     ) -> Result<String, String> {
-        {
+        let aborts = {
             let mut m = self.pool.lock();
             if m.mode == Mode::ReadOnly {
                 return Err("pool is read-only".into());
@@ -117,8 +117,15 @@ impl ThinPool {
                 }
             }
             self.pool.space_returned(&mut m);
-        }
+            m.aborts
+        };
         self.pool.commit_now()?;
+        // Another thread's commit may have carried the change and failed: the
+        // transaction was dropped and this commit, on a read-only pool, wrote
+        // nothing (a delete reported done would come back after a restart).
+        if self.pool.lock().aborts != aborts {
+            return Err("metadata failure: the change was rolled back and the pool is read-only".into());
+        }
         Ok(String::new())
     }
 }
