@@ -232,11 +232,13 @@ impl SectorModel {
         id == self.durable || self.newer.contains(&id) || (self.newer.contains(&0) && self.past.contains(&id))
     }
     /// After a kill of the daemon: what was acknowledged (as a read before the
-    /// kill), or a write still in flight; after a discard, an older copy as after
-    /// a crash.
+    /// kill), or a write still in flight; after a discard, an older copy (the
+    /// durable one too) as after a crash.
     fn kill_allows(&self, id: u64) -> bool {
         let (acked, later) = self.newer.split_at(self.acked.min(self.newer.len()));
-        if later.contains(&id) || (self.newer.contains(&0) && self.past.contains(&id)) {
+        // a discard issued since may leave any older content (as after a crash)
+        let discarded = self.newer.contains(&0) && (id == self.durable || self.past.contains(&id));
+        if later.contains(&id) || discarded {
             return true;
         }
         let mut it = acked.iter().rev();
