@@ -133,6 +133,13 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
     let ls = same(&d, &["ls"]);
     assert_eq!(ls, "lin\t(253:0)\ntwo\t(253:2)\nzer\t(253:1)\n");
     same(&d, &["table"]);
+    // listed by target type dmsetup prints `(major, minor)` (dmkit printed
+    // `(major:minor)` until this test)
+    assert_eq!(
+        same(&d, &["ls", "--target", "zero"]),
+        "two\t(253, 2)\nzer\t(253, 1)\n"
+    );
+    same(&d, &["status", "--target", "linear"]);
     same(&d, &["table", "two"]);
     same(&d, &["status"]);
     same(&d, &["status", "lin"]);
