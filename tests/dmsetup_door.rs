@@ -182,6 +182,34 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
     assert_eq!(d.ok(&["table", "zer"]), "0 200 zero \n");
     assert_eq!(d.info_line("zer", "Tables"), "Tables present:    LIVE");
 
+    // wait: returns once the event counter passes the number given (a new uuid
+    // is an event)
+    let mut w = Command::new(common::BIN)
+        .arg("--run-dir")
+        .arg(&d.run)
+        .args(["exec", "--"])
+        .arg(common::tool_path("dmsetup"))
+        .args(["wait", "lin", "0"])
+        .env("LC_ALL", "C")
+        .env_remove("DM_DEV_DIR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("dmsetup wait");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        w.try_wait().expect("wait status").is_none(),
+        "dmsetup wait returned before an event"
+    );
+    assert_eq!(dmsetup(&d, &["rename", "lin", "--setuuid", "UUID-LIN"]), "");
+    let o = w.wait_with_output().expect("dmsetup wait");
+    assert!(
+        o.status.success() && o.stdout.is_empty() && o.stderr.is_empty(),
+        "{o:?}"
+    );
+    assert_eq!(d.info_line("lin", "Event"), "Event number:      1");
+    same(&d, &["info", "lin"]);
+
     // rename, and a uuid for a device without one
     assert_eq!(dmsetup(&d, &["rename", "zer", "zed"]), "");
     assert_eq!(d.ok(&["ls"]), "lin\t(253:0)\ntwo\t(253:2)\nzed\t(253:1)\n");

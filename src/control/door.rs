@@ -151,7 +151,7 @@ pub fn ioctl(
     let mut r = match dm::decode(request, raw) {
         Ok(r) => r,
         Err((e, mut buf, n)) => {
-            buf.truncate(n);
+            wipe_from(&mut buf, n);
             let why = format!(
                 "dm ioctl 0x{request:08x}: {} (the kernel's checks of the buffer)",
                 std::io::Error::from_raw_os_error(e.0)
@@ -166,16 +166,27 @@ pub fn ioctl(
                 ctx.record();
             }
             let n = r.out_len();
-            r.buf.truncate(n);
+            wipe_from(&mut r.buf, n);
             (0, r.buf, String::new())
         }
         Err((e, why)) => {
             if e != dm::ENXIO {
                 tracing::info!("dm ioctl {:?} refused ({}): {why}", r.cmd, e.0);
             }
+            wipe_from(&mut r.buf, 0);
             (e.0, Vec::new(), why)
         }
     }
+}
+
+/// Zero the bytes of `buf` from `n` on, then drop them: what is not copied back
+/// (a table's parameters, a key) does not linger in freed memory
+/// (DM_SECURE_DATA_FLAG's wipe, done for every buffer).
+fn wipe_from(buf: &mut Vec<u8>, n: usize) {
+    if let Some(tail) = buf.get_mut(n..) {
+        tail.fill(0);
+    }
+    buf.truncate(n);
 }
 
 /// The kernel's check of a device name (`check_name`), with the registry's.
