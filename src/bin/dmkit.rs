@@ -272,7 +272,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
 fn exec(run_dir: &Path, program: &[String]) -> Result<i32> {
     use std::os::unix::process::CommandExt;
     let run_dir = std::path::absolute(run_dir).with_context(|| format!("{}", run_dir.display()))?;
-    let lib = dmkit::control::preload::install(&run_dir)
+    let lib = dmkit::control::preload::install_for_user(&run_dir)
         .with_context(|| format!("writing the door's library into {}", run_dir.display()))?;
     let (prog, args) = program
         .split_first()
@@ -286,14 +286,14 @@ fn exec(run_dir: &Path, program: &[String]) -> Result<i32> {
             v.push(p);
             v
         }
-        _ => lib.into_os_string(),
+        _ => lib.clone().into_os_string(),
     };
     cmd.env("LD_PRELOAD", preload)
         .env("DMKIT_DOOR_SOCKET", run_dir.join(dmkit::control::door::SOCKET))
         .env("DMKIT_RUN_DIR", &run_dir)
         .env("DM_DISABLE_UDEV", "1");
     if std::env::var_os("DM_DEV_DIR").is_none() {
-        let dev = run_dir.join("dev");
+        let dev = lib.parent().unwrap_or(&run_dir).join("dev");
         std::fs::create_dir_all(dev.join("mapper"))
             .with_context(|| format!("creating {}/mapper", dev.display()))?;
         cmd.env("DM_DEV_DIR", dev);
