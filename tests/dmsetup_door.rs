@@ -124,6 +124,17 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
         ),
         ""
     );
+    // a read-only table (-r): dmkit cannot make a device read-only after its
+    // creation, so dmsetup's create fails (and removes the device) rather
+    // than give a writable one
+    let o = dmsetup_in(&d, &["create", "ro", "-r", "--table", "0 100 zero"], "");
+    assert!(!o.status.success());
+    assert_eq!(
+        text(&o.stderr),
+        "dmkit: ro: a read-only table for a device created writable: dmkit cannot change a device's mode \
+         yet (make it read-only with `dmkit create --readonly`)\n\
+         device-mapper: reload ioctl on ro (253:3) failed: Invalid argument\nCommand failed.\n"
+    );
     // the tables dmkit holds are the ones dmsetup loaded
     assert_eq!(d.ok(&["table", "lin"]), format!("0 8192 linear {a} 0\n"));
     assert_eq!(d.ok(&["table", "zer"]), "0 100 zero \n");

@@ -434,6 +434,19 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
         }
         Cmd::TableLoad => {
             let d = find(ctx, r)?;
+            if r.has(dm::READONLY_FLAG) && !d.read_only {
+                // the kernel makes the device read-only at the resume; dmkit fixes
+                // a device's mode at its creation, and a read-only table must not
+                // give a writable device
+                return Err(refuse(
+                    dm::EINVAL,
+                    format!(
+                        "{}: a read-only table for a device created writable: dmkit cannot change a \
+                         device's mode yet (make it read-only with `dmkit create --readonly`)",
+                        d.name()
+                    ),
+                ));
+            }
             let specs = r.table().map_err(|e| {
                 refuse(
                     e,
