@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and benchmarks need, when missing: the real
 # NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools, e2fsprogs, for the
-# kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup,
+# kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup
+# (also the real dmsetup that tests/dmsetup_door.rs drives through the dm ioctl door),
+# a C compiler and libc headers (gcc, libc6-dev: build.rs builds the door's preload library),
 # the kernel's NBD client (nbd-client, run in the oracle's guest),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
 # ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra).
@@ -24,7 +26,7 @@ tools=(
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
-  nbd-client:nbd-client
+  nbd-client:nbd-client cc:gcc
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
@@ -38,6 +40,7 @@ for pair in "${tools[@]}"; do
 done
 installed busybox-static || missing+=(busybox-static) # busybox alone is not static
 installed librbd-dev || missing+=(librbd-dev)
+installed libc6-dev || missing+=(libc6-dev) # the door's preload library (build.rs)
 # qemu's rbd driver, at the version of the qemu installed (or about to be)
 installed qemu-block-extra || missing+=(qemu-block-extra)
 

@@ -46,6 +46,9 @@ pub fn registry() -> &'static Registry {
     &ctx().reg
 }
 
+/// The devices [`registry`] makes (a target may remove the others it finds).
+pub const FIXTURE: &[&str] = &["z", "lin", "pool", "thin", "wc"];
+
 /// The control requests' context over [`registry`] (no state file).
 pub fn ctx() -> &'static Ctx {
     static C: OnceLock<Ctx> = OnceLock::new();

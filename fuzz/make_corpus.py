@@ -152,3 +152,53 @@ for i in range(5):
 put("snapshot_store", "exceptions", bytes(sn))
 struct.pack_into("<QQ", sn, 4096 + 16 * 5, 12, 1)  # an exception pointing at the area
 put("snapshot_store", "bad_exception", bytes(sn))
+
+
+# dm ioctl door (fuzz_targets/dm_ioctl.rs): request ^ DM_VERSION's number, then
+# the dm_ioctl buffer as libdevmapper lays it out (x86-64, little-endian)
+DM_REQ = 0xC138FD00
+
+
+def dm(cmd, name=b"", uuid=b"", flags=0, data=b"", size=1024, count=0, start=312, event_nr=0, dev=0):
+    size = max(size, 312 + len(data))
+    h = struct.pack("<3IIIIiIIIQ128s129s7s", 4, 0, 0, size, start, count, 0, flags, event_nr, 0, dev,
+                    name, uuid, b"")
+    assert len(h) == 312
+    b = h + data
+    return struct.pack("<I", (DM_REQ | cmd) ^ DM_REQ) + b + b"\0" * (size - len(b))
+
+
+def spec(start, length, ty, params):
+    p = params + b"\0"
+    p += b"\0" * ((-(40 + len(p))) % 8)
+    return struct.pack("<QQiI16s", start, length, 0, 40 + len(p), ty) + p
+
+
+def msg(sector, text):
+    return struct.pack("<Q", sector) + text + b"\0"
+
+
+put("dm_ioctl", "version", dm(0))
+put("dm_ioctl", "list_devices_uuid", dm(2, flags=1 << 14))
+put("dm_ioctl", "list_small", dm(2, size=320))
+put("dm_ioctl", "create", dm(3, b"fz", b"UUID-FZ"))
+put("dm_ioctl", "load_zero", dm(9, b"fz", data=spec(0, 64, b"zero", b""), count=1))
+put("dm_ioctl", "load_two", dm(9, b"z", data=spec(0, 8, b"zero", b"") + spec(8, 8, b"error", b""), count=2))
+put("dm_ioctl", "load_linear", dm(9, b"fz", data=spec(0, 8, b"linear", b"/dev/mapper/z 0"), count=1))
+put("dm_ioctl", "suspend", dm(6, b"z", flags=(1 << 1) | (1 << 11)))
+put("dm_ioctl", "resume", dm(6, b"z"))
+put("dm_ioctl", "status", dm(7, b"lin"))
+put("dm_ioctl", "status_by_dev", dm(7, dev=0xFD00))
+put("dm_ioctl", "wait", dm(8, b"z", event_nr=5))
+put("dm_ioctl", "clear", dm(10, b"z"))
+put("dm_ioctl", "deps", dm(11, b"thin", flags=1 << 12))
+put("dm_ioctl", "table", dm(12, b"pool", flags=1 << 4))
+put("dm_ioctl", "table_status", dm(12, b"pool"))
+put("dm_ioctl", "versions", dm(13))
+put("dm_ioctl", "message", dm(14, b"pool", data=msg(0, b"create_thin 9")))
+put("dm_ioctl", "rename", dm(5, b"fz", data=b"fz2\0"))
+put("dm_ioctl", "set_uuid", dm(5, b"z", flags=1 << 14, data=b"U-Z\0"))
+put("dm_ioctl", "geometry", dm(15, b"z", data=b"100 16 63 0\0"))
+put("dm_ioctl", "target_version", dm(17, b"linear"))
+put("dm_ioctl", "remove", dm(4, b"fz", flags=1 << 17))
+put("dm_ioctl", "remove_all", dm(1))

@@ -102,6 +102,8 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let nbd_path = opts.run_dir.join("nbd.sock");
     let control = bind(&control_path, group)?;
     let nbd = bind(&nbd_path, group)?;
+    let door_path = opts.run_dir.join(crate::control::door::SOCKET);
+    let door = bind(&door_path, group)?;
     let state = state_path(&opts.run_dir);
     let prev = crate::control::state::prev_path(&state);
     if !opts.restore && state.exists() {
@@ -183,10 +185,29 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                 }
             })?;
     }
+    {
+        let ctx = ctx.clone();
+        std::thread::Builder::new()
+            .name("dm-door".into())
+            .spawn(move || {
+                for s in door.incoming() {
+                    let Ok(mut s) = s else { continue };
+                    let ctx = ctx.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("dm-door-conn".into())
+                        .spawn(move || {
+                            if let Err(e) = crate::control::door::serve_connection(&mut s, &ctx) {
+                                tracing::warn!("dm ioctl door connection: {e}");
+                            }
+                        });
+                }
+            })?;
+    }
     tracing::info!(
-        "serving: control {} nbd {}",
+        "serving: control {} nbd {} dm ioctl door {}",
         control_path.display(),
-        nbd_path.display()
+        nbd_path.display(),
+        door_path.display()
     );
     if let Some(dir) = &opts.demo {
         demo(&reg, dir, &nbd_path, opts.nbd_listen.as_deref())?;
@@ -213,6 +234,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     reg.commit_pools();
     let _ = std::fs::remove_file(&control_path);
     let _ = std::fs::remove_file(&nbd_path);
+    let _ = std::fs::remove_file(&door_path);
     let _ = std::fs::remove_file(&pid_path);
     Ok(())
 }

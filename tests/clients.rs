@@ -242,7 +242,7 @@ fn demo_over_unix_and_tcp() {
     );
     // Sockets are private to the owner without --group.
     use std::os::unix::fs::PermissionsExt;
-    for s in ["control.sock", "nbd.sock"] {
+    for s in ["control.sock", "nbd.sock", "dm-ioctl.sock"] {
         let mode = std::fs::metadata(d.run.join(s))
             .expect("stat")
             .permissions()

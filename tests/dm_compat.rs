@@ -354,7 +354,7 @@ fn report_verbs() {
     d.ok(&["load", "top", "--table", "0 8192 zero"]);
     assert_eq!(d.ok(&["table", "top", "--inactive"]), "0 8192 zero \n");
     assert_eq!(d.ok(&["table", "top"]), "0 8192 linear 253:0 0\n");
-    assert_eq!(d.ok(&["ls", "--target", "striped"]), "fast\t(253:0)\n");
+    assert_eq!(d.ok(&["ls", "--target", "striped"]), "fast\t(253, 0)\n");
 }
 
 /// The CLI a person expects: help per verb, a version, completions, and unknown

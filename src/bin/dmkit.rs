@@ -55,6 +55,34 @@ enum Cmd {
     /// tear unflushed writes, a crash, then the stack reopened and checked. A
     /// failing trial prints the command that replays it
     Sim(SimArgs),
+    /// Run PROGRAM with device-mapper's door open to this run directory's
+    /// daemon: its /dev/mapper/control reaches dmkit, so the real dmsetup (and
+    /// other programs built on libdevmapper) drive dmkit's devices unmodified
+    #[command(
+        after_help = "The program runs with a preloaded library (LD_PRELOAD) that answers \
+/dev/mapper/control (and $DM_DEV_DIR/mapper/control) with the daemon's dm ioctl door \
+(RUN_DIR/dm-ioctl.sock), and /proc/devices and /proc/misc with a device-mapper line. The \
+environment also gets DM_DISABLE_UDEV=1 (there are no uevents: libdevmapper makes the device \
+nodes itself), DMKIT_RUN_DIR, and DM_DEV_DIR=RUN_DIR/dev unless DM_DEV_DIR is set (the nodes \
+libdevmapper makes name dmkit's device numbers, which no kernel driver serves: they are kept out \
+of /dev). Statically linked programs are not covered.
+
+Examples:
+  dmkit exec -- dmsetup version
+  dmkit exec -- dmsetup create z --table \"0 2097152 zero\"
+  dmkit exec -- dmsetup info -c
+  dmkit exec -- bash                  # a shell whose device-mapper is dmkit"
+    )]
+    Exec {
+        /// The program and its arguments
+        #[arg(
+            required = true,
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "PROGRAM"
+        )]
+        program: Vec<String>,
+    },
     #[command(flatten)]
     Dm(DmVerb),
 }
@@ -239,8 +267,44 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         }
         Cmd::Progress { name } => follow(&run_dir.join("control.sock"), &name),
         Cmd::Sim(a) => sim(a),
+        Cmd::Exec { program } => exec(&run_dir, &program),
         Cmd::Dm(verb) => client(&run_dir, &verb, verb_words(argv)),
     }
+}
+
+/// `dmkit exec -- PROGRAM [ARGS...]`: replace this process by PROGRAM with the
+/// dm ioctl door preloaded.
+fn exec(run_dir: &Path, program: &[String]) -> Result<i32> {
+    use std::os::unix::process::CommandExt;
+    let run_dir = std::path::absolute(run_dir).with_context(|| format!("{}", run_dir.display()))?;
+    let lib = dmkit::control::preload::install_for_user(&run_dir)
+        .with_context(|| format!("writing the door's library into {}", run_dir.display()))?;
+    let (prog, args) = program
+        .split_first()
+        .ok_or_else(|| anyhow::anyhow!("dmkit exec: a program to run is required"))?;
+    let mut cmd = std::process::Command::new(prog);
+    cmd.args(args);
+    let preload = match std::env::var_os("LD_PRELOAD") {
+        Some(p) if !p.is_empty() => {
+            let mut v = lib.clone().into_os_string();
+            v.push(":");
+            v.push(p);
+            v
+        }
+        _ => lib.clone().into_os_string(),
+    };
+    cmd.env("LD_PRELOAD", preload)
+        .env("DMKIT_DOOR_SOCKET", run_dir.join(dmkit::control::door::SOCKET))
+        .env("DMKIT_RUN_DIR", &run_dir)
+        .env("DM_DISABLE_UDEV", "1");
+    if std::env::var_os("DM_DEV_DIR").is_none() {
+        let dev = lib.parent().unwrap_or(&run_dir).join("dev");
+        std::fs::create_dir_all(dev.join("mapper"))
+            .with_context(|| format!("creating {}/mapper", dev.display()))?;
+        cmd.env("DM_DEV_DIR", dev);
+    }
+    let e = cmd.exec();
+    anyhow::bail!("dmkit exec: running {prog}: {e}")
 }
 
 fn sim(a: SimArgs) -> Result<i32> {

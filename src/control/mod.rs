@@ -5,6 +5,9 @@
 //! as length + bytes. The daemon does all parsing and formatting, so every client
 //! sees the same output.
 
+pub mod dmioctl;
+pub mod door;
+pub mod preload;
 pub mod state;
 pub mod verbs;
 
@@ -153,15 +156,23 @@ pub fn execute(ctx: &Ctx, args: &[String], stdin: &str) -> Result<String, String
     // recorded too
     let r = run_verb(ctx, req.verb, stdin);
     if changes && r.is_ok() {
-        if let Some(path) = &ctx.state {
+        ctx.record();
+    }
+    r
+}
+
+impl Ctx {
+    /// Record the devices in the state file after a change (verbs and the dm
+    /// ioctl door alike).
+    pub fn record(&self) {
+        if let Some(path) = &self.state {
             // each save writes the state as it is now: the last one wins
-            let _g = ctx.changes.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = state::save(ctx, path) {
+            let _g = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = state::save(self, path) {
                 tracing::warn!("recording the devices in {}: {e}", path.display());
             }
         }
     }
-    r
 }
 
 fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {

@@ -4,7 +4,7 @@
 pub mod devio;
 pub mod engine;
 pub mod registry;
-mod report;
+pub mod report;
 
 pub use registry::Registry;
 

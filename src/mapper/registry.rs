@@ -704,10 +704,13 @@ impl Registry {
         if tree {
             return super::report::tree(&devs);
         }
+        // dmsetup prints the number as `(major, minor)` when it lists by target
+        // type (it goes through its status path) and `(major:minor)` otherwise
+        let sep = if target.is_some() { ", " } else { ":" };
         devs.iter()
             .map(|d| match d.block_device() {
-                Some(b) => format!("{}\t({DM_MAJOR}:{})\t{b}\n", d.name(), d.minor),
-                None => format!("{}\t({DM_MAJOR}:{})\n", d.name(), d.minor),
+                Some(b) => format!("{}\t({DM_MAJOR}{sep}{})\t{b}\n", d.name(), d.minor),
+                None => format!("{}\t({DM_MAJOR}{sep}{})\n", d.name(), d.minor),
             })
             .collect()
     }

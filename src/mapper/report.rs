@@ -307,9 +307,26 @@ struct Used {
 /// The distinct devices `d`'s live table maps onto, most recently added first, as
 /// the kernel's table keeps them.
 fn used(d: &Device) -> Vec<Used> {
-    let Some(t) = d.live.load_full() else {
-        return Vec::new();
-    };
+    match d.live.load_full() {
+        Some(t) => used_in(&t),
+        None => Vec::new(),
+    }
+}
+
+/// The device numbers a table maps onto, as the kernel's `retrieve_deps` lists
+/// them (the dm ioctl door's TABLE_DEPS); a regular file, which has none, is
+/// (0, 0).
+pub fn dep_numbers(t: &super::Table) -> Vec<(u32, u32)> {
+    used_in(t)
+        .iter()
+        .map(|u| match u.devno.split_once(':') {
+            Some((a, b)) => (a.parse().unwrap_or(0), b.parse().unwrap_or(0)),
+            None => (0, 0),
+        })
+        .collect()
+}
+
+fn used_in(t: &super::Table) -> Vec<Used> {
     let mut out: Vec<Used> = Vec::new();
     for e in &t.entries {
         for r in e.target.held_devices() {

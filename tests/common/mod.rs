@@ -81,7 +81,7 @@ impl Daemon {
         self.kill9();
         let dir = std::mem::replace(&mut self.dir, Scratch(PathBuf::new()));
         // the dead daemon's sockets: the new one binds them before it restores
-        for s in ["control.sock", "nbd.sock"] {
+        for s in ["control.sock", "nbd.sock", "dm-ioctl.sock", "serve.pid"] {
             let _ = std::fs::remove_file(self.run.join(s));
         }
         drop(self);
@@ -115,7 +115,12 @@ impl Daemon {
             .expect("spawn dmkit serve");
         let d = Daemon { dir, run, child };
         let t0 = Instant::now();
-        while !(d.run.join("control.sock").exists() && d.run.join("nbd.sock").exists()) {
+        // serve.pid is written once the daemon answers (after a --restore's
+        // replay): the sockets exist before that
+        while !(d.run.join("control.sock").exists()
+            && d.run.join("nbd.sock").exists()
+            && d.run.join("serve.pid").exists())
+        {
             assert!(t0.elapsed() < Duration::from_secs(10), "daemon did not start");
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -1,0 +1,22 @@
+//! Builds the dm ioctl door's preload library (src/control/preload.c) as a
+//! shared object in OUT_DIR; `dmkit exec` carries it in the binary
+//! (src/control/preload.rs says why it is C).
+
+fn main() {
+    let src = "src/control/preload.c";
+    println!("cargo:rerun-if-changed={src}");
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let lib = out.join("libdmkit-door.so");
+    // the cc crate finds the C compiler and its flags for the target; the
+    // shared object is linked by that compiler
+    let compiler = cc::Build::new().opt_level(2).pic(true).get_compiler();
+    let mut cmd = compiler.to_command();
+    cmd.args(["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&lib)
+        .arg(src)
+        .args(["-ldl", "-lpthread"]);
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("running the C compiler for {src}: {e}"));
+    assert!(status.success(), "building {src} failed ({status})");
+}

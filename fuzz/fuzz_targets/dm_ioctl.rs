@@ -1,0 +1,32 @@
+//! The dm ioctl door: an ioctl request number (the first 4 bytes, little-endian,
+//! XOR DM_VERSION's, so zero bytes are device-mapper's own commands) and the
+//! caller's buffer (the rest), decoded and run against the registry as the
+//! daemon runs them. A DEV_WAIT returns at once (its caller counts as gone).
+#![no_main]
+#[path = "../common.rs"]
+mod common;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Some((head, buf)) = data.split_first_chunk::<4>() else {
+        return;
+    };
+    let request = u32::from_le_bytes(*head) ^ 0xc138_fd00;
+    let ctx = common::ctx();
+    let (errno, out, _) = dmkit::control::door::ioctl(ctx, request, buf.to_vec(), "", &|| true);
+    // the reply never grows the caller's buffer
+    assert!(out.len() <= buf.len().max(12), "{} bytes back for {}", out.len(), buf.len());
+    assert!(errno >= 0);
+    // devices the inputs made: removed once there are many, so the registry
+    // (shared by every input) stays small and runs stay fast
+    let devs = ctx.reg.list();
+    if devs.len() > 64 {
+        for d in devs {
+            let name = d.name();
+            if !common::FIXTURE.contains(&name.as_str()) {
+                let _ = ctx.reg.remove(&name, true, false);
+            }
+        }
+        ctx.reg.reap_deferred();
+    }
+});

@@ -1,0 +1,669 @@
+//! The dm ioctl door, daemon side: the commands of `/dev/mapper/control` served
+//! on the registry, with the kernel's answers (`drivers/md/dm-ioctl.c`).
+//!
+//! The door has its own socket, `RUN_DIR/dm-ioctl.sock`, rather than a request
+//! kind on `control.sock`: one connection is one open descriptor of
+//! `/dev/mapper/control` (it lives as long as the program keeps the descriptor,
+//! and carries many ioctls, where a `control.sock` connection carries one verb),
+//! and its frames are the binary buffer the ioctl passes, not words. The
+//! library `dmkit exec` preloads (see [`crate::control::preload`]) connects here.
+//!
+//! A frame from the caller: the ioctl request number, the buffer's length, the
+//! caller's working directory's length (u32 LE each), the buffer, the directory
+//! (relative paths in a table are the caller's, as the kernel resolves them).
+//! The reply: the errno (0 on success; i32 LE), the number of bytes to copy
+//! back over the caller's buffer, the length of a reason (u32 LE each), those
+//! bytes, and the reason: why a request was refused, in words (the kernel's
+//! DMERR goes to its log; the caller's library prints this one).
+
+use super::dmioctl::{self as dm, Cmd, Errno, Request};
+use super::Ctx;
+use crate::mapper::registry::ControlError;
+use crate::mapper::{Device, DM_MAJOR};
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// The door's socket in the run directory.
+pub const SOCKET: &str = "dm-ioctl.sock";
+
+/// The longest working directory a frame may carry.
+const MAX_CWD: u32 = 4096;
+
+/// A refusal: the errno and why.
+type Refusal = (Errno, String);
+
+fn refuse(e: Errno, why: impl Into<String>) -> Refusal {
+    (e, why.into())
+}
+
+/// The errno the kernel gives for what the registry refused.
+fn errno_of(e: &ControlError) -> Errno {
+    match e {
+        ControlError::NoDevice(_) => dm::ENXIO,
+        ControlError::Exists(_) => dm::EBUSY,
+        ControlError::Device { what, .. } if what.to_ascii_lowercase().contains("busy") => dm::EBUSY,
+        _ => dm::EINVAL,
+    }
+}
+
+fn from_registry(e: ControlError) -> Refusal {
+    (errno_of(&e), e.to_string())
+}
+
+/// Serve one connection (one open descriptor of the control node) until the
+/// caller closes it.
+pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
+    loop {
+        let mut h = [0u8; 12];
+        match s.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let (request, len, cwd_len) = (word(0), word(4), word(8));
+        if len as usize > dm::BUFFER_LIMIT || cwd_len > MAX_CWD {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("dm ioctl frame of {len} bytes (cwd {cwd_len}): more than the door takes"),
+            ));
+        }
+        let mut buf = vec![0u8; len as usize];
+        s.read_exact(&mut buf)?;
+        let mut cwd = vec![0u8; cwd_len as usize];
+        s.read_exact(&mut cwd)?;
+        let cwd = String::from_utf8_lossy(&cwd).into_owned();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+        let (errno, mut out, why) = ioctl(ctx, request, buf, &cwd, &|| hung_up(fd));
+        let mut rep = Vec::with_capacity(12 + out.len() + why.len());
+        rep.extend_from_slice(&errno.to_le_bytes());
+        rep.extend_from_slice(&(out.len() as u32).to_le_bytes());
+        rep.extend_from_slice(&(why.len() as u32).to_le_bytes());
+        rep.extend_from_slice(&out);
+        rep.extend_from_slice(why.as_bytes());
+        let r = s.write_all(&rep);
+        // SECURE_DATA's wipe, done for every buffer: the door cannot know
+        // which parameters were secret once the flag is cleared
+        out.fill(0);
+        rep.fill(0);
+        r?;
+    }
+}
+
+/// Whether the caller of a waiting DEV_WAIT has gone (its end of the socket
+/// closed).
+fn hung_up(fd: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the duration of the call; no timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// dmkit's own request on the door (type byte 0xdc, not device-mapper's 0xfd):
+/// the read-ahead, in sectors, of the device whose number is the 8-byte buffer
+/// (u64, as `dev` fields carry it). The preload library answers
+/// `/sys/dev/block/253:N/bdi/read_ahead_kb` with it, where libdevmapper reads a
+/// device's read-ahead (its number may be another driver's on this kernel).
+pub const READ_AHEAD_REQUEST: u32 = 0xdc01;
+
+fn read_ahead(ctx: &Ctx, raw: &[u8]) -> (i32, Vec<u8>, String) {
+    let Some(dev) = raw.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()) else {
+        return (
+            libc::EFAULT,
+            Vec::new(),
+            "read-ahead: an 8-byte device number is required".into(),
+        );
+    };
+    let (major, minor) = dm::decode_dev(u64::from_ne_bytes(dev));
+    let d = (major == DM_MAJOR)
+        .then(|| ctx.reg.list().into_iter().find(|d| d.minor == minor))
+        .flatten();
+    match d {
+        Some(d) => (
+            0,
+            d.limits().read_ahead_sectors().to_ne_bytes().to_vec(),
+            String::new(),
+        ),
+        None => (libc::ENXIO, Vec::new(), String::new()),
+    }
+}
+
+/// One ioctl: the request number and the caller's buffer in; the errno (0: the
+/// ioctl succeeded), the bytes to copy back over the buffer, and the reason of a
+/// refusal out. `gone` tells a waiting DEV_WAIT that its caller left.
+pub fn ioctl(
+    ctx: &Ctx,
+    request: u32,
+    raw: Vec<u8>,
+    cwd: &str,
+    gone: &dyn Fn() -> bool,
+) -> (i32, Vec<u8>, String) {
+    if request == READ_AHEAD_REQUEST {
+        return read_ahead(ctx, &raw);
+    }
+    let mut r = match dm::decode(request, raw) {
+        Ok(r) => r,
+        Err((e, mut buf, n)) => {
+            wipe_from(&mut buf, n);
+            let why = format!(
+                "dm ioctl 0x{request:08x}: {} (the kernel's checks of the buffer)",
+                std::io::Error::from_raw_os_error(e.0)
+            );
+            return (e.0, buf, why);
+        }
+    };
+    let cwd = (!cwd.is_empty()).then(|| Path::new(cwd));
+    match run(ctx, &mut r, cwd, gone) {
+        Ok(changed) => {
+            if changed {
+                ctx.record();
+            }
+            let n = r.out_len();
+            wipe_from(&mut r.buf, n);
+            (0, r.buf, String::new())
+        }
+        Err((e, why)) => {
+            if e != dm::ENXIO {
+                tracing::info!("dm ioctl {:?} refused ({}): {why}", r.cmd, e.0);
+            }
+            wipe_from(&mut r.buf, 0);
+            (e.0, Vec::new(), why)
+        }
+    }
+}
+
+/// Zero the bytes of `buf` from `n` on, then drop them: what is not copied back
+/// (a table's parameters, a key) does not linger in freed memory
+/// (DM_SECURE_DATA_FLAG's wipe, done for every buffer).
+fn wipe_from(buf: &mut Vec<u8>, n: usize) {
+    if let Some(tail) = buf.get_mut(n..) {
+        tail.fill(0);
+    }
+    buf.truncate(n);
+}
+
+/// The kernel's check of a device name (`check_name`), with the registry's.
+fn check_name(name: &str) -> Result<(), Refusal> {
+    if name.contains('/') || name == "control" || name == "." || name == ".." {
+        return Err(refuse(
+            dm::EINVAL,
+            format!("invalid device name '{name}': no '/', not \"control\", \".\" or \"..\""),
+        ));
+    }
+    Ok(())
+}
+
+/// `__find_device_hash_cell`: the device the header names (by uuid, else name,
+/// else number; naming it two ways is ENXIO, as the kernel finds nothing), its
+/// name and uuid written into the header.
+fn find(ctx: &Ctx, r: &mut Request) -> Result<Arc<Device>, Refusal> {
+    let (name, uuid, dev) = (r.name(), r.uuid(), r.dev());
+    let none = || {
+        refuse(
+            dm::ENXIO,
+            format!("no device (name '{name}', uuid '{uuid}', dev {dev:#x})"),
+        )
+    };
+    let d = if !uuid.is_empty() {
+        if !name.is_empty() || dev != 0 {
+            return Err(none());
+        }
+        ctx.reg
+            .list()
+            .into_iter()
+            .find(|d| d.uuid().as_deref() == Some(uuid.as_str()))
+    } else if !name.is_empty() {
+        if dev != 0 {
+            return Err(none());
+        }
+        ctx.reg.get(&name).ok()
+    } else if dev != 0 {
+        let (major, minor) = dm::decode_dev(dev);
+        (major == DM_MAJOR)
+            .then(|| ctx.reg.list().into_iter().find(|d| d.minor == minor))
+            .flatten()
+    } else {
+        None
+    };
+    let d = d.ok_or_else(none)?;
+    r.set_identity(&d.name(), d.uuid().as_deref());
+    if d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+        r.add_flags(dm::INACTIVE_PRESENT_FLAG);
+    } else {
+        r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+    }
+    Ok(d)
+}
+
+/// `__dev_status` of a device.
+fn status(d: &Device) -> dm::DevStatus {
+    let inactive = d
+        .inactive
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|t| t.entries.len() as u32);
+    dm::DevStatus {
+        major: DM_MAJOR,
+        minor: d.minor,
+        suspended: d.suspended.load(Ordering::SeqCst),
+        deferred_remove: d.deferred_remove.load(Ordering::SeqCst),
+        read_only: d.read_only,
+        open_count: d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst),
+        event_nr: d.events() as u32,
+        live_targets: d.live.load().as_ref().map(|t| t.entries.len() as u32),
+        inactive_targets: inactive,
+    }
+}
+
+/// The live table, or the inactive one with QUERY_INACTIVE_TABLE.
+fn table_of(d: &Device, r: &Request) -> Option<Arc<crate::mapper::Table>> {
+    if r.has(dm::QUERY_INACTIVE_TABLE_FLAG) {
+        d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    } else {
+        d.live.load_full()
+    }
+}
+
+/// `retrieve_status`: each target's status line, or its table line with
+/// STATUS_TABLE.
+fn put_status(d: &Device, r: &mut Request) {
+    let Some(t) = table_of(d, r) else { return };
+    let table = r.has(dm::STATUS_TABLE_FLAG);
+    let lines: Vec<(u64, u64, &str, String)> = t
+        .entries
+        .iter()
+        .map(|e| {
+            let text = if table {
+                e.target.table_params()
+            } else {
+                e.target.status_params()
+            };
+            (e.start, e.len, e.target.type_name(), text)
+        })
+        .collect();
+    r.put_status(&lines);
+}
+
+/// Run a decoded request; Ok(whether the devices changed).
+fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) -> Result<bool, Refusal> {
+    let reg = &*ctx.reg;
+    match r.cmd {
+        Cmd::Version | Cmd::DevArmPoll => Ok(false),
+        Cmd::RemoveAll => {
+            // the kernel removes what it can and reports nothing
+            if let Err(e) = reg.remove_all(false, r.has(dm::DEFERRED_REMOVE)) {
+                tracing::info!("dm ioctl remove_all: {e}");
+            }
+            r.set_data_size(0);
+            Ok(true)
+        }
+        Cmd::ListDevices => {
+            let devs: Vec<dm::ListEntry> = reg
+                .list()
+                .iter()
+                .map(|d| dm::ListEntry {
+                    name: d.name(),
+                    uuid: d.uuid(),
+                    major: DM_MAJOR,
+                    minor: d.minor,
+                    event_nr: d.events() as u32,
+                })
+                .collect();
+            r.put_name_list(&devs);
+            Ok(false)
+        }
+        Cmd::ListVersions => {
+            r.put_versions(crate::targets::TARGET_TYPES);
+            Ok(false)
+        }
+        Cmd::GetTargetVersion => {
+            let name = r.name();
+            let t = crate::targets::TARGET_TYPES
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| refuse(dm::EINVAL, format!("no target type '{name}'")))?;
+            r.put_versions(std::slice::from_ref(t));
+            Ok(false)
+        }
+        Cmd::DevCreate => {
+            let name = r.name();
+            check_name(&name)?;
+            if r.has(dm::PERSISTENT_DEV_FLAG) {
+                return Err(refuse(
+                    dm::EINVAL,
+                    format!(
+                        "{name}: a chosen minor number (DM_PERSISTENT_DEV_FLAG) is not supported by dmkit"
+                    ),
+                ));
+            }
+            let uuid = Some(r.uuid()).filter(|u| !u.is_empty());
+            reg.create_in(&name, None, r.has(dm::READONLY_FLAG), uuid, None)
+                .map_err(from_registry)?;
+            let d = reg.get(&name).map_err(from_registry)?;
+            r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+            r.set_status(&status(&d));
+            Ok(true)
+        }
+        Cmd::DevRemove => {
+            let d = find(ctx, r)?;
+            let deferred = r.has(dm::DEFERRED_REMOVE);
+            reg.remove(&d.name(), false, deferred).map_err(from_registry)?;
+            reg.reap_deferred();
+            if d.removed.load(Ordering::SeqCst) {
+                r.clear_flags(dm::DEFERRED_REMOVE);
+            }
+            Ok(true)
+        }
+        Cmd::DevRename => {
+            let new = r.data_string().map_err(|e| {
+                refuse(
+                    e,
+                    "rename: the new name or uuid is not a string inside the buffer after the header",
+                )
+            })?;
+            let uuid = r.has(dm::UUID_FLAG);
+            let max = if uuid { dm::UUID_LEN - 1 } else { dm::NAME_LEN - 1 };
+            if new.is_empty() || new.len() > max {
+                return Err(refuse(
+                    dm::EINVAL,
+                    format!("invalid new device name or uuid '{new}' (1 to {max} bytes)"),
+                ));
+            }
+            if !uuid {
+                check_name(&new)?;
+            }
+            let d = find(ctx, r)?;
+            let name = d.name();
+            if uuid {
+                reg.set_uuid(&name, &new).map_err(from_registry)?;
+            } else {
+                reg.rename(&name, &new).map_err(from_registry)?;
+                ctx.ublk.renamed(&d);
+            }
+            r.set_identity(&d.name(), d.uuid().as_deref());
+            r.set_status(&status(&d));
+            Ok(true)
+        }
+        Cmd::DevSuspend => {
+            let d = find(ctx, r)?;
+            let name = d.name();
+            if r.has(dm::SUSPEND_FLAG) {
+                reg.suspend(&name, r.has(dm::NOFLUSH_FLAG))
+                    .map_err(from_registry)?;
+            } else {
+                super::check_resize(reg, &name).map_err(|e| refuse(dm::EINVAL, e))?;
+                let res = reg.resume(&name).map_err(from_registry);
+                reg.reap_deferred();
+                res?;
+                r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+            }
+            r.set_status(&status(&d));
+            Ok(true)
+        }
+        Cmd::DevStatus => {
+            let d = find(ctx, r)?;
+            r.set_status(&status(&d));
+            Ok(false)
+        }
+        Cmd::DevWait => {
+            let d = find(ctx, r)?;
+            let seen = r.event_nr();
+            while d.events() as u32 == seen {
+                if d.removed.load(Ordering::SeqCst) {
+                    return Err(refuse(
+                        dm::ENXIO,
+                        format!("{}: removed while waited on", d.name()),
+                    ));
+                }
+                if gone() {
+                    return Err(refuse(Errno(libc::EINTR), "the waiter left"));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r.set_status(&status(&d));
+            put_status(&d, r);
+            Ok(false)
+        }
+        Cmd::TableLoad => {
+            let d = find(ctx, r)?;
+            if r.has(dm::READONLY_FLAG) && !d.read_only {
+                // the kernel makes the device read-only at the resume; dmkit fixes
+                // a device's mode at its creation, and a read-only table must not
+                // give a writable device
+                return Err(refuse(
+                    dm::EINVAL,
+                    format!(
+                        "{}: a read-only table for a device created writable: dmkit cannot change a \
+                         device's mode yet (make it read-only with `dmkit create --readonly`)",
+                        d.name()
+                    ),
+                ));
+            }
+            let specs = r.table().map_err(|e| {
+                refuse(
+                    e,
+                    format!(
+                        "{}: table load: the target specs do not lie inside the buffer as the kernel requires \
+                         (target_count, data_start, each `next` 8-byte aligned past the previous parameters, \
+                         NUL-terminated type and parameters)",
+                        d.name()
+                    ),
+                )
+            })?;
+            let mut text = String::new();
+            for s in &specs {
+                if s.target_type.contains(char::is_whitespace) || s.params.contains('\n') {
+                    return Err(refuse(
+                        dm::EINVAL,
+                        format!(
+                            "{}: target '{}' at sector {}: a type or parameters with a line break",
+                            d.name(),
+                            s.target_type,
+                            s.start
+                        ),
+                    ));
+                }
+                text.push_str(&format!("{} {} {} {}\n", s.start, s.len, s.target_type, s.params));
+            }
+            reg.load_in(&d.name(), &text, cwd).map_err(from_registry)?;
+            r.add_flags(dm::INACTIVE_PRESENT_FLAG);
+            r.set_status(&status(&d));
+            Ok(true)
+        }
+        Cmd::TableClear => {
+            let d = find(ctx, r)?;
+            reg.clear(&d.name()).map_err(from_registry)?;
+            r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+            r.set_status(&status(&d));
+            Ok(true)
+        }
+        Cmd::TableDeps => {
+            let d = find(ctx, r)?;
+            r.set_status(&status(&d));
+            if let Some(t) = table_of(&d, r) {
+                r.put_deps(&crate::mapper::report::dep_numbers(&t));
+            }
+            Ok(false)
+        }
+        Cmd::TableStatus => {
+            let d = find(ctx, r)?;
+            r.set_status(&status(&d));
+            put_status(&d, r);
+            Ok(false)
+        }
+        Cmd::TargetMsg => {
+            let d = find(ctx, r)?;
+            let (sector, text) = r.message().map_err(|e| {
+                refuse(
+                    e,
+                    format!(
+                        "{}: message: no NUL-terminated text inside the buffer after the header",
+                        d.name()
+                    ),
+                )
+            })?;
+            let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
+            if words.is_empty() {
+                return Err(refuse(dm::EINVAL, format!("{}: empty message", d.name())));
+            }
+            let out = reg.message(&d.name(), sector, &words).map_err(from_registry)?;
+            r.set_status(&status(&d));
+            if !out.is_empty() {
+                r.put_message_result(&out);
+            }
+            // a message may change what the state file records
+            Ok(true)
+        }
+        Cmd::DevSetGeometry => {
+            let d = find(ctx, r)?;
+            let g = r
+                .data_string()
+                .map_err(|e| refuse(e, format!("{}: geometry: no string inside the buffer", d.name())))?;
+            let v: Vec<u64> = g.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+            let fits = matches!(v.as_slice(), [c, h, s, _] if *c <= 65535 && *h <= 255 && *s <= 255);
+            if v.len() != 4 || g.split_whitespace().count() != 4 || !fits {
+                return Err(refuse(
+                    dm::EINVAL,
+                    format!("{}: invalid geometry '{g}'", d.name()),
+                ));
+            }
+            // accepted and not kept: nothing reads a dmkit device's geometry
+            r.set_data_size(0);
+            Ok(false)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mapper::registry::{Config, Registry};
+
+    fn ctx() -> Ctx {
+        Ctx::sandboxed(Arc::new(Registry::new(Config::default())))
+    }
+
+    fn call(c: &Ctx, cmd: Cmd, b: Vec<u8>) -> (i32, Vec<u8>) {
+        let (e, out, _) = ioctl(c, cmd.request(), b, "", &|| false);
+        (e, out)
+    }
+
+    fn create_zero(c: &Ctx, name: &str, sectors: u64) {
+        let (e, _) = call(c, Cmd::DevCreate, dm::build(16384, name, "", 0, &[]));
+        assert_eq!(e, 0);
+        let d = dm::table_data(&[dm::Spec {
+            start: 0,
+            len: sectors,
+            target_type: "zero".into(),
+            params: String::new(),
+        }]);
+        let mut b = dm::build(16384, name, "", 0, &d);
+        dm::set_target_count(&mut b, 1);
+        let (e, out) = call(c, Cmd::TableLoad, b);
+        assert_eq!(e, 0);
+        assert_ne!(dm::reply_header(&out).flags & dm::INACTIVE_PRESENT_FLAG, 0);
+        let (e, out) = call(c, Cmd::DevSuspend, dm::build(16384, name, "", 0, &[]));
+        assert_eq!(e, 0);
+        let h = dm::reply_header(&out);
+        assert_eq!(h.flags & (dm::INACTIVE_PRESENT_FLAG | dm::SUSPEND_FLAG), 0);
+        assert_ne!(h.flags & dm::ACTIVE_PRESENT_FLAG, 0);
+    }
+
+    #[test]
+    fn create_load_resume_status_remove() {
+        let c = ctx();
+        create_zero(&c, "z", 64);
+        let (e, out) = call(&c, Cmd::DevStatus, dm::build(16384, "z", "", 0, &[]));
+        assert_eq!(e, 0);
+        let h = dm::reply_header(&out);
+        assert_eq!((h.target_count, h.dev, h.name.as_str()), (1, 0xfd00, "z"));
+        assert_eq!(out.len(), dm::MIN_DATA_SIZE);
+        let (e, out) = call(
+            &c,
+            Cmd::TableStatus,
+            dm::build(16384, "z", "", dm::STATUS_TABLE_FLAG, &[]),
+        );
+        assert_eq!(e, 0);
+        assert_eq!(
+            dm::read_status(&out),
+            vec![(0, 64, "zero".to_string(), String::new())]
+        );
+        let (e, out) = call(&c, Cmd::ListDevices, dm::build(16384, "", "", 0, &[]));
+        assert_eq!(e, 0);
+        assert_eq!(dm::read_name_list(&out), vec![("z".to_string(), 0xfd00)]);
+        // by number
+        let mut b = dm::build(16384, "", "", 0, &[]);
+        b[40..48].copy_from_slice(&0xfd00u64.to_ne_bytes());
+        let (e, out) = call(&c, Cmd::DevStatus, b);
+        assert_eq!((e, dm::reply_header(&out).name.as_str()), (0, "z"));
+        let (e, _) = call(&c, Cmd::DevRemove, dm::build(16384, "z", "", 0, &[]));
+        assert_eq!(e, 0);
+        let (e, _) = call(&c, Cmd::DevStatus, dm::build(16384, "z", "", 0, &[]));
+        assert_eq!(e, libc::ENXIO);
+    }
+
+    #[test]
+    fn kernel_errnos_for_what_the_registry_refuses() {
+        let c = ctx();
+        create_zero(&c, "a", 8);
+        let (e, _) = call(&c, Cmd::DevCreate, dm::build(16384, "a", "", 0, &[]));
+        assert_eq!(e, libc::EBUSY);
+        let (e, _) = call(&c, Cmd::DevCreate, dm::build(16384, "a/b", "", 0, &[]));
+        assert_eq!(e, libc::EINVAL);
+        create_zero(&c, "b", 8);
+        let (e, _) = call(&c, Cmd::DevRename, dm::build(16384, "a", "", 0, b"b\0"));
+        assert_eq!(e, libc::EBUSY);
+        let (e, out) = call(&c, Cmd::DevRename, dm::build(16384, "a", "", 0, b"c\0"));
+        assert_eq!((e, dm::reply_header(&out).name.as_str()), (0, "c"));
+        // a table the registry refuses (a gap)
+        let d = dm::table_data(&[dm::Spec {
+            start: 8,
+            len: 8,
+            target_type: "zero".into(),
+            params: String::new(),
+        }]);
+        let mut b = dm::build(16384, "c", "", 0, &d);
+        dm::set_target_count(&mut b, 1);
+        let (e, _, why) = ioctl(&c, Cmd::TableLoad.request(), b, "", &|| false);
+        assert_eq!(e, libc::EINVAL);
+        assert!(!why.is_empty());
+        // an unknown target
+        let d = dm::table_data(&[dm::Spec {
+            start: 0,
+            len: 8,
+            target_type: "nosuch".into(),
+            params: String::new(),
+        }]);
+        let mut b = dm::build(16384, "c", "", 0, &d);
+        dm::set_target_count(&mut b, 1);
+        assert_eq!(call(&c, Cmd::TableLoad, b).0, libc::EINVAL);
+        // messages: a zero target takes none
+        let mut m = 0u64.to_ne_bytes().to_vec();
+        m.extend_from_slice(b"hello\0");
+        assert_eq!(
+            call(&c, Cmd::TargetMsg, dm::build(16384, "c", "", 0, &m)).0,
+            libc::EINVAL
+        );
+    }
+
+    #[test]
+    fn wait_returns_at_once_for_an_old_event_and_leaves_with_its_caller() {
+        let c = ctx();
+        create_zero(&c, "w", 8);
+        let mut b = dm::build(16384, "w", "", 0, &[]);
+        dm::set_event_nr(&mut b, 7);
+        let (e, out) = call(&c, Cmd::DevWait, b);
+        assert_eq!((e, dm::reply_header(&out).event_nr), (0, 0));
+        let b = dm::build(16384, "w", "", 0, &[]);
+        let (e, _, _) = ioctl(&c, Cmd::DevWait.request(), b, "", &|| true);
+        assert_eq!(e, libc::EINTR);
+    }
+}

@@ -1,0 +1,572 @@
+/*
+ * dmkit's door for unmodified programs: preloaded by `dmkit exec`, it makes the
+ * device-mapper control node reach the dmkit daemon (see src/control/preload.rs
+ * for why this is C). Everything that is not the control node goes to libc.
+ *
+ *  - open/open64/openat/openat64 (and the _FORTIFY_SOURCE entries) of
+ *    /dev/mapper/control, or $DM_DEV_DIR/mapper/control: a socket connected to
+ *    $DMKIT_DOOR_SOCKET, one connection per open, as the kernel's one file per open;
+ *  - ioctl on such a descriptor: the dm_ioctl buffer (data_size bytes, as the
+ *    kernel copies it) goes to the daemon; the reply is copied back over it;
+ *  - stat/lstat/fstat of the node: a character device 10:236, as libdevmapper
+ *    checks before it opens it (else it would try to mknod one);
+ *  - /proc/devices and /proc/misc (fopen and open): with a `device-mapper` line
+ *    (block major 253, misc minor 236), where libdevmapper and LVM read them.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define DM_MAJOR 253
+#define MISC_MAJOR 10
+#define DM_CONTROL_MINOR 236
+#define MIN_DATA_SIZE 305u
+#define BUFFER_LIMIT (64u << 20)
+#define MAX_FD 65536
+
+static char door_socket[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static char control_alt[4096];
+static unsigned char ours[MAX_FD];
+static pthread_mutex_t door_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *next_fn(const char *name)
+{
+	return dlsym(RTLD_NEXT, name);
+}
+
+#define REAL(ret, name, args)                                  \
+	static ret(*real_##name) args;                             \
+	static ret(*get_##name(void)) args                         \
+	{                                                          \
+		if (!real_##name)                                      \
+			real_##name = (ret(*) args)next_fn(#name);         \
+		return real_##name;                                    \
+	}
+
+REAL(int, open, (const char *, int, ...))
+REAL(int, open64, (const char *, int, ...))
+REAL(int, openat, (int, const char *, int, ...))
+REAL(int, openat64, (int, const char *, int, ...))
+REAL(int, ioctl, (int, unsigned long, ...))
+REAL(int, close, (int))
+REAL(FILE *, fopen, (const char *, const char *))
+REAL(FILE *, fopen64, (const char *, const char *))
+REAL(int, stat, (const char *, struct stat *))
+REAL(int, stat64, (const char *, struct stat64 *))
+REAL(int, lstat, (const char *, struct stat *))
+REAL(int, lstat64, (const char *, struct stat64 *))
+REAL(int, fstat, (int, struct stat *))
+REAL(int, fstat64, (int, struct stat64 *))
+REAL(int, __xstat, (int, const char *, struct stat *))
+REAL(int, __xstat64, (int, const char *, struct stat64 *))
+REAL(int, __lxstat, (int, const char *, struct stat *))
+REAL(int, __lxstat64, (int, const char *, struct stat64 *))
+REAL(int, __fxstat, (int, int, struct stat *))
+REAL(int, __fxstat64, (int, int, struct stat64 *))
+
+__attribute__((constructor)) static void door_init(void)
+{
+	const char *s = getenv("DMKIT_DOOR_SOCKET");
+	if (s && strlen(s) < sizeof(door_socket))
+		strcpy(door_socket, s);
+	const char *d = getenv("DM_DEV_DIR");
+	if (d && strlen(d) + sizeof("/mapper/control") < sizeof(control_alt))
+		snprintf(control_alt, sizeof(control_alt), "%s/mapper/control", d);
+}
+
+/* Paths equal but for repeated slashes. */
+static int same_path(const char *a, const char *b)
+{
+	while (*a && *b) {
+		if (*a != *b)
+			return 0;
+		if (*a == '/') {
+			while (*a == '/')
+				a++;
+			while (*b == '/')
+				b++;
+		} else {
+			a++;
+			b++;
+		}
+	}
+	while (*a == '/')
+		a++;
+	while (*b == '/')
+		b++;
+	return !*a && !*b;
+}
+
+static int is_control(const char *path)
+{
+	return path && (same_path(path, "/dev/mapper/control") ||
+			(control_alt[0] && same_path(path, control_alt)));
+}
+
+static int is_ours(int fd)
+{
+	return fd >= 0 && fd < MAX_FD && ours[fd];
+}
+
+static int open_door(int flags)
+{
+	if (!door_socket[0]) {
+		errno = ENODEV;
+		return -1;
+	}
+	int fd = socket(AF_UNIX, SOCK_STREAM | ((flags & O_CLOEXEC) ? SOCK_CLOEXEC : 0), 0);
+	if (fd < 0)
+		return -1;
+	struct sockaddr_un a;
+	memset(&a, 0, sizeof(a));
+	a.sun_family = AF_UNIX;
+	strcpy(a.sun_path, door_socket);
+	if (connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
+		int e = errno;
+		get_close()(fd);
+		fprintf(stderr, "dmkit: no dmkit daemon answers at %s (%s): start one with `dmkit serve --background`\n",
+			door_socket, strerror(e));
+		errno = ENODEV;
+		return -1;
+	}
+	if (fd >= MAX_FD) {
+		get_close()(fd);
+		errno = EMFILE;
+		return -1;
+	}
+	ours[fd] = 1;
+	return fd;
+}
+
+/* The synthetic /proc files: the real one with dmkit's device-mapper line. */
+static int proc_fd(const char *path)
+{
+	int misc = strcmp(path, "/proc/misc") == 0;
+	if (!misc && strcmp(path, "/proc/devices") != 0)
+		return -2;
+	int in = get_open()(path, O_RDONLY | O_CLOEXEC);
+	char *text = malloc(65536);
+	if (!text) {
+		if (in >= 0)
+			get_close()(in);
+		return -1;
+	}
+	size_t n = 0;
+	ssize_t r;
+	while (in >= 0 && n < 65535 && (r = read(in, text + n, 65535 - n)) > 0)
+		n += (size_t)r;
+	if (in >= 0)
+		get_close()(in);
+	text[n] = 0;
+	int out = memfd_create(misc ? "proc-misc" : "proc-devices", MFD_CLOEXEC);
+	if (out < 0) {
+		free(text);
+		return -1;
+	}
+	char line[64];
+	int added = 0;
+	for (char *l = text; *l;) {
+		char *end = strchr(l, '\n');
+		size_t len = end ? (size_t)(end - l) + 1 : strlen(l);
+		/* a device-mapper line of the kernel's is replaced by dmkit's */
+		int dm = len >= 14 && memcmp(l + len - (end ? 14 : 13), "device-mapper", 13) == 0;
+		if (!dm && write(out, l, len) < 0)
+			break;
+		if (!misc && !added && len >= 14 && strncmp(l, "Block devices:", 14) == 0) {
+			int k = snprintf(line, sizeof(line), "%3d device-mapper\n", DM_MAJOR);
+			if (write(out, line, (size_t)k) < 0)
+				break;
+			added = 1;
+		}
+		l += len;
+	}
+	if (misc || !added) {
+		int k = misc ? snprintf(line, sizeof(line), "%3d device-mapper\n", DM_CONTROL_MINOR)
+			     : snprintf(line, sizeof(line), "\nBlock devices:\n%3d device-mapper\n", DM_MAJOR);
+		if (write(out, line, (size_t)k) < 0) {
+			/* the file is shorter; the reader finds no line */
+		}
+	}
+	free(text);
+	lseek(out, 0, SEEK_SET);
+	return out;
+}
+
+static int sysfs_fd(const char *path);
+
+/* The files answered here: -2 for any other path. */
+static int special_fd(const char *path)
+{
+	if (!path)
+		return -2;
+	if (strncmp(path, "/proc/", 6) == 0)
+		return proc_fd(path);
+	if (strncmp(path, "/sys/dev/block/", 15) == 0)
+		return sysfs_fd(path);
+	return -2;
+}
+
+static int open_common(const char *path, int flags)
+{
+	if (is_control(path))
+		return open_door(flags);
+	return special_fd(path);
+}
+
+#define OPEN_BODY(realcall)                                    \
+	mode_t mode = 0;                                           \
+	if (flags & (O_CREAT | __O_TMPFILE)) {                     \
+		va_list ap;                                            \
+		va_start(ap, flags);                                   \
+		mode = va_arg(ap, mode_t);                             \
+		va_end(ap);                                            \
+	}                                                          \
+	int fd = open_common(path, flags);                         \
+	if (fd != -2)                                              \
+		return fd;                                             \
+	return realcall;
+
+int open(const char *path, int flags, ...)
+{
+	OPEN_BODY(get_open()(path, flags, mode))
+}
+
+int open64(const char *path, int flags, ...)
+{
+	OPEN_BODY(get_open64()(path, flags, mode))
+}
+
+int openat(int dirfd, const char *path, int flags, ...)
+{
+	OPEN_BODY(get_openat()(dirfd, path, flags, mode))
+}
+
+int openat64(int dirfd, const char *path, int flags, ...)
+{
+	OPEN_BODY(get_openat64()(dirfd, path, flags, mode))
+}
+
+int __open_2(const char *path, int flags)
+{
+	return open(path, flags);
+}
+
+int __open64_2(const char *path, int flags)
+{
+	return open64(path, flags);
+}
+
+static FILE *fopen_common(const char *path, const char *mode, FILE *(*real)(const char *, const char *))
+{
+	int fd = special_fd(path);
+	if (fd == -2)
+		return real(path, mode);
+	if (fd < 0)
+		return NULL;
+	FILE *f = fdopen(fd, "r");
+	if (!f)
+		get_close()(fd);
+	return f;
+}
+
+FILE *fopen(const char *path, const char *mode)
+{
+	return fopen_common(path, mode, get_fopen());
+}
+
+FILE *fopen64(const char *path, const char *mode)
+{
+	return fopen_common(path, mode, get_fopen64());
+}
+
+static int write_all(int fd, const void *p, size_t n)
+{
+	const char *c = p;
+	while (n) {
+		ssize_t w = send(fd, c, n, MSG_NOSIGNAL);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return -1;
+		c += w;
+		n -= (size_t)w;
+	}
+	return 0;
+}
+
+static int read_all(int fd, void *p, size_t n)
+{
+	char *c = p;
+	while (n) {
+		ssize_t r = read(fd, c, n);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			return -1;
+		c += r;
+		n -= (size_t)r;
+	}
+	return 0;
+}
+
+/*
+ * One request to the daemon: `len` bytes of `buf` out, the reply copied back
+ * over them. Returns the errno (0: success; EIO: the daemon went away). The
+ * daemon's reason for a refusal goes to stderr unless `quiet` (ENXIO, "no such
+ * device", is an answer, not a failure: libdevmapper asks it to learn a
+ * device does not exist).
+ */
+static int exchange(int fd, uint32_t request, void *buf, uint32_t len, int quiet)
+{
+	char cwd[4096];
+	if (!getcwd(cwd, sizeof(cwd)))
+		cwd[0] = 0;
+	uint32_t head[3] = {request, len, (uint32_t)strlen(cwd)};
+	int32_t rep[3] = {0, 0, 0};
+	int err = 0;
+	pthread_mutex_lock(&door_lock);
+	if (write_all(fd, head, sizeof(head)) || write_all(fd, buf, len) || write_all(fd, cwd, head[2]) ||
+	    read_all(fd, rep, sizeof(rep)) || (uint32_t)rep[1] > len || read_all(fd, buf, (uint32_t)rep[1])) {
+		err = EIO;
+	} else {
+		err = rep[0];
+		int show = !quiet && rep[0] != ENXIO && rep[2] != 0;
+		uint32_t why = (uint32_t)rep[2];
+		char msg[512];
+		if (show)
+			fputs("dmkit: ", stderr);
+		while (why) {
+			uint32_t k = why < sizeof(msg) ? why : (uint32_t)sizeof(msg);
+			if (read_all(fd, msg, k)) {
+				err = EIO;
+				break;
+			}
+			if (show)
+				fwrite(msg, 1, k, stderr);
+			why -= k;
+		}
+		if (show)
+			fputc('\n', stderr);
+	}
+	pthread_mutex_unlock(&door_lock);
+	if (err == EIO && rep[0] != EIO)
+		fprintf(stderr, "dmkit: the dmkit daemon at %s went away\n", door_socket);
+	return err;
+}
+
+/* One dm ioctl through the daemon: the buffer's data_size bytes, as the
+ * kernel copies them (the header alone when data_size is out of range: the
+ * daemon refuses it as the kernel does). */
+static int door_ioctl(int fd, unsigned long request, void *arg)
+{
+	if (((request >> 8) & 0xff) != 0xfd) {
+		errno = ENOTTY;
+		return -1;
+	}
+	if (!arg) {
+		errno = EFAULT;
+		return -1;
+	}
+	uint32_t data_size;
+	memcpy(&data_size, (char *)arg + 12, 4);
+	uint32_t len = (data_size >= MIN_DATA_SIZE && data_size <= BUFFER_LIMIT) ? data_size : MIN_DATA_SIZE;
+	int e = exchange(fd, (uint32_t)request, arg, len, 0);
+	if (e) {
+		errno = e;
+		return -1;
+	}
+	return 0;
+}
+
+/* dmkit's read-ahead request (door.rs READ_AHEAD_REQUEST). */
+#define READ_AHEAD_REQUEST 0xdc01u
+
+/* /sys/dev/block/253:N/bdi/read_ahead_kb, where libdevmapper reads a device's
+ * read-ahead: the daemon's device's (253 may be another driver's major here). */
+static int sysfs_fd(const char *path)
+{
+	unsigned maj, min;
+	int n = 0;
+	if (sscanf(path, "/sys/dev/block/%u:%u/bdi/read_ahead_kb%n", &maj, &min, &n) != 2 || n == 0 ||
+	    path[n] != 0 || maj != DM_MAJOR)
+		return -2;
+	int fd = open_door(O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	uint64_t dev = makedev(maj, min);
+	char b[8];
+	memcpy(b, &dev, 8);
+	int e = exchange(fd, READ_AHEAD_REQUEST, b, 8, 1);
+	ours[fd] = 0;
+	get_close()(fd);
+	if (e) {
+		errno = ENOENT;
+		return -1;
+	}
+	uint64_t sectors;
+	memcpy(&sectors, b, 8);
+	int out = memfd_create("read_ahead_kb", MFD_CLOEXEC);
+	if (out < 0)
+		return -1;
+	char line[32];
+	int k = snprintf(line, sizeof(line), "%llu\n", (unsigned long long)(sectors / 2));
+	if (write(out, line, (size_t)k) != k) {
+		get_close()(out);
+		errno = EIO;
+		return -1;
+	}
+	lseek(out, 0, SEEK_SET);
+	return out;
+}
+
+int ioctl(int fd, unsigned long request, ...)
+{
+	va_list ap;
+	va_start(ap, request);
+	void *arg = va_arg(ap, void *);
+	va_end(ap);
+	if (is_ours(fd))
+		return door_ioctl(fd, request, arg);
+	return get_ioctl()(fd, request, arg);
+}
+
+int close(int fd)
+{
+	if (is_ours(fd))
+		ours[fd] = 0;
+	return get_close()(fd);
+}
+
+static void control_stat(struct stat *st)
+{
+	memset(st, 0, sizeof(*st));
+	st->st_mode = S_IFCHR | 0600;
+	st->st_rdev = makedev(MISC_MAJOR, DM_CONTROL_MINOR);
+	st->st_nlink = 1;
+	st->st_blksize = 4096;
+}
+
+/* struct stat and struct stat64 are one layout on 64-bit Linux. */
+_Static_assert(sizeof(struct stat) == sizeof(struct stat64), "stat64 layout");
+
+int stat(const char *path, struct stat *st)
+{
+	if (is_control(path)) {
+		control_stat(st);
+		return 0;
+	}
+	return get_stat()(path, st);
+}
+
+int stat64(const char *path, struct stat64 *st)
+{
+	if (is_control(path)) {
+		control_stat((struct stat *)st);
+		return 0;
+	}
+	return get_stat64()(path, st);
+}
+
+int lstat(const char *path, struct stat *st)
+{
+	if (is_control(path)) {
+		control_stat(st);
+		return 0;
+	}
+	return get_lstat()(path, st);
+}
+
+int lstat64(const char *path, struct stat64 *st)
+{
+	if (is_control(path)) {
+		control_stat((struct stat *)st);
+		return 0;
+	}
+	return get_lstat64()(path, st);
+}
+
+int fstat(int fd, struct stat *st)
+{
+	if (is_ours(fd)) {
+		control_stat(st);
+		return 0;
+	}
+	return get_fstat()(fd, st);
+}
+
+int fstat64(int fd, struct stat64 *st)
+{
+	if (is_ours(fd)) {
+		control_stat((struct stat *)st);
+		return 0;
+	}
+	return get_fstat64()(fd, st);
+}
+
+/* The entries binaries built against glibc before 2.33 call. */
+int __xstat(int ver, const char *path, struct stat *st)
+{
+	if (is_control(path)) {
+		control_stat(st);
+		return 0;
+	}
+	return get___xstat()(ver, path, st);
+}
+
+int __xstat64(int ver, const char *path, struct stat64 *st)
+{
+	if (is_control(path)) {
+		control_stat((struct stat *)st);
+		return 0;
+	}
+	return get___xstat64()(ver, path, st);
+}
+
+int __lxstat(int ver, const char *path, struct stat *st)
+{
+	if (is_control(path)) {
+		control_stat(st);
+		return 0;
+	}
+	return get___lxstat()(ver, path, st);
+}
+
+int __lxstat64(int ver, const char *path, struct stat64 *st)
+{
+	if (is_control(path)) {
+		control_stat((struct stat *)st);
+		return 0;
+	}
+	return get___lxstat64()(ver, path, st);
+}
+
+int __fxstat(int ver, int fd, struct stat *st)
+{
+	if (is_ours(fd)) {
+		control_stat(st);
+		return 0;
+	}
+	return get___fxstat()(ver, fd, st);
+}
+
+int __fxstat64(int ver, int fd, struct stat64 *st)
+{
+	if (is_ours(fd)) {
+		control_stat((struct stat *)st);
+		return 0;
+	}
+	return get___fxstat64()(ver, fd, st);
+}
