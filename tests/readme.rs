@@ -76,6 +76,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "Read Ahead:        512\n",       // info top
             "1 dependencies\t: (253, 0)\n",   // deps top
         ],
+        h if h.contains("The real dmsetup") => &[
+            "Driver version:    4.48.0\n", // dmsetup version, through the door
+            "dlin\t(253:",                 // dmsetup ls
+            "dz\t(253:",
+            "0 2097152 linear ", // dmsetup table dlin
+        ],
         h if h.contains("thin pool with snapshots") => &[
             "0 20971520 thin-pool 0 ", // status pool
             " 0/163840 - rw discard_passdown queue_if_no_space - 1024 \n",
@@ -100,6 +106,8 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "100 trials of writecache (",
             "100 trials of snapshot (",
             "failed, as it must",
+            "20 trials of thin (", // --kill
+            "20 trials of writecache (",
         ],
         _ => &[],
     }
