@@ -213,7 +213,12 @@ impl SectorModel {
     /// discards (which a target may ignore, as dm-thin ignores partial blocks)
     /// zeroes or the last write before them.
     fn current_allows(&self, id: u64) -> bool {
-        let mut it = self.newer.iter().rev();
+        self.last_of_allows(&self.newer, id)
+    }
+    /// Whether a read may return `id` when `writes` (oldest first, 0 for a
+    /// discard) are all that was done since the durable write.
+    fn last_of_allows(&self, writes: &[u64], id: u64) -> bool {
+        let mut it = writes.iter().rev();
         loop {
             match it.next() {
                 Some(0) if id == 0 => return true,
@@ -238,18 +243,7 @@ impl SectorModel {
         let (acked, later) = self.newer.split_at(self.acked.min(self.newer.len()));
         // a discard issued since may leave any older content (as after a crash)
         let discarded = self.newer.contains(&0) && (id == self.durable || self.past.contains(&id));
-        if later.contains(&id) || discarded {
-            return true;
-        }
-        let mut it = acked.iter().rev();
-        loop {
-            match it.next() {
-                Some(0) if id == 0 => return true,
-                Some(0) => continue,
-                Some(&w) => return w == id,
-                None => return id == self.durable,
-            }
-        }
+        later.contains(&id) || discarded || self.last_of_allows(acked, id)
     }
     /// Write `id` was acknowledged.
     fn acknowledged(&mut self, id: u64) {

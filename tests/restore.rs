@@ -257,14 +257,10 @@ fn restored(d: &Daemon) -> String {
     d.log()
 }
 
-/// A pool (commits only on flush: the period is an hour) with thin 0 on
-/// `thin`; 4 MiB of pattern 1 written and a partial block at 8 MiB + 4 KiB,
-/// flushed; then snapshot 1 of it, and pattern 2 over its first MiB, not
-/// flushed (16 blocks whose sharing breaks: new mappings replacing old ones).
-/// Returns thin 0's expected first 9 MiB.
-fn thin_acked_unflushed(d: &Daemon) -> Vec<u8> {
-    let meta = image(&d.dir, "meta.img", 4 * MIB, None);
-    let data = image(&d.dir, "data.img", 64 * MIB, None);
+/// `pool` on `meta.img` and `data.img`, and thin 0 (made first when `new`) as
+/// `thin`.
+fn pool_and_thin(d: &Daemon, new: bool) {
+    let (meta, data) = (d.dir.path("meta.img"), d.dir.path("data.img"));
     d.create(
         "pool",
         &format!(
@@ -274,8 +270,21 @@ fn thin_acked_unflushed(d: &Daemon) -> Vec<u8> {
             data.display()
         ),
     );
-    d.ok(&["message", "pool", "0", "create_thin 0"]);
+    if new {
+        d.ok(&["message", "pool", "0", "create_thin 0"]);
+    }
     d.create("thin", &format!("0 {} thin /dev/mapper/pool 0", 32 * MIB / 512));
+}
+
+/// A pool (commits only on flush: the period is an hour) with thin 0 on
+/// `thin`; 4 MiB of pattern 1 written and a partial block at 8 MiB + 4 KiB,
+/// flushed; then snapshot 1 of it, and pattern 2 over its first MiB, not
+/// flushed (16 blocks whose sharing breaks: new mappings replacing old ones).
+/// Returns thin 0's expected first 9 MiB.
+fn thin_acked_unflushed(d: &Daemon) -> Vec<u8> {
+    image(&d.dir, "meta.img", 4 * MIB, None);
+    image(&d.dir, "data.img", 64 * MIB, None);
+    pool_and_thin(d, true);
     let mut c = Client::connect(&d.sock(), "thin");
     let mut want = vec![0u8; 9 * MIB as usize];
     want[..4 * MIB as usize].copy_from_slice(&pattern(1, 4 * MIB as usize));
@@ -423,18 +432,7 @@ fn a_restart_log_that_lies_is_refused_and_named() {
         "metadata untouched"
     );
     std::fs::remove_file(&logs[0]).expect("remove the log");
-    let meta = d.dir.path("meta.img");
-    let data = d.dir.path("data.img");
-    d.create(
-        "pool",
-        &format!(
-            "0 {} thin-pool {} {} 128 0",
-            64 * MIB / 512,
-            meta.display(),
-            data.display()
-        ),
-    );
-    d.create("thin", &format!("0 {} thin /dev/mapper/pool 0", 32 * MIB / 512));
+    pool_and_thin(&d, false);
     // without the log: what was flushed (pattern 1), not the unflushed MiB
     let mut c = Client::connect(&d.sock(), "thin");
     assert_same(
