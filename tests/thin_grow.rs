@@ -133,6 +133,25 @@ fn full_pool(tag: &str, features: &'static [&'static str]) -> (Daemon, Pool, Scr
     (d, pool, s)
 }
 
+/// `dmkit suspend ARGS` returns within two seconds.
+fn suspend_at_once(d: &Daemon, args: &[&str]) {
+    let t = Instant::now();
+    d.ok(&[&["suspend"], args].concat());
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "suspend {args:?} took {:?}",
+        t.elapsed()
+    );
+}
+
+/// The pool's data file grows to 16 blocks; the pool is reloaded with the
+/// longer table and resumed.
+fn grow_pool(d: &Daemon, pool: &Pool) {
+    grow_file(&pool.data, 16 * B);
+    d.ok(&["load", "pool", "--table", &pool.table(16)]);
+    d.ok(&["resume", "pool"]);
+}
+
 /// The thin's contents, read whole through NBD.
 fn read_thin(d: &Daemon) -> Vec<u8> {
     let mut c = Client::connect(&d.sock(), "t");
@@ -170,16 +189,14 @@ fn grow_full_pool_under_io(tag: &str, noflush: bool) {
     );
     assert_eq!(pool_space(&d).0, "out_of_data_space");
 
-    let mut suspend = vec!["suspend", "pool"];
-    if noflush {
-        suspend.push("--noflush");
-    }
-    let t = Instant::now();
-    d.ok(&suspend);
-    let took = t.elapsed();
-    assert!(
-        took < Duration::from_secs(2),
-        "suspend of a full pool took {took:?} with a write waiting for space"
+    // with a write waiting for space
+    suspend_at_once(
+        &d,
+        if noflush {
+            &["pool", "--noflush"]
+        } else {
+            &["pool"]
+        },
     );
     assert_eq!(d.info_line("pool", "State:"), "State:             SUSPENDED");
     // the thin is suspended for the pool's sake only: its state does not say so
@@ -190,9 +207,7 @@ fn grow_full_pool_under_io(tag: &str, noflush: bool) {
         "the waiting write completed while the pool was suspended"
     );
 
-    grow_file(&pool.data, 16 * B);
-    d.ok(&["load", "pool", "--table", &pool.table(16)]);
-    d.ok(&["resume", "pool"]);
+    grow_pool(&d, &pool);
     assert_wrote(
         finish(waiting, Duration::from_secs(10)),
         2 * B,
@@ -246,16 +261,8 @@ fn error_if_no_space_fails_the_write_then_the_pool_grows() {
         format!("{out}{err}").contains("No space left on device"),
         "qemu-io did not see ENOSPC: {out}{err}"
     );
-    let t = Instant::now();
-    d.ok(&["suspend", "pool"]);
-    assert!(
-        t.elapsed() < Duration::from_secs(2),
-        "suspend took {:?}",
-        t.elapsed()
-    );
-    grow_file(&pool.data, 16 * B);
-    d.ok(&["load", "pool", "--table", &pool.table(16)]);
-    d.ok(&["resume", "pool"]);
+    suspend_at_once(&d, &["pool"]);
+    grow_pool(&d, &pool);
     assert_eq!(pool_space(&d), ("rw".to_string(), 4, 16));
     assert_wrote(
         finish(qemu_write(&d, 3 * B, 2 * B, 0x22), Duration::from_secs(10)),
@@ -291,17 +298,9 @@ fn thin_and_pool_suspends_nest() {
         "a write to a full pool completed at once"
     );
     for dev in ["t", "pool"] {
-        let t = Instant::now();
-        d.ok(&["suspend", dev]);
-        assert!(
-            t.elapsed() < Duration::from_secs(2),
-            "suspend {dev} took {:?}",
-            t.elapsed()
-        );
+        suspend_at_once(&d, &[dev]);
     }
-    grow_file(&pool.data, 16 * B);
-    d.ok(&["load", "pool", "--table", &pool.table(16)]);
-    d.ok(&["resume", "pool"]);
+    grow_pool(&d, &pool);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
         waiting.try_wait().expect("qemu-io status").is_none(),

@@ -643,7 +643,6 @@ impl Cache {
             self.allocate(st, slot, sector);
         }
         let replayed = take.len();
-        st.restart = [None, None];
         for (k, l) in logs.iter_mut().enumerate() {
             match l {
                 Ok(l) => {
