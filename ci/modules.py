@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Check dmkit's module structure; exit 1 with the offending lines if it is broken.
+
+Two rules (issue 31):
+1. No import cycles: among the top-level modules of `src/`, and among the
+   modules directly inside `src/pdata/` and `src/thin/`. A module "imports"
+   another when any of its files names a path into it (`crate::x::...`,
+   `super::...` resolved, `use` or inline).
+2. The core names no concrete target: outside `src/targets/`, no path names a
+   target module (`targets::linear`, `targets::thin::pool`, ...). The registry
+   learns the target types from the list `targets` hands it.
+
+Usage: ci/modules.py [SRC_DIR]   (default: src next to this script's parent)
+"""
+import os
+import re
+import sys
+
+SCOPES = ["", "pdata", "thin"]  # "" = the crate's top level
+PATH = re.compile(r"\b(crate|super)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
+# `use crate::{a, b::c}` names several modules at once
+USE_GROUP = re.compile(r"\buse\s+(crate|super)((?:::[A-Za-z_][A-Za-z0-9_]*)*)::\{([^;]*)\}\s*;", re.S)
+
+
+def module_of(rel):
+    """src-relative file path -> module path as a list (lib.rs -> [])."""
+    parts = rel[:-3].split(os.sep)
+    if parts[-1] in ("mod", "lib"):
+        parts = parts[:-1]
+    return parts
+
+
+def strip_comments_and_strings(text):
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * text.count("\n", i, j))
+            i = j
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append('""' + "\n" * text.count("\n", i, j))
+            i = j + 1
+        elif text.startswith("r#\"", i):
+            j = text.find('"#', i + 3)
+            j = n if j < 0 else j + 2
+            out.append('""' + "\n" * text.count("\n", i, j))
+            i = j
+        elif c == "'" and i + 2 < n and (text[i + 2] == "'" or (text[i + 1] == "\\" and "'" in text[i + 2:i + 6])):
+            j = text.find("'", i + 2 if text[i + 1] != "\\" else i + 3)
+            out.append("' '")
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def references(mod, text):
+    """(line, absolute module path) for every crate path the text names."""
+    text = strip_comments_and_strings(text)
+    refs = []
+
+    def resolve(root, tail, is_file_mod):
+        names = [p for p in tail.split("::") if p]
+        if root == "crate":
+            return names
+        # `super` from a file `a/b.rs` (module a::b) is `a`; chains of super go up
+        base = list(mod)
+        while names and names[0] == "super":
+            names = names[1:]
+            base = base[:-1]
+        return base[:-1] + names if base else names
+
+    for m in USE_GROUP.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        for item in re.split(r"[,{}\s]+", m.group(3)):
+            item = item.strip()
+            if not item or item in ("self", "*"):
+                continue
+            refs.append((line, resolve(m.group(1), m.group(2) + "::" + item, False)))
+    for m in PATH.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        refs.append((line, resolve(m.group(1), m.group(2), False)))
+    return refs
+
+
+def sccs(nodes, edges):
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(nodes):
+        if v not in index:
+            strong(v)
+    return [c for c in out if len(c) > 1]
+
+
+def main():
+    src = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+    files = {}
+    for root, _, names in os.walk(src):
+        for n in names:
+            if n.endswith(".rs"):
+                rel = os.path.relpath(os.path.join(root, n), src)
+                if rel.startswith("bin" + os.sep):
+                    continue
+                with open(os.path.join(root, n), encoding="utf-8") as f:
+                    files[rel] = f.read()
+    targets = sorted(
+        {module_of(r)[1] for r in files if r.startswith("targets" + os.sep) and len(module_of(r)) > 1}
+    )
+    failed = False
+    for scope in SCOPES:
+        depth = 0 if scope == "" else 1
+        edges, why, nodes = {}, {}, set()
+        for rel, text in files.items():
+            mod = module_of(rel)
+            if scope and (not mod or mod[0] != scope):
+                continue
+            if len(mod) <= depth:
+                continue
+            a = mod[depth]
+            nodes.add(a)
+            for line, ref in references(mod, text):
+                if scope and (not ref or ref[0] != scope):
+                    continue
+                if len(ref) <= depth:
+                    continue
+                b = ref[depth]
+                if b == a:
+                    continue
+                edges.setdefault(a, set()).add(b)
+                why.setdefault((a, b), []).append(f"src/{rel}:{line}")
+        for comp in sccs(nodes | {b for s in edges.values() for b in s}, edges):
+            failed = True
+            where = f"inside src/{scope}/" if scope else "among the top-level modules"
+            print(f"import cycle {where}: {' <-> '.join(comp)}")
+            for a in comp:
+                for b in sorted(edges.get(a, ())):
+                    if b in comp:
+                        first = why[(a, b)]
+                        more = f" (+{len(first) - 1} more)" if len(first) > 1 else ""
+                        print(f"  {a} -> {b}: {first[0]}{more}")
+    for rel, text in sorted(files.items()):
+        mod = module_of(rel)
+        if mod and mod[0] == "targets":
+            continue
+        for line, ref in references(mod, text):
+            if len(ref) >= 2 and ref[0] == "targets" and ref[1] in targets:
+                failed = True
+                print(f"src/{rel}:{line}: names the concrete target module targets::{ref[1]} outside src/targets/")
+    if failed:
+        sys.exit(1)
+    print(f"modules: no import cycles ({len(files)} files), no concrete target named outside src/targets/")
+
+
+if __name__ == "__main__":
+    main()
