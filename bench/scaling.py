@@ -10,6 +10,11 @@ run / requests) in BENCHMARKS.md, section `scaling`.
 
 Usage: bench/scaling.py [--conns 1,2,4,8,16] [--rw randread,randwrite,randrw]
                         [--bs 4k,64k] [--reps 3] [--runtime 3] [--dir /dev/shm]
+       bench/scaling.py --before OLD_DMKIT [...]: dmkit's two servers only (linear and
+                        thin), run with OLD_DMKIT and with this tree's build in turn, cell
+                        by cell, in one sitting; writes section `scaling-before-after`
+                        with both binaries' medians, the after/before ratios and the
+                        run-to-run noise (the spread of the reps of one binary).
 """
 import argparse, os, subprocess, sys, tempfile, time
 
@@ -71,7 +76,9 @@ class QemuCached(run.Server):
         time.sleep(0.2)
 
 
-def one(kind, backing, tmp, thin_files, conns, fio_args, runtime):
+def one(kind, backing, tmp, thin_files, conns, fio_args, runtime, binary=None):
+    if binary:
+        run.DMKIT = binary
     if kind == "dmkit-thin":
         s = Thin(tmp, *thin_files)
     elif kind == "qemu-nbd-cache":
@@ -94,7 +101,10 @@ def main():
     ap.add_argument("--runtime", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
+    ap.add_argument("--before", help="an older dmkit binary to compare this build with")
     a = ap.parse_args()
+    if a.before:
+        return before_after(a)
     kinds = ["dmkit-buffered", "dmkit-thin", "nbdkit", "qemu-nbd-cache", "nbdkit-null", "floor"]
     conns = [int(x) for x in a.conns.split(",")]
     rws, bss = a.rw.split(","), a.bs.split(",")
@@ -147,6 +157,73 @@ def main():
                     f"{run.fmt(nk[1], 2)} | {run.fmt(qm[1], 2)} | {run.fmt(floor[1], 2)} | "
                     f"**{ratio(nk[1], lin[1])}** | **{ratio(lin[1], floor[1])}** |")
     run.write_section(a.out, "scaling", out)
+    print("\n".join(out))
+
+
+def spread(xs):
+    """Run-to-run noise of one binary in one cell: (max - min) / median of its reps."""
+    m = run.med(xs)
+    return (max(xs) - min(xs)) / m if m else 0.0
+
+
+def before_after(a):
+    # private copies, so a rebuild during the run cannot mix binaries
+    d = tempfile.mkdtemp(prefix="dmkit-bench-")
+    bins = {"before": os.path.join(d, "dmkit-before"), "after": os.path.join(d, "dmkit-after")}
+    subprocess.run(["cp", a.before, bins["before"]], check=True)
+    subprocess.run(["cp", run.DMKIT, bins["after"]], check=True)
+    kinds = ["dmkit-buffered", "dmkit-thin"]
+    conns = [int(x) for x in a.conns.split(",")]
+    rws, bss = a.rw.split(","), a.bs.split(",")
+    res = {}
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        backing = os.path.join(tmp, "linear.img")
+        thin_data = os.path.join(tmp, "thin-data.img")
+        for f in (backing, thin_data):
+            subprocess.run(["fio", "--name=fill", "--ioengine=psync", "--rw=write", "--bs=1M",
+                            f"--size={SIZE}", f"--filename={f}"], capture_output=True, check=True)
+        thin_files = (thin_data, os.path.join(tmp, "thin-meta.img"))
+        for rep in range(a.reps):
+            for rw in rws:
+                for bs in bss:
+                    for n in conns:
+                        args = [f"--rw={rw}", f"--bs={bs}", "--iodepth=32"]
+                        for k in kinds:
+                            # alternate which binary goes first, so neither always runs warm
+                            order = ["before", "after"] if rep % 2 == 0 else ["after", "before"]
+                            for b in order:
+                                r = one(k, backing, tmp, thin_files, n, args, a.runtime, bins[b])
+                                res.setdefault((rw, bs, n, k, b), []).append(r)
+                                print(f"rep {rep} {rw} {bs} x{n} {k} {b}: {run.fmt(r[0])} IOPS "
+                                      f"{run.fmt(r[1], 2)} µs/req", file=sys.stderr)
+    out = [
+        "## Before and after a change (bench/scaling.py --before)",
+        "",
+        f"`bench/scaling.py --before OLD --conns {a.conns} --rw {a.rw} --bs {a.bs} --reps {a.reps} "
+        f"--runtime {a.runtime} --dir {a.dir}`: dmkit's linear (`--buffered`) and provisioned-thin "
+        "servers, each cell run with the old binary and this build in turn (the order alternating "
+        "by rep), fio's nbd engine at QD32 per connection. Medians of the reps; µs/req is the "
+        "server's CPU per request. Noise is the larger of the two binaries' spreads in that cell, "
+        "(max − min) / median over the reps: an after/before ratio inside 1 ± noise is no change.",
+        "",
+        "| rw | bs | conns | server | IOPS before | IOPS after | after/before | IOPS noise | "
+        "µs/req before | µs/req after | after/before | CPU noise |",
+        "|" + "---|" * 12,
+    ]
+    for rw in rws:
+        for bs in bss:
+            for n in conns:
+                for k in kinds:
+                    b, f = res[(rw, bs, n, k, "before")], res[(rw, bs, n, k, "after")]
+                    ib, ia = run.med([r[0] for r in b]), run.med([r[0] for r in f])
+                    cb, ca = run.med([r[1] for r in b]), run.med([r[1] for r in f])
+                    ni = max(spread([r[0] for r in b]), spread([r[0] for r in f]))
+                    nc = max(spread([r[1] for r in b]), spread([r[1] for r in f]))
+                    out.append(
+                        f"| {rw} | {bs} | {n} | {k.replace('dmkit-buffered', 'linear').replace('dmkit-', '')} | "
+                        f"{run.fmt(ib)} | {run.fmt(ia)} | **{ia / ib:.2f}** | ±{ni:.2f} | "
+                        f"{run.fmt(cb, 2)} | {run.fmt(ca, 2)} | **{ca / cb:.2f}** | ±{nc:.2f} |")
+    run.write_section(a.out, "scaling-before-after", out)
     print("\n".join(out))
 
 
