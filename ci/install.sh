@@ -2,7 +2,8 @@
 # Installs the Debian packages the tests and benchmarks need, when missing: the real
 # NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools, e2fsprogs, for the
 # kernel oracle (tests/oracle/run.sh) qemu-system-x86, busybox-static, cpio, dmsetup
-# (also the real dmsetup that tests/dmsetup_door.rs drives through the dm ioctl door),
+# (also the real dmsetup that tests/dmsetup_door.rs drives through the dm ioctl door), lvm2
+# (the real lvm that tests/lvm_door.rs drives through the same door),
 # a C compiler and libc headers (gcc, libc6-dev: build.rs builds the door's preload library),
 # the kernel's NBD client (nbd-client, run in the oracle's guest),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
@@ -23,7 +24,7 @@ tools=(
   thin_restore:thin-provisioning-tools
   mkfs.ext4:e2fsprogs e2fsck:e2fsprogs fusermount3:fuse3
   losetup:mount fsfreeze:util-linux fstrim:util-linux mount:mount
-  qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup
+  qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup lvm:lvm2
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
   nbd-client:nbd-client cc:gcc

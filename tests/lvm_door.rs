@@ -1,0 +1,354 @@
+//! LVM through the dm ioctl door: Debian's unmodified `lvm` (through libdevmapper)
+//! drives the real daemon by `dmkit exec`, on loop devices over files. What dmkit
+//! holds is checked against what LVM's own metadata says (`lvs --segments`), and
+//! data written through a dmkit device over NBD is read back from the loop files
+//! at the place that metadata names.
+
+mod common;
+use common::{nbd, pattern, read_at, Daemon};
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const MIB: u64 = 1 << 20;
+
+/// Lines LVM may print on stderr here, each with why; any other line fails.
+const EXPECTED_STDERR: &[(&str, &str)] = &[
+    (
+        "WARNING: Logical volume",
+        "`lvcreate -Zn -Wn` skips zeroing, as asked (without ublk the new LV has no block device LVM could zero)",
+    ),
+    (
+        ": mknod for ",
+        "libdevmapper makes /dev/mapper nodes itself under DM_DISABLE_UDEV; without ublk a dmkit \
+         device has no block device and this host has no /dev/mapper (the README says so)",
+    ),
+];
+
+/// Loop devices over files, detached at the end.
+struct Loops(Vec<String>);
+
+impl Drop for Loops {
+    fn drop(&mut self) {
+        for l in &self.0 {
+            let _ = Command::new("losetup").args(["-d", l]).status();
+        }
+    }
+}
+
+struct Lvm<'a> {
+    d: &'a Daemon,
+    devices: String,
+}
+
+impl Lvm<'_> {
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new(common::BIN)
+            .arg("--run-dir")
+            .arg(&self.d.run)
+            .args(["exec", "--"])
+            .arg(common::tool_path("lvm"))
+            .arg(args[0])
+            .args(["--devices", &self.devices])
+            .args(&args[1..])
+            .env("LC_ALL", "C")
+            .env("LVM_SUPPRESS_FD_WARNINGS", "1")
+            .output()
+            .expect("spawn dmkit exec lvm")
+    }
+
+    /// `lvm ARGS` must succeed with no stderr line but the expected ones; its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            o.status.success(),
+            "lvm {args:?}: {}\nstderr: {err}\nstdout: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout)
+        );
+        for line in err.lines() {
+            assert!(
+                EXPECTED_STDERR.iter().any(|(w, _)| line.contains(w)),
+                "lvm {args:?}: unexpected on stderr: {line}\n(all of stderr: {err})"
+            );
+        }
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+}
+
+/// "major:minor" of a block device node.
+fn rdev(node: &str) -> String {
+    let m = std::fs::metadata(node).expect("stat loop device");
+    let r = m.rdev();
+    format!("{}:{}", libc::major(r), libc::minor(r))
+}
+
+/// Where LVM's metadata says the LVs of `vg` lie: the table each should have, built
+/// from `lvs --segments` (segment start and size in extents, stripes, stripe size,
+/// PE ranges), the PVs' first extent and the extent size: (dm name, table lines).
+fn tables_from_metadata(lvm: &Lvm, vg: &str, loops: &[String]) -> Vec<(String, String)> {
+    let ext = lvm.ok(&[
+        "vgs",
+        "--noheadings",
+        "--units",
+        "s",
+        "--nosuffix",
+        "-o",
+        "vg_extent_size",
+        vg,
+    ]);
+    let ext: u64 = ext.trim().parse().expect("extent size");
+    let mut pe_start = std::collections::HashMap::new();
+    for l in lvm
+        .ok(&[
+            "pvs",
+            "--noheadings",
+            "--units",
+            "s",
+            "--nosuffix",
+            "-o",
+            "pv_name,pe_start",
+        ])
+        .lines()
+    {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        if w.len() == 2 {
+            pe_start.insert(w[0].to_string(), w[1].parse::<u64>().expect("pe_start"));
+        }
+    }
+    let segs = lvm.ok(&[
+        "lvs",
+        "--segments",
+        "--noheadings",
+        "--units",
+        "s",
+        "--nosuffix",
+        "--separator",
+        ";",
+        "-o",
+        "lv_name,seg_start_pe,seg_size_pe,stripes,stripe_size,seg_pe_ranges",
+        vg,
+    ]);
+    let mut out: Vec<(String, String)> = Vec::new();
+    for l in segs.lines() {
+        let w: Vec<&str> = l.trim().split(';').collect();
+        assert_eq!(w.len(), 6, "lvs line: {l}");
+        let name = format!("{vg}-{}", w[0]);
+        let start: u64 = w[1].parse().expect("seg_start_pe");
+        let size: u64 = w[2].parse().expect("seg_size_pe");
+        let stripes: u64 = w[3].parse().expect("stripes");
+        let mut devs = Vec::new();
+        for r in w[5].split_whitespace() {
+            let (pv, range) = r.rsplit_once(':').expect("pv:range");
+            let first: u64 = range
+                .split('-')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .expect("first pe");
+            assert!(
+                loops.iter().any(|x| x == pv),
+                "segment on {pv}, not one of {loops:?}"
+            );
+            devs.push(format!("{} {}", rdev(pv), pe_start[pv] + first * ext));
+        }
+        let target = if stripes == 1 {
+            format!("linear {}", devs[0])
+        } else {
+            let chunk: u64 = w[4].parse().expect("stripe_size");
+            format!("striped {stripes} {chunk} {}", devs.join(" "))
+        };
+        let line = format!("{} {} {target}", start * ext, size * ext);
+        match out.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, t)) => {
+                t.push('\n');
+                t.push_str(&line);
+            }
+            None => out.push((name, line)),
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Every device dmkit holds and its table, as `dmkit table` prints them.
+fn dmkit_tables(d: &Daemon) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    let all = d.ok(&["table"]);
+    if all.trim() == "No devices found" {
+        return out;
+    }
+    for l in all.lines() {
+        let (name, line) = l.split_once(": ").expect("NAME: table line");
+        match out.iter_mut().find(|(n, _)| n == name) {
+            Some((_, t)) => {
+                t.push('\n');
+                t.push_str(line);
+            }
+            None => out.push((name.to_string(), line.to_string())),
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The bytes at `sector` of loop device `node`, read from the file under it.
+fn on_loop(files: &[(String, PathBuf)], node: &str, sector: u64, len: usize) -> Vec<u8> {
+    let f = &files.iter().find(|(l, _)| l == node).expect("loop file").1;
+    read_at(f, sector * 512, len)
+}
+
+fn loop_of(files: &[(String, PathBuf)], rdev_s: &str) -> String {
+    files
+        .iter()
+        .find(|(l, _)| rdev(l) == rdev_s)
+        .map(|(l, _)| l.clone())
+        .expect("loop device of the table")
+}
+
+/// Write a pattern at the start of each of `vg`'s LVs over NBD (flushed), and check
+/// each stripe chunk or extent landed on the loop file where the table (equal to
+/// LVM's metadata) puts it.
+fn write_and_find(d: &Daemon, tables: &[(String, String)], files: &[(String, PathBuf)], seed: u64) {
+    for (i, (name, table)) in tables.iter().enumerate() {
+        let data = pattern(seed + i as u64, 256 * 1024);
+        let mut c = nbd::Client::connect(&d.sock(), name);
+        c.write(0, &data);
+        assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush of {name}");
+        // the first segment covers the first 256 KiB of every LV made here
+        let w: Vec<&str> = table.lines().next().expect("a line").split_whitespace().collect();
+        match w[2] {
+            "linear" => {
+                let got = on_loop(
+                    files,
+                    &loop_of(files, w[3]),
+                    w[4].parse().expect("offset"),
+                    data.len(),
+                );
+                assert!(
+                    got == data,
+                    "{name}: the data is not where LVM's metadata puts it"
+                );
+            }
+            "striped" => {
+                let (n, chunk): (usize, u64) = (w[3].parse().expect("stripes"), w[4].parse().expect("chunk"));
+                let cb = (chunk * 512) as usize;
+                for (k, piece) in data.chunks(cb).enumerate() {
+                    let s = k % n;
+                    let node = loop_of(files, w[5 + 2 * s]);
+                    let off: u64 = w[6 + 2 * s].parse().expect("offset");
+                    let got = on_loop(files, &node, off + (k / n) as u64 * chunk, piece.len());
+                    assert!(
+                        got == piece,
+                        "{name}: stripe chunk {k} is not where LVM's metadata puts it"
+                    );
+                }
+            }
+            other => panic!("{name}: unexpected target {other}"),
+        }
+    }
+}
+
+#[test]
+fn lvm_linear_and_striped_through_the_door() {
+    common::need_all(&["losetup", "lvm"]);
+    let d = Daemon::start("lvm");
+    let mut files = Vec::new();
+    let mut loops = Loops(Vec::new());
+    for n in ["pv0", "pv1"] {
+        let f = d.dir.sparse(n, 64 * MIB);
+        let o = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(&f)
+            .output()
+            .expect("losetup");
+        assert!(
+            o.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let node = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        loops.0.push(node.clone());
+        files.push((node, f));
+    }
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+    };
+    let vg = format!("dmkit{}", std::process::id());
+    let mut args = vec!["pvcreate"];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+    let mut args = vec!["vgcreate", vg.as_str()];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+
+    lvm.ok(&["lvcreate", "-Zn", "-Wn", "-L", "16M", "-n", "lin", &vg]);
+    lvm.ok(&[
+        "lvcreate", "-Zn", "-Wn", "-i2", "-I64", "-L", "16M", "-n", "str", &vg,
+    ]);
+    let want = tables_from_metadata(&lvm, &vg, &loops.0);
+    assert_eq!(want.len(), 2, "two LVs in {want:?}");
+    assert_eq!(
+        dmkit_tables(&d),
+        want,
+        "the tables dmkit holds are the ones LVM's metadata describes"
+    );
+    assert!(
+        want[1].1.contains(" striped 2 128 "),
+        "str is striped over both PVs: {want:?}"
+    );
+    write_and_find(&d, &want, &files, 1);
+    let lvs = lvm.ok(&["lvs", "--noheadings", "-o", "lv_name,lv_attr", &vg]);
+    for l in lvs.lines() {
+        let attr = l.split_whitespace().nth(1).expect("lv_attr");
+        assert_eq!(attr.as_bytes()[4], b'a', "LVM sees every LV active: {lvs}");
+    }
+
+    // grow: a second segment, loaded and resumed through the door
+    lvm.ok(&["lvextend", "-L", "+8M", &format!("{vg}/lin")]);
+    let want = tables_from_metadata(&lvm, &vg, &loops.0);
+    assert_eq!(
+        want[0].1.lines().count(),
+        2,
+        "lin has two segments after lvextend: {want:?}"
+    );
+    assert_eq!(dmkit_tables(&d), want, "after lvextend");
+    let lin_sectors: u64 = want[0]
+        .1
+        .lines()
+        .map(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|n| n.parse::<u64>().ok())
+                .expect("length")
+        })
+        .sum();
+    assert_eq!(lin_sectors, 24 * MIB / 512, "lin grew to 24 MiB: {want:?}");
+
+    lvm.ok(&["lvrename", &vg, "str", "str2"]);
+    let want = tables_from_metadata(&lvm, &vg, &loops.0);
+    assert_eq!(dmkit_tables(&d), want, "after lvrename");
+
+    // deactivate: every device goes; activate: they come back with the data
+    lvm.ok(&["vgchange", "-an", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
+    lvm.ok(&["vgchange", "-ay", &vg]);
+    assert_eq!(dmkit_tables(&d), want, "after vgchange -ay");
+    for (i, (name, _)) in want.iter().enumerate() {
+        let mut c = nbd::Client::connect(&d.sock(), name);
+        assert!(
+            c.read(0, 256 * 1024) == pattern(1 + i as u64, 256 * 1024),
+            "{name}: data read back after vgchange -an/-ay"
+        );
+    }
+    write_and_find(&d, &want, &files, 7);
+
+    lvm.ok(&["lvremove", "-y", &format!("{vg}/lin")]);
+    assert_eq!(dmkit_tables(&d).len(), 1, "lvremove removed lin's device");
+    lvm.ok(&["vgremove", "-y", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgremove removed every device");
+    let mut args = vec!["pvremove", "-y"];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+}
