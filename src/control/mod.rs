@@ -26,8 +26,8 @@ pub struct Ctx {
     pub ublk: ublk::Frontend,
     /// The state file (None: not recorded).
     pub state: Option<PathBuf>,
-    /// Serialises writes of the state file.
-    changes: std::sync::Mutex<()>,
+    /// Keeps the state file up to date.
+    pub(crate) recorder: state::Recorder,
 }
 
 impl Ctx {
@@ -36,7 +36,7 @@ impl Ctx {
             reg,
             ublk: ublk::Frontend::default(),
             state,
-            changes: std::sync::Mutex::new(()),
+            recorder: state::Recorder::default(),
         }
     }
 
@@ -166,9 +166,7 @@ impl Ctx {
     /// ioctl door alike).
     pub fn record(&self) {
         if let Some(path) = &self.state {
-            // each save writes the state as it is now: the last one wins
-            let _g = self.changes.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = state::save(self, path) {
+            if let Err(e) = self.recorder.record(self, path, false) {
                 tracing::warn!("recording the devices in {}: {e}", path.display());
             }
         }

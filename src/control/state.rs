@@ -9,75 +9,106 @@
 //! device is attached as which ublk block device.
 
 use super::{verbs, Ctx};
-use crate::mapper::DM_MAJOR;
+use crate::mapper::{Device, DM_MAJOR};
+use crate::targets::DevRef;
 use clap::Parser;
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
 /// The requests that make the daemon's devices again, in order.
 pub fn requests(ctx: &Ctx) -> Vec<Vec<String>> {
-    let devs = ctx.reg.creation_order();
-    let by_minor: std::collections::HashMap<String, String> = devs
+    let mut out: Vec<Vec<String>> = ctx
+        .reg
+        .creation_order()
         .iter()
-        .map(|d| {
-            (
-                format!("{DM_MAJOR}:{}", d.minor),
-                format!("/dev/mapper/{}", crate::table::escape(&d.name())),
-            )
-        })
+        .flat_map(|d| device_requests(ctx, d))
         .collect();
-    let mut out = Vec::new();
-    for d in &devs {
-        let name = d.name();
-        let mut req = vec!["create".to_string(), name.clone()];
-        if let Some(u) = d.uuid() {
-            req.extend(["--uuid".to_string(), u]);
-        }
-        if d.read_only {
-            req.push("--readonly".into());
-        }
-        // words are split on single spaces: an escaped path keeps its `\ `
-        let by_path = |line: &str| -> String {
-            line.split(' ')
-                .map(|w| by_minor.get(w).map_or(w, String::as_str))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        match ctx.reg.table_lines(Some(&name), false, false) {
-            Ok(t) if !t.trim().is_empty() => {
-                for line in t.lines() {
-                    req.extend(["--table".to_string(), by_path(line)]);
+    out.extend(
+        ctx.ublk
+            .ids()
+            .into_iter()
+            .map(|(d, id)| attach_request(&d.name(), id)),
+    );
+    out
+}
+
+fn attach_request(name: &str, id: u32) -> Vec<String> {
+    vec![
+        "attach".into(),
+        name.to_string(),
+        "--recover".into(),
+        id.to_string(),
+    ]
+}
+
+/// The requests that make device `d` again: `create` with its live table, the
+/// messages that set state the table does not show, and `load` of a table
+/// loaded and not yet resumed. Tables name other dmkit devices by path.
+fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
+    let name = d.name();
+    // the dmkit devices this device's tables name, by the number `table` prints
+    let live = d.live.load_full();
+    let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut by_minor: Vec<(String, String)> = Vec::new();
+    for t in live.iter().chain(inactive.iter()) {
+        for e in &t.entries {
+            for r in e.target.held_devices() {
+                if let DevRef::Dm(h) = r {
+                    by_minor.push((
+                        format!("{DM_MAJOR}:{}", h.0.minor),
+                        format!("/dev/mapper/{}", crate::table::escape(&h.0.name())),
+                    ));
                 }
-            }
-            _ => req.push("--notable".into()),
-        }
-        out.push(req);
-        // state messages set that the table does not show
-        if let Some(t) = d.live.load_full() {
-            for e in &t.entries {
-                for m in e.target.replay_messages() {
-                    out.push(vec!["message".into(), name.clone(), e.start.to_string(), m]);
-                }
-            }
-        }
-        // a table loaded and not yet resumed
-        if let Ok(t) = ctx.reg.table_lines(Some(&name), false, true) {
-            if !t.trim().is_empty() {
-                let mut load = vec!["load".to_string(), name.clone()];
-                for line in t.lines() {
-                    load.extend(["--table".to_string(), by_path(line)]);
-                }
-                out.push(load);
             }
         }
     }
-    for (d, id) in ctx.ublk.ids() {
-        out.push(vec![
-            "attach".into(),
-            d.name(),
-            "--recover".into(),
-            id.to_string(),
-        ]);
+    // words are split on single spaces: an escaped path keeps its `\ `
+    let by_path = |line: &str| -> String {
+        line.split(' ')
+            .map(|w| {
+                by_minor
+                    .iter()
+                    .find(|(m, _)| m == w)
+                    .map_or(w, |(_, p)| p.as_str())
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut out = Vec::new();
+    let mut req = vec!["create".to_string(), name.clone()];
+    if let Some(u) = d.uuid() {
+        req.extend(["--uuid".to_string(), u]);
+    }
+    if d.read_only {
+        req.push("--readonly".into());
+    }
+    match ctx.reg.table_lines(Some(&name), false, false) {
+        Ok(t) if !t.trim().is_empty() => {
+            for line in t.lines() {
+                req.extend(["--table".to_string(), by_path(line)]);
+            }
+        }
+        _ => req.push("--notable".into()),
+    }
+    out.push(req);
+    // state messages set that the table does not show
+    if let Some(t) = &live {
+        for e in &t.entries {
+            for m in e.target.replay_messages() {
+                out.push(vec!["message".into(), name.clone(), e.start.to_string(), m]);
+            }
+        }
+    }
+    // a table loaded and not yet resumed
+    if let Ok(t) = ctx.reg.table_lines(Some(&name), false, true) {
+        if !t.trim().is_empty() {
+            let mut load = vec!["load".to_string(), name.clone()];
+            for line in t.lines() {
+                load.extend(["--table".to_string(), by_path(line)]);
+            }
+            out.push(load);
+        }
     }
     out
 }
@@ -92,22 +123,115 @@ fn boot_id() -> String {
 
 const BOOT: &str = "# boot ";
 
-/// Write the state file (a new file renamed over the old one).
-pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<()> {
-    let mut text = String::from("# dmkit's devices: `dmkit serve --restore` makes them again\n");
-    text.push_str(&format!("{BOOT}{}\n\n", boot_id()));
-    for req in requests(ctx) {
+fn push_requests(text: &mut String, reqs: &[Vec<String>]) {
+    for req in reqs {
         for a in req {
-            text.push_str(&a);
+            text.push_str(a);
             text.push('\n');
         }
         text.push('\n');
     }
+}
+
+/// Write the whole state file (a new file renamed over the old one); its size.
+///
+/// Not fsynced, here or in [`Recorder`]: the record is replayed only in the boot
+/// that wrote it (tables name block devices by number, which a reboot may give
+/// to other disks), and a daemon that dies leaves its writes in the page cache,
+/// where the next daemon of the same boot reads them.
+pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<u64> {
+    let mut text = String::from("# dmkit's devices: `dmkit serve --restore` makes them again\n");
+    text.push_str(&format!("{BOOT}{}\n\n", boot_id()));
+    push_requests(&mut text, &requests(ctx));
     let tmp = path.with_extension("new");
     let mut f = std::fs::File::create(&tmp)?;
     f.write_all(text.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
+    std::fs::rename(&tmp, path)?;
+    Ok(text.len() as u64)
+}
+
+/// An entry appended to the state file: the requests that make device NAME
+/// again replace the ones recorded for it before, up to the END line.
+const SET: &str = "# set ";
+/// An entry appended to the state file: device NAME is gone.
+const DEL: &str = "# del ";
+/// The last line of an entry; an entry without it (a daemon killed while
+/// appending it, before the change was acknowledged) is not replayed.
+const END: &str = "# end";
+/// The appended entries may grow to the size of the whole record (or this, for a
+/// small one) before the file is written whole again: each change costs what
+/// its own devices' record does, however many devices there are.
+const REWRITE_AFTER: u64 = 64 << 10;
+
+/// Keeps the state file up to date after each change: the whole record at
+/// first, then an entry per changed device appended, and the whole record again
+/// once the entries are as large as it.
+#[derive(Default)]
+pub struct Recorder(std::sync::Mutex<Recorded>);
+
+#[derive(Default)]
+struct Recorded {
+    /// The file holds a whole record written by this daemon.
+    written: bool,
+    /// Its size, and the bytes of entries appended since.
+    base: u64,
+    appended: u64,
+    /// Devices attached as block devices when last recorded, and their ids.
+    attached: std::collections::BTreeMap<String, u32>,
+}
+
+impl Recorder {
+    /// Record what changed since the last call (everything with `all`).
+    pub fn record(&self, ctx: &Ctx, path: &Path, all: bool) -> std::io::Result<()> {
+        let mut st = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = ctx.reg.take_changed();
+        let attached: std::collections::BTreeMap<String, u32> =
+            ctx.ublk.ids().into_iter().map(|(d, id)| (d.name(), id)).collect();
+        let mut names = changed.names;
+        for (n, id) in &attached {
+            if st.attached.get(n) != Some(id) {
+                names.insert(n.clone());
+            }
+        }
+        names.extend(st.attached.keys().filter(|n| !attached.contains_key(*n)).cloned());
+        st.attached = attached;
+        if all || changed.all || !st.written || st.appended > st.base.max(REWRITE_AFTER) {
+            st.written = false;
+            st.base = save(ctx, path)?;
+            st.appended = 0;
+            st.written = true;
+            return Ok(());
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        let mut text = String::new();
+        for name in &names {
+            match ctx.reg.get(name) {
+                Ok(d) => {
+                    text.push_str(&format!("{SET}{name}\n"));
+                    let mut reqs = device_requests(ctx, &d);
+                    if let Some(id) = st.attached.get(name) {
+                        reqs.push(attach_request(name, *id));
+                    }
+                    push_requests(&mut text, &reqs);
+                }
+                Err(_) => text.push_str(&format!("{DEL}{name}\n")),
+            }
+            text.push_str(END);
+            text.push('\n');
+        }
+        let appended = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(text.as_bytes()));
+        if appended.is_err() {
+            // write it whole next time
+            st.written = false;
+        }
+        st.appended += text.len() as u64;
+        appended
+    }
 }
 
 /// Where a record that is not replayed is kept.
@@ -122,25 +246,93 @@ pub fn set_aside(path: &Path) -> std::io::Result<std::path::PathBuf> {
     Ok(prev)
 }
 
-/// Parse a state file into its requests.
+/// Parse a state file into the requests to replay, in order: its whole record
+/// with the entries appended since applied, each device after the devices its
+/// tables name, the `attach` requests last.
 pub fn parse(text: &str) -> Vec<Vec<String>> {
-    let mut out = Vec::new();
-    let mut cur: Vec<String> = Vec::new();
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
+    let mut devices = ByDevice::new();
+    // the entry being read: (device, set or del, its requests)
+    let mut entry: Option<(String, bool, Vec<Req>)> = None;
+    let mut cur: Req = Vec::new();
+    // a request read whole goes to its entry, or (in the whole record) to its device
+    let finish = |cur: &mut Req, entry: &mut Option<(String, bool, Vec<Req>)>, devices: &mut ByDevice| {
+        if cur.is_empty() {
+            return;
         }
-        if line.is_empty() {
-            if !cur.is_empty() {
-                out.push(std::mem::take(&mut cur));
+        let req = std::mem::take(cur);
+        match entry {
+            Some((_, _, reqs)) => reqs.push(req),
+            None => devices
+                .entry(req.get(1).cloned().unwrap_or_default())
+                .or_default()
+                .push(req),
+        }
+    };
+    for line in text.lines() {
+        let set = line.strip_prefix(SET).map(|n| (n, true));
+        if let Some((n, set)) = set.or_else(|| line.strip_prefix(DEL).map(|n| (n, false))) {
+            finish(&mut cur, &mut entry, &mut devices);
+            entry = Some((n.to_string(), set, Vec::new()));
+        } else if line == END {
+            finish(&mut cur, &mut entry, &mut devices);
+            match entry.take() {
+                Some((n, true, reqs)) => {
+                    devices.insert(n, reqs);
+                }
+                Some((n, false, _)) => {
+                    devices.remove(&n);
+                }
+                None => {}
             }
+        } else if line.starts_with('#') {
+            continue;
+        } else if line.is_empty() {
+            finish(&mut cur, &mut entry, &mut devices);
         } else {
             cur.push(line.to_string());
         }
     }
-    if !cur.is_empty() {
-        out.push(cur);
+    if entry.is_none() {
+        finish(&mut cur, &mut entry, &mut devices);
     }
+    replay_order(devices)
+}
+
+/// One request: its words.
+type Req = Vec<String>;
+/// Each device's requests, by name.
+type ByDevice = std::collections::BTreeMap<String, Vec<Req>>;
+
+/// The devices' requests, each device after the ones its tables name
+/// (`/dev/mapper/NAME` in a `--table` of its `create` or `load`), otherwise by
+/// name; the `attach` requests last.
+fn replay_order(devices: ByDevice) -> Vec<Req> {
+    let names: Vec<&String> = devices.keys().collect();
+    let index: std::collections::HashMap<&str, usize> =
+        names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+    let deps: Vec<Vec<usize>> = devices
+        .values()
+        .map(|reqs| {
+            reqs.iter()
+                .filter(|r| r.first().is_some_and(|v| v == "create" || v == "load"))
+                .flat_map(|r| r.windows(2).filter(|w| w[0] == "--table").map(|w| w[1].as_str()))
+                .flat_map(crate::table::split_args)
+                .filter_map(|w| w.strip_prefix("/dev/mapper/").and_then(|n| index.get(n)).copied())
+                .collect()
+        })
+        .collect();
+    let order = crate::mapper::registry::deps_first(&deps);
+    let all: Vec<&Vec<Req>> = devices.values().collect();
+    let is_attach = |r: &Req| r.first().is_some_and(|v| v == "attach");
+    let mut out: Vec<Req> = order
+        .iter()
+        .flat_map(|&i| all[i].iter().filter(|r| !is_attach(r)).cloned())
+        .collect();
+    out.extend(
+        order
+            .iter()
+            .flat_map(|&i| all[i].iter().filter(|r| is_attach(r)).cloned()),
+    );
     out
 }
 
@@ -197,7 +389,7 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
     if !errors.is_empty() {
         std::fs::copy(path, prev_path(path))?;
     }
-    save(ctx, path)?;
+    ctx.recorder.record(ctx, path, true)?;
     Ok((devices, errors))
 }
 
@@ -255,5 +447,97 @@ mod tests {
                 vec!["attach", "a", "--recover", "3"]
             ]
         );
+    }
+
+    #[test]
+    fn appended_entries_replace_and_remove_devices_and_a_torn_one_is_ignored() {
+        let t = "# boot x\n\ncreate\nb\n--table\n0 8 zero\n\ncreate\nc\n--table\n0 8 zero\n\n\
+                 attach\nc\n--recover\n1\n\n\
+                 # set a\ncreate\na\n--table\n0 8 linear /dev/mapper/z\\ y 0\n\n# end\n\
+                 # set z y\ncreate\nz y\n--table\n0 8 zero\n\n# end\n\
+                 # del b\n# end\n\
+                 # set b\ncreate\nb\n--table\n0 16 zero\n\n# end\n\
+                 # set c\ncreate\nc\n--notable\n\n";
+        // a after "z y", which its table names; the torn entry for c does not count
+        assert_eq!(
+            parse(t),
+            vec![
+                vec!["create", "z y", "--table", "0 8 zero"],
+                vec!["create", "a", "--table", "0 8 linear /dev/mapper/z\\ y 0"],
+                vec!["create", "b", "--table", "0 16 zero"],
+                vec!["create", "c", "--table", "0 8 zero"],
+                vec!["attach", "c", "--recover", "1"],
+            ]
+        );
+    }
+
+    #[test]
+    fn the_recorder_appends_each_change_and_rewrites_the_whole_record_when_it_has_grown() {
+        let dir = std::env::temp_dir().join(format!("dmkit-recorder-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("devices.state");
+        let c = ctx();
+        let rec = Recorder::default();
+        let sorted = |mut v: Vec<Vec<String>>| {
+            v.sort();
+            v
+        };
+        let size = || std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        c.reg
+            .create("lower", Some("0 64 zero"), false, None)
+            .expect("create");
+        rec.record(&c, &path, false).expect("record");
+        let whole = size();
+        for i in 0..20 {
+            let n = format!("d{i}");
+            c.reg
+                .create(&n, Some("0 8 linear /dev/mapper/lower 0"), false, None)
+                .expect("create");
+            rec.record(&c, &path, false).expect("record");
+            if i % 3 == 0 {
+                c.reg.remove(&n, false, false).expect("remove");
+                rec.record(&c, &path, false).expect("record");
+            }
+        }
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(
+            text.contains(SET) && text.contains(DEL),
+            "changes were appended:\n{text}"
+        );
+        assert_eq!(
+            sorted(parse(&text)),
+            sorted(requests(&c)),
+            "the record says what is there"
+        );
+        assert_eq!(
+            parse(&text)[0][1],
+            "lower",
+            "the device the others use comes first"
+        );
+        // a rename changes how other tables name the device: the record is written whole
+        c.reg.rename("lower", "base").expect("rename");
+        rec.record(&c, &path, false).expect("record");
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(!text.contains(SET), "written whole:\n{text}");
+        assert!(text.contains("/dev/mapper/base") && !text.contains("/dev/mapper/lower"));
+        assert_eq!(sorted(parse(&text)), sorted(requests(&c)));
+        // once the entries outgrow the record, it is written whole again
+        let mut rewritten = false;
+        for _ in 0..2000 {
+            c.reg.message("base", 0, &[]).ok();
+            c.reg.resume("d1").expect("resume");
+            rec.record(&c, &path, false).expect("record");
+            if !std::fs::read_to_string(&path).expect("read").contains(SET) {
+                rewritten = true;
+                break;
+            }
+        }
+        assert!(
+            rewritten,
+            "the record was written whole again (size {}, first {whole})",
+            size()
+        );
+        assert!(size() <= REWRITE_AFTER * 3, "the file stays bounded: {}", size());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -104,6 +104,32 @@ pub struct Registry {
     /// State targets share across devices (snapshot origins).
     shared: targets::Shared,
     pub config: Config,
+    /// What changed since the state file last recorded it ([`Registry::take_changed`]).
+    changed: Mutex<Changed>,
+}
+
+/// The devices whose record in the state file is out of date: by name, or all
+/// of them (a rename changes how other tables name the renamed device).
+#[derive(Debug, Default)]
+pub struct Changed {
+    pub all: bool,
+    pub names: std::collections::BTreeSet<String>,
+}
+
+/// Marks a device (or every device) changed when dropped: after the operation
+/// that holds it, so a record taken meanwhile cannot miss the change.
+struct Touch<'a>(&'a Registry, Option<&'a str>);
+
+impl Drop for Touch<'_> {
+    fn drop(&mut self) {
+        let mut c = self.0.changed.lock().unwrap_or_else(|p| p.into_inner());
+        match self.1 {
+            Some(n) => {
+                c.names.insert(n.to_string());
+            }
+            None => c.all = true,
+        }
+    }
 }
 
 impl Registry {
@@ -119,7 +145,17 @@ impl Registry {
             minors: Mutex::new(std::collections::BTreeSet::new()),
             shared: targets::Shared::new(config.restart_logs.clone()),
             config,
+            changed: Mutex::new(Changed::default()),
         }
+    }
+
+    /// What changed since the last call (the state file's incremental record).
+    pub fn take_changed(&self) -> Changed {
+        std::mem::take(&mut *self.changed.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn touch<'a>(&'a self, name: &'a str) -> Touch<'a> {
+        Touch(self, Some(name))
     }
 
     fn devices(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
@@ -137,19 +173,37 @@ impl Registry {
         self.devices().values().cloned().collect()
     }
 
-    /// Every device, each after the devices its tables map onto (the order to
-    /// create them in again).
+    /// Every device, each after the devices its tables (live or inactive) open
+    /// (the order to create them in again); otherwise by name. Linear in the
+    /// number of devices and table references: the state file is written after
+    /// every change, so this must not grow faster than the devices do.
     pub fn creation_order(&self) -> Vec<Arc<Device>> {
-        let mut left = self.list();
-        let mut out: Vec<Arc<Device>> = Vec::with_capacity(left.len());
-        while !left.is_empty() {
-            let ready = left
-                .iter()
-                .position(|d| !left.iter().any(|o| !Arc::ptr_eq(o, d) && table_uses(d, o)))
-                .unwrap_or(0);
-            out.push(left.remove(ready));
-        }
-        out
+        let devs = self.list();
+        let index: std::collections::HashMap<*const Device, usize> = devs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (Arc::as_ptr(d), i))
+            .collect();
+        // the dmkit devices each device's tables open, by index
+        let deps: Vec<Vec<usize>> = devs
+            .iter()
+            .map(|d| {
+                let live = d.live.load_full();
+                let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let mut out = Vec::new();
+                for t in live.iter().chain(inactive.iter()) {
+                    for e in &t.entries {
+                        for r in e.target.held_devices() {
+                            if let DevRef::Dm(h) = r {
+                                out.extend(index.get(&Arc::as_ptr(&h.0)).copied());
+                            }
+                        }
+                    }
+                }
+                out
+            })
+            .collect();
+        deps_first(&deps).into_iter().map(|i| devs[i].clone()).collect()
     }
 
     /// `dmsetup create NAME --table ...`: create, load, resume (`--notable`: no
@@ -175,6 +229,7 @@ impl Registry {
         uuid: Option<String>,
         cwd: Option<&Path>,
     ) -> Result<(), ControlError> {
+        let _t = self.touch(name);
         check_name(name)?;
         check_uuid(name, uuid.as_deref())?;
         {
@@ -238,6 +293,7 @@ impl Registry {
     /// `dmsetup rename NAME NEW`: the device (and its NBD export) takes the new
     /// name; connections already attached go on.
     pub fn rename(&self, name: &str, new: &str) -> Result<(), ControlError> {
+        let _t = Touch(self, None);
         check_name(new)?;
         let mut devs = self.devices();
         if devs.contains_key(new) {
@@ -258,6 +314,7 @@ impl Registry {
     /// `dmsetup rename NAME --setuuid UUID`: only a device without a uuid can be
     /// given one (the kernel refuses to change a uuid).
     pub fn set_uuid(&self, name: &str, uuid: &str) -> Result<(), ControlError> {
+        let _t = self.touch(name);
         check_uuid(name, Some(uuid))?;
         let devs = self.devices();
         let dev = devs
@@ -282,6 +339,7 @@ impl Registry {
 
     /// [`Registry::load`] for a caller in directory `cwd` (see [`Registry::create_in`]).
     pub fn load_in(&self, name: &str, table: &str, cwd: Option<&Path>) -> Result<(), ControlError> {
+        let _t = self.touch(name);
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
         let t = self.build_table(&dev, table, cwd)?;
@@ -291,6 +349,7 @@ impl Registry {
 
     /// `dmsetup clear`: drop the inactive table.
     pub fn clear(&self, name: &str) -> Result<(), ControlError> {
+        let _t = self.touch(name);
         let dev = self.get(name)?;
         dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
         Ok(())
@@ -313,6 +372,7 @@ impl Registry {
     /// `dmsetup resume`: swap in the inactive table (suspending first), then let
     /// queued I/O go.
     pub fn resume(&self, name: &str) -> Result<(), ControlError> {
+        let _t = self.touch(name);
         let dev = self.get(name)?;
         let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
         resume_locked(&dev).map_err(|e| dev_err(name, e))
@@ -479,6 +539,7 @@ impl Registry {
         dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
         let mut devs = self.devices();
         let name = dev.name();
+        let _t = self.touch(&name);
         if devs.get(&name).is_some_and(|d| Arc::ptr_eq(d, dev)) {
             devs.remove(&name);
         }
@@ -487,6 +548,7 @@ impl Registry {
     }
 
     pub fn message(&self, name: &str, sector: u64, words: &[String]) -> Result<String, ControlError> {
+        let _t = self.touch(name);
         let dev = self.get(name)?;
         // dmsetup joins its arguments and the kernel splits them on white space, so
         // `"create_thin 2"` as one argument is two words.
@@ -868,6 +930,41 @@ fn has_target(d: &Device, t: &str) -> bool {
         .load()
         .as_ref()
         .is_some_and(|tb| tb.entries.iter().any(|e| e.target.type_name() == t))
+}
+
+/// Nodes `0..deps.len()` in an order that puts each after the nodes it depends
+/// on (`deps[i]`), otherwise in index order: depth-first, iterative (a deep
+/// stack of devices must not overflow the thread's stack). A cycle, which
+/// tables cannot build, would only be cut.
+pub fn deps_first(deps: &[Vec<usize>]) -> Vec<usize> {
+    let mut state = vec![0u8; deps.len()]; // 0 new, 1 on the path, 2 placed
+    let mut order = Vec::with_capacity(deps.len());
+    for root in 0..deps.len() {
+        let mut stack = vec![(root, 0usize)];
+        while let Some(&mut (v, ref mut next)) = stack.last_mut() {
+            if *next == 0 {
+                if state[v] != 0 {
+                    stack.pop();
+                    continue;
+                }
+                state[v] = 1;
+            }
+            match deps[v].get(*next) {
+                Some(&w) => {
+                    *next += 1;
+                    if state[w] == 0 {
+                        stack.push((w, 0));
+                    }
+                }
+                None => {
+                    state[v] = 2;
+                    order.push(v);
+                    stack.pop();
+                }
+            }
+        }
+    }
+    order
 }
 
 /// Whether `d`'s live or inactive table refers to `target` (directly or through
