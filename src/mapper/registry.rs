@@ -51,22 +51,31 @@ fn check_uuid(name: &str, uuid: Option<&str>) -> Result<(), ControlError> {
     }
 }
 
-/// No device but `name` has `uuid` (the kernel refuses a duplicate with EBUSY).
-fn uuid_free(
-    devs: &BTreeMap<String, Arc<Device>>,
-    name: &str,
-    uuid: Option<&str>,
-) -> Result<(), ControlError> {
-    let Some(u) = uuid else { return Ok(()) };
-    match devs
-        .iter()
-        .find(|(n, d)| n.as_str() != name && d.uuid().as_deref() == Some(u))
-    {
-        Some((other, _)) => Err(dev_err(
-            name,
-            format!("Device or resource busy: uuid '{u}' is in use by device '{other}'"),
-        )),
-        None => Ok(()),
+/// The minors in use: the lowest free one in O(log n), as devices come and go.
+#[derive(Default)]
+struct Minors {
+    /// Every minor below this has been taken at some time.
+    high: u32,
+    /// The ones below `high` given back since.
+    free: std::collections::BTreeSet<u32>,
+}
+
+impl Minors {
+    fn take(&mut self) -> u32 {
+        self.free.pop_first().unwrap_or_else(|| {
+            self.high += 1;
+            self.high - 1
+        })
+    }
+
+    fn give(&mut self, minor: u32) {
+        if minor < self.high {
+            self.free.insert(minor);
+        }
+        // keep `free` to the holes below the highest minor in use
+        while self.high > 0 && self.free.remove(&(self.high - 1)) {
+            self.high -= 1;
+        }
     }
 }
 
@@ -98,9 +107,14 @@ pub struct Registry {
     /// naming a file shares one open file, so a file is one set of descriptors and
     /// flushes can be sent to it once.
     files: Mutex<Vec<(FileKey, std::sync::Weak<BackingFile>)>>,
-    /// Minors in use, by devices and by creations under way: a new device takes the
-    /// lowest free one, and a removed or failed one gives it back (as the kernel's idr).
-    minors: Mutex<std::collections::BTreeSet<u32>>,
+    /// Minors: a new device (or a creation under way) takes the lowest free one,
+    /// and a removed or failed one gives it back (as the kernel's idr).
+    minors: Mutex<Minors>,
+    /// Devices by uuid (a uuid names at most one device).
+    uuids: Mutex<std::collections::HashMap<String, std::sync::Weak<Device>>>,
+    /// Some device may be marked for deferred removal ([`Registry::reap_deferred`]
+    /// has something to look for).
+    deferred: std::sync::atomic::AtomicBool,
     /// State targets share across devices (snapshot origins).
     shared: targets::Shared,
     pub config: Config,
@@ -142,7 +156,9 @@ impl Registry {
         Registry {
             devices: Mutex::new(BTreeMap::new()),
             files: Mutex::new(Vec::new()),
-            minors: Mutex::new(std::collections::BTreeSet::new()),
+            minors: Mutex::new(Minors::default()),
+            uuids: Mutex::new(std::collections::HashMap::new()),
+            deferred: std::sync::atomic::AtomicBool::new(false),
             shared: targets::Shared::new(config.restart_logs.clone()),
             config,
             changed: Mutex::new(Changed::default()),
@@ -237,7 +253,7 @@ impl Registry {
             if devs.contains_key(name) {
                 return Err(ControlError::Exists(name.to_string()));
             }
-            uuid_free(&devs, name, uuid.as_deref())?;
+            self.uuid_free(name, uuid.as_deref())?;
         }
         let minor = self.take_minor();
         let dev = Arc::new(Device::new(name.to_string(), minor, uuid.clone(), read_only));
@@ -261,13 +277,14 @@ impl Registry {
         let clash = if devs.contains_key(name) {
             Err(ControlError::Exists(name.to_string()))
         } else {
-            uuid_free(&devs, name, uuid.as_deref())
+            self.uuid_free(name, uuid.as_deref())
         };
         if let Err(e) = clash {
             drop(devs);
             self.give_minor(minor);
             return Err(e);
         }
+        self.index_uuid(&dev);
         devs.insert(name.to_string(), dev.clone());
         drop(devs);
         if let Some(t) = dev.live.load_full() {
@@ -277,17 +294,37 @@ impl Registry {
     }
 
     fn take_minor(&self) -> u32 {
-        let mut m = self.minors.lock().unwrap_or_else(|p| p.into_inner());
-        let minor = (0..).find(|i| !m.contains(i)).unwrap_or(0);
-        m.insert(minor);
-        minor
+        self.minors.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     fn give_minor(&self, minor: u32) {
-        self.minors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&minor);
+        self.minors.lock().unwrap_or_else(|p| p.into_inner()).give(minor);
+    }
+
+    /// No device but `name` has `uuid` (the kernel refuses a duplicate with EBUSY).
+    fn uuid_free(&self, name: &str, uuid: Option<&str>) -> Result<(), ControlError> {
+        let Some(u) = uuid else { return Ok(()) };
+        let uuids = self.uuids.lock().unwrap_or_else(|p| p.into_inner());
+        match uuids.get(u).and_then(std::sync::Weak::upgrade) {
+            Some(d) if d.name() != name && !d.removed.load(Ordering::SeqCst) => Err(dev_err(
+                name,
+                format!(
+                    "Device or resource busy: uuid '{u}' is in use by device '{}'",
+                    d.name()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Index `dev` by its uuid (after [`Registry::uuid_free`] said it is free).
+    fn index_uuid(&self, dev: &Arc<Device>) {
+        if let Some(u) = dev.uuid() {
+            self.uuids
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(u, Arc::downgrade(dev));
+        }
     }
 
     /// `dmsetup rename NAME NEW`: the device (and its NBD export) takes the new
@@ -326,8 +363,9 @@ impl Registry {
                 format!("Invalid argument: the device already has uuid '{u}'"),
             ));
         }
-        uuid_free(&devs, name, Some(uuid))?;
+        self.uuid_free(name, Some(uuid))?;
         dev.set_uuid(uuid);
+        self.index_uuid(dev);
         dev.event_nr.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -390,6 +428,7 @@ impl Registry {
             if deferred {
                 // as the kernel: marked, removed when its last user goes, and success
                 dev.deferred_remove.store(true, Ordering::SeqCst);
+                self.deferred.store(true, Ordering::SeqCst);
                 return Ok(());
             }
             let users: Vec<String> = self
@@ -415,6 +454,7 @@ impl Registry {
         let opens = dev.open_count.load(Ordering::SeqCst);
         if opens > 0 && deferred {
             dev.deferred_remove.store(true, Ordering::SeqCst);
+            self.deferred.store(true, Ordering::SeqCst);
             // The last close may have come meanwhile.
             if dev.open_count.load(Ordering::SeqCst) > 0 {
                 return Ok(());
@@ -435,6 +475,10 @@ impl Registry {
     /// Remove the devices marked for deferred removal that nothing holds or
     /// opens any more (after a remove or a table swap let go of them).
     pub fn reap_deferred(&self) {
+        // cleared before the scan: a device marked meanwhile sets it again
+        if !self.deferred.swap(false, Ordering::SeqCst) {
+            return;
+        }
         loop {
             let ready: Vec<Arc<Device>> = self
                 .list()
@@ -442,11 +486,15 @@ impl Registry {
                 .filter(|d| d.deferred_remove.load(Ordering::SeqCst))
                 .collect();
             let before = self.devices().len();
-            for d in ready {
-                self.closed(&d);
+            for d in &ready {
+                self.closed(d);
             }
             // a removal may free the device under it
             if self.devices().len() == before {
+                if ready.iter().any(|d| !d.removed.load(Ordering::SeqCst)) {
+                    // still held or open: looked for again next time
+                    self.deferred.store(true, Ordering::SeqCst);
+                }
                 return;
             }
         }
@@ -544,6 +592,12 @@ impl Registry {
             devs.remove(&name);
         }
         drop(devs);
+        if let Some(u) = dev.uuid() {
+            let mut uuids = self.uuids.lock().unwrap_or_else(|p| p.into_inner());
+            if uuids.get(&u).is_some_and(|w| w.as_ptr() == Arc::as_ptr(dev)) {
+                uuids.remove(&u);
+            }
+        }
         self.give_minor(dev.minor);
     }
 
@@ -1071,5 +1125,47 @@ impl Resolver for TableResolver<'_> {
             }
             None => self.reg.open_file(&absolute(name, self.cwd), self.read_only),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minors_are_the_lowest_free_ones() {
+        let mut m = Minors::default();
+        assert_eq!((0..5).map(|_| m.take()).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+        m.give(1);
+        m.give(3);
+        assert_eq!((m.take(), m.take(), m.take()), (1, 3, 5));
+        // giving back the highest ones shrinks the range, holes included
+        for i in [5, 4, 2, 3] {
+            m.give(i);
+        }
+        assert_eq!((m.high, m.free.len()), (2, 0));
+        m.give(0);
+        m.give(1);
+        assert_eq!((m.high, m.take()), (0, 0));
+    }
+
+    #[test]
+    fn a_uuid_names_one_device_until_it_is_removed() {
+        let r = Registry::new(Config::default());
+        r.create("a", Some("0 8 zero"), false, Some("U-1".into()))
+            .expect("a");
+        let e = r.create("b", Some("0 8 zero"), false, Some("U-1".into()));
+        assert!(e.is_err_and(|e| e.to_string().contains("in use by device 'a'")));
+        r.rename("a", "c").expect("rename");
+        let e = r.create("b", Some("0 8 zero"), false, Some("U-1".into()));
+        assert!(e.is_err_and(|e| e.to_string().contains("in use by device 'c'")));
+        r.create("b", Some("0 8 zero"), false, None).expect("b");
+        let e = r.set_uuid("b", "U-1");
+        assert!(e.is_err());
+        r.remove("c", false, false).expect("remove");
+        r.set_uuid("b", "U-1").expect("free once c is gone");
+        assert_eq!(r.get("b").expect("b").minor, 1, "b kept its minor");
+        r.create("d", Some("0 8 zero"), false, None).expect("d");
+        assert_eq!(r.get("d").expect("d").minor, 0, "the lowest free minor");
     }
 }
