@@ -32,21 +32,7 @@ pub fn state_path(run_dir: &Path) -> PathBuf {
     run_dir.join("devices.state")
 }
 
-/// The run directory: `$DMKIT_RUN_DIR`, else /run/dmkit for root and
-/// `$XDG_RUNTIME_DIR/dmkit` otherwise.
-pub fn default_run_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("DMKIT_RUN_DIR") {
-        return PathBuf::from(d);
-    }
-    let uid = rustix::process::geteuid();
-    if uid.is_root() {
-        return PathBuf::from("/run/dmkit");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(x) => Path::new(&x).join("dmkit"),
-        None => std::env::temp_dir().join(format!("dmkit-{}", uid.as_raw())),
-    }
-}
+pub use crate::client::default_run_dir;
 
 fn group_id(name: &str) -> Result<u32> {
     if let Ok(g) = name.parse::<u32>() {

@@ -155,7 +155,7 @@ pub fn owner(path: &Path) -> Option<Owner> {
     let device = control_sockets(pid)
         .into_iter()
         .chain(std::iter::once(
-            crate::daemon::default_run_dir().join("control.sock"),
+            crate::client::default_run_dir().join("control.sock"),
         ))
         .find_map(|s| ask_holder(&s, path));
     Some(Owner { pid, comm, device })
@@ -215,7 +215,7 @@ fn ask_holder(sock: &Path, path: &Path) -> Option<String> {
     s.set_write_timeout(t).ok()?;
     let abs = std::path::absolute(path).ok()?;
     let args = ["holder".to_string(), abs.to_string_lossy().into_owned()];
-    let (ok, out, _) = crate::control::call(&mut s, &args, &[]).ok()?;
+    let (ok, out, _) = crate::client::call(&mut s, &args, &[]).ok()?;
     let name = out.trim_end_matches('\n');
     (ok && !name.is_empty()).then(|| name.to_string())
 }
