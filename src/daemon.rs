@@ -76,13 +76,14 @@ fn block_signals() -> Result<SigSet> {
 pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals()?;
     crate::panics::install_hook();
-    crate::targets::thin::set_copy_subjob_kb(opts.copy_subjob_kb);
-    crate::targets::writecache::set_lru_writeback(opts.writecache_lru_writeback);
     let group = opts.group.as_deref().map(group_id).transpose()?;
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let reg = Arc::new(Registry::new(Config {
         direct_io: opts.direct_io,
         restart_logs: Some(opts.run_dir.join("uncommitted")),
+        copy_subjob_kb: opts.copy_subjob_kb,
+        writecache_lru_writeback: opts.writecache_lru_writeback,
+        ..Config::default()
     }));
     let control_path = opts.run_dir.join("control.sock");
     let nbd_path = opts.run_dir.join("nbd.sock");

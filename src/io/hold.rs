@@ -61,7 +61,10 @@ fn describe(o: Option<&Owner>) -> String {
 }
 
 /// The holds this process has, by identity: one per file however many tables
-/// name it.
+/// name it. Process-wide on purpose: the kernel's claim on a block device is
+/// per holder and dmkit's holder is the process (an flock and O_EXCL belong to
+/// the open file, so a second registry in the same process must share the hold,
+/// not take a second one and be refused by its own first).
 static HOLDS: Mutex<Vec<(Identity, Weak<Hold>)>> = Mutex::new(Vec::new());
 
 /// The daemon's hold on `path`: the one this process has already, or a new one.
