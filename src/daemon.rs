@@ -32,21 +32,7 @@ pub fn state_path(run_dir: &Path) -> PathBuf {
     run_dir.join("devices.state")
 }
 
-/// The run directory: `$DMKIT_RUN_DIR`, else /run/dmkit for root and
-/// `$XDG_RUNTIME_DIR/dmkit` otherwise.
-pub fn default_run_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("DMKIT_RUN_DIR") {
-        return PathBuf::from(d);
-    }
-    let uid = rustix::process::geteuid();
-    if uid.is_root() {
-        return PathBuf::from("/run/dmkit");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(x) => Path::new(&x).join("dmkit"),
-        None => std::env::temp_dir().join(format!("dmkit-{}", uid.as_raw())),
-    }
-}
+pub use crate::client::default_run_dir;
 
 fn group_id(name: &str) -> Result<u32> {
     if let Ok(g) = name.parse::<u32>() {
@@ -90,13 +76,14 @@ fn block_signals() -> Result<SigSet> {
 pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals()?;
     crate::panics::install_hook();
-    crate::targets::thin::set_copy_subjob_kb(opts.copy_subjob_kb);
-    crate::targets::writecache::set_lru_writeback(opts.writecache_lru_writeback);
     let group = opts.group.as_deref().map(group_id).transpose()?;
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let reg = Arc::new(Registry::new(Config {
         direct_io: opts.direct_io,
         restart_logs: Some(opts.run_dir.join("uncommitted")),
+        copy_subjob_kb: opts.copy_subjob_kb,
+        writecache_lru_writeback: opts.writecache_lru_writeback,
+        ..Config::default()
     }));
     let control_path = opts.run_dir.join("control.sock");
     let nbd_path = opts.run_dir.join("nbd.sock");

@@ -1,4 +1,5 @@
 //! dmkit: Linux device-mapper in userspace, served over NBD.
+pub mod client;
 pub mod control;
 pub mod copier;
 pub mod daemon;

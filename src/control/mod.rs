@@ -53,47 +53,8 @@ impl Ctx {
 /// Most bytes one request may carry (a table of many thousands of lines fits).
 const MAX_REQUEST: u32 = 64 << 20;
 
-fn put(w: &mut Vec<u8>, b: &[u8]) {
-    w.extend_from_slice(&(b.len() as u32).to_be_bytes());
-    w.extend_from_slice(b);
-}
-
-fn get<R: Read>(r: &mut R, budget: &mut u32) -> io::Result<Vec<u8>> {
-    let mut l = [0u8; 4];
-    r.read_exact(&mut l)?;
-    let n = u32::from_be_bytes(l);
-    if n > *budget {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "control request too large",
-        ));
-    }
-    *budget -= n;
-    let mut v = vec![0u8; n as usize];
-    r.read_exact(&mut v)?;
-    Ok(v)
-}
-
-/// Client side: send `args` (+ stdin) and return (ok, stdout, stderr).
-pub fn call<S: Read + Write>(s: &mut S, args: &[String], stdin: &[u8]) -> io::Result<(bool, String, String)> {
-    let mut req = Vec::new();
-    req.extend_from_slice(&(args.len() as u32).to_be_bytes());
-    for a in args {
-        put(&mut req, a.as_bytes());
-    }
-    put(&mut req, stdin);
-    s.write_all(&req)?;
-    let mut st = [0u8; 1];
-    s.read_exact(&mut st)?;
-    let mut budget = u32::MAX;
-    let out = get(s, &mut budget)?;
-    let err = get(s, &mut budget)?;
-    Ok((
-        st[0] == 0,
-        String::from_utf8_lossy(&out).into_owned(),
-        String::from_utf8_lossy(&err).into_owned(),
-    ))
-}
+pub use crate::client::call;
+use crate::client::{get, put};
 
 /// Server side: read one request, run it, write the reply.
 pub fn handle<S: Read + Write>(s: &mut S, ctx: &Ctx) -> io::Result<()> {

@@ -61,7 +61,10 @@ fn describe(o: Option<&Owner>) -> String {
 }
 
 /// The holds this process has, by identity: one per file however many tables
-/// name it.
+/// name it. Process-wide on purpose: the kernel's claim on a block device is
+/// per holder and dmkit's holder is the process (an flock and O_EXCL belong to
+/// the open file, so a second registry in the same process must share the hold,
+/// not take a second one and be refused by its own first).
 static HOLDS: Mutex<Vec<(Identity, Weak<Hold>)>> = Mutex::new(Vec::new());
 
 /// The daemon's hold on `path`: the one this process has already, or a new one.
@@ -155,7 +158,7 @@ pub fn owner(path: &Path) -> Option<Owner> {
     let device = control_sockets(pid)
         .into_iter()
         .chain(std::iter::once(
-            crate::daemon::default_run_dir().join("control.sock"),
+            crate::client::default_run_dir().join("control.sock"),
         ))
         .find_map(|s| ask_holder(&s, path));
     Some(Owner { pid, comm, device })
@@ -215,7 +218,7 @@ fn ask_holder(sock: &Path, path: &Path) -> Option<String> {
     s.set_write_timeout(t).ok()?;
     let abs = std::path::absolute(path).ok()?;
     let args = ["holder".to_string(), abs.to_string_lossy().into_owned()];
-    let (ok, out, _) = crate::control::call(&mut s, &args, &[]).ok()?;
+    let (ok, out, _) = crate::client::call(&mut s, &args, &[]).ok()?;
     let name = out.trim_end_matches('\n');
     (ok && !name.is_empty()).then(|| name.to_string())
 }

@@ -229,6 +229,10 @@ impl Drop for Cluster {
 }
 
 type ClusterKey = (Option<PathBuf>, Option<String>);
+/// The cluster connections open in this process, by (ceph.conf, user).
+/// Process-wide on purpose: a connection is a heavyweight librados client
+/// (threads, sockets, a session with the monitors), and every image of one
+/// cluster, whichever registry or table opens it, shares it.
 static CLUSTERS: Mutex<Vec<(ClusterKey, Weak<Cluster>)>> = Mutex::new(Vec::new());
 
 impl Cluster {

@@ -87,13 +87,60 @@ pub struct Config {
     /// Where thin pools and writecaches record what they acknowledged and have
     /// not committed yet, for the next daemon (`io::restart_log`); none, none kept.
     pub restart_logs: Option<std::path::PathBuf>,
+    /// The copy engine's sub-job size in KiB (`serve --copy-subjob-kb`, the
+    /// kernel's kcopyd_subjob_size_kb); see [`Config::copy_subjob_bytes`].
+    pub copy_subjob_kb: u64,
+    /// Writecache writeback in LRU order (the pre-2019 kernel), for benchmarks.
+    pub writecache_lru_writeback: bool,
+    /// How often a thin pool commits while it has changes (the kernel's
+    /// COMMIT_PERIOD; tests that need writes left uncommitted lengthen it).
+    pub thin_commit_period: std::time::Duration,
+    /// How long a thin pool out of data space queues I/O before failing it
+    /// (the kernel's no_space_timeout).
+    pub thin_no_space_timeout: std::time::Duration,
+    /// Tests only: how long a thin pool's discard passdown waits before it is
+    /// sent to the data device (zero: at once).
+    pub thin_passdown_delay: std::time::Duration,
+}
+
+impl Config {
+    /// The copy engine's sub-job size in bytes: `copy_subjob_kb`, 0 meaning
+    /// 512 KiB, at most 1 MiB.
+    pub fn copy_subjob_bytes(&self) -> usize {
+        let kb = if self.copy_subjob_kb == 0 {
+            512
+        } else {
+            self.copy_subjob_kb.min(1024)
+        };
+        kb as usize * 1024
+    }
+}
+
+/// A test hook's number from the environment variable `var`, if set and valid.
+fn env_number(var: &str) -> Option<u64> {
+    std::env::var(var).ok().and_then(|v| v.parse().ok())
 }
 
 impl Default for Config {
+    /// The daemon's defaults; the test hooks DMKIT_THIN_COMMIT_PERIOD_MS,
+    /// DMKIT_NO_SPACE_TIMEOUT_SECS and DMKIT_TEST_PASSDOWN_DELAY_MS override
+    /// the thin pool's timings.
     fn default() -> Config {
+        use std::time::Duration;
         Config {
             direct_io: true,
             restart_logs: None,
+            copy_subjob_kb: 512,
+            writecache_lru_writeback: false,
+            thin_commit_period: Duration::from_millis(
+                env_number("DMKIT_THIN_COMMIT_PERIOD_MS").unwrap_or(1000),
+            ),
+            thin_no_space_timeout: Duration::from_secs(
+                env_number("DMKIT_NO_SPACE_TIMEOUT_SECS").unwrap_or(60),
+            ),
+            thin_passdown_delay: Duration::from_millis(
+                env_number("DMKIT_TEST_PASSDOWN_DELAY_MS").unwrap_or(0),
+            ),
         }
     }
 }
@@ -1085,6 +1132,9 @@ fn absolute(name: &str, cwd: Option<&Path>) -> std::path::PathBuf {
 impl Resolver for TableResolver<'_> {
     fn device(&self) -> &Arc<Device> {
         self.dev
+    }
+    fn config(&self) -> &Config {
+        &self.reg.config
     }
     fn shared(&self) -> &targets::Shared {
         &self.reg.shared

@@ -610,9 +610,11 @@ impl Shared {
 
     /// The copy engine of snapshots (COW copies, merges): apart from thin's, so a
     /// snapshot over a thin device never waits for a thread its own copy holds.
-    pub fn snap_copier(&self) -> Arc<crate::copier::Copier> {
+    /// `subjob_bytes`: [`crate::mapper::registry::Config::copy_subjob_bytes`]
+    /// (the first caller's makes the engine).
+    pub fn snap_copier(&self, subjob_bytes: usize) -> Arc<crate::copier::Copier> {
         self.snap_copier
-            .get_or_init(|| Arc::new(crate::copier::Copier::new(thin::copy_subjob_kb() * 1024, 8)))
+            .get_or_init(|| Arc::new(crate::copier::Copier::new(subjob_bytes, 8)))
             .clone()
     }
 }
@@ -624,6 +626,8 @@ pub trait Resolver {
     fn shared(&self) -> &Shared;
     /// The device whose table is being built.
     fn device(&self) -> &Arc<Device>;
+    /// The daemon's options, which targets read when they are constructed.
+    fn config(&self) -> &crate::mapper::registry::Config;
 }
 
 /// Construct a target from its type name and arguments; errors name the field.

@@ -220,7 +220,7 @@ impl SnapshotTarget {
                     len,
                     opened,
                     overflow_ok,
-                    r.shared().snap_copier(),
+                    r.shared().snap_copier(r.config().copy_subjob_bytes()),
                 );
                 snaps.register(&c);
                 c

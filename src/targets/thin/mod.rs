@@ -16,6 +16,7 @@ use crate::copier::Copier;
 use crate::io::restart_log::{Previous, Record, RestartLog};
 use crate::io::BackingFile;
 use crate::mapper::engine::{Dest, Pending};
+use crate::mapper::registry::Config;
 use crate::mapper::Device;
 use crate::pdata::PdataError;
 use crate::thin::{FormatOptions, ThinError, ThinPoolMetadata};
@@ -26,32 +27,6 @@ use std::time::{Duration, Instant};
 
 /// Metadata blocks the block cache may hold (4 KiB each): 64 MiB.
 const CACHE_BLOCKS: usize = 16384;
-/// A commit runs at least this often while there are changes (the kernel's
-/// COMMIT_PERIOD); tests that need writes left uncommitted lengthen it with
-/// DMKIT_THIN_COMMIT_PERIOD_MS.
-fn commit_period() -> Duration {
-    static P: OnceLock<Duration> = OnceLock::new();
-    *P.get_or_init(|| {
-        let ms = std::env::var("DMKIT_THIN_COMMIT_PERIOD_MS")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        Duration::from_millis(ms.unwrap_or(1000))
-    })
-}
-
-/// Tests only: how long a discard's passdown waits before it is sent to the data
-/// device (DMKIT_TEST_PASSDOWN_DELAY_MS; 0, the default, sends it at once), so a
-/// test can hold a passdown in flight while other I/O runs.
-fn passdown_delay() -> Duration {
-    static P: OnceLock<Duration> = OnceLock::new();
-    *P.get_or_init(|| {
-        let ms = std::env::var("DMKIT_TEST_PASSDOWN_DELAY_MS")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        Duration::from_millis(ms.unwrap_or(0))
-    })
-}
-
 /// Keys of the bio prison: a virtual block of a thin, or a data block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Key {
@@ -245,6 +220,8 @@ impl Drop for PassdownHold {
 pub struct Pool {
     /// Itself, for the holds of passdowns in flight.
     me: Weak<Pool>,
+    /// Its timings, from the daemon's configuration.
+    timing: Timing,
     md: Mutex<PoolMd>,
     pub data: Arc<BackingFile>,
     /// The metadata device (its path in messages, its size, a second handle for
@@ -277,12 +254,13 @@ struct CommitSignal {
     cv: Condvar,
 }
 
-/// How long I/O waits for space before failing (the kernel's no_space_timeout).
-pub fn no_space_timeout() -> Duration {
-    let s = std::env::var("DMKIT_NO_SPACE_TIMEOUT_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok());
-    Duration::from_secs(s.unwrap_or(60))
+/// A pool's timings (`Config::thin_commit_period` and the rest), fixed when
+/// it is made.
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    commit_period: Duration,
+    no_space_timeout: Duration,
+    passdown_delay: Duration,
 }
 
 /// Live pools by their metadata file's identity.
@@ -297,9 +275,10 @@ pub struct Pools {
 }
 
 impl Pools {
-    fn copier(&self) -> Arc<Copier> {
+    /// The pools' copy engine (`subjob_bytes` from the first caller's config).
+    fn copier(&self, subjob_bytes: usize) -> Arc<Copier> {
         self.copier
-            .get_or_init(|| Arc::new(Copier::new(copy_subjob_kb() * 1024, 8)))
+            .get_or_init(|| Arc::new(Copier::new(subjob_bytes, 8)))
             .clone()
     }
 
@@ -329,18 +308,6 @@ impl Pools {
     }
 }
 
-static SUBJOB_KB: AtomicU64 = AtomicU64::new(512);
-
-/// Set the copy sub-job size (KiB; 0 → 512, more than 1024 → 1024) before any pool
-/// is created.
-pub fn set_copy_subjob_kb(kb: u64) {
-    SUBJOB_KB.store(if kb == 0 { 512 } else { kb.min(1024) }, Ordering::Relaxed);
-}
-
-pub(crate) fn copy_subjob_kb() -> usize {
-    SUBJOB_KB.load(Ordering::Relaxed) as usize
-}
-
 fn is_zeroed(f: &BackingFile) -> std::io::Result<bool> {
     let mut b = vec![0u8; 4096];
     f.read_at(&mut b, 0)?;
@@ -363,7 +330,7 @@ impl Pool {
         nr_blocks: u64,
         features: Features,
         low_water: u64,
-        restart_logs: Option<&std::path::Path>,
+        config: &Config,
     ) -> Result<Arc<Pool>, String> {
         let key = metadata.identity;
         wait_for_orphan(pools, key);
@@ -435,7 +402,7 @@ impl Pool {
         } else {
             Mode::Write
         };
-        let restart = match restart_logs {
+        let restart = match config.restart_logs.as_deref() {
             Some(dir) if mode == Mode::Write => {
                 let path = RestartLog::path(dir, "thin-pool", key);
                 replay_restart_log(&mut md, data, &path, &metadata.path)?;
@@ -480,7 +447,12 @@ impl Pool {
             data: data.clone(),
             metadata: metadata.clone(),
             block_sectors,
-            copier: pools.copier(),
+            copier: pools.copier(config.copy_subjob_bytes()),
+            timing: Timing {
+                commit_period: config.thin_commit_period,
+                no_space_timeout: config.thin_no_space_timeout,
+                passdown_delay: config.thin_passdown_delay,
+            },
             commit_lock: Mutex::new(()),
             started: AtomicU64::new(0),
             commits: AtomicU64::new(0),
@@ -627,7 +599,7 @@ impl Pool {
                         hold.release();
                         0
                     });
-                    let delay = passdown_delay();
+                    let delay = self.timing.passdown_delay;
                     if delay.is_zero() {
                         j.piece.remap(j.pool_dev, bio, Some(end_io));
                     } else {
@@ -756,7 +728,7 @@ impl Pool {
                     tracing::warn!("thin-pool {}: out of data space", self.metadata.path.display());
                 }
                 let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
-                if !m.features.error_if_no_space && since.elapsed() >= no_space_timeout() {
+                if !m.features.error_if_no_space && since.elapsed() >= self.timing.no_space_timeout {
                     // As the kernel's no_space_timeout: stop queueing, fail with
                     // ENOSPC from now on, and say so in the status.
                     m.features.error_if_no_space = true;
@@ -1071,9 +1043,9 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
             // switches the pool to error_if_no_space).
             let expired = m
                 .out_of_space_since
-                .is_some_and(|t| t.elapsed() >= no_space_timeout());
+                .is_some_and(|t| t.elapsed() >= pool.timing.no_space_timeout);
             (
-                last.elapsed() >= commit_period() && m.dirty,
+                last.elapsed() >= pool.timing.commit_period && m.dirty,
                 !m.no_space.is_empty() && (expired || m.mode != Mode::OutOfDataSpace),
             )
         };

@@ -81,7 +81,7 @@ impl ThinPool {
             nr_blocks,
             features,
             low_water,
-            r.shared().restart_logs.as_deref(),
+            r.config(),
         )?;
         Ok(ThinPool {
             pool,

@@ -38,14 +38,6 @@ const MAX_RUN: usize = 256;
 /// entries freed): bounds how long freed space waits.
 const PASS_BLOCKS: usize = 8192;
 
-/// Select the pre-2019 writeback order (LRU tail) instead of the sorted walk; for
-/// benchmarks of the two on one build.
-static LRU_WRITEBACK: AtomicBool = AtomicBool::new(false);
-
-pub fn set_lru_writeback(on: bool) {
-    LRU_WRITEBACK.store(on, Ordering::Relaxed);
-}
-
 #[derive(Clone, Copy)]
 struct Entry {
     /// Original sector (relative to the target), FREE when free.
@@ -233,6 +225,9 @@ pub struct Cache {
     /// written only by the request that owns it in that moment, and read by
     /// writeback only while it is under writeback (decided under the state lock).
     map: Option<Mapped>,
+    /// Write back in the pre-2019 order (LRU tail) instead of the sorted walk
+    /// (`Config::writecache_lru_writeback`), for benchmarks of the two.
+    lru_writeback: bool,
     st: Mutex<State>,
     /// Wakes the writer thread.
     work: Condvar,
@@ -276,9 +271,9 @@ impl Cache {
         cache: Dest,
         origin_file: Option<Arc<BackingFile>>,
         cache_file: Option<Arc<BackingFile>>,
-        restart_logs: Option<&std::path::Path>,
+        config: &crate::mapper::registry::Config,
     ) -> Result<Arc<Cache>, String> {
-        let restart = match (restart_logs, &cache_file) {
+        let restart = match (config.restart_logs.as_deref(), &cache_file) {
             (Some(dir), Some(f)) => {
                 Some([0, 1].map(|k| RestartLog::path(dir, &format!("writecache{k}"), f.identity)))
             }
@@ -352,6 +347,7 @@ impl Cache {
         };
         Ok(Arc::new_cyclic(|weak| Cache {
             weak: weak.clone(),
+            lru_writeback: config.writecache_lru_writeback,
             n_blocks,
             meta_bytes,
             origin,
@@ -1502,7 +1498,7 @@ impl Cache {
                     }
                 }
             }
-            let sorted = st.wb_all > 0 && !LRU_WRITEBACK.load(Ordering::Relaxed);
+            let sorted = st.wb_all > 0 && !self.lru_writeback;
             if st.wb_all > 0 && !st.uncommitted.is_empty() {
                 drop(st);
                 let _ = self.persist(true);

@@ -14,7 +14,6 @@
 mod cache;
 pub mod format;
 
-pub use cache::set_lru_writeback;
 use cache::{Cache, Devs};
 
 use crate::io::SECTOR;
@@ -263,7 +262,7 @@ impl Writecache {
             cache_dev.dest(),
             file(&origin),
             file(&cache_dev),
-            r.shared().restart_logs.as_deref(),
+            r.config(),
         )?;
         Ok(Writecache {
             origin,
