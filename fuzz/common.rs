@@ -60,6 +60,7 @@ fn make_registry() -> Registry {
         let reg = Registry::new(Config {
             direct_io: false,
             restart_logs: None,
+            target_types: dmkit::targets::types(),
         });
         // files the table corpus names, for targets it creates itself
         for (f, bytes) in [("tmeta", 2 << 20), ("tdata", 4 << 20), ("cow", 1 << 20)] {

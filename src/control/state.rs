@@ -218,7 +218,10 @@ mod tests {
 
     fn ctx() -> Ctx {
         use crate::mapper::registry::{Config, Registry};
-        Ctx::sandboxed(std::sync::Arc::new(Registry::new(Config::default())))
+        Ctx::sandboxed(std::sync::Arc::new(Registry::new(Config {
+            target_types: crate::targets::types(),
+            ..Config::default()
+        })))
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! The set of mapped devices and the dmsetup operations on them.
 
+use super::{DevRef, DmHold, Resolver, Shared, TargetType};
 use super::{Device, Table, TableEntry, DM_MAJOR};
 use crate::io::BackingFile;
 use crate::table::{parse_table, TableError};
-use crate::targets::{self, DevRef, DmHold, Resolver};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -78,6 +78,9 @@ pub struct Config {
     /// Where thin pools and writecaches record what they acknowledged and have
     /// not committed yet, for the next daemon (`io::restart_log`); none, none kept.
     pub restart_logs: Option<std::path::PathBuf>,
+    /// The target types tables may use (`crate::targets::types()`); the core
+    /// itself knows only `error`.
+    pub target_types: &'static [TargetType],
 }
 
 impl Default for Config {
@@ -85,6 +88,7 @@ impl Default for Config {
         Config {
             direct_io: true,
             restart_logs: None,
+            target_types: &[super::error::TYPE],
         }
     }
 }
@@ -102,14 +106,19 @@ pub struct Registry {
     /// lowest free one, and a removed or failed one gives it back (as the kernel's idr).
     minors: Mutex<std::collections::BTreeSet<u32>>,
     /// State targets share across devices (snapshot origins).
-    shared: targets::Shared,
+    shared: Shared,
     pub config: Config,
 }
 
 impl Registry {
-    /// Commit every thin pool (daemon shutdown, after the devices' flushes).
-    pub fn commit_pools(&self) {
-        self.shared.thin_pools.commit_all();
+    /// Make every target type's shared state durable (daemon shutdown, after the
+    /// devices' flushes: thin pools commit).
+    pub fn sync_targets(&self) {
+        for t in self.config.target_types {
+            if let Some(sync) = t.sync {
+                sync(&self.shared);
+            }
+        }
     }
 
     pub fn new(config: Config) -> Registry {
@@ -117,7 +126,7 @@ impl Registry {
             devices: Mutex::new(BTreeMap::new()),
             files: Mutex::new(Vec::new()),
             minors: Mutex::new(std::collections::BTreeSet::new()),
-            shared: targets::Shared::new(config.restart_logs.clone()),
+            shared: Shared::new(config.restart_logs.clone()),
             config,
         }
     }
@@ -442,7 +451,7 @@ impl Registry {
         let t = Table::new(vec![TableEntry {
             start: 0,
             len: size,
-            target: Box::new(targets::error::Error),
+            target: Box::new(super::error::Error),
         }]);
         *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
         if let Err(e) = resume_locked(dev) {
@@ -553,7 +562,8 @@ impl Registry {
         };
         let mut entries = Vec::with_capacity(lines.len());
         for l in &lines {
-            let target = targets::construct(&l.target_type, &l.args, l.len, &resolver)
+            let target = self
+                .construct(&l.target_type, &l.args, l.len, &resolver)
                 .map_err(|what| TableError::line(l.line_no, format!("{}: {what}", l.target_type)))?;
             entries.push(TableEntry {
                 start: l.start,
@@ -764,11 +774,36 @@ impl Registry {
     }
 
     /// `dmsetup targets`.
-    pub fn targets() -> String {
-        targets::TARGET_TYPES
+    pub fn targets(&self) -> String {
+        self.config
+            .target_types
             .iter()
-            .map(|(n, v)| format!("{n:<16} v{}.{}.{}\n", v[0], v[1], v[2]))
+            .map(|t| {
+                format!(
+                    "{:<16} v{}.{}.{}\n",
+                    t.name, t.version[0], t.version[1], t.version[2]
+                )
+            })
             .collect()
+    }
+
+    /// The target type named `name`, if tables may use it.
+    pub fn target_type(&self, name: &str) -> Option<&'static TargetType> {
+        self.config.target_types.iter().find(|t| t.name == name)
+    }
+
+    /// A target of type `name` from its arguments; errors name the field.
+    fn construct(
+        &self,
+        name: &str,
+        args: &[String],
+        len: u64,
+        r: &dyn Resolver,
+    ) -> Result<Box<dyn super::Target>, String> {
+        match self.target_type(name) {
+            Some(t) => (t.new)(args, len, r),
+            None => Err(format!("unknown target type '{name}'")),
+        }
     }
 
     /// Open a backing file, or share the one already open for the same file. The
@@ -935,7 +970,7 @@ impl Resolver for TableResolver<'_> {
     fn device(&self) -> &Arc<Device> {
         self.dev
     }
-    fn shared(&self) -> &targets::Shared {
+    fn shared(&self) -> &Shared {
         &self.reg.shared
     }
     fn open(&self, name: &str) -> Result<DevRef, String> {
