@@ -60,6 +60,7 @@ fn make_registry() -> Registry {
         let reg = Registry::new(Config {
             direct_io: false,
             restart_logs: None,
+            target_types: dmkit::targets::types(),
             ..Config::default()
         });
         // files the table corpus names, for targets it creates itself

@@ -81,6 +81,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let reg = Arc::new(Registry::new(Config {
         direct_io: opts.direct_io,
         restart_logs: Some(opts.run_dir.join("uncommitted")),
+        target_types: crate::targets::types(),
         copy_subjob_kb: opts.copy_subjob_kb,
         writecache_lru_writeback: opts.writecache_lru_writeback,
         ..Config::default()
@@ -218,7 +219,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     for d in reg.list() {
         let _ = d.flush_sync();
     }
-    reg.commit_pools();
+    reg.sync_targets();
     let _ = std::fs::remove_file(&control_path);
     let _ = std::fs::remove_file(&nbd_path);
     let _ = std::fs::remove_file(&door_path);

@@ -498,6 +498,7 @@ fn registry(o: &Options, dir: &Path) -> Registry {
     Registry::new(Config {
         direct_io: false,
         restart_logs: (o.kill && !o.no_restart_logs).then(|| dir.join("uncommitted")),
+        target_types: crate::targets::types(),
         ..Config::default()
     })
 }

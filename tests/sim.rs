@@ -222,6 +222,7 @@ mod error_states {
                 reg: Registry::new(Config {
                     direct_io: false,
                     restart_logs: None,
+                    target_types: dmkit::targets::types(),
                     ..Config::default()
                 }),
             }

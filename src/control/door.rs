@@ -321,16 +321,21 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
             Ok(false)
         }
         Cmd::ListVersions => {
-            r.put_versions(crate::targets::TARGET_TYPES);
+            let all: Vec<_> = reg
+                .config
+                .target_types
+                .iter()
+                .map(|t| (t.name, t.version))
+                .collect();
+            r.put_versions(&all);
             Ok(false)
         }
         Cmd::GetTargetVersion => {
             let name = r.name();
-            let t = crate::targets::TARGET_TYPES
-                .iter()
-                .find(|(n, _)| *n == name)
+            let t = reg
+                .target_type(&name)
                 .ok_or_else(|| refuse(dm::EINVAL, format!("no target type '{name}'")))?;
-            r.put_versions(std::slice::from_ref(t));
+            r.put_versions(&[(t.name, t.version)]);
             Ok(false)
         }
         Cmd::DevCreate => {
@@ -548,7 +553,10 @@ mod tests {
     use crate::mapper::registry::{Config, Registry};
 
     fn ctx() -> Ctx {
-        Ctx::sandboxed(Arc::new(Registry::new(Config::default())))
+        Ctx::sandboxed(Arc::new(Registry::new(Config {
+            target_types: crate::targets::types(),
+            ..Config::default()
+        })))
     }
 
     fn call(c: &Ctx, cmd: Cmd, b: Vec<u8>) -> (i32, Vec<u8>) {

@@ -260,7 +260,7 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         DmVerb::Wait { name, event_nr, .. } => wait(reg, &name, event_nr.unwrap_or(0)),
         // no device nodes and no udev cookies here: nothing to do, as the help says
         DmVerb::Mknodes { .. } | DmVerb::UdevcompleteAll { .. } => Ok(String::new()),
-        DmVerb::Targets => Ok(Registry::targets()),
+        DmVerb::Targets => Ok(reg.targets()),
         DmVerb::Stats { devs } => each(reg, &devs.names, &devs.pick, |n| reg.stats(n).map_err(e)),
         DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
         DmVerb::Attach { name, recover } => {

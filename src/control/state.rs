@@ -9,8 +9,8 @@
 //! device is attached as which ublk block device.
 
 use super::{verbs, Ctx};
+use crate::mapper::DevRef;
 use crate::mapper::{Device, DM_MAJOR};
-use crate::targets::DevRef;
 use clap::Parser;
 use std::io::Write;
 use std::path::Path;
@@ -410,7 +410,10 @@ mod tests {
 
     fn ctx() -> Ctx {
         use crate::mapper::registry::{Config, Registry};
-        Ctx::sandboxed(std::sync::Arc::new(Registry::new(Config::default())))
+        Ctx::sandboxed(std::sync::Arc::new(Registry::new(Config {
+            target_types: crate::targets::types(),
+            ..Config::default()
+        })))
     }
 
     #[test]

@@ -11,14 +11,15 @@
 //! ([`Engine::push_io`]) so one wait covers both.
 //!
 //! A target may take a piece and finish it later from any thread (the kernel's
-//! DM_MAPIO_SUBMITTED): [`MapCtx::submit`](crate::targets::MapCtx::submit) hands it
+//! DM_MAPIO_SUBMITTED): [`MapCtx::submit`](crate::mapper::MapCtx::submit) hands it
 //! a [`Pending`], which it completes, remaps or requeues. The completion is posted to
 //! the owning engine's inbox and wakes its ring through an eventfd; nothing polls.
 
+use super::target::apply_end_io;
 use super::{map_bio, release, Device, Hold};
+use super::{Bio, MapCtx, MapErr};
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{errno, AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op};
-use crate::targets::{apply_end_io, Bio, MapCtx, MapErr};
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};

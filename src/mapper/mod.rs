@@ -3,13 +3,18 @@
 
 pub mod devio;
 pub mod engine;
+pub mod error;
 pub mod registry;
 pub mod report;
+pub mod target;
 
 pub use registry::Registry;
+pub use target::{
+    arg_dev, arg_u64, dev_extents, Bio, Constructor, DevRef, DmHold, Limits, MapCtx, MapErr, Resolver,
+    Shared, Target, TargetType,
+};
 
 use crate::io::{Op, SECTOR};
-use crate::targets::{Bio, DevRef, Limits, MapCtx, MapErr, Target};
 use arc_swap::ArcSwapOption;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -613,8 +618,7 @@ pub fn device_extents(dev: &Device, sector: u64, nr: u64, out: &mut Vec<(u64, u3
 }
 
 /// A per-piece status function: the target, the piece (relative), the output.
-type PieceFn<'a> =
-    dyn FnMut(&dyn crate::targets::Target, u64, u64, &mut Vec<(u64, u32)>) -> Result<(), String> + 'a;
+type PieceFn<'a> = dyn FnMut(&dyn Target, u64, u64, &mut Vec<(u64, u32)>) -> Result<(), String> + 'a;
 
 /// Call `f` for each table entry's piece of `[sector, sector+nr)` (the target,
 /// and the piece relative to the entry); with no live table, all of it is

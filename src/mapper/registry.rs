@@ -1,9 +1,9 @@
 //! The set of mapped devices and the dmsetup operations on them.
 
+use super::{DevRef, DmHold, Resolver, Shared, TargetType};
 use super::{Device, Table, TableEntry, DM_MAJOR};
 use crate::io::BackingFile;
 use crate::table::{parse_table, TableError};
-use crate::targets::{self, DevRef, DmHold, Resolver};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -101,6 +101,9 @@ pub struct Config {
     /// Tests only: how long a thin pool's discard passdown waits before it is
     /// sent to the data device (zero: at once).
     pub thin_passdown_delay: std::time::Duration,
+    /// The target types tables may use (`crate::targets::types()`); the core
+    /// itself knows only `error`.
+    pub target_types: &'static [TargetType],
 }
 
 impl Config {
@@ -141,6 +144,7 @@ impl Default for Config {
             thin_passdown_delay: Duration::from_millis(
                 env_number("DMKIT_TEST_PASSDOWN_DELAY_MS").unwrap_or(0),
             ),
+            target_types: &[super::error::TYPE],
         }
     }
 }
@@ -163,7 +167,7 @@ pub struct Registry {
     /// has something to look for).
     deferred: std::sync::atomic::AtomicBool,
     /// State targets share across devices (snapshot origins).
-    shared: targets::Shared,
+    shared: Shared,
     pub config: Config,
     /// What changed since the state file last recorded it ([`Registry::take_changed`]).
     changed: Mutex<Changed>,
@@ -194,9 +198,14 @@ impl Drop for Touch<'_> {
 }
 
 impl Registry {
-    /// Commit every thin pool (daemon shutdown, after the devices' flushes).
-    pub fn commit_pools(&self) {
-        self.shared.thin_pools.commit_all();
+    /// Make every target type's shared state durable (daemon shutdown, after the
+    /// devices' flushes: thin pools commit).
+    pub fn sync_targets(&self) {
+        for t in self.config.target_types {
+            if let Some(sync) = t.sync {
+                sync(&self.shared);
+            }
+        }
     }
 
     pub fn new(config: Config) -> Registry {
@@ -206,7 +215,7 @@ impl Registry {
             minors: Mutex::new(Minors::default()),
             uuids: Mutex::new(std::collections::HashMap::new()),
             deferred: std::sync::atomic::AtomicBool::new(false),
-            shared: targets::Shared::new(config.restart_logs.clone()),
+            shared: Shared::new(config.restart_logs.clone()),
             config,
             changed: Mutex::new(Changed::default()),
         }
@@ -597,7 +606,7 @@ impl Registry {
         let t = Table::new(vec![TableEntry {
             start: 0,
             len: size,
-            target: Box::new(targets::error::Error),
+            target: Box::new(super::error::Error),
         }]);
         *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
         if let Err(e) = resume_locked(dev) {
@@ -716,7 +725,8 @@ impl Registry {
         };
         let mut entries = Vec::with_capacity(lines.len());
         for l in &lines {
-            let target = targets::construct(&l.target_type, &l.args, l.len, &resolver)
+            let target = self
+                .construct(&l.target_type, &l.args, l.len, &resolver)
                 .map_err(|what| TableError::line(l.line_no, format!("{}: {what}", l.target_type)))?;
             entries.push(TableEntry {
                 start: l.start,
@@ -927,11 +937,36 @@ impl Registry {
     }
 
     /// `dmsetup targets`.
-    pub fn targets() -> String {
-        targets::TARGET_TYPES
+    pub fn targets(&self) -> String {
+        self.config
+            .target_types
             .iter()
-            .map(|(n, v)| format!("{n:<16} v{}.{}.{}\n", v[0], v[1], v[2]))
+            .map(|t| {
+                format!(
+                    "{:<16} v{}.{}.{}\n",
+                    t.name, t.version[0], t.version[1], t.version[2]
+                )
+            })
             .collect()
+    }
+
+    /// The target type named `name`, if tables may use it.
+    pub fn target_type(&self, name: &str) -> Option<&'static TargetType> {
+        self.config.target_types.iter().find(|t| t.name == name)
+    }
+
+    /// A target of type `name` from its arguments; errors name the field.
+    fn construct(
+        &self,
+        name: &str,
+        args: &[String],
+        len: u64,
+        r: &dyn Resolver,
+    ) -> Result<Box<dyn super::Target>, String> {
+        match self.target_type(name) {
+            Some(t) => (t.new)(args, len, r),
+            None => Err(format!("unknown target type '{name}'")),
+        }
     }
 
     /// Open a backing file, or share the one already open for the same file. The
@@ -1136,7 +1171,7 @@ impl Resolver for TableResolver<'_> {
     fn config(&self) -> &Config {
         &self.reg.config
     }
-    fn shared(&self) -> &targets::Shared {
+    fn shared(&self) -> &Shared {
         &self.reg.shared
     }
     fn open(&self, name: &str) -> Result<DevRef, String> {
@@ -1202,20 +1237,20 @@ mod tests {
     #[test]
     fn a_uuid_names_one_device_until_it_is_removed() {
         let r = Registry::new(Config::default());
-        r.create("a", Some("0 8 zero"), false, Some("U-1".into()))
+        r.create("a", Some("0 8 error"), false, Some("U-1".into()))
             .expect("a");
-        let e = r.create("b", Some("0 8 zero"), false, Some("U-1".into()));
+        let e = r.create("b", Some("0 8 error"), false, Some("U-1".into()));
         assert!(e.is_err_and(|e| e.to_string().contains("in use by device 'a'")));
         r.rename("a", "c").expect("rename");
-        let e = r.create("b", Some("0 8 zero"), false, Some("U-1".into()));
+        let e = r.create("b", Some("0 8 error"), false, Some("U-1".into()));
         assert!(e.is_err_and(|e| e.to_string().contains("in use by device 'c'")));
-        r.create("b", Some("0 8 zero"), false, None).expect("b");
+        r.create("b", Some("0 8 error"), false, None).expect("b");
         let e = r.set_uuid("b", "U-1");
         assert!(e.is_err());
         r.remove("c", false, false).expect("remove");
         r.set_uuid("b", "U-1").expect("free once c is gone");
         assert_eq!(r.get("b").expect("b").minor, 1, "b kept its minor");
-        r.create("d", Some("0 8 zero"), false, None).expect("d");
+        r.create("d", Some("0 8 error"), false, None).expect("d");
         assert_eq!(r.get("d").expect("d").minor, 0, "the lowest free minor");
     }
 }

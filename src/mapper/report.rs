@@ -1,7 +1,7 @@
 //! dmsetup's report-style output: `info -c` columns, `deps` and `ls --tree`.
 
+use super::DevRef;
 use super::{Device, DM_MAJOR};
-use crate::targets::DevRef;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

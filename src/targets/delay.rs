@@ -6,9 +6,11 @@
 //! when it is due; presuspend sends everything on at once (the kernel's
 //! flush_delayed_bios), so a suspend never waits out a delay.
 
-use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
 use crate::io::Op;
 use crate::mapper::engine::{Dest, Pending};
+use crate::mapper::{
+    arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType,
+};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -137,9 +139,17 @@ impl Delay {
     }
 }
 
+/// The `delay` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "delay",
+    version: [1, 3, 0],
+    new: |args, len, r| Ok(Box::new(Delay::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for Delay {
     fn type_name(&self) -> &'static str {
-        "delay"
+        TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let (kind, c) = self.class_of(bio.op);

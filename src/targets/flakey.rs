@@ -1,8 +1,8 @@
 //! `flakey <dev> <offset> <up> <down> [<n> <features>...]`: linear while up; while
 //! down, errors, dropped writes or corruption as the features say.
 
-use super::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
 use crate::io::{errno, LeafKind, Op};
+use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -217,9 +217,17 @@ fn bio_flags(bio: &Bio) -> u64 {
     }
 }
 
+/// The `flakey` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "flakey",
+    version: [1, 5, 0],
+    new: |args, len, r| Ok(Box::new(Flakey::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for Flakey {
     fn type_name(&self) -> &'static str {
-        "flakey"
+        TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let remapped = Bio {

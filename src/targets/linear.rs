@@ -1,6 +1,8 @@
 //! `linear <dev> <offset>`: a contiguous range of another device.
 
-use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target};
+use crate::mapper::{
+    arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType,
+};
 
 pub struct Linear {
     dev: DevRef,
@@ -21,9 +23,17 @@ impl Linear {
     }
 }
 
+/// The `linear` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "linear",
+    version: [1, 5, 0],
+    new: |args, len, r| Ok(Box::new(Linear::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for Linear {
     fn type_name(&self) -> &'static str {
-        "linear"
+        TYPE.name
     }
     #[inline]
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {

@@ -1,7 +1,9 @@
 //! `striped <N> <chunk> (<dev> <offset>)×N`: chunks dealt round-robin over N devices.
 
-use super::{arg_dev, arg_u64, dev_extents, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
 use crate::io::Op;
+use crate::mapper::{
+    arg_dev, arg_u64, dev_extents, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType,
+};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 struct Stripe {
@@ -112,9 +114,17 @@ fn stripe_boundary(sector: u64, i: u64, n: u64, chunk: u64) -> u64 {
     }
 }
 
+/// The `striped` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "striped",
+    version: [1, 7, 0],
+    new: |args, len, r| Ok(Box::new(Striped::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for Striped {
     fn type_name(&self) -> &'static str {
-        "striped"
+        TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         match bio.op {

@@ -1,7 +1,7 @@
 //! `zero`: reads return zeroes, writes and discards are dropped.
 
-use super::{Bio, Limits, MapCtx, MapErr, Target};
 use crate::io::{LeafKind, Op, SECTOR};
+use crate::mapper::{Bio, Limits, MapCtx, MapErr, Target, TargetType};
 
 pub struct Zero;
 
@@ -14,9 +14,17 @@ impl Zero {
     }
 }
 
+/// The `zero` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "zero",
+    version: [1, 2, 0],
+    new: |args, _, _| Ok(Box::new(Zero::new(args)?)),
+    sync: None,
+};
+
 impl Target for Zero {
     fn type_name(&self) -> &'static str {
-        "zero"
+        TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         match bio.op {

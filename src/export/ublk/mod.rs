@@ -481,7 +481,10 @@ mod tests {
     use crate::mapper::registry::{Config, Registry};
 
     fn device(table: &str, read_only: bool) -> Arc<Device> {
-        let reg = Registry::new(Config::default());
+        let reg = Registry::new(Config {
+            target_types: crate::targets::types(),
+            ..Config::default()
+        });
         reg.create("d", Some(table), read_only, None).expect("create");
         reg.get("d").expect("device")
     }

@@ -17,13 +17,13 @@
 pub mod store;
 mod target;
 
-pub use target::{OriginTarget, SnapshotTarget};
+pub use target::{OriginTarget, SnapshotTarget, MERGE_TYPE, ORIGIN_TYPE, SNAPSHOT_TYPE};
 
 use crate::copier::Copier;
 use crate::io::{LeafKind, Op};
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
-use crate::targets::{Bio, DevRef, MapCtx, MapErr};
+use crate::mapper::{Bio, DevRef, MapCtx, MapErr};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
@@ -45,6 +45,22 @@ pub fn dev_key(d: &DevRef) -> DevKey {
     match d {
         DevRef::File(f) => DevKey::File(f.identity.0, f.identity.1),
         DevRef::Dm(h) => DevKey::Dm(Arc::as_ptr(&h.0) as usize),
+    }
+}
+
+/// The copy engine of snapshots (COW copies, merges), one per registry in its
+/// shared state: apart from thin's, so a snapshot over a thin device never waits
+/// for a thread its own copy holds.
+#[derive(Default)]
+pub struct SnapCopier(std::sync::OnceLock<Arc<crate::copier::Copier>>);
+
+impl SnapCopier {
+    /// The engine, started the first time it is asked for, with sub-jobs of
+    /// `subjob_bytes` ([`crate::mapper::registry::Config::copy_subjob_bytes`]).
+    pub fn get(&self, subjob_bytes: usize) -> Arc<crate::copier::Copier> {
+        self.0
+            .get_or_init(|| Arc::new(crate::copier::Copier::new(subjob_bytes, 8)))
+            .clone()
     }
 }
 

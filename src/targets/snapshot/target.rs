@@ -2,7 +2,7 @@
 
 use super::{dev_key, map_merge_chunk, map_origin_write, map_snapshot_chunk, open_store, Core, OriginSnaps};
 use crate::io::{errno, LeafKind, Op};
-use crate::targets::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
+use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -18,7 +18,7 @@ impl OriginTarget {
             return Err("origin: incorrect number of arguments".into());
         }
         let dev = arg_dev(args, 0, 0, len, r).map_err(|e| format!("Cannot get target device: {e}"))?;
-        let snaps = r.shared().origins.get(dev_key(&dev));
+        let snaps = r.shared().get_or_init::<super::Origins>().get(dev_key(&dev));
         Ok(OriginTarget { dev, snaps })
     }
 }
@@ -40,9 +40,17 @@ fn per_chunk(
     Ok(())
 }
 
+/// The `snapshot-origin` target type.
+pub const ORIGIN_TYPE: TargetType = TargetType {
+    name: "snapshot-origin",
+    version: [1, 9, 0],
+    new: |args, len, r| Ok(Box::new(OriginTarget::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for OriginTarget {
     fn type_name(&self) -> &'static str {
-        "snapshot-origin"
+        ORIGIN_TYPE.name
     }
 
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
@@ -189,7 +197,7 @@ impl SnapshotTarget {
                 "snapshot of {len} sectors is larger than its origin ({origin_size} sectors)"
             ));
         }
-        let snaps = r.shared().origins.get(dev_key(&origin));
+        let snaps = r.shared().get_or_init::<super::Origins>().get(dev_key(&origin));
         let cow_key = dev_key(&cow);
         let core = match snaps.by_cow(cow_key) {
             // Another table uses this COW device: it hands its exceptions over.
@@ -220,7 +228,9 @@ impl SnapshotTarget {
                     len,
                     opened,
                     overflow_ok,
-                    r.shared().snap_copier(r.config().copy_subjob_bytes()),
+                    r.shared()
+                        .get_or_init::<super::SnapCopier>()
+                        .get(r.config().copy_subjob_bytes()),
                 );
                 snaps.register(&c);
                 c
@@ -245,12 +255,28 @@ impl SnapshotTarget {
     }
 }
 
+/// The `snapshot` target type.
+pub const SNAPSHOT_TYPE: TargetType = TargetType {
+    name: "snapshot",
+    version: [1, 16, 0],
+    new: |args, len, r| Ok(Box::new(SnapshotTarget::new(args, len, r, false)?)),
+    sync: None,
+};
+
+/// The `snapshot-merge` target type.
+pub const MERGE_TYPE: TargetType = TargetType {
+    name: "snapshot-merge",
+    version: [1, 5, 0],
+    new: |args, len, r| Ok(Box::new(SnapshotTarget::new(args, len, r, true)?)),
+    sync: None,
+};
+
 impl Target for SnapshotTarget {
     fn type_name(&self) -> &'static str {
         if self.merge {
-            "snapshot-merge"
+            MERGE_TYPE.name
         } else {
-            "snapshot"
+            SNAPSHOT_TYPE.name
         }
     }
 

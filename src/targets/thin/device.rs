@@ -15,7 +15,7 @@ use super::{Key, Mode, Pool};
 use crate::copier::Copier;
 use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::Device;
-use crate::targets::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
+use crate::mapper::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::{Arc, Weak};
 
 pub struct ThinDev {
@@ -48,13 +48,11 @@ impl ThinDev {
         };
         // The pool is found in the registry's shared state by the device that owns
         // it; that device's live table must be a thin-pool now.
-        let is_pool = hold
-            .0
-            .live
-            .load_full()
-            .is_some_and(|t| t.entries.len() == 1 && t.entries[0].target.type_name() == "thin-pool");
+        let is_pool = hold.0.live.load_full().is_some_and(|t| {
+            t.entries.len() == 1 && t.entries[0].target.type_name() == super::pool::TYPE.name
+        });
         let pool = is_pool
-            .then(|| r.shared().thin_pools.owned_by(&hold.0))
+            .then(|| r.shared().get_or_init::<super::Pools>().owned_by(&hold.0))
             .flatten()
             .ok_or_else(|| format!("'{}' is not a thin-pool device", args[0]))?;
         let id = arg_u64(args, 1, "device id")?;
@@ -506,9 +504,17 @@ impl Drop for ThinDev {
     }
 }
 
+/// The `thin` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "thin",
+    version: [1, 22, 0],
+    new: |args, len, r| Ok(Box::new(ThinDev::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for ThinDev {
     fn type_name(&self) -> &'static str {
-        "thin"
+        TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         if bio.op == Op::Flush {

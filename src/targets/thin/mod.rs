@@ -589,7 +589,7 @@ impl Pool {
                 Finish::Discard(j, Ok(Some(b))) => {
                     let bio = j.piece.bio();
                     let sector = b * self.block_sectors + bio.sector % self.block_sectors;
-                    let bio = crate::targets::Bio { sector, ..bio };
+                    let bio = crate::mapper::Bio { sector, ..bio };
                     let hold = PassdownHold {
                         pool: self.me.clone(),
                         block: b,

@@ -1,7 +1,7 @@
 //! `thin-pool <metadata dev> <data dev> <block size> <low water> [<n> <features>...]`.
 
 use super::{Features, Mode, Pool};
-use crate::targets::{arg_dev, arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
+use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use crate::thin::ThinError;
 use std::sync::Arc;
 
@@ -73,7 +73,7 @@ impl ThinPool {
             return Err("metadata and data devices must differ".into());
         }
         let pool = Pool::get(
-            &r.shared().thin_pools,
+            &r.shared().get_or_init::<super::Pools>(),
             r.device(),
             &mf,
             &df,
@@ -139,9 +139,21 @@ fn dev_id(w: Option<&String>, what: &str) -> Result<u64, String> {
     Ok(v)
 }
 
+/// The `thin-pool` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "thin-pool",
+    version: [1, 22, 0],
+    new: |args, len, r| Ok(Box::new(ThinPool::new(args, len, r)?)),
+    sync: Some(|s| {
+        if let Some(pools) = s.get::<super::Pools>() {
+            pools.commit_all();
+        }
+    }),
+};
+
 impl Target for ThinPool {
     fn type_name(&self) -> &'static str {
-        "thin-pool"
+        TYPE.name
     }
     /// I/O to the pool device itself goes to the data device (thin devices map their
     /// data blocks through here, so the pool device counts their I/O in flight).

@@ -22,7 +22,7 @@ use crate::io::restart_log::{Previous, Record, RestartLog};
 use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
-use crate::targets::{Bio, DevRef, MapCtx, MapErr};
+use crate::mapper::{Bio, DevRef, MapCtx, MapErr};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -18,7 +18,7 @@ use cache::{Cache, Devs};
 
 use crate::io::SECTOR;
 use crate::mapper::devio;
-use crate::targets::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target};
+use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use format::Superblock;
 use std::sync::Arc;
 use std::time::Duration;
@@ -324,9 +324,17 @@ fn open_or_format(o: &Options, dev: &DevRef, dev_sectors: u64) -> Result<u64, St
     Ok(sb.n_blocks)
 }
 
+/// The `writecache` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "writecache",
+    version: [1, 6, 0],
+    new: |args, len, r| Ok(Box::new(Writecache::new(args, len, r)?)),
+    sync: None,
+};
+
 impl Target for Writecache {
     fn type_name(&self) -> &'static str {
-        "writecache"
+        TYPE.name
     }
 
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
