@@ -142,7 +142,7 @@ impl Delay {
 /// The `delay` target type.
 pub const TYPE: TargetType = TargetType {
     name: "delay",
-    version: [1, 3, 0],
+    version: [1, 4, 0],
     new: |args, len, r| Ok(Box::new(Delay::new(args, len, r)?)),
     sync: None,
 };

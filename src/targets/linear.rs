@@ -26,7 +26,7 @@ impl Linear {
 /// The `linear` target type.
 pub const TYPE: TargetType = TargetType {
     name: "linear",
-    version: [1, 5, 0],
+    version: [1, 4, 0],
     new: |args, len, r| Ok(Box::new(Linear::new(args, len, r)?)),
     sync: None,
 };

@@ -117,7 +117,7 @@ fn stripe_boundary(sector: u64, i: u64, n: u64, chunk: u64) -> u64 {
 /// The `striped` target type.
 pub const TYPE: TargetType = TargetType {
     name: "striped",
-    version: [1, 7, 0],
+    version: [1, 6, 0],
     new: |args, len, r| Ok(Box::new(Striped::new(args, len, r)?)),
     sync: None,
 };

@@ -507,7 +507,7 @@ impl Drop for ThinDev {
 /// The `thin` target type.
 pub const TYPE: TargetType = TargetType {
     name: "thin",
-    version: [1, 22, 0],
+    version: [1, 23, 0],
     new: |args, len, r| Ok(Box::new(ThinDev::new(args, len, r)?)),
     sync: None,
 };

@@ -142,7 +142,7 @@ fn dev_id(w: Option<&String>, what: &str) -> Result<u64, String> {
 /// The `thin-pool` target type.
 pub const TYPE: TargetType = TargetType {
     name: "thin-pool",
-    version: [1, 22, 0],
+    version: [1, 23, 0],
     new: |args, len, r| Ok(Box::new(ThinPool::new(args, len, r)?)),
     sync: Some(|s| {
         if let Some(pools) = s.get::<super::Pools>() {
