@@ -354,7 +354,7 @@ impl Job<'_> {
     /// No file of the job does direct I/O: each is buffered (no O_DIRECT
     /// descriptor) or on a memory filesystem.
     fn no_direct_io(&self) -> bool {
-        let buffered = |h: &FileHandle| h.rbd.is_none() && (h.direct_fd < 0 || h.in_memory);
+        let buffered = |h: &FileHandle| h.buffered_only();
         self.src.is_none_or(|(_, h, _)| buffered(&h)) && self.handles.iter().flatten().all(buffered)
     }
 }

@@ -543,6 +543,7 @@ fn run_workload(
         Stack::Snapshot => &[("origin", 8 << 20), ("cow", 12 << 20)],
     };
     sim::begin();
+    sim::faults::set_broken_commit_order(o.break_commit_order);
     for (n, bytes) in sizes {
         let p = dir.join(n);
         // a new file each run: a pool of the first run still on its way out
@@ -613,6 +614,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     }
     // back up on what survived, with no more faults
     sim::begin();
+    sim::faults::set_broken_commit_order(o.break_commit_order);
     t.reg = registry(o, dir);
     for (p, b) in &logs_at_kill {
         if std::fs::read(p).ok().as_ref() != Some(b) {

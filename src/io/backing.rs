@@ -10,17 +10,24 @@ use std::path::{Path, PathBuf};
 use super::queue::Sqe;
 use super::rbd::{RbdImage, RbdOp, RbdRef, RbdSpec};
 
-/// A regular file or block device that tables map onto. Opened twice: with O_DIRECT
-/// (when the file system allows it) for aligned I/O, and buffered for the rest.
+/// What a [`BackingFile`]'s I/O goes to.
+#[derive(Debug)]
+enum Backend {
+    /// A regular file or block device, opened twice: with O_DIRECT (when the
+    /// file system allows it) for aligned I/O, and buffered for the rest.
+    File { buffered: File, direct: Option<File> },
+    /// An RBD image through librbd (`io::rbd`).
+    Rbd(RbdImage),
+}
+
+/// Something tables map onto and metadata lives on: a regular file, a block
+/// device or an RBD image; the one type every target and the metadata layer
+/// (`pdata::dev`) do their I/O through.
 #[derive(Debug)]
 pub struct BackingFile {
     /// The path, or for an RBD image its `rbd:` name.
     pub path: PathBuf,
-    /// None for an RBD image.
-    buffered: Option<File>,
-    direct: Option<File>,
-    /// An RBD image instead of a file (`io::rbd`).
-    pub rbd: Option<RbdImage>,
+    backend: Backend,
     /// Alignment (bytes) O_DIRECT needs for offsets, lengths and memory.
     pub dio_align: u32,
     /// Logical block size in bytes (512 for regular files).
@@ -47,41 +54,56 @@ pub struct BackingFile {
 /// What the fast path needs of a backing file: copyable, no reference count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileHandle {
-    pub buffered_fd: RawFd,
-    pub direct_fd: RawFd,
+    pub to: HandleTo,
     pub dio_align: u32,
     /// See [`BackingFile::in_memory`].
     pub in_memory: bool,
-    /// An RBD image (the descriptors are then -1).
-    pub rbd: Option<RbdRef>,
+}
+
+/// Where a [`FileHandle`]'s operations go (its [`BackingFile`]'s backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandleTo {
+    /// A file's descriptors: buffered, and O_DIRECT (-1 where there is none).
+    Fd { buffered: RawFd, direct: RawFd },
+    /// An RBD image.
+    Rbd(RbdRef),
 }
 
 impl FileHandle {
     /// The descriptor to use for an I/O at `offset` of `len` bytes from `addr`:
     /// O_DIRECT when everything is aligned, else the buffered one.
     #[inline]
-    pub fn fd_for(&self, addr: usize, offset: u64, len: u64) -> RawFd {
+    fn fd_for(&self, buffered: RawFd, direct: RawFd, addr: usize, offset: u64, len: u64) -> RawFd {
         let mask = self.dio_align as u64 - 1;
-        if self.direct_fd >= 0 && (addr as u64 | offset | len) & mask == 0 {
-            self.direct_fd
+        if direct >= 0 && (addr as u64 | offset | len) & mask == 0 {
+            direct
         } else {
-            self.buffered_fd
+            buffered
+        }
+    }
+
+    /// Whether every I/O through it is buffered: a file without an O_DIRECT
+    /// descriptor, or on a memory filesystem (not an RBD image).
+    pub fn buffered_only(&self) -> bool {
+        match self.to {
+            HandleTo::Fd { direct, .. } => direct < 0 || self.in_memory,
+            HandleTo::Rbd(_) => false,
         }
     }
 
     /// Read `len` bytes at `offset` into `buf`.
     #[inline]
     pub fn read(&self, buf: *mut u8, len: u64, offset: u64) -> Sqe {
-        match self.rbd {
-            Some(img) => Sqe::Rbd {
+        match self.to {
+            HandleTo::Rbd(img) => Sqe::Rbd {
                 img,
                 op: RbdOp::Read,
                 buf,
                 len,
                 offset,
             },
-            None => Sqe::Read {
-                fd: self.fd_for(buf as usize, offset, len),
+            HandleTo::Fd { buffered, direct } => Sqe::Read {
+                fd: self.fd_for(buffered, direct, buf as usize, offset, len),
                 buf,
                 len: len as u32,
                 offset,
@@ -92,16 +114,16 @@ impl FileHandle {
     /// Write `len` bytes from `buf` at `offset`; `fua`: durable before completion.
     #[inline]
     pub fn write(&self, buf: *const u8, len: u64, offset: u64, fua: bool) -> Sqe {
-        match self.rbd {
-            Some(img) => Sqe::Rbd {
+        match self.to {
+            HandleTo::Rbd(img) => Sqe::Rbd {
                 img,
                 op: RbdOp::Write { fua },
                 buf: buf.cast_mut(),
                 len,
                 offset,
             },
-            None => Sqe::Write {
-                fd: self.fd_for(buf as usize, offset, len),
+            HandleTo::Fd { buffered, direct } => Sqe::Write {
+                fd: self.fd_for(buffered, direct, buf as usize, offset, len),
                 buf,
                 len: len as u32,
                 offset,
@@ -112,15 +134,15 @@ impl FileHandle {
 
     /// Make completed writes durable.
     pub fn flush(&self) -> Sqe {
-        match self.rbd {
-            Some(img) => Sqe::Rbd {
+        match self.to {
+            HandleTo::Rbd(img) => Sqe::Rbd {
                 img,
                 op: RbdOp::Flush,
                 buf: std::ptr::null_mut(),
                 len: 0,
                 offset: 0,
             },
-            None => Sqe::Fsync { fd: self.buffered_fd },
+            HandleTo::Fd { buffered, .. } => Sqe::Fsync { fd: buffered },
         }
     }
 
@@ -137,16 +159,16 @@ impl FileHandle {
     }
 
     fn range(&self, op: RbdOp, mode: i32, offset: u64, len: u64) -> Sqe {
-        match self.rbd {
-            Some(img) => Sqe::Rbd {
+        match self.to {
+            HandleTo::Rbd(img) => Sqe::Rbd {
                 img,
                 op,
                 buf: std::ptr::null_mut(),
                 len,
                 offset,
             },
-            None => Sqe::Fallocate {
-                fd: self.buffered_fd,
+            HandleTo::Fd { buffered, .. } => Sqe::Fallocate {
+                fd: buffered,
                 mode,
                 offset,
                 len,
@@ -180,6 +202,19 @@ impl BackingFile {
         } else {
             None
         };
+        Self::from_files(path, buffered, direct_file, read_only)
+    }
+
+    /// A backing file on `buffered` (opened from `path`, whatever its type) and
+    /// its O_DIRECT twin if any.
+    pub fn from_files(
+        path: &Path,
+        buffered: File,
+        direct_file: Option<File>,
+        read_only: bool,
+    ) -> io::Result<BackingFile> {
+        let meta = buffered.metadata()?;
+        let is_block_device = meta.file_type().is_block_device();
         let logical_block_size = if is_block_device {
             block_size_of(&buffered).unwrap_or(512)
         } else {
@@ -207,9 +242,10 @@ impl BackingFile {
         };
         Ok(BackingFile {
             path: path.to_path_buf(),
-            buffered: Some(buffered),
-            direct: direct_file,
-            rbd: None,
+            backend: Backend::File {
+                buffered,
+                direct: direct_file,
+            },
             dio_align,
             logical_block_size,
             is_block_device,
@@ -228,9 +264,7 @@ impl BackingFile {
         let img = RbdImage::open(spec, read_only)?;
         Ok(BackingFile {
             path: PathBuf::from(spec.to_string()),
-            buffered: None,
-            direct: None,
-            rbd: Some(img),
+            backend: Backend::Rbd(img),
             dio_align: 512,
             logical_block_size: 512,
             is_block_device: false,
@@ -251,66 +285,72 @@ impl BackingFile {
         (u64::MAX, std::hash::Hasher::finish(&h))
     }
 
+    /// The fast path's copy of what it needs of the file.
     pub fn handle(&self) -> FileHandle {
         FileHandle {
-            buffered_fd: self.buffered.as_ref().map_or(-1, |f| f.as_raw_fd()),
-            direct_fd: self.direct.as_ref().map_or(-1, |f| f.as_raw_fd()),
+            to: match &self.backend {
+                Backend::File { buffered, direct } => HandleTo::Fd {
+                    buffered: buffered.as_raw_fd(),
+                    direct: direct.as_ref().map_or(-1, |f| f.as_raw_fd()),
+                },
+                Backend::Rbd(img) => HandleTo::Rbd(img.handle()),
+            },
             dio_align: self.dio_align,
             in_memory: self.in_memory,
-            rbd: self.rbd.as_ref().map(RbdImage::handle),
         }
     }
 
-    /// The open file (None for an RBD image).
-    fn f(&self) -> io::Result<&File> {
-        self.buffered
-            .as_ref()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "not a file"))
+    /// Whether this is an RBD image (no file of this host).
+    pub fn is_rbd(&self) -> bool {
+        matches!(self.backend, Backend::Rbd(_))
     }
 
     /// Size in bytes (block devices ask the kernel; files stat; images librbd).
     pub fn size(&self) -> io::Result<u64> {
-        if let Some(img) = &self.rbd {
-            return img.size();
-        }
-        if self.is_block_device {
-            let mut f = self.f()?;
-            use std::io::Seek;
-            f.seek(io::SeekFrom::End(0))
-        } else {
-            Ok(self.f()?.metadata()?.len())
+        match &self.backend {
+            Backend::Rbd(img) => img.size(),
+            Backend::File { buffered, .. } if self.is_block_device => {
+                use std::io::Seek;
+                let mut f = buffered;
+                f.seek(io::SeekFrom::End(0))
+            }
+            Backend::File { buffered, .. } => Ok(buffered.metadata()?.len()),
         }
     }
 
     /// The file itself, where there is one (not for an RBD image).
     pub fn file(&self) -> Option<&File> {
-        self.buffered.as_ref()
+        match &self.backend {
+            Backend::File { buffered, .. } => Some(buffered),
+            Backend::Rbd(_) => None,
+        }
     }
 
     /// Make everything written durable.
     pub fn sync(&self) -> io::Result<()> {
         self.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if let Some(img) = &self.rbd {
-            return img.flush();
+        match &self.backend {
+            Backend::Rbd(img) => img.flush(),
+            Backend::File { buffered, .. } => {
+                buffered.sync_data()?;
+                super::sim::on_flush(buffered.as_raw_fd());
+                Ok(())
+            }
         }
-        let f = self.f()?;
-        f.sync_data()?;
-        super::sim::on_flush(f.as_raw_fd());
-        Ok(())
     }
 
     /// Read at byte `off`, synchronously; past the end reads as zeroes.
     pub fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
-        let mut done = 0;
-        if let Some(f) = &self.buffered {
-            super::sim::on_read(f.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
+        if let Backend::File { buffered, .. } = &self.backend {
+            super::sim::on_read(buffered.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
         }
+        let mut done = 0;
         while done < buf.len() {
             let at = off + done as u64;
-            let n = match &self.rbd {
-                Some(img) => img.read_at(&mut buf[done..], at)?,
-                None => self.f()?.read_at(&mut buf[done..], at)?,
+            let n = match &self.backend {
+                Backend::Rbd(img) => img.read_at(&mut buf[done..], at)?,
+                Backend::File { buffered, .. } => buffered.read_at(&mut buf[done..], at)?,
             };
             if n == 0 {
                 buf[done..].fill(0);
@@ -321,48 +361,67 @@ impl BackingFile {
         Ok(())
     }
 
+    /// Read at byte `off`, synchronously, failing (UnexpectedEof) past the end
+    /// of a file instead of reading zeroes there.
+    pub fn read_exact_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        match &self.backend {
+            Backend::File { buffered, .. } => {
+                super::sim::on_read(buffered.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
+                buffered.read_exact_at(buf, off)
+            }
+            Backend::Rbd(_) => self.read_at(buf, off),
+        }
+    }
+
     /// Write at byte `off`, synchronously; `fua`: durable before returning.
     pub fn write_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()> {
         if fua {
             self.fua_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         use std::os::unix::fs::FileExt;
-        if let Some(img) = &self.rbd {
-            img.write_all_at(buf, off)?;
-            return if fua { img.flush() } else { Ok(()) };
-        }
-        let f = self.f()?;
-        let fd = f.as_raw_fd();
-        super::sim::on_write(fd, off, buf, fua).map_err(io::Error::from_raw_os_error)?;
-        f.write_all_at(buf, off)?;
-        if fua {
-            f.sync_data()?;
-            super::sim::on_flush(fd);
+        match &self.backend {
+            Backend::Rbd(img) => {
+                img.write_all_at(buf, off)?;
+                if fua {
+                    img.flush()?;
+                }
+            }
+            Backend::File { buffered: f, .. } => {
+                let fd = f.as_raw_fd();
+                super::sim::on_write(fd, off, buf, fua).map_err(io::Error::from_raw_os_error)?;
+                f.write_all_at(buf, off)?;
+                if fua {
+                    f.sync_data()?;
+                    super::sim::on_flush(fd);
+                }
+            }
         }
         Ok(())
     }
 
     /// Discard a range, synchronously (a file gets a hole).
     pub fn discard_at(&self, off: u64, len: u64) -> io::Result<()> {
-        if let Some(img) = &self.rbd {
-            return img.discard(off, len);
+        match &self.backend {
+            Backend::Rbd(img) => img.discard(off, len),
+            Backend::File { buffered: f, .. } => {
+                super::sim::on_zero(f.as_raw_fd(), off, len).map_err(io::Error::from_raw_os_error)?;
+                rustix::fs::fallocate(
+                    f,
+                    rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+                    off,
+                    len,
+                )?;
+                Ok(())
+            }
         }
-        let f = self.f()?;
-        super::sim::on_zero(f.as_raw_fd(), off, len).map_err(io::Error::from_raw_os_error)?;
-        rustix::fs::fallocate(
-            f,
-            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
-            off,
-            len,
-        )?;
-        Ok(())
     }
 
     /// Allocation of `[offset, offset+len)`: a list of (length, is_hole) covering it.
     /// Block devices and RBD images report everything as data. Holes of sparse files read as zeroes.
     pub fn extents(&self, offset: u64, len: u64, out: &mut Vec<(u64, bool)>) -> io::Result<()> {
         let end = offset + len;
-        let Some(file) = self.buffered.as_ref().filter(|_| !self.is_block_device) else {
+        let Some(file) = self.file().filter(|_| !self.is_block_device) else {
             out.push((len, false));
             return Ok(());
         };

@@ -195,11 +195,12 @@ mod tests {
     fn leaf(kind: LeafKind, offset: u64, len: u64, buf_off: usize) -> Leaf {
         Leaf {
             file: Some(backing::FileHandle {
-                buffered_fd: 3,
-                direct_fd: -1,
+                to: backing::HandleTo::Fd {
+                    buffered: 3,
+                    direct: -1,
+                },
                 dio_align: 512,
                 in_memory: false,
-                rbd: None,
             }),
             offset,
             ..Leaf::new(kind, len, buf_off)

@@ -112,6 +112,9 @@ struct State {
     failed: u64,
     /// Orders completions that are ready together ([`shuffle`]).
     rng: u64,
+    /// The disk's fault policy: metadata commits break their order
+    /// ([`faults::set_broken_commit_order`]).
+    broken_commit_order: bool,
 }
 
 fn state() -> MutexGuard<'static, Option<State>> {
@@ -482,20 +485,24 @@ pub fn on_flush(fd: RawFd) {
     });
 }
 
-/// Test-only faults that the simulation must be able to catch (`dmkit sim --break`).
+/// Test-only faults that the simulation must be able to catch (`dmkit sim --break`):
+/// policies of the simulated disk, gone with it when the simulation ends.
 pub mod faults {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    static COMMIT_ORDER: AtomicBool = AtomicBool::new(false);
+    use super::{active, state};
 
-    /// Break the metadata commit order: the superblock goes out without the flush
-    /// that must precede it.
+    /// Break the metadata commit order while this simulation runs: the
+    /// superblock goes out without the flush that must precede it.
     pub fn set_broken_commit_order(on: bool) {
-        COMMIT_ORDER.store(on, Ordering::SeqCst);
+        if let Some(st) = state().as_mut() {
+            st.broken_commit_order = on;
+        }
     }
 
+    /// Whether metadata commits are to break their order (only ever inside a
+    /// simulation that asked for it).
     #[inline]
     pub fn broken_commit_order() -> bool {
-        COMMIT_ORDER.load(Ordering::Relaxed)
+        active() && state().as_ref().is_some_and(|s| s.broken_commit_order)
     }
 }
 

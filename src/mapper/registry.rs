@@ -997,7 +997,7 @@ impl Registry {
                     e.target
                         .held_devices()
                         .iter()
-                        .any(|r| matches!(r, DevRef::File(f) if f.rbd.is_none() && f.identity == id))
+                        .any(|r| matches!(r, DevRef::File(f) if !f.is_rbd() && f.identity == id))
                 })
             });
             holds.then(|| d.name())

@@ -1,13 +1,11 @@
 //! The metadata device: whole 4 KiB blocks in, whole blocks out, and a flush.
-//! A file implementation, and an in-memory one that can simulate a crash
+//! One over a backing file (`io::BackingFile`, the type all other I/O goes
+//! through too), and an in-memory one that can simulate a crash
 //! (drop unflushed writes, tear the last one).
 
 use super::{Block, BLOCK_SIZE};
-use crate::io::sim;
-use std::fs::File;
+use crate::io::BackingFile;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub trait MetadataDev: Send {
@@ -38,12 +36,14 @@ pub trait MetadataDev: Send {
     }
 }
 
-/// A metadata device backed by a regular file or a block device node.
+/// A metadata device on a [`BackingFile`] (a regular file, a block device node
+/// or an RBD image), through its synchronous calls: what the metadata writes,
+/// and when it flushes, reaches the file as it does for every other user of it.
 pub struct FileDev {
-    file: File,
+    f: Arc<BackingFile>,
     nr_blocks: u64,
     /// A writing tool's exclusive claim on the file, kept while it writes.
-    claim: Option<std::sync::Arc<crate::io::hold::Hold>>,
+    claim: Option<Arc<crate::io::hold::Hold>>,
 }
 
 impl FileDev {
@@ -52,27 +52,35 @@ impl FileDev {
             .read(true)
             .write(writable)
             .open(path)?;
-        FileDev::from_file(file)
+        FileDev::new(Arc::new(BackingFile::from_files(path, file, None, !writable)?))
     }
 
-    pub fn from_file(file: File) -> io::Result<FileDev> {
-        // seek-to-end works for block devices too, where metadata().len() is 0.
-        let len = {
-            use std::io::Seek;
-            let mut f = &file;
-            f.seek(io::SeekFrom::End(0))?
-        };
+    /// The metadata device on `f`.
+    pub fn new(f: Arc<BackingFile>) -> io::Result<FileDev> {
+        let nr_blocks = size_of(&f)? / BLOCK_SIZE as u64;
         Ok(FileDev {
-            file,
-            nr_blocks: len / BLOCK_SIZE as u64,
+            f,
+            nr_blocks,
             claim: None,
         })
     }
 
     /// Keep `claim` (on this file) for as long as the device is open.
     pub fn with_claim(mut self, claim: crate::io::hold::Hold) -> FileDev {
-        self.claim = Some(std::sync::Arc::new(claim));
+        self.claim = Some(Arc::new(claim));
         self
+    }
+}
+
+/// The size of `f` in bytes: a file's by seeking to its end (which works for
+/// block devices too, where metadata().len() is 0), an image's from librbd.
+fn size_of(f: &BackingFile) -> io::Result<u64> {
+    match f.file() {
+        Some(mut file) => {
+            use std::io::Seek;
+            file.seek(io::SeekFrom::End(0))
+        }
+        None => f.size(),
     }
 }
 
@@ -81,87 +89,35 @@ impl MetadataDev for FileDev {
         self.nr_blocks
     }
     fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
-        sim::on_read(self.file.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
-        self.file.read_exact_at(buf, block * BLOCK_SIZE as u64)
+        self.f.read_exact_at(buf, block * BLOCK_SIZE as u64)
     }
     fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
-        let off = block * BLOCK_SIZE as u64;
-        sim::on_write(self.file.as_raw_fd(), off, buf, false).map_err(io::Error::from_raw_os_error)?;
-        self.file.write_all_at(buf, off)
+        self.f.write_at(buf, block * BLOCK_SIZE as u64, false)
     }
     fn refresh_size(&mut self) -> io::Result<u64> {
-        use std::io::Seek;
-        let mut f = &self.file;
-        self.nr_blocks = f.seek(io::SeekFrom::End(0))? / BLOCK_SIZE as u64;
+        self.nr_blocks = size_of(&self.f)? / BLOCK_SIZE as u64;
         Ok(self.nr_blocks)
     }
     fn flush(&mut self) -> io::Result<()> {
-        self.file.sync_data()?;
-        sim::on_flush(self.file.as_raw_fd());
-        Ok(())
+        self.f.sync()
     }
     fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
-        sim::on_read(self.file.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
-        self.file.read_exact_at(buf, block * BLOCK_SIZE as u64)
+        self.f.read_exact_at(buf, block * BLOCK_SIZE as u64)
     }
     fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {
-        let file = self.file.try_clone().ok()?;
         Some(Box::new(FileDev {
-            file,
+            f: self.f.clone(),
             nr_blocks: self.nr_blocks,
             claim: self.claim.clone(),
         }))
     }
 }
 
-/// A metadata device on any backing file, through its synchronous calls: what
-/// an RBD image uses (a file uses [`FileDev`]).
-pub struct BackingDev {
-    f: Arc<crate::io::BackingFile>,
-    nr_blocks: u64,
-}
-
-impl BackingDev {
-    pub fn new(f: Arc<crate::io::BackingFile>) -> io::Result<BackingDev> {
-        let nr_blocks = f.size()? / BLOCK_SIZE as u64;
-        Ok(BackingDev { f, nr_blocks })
-    }
-}
-
-impl MetadataDev for BackingDev {
-    fn nr_blocks(&self) -> u64 {
-        self.nr_blocks
-    }
-    fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
-        self.f.read_at(buf, block * BLOCK_SIZE as u64)
-    }
-    fn write_block(&mut self, block: u64, buf: &Block) -> io::Result<()> {
-        self.f.write_at(buf, block * BLOCK_SIZE as u64, false)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        self.f.sync()
-    }
-    fn refresh_size(&mut self) -> io::Result<u64> {
-        self.nr_blocks = self.f.size()? / BLOCK_SIZE as u64;
-        Ok(self.nr_blocks)
-    }
-    fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.f.read_at(buf, block * BLOCK_SIZE as u64)
-    }
-    fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {
-        Some(Box::new(BackingDev {
-            f: self.f.clone(),
-            nr_blocks: self.nr_blocks,
-        }))
-    }
-}
-
-/// The metadata device on backing file `f`: the file itself reopened (read-write
-/// where it allows, so a read-only pool can be reloaded writable), or an image
-/// through librbd.
-pub fn open_backing(f: &Arc<crate::io::BackingFile>) -> io::Result<Box<dyn MetadataDev>> {
-    if f.rbd.is_some() {
-        return Ok(Box::new(BackingDev::new(f.clone())?));
+/// The metadata device on backing file `f`: a file reopened (read-write where
+/// it allows, so a read-only pool can be reloaded writable), an image itself.
+pub fn open_backing(f: &Arc<BackingFile>) -> io::Result<Box<dyn MetadataDev>> {
+    if f.is_rbd() {
+        return Ok(Box::new(FileDev::new(f.clone())?));
     }
     let dev = FileDev::open(&f.path, true).or_else(|_| FileDev::open(&f.path, false))?;
     Ok(Box::new(dev))
