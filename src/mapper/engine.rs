@@ -525,8 +525,8 @@ impl Engine {
             self.dev.fail();
             Err(MapErr::Errno(errno::EIO))
         });
-        let submitted = ctx.submitted;
-        q.then_flush |= ctx.flush_after;
+        let (submitted, flush_after) = ctx.finish();
+        q.then_flush |= flush_after;
         q.pending += submitted;
         self.asyncs += u64::from(submitted);
         res
@@ -660,8 +660,7 @@ impl Engine {
                     (a, b) => a.or(b),
                 };
                 let res = self.map_with(r, |ctx, _| {
-                    ctx.origin = m.origin;
-                    ctx.target_start = m.target_start;
+                    ctx.at_target(m.origin, m.target_start);
                     ctx.remap_dest_with(&dest, bio, end_io)
                 });
                 self.after_remap(r, first, res);

@@ -10,8 +10,8 @@ pub mod target;
 
 pub use registry::Registry;
 pub use target::{
-    arg_dev, arg_u64, dev_extents, Bio, Constructor, DevRef, DmHold, Limits, MapCtx, MapErr, Resolver,
-    Shared, Target, TargetType,
+    arg_dev, arg_u64, dev_extents, Bio, Constructor, DevRef, DmHold, HoldMark, Limits, MapCtx, MapErr, Mark,
+    Resolver, Shared, Target, TargetType,
 };
 
 use crate::io::{Op, SECTOR};
@@ -451,10 +451,11 @@ pub struct Hold {
     epoch: usize,
 }
 
-/// Enter `dev` for a request: count it in flight unless it is suspended.
+/// Enter `dev` for a request (its holds so far): count it in flight unless it is
+/// suspended.
 #[inline]
-fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
-    if let Some(i) = ctx.holds.iter().position(|h| Arc::ptr_eq(&h.dev, dev)) {
+fn enter(dev: &Arc<Device>, holds: &mut Vec<Hold>) -> Result<u16, MapErr> {
+    if let Some(i) = holds.iter().position(|h| Arc::ptr_eq(&h.dev, dev)) {
         return Ok(i as u16);
     }
     let mut e = dev.epoch.load(Ordering::SeqCst) & 1;
@@ -474,34 +475,11 @@ fn enter(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<u16, MapErr> {
         leave(dev, e);
         return Err(MapErr::Suspended);
     }
-    ctx.holds.push(Hold {
+    holds.push(Hold {
         dev: dev.clone(),
         epoch: e,
     });
-    Ok((ctx.holds.len() - 1) as u16)
-}
-
-/// Enter `dev` for the request of `ctx` before mapping through it: for a target
-/// that must be counted in a device's in-flight epoch before it looks something up
-/// (thin's lock-free fast path). Some(index) when this call took a new hold, which
-/// [`unhold`] may give back.
-pub(crate) fn hold(dev: &Arc<Device>, ctx: &mut MapCtx) -> Result<Option<usize>, MapErr> {
-    if dev.removed.load(Ordering::SeqCst) {
-        return Err(MapErr::Errno(crate::io::errno::EIO));
-    }
-    let before = ctx.holds.len();
-    enter(dev, ctx)?;
-    Ok((ctx.holds.len() > before).then_some(before))
-}
-
-/// Give back the hold [`hold`] took at `index`, if nothing was mapped through it
-/// since (it is still the last one).
-pub(crate) fn unhold(ctx: &mut MapCtx, index: usize) {
-    if index + 1 == ctx.holds.len() {
-        if let Some(h) = ctx.holds.pop() {
-            leave(&h.dev, h.epoch);
-        }
-    }
+    Ok((holds.len() - 1) as u16)
 }
 
 /// Release every device a request entered (at completion, or before retrying it).
@@ -522,9 +500,6 @@ fn leave(dev: &Device, epoch: usize) {
 
 /// Map `bio` (sectors of `dev`) into leaves on backing files.
 pub fn map_bio(dev: &Arc<Device>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-    if ctx.depth >= MAX_DEPTH {
-        return Err(MapErr::Errno(crate::io::errno::EIO));
-    }
     // Before `enter`: a removed device stays suspended, and its I/O must fail rather
     // than wait for a resume that never comes.
     if dev.removed.load(Ordering::SeqCst) {
@@ -543,21 +518,25 @@ pub fn map_bio(dev: &Arc<Device>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapE
         FAULT_ARMED => {}
         _ => return Err(MapErr::Errno(crate::io::errno::EIO)),
     }
-    let hold = enter(dev, ctx)?;
+    ctx.descend(MAX_DEPTH)?;
+    let r = enter_and_map(dev, bio, ctx);
+    ctx.ascend();
+    r
+}
+
+fn enter_and_map(dev: &Arc<Device>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+    let hold = ctx.enter(dev)?;
     let guard = dev.live.load();
     let Some(table) = guard.as_ref() else {
         return Err(MapErr::Errno(crate::io::errno::EIO));
     };
-    ctx.depth += 1;
-    let r = map_table(table, hold, bio, ctx);
-    ctx.depth -= 1;
-    r
+    map_table(table, hold, bio, ctx)
 }
 
 fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
     if bio.op == Op::Flush {
         if table.flush_bypass {
-            ctx.origin = (hold, u32::MAX);
+            ctx.at_target((hold, u32::MAX), 0);
             for d in &table.flush_devices {
                 match d {
                     FlushDev::File(f) => ctx.push_file_leaf(f, bio, 0),
@@ -566,8 +545,7 @@ fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(),
             }
         } else {
             for (i, e) in table.entries.iter().enumerate() {
-                ctx.origin = (hold, i as u32);
-                ctx.target_start = e.start;
+                ctx.at_target((hold, i as u32), e.start);
                 e.target.map(bio, ctx)?;
             }
         }
@@ -589,8 +567,7 @@ fn map_table(table: &Table, hold: u16, bio: Bio, ctx: &mut MapCtx) -> Result<(),
         if max > 0 {
             n = n.min(max - (sector - e.start) % max);
         }
-        ctx.origin = (hold, i as u32);
-        ctx.target_start = e.start;
+        ctx.at_target((hold, i as u32), e.start);
         e.target.map(bio.sub(done, n, sector - e.start), ctx)?;
         done += n;
         if n == left_in_target {

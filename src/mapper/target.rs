@@ -225,22 +225,23 @@ fn lcm_not_zero(a: u64, b: u64) -> u64 {
 /// The state of one mapping: the leaves produced so far, the devices entered, the
 /// request's data, and how a target takes a piece to finish later.
 pub struct MapCtx<'a> {
-    pub leaves: &'a mut Vec<Leaf>,
-    pub holds: &'a mut Vec<Hold>,
+    leaves: &'a mut Vec<Leaf>,
+    holds: &'a mut Vec<Hold>,
     /// The request's data (reads land here, writes carry it; empty without data):
     /// a target may change it, as flakey corrupts a write.
-    pub data: &'a mut [u8],
-    pub depth: u32,
+    data: &'a mut [u8],
+    /// Devices entered on the way down (bounded by `MAX_DEPTH`).
+    depth: u32,
     /// (index in `holds`, target index) of the target being mapped, recorded on each
     /// leaf so an I/O error can be reported to the target that issued it.
-    pub origin: (u16, u32),
+    origin: (u16, u32),
     /// Start sector of the target being mapped, in its device.
-    pub target_start: u64,
+    target_start: u64,
     /// Pieces handed to targets by `submit` during this mapping.
-    pub submitted: u32,
+    submitted: u32,
     /// A target asked for an empty flush through the device once the request's
     /// I/O is done (see [`MapCtx::flush_after`]).
-    pub(crate) flush_after: bool,
+    flush_after: bool,
     inbox: &'a Arc<Inbox>,
     slot: u32,
     gen: u32,
@@ -274,6 +275,15 @@ impl Join {
     }
 }
 
+/// A point in a mapping's list of leaves ([`MapCtx::mark`]): what a target
+/// produced after it can be changed or abandoned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mark(usize);
+
+/// A hold on a device that [`MapCtx::hold_device`] took ([`MapCtx::release_hold`]).
+#[derive(Debug)]
+pub struct HoldMark(usize);
+
 impl<'a> MapCtx<'a> {
     pub(crate) fn new(
         leaves: &'a mut Vec<Leaf>,
@@ -296,6 +306,109 @@ impl<'a> MapCtx<'a> {
             slot,
             gen,
             join: None,
+        }
+    }
+
+    // ---- for the core: the engine and `map_bio` ----
+
+    /// Count the request in `dev` (see `mapper::enter`): its index among the holds.
+    pub(super) fn enter(&mut self, dev: &Arc<Device>) -> Result<u16, MapErr> {
+        super::enter(dev, self.holds)
+    }
+
+    /// Mapping goes one device further down; Err past `max` devices.
+    pub(super) fn descend(&mut self, max: u32) -> Result<(), MapErr> {
+        if self.depth >= max {
+            return Err(MapErr::Errno(crate::io::errno::EIO));
+        }
+        self.depth += 1;
+        Ok(())
+    }
+
+    /// Back up from a device [`descend`](Self::descend) entered.
+    pub(super) fn ascend(&mut self) {
+        self.depth -= 1;
+    }
+
+    /// The target mapping from now on: (hold index, target index) and its start.
+    pub(super) fn at_target(&mut self, origin: (u16, u32), start: u64) {
+        self.origin = origin;
+        self.target_start = start;
+    }
+
+    /// The mapping is over: how many pieces targets took, and whether one asked
+    /// for a flush after the request's I/O.
+    pub(super) fn finish(self) -> (u32, bool) {
+        (self.submitted, self.flush_after)
+    }
+
+    // ---- for targets ----
+
+    /// Where the leaves produced from now on begin: [`wrap_hook_at`](Self::wrap_hook_at)
+    /// and [`abandon_since`](Self::abandon_since) take it.
+    pub fn mark(&self) -> Mark {
+        Mark(self.leaves.len())
+    }
+
+    /// Run `hook` before the end-of-I/O hook of the read or write leaf produced
+    /// since `mark` that holds byte `at` of the request's data (a bio's `buf_off`
+    /// plus an index in it), with whether its I/O happened, the leaf's data and
+    /// where byte `at` lies in it: flakey corrupts a read as it completes. False
+    /// if no leaf since `mark` holds that byte (a target took it as a piece).
+    pub fn wrap_hook_at(
+        &mut self,
+        mark: Mark,
+        at: usize,
+        hook: impl Fn(bool, &mut [u8], usize) + Send + Sync + 'static,
+    ) -> bool {
+        let found = self.leaves.get_mut(mark.0..).and_then(|ls| {
+            ls.iter_mut().find(|l| {
+                matches!(l.kind, LeafKind::Read | LeafKind::Write)
+                    && l.buf_off <= at
+                    && at - l.buf_off < l.len as usize
+            })
+        });
+        let Some(l) = found else { return false };
+        let skip = at - l.buf_off;
+        let prev = l.end_io.take();
+        l.end_io = Some(Arc::new(move |ok, data: &mut [u8]| {
+            hook(ok, data, skip);
+            prev.as_ref().map_or(0, |p| p(ok, data))
+        }));
+        true
+    }
+
+    /// Give up the leaves produced since `mark` (they will not be issued): their
+    /// hooks run now, with `false`, so every one learns its I/O did not happen.
+    pub fn abandon_since(&mut self, mark: Mark) {
+        let from = mark.0.min(self.leaves.len());
+        for l in self.leaves.drain(from..) {
+            if let Some(h) = l.end_io {
+                h(false, &mut []);
+            }
+        }
+    }
+
+    /// Enter `dev` for this request before mapping through it: for a target that
+    /// must be counted in a device's in-flight epoch before it looks something up
+    /// (thin's lock-free fast path). Some when this call took a new hold, which
+    /// [`release_hold`](Self::release_hold) may give back.
+    pub fn hold_device(&mut self, dev: &Arc<Device>) -> Result<Option<HoldMark>, MapErr> {
+        if dev.removed.load(Ordering::SeqCst) {
+            return Err(MapErr::Errno(crate::io::errno::EIO));
+        }
+        let before = self.holds.len();
+        self.enter(dev)?;
+        Ok((self.holds.len() > before).then_some(HoldMark(before)))
+    }
+
+    /// Give back the hold [`hold_device`](Self::hold_device) took, if nothing was
+    /// mapped through it since (it is still the last one).
+    pub fn release_hold(&mut self, h: HoldMark) {
+        if h.0 + 1 == self.holds.len() {
+            if let Some(h) = self.holds.pop() {
+                super::leave(&h.dev, h.epoch);
+            }
         }
     }
 
@@ -380,7 +493,7 @@ impl<'a> MapCtx<'a> {
         r
     }
 
-    pub(crate) fn push_file_leaf(&mut self, f: &Arc<BackingFile>, bio: Bio, tag: u16) {
+    pub(super) fn push_file_leaf(&mut self, f: &Arc<BackingFile>, bio: Bio, tag: u16) {
         let handle = f.handle();
         let kind = match bio.op {
             Op::Read => LeafKind::Read,

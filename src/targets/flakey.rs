@@ -273,27 +273,13 @@ impl Target for Flakey {
             return ctx.remap(&self.dev, remapped, 0);
         }
         // A read is corrupted when it completes, in the leaf holding that byte.
-        let first = ctx.leaves.len();
+        let mark = ctx.mark();
         ctx.remap(&self.dev, remapped, 0)?;
-        let mut skip = index;
-        for l in &mut ctx.leaves[first..] {
-            if skip < l.len {
-                let prev = l.end_io.take();
-                l.end_io = Some(std::sync::Arc::new(move |ok, data: &mut [u8]| {
-                    if ok {
-                        if let Some(b) = data.get_mut(skip as usize) {
-                            *b = value;
-                        }
-                    }
-                    match &prev {
-                        Some(p) => p(ok, data),
-                        None => 0,
-                    }
-                }));
-                break;
+        ctx.wrap_hook_at(mark, bio.buf_off + index as usize, move |ok, data, at| {
+            if let Some(b) = data.get_mut(at).filter(|_| ok) {
+                *b = value;
             }
-            skip -= l.len;
-        }
+        });
         Ok(())
     }
     fn table_params(&self) -> String {

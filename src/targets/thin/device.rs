@@ -117,15 +117,15 @@ impl ThinDev {
         // before it waits for the pool's I/O to drain) waits for this I/O too.
         if matches!(bio.op, Op::Read | Op::Write) && !bio.fua {
             if let DevRef::Dm(pd) = &self.pool_dev {
-                let took = crate::mapper::hold(&pd.0, ctx)?;
+                let took = ctx.hold_device(&pd.0)?;
                 if let Some(b) = self.fast.get(vblock) {
                     let sector = self.data_sector(b, off);
                     return self.remap_pool(Bio { sector, ..bio }, bio, ctx);
                 }
-                if let Some(i) = took {
+                if let Some(h) = took {
                     // a miss: the slow path must not hold the pool's epoch while it
                     // waits (for space, in the prison)
-                    crate::mapper::unhold(ctx, i);
+                    ctx.release_hold(h);
                 }
             }
         }
@@ -349,10 +349,10 @@ impl ThinDev {
     /// device; an error fails the piece (`orig`, in this thin's sectors), and a
     /// suspended pool device requeues the request.
     fn remap_pool(&self, data: Bio, orig: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let first = ctx.leaves.len();
+        let mark = ctx.mark();
         match ctx.remap(&self.pool_dev, data, 0) {
             Err(MapErr::Errno(e)) => {
-                ctx.leaves.truncate(first);
+                ctx.abandon_since(mark);
                 ctx.complete(orig, LeafKind::Fail(e));
                 Ok(())
             }
