@@ -11,6 +11,7 @@
 use crate::io::backing::FileHandle;
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{AlignedBuf, BackingFile};
+use crate::sync::Unpoison;
 use std::cell::RefCell;
 use std::io;
 use std::path::PathBuf;
@@ -136,7 +137,7 @@ impl Copier {
                 let _ = std::thread::Builder::new()
                     .name(format!("kcopyd-{i}"))
                     .spawn(move || loop {
-                        let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                        let next = rx.lock().unpoisoned().recv();
                         match (next, me.upgrade()) {
                             (Ok(w), Some(c)) => w(&c),
                             _ => return,
@@ -145,7 +146,7 @@ impl Copier {
             }
             Mutex::new(tx)
         });
-        let sent = tx.lock().unwrap_or_else(|p| p.into_inner()).send(work);
+        let sent = tx.lock().unpoisoned().send(work);
         if let Err(mpsc::SendError(w)) = sent {
             w(self);
         }

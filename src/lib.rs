@@ -10,6 +10,7 @@ pub mod mapper;
 pub mod panics;
 pub mod pdata;
 pub mod sim;
+pub mod sync;
 pub mod table;
 pub mod targets;
 pub mod thin;

@@ -24,6 +24,7 @@ use crate::io::Op;
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Engine};
 use crate::mapper::registry::{Config, Registry};
+use crate::sync::Unpoison;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -413,7 +414,7 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// Hold the process's simulated disks alone (trials and tests that use
 /// [`crate::io::sim`] directly take this first).
 pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+    ONE_AT_A_TIME.lock().unpoisoned()
 }
 
 /// Run one trial. Err says what failed (the caller prints [`replay_command`]).

@@ -5,6 +5,7 @@ use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use dmkit::control::verbs::{one_line, DmVerb};
 use dmkit::daemon::{default_run_dir, serve, ServeOptions};
+use dmkit::sync::Unpoison;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -385,7 +386,7 @@ fn daemonise(run_dir: &Path) -> Result<()> {
             // SAFETY: setsid has no memory effects; it fails only for a group leader,
             // which a fresh child is not.
             unsafe { libc::setsid() };
-            *READY_PIPE.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+            *READY_PIPE.lock().unpoisoned() = Some(tx);
             Ok(())
         }
         pid => {
@@ -423,7 +424,7 @@ fn background(_run_dir: &Path) -> Result<Box<dyn FnOnce() + Send>> {
 /// Send the parent of `serve --background` its word (once; no-op otherwise).
 fn tell_parent(word: &str) {
     use std::io::Write;
-    if let Some(mut tx) = READY_PIPE.lock().unwrap_or_else(|p| p.into_inner()).take() {
+    if let Some(mut tx) = READY_PIPE.lock().unpoisoned().take() {
         let _ = tx.write_all(word.as_bytes());
     }
 }

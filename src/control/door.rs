@@ -20,6 +20,7 @@ use super::dmioctl::{self as dm, Cmd, Errno, Request};
 use super::Ctx;
 use crate::mapper::registry::ControlError;
 use crate::mapper::{Device, DM_MAJOR};
+use crate::sync::Unpoison;
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -234,7 +235,7 @@ fn find(ctx: &Ctx, r: &mut Request) -> Result<Arc<Device>, Refusal> {
     };
     let d = d.ok_or_else(none)?;
     r.set_identity(&d.name(), d.uuid().as_deref());
-    if d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+    if d.inactive.lock().unpoisoned().is_some() {
         r.add_flags(dm::INACTIVE_PRESENT_FLAG);
     } else {
         r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
@@ -247,7 +248,7 @@ fn status(d: &Device) -> dm::DevStatus {
     let inactive = d
         .inactive
         .lock()
-        .unwrap_or_else(|p| p.into_inner())
+        .unpoisoned()
         .as_ref()
         .map(|t| t.entries.len() as u32);
     dm::DevStatus {
@@ -266,7 +267,7 @@ fn status(d: &Device) -> dm::DevStatus {
 /// The live table, or the inactive one with QUERY_INACTIVE_TABLE.
 fn table_of(d: &Device, r: &Request) -> Option<Arc<crate::mapper::Table>> {
     if r.has(dm::QUERY_INACTIVE_TABLE_FLAG) {
-        d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        d.inactive.lock().unpoisoned().clone()
     } else {
         d.live.load_full()
     }

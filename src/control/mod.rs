@@ -5,6 +5,7 @@
 //! as length + bytes. The daemon does all parsing and formatting, so every client
 //! sees the same output.
 
+use crate::sync::Unpoison;
 pub mod dmioctl;
 pub mod door;
 pub mod preload;
@@ -363,12 +364,7 @@ fn check_resize(reg: &Registry, name: &str) -> Result<(), String> {
     let Some(b) = dev.block_device() else {
         return Ok(());
     };
-    let new = dev
-        .inactive
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-        .map(|t| t.size);
+    let new = dev.inactive.lock().unpoisoned().as_ref().map(|t| t.size);
     match new {
         Some(n) if n != dev.size_sectors() => Err(format!(
             "{name}: attached as {b}, whose size the kernel cannot change: the new table has {n} sectors, \

@@ -11,6 +11,7 @@
 use super::{verbs, Ctx};
 use crate::mapper::DevRef;
 use crate::mapper::{Device, DM_MAJOR};
+use crate::sync::Unpoison;
 use clap::Parser;
 use std::io::Write;
 use std::path::Path;
@@ -49,7 +50,7 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
     let name = d.name();
     // the dmkit devices this device's tables name, by the number `table` prints
     let live = d.live.load_full();
-    let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let inactive = d.inactive.lock().unpoisoned().clone();
     let mut by_minor: Vec<(String, String)> = Vec::new();
     for t in live.iter().chain(inactive.iter()) {
         for e in &t.entries {
@@ -183,7 +184,7 @@ struct Recorded {
 impl Recorder {
     /// Record what changed since the last call (everything with `all`).
     pub fn record(&self, ctx: &Ctx, path: &Path, all: bool) -> std::io::Result<()> {
-        let mut st = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.0.lock().unpoisoned();
         let changed = ctx.reg.take_changed();
         let attached: std::collections::BTreeMap<String, u32> =
             ctx.ublk.ids().into_iter().map(|(d, id)| (d.name(), id)).collect();

@@ -5,6 +5,7 @@
 //! engine (`mapper::engine`) executes through the per-thread [`queue::IoQueue`]:
 //! io_uring, or synchronous calls where io_uring is not available.
 
+use crate::sync::Unpoison;
 pub mod backing;
 pub mod buf;
 pub mod hold;
@@ -27,7 +28,7 @@ pub fn shared<K: PartialEq, V, E>(
     key: K,
     open: impl FnOnce() -> Result<V, E>,
 ) -> Result<std::sync::Arc<V>, E> {
-    let mut list = list.lock().unwrap_or_else(|p| p.into_inner());
+    let mut list = list.lock().unpoisoned();
     list.retain(|(_, w)| w.strong_count() > 0);
     if let Some(v) = list
         .iter()

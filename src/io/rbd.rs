@@ -19,6 +19,7 @@
 //! kept, so a second daemon naming it for writing is refused until this one closes
 //! it.
 
+use crate::sync::Unpoison;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -604,13 +605,13 @@ impl RbdSink {
 
     /// Take every result left so far.
     pub fn take(&self, into: &mut Vec<Done>) {
-        let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = self.done.lock().unpoisoned();
         into.append(&mut d);
     }
 
     fn put(&self, d: Done) {
         let first = {
-            let mut list = self.done.lock().unwrap_or_else(|e| e.into_inner());
+            let mut list = self.done.lock().unpoisoned();
             list.push(d);
             list.len() == 1
         };

@@ -14,6 +14,7 @@
 //! relaxed atomic load. Inside one, I/O queues run synchronously (no io_uring), so
 //! every operation passes a hook on the thread that issues it.
 
+use crate::sync::Unpoison;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
@@ -118,7 +119,7 @@ struct State {
 }
 
 fn state() -> MutexGuard<'static, Option<State>> {
-    STATE.lock().unwrap_or_else(|p| p.into_inner())
+    STATE.lock().unpoisoned()
 }
 
 fn key_of_fd(fd: RawFd) -> Option<(u64, u64)> {

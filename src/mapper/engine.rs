@@ -20,6 +20,7 @@ use super::{map_bio, release, Device, Hold};
 use super::{Bio, MapCtx, MapErr};
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{errno, AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op};
+use crate::sync::Unpoison;
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
@@ -99,7 +100,7 @@ impl Inbox {
     }
 
     fn post(&self, m: Msg) {
-        let mut q = self.msgs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.msgs.lock().unpoisoned();
         let wake = q.is_empty();
         q.push(m);
         drop(q);
@@ -618,10 +619,7 @@ impl Engine {
 
     fn take_inbox(&mut self) {
         let mut msgs = std::mem::take(&mut self.msgs);
-        std::mem::swap(
-            &mut msgs,
-            &mut self.inbox.msgs.lock().unwrap_or_else(|p| p.into_inner()),
-        );
+        std::mem::swap(&mut msgs, &mut self.inbox.msgs.lock().unpoisoned());
         for m in msgs.drain(..) {
             self.on_msg(m);
         }

@@ -1,6 +1,7 @@
 //! Mapped devices: their tables, lifecycle (load, suspend, resume, remove) and the
 //! mapping of requests through tables, stacked devices included.
 
+use crate::sync::Unpoison;
 pub mod devio;
 pub mod engine;
 pub mod error;
@@ -220,30 +221,27 @@ impl Device {
     }
 
     pub fn name(&self) -> String {
-        self.name.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.name.lock().unpoisoned().clone()
     }
 
     pub fn set_name(&self, name: &str) {
-        *self.name.lock().unwrap_or_else(|p| p.into_inner()) = name.to_string();
+        *self.name.lock().unpoisoned() = name.to_string();
     }
 
     pub fn uuid(&self) -> Option<String> {
-        self.uuid.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.uuid.lock().unpoisoned().clone()
     }
 
     pub fn block_device(&self) -> Option<String> {
-        self.block_device
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.block_device.lock().unpoisoned().clone()
     }
 
     pub fn set_block_device(&self, path: Option<String>) {
-        *self.block_device.lock().unwrap_or_else(|p| p.into_inner()) = path;
+        *self.block_device.lock().unpoisoned() = path;
     }
 
     pub fn set_uuid(&self, uuid: &str) {
-        *self.uuid.lock().unwrap_or_else(|p| p.into_inner()) = Some(uuid.to_string());
+        *self.uuid.lock().unpoisoned() = Some(uuid.to_string());
     }
 
     pub fn size_sectors(&self) -> u64 {
@@ -311,7 +309,7 @@ impl Device {
     /// one [`internal_resume`](Self::internal_resume). Takes this device's control
     /// lock: the caller may hold another device's (a pool's), never this one's.
     pub fn internal_suspend_noflush(&self) {
-        let _c = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = self.control.lock().unpoisoned();
         let before = self.internal_suspends.fetch_add(1, Ordering::SeqCst);
         // nested, or suspended by the user already: drained, targets presuspended
         if before == 0 && !self.suspended.load(Ordering::SeqCst) {
@@ -325,7 +323,7 @@ impl Device {
     /// that refuses the resume leaves the device suspended, as the user sees it
     /// (the kernel's __dm_internal_resume does the same).
     pub fn internal_resume(&self) {
-        let _c = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = self.control.lock().unpoisoned();
         let left = match self.internal_suspends.load(Ordering::SeqCst) {
             0 => {
                 tracing::error!("{}: internal resume without an internal suspend", self.name());
@@ -370,7 +368,7 @@ impl Device {
     /// False if they had not all left within `limit` (a request queued for space,
     /// say); the caller then tries again later.
     pub fn drain_epoch(&self, limit: Duration) -> bool {
-        let _l = self.drain_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _l = self.drain_lock.lock().unpoisoned();
         let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
         self.wait_drained(Some(limit), || self.inflight[old].load(Ordering::SeqCst) == 0)
     }
@@ -380,7 +378,7 @@ impl Device {
     fn wait_drained(&self, limit: Option<Duration>, done: impl Fn() -> bool) -> bool {
         let (lock, cv) = &self.drained;
         let deadline = limit.map(|l| std::time::Instant::now() + l);
-        let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = lock.lock().unpoisoned();
         // Counted before `done` is checked: a release that brings the count to
         // zero after this check sees the waiter and notifies under the lock,
         // which this thread only gives up inside `wait`.
@@ -396,7 +394,7 @@ impl Device {
                     _ => break false,
                 },
             };
-            g = cv.wait_timeout(g, wait).unwrap_or_else(|p| p.into_inner()).0;
+            g = cv.wait_timeout(g, wait).unpoisoned().0;
         };
         self.drain_waiters.fetch_sub(1, Ordering::SeqCst);
         ok
@@ -405,7 +403,7 @@ impl Device {
     /// A count of this device's requests fell to zero: wake a waiting drain.
     #[cold]
     fn wake_drained(&self) {
-        let _g = self.drained.0.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = self.drained.0.lock().unpoisoned();
         self.drained.1.notify_all();
     }
 

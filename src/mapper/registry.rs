@@ -3,6 +3,7 @@
 use super::{DevRef, DmHold, Resolver, Shared, TargetType};
 use super::{Device, Table, TableEntry, DM_MAJOR};
 use crate::io::BackingFile;
+use crate::sync::Unpoison;
 use crate::table::{parse_table, TableError};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -187,7 +188,7 @@ struct Touch<'a>(&'a Registry, Option<&'a str>);
 
 impl Drop for Touch<'_> {
     fn drop(&mut self) {
-        let mut c = self.0.changed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.0.changed.lock().unpoisoned();
         match self.1 {
             Some(n) => {
                 c.names.insert(n.to_string());
@@ -223,7 +224,7 @@ impl Registry {
 
     /// What changed since the last call (the state file's incremental record).
     pub fn take_changed(&self) -> Changed {
-        std::mem::take(&mut *self.changed.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.changed.lock().unpoisoned())
     }
 
     fn touch<'a>(&'a self, name: &'a str) -> Touch<'a> {
@@ -231,7 +232,7 @@ impl Registry {
     }
 
     fn devices(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
-        self.devices.lock().unwrap_or_else(|p| p.into_inner())
+        self.devices.lock().unpoisoned()
     }
 
     pub fn get(&self, name: &str) -> Result<Arc<Device>, ControlError> {
@@ -261,7 +262,7 @@ impl Registry {
             .iter()
             .map(|d| {
                 let live = d.live.load_full();
-                let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let inactive = d.inactive.lock().unpoisoned().clone();
                 let mut out = Vec::new();
                 for t in live.iter().chain(inactive.iter()) {
                     for e in &t.entries {
@@ -350,17 +351,17 @@ impl Registry {
     }
 
     fn take_minor(&self) -> u32 {
-        self.minors.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.minors.lock().unpoisoned().take()
     }
 
     fn give_minor(&self, minor: u32) {
-        self.minors.lock().unwrap_or_else(|p| p.into_inner()).give(minor);
+        self.minors.lock().unpoisoned().give(minor);
     }
 
     /// No device but `name` has `uuid` (the kernel refuses a duplicate with EBUSY).
     fn uuid_free(&self, name: &str, uuid: Option<&str>) -> Result<(), ControlError> {
         let Some(u) = uuid else { return Ok(()) };
-        let uuids = self.uuids.lock().unwrap_or_else(|p| p.into_inner());
+        let uuids = self.uuids.lock().unpoisoned();
         match uuids.get(u).and_then(std::sync::Weak::upgrade) {
             Some(d) if d.name() != name && !d.removed.load(Ordering::SeqCst) => Err(dev_err(
                 name,
@@ -376,10 +377,7 @@ impl Registry {
     /// Index `dev` by its uuid (after [`Registry::uuid_free`] said it is free).
     fn index_uuid(&self, dev: &Arc<Device>) {
         if let Some(u) = dev.uuid() {
-            self.uuids
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(u, Arc::downgrade(dev));
+            self.uuids.lock().unpoisoned().insert(u, Arc::downgrade(dev));
         }
     }
 
@@ -435,9 +433,9 @@ impl Registry {
     pub fn load_in(&self, name: &str, table: &str, cwd: Option<&Path>) -> Result<(), ControlError> {
         let _t = self.touch(name);
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = dev.control.lock().unpoisoned();
         let t = self.build_table(&dev, table, cwd)?;
-        *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
+        *dev.inactive.lock().unpoisoned() = Some(Arc::new(t));
         Ok(())
     }
 
@@ -445,13 +443,13 @@ impl Registry {
     pub fn clear(&self, name: &str) -> Result<(), ControlError> {
         let _t = self.touch(name);
         let dev = self.get(name)?;
-        dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+        dev.inactive.lock().unpoisoned().take();
         Ok(())
     }
 
     pub fn suspend(&self, name: &str, noflush: bool) -> Result<(), ControlError> {
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = dev.control.lock().unpoisoned();
         if dev.suspended.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -468,7 +466,7 @@ impl Registry {
     pub fn resume(&self, name: &str) -> Result<(), ControlError> {
         let _t = self.touch(name);
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = dev.control.lock().unpoisoned();
         resume_locked(&dev).map_err(|e| dev_err(name, e))
     }
 
@@ -479,7 +477,7 @@ impl Registry {
     /// it to be removed at its last close.
     pub fn remove(&self, name: &str, force: bool, deferred: bool) -> Result<(), ControlError> {
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = dev.control.lock().unpoisoned();
         if dev.holders.load(Ordering::SeqCst) > 0 {
             if deferred {
                 // as the kernel: marked, removed when its last user goes, and success
@@ -608,7 +606,7 @@ impl Registry {
             len: size,
             target: Box::new(super::error::Error),
         }]);
-        *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(t));
+        *dev.inactive.lock().unpoisoned() = Some(Arc::new(t));
         if let Err(e) = resume_locked(dev) {
             tracing::warn!("{}: resuming the error table: {e}", dev.name());
         }
@@ -620,7 +618,7 @@ impl Registry {
         if dev.open_count.load(Ordering::SeqCst) > 0 || !dev.deferred_remove.load(Ordering::SeqCst) {
             return;
         }
-        let _c = dev.control.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = dev.control.lock().unpoisoned();
         let still_ours = self
             .devices()
             .get(&dev.name())
@@ -640,7 +638,7 @@ impl Registry {
         dev.suspend_and_drain();
         let _ = dev.flush_sync();
         dev.live.store(None);
-        dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+        dev.inactive.lock().unpoisoned().take();
         let mut devs = self.devices();
         let name = dev.name();
         let _t = self.touch(&name);
@@ -649,7 +647,7 @@ impl Registry {
         }
         drop(devs);
         if let Some(u) = dev.uuid() {
-            let mut uuids = self.uuids.lock().unwrap_or_else(|p| p.into_inner());
+            let mut uuids = self.uuids.lock().unpoisoned();
             if uuids.get(&u).is_some_and(|w| w.as_ptr() == Arc::as_ptr(dev)) {
                 uuids.remove(&u);
             }
@@ -781,7 +779,7 @@ impl Registry {
                 String::new()
             };
             let table = if inactive {
-                d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone()
+                d.inactive.lock().unpoisoned().clone()
             } else {
                 d.live.load_full()
             };
@@ -817,7 +815,7 @@ impl Registry {
         let mut out = String::new();
         for d in devs {
             let live = d.live.load().is_some();
-            let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+            let inactive = d.inactive.lock().unpoisoned().is_some();
             let mut state = if d.suspended.load(Ordering::SeqCst) {
                 "SUSPENDED"
             } else {
@@ -991,7 +989,7 @@ impl Registry {
         let id = crate::io::hold::identity(path).ok()?;
         self.creation_order().into_iter().find_map(|d| {
             let live = d.live.load_full();
-            let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let inactive = d.inactive.lock().unpoisoned().clone();
             let holds = live.iter().chain(inactive.iter()).any(|t| {
                 t.entries.iter().any(|e| {
                     e.target
@@ -1031,11 +1029,11 @@ impl Registry {
 /// suspended with the new table still inactive, as the kernel's failed resume
 /// does), then the table swap, then their resume.
 fn resume_locked(dev: &Device) -> Result<(), String> {
-    let next = dev.inactive.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let next = dev.inactive.lock().unpoisoned().take();
     let coming = next.clone().or_else(|| dev.live.load_full());
     if let Some(Err(why)) = coming.as_ref().map(|t| t.preresume()) {
         if let Some(n) = next {
-            *dev.inactive.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
+            *dev.inactive.lock().unpoisoned() = Some(n);
         }
         return Err(why);
     }
@@ -1117,7 +1115,7 @@ fn table_uses(d: &Device, target: &Arc<Device>) -> bool {
     }
     fn refs(d: &Device, target: &Arc<Device>, depth: u32) -> bool {
         let live = d.live.load_full();
-        let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let inactive = d.inactive.lock().unpoisoned().clone();
         live.iter().chain(inactive.iter()).any(|t| walk(t, target, depth))
     }
     refs(d, target, 0)

@@ -2,6 +2,7 @@
 
 use super::DevRef;
 use super::{Device, DM_MAJOR};
+use crate::sync::Unpoison;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -44,7 +45,7 @@ const FIELDS: &[Field] = &[
         right: false,
         value: |d| {
             let live = d.live.load().is_some();
-            let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+            let inactive = d.inactive.lock().unpoisoned().is_some();
             match (live, inactive) {
                 (true, true) => "Live & Inactive",
                 (true, false) => "Live",
@@ -180,7 +181,7 @@ fn open_count(d: &Device) -> u32 {
 /// `Stat`: (L)ive table, (I)nactive table, (s)uspended, (r)ead-only or (w)ritable.
 fn attr(d: &Device) -> String {
     let live = d.live.load().is_some();
-    let inactive = d.inactive.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+    let inactive = d.inactive.lock().unpoisoned().is_some();
     [
         if live { 'L' } else { '-' },
         if inactive { 'I' } else { '-' },

@@ -7,6 +7,7 @@
 use super::engine::{Dest, Inbox, Pending, Piece};
 use super::{Device, Hold};
 use crate::io::{AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, SECTOR};
+use crate::sync::Unpoison;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -719,7 +720,7 @@ impl Shared {
 
     /// The shared `T`, made with `T::default()` the first time it is asked for.
     pub fn get_or_init<T: Any + Default + Send + Sync>(&self) -> Arc<T> {
-        let mut m = self.by_type.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.by_type.lock().unpoisoned();
         let any = m
             .entry(TypeId::of::<T>())
             .or_insert_with(|| Arc::new(T::default()))
@@ -730,7 +731,7 @@ impl Shared {
 
     /// The shared `T`, if some target made it.
     pub fn get<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
-        let m = self.by_type.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self.by_type.lock().unpoisoned();
         m.get(&TypeId::of::<T>()).cloned()?.downcast::<T>().ok()
     }
 }

@@ -5,6 +5,7 @@
 
 use super::{Block, BLOCK_SIZE};
 use crate::io::BackingFile;
+use crate::sync::Unpoison;
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -163,7 +164,7 @@ impl MemDev {
 
     fn lock(&self) -> MutexGuard<'_, MemState> {
         // A poisoned lock only means another test thread panicked; the bytes are fine.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unpoisoned()
     }
 
     /// The image as it is now, including unflushed writes.

@@ -11,6 +11,7 @@ use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::{
     arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType,
 };
+use crate::sync::Unpoison;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -50,7 +51,7 @@ struct Timer {
 
 impl Timer {
     fn run(&self) {
-        let mut q = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.queues.lock().unpoisoned();
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 break;
@@ -75,11 +76,11 @@ impl Timer {
                 for h in due {
                     h.pending.remap(h.dest, h.bio, None);
                 }
-                q = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+                q = self.queues.lock().unpoisoned();
                 continue;
             }
             let wait = next.map_or(Duration::from_secs(3600), |n| n.saturating_duration_since(now));
-            q = self.cv.wait_timeout(q, wait).unwrap_or_else(|p| p.into_inner()).0;
+            q = self.cv.wait_timeout(q, wait).unpoisoned().0;
         }
         // the target is gone: whatever is still held goes on now
         for cq in q.iter_mut() {
@@ -168,7 +169,7 @@ impl Target for Delay {
             dest: c.dev.dest(),
             bio: remapped,
         };
-        let mut q = self.timer.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.timer.queues.lock().unpoisoned();
         self.timer.held[kind].fetch_add(1, Ordering::Relaxed);
         let first = q[kind].is_empty();
         q[kind].push_back(held);
@@ -203,7 +204,7 @@ impl Target for Delay {
         dev_extents(&c.dev, c.offset + sector, nr, out)
     }
     fn presuspend(&self) {
-        let _q = self.timer.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let _q = self.timer.queues.lock().unpoisoned();
         self.timer.released.store(true, Ordering::SeqCst);
         self.timer.cv.notify_one();
     }
@@ -214,7 +215,7 @@ impl Target for Delay {
 
 impl Drop for Delay {
     fn drop(&mut self) {
-        let _q = self.timer.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let _q = self.timer.queues.lock().unpoisoned();
         self.timer.stop.store(true, Ordering::SeqCst);
         self.timer.cv.notify_one();
     }

@@ -14,6 +14,7 @@
 //! executor, and dmkit's queues must be its engines, whose rings carry the
 //! backing I/O (and librbd's completions) beside the driver's commands.
 
+use crate::sync::Unpoison;
 pub mod ctrl;
 pub mod queue;
 pub mod sys;
@@ -140,7 +141,7 @@ impl Frontend {
     }
 
     fn list(&self) -> std::sync::MutexGuard<'_, Vec<Attached>> {
-        self.attached.lock().unwrap_or_else(|p| p.into_inner())
+        self.attached.lock().unpoisoned()
     }
 
     /// The attached devices and their ublk ids.
@@ -151,7 +152,7 @@ impl Frontend {
     /// Make `dev` a block device, or (with `recover`: the id a previous daemon
     /// had it attached as) take that block device over. The block device's path.
     pub fn attach(&self, dev: &Arc<Device>, recover: Option<u32>) -> Result<String, String> {
-        let _one = self.attaching.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = self.attaching.lock().unpoisoned();
         let name = dev.name();
         if self.disabled {
             return Err(format!("{name}: block devices are disabled here"));

@@ -15,6 +15,7 @@ use crate::io::queue::Sqe;
 use crate::io::{AlignedBuf, Op, SECTOR};
 use crate::mapper::engine::Engine;
 use crate::mapper::Device;
+use crate::sync::Unpoison;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -46,7 +47,7 @@ impl QueueCtl {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<Result<(), String>>, usize)> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unpoisoned()
     }
 
     fn report(&self, r: Result<(), String>) {
@@ -64,7 +65,7 @@ impl QueueCtl {
             if g.0.len() >= n {
                 return Ok(());
             }
-            g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
+            g = self.changed.wait(g).unpoisoned();
         }
     }
 
@@ -77,7 +78,7 @@ impl QueueCtl {
         let (g, _) = self
             .changed
             .wait_timeout_while(g, limit, |s| s.1 < n)
-            .unwrap_or_else(|p| p.into_inner());
+            .unpoisoned();
         g.1 >= n
     }
 }

@@ -14,6 +14,7 @@
 //! allocation order, are committed to the store (preflush, then the metadata area
 //! with FUA), and only then release what waits for them.
 
+use crate::sync::Unpoison;
 pub mod store;
 mod target;
 
@@ -73,7 +74,7 @@ pub struct Origins {
 impl Origins {
     /// The snapshots of origin `key` (an empty list the first time).
     pub fn get(&self, key: DevKey) -> Arc<OriginSnaps> {
-        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.map.lock().unpoisoned();
         m.retain(|_, w| w.strong_count() > 0);
         if let Some(o) = m.get(&key).and_then(Weak::upgrade) {
             return o;
@@ -93,12 +94,12 @@ pub struct OriginSnaps {
 impl OriginSnaps {
     /// The cores alive now.
     pub fn live(&self) -> Vec<Arc<Core>> {
-        let l = self.cores.read().unwrap_or_else(|p| p.into_inner());
+        let l = self.cores.read().unpoisoned();
         l.iter().filter_map(Weak::upgrade).collect()
     }
 
     fn register(&self, c: &Arc<Core>) {
-        let mut l = self.cores.write().unwrap_or_else(|p| p.into_inner());
+        let mut l = self.cores.write().unpoisoned();
         l.retain(|w| w.strong_count() > 0);
         l.push(Arc::downgrade(c));
     }
@@ -111,7 +112,7 @@ impl OriginSnaps {
     /// The smallest chunk size of the snapshots origin writes copy into: writes are
     /// split there. None: no snapshot to copy into.
     pub fn min_chunk(&self) -> Option<u64> {
-        let l = self.cores.read().unwrap_or_else(|p| p.into_inner());
+        let l = self.cores.read().unpoisoned();
         l.iter()
             .filter_map(Weak::upgrade)
             .filter(|c| c.copies_from_origin())

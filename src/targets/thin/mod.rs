@@ -8,6 +8,7 @@
 //! entered the pool device earlier has finished, so a data block freed in a transaction
 //! is never handed out again while an old write to it could still land.
 
+use crate::sync::Unpoison;
 pub mod device;
 mod fast;
 pub mod pool;
@@ -283,13 +284,13 @@ impl Pools {
     }
 
     fn list(&self) -> MutexGuard<'_, PoolList> {
-        self.list.lock().unwrap_or_else(|p| p.into_inner())
+        self.list.lock().unpoisoned()
     }
 
     /// The pool whose device is `dev` (what a thin's table names).
     pub fn owned_by(&self, dev: &Arc<Device>) -> Option<Arc<Pool>> {
         self.list().iter().filter_map(|(_, w)| w.upgrade()).find(|p| {
-            let o = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+            let o = p.pool_dev.lock().unpoisoned().upgrade();
             o.is_some_and(|o| Arc::ptr_eq(&o, dev))
         })
     }
@@ -337,7 +338,7 @@ impl Pool {
         let mut all = pools.list();
         all.retain(|(_, w)| w.strong_count() > 0);
         let owned_elsewhere = |p: &Pool| {
-            let o = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+            let o = p.pool_dev.lock().unpoisoned().upgrade();
             o.filter(|o| !Arc::ptr_eq(o, owner)).map(|o| o.name())
         };
         for (_, p) in all.iter().filter(|(k, _)| *k != key) {
@@ -501,11 +502,7 @@ impl Pool {
 
     /// Mark what the pool's thread is wanted for, and wake it.
     fn signal(&self, mark: impl FnOnce(&mut (bool, bool))) {
-        let mut w = self
-            .commit_signal
-            .wanted
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut w = self.commit_signal.wanted.lock().unpoisoned();
         mark(&mut w);
         self.commit_signal.cv.notify_one();
     }
@@ -514,7 +511,7 @@ impl Pool {
     /// device before: None (the discards put back) if it did not drain in time.
     fn take_drained_discards(&self) -> Option<Vec<Discard>> {
         let discards = std::mem::take(&mut self.lock().discards);
-        let dev = self.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        let dev = self.pool_dev.lock().unpoisoned().upgrade();
         if dev.is_some_and(|d| !d.drain_epoch(Duration::from_millis(500))) {
             self.lock().discards.extend(discards);
             return None;
@@ -526,7 +523,7 @@ impl Pool {
     /// period later, records them): a discard costs a drain of the I/O in flight,
     /// not a metadata commit. Pool's thread, or the control path.
     pub fn discard_now(&self) {
-        let _one = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = self.commit_lock.lock().unpoisoned();
         if self.lock().discards.is_empty() {
             return;
         }
@@ -618,7 +615,7 @@ impl Pool {
     /// Commit now, on this thread (control path, commit thread). Waits for the I/O
     /// that entered the pool before; never call it from an NBD connection thread.
     pub fn commit_now(&self) -> Result<(), String> {
-        let _one = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = self.commit_lock.lock().unpoisoned();
         // The discards deferred so far are carried out by this commit, after its drain.
         let Some(discards) = self.take_drained_discards() else {
             return Err("I/O in flight did not drain (queued for space?); commit postponed".into());
@@ -760,16 +757,13 @@ impl Pool {
         for d in &devs {
             d.internal_suspend_noflush();
         }
-        self.held_thins
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(devs);
+        self.held_thins.lock().unpoisoned().extend(devs);
     }
 
     /// At the pool's resume, once space has grown and what waited for it is
     /// requeued: resume the thins its suspend held (pool_resume_active_thins).
     pub fn resume_active_thins(&self) {
-        let devs = std::mem::take(&mut *self.held_thins.lock().unwrap_or_else(|p| p.into_inner()));
+        let devs = std::mem::take(&mut *self.held_thins.lock().unpoisoned());
         for d in devs {
             d.internal_resume();
         }
@@ -872,7 +866,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         self.commit_signal.cv.notify_one();
-        let m = self.md.get_mut().unwrap_or_else(|p| p.into_inner());
+        let m = self.md.get_mut().unpoisoned();
         let mut clean = !m.dirty;
         if m.dirty && m.mode != Mode::ReadOnly {
             clean = self.data.sync().is_ok() && m.md.commit().is_ok();
@@ -993,7 +987,7 @@ fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
             .filter(|(k, _)| *k == key)
             .filter_map(|(_, w)| w.upgrade())
             .any(|p| {
-                let owner = p.pool_dev.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+                let owner = p.pool_dev.lock().unpoisoned().upgrade();
                 owner.is_none_or(|d| d.removed.load(Ordering::SeqCst))
             })
     };
@@ -1012,7 +1006,7 @@ fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
 /// table does, not up to a period later on this thread.
 fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
     let dev = weak.upgrade().and_then(|p| {
-        let d = p.pool_dev.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        let d = p.pool_dev.lock().unpoisoned().upgrade();
         d
     });
     if let Some(d) = dev {
@@ -1023,12 +1017,12 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
     loop {
         // a discard only wakes the thread: `discard_now` finds the work itself
         let (wanted, _) = {
-            let mut w = signal.wanted.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = signal.wanted.lock().unpoisoned();
             if *w == (false, false) {
                 w = signal
                     .cv
                     .wait_timeout(w, Duration::from_millis(100))
-                    .unwrap_or_else(|p| p.into_inner())
+                    .unpoisoned()
                     .0;
             }
             std::mem::take(&mut *w)

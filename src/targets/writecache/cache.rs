@@ -23,6 +23,7 @@ use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::{Bio, DevRef, MapCtx, MapErr};
+use crate::sync::Unpoison;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -463,7 +464,7 @@ impl Cache {
     /// uncommitted entries, keep the newest committed one of each sector, and
     /// write back what changed.
     pub fn load(&self) -> Result<(), String> {
-        let _c = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = self.commit_lock.lock().unpoisoned();
         let mut image = vec![0u8; self.meta_bytes as usize];
         self.read_meta(&mut image)
             .map_err(|e| format!("Unable to read metadata: {e}"))?;
@@ -669,7 +670,7 @@ impl Cache {
             st.stop = false;
             st.wb_triggered = true;
         }
-        let mut th = self.threads.lock().unwrap_or_else(|p| p.into_inner());
+        let mut th = self.threads.lock().unpoisoned();
         for (name, f) in [
             ("wc-writer", Cache::writer as fn(&Cache)),
             ("wc-writeback", Cache::writeback as fn(&Cache)),
@@ -716,7 +717,7 @@ impl Cache {
         }
         let mut st = lock(&self.st);
         while st.wb_size > 0 && !st.error {
-            st = self.progress.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.progress.wait(st).unpoisoned();
         }
         drop(st);
         self.stop_threads();
@@ -730,12 +731,7 @@ impl Cache {
         self.work.notify_all();
         self.wb.notify_all();
         self.progress.notify_all();
-        let th: Vec<_> = self
-            .threads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
+        let th: Vec<_> = self.threads.lock().unpoisoned().drain(..).collect();
         for h in th {
             let _ = h.join();
         }
@@ -751,7 +747,7 @@ impl Cache {
     }
 
     pub fn is_running(&self) -> bool {
-        !self.threads.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        !self.threads.lock().unpoisoned().is_empty()
     }
 
     // ---- status and messages ----
@@ -835,7 +831,7 @@ impl Cache {
             st = self
                 .progress
                 .wait_timeout(st, Duration::from_millis(200))
-                .unwrap_or_else(|p| p.into_inner())
+                .unpoisoned()
                 .0;
         }
         st.wb_all -= 1;
@@ -897,7 +893,7 @@ impl Cache {
 
     fn leave(&self, e: usize) {
         if self.inflight[e].fetch_sub(1, Ordering::SeqCst) == 1 && self.drain_waiting.load(Ordering::SeqCst) {
-            let _g = self.drain_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _g = self.drain_lock.lock().unpoisoned();
             self.drained.notify_all();
         }
     }
@@ -909,12 +905,12 @@ impl Cache {
             return;
         }
         self.drain_waiting.store(true, Ordering::SeqCst);
-        let mut g = self.drain_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.drain_lock.lock().unpoisoned();
         while self.inflight[old].load(Ordering::SeqCst) != 0 {
             g = self
                 .drained
                 .wait_timeout(g, Duration::from_millis(10))
-                .unwrap_or_else(|p| p.into_inner())
+                .unpoisoned()
                 .0;
         }
         self.drain_waiting.store(false, Ordering::SeqCst);
@@ -1223,7 +1219,7 @@ impl Cache {
     /// entries become free once on disk; older duplicates of the entries just
     /// committed are freed and persisted too.
     pub fn persist(&self, commit: bool) -> io::Result<()> {
-        let _c = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _c = self.commit_lock.lock().unpoisoned();
         let _window = crate::io::sim::commit_window();
         let mut commit = commit;
         loop {
@@ -1375,9 +1371,9 @@ impl Cache {
                     Some(d) if Instant::now() >= d => break true,
                     Some(d) => {
                         let t = d.saturating_duration_since(Instant::now());
-                        st = self.work.wait_timeout(st, t).unwrap_or_else(|p| p.into_inner()).0;
+                        st = self.work.wait_timeout(st, t).unpoisoned().0;
                     }
-                    None => st = self.work.wait(st).unwrap_or_else(|p| p.into_inner()),
+                    None => st = self.work.wait(st).unpoisoned(),
                 }
             };
             let jobs = std::mem::take(&mut st.jobs);
@@ -1426,7 +1422,7 @@ impl Cache {
             st = self
                 .progress
                 .wait_timeout(st, Duration::from_millis(10))
-                .unwrap_or_else(|pp| pp.into_inner())
+                .unpoisoned()
                 .0;
         }
         let gone: Vec<u32> = st.tree.range((a, 0)..(b, 0)).map(|(_, &i)| i).collect();
@@ -1485,7 +1481,7 @@ impl Cache {
                 st = self
                     .wb
                     .wait_timeout(st, Duration::from_millis(tick))
-                    .unwrap_or_else(|p| p.into_inner())
+                    .unpoisoned()
                     .0;
             }
             if let Some(pause) = self.o.pause.filter(|&p| p > 0 && !self.o.pmem) {
@@ -1525,7 +1521,7 @@ impl Cache {
                 drop(
                     self.progress
                         .wait_timeout(st, Duration::from_millis(2))
-                        .unwrap_or_else(|p| p.into_inner()),
+                        .unpoisoned(),
                 );
                 continue;
             }
