@@ -158,9 +158,7 @@ fn run(o: Opts) -> std::io::Result<()> {
         if credit_rx.recv_timeout(Duration::from_millis(100)).is_err() {
             continue;
         }
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        dmkit::rng::step(&mut x);
         let write = match o.rw.as_str() {
             "randread" => false,
             "randwrite" => true,

@@ -25,12 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut rnd = move |m: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % m
-    };
+    let mut rnd = move |m: u64| dmkit::rng::step(&mut x) % m;
     md.create_thin(0)?;
     for v in 0..n {
         let b = md.alloc_data_block()?;

@@ -810,15 +810,7 @@ mod tests {
     }
 
     fn pattern(len: u64, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        crate::rng::pattern(seed, len as usize)
     }
 
     fn read(f: &BackingFile) -> Vec<u8> {

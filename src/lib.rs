@@ -9,6 +9,7 @@ pub mod io;
 pub mod mapper;
 pub mod panics;
 pub mod pdata;
+pub mod rng;
 pub mod sim;
 pub mod sync;
 pub mod table;

@@ -160,10 +160,7 @@ fn fill_sector(out: &mut [u8], id: u64, dev: u64, sector: u64) {
     out[16..24].copy_from_slice(&sector.to_le_bytes());
     let mut x = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (dev << 48) ^ sector;
     for w in out[24..].chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let b = x.to_le_bytes();
+        let b = crate::rng::step(&mut x).to_le_bytes();
         w.copy_from_slice(&b[..w.len()]);
     }
 }

@@ -104,22 +104,17 @@ fn snapshot(d: &Daemon, origin: &str, origin_id: u64, snap_id: u64, freeze: Opti
     }
 }
 
-/// Seeded xorshift (failing seeds replay).
-struct Rng(u64);
+/// Seeded choices (failing seeds replay): dmkit's generator.
+struct Rng(dmkit::rng::XorShift);
 impl Rng {
     fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Rng(dmkit::rng::XorShift::seeded(seed))
     }
     fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
+        self.0.next_u64()
     }
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.0.below(n)
     }
 }
 

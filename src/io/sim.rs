@@ -186,11 +186,7 @@ pub fn shuffle<T>(v: &mut [T]) {
     let mut g = state();
     let Some(st) = g.as_mut() else { return };
     for i in (1..v.len()).rev() {
-        // xorshift64
-        st.rng ^= st.rng << 13;
-        st.rng ^= st.rng >> 7;
-        st.rng ^= st.rng << 17;
-        v.swap(i, (st.rng % (i as u64 + 1)) as usize);
+        v.swap(i, (crate::rng::step(&mut st.rng) % (i as u64 + 1)) as usize);
     }
 }
 

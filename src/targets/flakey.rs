@@ -171,13 +171,10 @@ impl Flakey {
     }
 
     fn random(&self) -> u64 {
-        // xorshift64*: cheap, and good enough for fault injection.
         let mut x = self.rng.load(Ordering::Relaxed);
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
+        crate::rng::step(&mut x);
         self.rng.store(x, Ordering::Relaxed);
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        x
     }
 
     /// The byte of `bio` to corrupt, and its new value, if any.

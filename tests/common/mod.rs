@@ -347,15 +347,7 @@ pub fn run(cmd: &mut Command) -> String {
 
 /// Deterministic pseudo-random bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    dmkit::rng::pattern(seed, len)
 }
 
 pub fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {
@@ -380,15 +372,13 @@ impl Daemon {
     }
 }
 
-/// A xorshift generator: reproducible random offsets for model tests.
+/// Reproducible random offsets for model tests (dmkit's generator, state set
+/// directly).
 pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        dmkit::rng::step(&mut self.0)
     }
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n

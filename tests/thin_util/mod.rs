@@ -188,20 +188,17 @@ pub fn model_of_api(md: &mut ThinPoolMetadata) -> Model {
     m
 }
 
-/// xorshift64*: tiny, deterministic, good enough for workloads.
-pub struct Rng(u64);
+/// Deterministic workloads from a seed (dmkit's generator).
+pub struct Rng(dmkit::rng::XorShift);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Rng(dmkit::rng::XorShift::seeded(seed))
     }
     pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        self.0.next_u64()
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.0.below(n)
     }
 }

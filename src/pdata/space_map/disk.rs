@@ -396,9 +396,7 @@ mod tests {
         let mut x = 0x1234_5678_9abc_def0u64;
         let mut overflow = Overflow::default();
         for b in 0..nr {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            crate::rng::step(&mut x);
             // runs of free blocks at the start of the first bitmap
             let c = if b < 100 {
                 0
