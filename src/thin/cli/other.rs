@@ -584,7 +584,7 @@ fn live_pool(input: &Path) -> Option<String> {
 /// Run a tool on a live pool: a message to the pool through the daemon, which
 /// commits, holds the metadata still and answers from the committed trees.
 fn ask_daemon(pool: String, tool_words: Vec<String>) -> Outcome {
-    let sock = crate::daemon::default_run_dir().join("control.sock");
+    let sock = crate::client::default_run_dir().join("control.sock");
     let mut s = std::os::unix::net::UnixStream::connect(&sock).map_err(|e| {
         Failure::Message(format!(
             "cannot reach the dmkit daemon at {} for pool {pool}: {e}",
@@ -593,7 +593,7 @@ fn ask_daemon(pool: String, tool_words: Vec<String>) -> Outcome {
     })?;
     let mut words = vec!["message".to_string(), pool.clone(), "0".to_string()];
     words.extend(tool_words);
-    let (ok, out, err) = crate::control::call(&mut s, &words, b"")
+    let (ok, out, err) = crate::client::call(&mut s, &words, b"")
         .map_err(|e| Failure::Message(format!("talking to the daemon: {e}")))?;
     if !ok {
         if let Some(DaemonDev::Other(why)) = daemon_device(&pool) {
@@ -618,10 +618,10 @@ pub(super) enum DaemonDev {
 
 /// Ask the daemon (if one answers) what device NAME is.
 pub(super) fn daemon_device(name: &str) -> Option<DaemonDev> {
-    let sock = crate::daemon::default_run_dir().join("control.sock");
+    let sock = crate::client::default_run_dir().join("control.sock");
     let mut s = std::os::unix::net::UnixStream::connect(sock).ok()?;
     let words = ["table".to_string(), name.to_string()];
-    let (ok, out, _) = crate::control::call(&mut s, &words, b"").ok()?;
+    let (ok, out, _) = crate::client::call(&mut s, &words, b"").ok()?;
     if !ok {
         return None;
     }
