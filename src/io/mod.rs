@@ -124,8 +124,12 @@ pub struct Leaf {
     pub offset: u64,
     /// Byte length.
     pub len: u64,
-    /// Byte offset of this piece in the request buffer (Read/Write).
+    /// Byte offset of this piece in the request buffer (Read/Write), or in the
+    /// target's own buffer `owned`.
     pub buf_off: usize,
+    /// The buffer a target allocated for this leaf's data (an index among the
+    /// request's owned buffers), instead of the request's (`MapCtx::remap_owned`).
+    pub owned: Option<u32>,
     /// Durable before completion (REQ_FUA).
     pub fua: bool,
     /// Bytes of this leaf already done (short transfers are resumed).
@@ -159,7 +163,10 @@ pub fn coalesce(leaves: &mut Vec<Leaf>) {
 impl Leaf {
     /// Nothing but I/O: no completion hook or progress.
     fn plain(&self) -> bool {
-        matches!(self.kind, LeafKind::Read | LeafKind::Write) && self.end_io.is_none() && self.done == 0
+        matches!(self.kind, LeafKind::Read | LeafKind::Write)
+            && self.end_io.is_none()
+            && self.owned.is_none()
+            && self.done == 0
     }
 
     fn continued_by(&self, next: &Leaf) -> bool {
@@ -181,6 +188,7 @@ impl Leaf {
             offset: 0,
             len,
             buf_off,
+            owned: None,
             fua: false,
             done: 0,
             origin: (0, 0, 0),

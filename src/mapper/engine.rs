@@ -15,7 +15,7 @@
 //! a [`Pending`], which it completes, remaps or requeues. The completion is posted to
 //! the owning engine's inbox and wakes its ring through an eventfd; nothing polls.
 
-use super::target::apply_end_io;
+use super::target::{apply_end_io, Owned};
 use super::{map_bio, release, Device, Hold};
 use super::{Bio, MapCtx, MapErr};
 use crate::io::queue::{IoQueue, Sqe};
@@ -77,6 +77,8 @@ pub(crate) struct Piece {
     pub(crate) bio: Bio,
     /// The hook of a piece above that this one belongs to.
     pub(crate) end_io: Option<EndIo>,
+    /// The owned buffer the piece's data is in (None: the request's).
+    pub(crate) owned: Option<u32>,
 }
 
 struct Msg {
@@ -211,6 +213,8 @@ pub struct Request {
     gen: u32,
     leaves: Vec<Leaf>,
     holds: Vec<Hold>,
+    /// Buffers targets allocated for parts of this request (`MapCtx::remap_owned`).
+    owned: Vec<Owned>,
     /// Leaves issued and pieces out with targets, not yet finished.
     pending: u32,
     /// A device on the path is suspended: when nothing is pending, release every
@@ -241,6 +245,7 @@ impl Request {
             gen: 0,
             leaves: Vec::with_capacity(8),
             holds: Vec::with_capacity(4),
+            owned: Vec::new(),
             pending: 0,
             requeue: false,
             then_flush: false,
@@ -279,6 +284,8 @@ pub struct Engine {
     done: VecDeque<usize>,
     io_events: Vec<IoEvent>,
     zero_buf: AlignedBuf,
+    /// Free buffers for targets' owned data, reused from request to request.
+    owned_pool: Vec<AlignedBuf>,
     cq: Vec<(u64, i32)>,
     msgs: Vec<Msg>,
     closing: bool,
@@ -303,6 +310,7 @@ impl Engine {
             done: VecDeque::new(),
             io_events: Vec::with_capacity(64),
             zero_buf: AlignedBuf::default(),
+            owned_pool: Vec::new(),
             cq: Vec::with_capacity(256),
             msgs: Vec::new(),
             closing: false,
@@ -348,6 +356,7 @@ impl Engine {
         let q = &mut self.reqs[r];
         q.state = State::Free;
         q.leaves.clear();
+        self.owned_pool.extend(q.owned.drain(..).map(|o| o.buf));
         self.free.push(r);
     }
 
@@ -520,7 +529,15 @@ impl Engine {
         let q = &mut self.reqs[r];
         let n = if q.op.has_data() { q.bytes() } else { 0 };
         let data = &mut q.buf.as_mut_slice()[..n];
-        let mut ctx = MapCtx::new(&mut q.leaves, &mut q.holds, data, &self.inbox, r as u32, q.gen);
+        let mut ctx = MapCtx::new(
+            &mut q.leaves,
+            &mut q.holds,
+            data,
+            &self.inbox,
+            &mut q.owned,
+            &mut self.owned_pool,
+            (r as u32, q.gen),
+        );
         // A target that panics fails the request and the device (crate::panics).
         let res = crate::panics::catching(|| f(&mut ctx, &self.dev)).unwrap_or_else(|| {
             self.dev.fail();
@@ -658,6 +675,7 @@ impl Engine {
                     (a, b) => a.or(b),
                 };
                 let res = self.map_with(r, |ctx, _| {
+                    ctx.in_buffer(m.owned);
                     ctx.at_target(m.origin, m.target_start);
                     ctx.remap_dest_with(&dest, bio, end_io)
                 });
@@ -678,7 +696,10 @@ impl Engine {
                                 sector: m.target_start + m.bio.sector,
                                 ..m.bio
                             };
-                            let res = self.map_with(r, |ctx, _| map_bio(&d, bio, ctx));
+                            let res = self.map_with(r, |ctx, _| {
+                                ctx.in_buffer(m.owned);
+                                map_bio(&d, bio, ctx)
+                            });
                             self.after_remap(r, first, res);
                         }
                         _ => q.requeue = true,
@@ -737,33 +758,34 @@ impl Engine {
         // The request buffer bounds every data leaf: the I/O below writes through a
         // raw pointer. A target that maps outside it (a bug, or metadata it did not
         // check) fails the request instead.
+        let n = q.bytes();
         let l = &q.leaves[i];
+        let data = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned);
+        let size = data.len();
         if matches!(l.kind, LeafKind::Read | LeafKind::Write | LeafKind::ZeroFill)
-            && l.buf_off
-                .checked_add(l.len as usize)
-                .is_none_or(|end| end > q.bytes())
+            && l.buf_off.checked_add(l.len as usize).is_none_or(|end| end > size)
         {
             tracing::error!(
-                "engine: a target mapped {} bytes at offset {} of a {}-byte request; failing it",
+                "engine: a target mapped {} bytes at offset {} of a {size}-byte buffer; failing it",
                 l.len,
                 l.buf_off,
-                q.bytes()
             );
             q.leaves[i].kind = LeafKind::Fail(crate::io::errno::EIO);
         }
         let l = &q.leaves[i];
         let (off, rem) = (l.offset + l.done, l.len - l.done);
         let base = l.buf_off + l.done as usize;
+        let data = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned);
         let op = match (l.kind, l.file) {
-            (LeafKind::Read, Some(f)) => f.read(q.buf.as_mut_slice()[base..].as_mut_ptr(), rem, off),
-            (LeafKind::Write, Some(f)) => f.write(q.buf.as_slice()[base..].as_ptr(), rem, off, l.fua),
+            (LeafKind::Read, Some(f)) => f.read(data[base..].as_mut_ptr(), rem, off),
+            (LeafKind::Write, Some(f)) => f.write(data[base..].as_ptr(), rem, off, l.fua),
             (LeafKind::Flush, Some(f)) => f.flush(),
             (LeafKind::Discard, Some(f)) => f.discard(off, rem),
             (LeafKind::WriteZeroes { punch }, Some(f)) => f.zero(punch, off, rem),
             (kind, _) => {
                 let ok = match kind {
                     LeafKind::ZeroFill => {
-                        q.buf.as_mut_slice()[l.buf_off..l.buf_off + l.len as usize].fill(0);
+                        data[l.buf_off..l.buf_off + l.len as usize].fill(0);
                         true
                     }
                     LeafKind::Fail(e) => {
@@ -777,9 +799,8 @@ impl Engine {
                 let l = &mut q.leaves[i];
                 if let Some(h) = l.end_io.take() {
                     let mut e = 0;
-                    guarded(&self.dev, &mut q.error, || {
-                        e = apply_end_io(&h, ok, l, &mut q.buf)
-                    });
+                    let data = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned);
+                    guarded(&self.dev, &mut q.error, || e = apply_end_io(&h, ok, l, data));
                     q.hooked = true;
                     if e != 0 && q.error == 0 {
                         q.error = e;
@@ -824,6 +845,7 @@ impl Engine {
     fn on_leaf(&mut self, r: usize, i: usize, res: i32) {
         let q = &mut self.reqs[r];
         q.pending -= 1;
+        let n = q.bytes();
         let l = &mut q.leaves[i];
         let zeroes = matches!(l.kind, LeafKind::WriteZeroes { .. });
         if res < 0 {
@@ -849,7 +871,9 @@ impl Engine {
                 if l.kind == LeafKind::Read {
                     // Past the end of the file: the rest reads as zeroes.
                     let (a, b) = (l.buf_off + l.done as usize, l.buf_off + l.len as usize);
-                    q.buf.as_mut_slice()[a..b].fill(0);
+                    if let Some(d) = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned).get_mut(a..b) {
+                        d.fill(0);
+                    }
                     l.done = l.len;
                 } else if q.error == 0 {
                     q.error = errno::EIO;
@@ -870,9 +894,8 @@ impl Engine {
         if let Some(h) = l.end_io.take() {
             let ok = res >= 0 && !(res == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
             let mut e = 0;
-            guarded(&self.dev, &mut q.error, || {
-                e = apply_end_io(&h, ok, l, &mut q.buf)
-            });
+            let data = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned);
+            guarded(&self.dev, &mut q.error, || e = apply_end_io(&h, ok, l, data));
             q.hooked = true;
             if e != 0 && q.error == 0 {
                 q.error = e;
@@ -885,6 +908,7 @@ impl Engine {
 
     /// Every leaf and piece of `r` is done.
     fn leaves_done(&mut self, r: usize) {
+        self.finish_owned(r);
         if self.reqs[r].requeue {
             self.park(r);
             return;
@@ -926,6 +950,50 @@ impl Engine {
         let q = &mut self.reqs[r];
         q.state = State::Done;
         self.done.push_back(r);
+    }
+}
+
+impl Engine {
+    /// Every leaf and piece of `r` is done: run the hooks of its owned buffers
+    /// (innermost first, each with the data it stands for) and give the buffers
+    /// back to the free list. A request that is requeued maps into new ones.
+    fn finish_owned(&mut self, r: usize) {
+        let q = &mut self.reqs[r];
+        if q.owned.is_empty() {
+            return;
+        }
+        let n = q.bytes();
+        while let Some(mut o) = q.owned.pop() {
+            if let Some(h) = o.hook.take() {
+                let ok = o.ok();
+                let own = &mut o.buf.as_mut_slice()[..o.len];
+                let client = leaf_buf(&mut q.buf, n, &mut q.owned, o.client);
+                let client = client
+                    .get_mut(o.client_off..o.client_off + o.len)
+                    .unwrap_or_default();
+                let mut e = 0;
+                guarded(&self.dev, &mut q.error, || e = h(ok, own, client));
+                if e != 0 && q.error == 0 {
+                    q.error = e;
+                }
+            }
+            self.owned_pool.push(o.buf);
+        }
+    }
+}
+
+/// The buffer a leaf's data is in: request `r`'s (`n` bytes) or one of its owned
+/// buffers.
+fn leaf_buf<'b>(
+    buf: &'b mut AlignedBuf,
+    n: usize,
+    owned: &'b mut [Owned],
+    which: Option<u32>,
+) -> &'b mut [u8] {
+    match which.and_then(|i| owned.get_mut(i as usize)) {
+        Some(o) => o.buf.as_mut_slice().get_mut(..o.len).unwrap_or_default(),
+        // a request without data (discard, flush) has no buffer of its length
+        None => buf.as_mut_slice().get_mut(..n).unwrap_or_default(),
     }
 }
 

@@ -10,7 +10,7 @@ use crate::io::{AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, SECTOR};
 use crate::sync::Unpoison;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 
@@ -244,6 +244,12 @@ pub struct MapCtx<'a> {
     /// I/O is done (see [`MapCtx::flush_after`]).
     flush_after: bool,
     inbox: &'a Arc<Inbox>,
+    /// The request's owned buffers ([`remap_owned`](Self::remap_owned)), and the
+    /// engine's free ones to take them from.
+    owned: &'a mut Vec<Owned>,
+    pool: &'a mut Vec<AlignedBuf>,
+    /// The owned buffer the bios being mapped now address (None: the request's).
+    cur: Option<u32>,
     slot: u32,
     gen: u32,
     /// Every leaf and piece produced while set joins this hook (`remap_dest_with`).
@@ -276,6 +282,36 @@ impl Join {
     }
 }
 
+/// The end-of-I/O hook of [`MapCtx::remap_owned`]: whether the I/O happened and
+/// succeeded, the target's buffer, the request's data it stands for; 0 or an
+/// errno that fails the request.
+pub type OwnedEndIo = Box<dyn FnOnce(bool, &mut [u8], &mut [u8]) -> i32 + Send>;
+
+const OWNED_PENDING: u8 = 0;
+const OWNED_OK: u8 = 1;
+const OWNED_FAILED: u8 = 2;
+
+/// A buffer a target allocated for part of a request ([`MapCtx::remap_owned`]).
+pub(crate) struct Owned {
+    pub(super) buf: AlignedBuf,
+    /// Bytes used.
+    pub(super) len: usize,
+    /// The data it stands for: the request's (None) or an outer owned buffer, at
+    /// `client_off`.
+    pub(super) client: Option<u32>,
+    pub(super) client_off: usize,
+    pub(super) hook: Option<OwnedEndIo>,
+    /// `OWNED_*`: whether everything mapped into it is done, and how.
+    done: Arc<AtomicU8>,
+}
+
+impl Owned {
+    /// Whether everything mapped into the buffer happened and succeeded.
+    pub(super) fn ok(&self) -> bool {
+        self.done.load(Ordering::SeqCst) == OWNED_OK
+    }
+}
+
 /// A point in a mapping's list of leaves ([`MapCtx::mark`]): what a target
 /// produced after it can be changed or abandoned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,8 +327,9 @@ impl<'a> MapCtx<'a> {
         holds: &'a mut Vec<Hold>,
         data: &'a mut [u8],
         inbox: &'a Arc<Inbox>,
-        slot: u32,
-        gen: u32,
+        owned: &'a mut Vec<Owned>,
+        pool: &'a mut Vec<AlignedBuf>,
+        (slot, gen): (u32, u32),
     ) -> MapCtx<'a> {
         MapCtx {
             leaves,
@@ -304,10 +341,65 @@ impl<'a> MapCtx<'a> {
             submitted: 0,
             flush_after: false,
             inbox,
+            owned,
+            pool,
+            cur: None,
             slot,
             gen,
             join: None,
         }
+    }
+
+    /// The bios mapped from now on address owned buffer `b` (None: the request's
+    /// data): a piece taken while mapping into an owned buffer comes back to it.
+    pub(super) fn in_buffer(&mut self, b: Option<u32>) {
+        self.cur = b;
+    }
+
+    /// Send `bio` (in `dev`'s sectors) to `dev` with data in a buffer of the
+    /// target's own instead of the request's (dm-crypt's): a buffer of
+    /// `bio.bytes()` is taken from the engine's free list, `fill` gets it and the
+    /// request's data `bio` covers (a write encrypts into it), and `end_io` runs
+    /// once everything the mapping produced is done, before the request
+    /// completes, with whether all of it happened and succeeded, the buffer, and
+    /// the request's data (a read decrypts into it). The request's data is never
+    /// changed on the way down, so a requeue that maps the request again finds
+    /// it as the client sent it. Only reads and writes carry data; other
+    /// operations go on as [`remap`](Self::remap) sends them.
+    pub fn remap_owned(
+        &mut self,
+        dev: &DevRef,
+        bio: Bio,
+        fill: impl FnOnce(&mut [u8], &mut [u8]),
+        end_io: OwnedEndIo,
+    ) -> Result<(), MapErr> {
+        if !matches!(bio.op, Op::Read | Op::Write) {
+            return self.remap(dev, bio, 0);
+        }
+        let len = bio.bytes() as usize;
+        let mut buf = match self.pool.iter().position(|b| b.capacity() >= len) {
+            Some(i) => self.pool.swap_remove(i),
+            None => AlignedBuf::new(len),
+        };
+        fill(&mut buf.as_mut_slice()[..len], self.data_of(&bio));
+        let idx = self.owned.len() as u32;
+        let done = Arc::new(AtomicU8::new(OWNED_PENDING));
+        self.owned.push(Owned {
+            buf,
+            len,
+            client: self.cur,
+            client_off: bio.buf_off,
+            hook: Some(end_io),
+            done: done.clone(),
+        });
+        let outer = self.cur.replace(idx);
+        let mark: EndIo = Arc::new(move |ok, _: &mut [u8]| {
+            done.store(if ok { OWNED_OK } else { OWNED_FAILED }, Ordering::SeqCst);
+            0
+        });
+        let r = self.joined(mark, |ctx| ctx.remap(dev, Bio { buf_off: 0, ..bio }, 0));
+        self.cur = outer;
+        r
     }
 
     // ---- for the core: the engine and `map_bio` ----
@@ -528,6 +620,7 @@ impl<'a> MapCtx<'a> {
             offset: bio.sector * SECTOR,
             len: bio.bytes(),
             buf_off: bio.buf_off,
+            owned: self.cur,
             fua: bio.fua,
             done: 0,
             origin: (self.origin.0, self.origin.1, tag),
@@ -541,6 +634,7 @@ impl<'a> MapCtx<'a> {
         self.submitted += 1;
         let end_io = self.join.as_ref().map(|j| j.child());
         let piece = Piece {
+            owned: self.cur,
             slot: self.slot,
             gen: self.gen,
             origin: self.origin,
@@ -555,6 +649,7 @@ impl<'a> MapCtx<'a> {
     pub fn complete(&mut self, bio: Bio, kind: LeafKind) {
         let mut l = Leaf::new(kind, if bio.op.has_data() { bio.bytes() } else { 0 }, bio.buf_off);
         l.origin = (self.origin.0, self.origin.1, 0);
+        l.owned = self.cur;
         l.end_io = self.join.as_ref().map(|j| j.child());
         self.leaves.push(l);
     }
@@ -562,17 +657,19 @@ impl<'a> MapCtx<'a> {
     /// The part of the request's data `bio` covers (empty without data).
     pub fn data_of(&mut self, bio: &Bio) -> &mut [u8] {
         let (a, n) = (bio.buf_off, bio.bytes() as usize);
-        self.data.get_mut(a..a + n).unwrap_or_default()
+        let all = match self.cur.and_then(|b| self.owned.get_mut(b as usize)) {
+            Some(o) => &mut o.buf.as_mut_slice()[..o.len],
+            None => &mut *self.data,
+        };
+        all.get_mut(a..a + n).unwrap_or_default()
     }
 }
 
 /// Run a leaf's end-of-I/O hook with its part of the request buffer.
-pub(crate) fn apply_end_io(h: &EndIo, ok: bool, l: &Leaf, buf: &mut AlignedBuf) -> i32 {
+pub(crate) fn apply_end_io(h: &EndIo, ok: bool, l: &Leaf, buf: &mut [u8]) -> i32 {
     let data = if matches!(l.kind, LeafKind::Read | LeafKind::Write) {
         let a = l.buf_off;
-        buf.as_mut_slice()
-            .get_mut(a..a + l.len as usize)
-            .unwrap_or_default()
+        buf.get_mut(a..a + l.len as usize).unwrap_or_default()
     } else {
         &mut []
     };

@@ -9,6 +9,7 @@ pub mod snapshot;
 pub mod striped;
 pub mod thin;
 pub mod writecache;
+pub mod xor;
 pub mod zero;
 
 use crate::mapper::TargetType;
@@ -28,6 +29,7 @@ pub fn types() -> &'static [TargetType] {
         snapshot::SNAPSHOT_TYPE,
         snapshot::MERGE_TYPE,
         writecache::TYPE,
+        xor::TYPE,
     ];
     TYPES
 }
