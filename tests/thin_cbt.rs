@@ -322,7 +322,7 @@ fn block_status_on_damaged_metadata_fails_the_request_and_the_pool() {
         let mut tm =
             dmkit::thin::dump::reader(Box::new(dmkit::pdata::FileDev::open(&meta, false).unwrap()), 64);
         let sb = dmkit::thin::metadata::read_superblock(&mut tm.cache).unwrap();
-        let plan = dmkit::thin::dump::plan_of(&mut tm, &sb).unwrap();
+        let plan = dmkit::thin::ir::plan_of(&mut tm, &sb).unwrap();
         plan.devices.iter().find(|x| x.0 == 0).unwrap().2
     };
     let f = std::fs::OpenOptions::new().write(true).open(&meta).unwrap();

@@ -2,7 +2,8 @@
 //! valid; dmkit's restore/dump round-trip through the real tools.
 
 mod thin_util;
-use dmkit::thin::xml::{self, Piece, XmlDevice, XmlMetadata, XmlSuperblock};
+use dmkit::thin::ir::Header;
+use dmkit::thin::xml::{self, Piece, XmlDevice, XmlMetadata};
 use thin_util::*;
 
 /// Random XML: several devices, some data blocks mapped by two devices.
@@ -35,7 +36,7 @@ fn generated_xml(seed: u64) -> XmlMetadata {
         });
     }
     XmlMetadata {
-        superblock: XmlSuperblock {
+        superblock: Header {
             uuid: String::new(),
             time: 4,
             transaction: 9,

@@ -9,6 +9,7 @@ pub mod cache;
 pub mod checksum;
 pub mod dev;
 pub mod error;
+pub mod sm_disk;
 pub mod space_map;
 pub mod tm;
 

@@ -1,15 +1,15 @@
 //! Transaction manager: copy-on-write ("shadowing") of metadata blocks over
-//! the block cache and the two space maps.
+//! the block cache and the two space maps. Knows no block's layout: the
+//! btree shadows its nodes through `shadow_with`.
 //!
 //! A block may be modified in place only if this transaction created it and
 //! nothing else references it (count 1). Anything else is copied to a block
 //! that was free at the last commit; the caller then repoints its parent.
 
-use super::btree::ValueKind;
 use super::cache::{BlockCache, FastMap};
 use super::error::{corrupt, BlockKind, Result};
 use super::space_map::{SmKind, SpaceMap};
-use super::{btree::node, Block};
+use super::Block;
 
 pub struct TransactionManager {
     pub cache: BlockCache,
@@ -83,52 +83,31 @@ impl TransactionManager {
         Ok(b)
     }
 
-    /// Make btree node `b` writable, copying it if needed. Returns the block to
-    /// use from now on. When the copied node was shared, each of its children
-    /// gains a parent, so their counts go up (the kernel's lazy increment).
-    pub fn shadow(&mut self, b: u64, vk: ValueKind) -> Result<u64> {
+    /// Make block `b` writable, copying it if needed, and return the block to
+    /// use from now on. `check` vets the contents before a copy is made;
+    /// `shared` runs on the copy when the original had other references, so
+    /// the owner of the block's format can count the copy's new references.
+    pub fn shadow_with(
+        &mut self,
+        b: u64,
+        kind: BlockKind,
+        check: impl FnOnce(&Block) -> Result<()>,
+        shared: impl FnOnce(&mut TransactionManager, &Block) -> Result<()>,
+    ) -> Result<u64> {
         if self.is_writable(b) {
             return Ok(b);
         }
         let count = self.meta.count(b);
-        if count == 0 {
-            return Err(corrupt(b, "btree node is referenced but has count 0"));
-        }
-        let copy: Box<Block> = Box::new(*self.cache.read(b, BlockKind::BtreeNode)?);
-        node::check_header(b, &copy, vk.value_size())?;
+        let copy: Box<Block> = Box::new(*self.cache.read(b, kind)?);
+        check(&copy)?;
         let n = self.meta.alloc()?;
-        self.cache.put(n, BlockKind::BtreeNode, &copy)?;
+        self.cache.put(n, kind, &copy)?;
         self.shadows.insert(n, ());
         if count > 1 {
-            self.inc_children(&copy, vk)?;
+            shared(self, &copy)?;
         }
         self.dec(b)?;
         Ok(n)
-    }
-
-    /// +1 on everything a node points to.
-    pub fn inc_children(&mut self, d: &Block, vk: ValueKind) -> Result<()> {
-        let nr = node::nr_entries(d);
-        if !node::is_leaf(d) {
-            for i in 0..nr {
-                self.meta.inc(node::value_u64(d, i))?;
-            }
-            return Ok(());
-        }
-        match vk {
-            ValueKind::Plain(_) => {}
-            ValueKind::DataRef { shift } => {
-                for i in 0..nr {
-                    self.data.inc(node::value_u64(d, i) >> shift)?;
-                }
-            }
-            ValueKind::Subtree { .. } => {
-                for i in 0..nr {
-                    self.meta.inc(node::value_u64(d, i))?;
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Start a new transaction after a durable commit.

@@ -15,7 +15,7 @@ use super::progress::Progress;
 use super::superblock::{DeviceDetails, Superblock, SUPERBLOCK_LOCATION};
 use crate::pdata::btree::node;
 use crate::pdata::cache::FastMap;
-use crate::pdata::space_map::disk::{self, decode_index_entry, SmRoot};
+use crate::pdata::sm_disk::{self, decode_index_entry, SmRoot};
 use crate::pdata::space_map::{SmKind, SpaceMap};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{Block, BlockKind, MetadataDev, PdataError, BLOCK_SIZE};
@@ -560,8 +560,8 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
             let (data_root, meta_root) = (sb.data_sm_root, sb.meta_sm_root);
             std::thread::spawn(move || {
                 let mut tm2 = reader(dev2, 64);
-                let d = disk::load(&mut tm2, SmKind::Data, &data_root);
-                let m = disk::load(&mut tm2, SmKind::Metadata, &meta_root);
+                let d = sm_disk::load(&mut tm2, SmKind::Data, &data_root);
+                let m = sm_disk::load(&mut tm2, SmKind::Metadata, &meta_root);
                 (d, m)
             })
         });
@@ -809,7 +809,7 @@ fn space_map(
     leaks: &mut Vec<(u64, u32)>,
 ) -> bool {
     let word = kind_word(kind);
-    let loaded = loaded.unwrap_or_else(|| disk::load(&mut c.tm, kind, root));
+    let loaded = loaded.unwrap_or_else(|| sm_disk::load(&mut c.tm, kind, root));
     let sm = match loaded {
         Ok(sm) => sm,
         Err(PdataError::Checksum {

@@ -10,7 +10,7 @@ use super::map_cache::MapCache;
 use super::superblock::*;
 use crate::pdata::btree::{self, ValueKind};
 use crate::pdata::cache::{BlockCache, FastMap};
-use crate::pdata::space_map::disk::{self, SmRoot};
+use crate::pdata::sm_disk::{self, SmRoot};
 use crate::pdata::space_map::{SmKind, SpaceMap, MAX_METADATA_BLOCKS};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{BlockKind, MetadataDev};
@@ -88,8 +88,8 @@ pub fn read_superblock(cache: &mut BlockCache) -> Result<Superblock> {
 /// The sizes a superblock (at `block`, on a metadata device of `dev_blocks`)
 /// states: its space maps' and its data block size.
 fn check_sizes(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
-    disk::check_root(SmKind::Metadata, &sb.meta_sm_root, block, dev_blocks)?;
-    disk::check_root(SmKind::Data, &sb.data_sm_root, block, dev_blocks)?;
+    sm_disk::check_root(SmKind::Metadata, &sb.meta_sm_root, block, dev_blocks)?;
+    sm_disk::check_root(SmKind::Data, &sb.data_sm_root, block, dev_blocks)?;
     check_data_block_size(sb.data_block_size).map_err(|_| {
         ThinError::BadSuperblock(format!(
             "data_block_size is {} sectors: must be 128..2097152 and a multiple of 128",
@@ -113,8 +113,8 @@ impl ThinPoolMetadata {
         meta.set(SUPERBLOCK_LOCATION, 1)?;
         let data = SpaceMap::new(SmKind::Data, opts.nr_data_blocks)?;
         let mut tm = TransactionManager::new(cache, meta, data);
-        disk::create_trees(&mut tm, SmKind::Metadata)?;
-        disk::create_trees(&mut tm, SmKind::Data)?;
+        sm_disk::create_trees(&mut tm, SmKind::Metadata)?;
+        sm_disk::create_trees(&mut tm, SmKind::Data)?;
         let details_root = btree::create(&mut tm, DETAILS)?;
         let mapping_root = btree::create(&mut tm, TOP)?;
         let sb = Superblock {
@@ -176,8 +176,8 @@ impl ThinPoolMetadata {
         self.tm.abort();
         self.map_cache.clear();
         let sb = read_superblock(&mut self.tm.cache)?;
-        self.tm.meta = disk::load(&mut self.tm, SmKind::Metadata, &sb.meta_sm_root)?;
-        self.tm.data = disk::load(&mut self.tm, SmKind::Data, &sb.data_sm_root)?;
+        self.tm.meta = sm_disk::load(&mut self.tm, SmKind::Metadata, &sb.meta_sm_root)?;
+        self.tm.data = sm_disk::load(&mut self.tm, SmKind::Data, &sb.data_sm_root)?;
         let mut details = BTreeMap::new();
         btree::walk(&mut self.tm, sb.details_root, 24, &mut |k, v| {
             details.insert(k, DeviceDetails::decode(v));
@@ -213,7 +213,7 @@ impl ThinPoolMetadata {
                 self.sb.details_root = btree::insert(&mut self.tm, self.sb.details_root, dev, &v, DETAILS)?.0;
             }
         }
-        let (meta_root, data_root) = disk::commit(&mut self.tm)?;
+        let (meta_root, data_root) = sm_disk::commit(&mut self.tm)?;
         self.sb.meta_sm_root = meta_root;
         self.sb.data_sm_root = data_root;
         self.sb.metadata_nr_blocks = meta_root.nr_blocks;

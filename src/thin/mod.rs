@@ -3,6 +3,7 @@ pub mod check;
 pub mod cli;
 pub mod dump;
 pub mod error;
+pub mod ir;
 pub mod map_cache;
 pub mod metadata;
 pub mod progress;

@@ -12,14 +12,15 @@
 //! block mapped, the time from the newest mapping or device; the data block size
 //! must come from the old superblock or from the caller.
 
-use super::dump::{plan_of, Header, Overrides, Plan};
 use super::error::{Result, ThinError};
+use super::ir::{plan_of, Header, Overrides, Plan};
 use super::superblock::{
     unpack_block_time, DeviceDetails, Superblock, MAX_DATA_BLOCK_SIZE, MIN_DATA_BLOCK_SIZE,
 };
 use crate::pdata::btree::node;
 use crate::pdata::cache::validate;
-use crate::pdata::space_map::{disk, SmKind};
+use crate::pdata::sm_disk;
+use crate::pdata::space_map::SmKind;
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{BlockKind, BLOCK_SIZE};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -109,7 +110,7 @@ pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
     let ref_sb = sb_ok.then(|| Superblock::decode(&raw));
     if let (Some(sb), None) = (&ref_sb, o.nr_data_blocks) {
         // the data size it states is what the repaired pool gets
-        disk::check_root(SmKind::Data, &sb.data_sm_root, 0, tm.cache.nr_blocks())?;
+        sm_disk::check_root(SmKind::Data, &sb.data_sm_root, 0, tm.cache.nr_blocks())?;
     }
     if let Some(sb) = &ref_sb {
         if let Ok(mut p) = plan_of(tm, sb) {
@@ -222,6 +223,7 @@ pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
         (None, None) => found_nr,
     };
     let header = Header {
+        uuid: String::new(),
         time: ref_sb.as_ref().map_or(time, |s| s.time.max(time)),
         transaction,
         flags: 0,

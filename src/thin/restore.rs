@@ -6,8 +6,8 @@
 //! a pool with many snapshots restores into the space it had, and nothing of the
 //! dump is held in memory but the element being read.
 
-use super::dump::{Header, Overrides, Visitor};
 use super::error::{Result, ThinError};
+use super::ir::{Header, Overrides, Visitor};
 use super::metadata::{FormatOptions, ThinPoolMetadata, BOTTOM};
 use super::progress::Progress;
 use super::superblock::{pack_block_time, DeviceDetails};
@@ -269,15 +269,7 @@ pub fn restore_with(
     progress: bool,
 ) -> Result<ThinPoolMetadata> {
     let mut r = Restorer::new(dev, *o, progress);
-    let sb = &md_xml.superblock;
-    r.begin(&Header {
-        time: sb.time,
-        transaction: sb.transaction,
-        flags: sb.flags,
-        version: sb.version,
-        data_block_size: sb.data_block_size,
-        nr_data_blocks: sb.nr_data_blocks,
-    })?;
+    r.begin(&md_xml.superblock)?;
     for d in &md_xml.defs {
         r.def_begin(&d.name)?;
         for x in &d.runs {

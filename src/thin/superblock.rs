@@ -1,7 +1,7 @@
 //! The dm-thin superblock (block 0, and the held metadata-snapshot copy) and
 //! the device-details record.
 
-use crate::pdata::space_map::disk::SmRoot;
+use crate::pdata::sm_disk::SmRoot;
 use crate::pdata::{le32, le64, put32, put64, Block, BLOCK_SIZE};
 
 pub const MAGIC: u64 = 27_022_010;

@@ -2,38 +2,12 @@
 //! (entities decoded, 1.x's shared `<def>`/`<ref>` subtrees); writing is the fixed
 //! layout thin_dump prints, with the one free-text attribute (the uuid) escaped.
 
-use super::dump::Visitor;
 use super::error::{Result, ThinError};
+use super::ir::{Header, Visitor};
 use quick_xml::events::{BytesStart, Event};
 use quick_xml::Reader;
 use std::collections::HashMap;
 use std::fmt::Write as _;
-
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct XmlSuperblock {
-    pub uuid: String,
-    pub time: u32,
-    pub transaction: u64,
-    pub flags: u32,
-    pub version: u32,
-    pub data_block_size: u32,
-    pub nr_data_blocks: u64,
-}
-
-impl XmlSuperblock {
-    /// The superblock element of a dump's header (no uuid: 1.x writes none).
-    pub fn of(h: &super::dump::Header) -> XmlSuperblock {
-        XmlSuperblock {
-            uuid: String::new(),
-            time: h.time,
-            transaction: h.transaction,
-            flags: h.flags,
-            version: h.version,
-            data_block_size: h.data_block_size,
-            nr_data_blocks: h.nr_data_blocks,
-        }
-    }
-}
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct XmlDevice {
@@ -118,7 +92,7 @@ impl XmlDevice {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct XmlMetadata {
-    pub superblock: XmlSuperblock,
+    pub superblock: Header,
     pub defs: Vec<XmlDef>,
     pub devices: Vec<XmlDevice>,
 }
@@ -150,7 +124,7 @@ impl XmlMetadata {
 }
 
 /// The superblock element as thin_dump 1.x writes it: `flags` only when set.
-pub fn superblock_open(sb: &XmlSuperblock) -> String {
+pub fn superblock_open(sb: &Header) -> String {
     let flags = if sb.flags != 0 {
         format!(" flags=\"{}\"", sb.flags)
     } else {
@@ -431,7 +405,8 @@ pub fn parse_into(r: impl std::io::BufRead, v: &mut dyn Visitor) -> Result<()> {
                     return Err(at(line, "duplicated superblock"));
                 }
                 seen_sb = true;
-                let h = super::dump::Header {
+                let h = Header {
+                    uuid: String::new(),
                     time: a.num("time")?,
                     transaction: a.num("transaction")?,
                     flags: a.num_or("flags", 0)?,
@@ -497,8 +472,8 @@ struct Collect {
 }
 
 impl Visitor for Collect {
-    fn begin(&mut self, h: &super::dump::Header) -> Result<()> {
-        self.md.superblock = XmlSuperblock::of(h);
+    fn begin(&mut self, h: &Header) -> Result<()> {
+        self.md.superblock = h.clone();
         Ok(())
     }
     fn def_begin(&mut self, name: &str) -> Result<()> {
@@ -577,11 +552,11 @@ mod tests {
     #[test]
     fn uuid_is_escaped_and_decoded() {
         let md = XmlMetadata {
-            superblock: XmlSuperblock {
+            superblock: Header {
                 uuid: "a<b&c\"d'e>".into(),
                 data_block_size: 128,
                 nr_data_blocks: 10,
-                ..XmlSuperblock::default()
+                ..Header::default()
             },
             ..XmlMetadata::default()
         };

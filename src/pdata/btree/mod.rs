@@ -46,6 +46,46 @@ pub fn create(tm: &mut TransactionManager, vk: ValueKind) -> Result<u64> {
     Ok(b)
 }
 
+/// Make node `b` writable, copying it if needed; returns the block to use from
+/// now on. When the copied node was shared, each of its children gains a
+/// parent, so their counts go up (the kernel's lazy increment).
+pub fn shadow(tm: &mut TransactionManager, b: u64, vk: ValueKind) -> Result<u64> {
+    if !tm.is_writable(b) && tm.meta.count(b) == 0 {
+        return Err(corrupt(b, "btree node is referenced but has count 0"));
+    }
+    tm.shadow_with(
+        b,
+        BlockKind::BtreeNode,
+        |d| node::check_header(b, d, vk.value_size()),
+        |tm, d| inc_children(tm, d, vk),
+    )
+}
+
+/// +1 on everything a node points to.
+pub fn inc_children(tm: &mut TransactionManager, d: &Block, vk: ValueKind) -> Result<()> {
+    let nr = node::nr_entries(d);
+    if !node::is_leaf(d) {
+        for i in 0..nr {
+            tm.meta.inc(node::value_u64(d, i))?;
+        }
+        return Ok(());
+    }
+    match vk {
+        ValueKind::Plain(_) => {}
+        ValueKind::DataRef { shift } => {
+            for i in 0..nr {
+                tm.data.inc(node::value_u64(d, i) >> shift)?;
+            }
+        }
+        ValueKind::Subtree { .. } => {
+            for i in 0..nr {
+                tm.meta.inc(node::value_u64(d, i))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn read_node(tm: &mut TransactionManager, b: u64, leaf_vs: usize) -> Result<&Block> {
     let d = tm.read(b, BlockKind::BtreeNode)?;
     node::check_header(b, d, leaf_vs)?;
@@ -205,7 +245,7 @@ pub fn insert(
     vk: ValueKind,
 ) -> Result<(u64, Option<Vec<u8>>)> {
     let vs = vk.value_size();
-    let root = tm.shadow(root, vk)?;
+    let root = shadow(tm, root, vk)?;
     {
         let d = read_node(tm, root, vs)?;
         if node::nr_entries(d) == node::max(d) {
@@ -234,7 +274,7 @@ pub fn insert(
             }
         };
         let child = node::value_u64(d, i);
-        let c = tm.shadow(child, vk)?;
+        let c = shadow(tm, child, vk)?;
         if c != child {
             node::set_value_u64(tm.write(b, BlockKind::BtreeNode)?, i, c);
         }

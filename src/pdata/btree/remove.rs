@@ -3,7 +3,7 @@
 //! so removing one entry below can never leave a non-root node under-full.
 //! An internal root left with one child is collapsed into its root block.
 
-use super::{node, read_node, ValueKind, MAX_DEPTH};
+use super::{node, read_node, shadow, ValueKind, MAX_DEPTH};
 use crate::pdata::error::{corrupt, BlockKind, Result};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::Block;
@@ -19,7 +19,7 @@ pub fn remove(
     vk: ValueKind,
 ) -> Result<(u64, Option<Vec<u8>>)> {
     let vs = vk.value_size();
-    let root = tm.shadow(root, vk)?;
+    let root = shadow(tm, root, vk)?;
     let mut b = root;
     let mut removed = None;
     let mut depth = 0;
@@ -49,7 +49,7 @@ pub fn remove(
             i = rebalance(tm, b, i, key, vk)?;
         }
         let child = node::value_u64(tm.read(b, NODE)?, i);
-        let c = tm.shadow(child, vk)?;
+        let c = shadow(tm, child, vk)?;
         if c != child {
             node::set_value_u64(tm.write(b, NODE)?, i, c);
         }
@@ -71,7 +71,7 @@ fn rebalance(tm: &mut TransactionManager, parent: u64, i: usize, key: u64, vk: V
     let mut kids = [0u64; 2];
     for (j, slot) in [li, ri].into_iter().enumerate() {
         let old = node::value_u64(tm.read(parent, NODE)?, slot);
-        let s = tm.shadow(old, vk)?;
+        let s = shadow(tm, old, vk)?;
         if s != old {
             node::set_value_u64(tm.write(parent, NODE)?, slot, s);
         }
@@ -114,7 +114,7 @@ fn collapse_root(tm: &mut TransactionManager, root: u64, vk: ValueKind) -> Resul
             return Ok(());
         }
         let child = node::value_u64(d, 0);
-        let c = tm.shadow(child, vk)?;
+        let c = shadow(tm, child, vk)?;
         let cd = copy_of(tm, c)?;
         tm.write(root, NODE)?.copy_from_slice(&cd[..]);
         tm.dec(c)?;

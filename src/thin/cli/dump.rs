@@ -3,7 +3,8 @@
 use super::{
     open_input, open_output, quietly, req, stat, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs,
 };
-use crate::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Overrides, Source};
+use crate::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Source};
+use crate::thin::ir::Overrides;
 use crate::thin::repair::salvage;
 use crate::thin::restore::Restorer;
 use crate::thin::{xml, ThinError};

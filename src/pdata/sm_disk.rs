@@ -3,10 +3,10 @@
 //! btree. Loading decodes everything into the in-core `SpaceMap`; committing
 //! writes back what changed.
 
-use super::{SmKind, SpaceMap, ENTRIES_PER_BITMAP};
 use crate::pdata::bounds;
 use crate::pdata::btree::{self, ValueKind};
 use crate::pdata::error::{corrupt, BlockKind, PdataError, Result};
+use crate::pdata::space_map::{SmKind, SpaceMap, ENTRIES_PER_BITMAP};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{le32, le64, put32, put64, Block};
 

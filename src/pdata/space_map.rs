@@ -1,12 +1,11 @@
 //! Reference-counting space maps (metadata and data), kept in core as one
 //! byte per block plus a side table for large counts, and written back to the
-//! kernel's on-disk form (2-bit bitmaps, index, overflow btree) at commit.
+//! kernel's on-disk form (2-bit bitmaps, index, overflow btree) at commit
+//! (by `sm_disk`).
 //!
 //! Allocation follows the kernel's rule: a block is handed out only if it is
 //! free now *and* was free in the last committed state, so a transaction never
 //! overwrites anything a crash could need.
-
-pub mod disk;
 
 use super::bounds;
 use super::cache::FastMap;
