@@ -76,6 +76,17 @@ class QemuCached(run.Server):
         time.sleep(0.2)
 
 
+def prepare(tmp):
+    """The linear server's file and the thin pool's data file, written whole, in
+    `tmp`: (linear file, (thin data, thin metadata))."""
+    backing = os.path.join(tmp, "linear.img")
+    thin_data = os.path.join(tmp, "thin-data.img")
+    for f in (backing, thin_data):
+        subprocess.run(["fio", "--name=fill", "--ioengine=psync", "--rw=write", "--bs=1M",
+                        f"--size={SIZE}", f"--filename={f}"], capture_output=True, check=True)
+    return backing, (thin_data, os.path.join(tmp, "thin-meta.img"))
+
+
 def one(kind, backing, tmp, thin_files, conns, fio_args, runtime, binary=None):
     if binary:
         run.DMKIT = binary
@@ -109,12 +120,7 @@ def main():
     conns = [int(x) for x in a.conns.split(",")]
     rws, bss = a.rw.split(","), a.bs.split(",")
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        backing = os.path.join(tmp, "linear.img")
-        thin_data = os.path.join(tmp, "thin-data.img")
-        for f in (backing, thin_data):
-            subprocess.run(["fio", "--name=fill", "--ioengine=psync", "--rw=write", "--bs=1M",
-                            f"--size={SIZE}", f"--filename={f}"], capture_output=True, check=True)
-        thin_files = (thin_data, os.path.join(tmp, "thin-meta.img"))
+        backing, thin_files = prepare(tmp)
         res = {}
         for rep in range(a.reps):
             for rw in rws:
@@ -177,12 +183,7 @@ def before_after(a):
     rws, bss = a.rw.split(","), a.bs.split(",")
     res = {}
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        backing = os.path.join(tmp, "linear.img")
-        thin_data = os.path.join(tmp, "thin-data.img")
-        for f in (backing, thin_data):
-            subprocess.run(["fio", "--name=fill", "--ioengine=psync", "--rw=write", "--bs=1M",
-                            f"--size={SIZE}", f"--filename={f}"], capture_output=True, check=True)
-        thin_files = (thin_data, os.path.join(tmp, "thin-meta.img"))
+        backing, thin_files = prepare(tmp)
         for rep in range(a.reps):
             for rw in rws:
                 for bs in bss:
