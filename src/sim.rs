@@ -24,10 +24,11 @@ use crate::io::Op;
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Engine};
 use crate::mapper::registry::{Config, Registry};
+use crate::mapper::Device;
 use crate::sync::Unpoison;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 const SECTOR: u64 = 512;
 /// Writes and reads are in 4 KiB units (the writecache block size).
@@ -340,9 +341,11 @@ struct Trial {
     failures_seen: u64,
     /// Requests the workload keeps under way at most (1-8, chosen by the seed).
     depth: usize,
-    /// The workload's request engine per device name (`depth` slots each).
-    engines: Vec<(String, Engine)>,
-    /// Requests under way: (engine index, slot, what).
+    /// The workload's request engine (`depth` slots), for every device.
+    engine: Option<Engine>,
+    /// The devices the workload sent requests to, by name.
+    open: Vec<(String, Arc<Device>)>,
+    /// Requests under way: (index in `open`, slot, what).
     in_flight: Vec<(usize, usize, Req)>,
     /// Acknowledgements so far (flushes cover those before their issue).
     acks: u64,
@@ -516,7 +519,8 @@ fn new_trial(o: &Options, dir: &Path) -> Trial {
         deleted: Vec::new(),
         failures_seen: 0,
         depth: 1 + Rng::new(o.seed ^ 0xdeb7_0000_0000_0001).below(8) as usize,
-        engines: Vec::new(),
+        engine: None,
+        open: Vec::new(),
         in_flight: Vec::new(),
         acks: 0,
         pace: Rng::new(o.seed ^ 0x9ace_0000_0000_0001),
@@ -897,9 +901,10 @@ impl Trial {
     fn teardown(&mut self) {
         // thins before their pool, the snapshot before its origin
         let _ = self.complete_all();
-        for (_, mut e) in self.engines.drain(..) {
+        if let Some(mut e) = self.engine.take() {
             e.shut_down();
         }
+        self.open.clear();
         let names: Vec<String> = self.reg.list().iter().map(|d| d.name()).collect();
         devio::release_thread_engine();
         for pass in 0..3 {
@@ -1007,17 +1012,19 @@ impl Trial {
     /// fewer than `depth` are; its completion is handled by [`Trial::complete`].
     fn submit(&mut self, di: usize, mut req: Req, data: &[u8]) -> Result<(), String> {
         let name = self.devs[di].name.clone();
-        let ei = match self.engines.iter().position(|(n, _)| *n == name) {
+        let ei = match self.open.iter().position(|(n, _)| *n == name) {
             Some(i) => i,
             None => {
                 let Dest::Dm(dev) = self.dev_dest(di)? else {
                     return Err(format!("{name}: not a device"));
                 };
-                let e = Engine::new(dev, self.depth).map_err(|e| format!("{name}: engine: {e}"))?;
-                self.engines.push((name.clone(), e));
-                self.engines.len() - 1
+                self.open.push((name.clone(), dev));
+                self.open.len() - 1
             }
         };
+        if self.engine.is_none() {
+            self.engine = Some(Engine::new(self.depth).map_err(|e| format!("engine: {e}"))?);
+        }
         // the block layer does not order overlapping requests: a well-behaved
         // client does not issue them together
         while let Some((s, n)) = req.range() {
@@ -1042,7 +1049,9 @@ impl Trial {
             Req::Flush { upto, .. } => *upto = self.acks,
             Req::Read { .. } => {}
         }
-        let e = &mut self.engines[ei].1;
+        let Some(e) = self.engine.as_mut() else {
+            return Err("no engine".into());
+        };
         let Some(r) = e.alloc() else {
             return Err(format!(
                 "{name}: no free request slot with {} under way",
@@ -1071,7 +1080,7 @@ impl Trial {
         if op == Op::Write {
             q.buf.as_mut_slice()[..len].copy_from_slice(data);
         }
-        e.start(r);
+        e.start(r, &self.open[ei].1);
         trace(|| format!("start {req:?} on {name} ({} under way)", self.in_flight.len() + 1));
         self.in_flight.push((ei, r, req));
         // completions are taken at seed-chosen moments, so requests pile up
@@ -1087,32 +1096,22 @@ impl Trial {
         if self.in_flight.is_empty() {
             return Ok(());
         }
-        loop {
-            let mut done = Vec::new();
-            for (ei, (_, e)) in self.engines.iter_mut().enumerate() {
-                if !self.in_flight.iter().any(|&(i, _, _)| i == ei) {
-                    continue;
-                }
-                e.turn(Some(std::time::Duration::ZERO))
-                    .map_err(|x| format!("engine: {x}"))?;
-                while let Some(r) = e.pop_done() {
-                    done.push((ei, r));
-                }
+        let Some(e) = self.engine.as_mut() else {
+            return Err("requests under way without an engine".into());
+        };
+        let mut done = Vec::new();
+        while done.is_empty() {
+            // waits while a piece is out with a target (a thin flush waits for a commit)
+            e.turn(Some(std::time::Duration::from_millis(1)))
+                .map_err(|x| format!("engine: {x}"))?;
+            while let Some(r) = e.pop_done() {
+                done.push(r);
             }
-            if done.is_empty() {
-                // a piece is out with a target (a thin flush waits for a commit)
-                let ei = self.in_flight[0].0;
-                self.engines[ei]
-                    .1
-                    .turn(Some(std::time::Duration::from_millis(1)))
-                    .map_err(|x| format!("engine: {x}"))?;
-                continue;
-            }
-            for (ei, r) in done {
-                self.complete(ei, r)?;
-            }
-            return Ok(());
         }
+        for r in done {
+            self.complete(r)?;
+        }
+        Ok(())
     }
 
     fn complete_all(&mut self) -> Result<(), String> {
@@ -1122,14 +1121,16 @@ impl Trial {
         Ok(())
     }
 
-    /// Request `r` of engine `ei` completed: the model learns what it may.
-    fn complete(&mut self, ei: usize, r: usize) -> Result<(), String> {
-        let Some(pos) = self.in_flight.iter().position(|&(e, s, _)| e == ei && s == r) else {
+    /// Request `r` completed: the model learns what it may.
+    fn complete(&mut self, r: usize) -> Result<(), String> {
+        let Some(pos) = self.in_flight.iter().position(|&(_, s, _)| s == r) else {
             return Err(format!("a completion of slot {r} that was not started"));
         };
-        let (_, _, req) = self.in_flight.swap_remove(pos);
-        let (name, e) = &mut self.engines[ei];
-        let name = name.clone();
+        let (ei, _, req) = self.in_flight.swap_remove(pos);
+        let name = self.open[ei].0.clone();
+        let Some(e) = self.engine.as_mut() else {
+            return Err("a completion without an engine".into());
+        };
         let res = e.request(r).error;
         let data = match req {
             Req::Read { n, .. } => e.request(r).buf.as_slice()[..(n * SECTOR) as usize].to_vec(),
@@ -1205,9 +1206,12 @@ impl Trial {
                     self.create_thin(Some(o))
                 } else if live > 1 {
                     let d = self.devs.remove(di);
-                    if let Some(i) = self.engines.iter().position(|(n, _)| *n == d.name) {
-                        // engine indices of the requests under way: none are
-                        self.engines.remove(i).1.shut_down();
+                    if let Some(i) = self.open.iter().position(|(n, _)| *n == d.name) {
+                        // indices of the requests under way: none are
+                        self.open.remove(i);
+                    }
+                    if let Some(e) = self.engine.as_mut() {
+                        e.forget_devices();
                     }
                     devio::release_thread_engine();
                     if let Some(m) = self.models.get_mut(&d.key) {

@@ -3,7 +3,7 @@
 //! workers, a snapshot merge, an exception store's commits.
 //!
 //! I/O to a dmkit device runs through a request engine of the calling thread's own
-//! (kept for the next call to the same device), so it passes the device's targets,
+//! (one per thread, for every device it reaches), so it passes the device's targets,
 //! waits while the device is suspended, and counts in its drains like any request.
 //! Never call it from a request engine's thread: it blocks.
 
@@ -74,7 +74,7 @@ pub fn discard(dest: &Dest, sector: u64, sectors: u64) -> io::Result<()> {
     }
 }
 
-/// Drop this thread's engine (and the device it holds on to).
+/// Drop this thread's engine (and its ring).
 pub fn release_thread_engine() {
     ENGINE.with(|cell| {
         if let Some(mut e) = cell.borrow_mut().take() {
@@ -102,8 +102,8 @@ enum Data<'a> {
 fn request(dev: &Arc<Device>, op: Op, sector: u64, mut data: Data, fua: bool) -> io::Result<()> {
     ENGINE.with(|cell| {
         let mut slot = cell.borrow_mut();
-        if slot.as_ref().is_none_or(|e| !Arc::ptr_eq(e.device(), dev)) {
-            *slot = Some(Engine::new(dev.clone(), 1)?);
+        if slot.is_none() {
+            *slot = Some(Engine::new(1)?);
         }
         let Some(eng) = slot.as_mut() else {
             return Err(io::Error::from_raw_os_error(errno::EIO));
@@ -130,7 +130,7 @@ fn request(dev: &Arc<Device>, op: Op, sector: u64, mut data: Data, fua: bool) ->
         if let Data::Out(b) = &data {
             q.buf.as_mut_slice()[..len].copy_from_slice(b);
         }
-        eng.start(r);
+        eng.start(r, dev);
         let res = loop {
             if let Some(done) = eng.pop_done() {
                 debug_assert_eq!(done, r);
@@ -147,6 +147,8 @@ fn request(dev: &Arc<Device>, op: Op, sector: u64, mut data: Data, fua: bool) ->
             b.copy_from_slice(&eng.request(r).buf.as_slice()[..len]);
         }
         eng.free(r);
+        // the slot would keep `dev` alive past its removal
+        eng.forget_devices();
         if res != 0 {
             return Err(io::Error::from_raw_os_error(res));
         }

@@ -1,8 +1,10 @@
 //! The request engine: device-mapper's core under any frontend.
 //!
-//! An [`Engine`] belongs to one frontend thread (an NBD connection today) and owns
-//! its request slots and its io_uring. A frontend fills a [`Request`] (operation,
-//! range, data) and calls [`Engine::start`]; the engine maps it through the device's
+//! An [`Engine`] belongs to one thread (an NBD connection, a ublk queue, a dm-io
+//! caller) and owns its request slots and its io_uring. The device travels with
+//! the request, so one engine serves every device its thread sends I/O to. A
+//! frontend fills a [`Request`] (operation, range, data) and calls
+//! [`Engine::start`] with the device; the engine maps it through the device's
 //! table into leaves, issues them, runs the targets' end-of-I/O hooks, emulates FUA
 //! on discards and zeroing with a flush, falls back to writing zeroes where a file
 //! cannot zero natively, parks requests while a device on their path is suspended
@@ -228,6 +230,9 @@ pub struct Request {
     /// A leaf ran an end-of-I/O hook (a target changed metadata): with FUA the
     /// request ends with a flush so that change is durable too.
     hooked: bool,
+    /// The device the request was started on; kept when the slot is reused for
+    /// the same device, so the fast path clones no `Arc`.
+    dev: Option<Arc<Device>>,
 }
 
 impl Request {
@@ -251,6 +256,7 @@ impl Request {
             then_flush: false,
             flush_only: false,
             hooked: false,
+            dev: None,
         }
     }
 
@@ -269,7 +275,6 @@ pub struct IoEvent {
 }
 
 pub struct Engine {
-    dev: Arc<Device>,
     q: IoQueue,
     inbox: Arc<Inbox>,
     wake_buf: Box<[u8; 8]>,
@@ -292,12 +297,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine for requests to `dev`, with `slots` request slots.
-    pub fn new(dev: Arc<Device>, slots: usize) -> std::io::Result<Engine> {
-        // this thread serves `dev`: a panic on it is logged under the device's name
-        crate::panics::set_device(&dev.name());
+    /// An engine with `slots` request slots, for requests to any device.
+    pub fn new(slots: usize) -> std::io::Result<Engine> {
         Ok(Engine {
-            dev,
             q: IoQueue::new(512),
             inbox: Arc::new(Inbox::new()?),
             wake_buf: Box::new([0; 8]),
@@ -315,10 +317,6 @@ impl Engine {
             msgs: Vec::new(),
             closing: false,
         })
-    }
-
-    pub fn device(&self) -> &Arc<Device> {
-        &self.dev
     }
 
     /// Whether the engine runs on io_uring (else system calls: no driver commands).
@@ -358,6 +356,14 @@ impl Engine {
         q.leaves.clear();
         self.owned_pool.extend(q.owned.drain(..).map(|o| o.buf));
         self.free.push(r);
+    }
+
+    /// Free slots let go of the devices they were last used for (a slot keeps
+    /// its device for the next request to it, and so keeps the device alive).
+    pub fn forget_devices(&mut self) {
+        for &r in &self.free {
+            self.reqs[r].dev = None;
+        }
     }
 
     /// Finish `r` without mapping it (the frontend answered it itself).
@@ -501,18 +507,21 @@ impl Engine {
 
     // ---- mapping ----
 
-    /// Map request `r` through the device and issue it.
-    pub fn start(&mut self, r: usize) {
+    /// Map request `r` through `dev` and issue it.
+    pub fn start(&mut self, r: usize, dev: &Arc<Device>) {
         let q = &mut self.reqs[r];
+        if !same_device(q, dev) {
+            q.dev = Some(dev.clone());
+        }
         q.gen = q.gen.wrapping_add(1);
         q.error = 0;
         q.requeue = false;
         q.hooked = false;
         q.flush_only = false;
         q.then_flush = q.fua && matches!(q.op, Op::Discard | Op::WriteZeroes);
-        if !self.parked.is_empty() {
-            // behind requests waiting for a resume, to keep their order
-            q.state = State::Parked;
+        if self.parked.iter().any(|&p| same_device(&self.reqs[p], dev)) {
+            // behind the device's requests waiting for a resume, to keep their order
+            self.reqs[r].state = State::Parked;
             self.parked.push_back(r);
             return;
         }
@@ -520,13 +529,16 @@ impl Engine {
     }
 
     /// Run `f` with a mapping context over request `r` (its leaves, holds and
-    /// data) and the engine's device; pieces targets took meanwhile are counted.
+    /// data) and its device; pieces targets took meanwhile are counted.
     fn map_with(
         &mut self,
         r: usize,
         f: impl FnOnce(&mut MapCtx, &Arc<Device>) -> Result<(), MapErr>,
     ) -> Result<(), MapErr> {
         let q = &mut self.reqs[r];
+        let Some(dev) = q.dev.as_ref() else {
+            return Err(MapErr::Errno(errno::EIO));
+        };
         let n = if q.op.has_data() { q.bytes() } else { 0 };
         let data = &mut q.buf.as_mut_slice()[..n];
         let mut ctx = MapCtx::new(
@@ -539,8 +551,8 @@ impl Engine {
             (r as u32, q.gen),
         );
         // A target that panics fails the request and the device (crate::panics).
-        let res = crate::panics::catching(|| f(&mut ctx, &self.dev)).unwrap_or_else(|| {
-            self.dev.fail();
+        let res = crate::panics::catching(|| f(&mut ctx, dev)).unwrap_or_else(|| {
+            dev.fail();
             Err(MapErr::Errno(errno::EIO))
         });
         let (submitted, flush_after) = ctx.finish();
@@ -600,24 +612,25 @@ impl Engine {
         let q = &mut self.reqs[r];
         for l in q.leaves.drain(from..) {
             if let Some(h) = l.end_io {
-                guarded(&self.dev, &mut q.error, || {
+                guarded(q.dev.as_deref(), &mut q.error, || {
                     h(false, &mut []);
                 });
             }
         }
     }
 
-    /// Map parked requests again, in order; once one is parked again (its device
-    /// is still suspended) the rest stay behind it.
+    /// Map parked requests again, in order; once one is parked again (a device on
+    /// its path is still suspended) the rest of its device's stay behind it.
     fn retry_parked(&mut self) {
         let list = std::mem::take(&mut self.parked);
-        let mut stuck = false;
+        let mut stuck: Vec<*const Device> = Vec::new();
         for r in list {
-            if stuck {
+            let dev = self.reqs[r].dev.as_ref().map_or(std::ptr::null(), Arc::as_ptr);
+            if stuck.contains(&dev) {
                 self.parked.push_back(r);
-            } else {
-                // parked again: `park` put it back in line, first
-                stuck = !self.map_request(r);
+            } else if !self.map_request(r) {
+                // parked again: `park` put it back in line
+                stuck.push(dev);
             }
         }
     }
@@ -660,7 +673,7 @@ impl Engine {
         match resume {
             Resume::Done(e) => {
                 if let Some(h) = m.end_io {
-                    guarded(&self.dev, &mut q.error, || {
+                    guarded(q.dev.as_deref(), &mut q.error, || {
                         h(e == 0, &mut []);
                     });
                     q.hooked = true;
@@ -684,7 +697,7 @@ impl Engine {
             Resume::Requeue => {
                 if let Some(h) = m.end_io {
                     // a piece of a piece: the piece above cannot finish; start over
-                    guarded(&self.dev, &mut q.error, || {
+                    guarded(q.dev.as_deref(), &mut q.error, || {
                         h(false, &mut []);
                     });
                     q.requeue = true;
@@ -800,7 +813,9 @@ impl Engine {
                 if let Some(h) = l.end_io.take() {
                     let mut e = 0;
                     let data = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned);
-                    guarded(&self.dev, &mut q.error, || e = apply_end_io(&h, ok, l, data));
+                    guarded(q.dev.as_deref(), &mut q.error, || {
+                        e = apply_end_io(&h, ok, l, data)
+                    });
                     q.hooked = true;
                     if e != 0 && q.error == 0 {
                         q.error = e;
@@ -895,7 +910,9 @@ impl Engine {
             let ok = res >= 0 && !(res == 0 && matches!(l.kind, LeafKind::Write | LeafKind::ZeroWrite));
             let mut e = 0;
             let data = leaf_buf(&mut q.buf, n, &mut q.owned, l.owned);
-            guarded(&self.dev, &mut q.error, || e = apply_end_io(&h, ok, l, data));
+            guarded(q.dev.as_deref(), &mut q.error, || {
+                e = apply_end_io(&h, ok, l, data)
+            });
             q.hooked = true;
             if e != 0 && q.error == 0 {
                 q.error = e;
@@ -972,7 +989,7 @@ impl Engine {
                     .get_mut(o.client_off..o.client_off + o.len)
                     .unwrap_or_default();
                 let mut e = 0;
-                guarded(&self.dev, &mut q.error, || e = h(ok, own, client));
+                guarded(q.dev.as_deref(), &mut q.error, || e = h(ok, own, client));
                 if e != 0 && q.error == 0 {
                     q.error = e;
                 }
@@ -1009,13 +1026,20 @@ const FLUSH: Bio = Bio {
 
 /// Run a target's end-of-I/O hook: a panic in it fails the request (`error`)
 /// and the device, as one in the map path does.
-fn guarded(dev: &Device, error: &mut i32, f: impl FnOnce()) {
+fn guarded(dev: Option<&Device>, error: &mut i32, f: impl FnOnce()) {
     if crate::panics::catching(f).is_none() {
-        dev.fail();
+        if let Some(dev) = dev {
+            dev.fail();
+        }
         if *error == 0 {
             *error = errno::EIO;
         }
     }
+}
+
+/// Whether `q` was started on `dev`.
+fn same_device(q: &Request, dev: &Arc<Device>) -> bool {
+    q.dev.as_ref().is_some_and(|d| Arc::ptr_eq(d, dev))
 }
 
 /// Run `a` then `b`.
@@ -1030,3 +1054,7 @@ fn chain(a: EndIo, b: EndIo) -> EndIo {
         }
     })
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -138,9 +138,11 @@ impl Conn {
     pub fn new(fd: RawFd, n: super::handshake::Negotiated) -> std::io::Result<Conn> {
         // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // this thread serves `n.dev`: a panic on it is logged under the device's name
+        crate::panics::set_device(&n.dev.name());
         Ok(Conn {
             fd,
-            engine: Engine::new(n.dev.clone(), MAX_SLOTS)?,
+            engine: Engine::new(MAX_SLOTS)?,
             dev: n.dev,
             size: n.size,
             tflags: n.flags,
@@ -527,7 +529,7 @@ impl Conn {
         q.fua = flags & CMD_FLAG_FUA != 0;
         q.punch = flags & CMD_FLAG_NO_HOLE == 0;
         q.fast_zero = flags & CMD_FLAG_FAST_ZERO != 0;
-        self.engine.start(slot);
+        self.engine.start(slot, &self.dev);
     }
 
     /// Answer `slot` with an NBD error of the export's own (the request never reaches

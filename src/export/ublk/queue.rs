@@ -140,6 +140,8 @@ impl Drop for Descs {
 
 struct Queue {
     engine: Engine,
+    /// The device this queue serves.
+    dev: Arc<Device>,
     fd: RawFd,
     q_id: u16,
     descs: Descs,
@@ -177,8 +179,9 @@ pub fn run(spec: QueueSpec) {
 
 impl Queue {
     fn new(s: QueueSpec) -> Result<Queue, String> {
-        let engine =
-            Engine::new(s.dev.clone(), usize::from(s.depth)).map_err(|e| format!("queue {}: {e}", s.q_id))?;
+        // this thread serves `s.dev`: a panic on it is logged under the device's name
+        crate::panics::set_device(&s.dev.name());
+        let engine = Engine::new(usize::from(s.depth)).map_err(|e| format!("queue {}: {e}", s.q_id))?;
         if !engine.uses_uring() {
             return Err("ublk needs io_uring, which this system refuses (or DMKIT_NO_URING is set)".into());
         }
@@ -189,6 +192,7 @@ impl Queue {
         let addrs = bufs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
         Ok(Queue {
             engine,
+            dev: s.dev.clone(),
             fd,
             q_id: s.q_id,
             descs,
@@ -282,7 +286,7 @@ impl Queue {
     /// the daemon exits, and the driver's recovery hands the tag's request to
     /// `serve --restore` (unless the daemon is exiting already).
     fn refused(&mut self, tag: u16, r: i32) {
-        let dev = self.engine.device().name();
+        let dev = self.dev.name();
         let t = usize::from(tag);
         if !std::mem::replace(&mut self.refused[t], true) {
             tracing::error!(
@@ -329,7 +333,7 @@ impl Queue {
         self.tag_of[slot] = tag;
         let (op, fua, nounmap) = decode_op_flags(d.op_flags);
         let bytes = u64::from(d.nr_sectors) * SECTOR;
-        let size = self.engine.device().size_sectors();
+        let size = self.dev.size_sectors();
         let end = d.start_sector.checked_add(u64::from(d.nr_sectors));
         let error = match op {
             None => libc::EOPNOTSUPP,
@@ -356,7 +360,7 @@ impl Queue {
         q.fua = fua;
         q.punch = !nounmap;
         q.fast_zero = false;
-        self.engine.start(slot);
+        self.engine.start(slot, &self.dev);
     }
 
     /// A request is done: give the tag its buffer back and commit the result,
