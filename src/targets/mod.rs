@@ -2,34 +2,32 @@
 //! function, and declares its [`TargetType`] once; [`types`] lists them for the
 //! registry. The interface they implement is `crate::mapper`'s.
 
-pub mod delay;
-pub mod flakey;
-pub mod linear;
-pub mod snapshot;
-pub mod striped;
-pub mod thin;
-pub mod writecache;
-pub mod xor;
-pub mod zero;
-
 use crate::mapper::TargetType;
 
-/// Every target type this build knows, in the order `dmsetup targets` lists them.
-pub fn types() -> &'static [TargetType] {
-    const TYPES: &[TargetType] = &[
-        striped::TYPE,
-        linear::TYPE,
-        crate::mapper::error::TYPE,
-        zero::TYPE,
-        flakey::TYPE,
-        delay::TYPE,
-        thin::pool::TYPE,
-        thin::device::TYPE,
-        snapshot::ORIGIN_TYPE,
-        snapshot::SNAPSHOT_TYPE,
-        snapshot::MERGE_TYPE,
-        writecache::TYPE,
-        xor::TYPE,
-    ];
-    TYPES
+/// Declares each target's module and lists its types for [`types`], one line a
+/// module: `module => its TargetType constants;` (a line without a module lists
+/// a type of the core's).
+macro_rules! targets {
+    ($($($module:ident)? => $($ty:path),+;)*) => {
+        $($(pub mod $module;)?)*
+
+        /// Every target type this build knows, in the order `dmsetup targets` lists them.
+        pub fn types() -> &'static [TargetType] {
+            const TYPES: &[TargetType] = &[$($($ty,)+)*];
+            TYPES
+        }
+    };
+}
+
+targets! {
+    striped => striped::TYPE;
+    linear => linear::TYPE;
+    => crate::mapper::error::TYPE;
+    zero => zero::TYPE;
+    flakey => flakey::TYPE;
+    delay => delay::TYPE;
+    thin => thin::pool::TYPE, thin::device::TYPE;
+    snapshot => snapshot::ORIGIN_TYPE, snapshot::SNAPSHOT_TYPE, snapshot::MERGE_TYPE;
+    writecache => writecache::TYPE;
+    xor => xor::TYPE;
 }
