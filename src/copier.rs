@@ -9,6 +9,7 @@
 //! run at once, each taking the next piece when its writes complete.
 
 use crate::io::backing::FileHandle;
+use crate::io::backing::SimRef;
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::{AlignedBuf, BackingFile};
 use crate::sync::Unpoison;
@@ -466,7 +467,7 @@ impl Local {
     ///
     /// # Safety
     /// As [`IoQueue::push`]: the memory `op` names stays valid and untouched until reaped.
-    unsafe fn push(&mut self, sync: bool, op: Sqe, ud: u64) {
+    unsafe fn push(&mut self, sync: bool, op: Sqe, ud: u64, sim: Option<SimRef>) {
         // RBD operations complete asynchronously whatever the queue: they go where
         // `reap` waits.
         let q = if sync && !matches!(op, Sqe::Rbd { .. }) {
@@ -474,8 +475,11 @@ impl Local {
         } else {
             self.queue.get_or_insert_with(|| IoQueue::new(RING_ENTRIES))
         };
-        // SAFETY: our caller upholds push's contract.
-        unsafe { q.push(op, ud) }
+        // SAFETY (both): our caller upholds push's contract.
+        match sim {
+            Some(sim) => unsafe { q.push_sim(op, ud, sim) },
+            None => unsafe { q.push(op, ud) },
+        }
     }
 
     /// Wait for at least one completion (none when nothing is queued) and collect every
@@ -527,9 +531,10 @@ impl Local {
 /// destinations that do not support it (to be zeroed by writes).
 fn fallocate_all(l: &mut Local, dests: &[(&BackingFile, u64)], len: u64, sync: bool) -> io::Result<u32> {
     for (i, (f, off)) in dests.iter().enumerate() {
-        let op = f.handle().zero(false, *off, len);
+        let h = f.handle();
+        let op = h.zero(false, *off, len);
         // SAFETY: fallocate names no memory.
-        unsafe { l.push(sync, op, i as u64) };
+        unsafe { l.push(sync, op, i as u64, h.sim) };
     }
     let (mut fallback, mut err) = (0u32, None);
     l.complete_all(dests.len(), |_, u, r| {
@@ -679,7 +684,14 @@ impl Engine<'_> {
         // SAFETY: `addr..addr+len` lies in buffer `s` of this thread, which nothing else
         // touches until this read is reaped: `run` reaps every operation before it returns,
         // and a failing ring leaks the buffers (`Local::broken`).
-        unsafe { l.push(self.sync, op, (k as u64) << 24 | (s as u64) << 8 | TAG_READ) };
+        unsafe {
+            l.push(
+                self.sync,
+                op,
+                (k as u64) << 24 | (s as u64) << 8 | TAG_READ,
+                h.sim,
+            )
+        };
         1
     }
 
@@ -704,7 +716,7 @@ impl Engine<'_> {
         let op = h.write(addr, len, offset, self.job.fua);
         // SAFETY: `addr..addr+len` lies in buffer `s` (not written again until every write
         // of the piece is reaped) or the never-written zero buffer; see `issue_read`.
-        unsafe { l.push(self.sync, op, (s as u64) << 8 | d as u64) };
+        unsafe { l.push(self.sync, op, (s as u64) << 8 | d as u64, h.sim) };
         1
     }
 

@@ -19,7 +19,7 @@
 //! crash's choices; the order in which a target's own background threads
 //! (writecache writeback) interleave with requests is left to the scheduler.
 
-use crate::io::sim;
+use crate::io::sim::{self, SimDisk};
 use crate::io::Op;
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Engine};
@@ -325,6 +325,8 @@ struct Trial {
     o: Options,
     rng: Rng,
     reg: Registry,
+    /// The simulated disk under the trial's files.
+    disk: Arc<SimDisk>,
     files: Vec<PathBuf>,
     models: HashMap<u64, DevModel>,
     devs: Vec<Dev>,
@@ -399,20 +401,14 @@ impl Req {
 fn trace(what: impl FnOnce() -> String) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *ON.get_or_init(|| std::env::var_os("DMKIT_SIM_TRACE").is_some()) {
-        eprintln!(
-            "sim: {} [writes {}{}]",
-            what(),
-            sim::writes(),
-            if sim::frozen() { ", crashed" } else { "" }
-        );
+        eprintln!("sim: {}", what());
     }
 }
 
-/// Trials share the process-wide simulated disks: one at a time.
+/// One trial at a time: they share the process's exclusive holds on files.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Hold the process's simulated disks alone (trials and tests that use
-/// [`crate::io::sim`] directly take this first).
+/// Run alone among trials.
 pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unpoisoned()
 }
@@ -422,11 +418,7 @@ pub fn run_trial(o: &Options) -> Result<Outcome, String> {
     let _g = exclusive();
     let dir = o.dir.join(format!("sim-{}-{}", o.stack.name(), o.seed));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    sim::begin();
-    sim::faults::set_broken_commit_order(o.break_commit_order);
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trial(o, &dir)));
-    sim::faults::set_broken_commit_order(false);
-    sim::end();
     devio::release_thread_engine();
     if std::env::var_os("DMKIT_SIM_KEEP").is_none() {
         let _ = std::fs::remove_dir_all(&dir);
@@ -495,20 +487,22 @@ fn choose_crash(seed: u64, counts: sim::Counts, kill: bool) -> (CrashKind, Optio
 
 /// The trial's registry: a daemon's, with restart logs under `dir` when the
 /// crash is a kill.
-fn registry(o: &Options, dir: &Path) -> Registry {
+fn registry(o: &Options, dir: &Path, disk: &Arc<SimDisk>) -> Registry {
     Registry::new(Config {
         direct_io: false,
         restart_logs: (o.kill && !o.no_restart_logs).then(|| dir.join("uncommitted")),
         target_types: crate::targets::types(),
+        sim: Some(disk.clone()),
         ..Config::default()
     })
 }
 
-fn new_trial(o: &Options, dir: &Path) -> Trial {
+fn new_trial(o: &Options, dir: &Path, disk: Arc<SimDisk>) -> Trial {
     Trial {
         o: o.clone(),
         rng: Rng::new(o.seed),
-        reg: registry(o, dir),
+        reg: registry(o, dir, &disk),
+        disk,
         files: Vec::new(),
         models: HashMap::new(),
         devs: Vec::new(),
@@ -536,7 +530,8 @@ fn run_workload(
     at: Option<sim::CrashAt>,
     fail: Option<sim::FailPlan>,
 ) -> Result<Trial, String> {
-    let mut t = new_trial(o, dir);
+    let disk = SimDisk::new(o.break_commit_order);
+    let mut t = new_trial(o, dir, disk.clone());
     // a log of the first run (its files had other identities) is no use
     let _ = std::fs::remove_dir_all(dir.join("uncommitted"));
     let sizes: &[(&str, u64)] = match o.stack {
@@ -544,8 +539,6 @@ fn run_workload(
         Stack::Writecache => &[("origin", 8 << 20), ("cache", 1 << 20)],
         Stack::Snapshot => &[("origin", 8 << 20), ("cow", 12 << 20)],
     };
-    sim::begin();
-    sim::faults::set_broken_commit_order(o.break_commit_order);
     for (n, bytes) in sizes {
         let p = dir.join(n);
         // a new file each run: a pool of the first run still on its way out
@@ -555,13 +548,13 @@ fn run_workload(
         t.files.push(p);
     }
     for p in &t.files {
-        sim::register(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        disk.register(p).map_err(|e| format!("{}: {e}", p.display()))?;
     }
-    sim::seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    disk.seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     t.build(false)?;
-    sim::crash_at(at);
-    sim::fail_io(fail);
-    while t.out.ops < o.ops && !sim::frozen() {
+    disk.crash_at(at);
+    disk.fail_io(fail);
+    while t.out.ops < o.ops && !disk.frozen() {
         t.step()?;
         t.out.ops += 1;
     }
@@ -572,14 +565,14 @@ fn run_workload(
 fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     // the first run counts the events a crash can be placed at
     let mut first = run_workload(o, dir, None, None)?;
-    let counts = sim::counts();
+    let counts = first.disk.counts();
     let (kind, at, fates) = choose_crash(o.seed, counts, o.kill);
     // an I/O error in one trial of four, before the crash point
     let mut r = Rng::new(o.seed ^ 0xe10e_4404_0000_0001);
     let fail = (r.chance(25) && o.io_errors).then(|| {
         let kind = r.below(3);
         sim::FailPlan {
-            nth: r.below(sim::ios_before(at)),
+            nth: r.below(first.disk.ios_before(at)),
             reads: kind != 1,
             writes: kind != 0,
         }
@@ -593,11 +586,11 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     trace(|| format!("before the crash: {:?}", t.reg.table_lines(None, true, false)));
     t.out.crash = Some(kind);
     t.out.depth = t.depth;
-    t.out.crashed_mid_op = sim::frozen();
-    t.out.io_errors_injected = sim::failed();
+    t.out.crashed_mid_op = t.disk.frozen();
+    t.out.io_errors_injected = t.disk.failed();
     // the power goes
     let mut crash_rng = Rng::new(o.seed ^ 0xc0ff_ee00);
-    let images = sim::crash_images(fates, |n| crash_rng.below(n));
+    let images = t.disk.crash_images(fates, |n| crash_rng.below(n));
     let logs_at_kill = copy_dir(&dir.join("uncommitted"));
     t.teardown();
     for (p, img) in &images {
@@ -615,9 +608,9 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         trace(|| format!("crash image: {verdict}"));
     }
     // back up on what survived, with no more faults
-    sim::begin();
-    sim::faults::set_broken_commit_order(o.break_commit_order);
-    t.reg = registry(o, dir);
+    // a new disk with no files: nothing is simulated any more
+    t.disk = SimDisk::new(o.break_commit_order);
+    t.reg = registry(o, dir, &t.disk);
     for (p, b) in &logs_at_kill {
         if std::fs::read(p).ok().as_ref() != Some(b) {
             trace(|| format!("restart log {} changed after the kill", p.display()));
@@ -874,7 +867,7 @@ impl Trial {
         }
         match r {
             Ok(_) => {
-                if !sim::frozen() {
+                if !self.disk.frozen() {
                     if let Some(m) = self.models.get_mut(&id) {
                         m.certain = true;
                     }
@@ -927,7 +920,7 @@ impl Trial {
     /// metadata operation drops its uncommitted changes (dm-thin aborts the
     /// pool's transaction), and its next flush may pass.
     fn note_failures(&mut self) {
-        let f = sim::failed();
+        let f = self.disk.failed();
         if f > self.failures_seen {
             self.failures_seen = f;
             for m in self.models.values_mut() {
@@ -1146,7 +1139,7 @@ impl Trial {
                 n,
                 fua,
             } => {
-                if res == 0 && !sim::frozen() && !self.undefined.contains(&id) {
+                if res == 0 && !self.disk.frozen() && !self.undefined.contains(&id) {
                     self.acks += 1;
                     let seq = self.acks;
                     self.model(key).ack(sector, n, id, fua, seq);
@@ -1154,7 +1147,7 @@ impl Trial {
                 }
             }
             Req::Read { key, sector, .. } => {
-                if res != 0 || sim::failed() > 0 || sim::frozen() {
+                if res != 0 || self.disk.failed() > 0 || self.disk.frozen() {
                     // after an injected error or the crash, a read proves nothing
                     return Ok(());
                 }
@@ -1175,7 +1168,7 @@ impl Trial {
             }
             Req::Flush { key, upto } => {
                 self.note_failures();
-                if res == 0 && !sim::frozen() {
+                if res == 0 && !self.disk.frozen() {
                     self.model(key).flushed(upto);
                     self.out.flushes += 1;
                 } else if res != 0 {
@@ -1222,7 +1215,7 @@ impl Trial {
                         .map_err(|e| format!("{}: {e}", d.name))?;
                     let r = self.reg.message("pool", 0, &words(&format!("delete {}", d.key)));
                     trace(|| format!("delete {}: {r:?}", d.key));
-                    if r.is_ok() && !sim::frozen() {
+                    if r.is_ok() && !self.disk.frozen() {
                         self.models.remove(&d.key);
                         self.deleted.push(d.key);
                     }
@@ -1254,7 +1247,7 @@ impl Trial {
                 trace(|| format!("snapshot created: {r:?}"));
                 match r {
                     Ok(()) => {
-                        if !sim::frozen() {
+                        if !self.disk.frozen() {
                             if let Some(m) = self.models.get_mut(&1) {
                                 m.certain = true;
                             }

@@ -196,26 +196,28 @@ fn broken_commit_order_is_caught() {
 
 /// I/O errors from a backing device put each target in its kernel error state.
 mod error_states {
-    use dmkit::io::sim::{self as disk, FailPlan};
+    use dmkit::io::sim::{FailPlan, SimDisk};
     use dmkit::mapper::devio;
     use dmkit::mapper::engine::Dest;
     use dmkit::mapper::registry::{Config, Registry};
     use std::path::PathBuf;
+    use std::sync::Arc;
 
     struct Setup {
         dir: PathBuf,
         reg: Registry,
+        disk: Arc<SimDisk>,
     }
 
     impl Setup {
         fn new(tag: &str, files: &[(&str, u64)]) -> Setup {
             let dir = dmkit::sim::default_dir().join(format!("sim-errors-{tag}-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
-            disk::begin();
+            let disk = SimDisk::new(false);
             for (n, bytes) in files {
                 let p = dir.join(n);
                 std::fs::File::create(&p).unwrap().set_len(*bytes).unwrap();
-                disk::register(&p).unwrap();
+                disk.register(&p).unwrap();
             }
             Setup {
                 dir,
@@ -223,8 +225,10 @@ mod error_states {
                     direct_io: false,
                     restart_logs: None,
                     target_types: dmkit::targets::types(),
+                    sim: Some(disk.clone()),
                     ..Config::default()
                 }),
+                disk,
             }
         }
         fn path(&self, n: &str) -> String {
@@ -238,7 +242,7 @@ mod error_states {
         }
         /// Fail the next write to a simulated disk.
         fn fail_next_write(&self) {
-            disk::fail_io(Some(FailPlan {
+            self.disk.fail_io(Some(FailPlan {
                 nth: 0,
                 reads: false,
                 writes: true,
@@ -253,7 +257,6 @@ mod error_states {
                 let _ = self.reg.remove(&d.name(), true, false);
                 let _ = self.reg.remove(&d.name(), false, false);
             }
-            disk::end();
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }

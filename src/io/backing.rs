@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 
 use super::queue::Sqe;
 use super::rbd::{RbdImage, RbdOp, RbdRef, RbdSpec};
+use super::sim::SimDisk;
+use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// What a [`BackingFile`]'s I/O goes to.
 #[derive(Debug)]
@@ -16,6 +19,13 @@ enum Backend {
     /// A regular file or block device, opened twice: with O_DIRECT (when the
     /// file system allows it) for aligned I/O, and buffered for the rest.
     File { buffered: File, direct: Option<File> },
+    /// A file under a simulated disk (`io::sim`, crash trials): every operation
+    /// passes the disk's hooks.
+    Sim {
+        buffered: File,
+        direct: Option<File>,
+        disk: Arc<SimDisk>,
+    },
     /// An RBD image through librbd (`io::rbd`).
     Rbd(RbdImage),
 }
@@ -58,6 +68,28 @@ pub struct FileHandle {
     pub dio_align: u32,
     /// See [`BackingFile::in_memory`].
     pub in_memory: bool,
+    /// The simulated disk the file is on, if any: its operations go to an I/O
+    /// queue through [`IoQueue::push_sim`](super::queue::IoQueue::push_sim).
+    pub sim: Option<SimRef>,
+}
+
+/// A plain pointer to the simulated disk of a backing file, for the request
+/// path: valid while the file lives, as its descriptors are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimRef(NonNull<SimDisk>);
+
+// SAFETY: it points at a `SimDisk`, which is Send + Sync (its state is behind a
+// mutex); the backing file holding the disk outlives every operation that
+// carries the reference, as it does for its descriptors.
+unsafe impl Send for SimRef {}
+// SAFETY: as above.
+unsafe impl Sync for SimRef {}
+
+impl SimRef {
+    pub fn disk(&self) -> &SimDisk {
+        // SAFETY: see the type's comment: the disk outlives every use.
+        unsafe { self.0.as_ref() }
+    }
 }
 
 /// Where a [`FileHandle`]'s operations go (its [`BackingFile`]'s backend).
@@ -289,7 +321,7 @@ impl BackingFile {
     pub fn handle(&self) -> FileHandle {
         FileHandle {
             to: match &self.backend {
-                Backend::File { buffered, direct } => HandleTo::Fd {
+                Backend::File { buffered, direct } | Backend::Sim { buffered, direct, .. } => HandleTo::Fd {
                     buffered: buffered.as_raw_fd(),
                     direct: direct.as_ref().map_or(-1, |f| f.as_raw_fd()),
                 },
@@ -297,6 +329,28 @@ impl BackingFile {
             },
             dio_align: self.dio_align,
             in_memory: self.in_memory,
+            sim: self.sim().map(|d| SimRef(NonNull::from(&**d))),
+        }
+    }
+
+    /// The same file under the simulated disk `disk` (an RBD image stays as it is).
+    pub fn simulated(mut self, disk: Arc<SimDisk>) -> BackingFile {
+        self.backend = match self.backend {
+            Backend::File { buffered, direct } => Backend::Sim {
+                buffered,
+                direct,
+                disk,
+            },
+            other => other,
+        };
+        self
+    }
+
+    /// The simulated disk the file is on, if any.
+    pub fn sim(&self) -> Option<&Arc<SimDisk>> {
+        match &self.backend {
+            Backend::Sim { disk, .. } => Some(disk),
+            _ => None,
         }
     }
 
@@ -309,19 +363,19 @@ impl BackingFile {
     pub fn size(&self) -> io::Result<u64> {
         match &self.backend {
             Backend::Rbd(img) => img.size(),
-            Backend::File { buffered, .. } if self.is_block_device => {
+            Backend::File { buffered, .. } | Backend::Sim { buffered, .. } if self.is_block_device => {
                 use std::io::Seek;
                 let mut f = buffered;
                 f.seek(io::SeekFrom::End(0))
             }
-            Backend::File { buffered, .. } => Ok(buffered.metadata()?.len()),
+            Backend::File { buffered, .. } | Backend::Sim { buffered, .. } => Ok(buffered.metadata()?.len()),
         }
     }
 
     /// The file itself, where there is one (not for an RBD image).
     pub fn file(&self) -> Option<&File> {
         match &self.backend {
-            Backend::File { buffered, .. } => Some(buffered),
+            Backend::File { buffered, .. } | Backend::Sim { buffered, .. } => Some(buffered),
             Backend::Rbd(_) => None,
         }
     }
@@ -331,9 +385,10 @@ impl BackingFile {
         self.flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match &self.backend {
             Backend::Rbd(img) => img.flush(),
-            Backend::File { buffered, .. } => {
+            Backend::File { buffered, .. } => buffered.sync_data(),
+            Backend::Sim { buffered, disk, .. } => {
                 buffered.sync_data()?;
-                super::sim::on_flush(buffered.as_raw_fd());
+                disk.on_flush(buffered.as_raw_fd());
                 Ok(())
             }
         }
@@ -342,15 +397,18 @@ impl BackingFile {
     /// Read at byte `off`, synchronously; past the end reads as zeroes.
     pub fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
-        if let Backend::File { buffered, .. } = &self.backend {
-            super::sim::on_read(buffered.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
+        if let Backend::Sim { buffered, disk, .. } = &self.backend {
+            disk.on_read(buffered.as_raw_fd())
+                .map_err(io::Error::from_raw_os_error)?;
         }
         let mut done = 0;
         while done < buf.len() {
             let at = off + done as u64;
             let n = match &self.backend {
                 Backend::Rbd(img) => img.read_at(&mut buf[done..], at)?,
-                Backend::File { buffered, .. } => buffered.read_at(&mut buf[done..], at)?,
+                Backend::File { buffered, .. } | Backend::Sim { buffered, .. } => {
+                    buffered.read_at(&mut buf[done..], at)?
+                }
             };
             if n == 0 {
                 buf[done..].fill(0);
@@ -366,8 +424,10 @@ impl BackingFile {
     pub fn read_exact_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
         match &self.backend {
-            Backend::File { buffered, .. } => {
-                super::sim::on_read(buffered.as_raw_fd()).map_err(io::Error::from_raw_os_error)?;
+            Backend::File { buffered, .. } => buffered.read_exact_at(buf, off),
+            Backend::Sim { buffered, disk, .. } => {
+                disk.on_read(buffered.as_raw_fd())
+                    .map_err(io::Error::from_raw_os_error)?;
                 buffered.read_exact_at(buf, off)
             }
             Backend::Rbd(_) => self.read_at(buf, off),
@@ -388,12 +448,21 @@ impl BackingFile {
                 }
             }
             Backend::File { buffered: f, .. } => {
-                let fd = f.as_raw_fd();
-                super::sim::on_write(fd, off, buf, fua).map_err(io::Error::from_raw_os_error)?;
                 f.write_all_at(buf, off)?;
                 if fua {
                     f.sync_data()?;
-                    super::sim::on_flush(fd);
+                }
+            }
+            Backend::Sim {
+                buffered: f, disk, ..
+            } => {
+                let fd = f.as_raw_fd();
+                disk.on_write(fd, off, buf, fua)
+                    .map_err(io::Error::from_raw_os_error)?;
+                f.write_all_at(buf, off)?;
+                if fua {
+                    f.sync_data()?;
+                    disk.on_flush(fd);
                 }
             }
         }
@@ -404,8 +473,11 @@ impl BackingFile {
     pub fn discard_at(&self, off: u64, len: u64) -> io::Result<()> {
         match &self.backend {
             Backend::Rbd(img) => img.discard(off, len),
-            Backend::File { buffered: f, .. } => {
-                super::sim::on_zero(f.as_raw_fd(), off, len).map_err(io::Error::from_raw_os_error)?;
+            Backend::File { buffered: f, .. } | Backend::Sim { buffered: f, .. } => {
+                if let Some(d) = self.sim() {
+                    d.on_zero(f.as_raw_fd(), off, len)
+                        .map_err(io::Error::from_raw_os_error)?;
+                }
                 rustix::fs::fallocate(
                     f,
                     rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,

@@ -210,6 +210,7 @@ mod tests {
                 },
                 dio_align: 512,
                 in_memory: false,
+                sim: None,
             }),
             offset,
             ..Leaf::new(kind, len, buf_off)

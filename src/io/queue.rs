@@ -10,6 +10,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::backing::SimRef;
 use super::rbd::{self, Done, RbdOp, RbdRef, RbdSink};
 
 /// One operation. Raw pointers name memory the caller keeps alive and untouched until
@@ -97,11 +98,14 @@ pub struct IoQueue {
     pending_recv: Vec<(u64, RawFd, *mut u8, u32)>,
     queued: usize,
     rbd: Option<RbdState>,
-    /// Under a simulation ([`super::sim`]): disk operations pushed and not yet
-    /// carried out. They run at the next wait, in a seed-chosen order, as a
+    /// Operations on files of a simulated disk ([`super::sim`]) pushed and not
+    /// yet carried out. They run at the next wait, in a seed-chosen order, as a
     /// device with several I/Os in flight carries them out in any order; a flush
     /// covers only the writes that ran before it.
-    held: Vec<(Sqe, u64)>,
+    held: Vec<(Sqe, u64, SimRef)>,
+    /// The simulated disk whose seed orders ready completions (the last one
+    /// pushed to).
+    sim: Option<SimRef>,
 }
 
 /// Whether io_uring can be used: not when `DMKIT_NO_URING` is set (tests of the
@@ -111,10 +115,9 @@ fn uring_wanted() -> bool {
 }
 
 /// The simulated disk's view of an operation about to run (see `io::sim`).
-fn sim_hook(op: &Sqe) -> Result<(), i32> {
-    use super::sim;
+fn sim_hook(sim: &super::sim::SimDisk, op: &Sqe) -> Result<(), i32> {
     match *op {
-        Sqe::Read { fd, .. } => sim::on_read(fd),
+        Sqe::Read { fd, .. } => sim.on_read(fd),
         Sqe::Write {
             fd,
             buf,
@@ -124,7 +127,7 @@ fn sim_hook(op: &Sqe) -> Result<(), i32> {
         } => {
             // SAFETY: `buf`/`len` come from an operation pushed under `push`'s contract.
             let data = unsafe { std::slice::from_raw_parts(buf, len as usize) };
-            sim::on_write(fd, offset, data, dsync)
+            sim.on_write(fd, offset, data, dsync)
         }
         // FALLOC_FL_KEEP_SIZE alone allocates and changes no byte
         Sqe::Fallocate {
@@ -132,14 +135,14 @@ fn sim_hook(op: &Sqe) -> Result<(), i32> {
             mode,
             offset,
             len,
-        } if mode & !libc::FALLOC_FL_KEEP_SIZE != 0 => sim::on_zero(fd, offset, len),
+        } if mode & !libc::FALLOC_FL_KEEP_SIZE != 0 => sim.on_zero(fd, offset, len),
         _ => Ok(()),
     }
 }
 
 impl IoQueue {
     pub fn new(entries: u32) -> IoQueue {
-        let ring = if uring_wanted() && !super::sim::active() {
+        let ring = if uring_wanted() {
             // Completions run as task work only when this thread waits for them
             // (DEFER_TASKRUN), not whenever a socket or a worker wakes it; the flag
             // in the ring says when such work is pending. Kernels before 6.1 lack
@@ -161,6 +164,7 @@ impl IoQueue {
             queued: 0,
             rbd: None,
             held: Vec::new(),
+            sim: None,
         }
     }
 
@@ -173,6 +177,7 @@ impl IoQueue {
             queued: 0,
             rbd: None,
             held: Vec::new(),
+            sim: None,
         }
     }
 
@@ -199,7 +204,7 @@ impl IoQueue {
             return;
         }
         let Some(ring) = self.ring.as_mut() else {
-            self.sync_exec_or_hold(op, user_data);
+            self.sync_exec(op, user_data);
             return;
         };
         let entry = match op {
@@ -267,32 +272,40 @@ impl IoQueue {
             unsafe { self.push(op, user_data) };
             return;
         }
-        self.sync_exec_or_hold(op, user_data);
+        self.sync_exec(op, user_data);
     }
 
-    /// Carry out `op` now, or under a simulation hold a disk operation until
-    /// the next wait.
-    fn sync_exec_or_hold(&mut self, op: Sqe, user_data: u64) {
-        let disk_op = matches!(
-            op,
-            Sqe::Read { .. } | Sqe::Write { .. } | Sqe::Fsync { .. } | Sqe::Fallocate { .. }
-        );
-        if disk_op && super::sim::active() {
-            self.held.push((op, user_data));
-        } else {
-            self.sync_exec(op, user_data);
-        }
+    /// Queue `op` on a file of the simulated disk `sim` (a [`FileHandle`]'s
+    /// `sim`): it runs synchronously, through the disk's hooks, at the next wait.
+    ///
+    /// # Safety
+    /// As [`IoQueue::push`].
+    ///
+    /// [`FileHandle`]: super::backing::FileHandle
+    pub unsafe fn push_sim(&mut self, op: Sqe, user_data: u64, sim: SimRef) {
+        self.sim = Some(sim);
+        self.held.push((op, user_data, sim));
     }
 
-    /// Carry out the held disk operations, in a seed-chosen order.
+    /// Carry out the held operations of simulated disks, in a seed-chosen order.
     fn run_held(&mut self) {
+        let Some(order) = self.sim else { return };
         if self.held.is_empty() {
             return;
         }
         let mut held = std::mem::take(&mut self.held);
-        super::sim::shuffle(&mut held);
-        for (op, user_data) in held.drain(..) {
+        order.disk().shuffle(&mut held);
+        for (op, user_data, sim) in held.drain(..) {
+            if let Err(e) = sim_hook(sim.disk(), &op) {
+                self.done.push_back((user_data, -e));
+                continue;
+            }
             self.sync_exec(op, user_data);
+            if let Sqe::Fsync { fd } = op {
+                if self.done.back() == Some(&(user_data, 0)) {
+                    sim.disk().on_flush(fd);
+                }
+            }
         }
         if self.held.is_empty() {
             self.held = held; // keep the allocation
@@ -448,8 +461,8 @@ impl IoQueue {
     /// multishot operation stays armed and will complete again.
     pub fn drain_flags(&mut self, mut f: impl FnMut(u64, i32, bool)) {
         self.run_held();
-        if super::sim::active() {
-            super::sim::shuffle(self.done.make_contiguous());
+        if let Some(sim) = self.sim {
+            sim.disk().shuffle(self.done.make_contiguous());
         }
         let mut woke = false;
         while let Some((u, r)) = self.done.pop_front() {
@@ -476,12 +489,6 @@ impl IoQueue {
     fn sync_exec(&mut self, op: Sqe, user_data: u64) {
         // SAFETY (all calls below): the pointers come from `push`, whose caller
         // guarantees they are valid for the lengths given.
-        if super::sim::active() {
-            if let Err(e) = sim_hook(&op) {
-                self.done.push_back((user_data, -e));
-                return;
-            }
-        }
         let r: isize = unsafe {
             match op {
                 Sqe::Read { fd, buf, len, offset } => {
@@ -503,13 +510,7 @@ impl IoQueue {
                     offset as libc::off_t,
                     if dsync { libc::RWF_DSYNC } else { 0 },
                 ),
-                Sqe::Fsync { fd } => {
-                    let r = libc::fdatasync(fd);
-                    if r == 0 {
-                        super::sim::on_flush(fd);
-                    }
-                    r as isize
-                }
+                Sqe::Fsync { fd } => libc::fdatasync(fd) as isize,
                 Sqe::Fallocate {
                     fd,
                     mode,

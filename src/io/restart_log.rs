@@ -62,12 +62,8 @@ pub struct RestartLog {
     len: usize,
     gen: u64,
     full: bool,
-}
-
-/// Under `dmkit sim --kill`, once the simulated daemon is dead: what it does
-/// after that point must not reach the log.
-fn killed() -> bool {
-    super::sim::active() && super::sim::frozen()
+    /// The simulated disk of the metadata the log follows (crash trials).
+    sim: Option<std::sync::Arc<super::sim::SimDisk>>,
 }
 
 fn boot_id() -> [u8; 40] {
@@ -159,6 +155,17 @@ impl RestartLog {
     /// A new, empty log at `path` with room for `cap` records (bounded by
     /// MAX_RECORDS); it counts once `begin` names what it follows.
     pub fn create(path: &Path, cap: usize) -> std::io::Result<RestartLog> {
+        Self::create_on(path, cap, None)
+    }
+
+    /// As [`create`](Self::create), for metadata on the simulated disk `sim`:
+    /// once its crash is taken (`dmkit sim --kill`: the daemon is dead), what the
+    /// target does afterwards no longer reaches the log.
+    pub fn create_on(
+        path: &Path,
+        cap: usize,
+        sim: Option<std::sync::Arc<super::sim::SimDisk>>,
+    ) -> std::io::Result<RestartLog> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -184,7 +191,12 @@ impl RestartLog {
             len: 0,
             gen: 0,
             full: false,
+            sim,
         })
+    }
+
+    fn killed(&self) -> bool {
+        self.sim.as_ref().is_some_and(|d| d.frozen())
     }
 
     /// Start over after a commit: the records that follow describe changes
@@ -197,7 +209,10 @@ impl RestartLog {
     }
 
     fn store_header(&mut self, identity: u64) {
-        let Some(h) = self.map.bytes_mut(0, HEADER).filter(|_| !killed()) else {
+        if self.killed() {
+            return;
+        }
+        let Some(h) = self.map.bytes_mut(0, HEADER) else {
             return;
         };
         // a kill between these stores leaves a header that fails its checksum:
@@ -216,7 +231,7 @@ impl RestartLog {
     /// the log says so (nothing of this generation will be replayed) and the
     /// owner should commit soon.
     pub fn append(&mut self, r: Record) -> bool {
-        if self.full || killed() {
+        if self.full || self.killed() {
             return false;
         }
         if self.len == self.cap {

@@ -8,28 +8,25 @@
 //! writes sectors atomically, nothing larger); FUA writes are always kept. It can
 //! also fail a chosen read or write with EIO.
 //!
-//! Every write, zeroing and flush of the library reaches a file through a few
-//! places (the I/O queue's system calls, dm-io, the metadata device, the backing
-//! file's sync); each calls the hooks here. Outside a simulation the hooks cost one
-//! relaxed atomic load. Inside one, I/O queues run synchronously (no io_uring), so
-//! every operation passes a hook on the thread that issues it.
+//! The simulated disk is a backend chosen by configuration: a registry whose
+//! `Config::sim` names a [`SimDisk`] opens every file registered with it as a
+//! simulated backing file (`io::backing`), whose operations pass the hooks here:
+//! the I/O queue carries them out synchronously, at its next wait, in a
+//! seed-chosen order (`Sqe::Sim`); the synchronous paths (dm-io, the metadata
+//! device, a sync) call them directly. Nothing else in the process sees it.
 
 use crate::sync::Unpoison;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::SECTOR;
 
-static ACTIVE: AtomicBool = AtomicBool::new(false);
-static STATE: Mutex<Option<State>> = Mutex::new(None);
-
-/// Whether a simulation is running in this process.
-#[inline]
-pub fn active() -> bool {
-    ACTIVE.load(Ordering::Relaxed)
+/// A simulated disk under some files: what their media holds, the writes not yet
+/// flushed, the crash point and the faults (one per crash trial).
+pub struct SimDisk {
+    state: Mutex<State>,
 }
 
 /// A write since the last flush: `data` None is a range zeroed (discard, write-zeroes).
@@ -118,10 +115,6 @@ struct State {
     broken_commit_order: bool,
 }
 
-fn state() -> MutexGuard<'static, Option<State>> {
-    STATE.lock().unpoisoned()
-}
-
 fn key_of_fd(fd: RawFd) -> Option<(u64, u64)> {
     // SAFETY: fstat only writes the stat buffer it is given; an invalid fd is an error.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -138,203 +131,299 @@ fn key_of_path(path: &Path) -> std::io::Result<(u64, u64)> {
     Ok((m.dev(), m.ino()))
 }
 
-/// Start a simulation with no files (replacing any earlier one).
-pub fn begin() {
-    *state() = Some(State {
-        rng: 0x2545_f491_4f6c_dd1d,
-        ..State::default()
-    });
-    ACTIVE.store(true, Ordering::SeqCst);
-}
-
-/// End the simulation: hooks go back to doing nothing.
-pub fn end() {
-    ACTIVE.store(false, Ordering::SeqCst);
-    *state() = None;
-}
-
-/// Put `path` under the simulation; its present content is taken as durable.
-pub fn register(path: &Path) -> std::io::Result<()> {
-    let key = key_of_path(path)?;
-    let durable = std::fs::read(path)?;
-    let mut g = state();
-    let st = g.get_or_insert_with(State::default);
-    st.disks.insert(
-        key,
-        Disk {
-            path: path.to_path_buf(),
-            durable,
-            log: Vec::new(),
-        },
-    );
-    Ok(())
-}
-
-/// Seed the order in which ready completions are reported.
-pub fn seed_completions(seed: u64) {
-    if let Some(st) = state().as_mut() {
-        st.rng = seed | 1;
+impl std::fmt::Debug for SimDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SimDisk")
     }
 }
 
-/// Put completions that are ready together in a seed-chosen order, as a device
-/// with several I/Os in flight completes them in any order.
-pub fn shuffle<T>(v: &mut [T]) {
-    if v.len() < 2 || !active() {
-        return;
+impl SimDisk {
+    /// A disk with no files yet; `broken_commit_order`: the fault policy of
+    /// [`broken_commit_order`](Self::broken_commit_order).
+    pub fn new(broken_commit_order: bool) -> Arc<SimDisk> {
+        Arc::new(SimDisk {
+            state: Mutex::new(State {
+                rng: 0x2545_f491_4f6c_dd1d,
+                broken_commit_order,
+                ..State::default()
+            }),
+        })
     }
-    let mut g = state();
-    let Some(st) = g.as_mut() else { return };
-    for i in (1..v.len()).rev() {
-        v.swap(i, (crate::rng::step(&mut st.rng) % (i as u64 + 1)) as usize);
-    }
-}
 
-/// Take the crash once `n` more writes have been recorded (None: only when asked).
-pub fn crash_after_writes(n: Option<u64>) {
-    if let Some(st) = state().as_mut() {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unpoisoned()
+    }
+
+    /// Put `path` under the simulation; its present content is taken as durable.
+    pub fn register(&self, path: &Path) -> std::io::Result<()> {
+        let key = key_of_path(path)?;
+        let durable = std::fs::read(path)?;
+        self.state().disks.insert(
+            key,
+            Disk {
+                path: path.to_path_buf(),
+                durable,
+                log: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Whether the file with this (st_dev, st_ino) is on this disk.
+    pub fn knows(&self, identity: (u64, u64)) -> bool {
+        self.state().disks.contains_key(&identity)
+    }
+
+    /// Seed the order in which ready completions are reported.
+    pub fn seed_completions(&self, seed: u64) {
+        self.state().rng = seed | 1;
+    }
+
+    /// Put completions that are ready together in a seed-chosen order, as a
+    /// device with several I/Os in flight completes them in any order.
+    pub fn shuffle<T>(&self, v: &mut [T]) {
+        if v.len() < 2 {
+            return;
+        }
+        let mut st = self.state();
+        for i in (1..v.len()).rev() {
+            v.swap(i, (crate::rng::step(&mut st.rng) % (i as u64 + 1)) as usize);
+        }
+    }
+
+    /// Take the crash once `n` more writes have been recorded (None: only when asked).
+    pub fn crash_after_writes(&self, n: Option<u64>) {
+        let mut st = self.state();
         st.crash_at = n.map(|n| CrashAt::Write(st.counts.writes + n));
     }
-}
 
-/// Take the crash at `at` (None: only when asked).
-pub fn crash_at(at: Option<CrashAt>) {
-    if let Some(st) = state().as_mut() {
-        st.crash_at = at;
+    /// Take the crash at `at` (None: only when asked).
+    pub fn crash_at(&self, at: Option<CrashAt>) {
+        self.state().crash_at = at;
     }
-}
 
-/// Events recorded since the simulation began.
-pub fn counts() -> Counts {
-    state().as_ref().map(|s| s.counts).unwrap_or_default()
-}
-
-/// Reads and writes counted before the event `at` (all so far for None): a
-/// [`FailPlan`] below this fails an I/O before that crash point.
-pub fn ios_before(at: Option<CrashAt>) -> u64 {
-    let g = state();
-    let Some(st) = g.as_ref() else { return 0 };
-    let at_event = |v: &Vec<u64>, n: u64| {
-        usize::try_from(n.saturating_sub(1))
-            .ok()
-            .and_then(|i| v.get(i).copied())
-            .unwrap_or(st.ios)
-    };
-    match at {
-        Some(CrashAt::Write(n)) => at_event(&st.ios_at_write, n),
-        Some(CrashAt::CommitFlush(n)) => at_event(&st.ios_at_commit_flush, n),
-        None => st.ios,
+    /// Events recorded since the disk was made.
+    pub fn counts(&self) -> Counts {
+        self.state().counts
     }
-}
 
-/// A commit is open until the guard drops: a target marks the span in which it
-/// makes its changes durable (metadata writes, the flush, the superblock), so
-/// the crash can be placed inside it. Costs nothing outside a simulation.
-#[must_use]
-pub fn commit_window() -> CommitWindow {
-    let open = active();
-    if open {
-        if let Some(st) = state().as_mut() {
-            st.commits_open += 1;
+    /// Reads and writes counted before the event `at` (all so far for None): a
+    /// [`FailPlan`] below this fails an I/O before that crash point.
+    pub fn ios_before(&self, at: Option<CrashAt>) -> u64 {
+        let st = self.state();
+        let at_event = |v: &Vec<u64>, n: u64| {
+            usize::try_from(n.saturating_sub(1))
+                .ok()
+                .and_then(|i| v.get(i).copied())
+                .unwrap_or(st.ios)
+        };
+        match at {
+            Some(CrashAt::Write(n)) => at_event(&st.ios_at_write, n),
+            Some(CrashAt::CommitFlush(n)) => at_event(&st.ios_at_commit_flush, n),
+            None => st.ios,
         }
     }
-    CommitWindow { open }
-}
 
-pub struct CommitWindow {
-    open: bool,
-}
-
-impl Drop for CommitWindow {
-    fn drop(&mut self) {
-        if self.open {
-            if let Some(st) = state().as_mut() {
-                st.commits_open = st.commits_open.saturating_sub(1);
-            }
-        }
-    }
-}
-
-/// Fail one I/O as `plan` says (counted from now).
-pub fn fail_io(plan: Option<FailPlan>) {
-    if let Some(st) = state().as_mut() {
+    /// Fail one I/O as `plan` says (counted from now).
+    pub fn fail_io(&self, plan: Option<FailPlan>) {
+        let mut st = self.state();
         st.fail = plan.map(|p| FailPlan {
             nth: st.ios + p.nth,
             ..p
         });
     }
-}
 
-/// I/Os failed so far by [`fail_io`].
-pub fn failed() -> u64 {
-    state().as_ref().map_or(0, |s| s.failed)
-}
-
-/// Whether the crash has been taken (what completes afterwards does not count).
-pub fn frozen() -> bool {
-    state().as_ref().is_some_and(|s| s.frozen)
-}
-
-/// Take the crash now: the media stops changing.
-pub fn freeze() {
-    if let Some(st) = state().as_mut() {
-        st.frozen = true;
+    /// I/Os failed so far by [`fail_io`](Self::fail_io).
+    pub fn failed(&self) -> u64 {
+        self.state().failed
     }
-}
 
-/// Writes recorded since the simulation began.
-pub fn writes() -> u64 {
-    state().as_ref().map_or(0, |s| s.counts.writes)
-}
+    /// Whether the crash has been taken (what completes afterwards does not count).
+    pub fn frozen(&self) -> bool {
+        self.state().frozen
+    }
 
-/// The content each registered file has after the crash, with `pick(n)` (a
-/// seed-driven choice in `0..n`) deciding the fate of every unflushed write as
-/// `fates` says: kept whole, lost, or torn (each of its sectors kept or lost on
-/// its own). FUA writes are always kept.
-pub fn crash_images(fates: Fates, mut pick: impl FnMut(u64) -> u64) -> Vec<(PathBuf, Vec<u8>)> {
-    let mut g = state();
-    let Some(st) = g.as_mut() else {
-        return Vec::new();
-    };
-    st.frozen = true;
-    let mut keys: Vec<_> = st.disks.keys().copied().collect();
-    keys.sort_unstable(); // HashMap order must not feed the seed's choices
-    let mut out = Vec::new();
-    for k in keys {
-        let Some(d) = st.disks.get(&k) else { continue };
-        let mut img = d.durable.clone();
-        let newest = d.log.len().saturating_sub(1);
-        for (i, e) in d.log.iter().enumerate() {
-            // 0, 1: kept; 2: lost; 3: torn
-            let fate = match fates {
-                _ if e.fua => 0,
-                Fates::Independent => pick(4),
-                Fates::Kept => 0,
-                Fates::NewestFirst if i == newest => 0,
-                Fates::NewestFirst => [2, 2, 3, 0][pick(4) as usize],
-            };
-            let sectors = e.len.div_ceil(SECTOR);
-            for s in 0..sectors {
-                let keep = match fate {
-                    0 | 1 => true,
-                    2 => false,
-                    _ => pick(2) == 0,
+    /// Take the crash now: the media stops changing.
+    pub fn freeze(&self) {
+        self.state().frozen = true;
+    }
+
+    /// Writes recorded since the disk was made.
+    pub fn writes(&self) -> u64 {
+        self.state().counts.writes
+    }
+
+    /// Test-only fault that the simulation must catch (`dmkit sim --break`), a
+    /// policy of this disk: metadata commits on it send the superblock without
+    /// the flush that must precede it.
+    pub fn broken_commit_order(&self) -> bool {
+        self.state().broken_commit_order
+    }
+
+    /// The content each registered file has after the crash, with `pick(n)` (a
+    /// seed-driven choice in `0..n`) deciding the fate of every unflushed write as
+    /// `fates` says: kept whole, lost, or torn (each of its sectors kept or lost on
+    /// its own). FUA writes are always kept.
+    pub fn crash_images(&self, fates: Fates, mut pick: impl FnMut(u64) -> u64) -> Vec<(PathBuf, Vec<u8>)> {
+        let mut st = self.state();
+        st.frozen = true;
+        let mut keys: Vec<_> = st.disks.keys().copied().collect();
+        keys.sort_unstable(); // HashMap order must not feed the seed's choices
+        let mut out = Vec::new();
+        for k in keys {
+            let Some(d) = st.disks.get(&k) else { continue };
+            let mut img = d.durable.clone();
+            let newest = d.log.len().saturating_sub(1);
+            for (i, e) in d.log.iter().enumerate() {
+                // 0, 1: kept; 2: lost; 3: torn
+                let fate = match fates {
+                    _ if e.fua => 0,
+                    Fates::Independent => pick(4),
+                    Fates::Kept => 0,
+                    Fates::NewestFirst if i == newest => 0,
+                    Fates::NewestFirst => [2, 2, 3, 0][pick(4) as usize],
                 };
-                if keep {
-                    let lo = s * SECTOR;
-                    let hi = ((s + 1) * SECTOR).min(e.len);
-                    apply(
-                        &mut img,
-                        e.offset + lo,
-                        e.data.as_deref().map(|b| &b[lo as usize..hi as usize]),
-                        hi - lo,
-                    );
+                let sectors = e.len.div_ceil(SECTOR);
+                for s in 0..sectors {
+                    let keep = match fate {
+                        0 | 1 => true,
+                        2 => false,
+                        _ => pick(2) == 0,
+                    };
+                    if keep {
+                        let lo = s * SECTOR;
+                        let hi = ((s + 1) * SECTOR).min(e.len);
+                        apply(
+                            &mut img,
+                            e.offset + lo,
+                            e.data.as_deref().map(|b| &b[lo as usize..hi as usize]),
+                            hi - lo,
+                        );
+                    }
                 }
             }
+            out.push((d.path.clone(), img));
         }
-        out.push((d.path.clone(), img));
+        out
     }
-    out
+
+    /// Run `f` on the state if `fd` is a file on this disk and the crash has not
+    /// been taken yet; else nothing happens (Ok).
+    fn with_disk(
+        &self,
+        fd: RawFd,
+        f: impl FnOnce(&mut State, (u64, u64)) -> Result<(), i32>,
+    ) -> Result<(), i32> {
+        let Some(key) = key_of_fd(fd) else {
+            return Ok(());
+        };
+        let mut st = self.state();
+        if !st.frozen && st.disks.contains_key(&key) {
+            f(&mut st, key)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn record(&self, fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> Result<(), i32> {
+        self.with_disk(fd, |st, key| {
+            if should_fail(st, true) {
+                return Err(libc::EIO);
+            }
+            st.counts.writes += 1;
+            st.ios_at_write.push(st.ios);
+            if st.commits_open > 0 {
+                st.counts.commit_writes += 1;
+            }
+            trace_io(
+                st,
+                key,
+                &format!("write {offset}+{len} fua {fua} zero {}", data.is_none()),
+            );
+            if let Some(d) = st.disks.get_mut(&key) {
+                d.log.push(Entry {
+                    offset,
+                    len,
+                    data: data.map(<[u8]>::to_vec),
+                    fua,
+                });
+            }
+            if st.crash_at == Some(CrashAt::Write(st.counts.writes)) {
+                st.frozen = true;
+            }
+            Ok(())
+        })
+    }
+
+    /// Before a write of `data` at `offset` of `fd`: record it, or fail it (errno).
+    pub fn on_write(&self, fd: RawFd, offset: u64, data: &[u8], fua: bool) -> Result<(), i32> {
+        self.record(fd, offset, data.len() as u64, Some(data), fua)
+    }
+
+    /// Before a range of `fd` is zeroed or deallocated.
+    pub fn on_zero(&self, fd: RawFd, offset: u64, len: u64) -> Result<(), i32> {
+        self.record(fd, offset, len, None, false)
+    }
+
+    /// Before a read of `fd`: fail it (errno) if the plan says so.
+    pub fn on_read(&self, fd: RawFd) -> Result<(), i32> {
+        self.with_disk(fd, |st, _| {
+            if should_fail(st, false) {
+                Err(libc::EIO)
+            } else {
+                Ok(())
+            }
+        })
+    }
+
+    /// After a flush of `fd` completed: what was written before it is on the media.
+    pub fn on_flush(&self, fd: RawFd) {
+        let _ = self.with_disk(fd, |st, key| {
+            st.counts.flushes += 1;
+            if st.commits_open > 0 {
+                st.counts.commit_flushes += 1;
+                st.ios_at_commit_flush.push(st.ios);
+                if st.crash_at == Some(CrashAt::CommitFlush(st.counts.commit_flushes)) {
+                    // the power goes before the flush reaches the media
+                    trace_io(st, key, "flush: the crash");
+                    st.frozen = true;
+                    return Ok(());
+                }
+            }
+            trace_io(st, key, "flush");
+            if let Some(d) = st.disks.get_mut(&key) {
+                for e in std::mem::take(&mut d.log) {
+                    apply(&mut d.durable, e.offset, e.data.as_deref(), e.len);
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A commit is open on `disk` (if its files are simulated) until the guard drops:
+/// a target marks the span in which it makes its changes durable (metadata
+/// writes, the flush, the superblock), so the crash can be placed inside it.
+/// Costs nothing for files that are not simulated.
+#[must_use]
+pub fn commit_window(disk: Option<&Arc<SimDisk>>) -> CommitWindow {
+    if let Some(d) = disk {
+        d.state().commits_open += 1;
+    }
+    CommitWindow { disk: disk.cloned() }
+}
+
+pub struct CommitWindow {
+    disk: Option<Arc<SimDisk>>,
+}
+
+impl Drop for CommitWindow {
+    fn drop(&mut self) {
+        if let Some(d) = &self.disk {
+            let mut st = d.state();
+            st.commits_open = st.commits_open.saturating_sub(1);
+        }
+    }
 }
 
 fn apply(img: &mut Vec<u8>, offset: u64, data: Option<&[u8]>, len: u64) {
@@ -366,19 +455,6 @@ fn should_fail(st: &mut State, write: bool) -> bool {
     }
 }
 
-/// Run `f` on the simulation's state if `fd` is a registered file and the
-/// crash has not been taken yet; else nothing happens (Ok).
-fn with_disk(fd: RawFd, f: impl FnOnce(&mut State, (u64, u64)) -> Result<(), i32>) -> Result<(), i32> {
-    let Some(key) = key_of_fd(fd) else {
-        return Ok(());
-    };
-    let mut g = state();
-    match g.as_mut() {
-        Some(st) if !st.frozen && st.disks.contains_key(&key) => f(st, key),
-        _ => Ok(()),
-    }
-}
-
 /// `DMKIT_SIM_TRACE_IO=1`: print every write and flush the simulation records.
 fn trace_io(st: &State, key: (u64, u64), what: &str) {
     if std::env::var_os("DMKIT_SIM_TRACE_IO").is_some() {
@@ -388,118 +464,6 @@ fn trace_io(st: &State, key: (u64, u64), what: &str) {
             .map(|d| d.path.display().to_string())
             .unwrap_or_default();
         eprintln!("io: {what} {name}");
-    }
-}
-
-fn record(fd: RawFd, offset: u64, len: u64, data: Option<&[u8]>, fua: bool) -> Result<(), i32> {
-    with_disk(fd, |st, key| {
-        if should_fail(st, true) {
-            return Err(libc::EIO);
-        }
-        st.counts.writes += 1;
-        st.ios_at_write.push(st.ios);
-        if st.commits_open > 0 {
-            st.counts.commit_writes += 1;
-        }
-        trace_io(
-            st,
-            key,
-            &format!("write {offset}+{len} fua {fua} zero {}", data.is_none()),
-        );
-        if let Some(d) = st.disks.get_mut(&key) {
-            d.log.push(Entry {
-                offset,
-                len,
-                data: data.map(<[u8]>::to_vec),
-                fua,
-            });
-        }
-        if st.crash_at == Some(CrashAt::Write(st.counts.writes)) {
-            st.frozen = true;
-        }
-        Ok(())
-    })
-}
-
-/// Before a write of `data` at `offset` of `fd`: record it, or fail it (errno).
-#[inline]
-pub fn on_write(fd: RawFd, offset: u64, data: &[u8], fua: bool) -> Result<(), i32> {
-    if !active() {
-        return Ok(());
-    }
-    record(fd, offset, data.len() as u64, Some(data), fua)
-}
-
-/// Before a range of `fd` is zeroed or deallocated.
-#[inline]
-pub fn on_zero(fd: RawFd, offset: u64, len: u64) -> Result<(), i32> {
-    if !active() {
-        return Ok(());
-    }
-    record(fd, offset, len, None, false)
-}
-
-/// Before a read of `fd`: fail it (errno) if the plan says so.
-#[inline]
-pub fn on_read(fd: RawFd) -> Result<(), i32> {
-    if !active() {
-        return Ok(());
-    }
-    with_disk(fd, |st, _| {
-        if should_fail(st, false) {
-            Err(libc::EIO)
-        } else {
-            Ok(())
-        }
-    })
-}
-
-/// After a flush of `fd` completed: what was written before it is on the media.
-#[inline]
-pub fn on_flush(fd: RawFd) {
-    if !active() {
-        return;
-    }
-    let _ = with_disk(fd, |st, key| {
-        st.counts.flushes += 1;
-        if st.commits_open > 0 {
-            st.counts.commit_flushes += 1;
-            st.ios_at_commit_flush.push(st.ios);
-            if st.crash_at == Some(CrashAt::CommitFlush(st.counts.commit_flushes)) {
-                // the power goes before the flush reaches the media
-                trace_io(st, key, "flush: the crash");
-                st.frozen = true;
-                return Ok(());
-            }
-        }
-        trace_io(st, key, "flush");
-        if let Some(d) = st.disks.get_mut(&key) {
-            for e in std::mem::take(&mut d.log) {
-                apply(&mut d.durable, e.offset, e.data.as_deref(), e.len);
-            }
-        }
-        Ok(())
-    });
-}
-
-/// Test-only faults that the simulation must be able to catch (`dmkit sim --break`):
-/// policies of the simulated disk, gone with it when the simulation ends.
-pub mod faults {
-    use super::{active, state};
-
-    /// Break the metadata commit order while this simulation runs: the
-    /// superblock goes out without the flush that must precede it.
-    pub fn set_broken_commit_order(on: bool) {
-        if let Some(st) = state().as_mut() {
-            st.broken_commit_order = on;
-        }
-    }
-
-    /// Whether metadata commits are to break their order (only ever inside a
-    /// simulation that asked for it).
-    #[inline]
-    pub fn broken_commit_order() -> bool {
-        active() && state().as_ref().is_some_and(|s| s.broken_commit_order)
     }
 }
 
@@ -515,22 +479,21 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("disk");
         std::fs::write(&p, vec![0u8; 8192]).unwrap();
-        begin();
-        register(&p).unwrap();
+        let disk = SimDisk::new(false);
+        disk.register(&p).unwrap();
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(&p)
             .unwrap();
         let fd = f.as_raw_fd();
-        on_write(fd, 0, &[1; 1024], false).unwrap();
+        disk.on_write(fd, 0, &[1; 1024], false).unwrap();
         f.write_all_at(&[1; 1024], 0).unwrap();
-        on_flush(fd);
-        on_write(fd, 1024, &[2; 1024], true).unwrap();
-        on_write(fd, 2048, &[3; 2048], false).unwrap();
+        disk.on_flush(fd);
+        disk.on_write(fd, 1024, &[2; 1024], true).unwrap();
+        disk.on_write(fd, 2048, &[3; 2048], false).unwrap();
         // lose every plain write, tear none
-        let imgs = crash_images(Fates::Independent, |_| 2);
-        end();
+        let imgs = disk.crash_images(Fates::Independent, |_| 2);
         let img = &imgs[0].1;
         assert!(img[..1024].iter().all(|&b| b == 1), "flushed write kept");
         assert!(img[1024..2048].iter().all(|&b| b == 2), "FUA write kept");

@@ -829,7 +829,8 @@ impl Engine {
         // io_uring worker (4 KiB randwrite 10.1 -> 7.9 us CPU, randread 7.9 -> 4.3-5.1
         // us); a large one is better done by the workers beside this thread (512 KiB
         // writes 5.5K IOPS through them, 2.5K here).
-        let inline = l.file.is_some_and(|f| f.in_memory)
+        let file = l.file;
+        let inline = l.file.is_some_and(|f| f.in_memory && f.sim.is_none())
             && match l.kind {
                 LeafKind::Read | LeafKind::Write => rem <= INLINE_MAX,
                 LeafKind::Flush => true,
@@ -840,7 +841,20 @@ impl Engine {
             // SAFETY: as in `push`; the call completes before push_inline returns.
             unsafe { self.q.push_inline(op, ud_leaf(r, i)) };
         } else {
-            self.push(op, ud_leaf(r, i));
+            self.push_to(file, op, ud_leaf(r, i));
+        }
+    }
+
+    /// As `push`, for an operation on `file`: a file of a simulated disk goes
+    /// through the disk (`io::sim`).
+    fn push_to(&mut self, file: Option<crate::io::backing::FileHandle>, op: Sqe, ud: u64) {
+        match file.and_then(|f| f.sim) {
+            Some(sim) => {
+                self.ops += 1;
+                // SAFETY: as in `push`.
+                unsafe { self.q.push_sim(op, ud, sim) };
+            }
+            None => self.push(op, ud),
         }
     }
 
@@ -854,7 +868,7 @@ impl Engine {
         let (off, rem) = (l.offset + l.done, (l.len - l.done).min(ZERO_BUF as u64));
         let buf = self.zero_buf.as_ptr();
         self.reqs[r].pending += 1;
-        self.push(f.write(buf, rem, off, false), ud_leaf(r, i));
+        self.push_to(Some(f), f.write(buf, rem, off, false), ud_leaf(r, i));
     }
 
     fn on_leaf(&mut self, r: usize, i: usize, res: i32) {

@@ -105,6 +105,9 @@ pub struct Config {
     /// The target types tables may use (`crate::targets::types()`); the core
     /// itself knows only `error`.
     pub target_types: &'static [TargetType],
+    /// Crash trials (`dmkit sim`): files registered with this simulated disk
+    /// open as its backing files (`io::sim`); None in the daemon.
+    pub sim: Option<std::sync::Arc<crate::io::sim::SimDisk>>,
 }
 
 impl Config {
@@ -146,6 +149,7 @@ impl Default for Config {
                 env_number("DMKIT_TEST_PASSDOWN_DELAY_MS").unwrap_or(0),
             ),
             target_types: &[super::error::TYPE],
+            sim: None,
         }
     }
 }
@@ -979,7 +983,10 @@ impl Registry {
         self.shared((a, b, read_only), || {
             let mut f = BackingFile::open(p, read_only, self.config.direct_io).map_err(|e| e.to_string())?;
             f.hold = Some(hold);
-            Ok(f)
+            Ok(match &self.config.sim {
+                Some(d) if d.knows(f.identity) => f.simulated(d.clone()),
+                _ => f,
+            })
         })
     }
 

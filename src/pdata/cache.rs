@@ -77,6 +77,11 @@ pub fn seal(block: u64, kind: BlockKind, data: &mut Block) {
 
 impl BlockCache {
     /// `capacity` is in blocks (memory use is about capacity * 4 KiB); minimum 16.
+    /// The simulated disk under the device, if any ([`MetadataDev::sim`]).
+    pub fn sim(&self) -> Option<std::sync::Arc<crate::io::sim::SimDisk>> {
+        self.dev.sim()
+    }
+
     pub fn new(dev: Box<dyn MetadataDev>, capacity: usize) -> BlockCache {
         let nr_blocks = dev.nr_blocks();
         BlockCache {

@@ -24,6 +24,11 @@ pub trait MetadataDev: Send {
     fn try_clone(&self) -> Option<Box<dyn MetadataDev>> {
         None
     }
+    /// The simulated disk the device is on (`io::sim`), if any: commits mark
+    /// their window on it and follow its fault policy.
+    fn sim(&self) -> Option<Arc<crate::io::sim::SimDisk>> {
+        None
+    }
     /// Read `buf.len() / 4096` consecutive blocks from `block` (one I/O where the
     /// device can).
     fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
@@ -49,11 +54,7 @@ pub struct FileDev {
 
 impl FileDev {
     pub fn open(path: &std::path::Path, writable: bool) -> io::Result<FileDev> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(writable)
-            .open(path)?;
-        FileDev::new(Arc::new(BackingFile::from_files(path, file, None, !writable)?))
+        FileDev::new(Arc::new(buffered_backing(path, writable)?))
     }
 
     /// The metadata device on `f`.
@@ -89,6 +90,9 @@ impl MetadataDev for FileDev {
     fn nr_blocks(&self) -> u64 {
         self.nr_blocks
     }
+    fn sim(&self) -> Option<Arc<crate::io::sim::SimDisk>> {
+        self.f.sim().cloned()
+    }
     fn read_block(&mut self, block: u64, buf: &mut Block) -> io::Result<()> {
         self.f.read_exact_at(buf, block * BLOCK_SIZE as u64)
     }
@@ -120,8 +124,22 @@ pub fn open_backing(f: &Arc<BackingFile>) -> io::Result<Box<dyn MetadataDev>> {
     if f.is_rbd() {
         return Ok(Box::new(FileDev::new(f.clone())?));
     }
-    let dev = FileDev::open(&f.path, true).or_else(|_| FileDev::open(&f.path, false))?;
-    Ok(Box::new(dev))
+    let b = buffered_backing(&f.path, true).or_else(|_| buffered_backing(&f.path, false))?;
+    // on the simulated disk the table's file is on, in crash trials
+    let b = match f.sim() {
+        Some(d) => b.simulated(d.clone()),
+        None => b,
+    };
+    Ok(Box::new(FileDev::new(Arc::new(b))?))
+}
+
+/// `path` opened buffered as a backing file.
+fn buffered_backing(path: &std::path::Path, writable: bool) -> io::Result<BackingFile> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(writable)
+        .open(path)?;
+    BackingFile::from_files(path, file, None, !writable)
 }
 
 #[derive(Default)]

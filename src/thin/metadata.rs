@@ -57,6 +57,8 @@ pub struct ThinPoolMetadata {
     top_touched: FastMap<u64, ()>,
     /// Recent lookups, kept exact by every mapping change below.
     map_cache: MapCache,
+    /// The simulated disk under the metadata, in crash trials.
+    sim: Option<std::sync::Arc<crate::io::sim::SimDisk>>,
 }
 
 fn check_data_block_size(s: u32) -> Result<()> {
@@ -145,7 +147,9 @@ impl ThinPoolMetadata {
             roots: FastMap::default(),
             top_touched: FastMap::default(),
             map_cache: MapCache::new(map_cache_bytes(opts.cache_blocks)),
+            sim: None,
         };
+        md.sim = md.tm.cache.sim();
         md.commit()?;
         Ok(md)
     }
@@ -166,7 +170,9 @@ impl ThinPoolMetadata {
             roots: FastMap::default(),
             top_touched: FastMap::default(),
             map_cache: MapCache::new(map_cache_bytes(cache_blocks)),
+            sim: None,
         };
+        md.sim = md.tm.cache.sim();
         md.load()?;
         Ok(md)
     }
@@ -204,7 +210,7 @@ impl ThinPoolMetadata {
     /// Make everything done since the last commit durable: write all dirty
     /// blocks, flush, write the superblock, flush.
     pub fn commit(&mut self) -> Result<()> {
-        let _window = crate::io::sim::commit_window();
+        let _window = crate::io::sim::commit_window(self.sim.as_ref());
         // The changed devices stay `changed` until the commit is done: a commit
         // that fails leaves them so, for the pool to know whose changes its abort drops.
         for &dev in &self.details_dirty {
@@ -218,7 +224,7 @@ impl ThinPoolMetadata {
         self.sb.data_sm_root = data_root;
         self.sb.metadata_nr_blocks = meta_root.nr_blocks;
         self.tm.cache.write_dirty()?;
-        if !crate::io::sim::faults::broken_commit_order() {
+        if !self.sim.as_ref().is_some_and(|d| d.broken_commit_order()) {
             self.tm.cache.flush()?;
         }
         let image = self.sb.encode();

@@ -594,7 +594,11 @@ impl Core {
     }
 
     fn write_commit(&self, io: &store::CommitIo) -> std::io::Result<()> {
-        let _window = crate::io::sim::commit_window();
+        let sim = match &self.cow {
+            Dest::File(f) => f.sim(),
+            Dest::Dm(_) => None,
+        };
+        let _window = crate::io::sim::commit_window(sim);
         if let Some(z) = io.zero_chunk {
             devio::write(
                 &self.cow,

@@ -408,7 +408,7 @@ impl Pool {
                 let path = RestartLog::path(dir, "thin-pool", key);
                 replay_restart_log(&mut md, data, &path, &metadata.path)?;
                 let cap = usize::try_from(md.nr_data_blocks()).unwrap_or(usize::MAX);
-                match RestartLog::create(&path, cap) {
+                match RestartLog::create_on(&path, cap, metadata.sim().cloned()) {
                     Ok(mut l) => {
                         l.begin(md.committed_identity());
                         Some(l)

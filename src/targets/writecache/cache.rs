@@ -622,7 +622,8 @@ impl Cache {
         }
         // room for every block allocated and freed again in one generation
         let cap = (self.n_blocks as usize).saturating_mul(4).max(4096);
-        let mut logs = [0, 1].map(|k| RestartLog::create(&paths[k], cap));
+        let sim = self.cache_file.as_ref().and_then(|f| f.sim().cloned());
+        let mut logs = [0, 1].map(|k| RestartLog::create_on(&paths[k], cap, sim.clone()));
         let mut take = Vec::with_capacity(slots.len());
         for slot in order {
             if let Some(sector) = slots.remove(&slot) {
@@ -1220,7 +1221,7 @@ impl Cache {
     /// committed are freed and persisted too.
     pub fn persist(&self, commit: bool) -> io::Result<()> {
         let _c = self.commit_lock.lock().unpoisoned();
-        let _window = crate::io::sim::commit_window();
+        let _window = crate::io::sim::commit_window(self.cache_file.as_ref().and_then(|f| f.sim()));
         let mut commit = commit;
         loop {
             let mut st = lock(&self.st);
