@@ -6,6 +6,16 @@ use dmkit::thin::ir::Header;
 use dmkit::thin::xml::{self, Piece, XmlDevice, XmlMetadata};
 use thin_util::*;
 
+/// `dmkit thin ARGS...`'s exit status.
+fn dmkit_thin(args: &[&std::ffi::OsStr]) -> Option<i32> {
+    std::process::Command::new(env!("CARGO_BIN_EXE_dmkit"))
+        .arg("thin")
+        .args(args)
+        .status()
+        .expect("run dmkit")
+        .code()
+}
+
 /// Random XML: several devices, some data blocks mapped by two devices.
 fn generated_xml(seed: u64) -> XmlMetadata {
     let mut rng = Rng::new(seed);
@@ -109,14 +119,14 @@ fn dmkit_restore_round_trips_through_thin_dump() {
     let xml_path = s.path("in.xml");
     std::fs::write(&xml_path, &text).unwrap();
     let p = s.file("meta", 16384);
-    let code = dmkit::thin::cli::main(vec![
-        "restore".into(),
-        "-i".into(),
-        xml_path.clone().into(),
-        "-o".into(),
-        p.clone().into(),
+    let code = dmkit_thin(&[
+        "restore".as_ref(),
+        "-i".as_ref(),
+        xml_path.as_ref(),
+        "-o".as_ref(),
+        p.as_ref(),
     ]);
-    assert_eq!(code, 0);
+    assert_eq!(code, Some(0));
     assert_thin_check_clean(&p);
     assert_eq!(our_dump(&p, false), text);
     {
@@ -149,15 +159,15 @@ fn dmkit_check_agrees_with_thin_check() {
     std::fs::write(&xml_path, xml::write(&gen)).unwrap();
     let p = s.file("meta", 16384);
     thin_restore(&xml_path, &p);
-    let check = |p: &std::path::Path| dmkit::thin::cli::main(vec!["check".into(), "-q".into(), p.into()]);
-    assert_eq!(check(&p), 0);
+    let check = |p: &std::path::Path| dmkit_thin(&["check".as_ref(), "-q".as_ref(), p.as_ref()]);
+    assert_eq!(check(&p), Some(0));
     // a leaked block: bump a free block's count through the API without a reference
     let mut md = open_file(&p);
     let b = md.alloc_data_block().unwrap();
     md.commit().unwrap();
     drop(md);
     // a leak fails the check (exit 64, as 1.x), and so it does in the reference
-    assert_eq!(check(&p), 64, "leaked data block {b} not reported");
+    assert_eq!(check(&p), Some(64), "leaked data block {b} not reported");
     assert!(!thin_check(&p, &[]).0);
     // any single-byte corruption of a live node is caught by both
     let img = std::fs::read(&p).unwrap();
@@ -166,7 +176,7 @@ fn dmkit_check_agrees_with_thin_check() {
     let idx = u64::from_le_bytes(img[192 + 16..192 + 24].try_into().unwrap()) as usize;
     bad[idx * 4096 + 100] ^= 0x10;
     std::fs::write(&p, &bad).unwrap();
-    assert_eq!(check(&p), 64);
+    assert_eq!(check(&p), Some(64));
     {
         let (ok, _, _) = thin_check(&p, &[]);
         assert!(!ok);
@@ -183,14 +193,14 @@ fn restore_writes_the_superblock_as_thin_restore_does() {
     let theirs = s.file("theirs", 16384);
     thin_restore(&xml_path, &theirs);
     let ours = s.file("ours", 16384);
-    let rc = dmkit::thin::cli::main(vec![
-        "restore".into(),
-        "-i".into(),
-        xml_path.clone().into(),
-        "-o".into(),
-        ours.clone().into(),
+    let rc = dmkit_thin(&[
+        "restore".as_ref(),
+        "-i".as_ref(),
+        xml_path.as_ref(),
+        "-o".as_ref(),
+        ours.as_ref(),
     ]);
-    assert_eq!(rc, 0);
+    assert_eq!(rc, Some(0));
     let (a, b) = (std::fs::read(&theirs).unwrap(), std::fs::read(&ours).unwrap());
     // 1.x stores no uuid; magic, version, time and transaction id; block sizes
     assert_eq!(&b[16..32], &[0u8; 16]);

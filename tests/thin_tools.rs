@@ -456,6 +456,56 @@ fn dump_ls_delta_rmap_match_the_reference() {
     }
 }
 
+/// The pool message `thin_ls ...` / `thin_delta ...` answers as `dmkit thin ls` /
+/// `dmkit thin delta` print on the same metadata: the text (plus the one newline
+/// the client takes off), or the error line.
+#[test]
+fn online_answers_as_the_cli_prints() {
+    let s = Scratch::new("tools-online");
+    let base = s.path("base");
+    pool(&base, 3, 2000, 3, 9);
+    let devs: Vec<u64> = roots(&base).iter().map(|d| d.0).collect();
+    let (a, b) = (devs[0].to_string(), devs[2].to_string());
+    let root = roots(&base)[1].1.to_string();
+    let all = "DEV,MAPPED_BLOCKS,EXCLUSIVE_BLOCKS,SHARED_BLOCKS,HIGHEST_BLOCK,MAPPED_SECTORS,\
+EXCLUSIVE_SECTORS,SHARED_SECTORS,HIGHEST_SECTOR,MAPPED_BYTES,EXCLUSIVE_BYTES,SHARED_BYTES,\
+HIGHEST_BYTE,MAPPED,EXCLUSIVE,SHARED,HIGHEST_MAPPED,TRANSACTION,CREATE_TIME,SNAP_TIME";
+    for args in [
+        &["ls"][..],
+        &["ls", "--no-headers"],
+        &["ls", "-o", all],
+        &["ls", "-o", "DEV,TRANSACTION", "--no-headers"],
+        &["ls", "-m"],
+        &["delta", "--thin1", &a, "--thin2", &b],
+        &["delta", "--thin1", &b, "--thin2", &a, "--verbose"],
+        &["delta", "--root1", &root, "--thin2", &a, "--verbose"],
+        &["delta", "--thin1", "9999", "--thin2", &a],
+        &["delta", "--thin1", &a],
+        &["delta", "--thin1", &a, "--thin2", &b, "-m"],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_dmkit"))
+            .arg("thin")
+            .args(args)
+            .arg(&base)
+            .output()
+            .unwrap();
+        let mut words = vec![format!("thin_{}", args[0])];
+        words.extend(args[1..].iter().map(|w| w.to_string()));
+        let dev = FileDev::open(&base, false).unwrap();
+        let answer = dmkit::thin::online::online(Box::new(dev), &words);
+        if o.status.success() {
+            let cli = String::from_utf8(o.stdout).unwrap();
+            assert_eq!(answer, Ok(cli + "\n"), "{args:?}");
+        } else {
+            assert_eq!(o.status.code(), Some(64), "{args:?}");
+            // after thin_ls's "Scanning data mappings", if it counts
+            let err = String::from_utf8_lossy(&o.stderr);
+            let last = err.lines().last().unwrap_or("").to_string();
+            assert_eq!(answer, Err(last), "{args:?}");
+        }
+    }
+}
+
 #[test]
 fn bad_input_gets_the_reference_messages() {
     let s = Scratch::new("tools-input");

@@ -72,6 +72,17 @@ fn pick(tm: &mut TransactionManager, src: Source) -> Result<Superblock> {
     Ok(Superblock::decode(tm.read(at, BlockKind::Superblock)?))
 }
 
+/// The superblock (live, or the held snapshot's) and its devices, with the
+/// words the read-only tools (ls, delta, rmap) give when there is none.
+pub fn superblock_and_plan(tm: &mut TransactionManager, metadata_snap: bool) -> Result<(Superblock, Plan)> {
+    let sb = pick_superblock(tm, metadata_snap).map_err(|e| match superblock_error(e) {
+        ThinError::NoSnapshotHeld => ThinError::Plain("no current metadata snap".into()),
+        e => e,
+    })?;
+    let plan = plan_of(tm, &sb)?;
+    Ok((sb, plan))
+}
+
 /// 1.x's word for a superblock that does not check out.
 pub fn superblock_error(e: ThinError) -> ThinError {
     match e {

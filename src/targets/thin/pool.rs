@@ -299,7 +299,7 @@ impl Target for ThinPool {
                 let _m = self.pool.lock();
                 let dev = crate::pdata::dev::open_backing(&self.pool.metadata)
                     .map_err(|e| format!("{}: {e}", self.pool.metadata.path.display()))?;
-                crate::thin::cli::online_tool(dev, words)
+                crate::thin::online::online(dev, words)
             }
             _ => Err(format!(
                 "unknown or malformed thin-pool message '{}'",

@@ -9,10 +9,13 @@
 
 mod check;
 mod dump;
+mod live;
 mod other;
 mod size;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use dmkit::thin::ls::LsField;
+use dmkit::thin::rmap::Region;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
@@ -34,8 +37,6 @@ pub const TOOLS: &[(&str, &str)] = &[
     ("thin_delta", "delta"),
     ("thin_ls", "ls"),
 ];
-
-pub use other::online as online_tool;
 
 /// Exit status of a failed tool (sysexits' EX_USAGE, as in 1.x).
 pub const EXIT_FAILURE: i32 = 64;
@@ -233,34 +234,6 @@ pub struct RepairArgs {
     pub dummy: Option<String>,
 }
 
-/// A range of data blocks, `BEGIN..END` (END excluded).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Region {
-    pub begin: u64,
-    pub end: u64,
-}
-
-impl std::str::FromStr for Region {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Region, String> {
-        let mut it = s.split("..");
-        let mut num = || -> Result<u64, String> {
-            it.next()
-                .ok_or_else(|| "badly formed region".to_string())?
-                .parse::<u64>()
-                .map_err(|e| e.to_string())
-        };
-        let (begin, end) = (num()?, num()?);
-        if s.matches("..").count() != 1 {
-            return Err("badly formed region".into());
-        }
-        if end <= begin {
-            return Err("end <= begin".into());
-        }
-        Ok(Region { begin, end })
-    }
-}
-
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "thin_rmap",
@@ -381,8 +354,8 @@ pub struct LsArgs {
     /// SHARED_BLOCKS, HIGHEST_BLOCK, the same in _SECTORS and _BYTES, MAPPED,
     /// EXCLUSIVE, SHARED, HIGHEST_MAPPED, TRANSACTION, CREATE_TIME, SNAP_TIME)
     #[arg(short = 'o', long = "format", value_name = "FIELDS", value_delimiter = ',',
-          value_parser = other::ls_field)]
-    pub format: Vec<usize>,
+          value_parser = LsField::parse)]
+    pub format: Vec<LsField>,
     /// Print the version
     #[arg(short = 'V', long, exclusive = true)]
     pub version: bool,
@@ -583,10 +556,10 @@ fn check_input(path: &Path) -> Result<(), Failure> {
             path.display()
         )));
     }
-    let size = crate::pdata::FileDev::open(path, false)
-        .map(|d| crate::pdata::MetadataDev::nr_blocks(&d) * crate::pdata::BLOCK_SIZE as u64)
+    let size = dmkit::pdata::FileDev::open(path, false)
+        .map(|d| dmkit::pdata::MetadataDev::nr_blocks(&d) * dmkit::pdata::BLOCK_SIZE as u64)
         .map_err(|e| Failure::Message(format!("Couldn't get file size: {e}")))?;
-    if size < crate::pdata::BLOCK_SIZE as u64 {
+    if size < dmkit::pdata::BLOCK_SIZE as u64 {
         return Err(Failure::Message(
             "Metadata device/file too small.  Is this binary metadata?".into(),
         ));
@@ -619,7 +592,7 @@ fn quietly(r: Outcome, quiet: bool) -> Outcome {
 fn stat(path: &Path, what: &str) -> Result<std::fs::Metadata, Failure> {
     std::fs::metadata(path).map_err(|e| {
         Failure::Message(match e.kind() {
-            std::io::ErrorKind::NotFound => match other::mapper_hint(path) {
+            std::io::ErrorKind::NotFound => match live::mapper_hint(path) {
                 Some(hint) if what == "input" => hint,
                 _ => format!("Couldn't find {what} file '{}'", path.display()),
             },
@@ -635,10 +608,10 @@ fn file_or_block_device(md: &std::fs::Metadata) -> bool {
 
 /// Metadata to read (or, for a repairing check, write), checked as 1.x checks it.
 /// Written metadata is claimed first: refused while a pool holds it.
-pub fn open_input(path: &Path, writable: bool) -> Result<crate::pdata::FileDev, Failure> {
+pub fn open_input(path: &Path, writable: bool) -> Result<dmkit::pdata::FileDev, Failure> {
     check_input(path)?;
     let claim = writable.then(|| claim(path)).transpose()?;
-    let dev = crate::pdata::FileDev::open(path, writable)
+    let dev = dmkit::pdata::FileDev::open(path, writable)
         .map_err(|e| Failure::Message(format!("{}: {e}", path.display())))?;
     Ok(match claim {
         Some(c) => dev.with_claim(c),
@@ -650,22 +623,22 @@ pub fn open_input(path: &Path, writable: bool) -> Result<crate::pdata::FileDev, 
 /// files its tables name the same way, so a live pool's metadata or data is
 /// refused with EBUSY and the device and process that hold it, as the kernel's
 /// exclusive open refuses the reference tools.
-pub fn claim(path: &Path) -> Result<crate::io::hold::Hold, Failure> {
-    crate::io::hold::claim(path).map_err(|e| Failure::Message(e.to_string()))
+pub fn claim(path: &Path) -> Result<dmkit::io::hold::Hold, Failure> {
+    dmkit::io::hold::claim(path).map_err(|e| Failure::Message(e.to_string()))
 }
 
 /// The output of restore and repair: it must exist and hold a small pool.
-pub fn open_output(p: &Path) -> Result<crate::pdata::FileDev, Failure> {
+pub fn open_output(p: &Path) -> Result<dmkit::pdata::FileDev, Failure> {
     if !file_or_block_device(&stat(p, "output")?) {
         return Err(Failure::Message(
             "Invalid output file: Not a block device or regular file".into(),
         ));
     }
     let claim = claim(p)?;
-    let dev = crate::pdata::FileDev::open(p, true)
+    let dev = dmkit::pdata::FileDev::open(p, true)
         .map_err(|e| Failure::Message(format!("Invalid output file: {e}")))?
         .with_claim(claim);
-    if crate::pdata::MetadataDev::nr_blocks(&dev) < 10 {
+    if dmkit::pdata::MetadataDev::nr_blocks(&dev) < 10 {
         return Err(Failure::Message("Output file too small.".into()));
     }
     Ok(dev)
@@ -674,6 +647,17 @@ pub fn open_output(p: &Path) -> Result<crate::pdata::FileDev, Failure> {
 /// The path of a required argument (clap has checked it is there).
 fn req(p: Option<PathBuf>) -> PathBuf {
     p.unwrap_or_default()
+}
+
+/// Write `s` to standard output; a closed pipe ends the tool quietly.
+fn emit(s: &str) -> Outcome {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if broken_pipe(&e) => Err(Failure::Quiet(EXIT_FAILURE)),
+        Err(e) => Err(Failure::Message(format!("output error: {e}"))),
+    }
 }
 
 /// Whether an error is a closed output pipe (the tools end silently then).

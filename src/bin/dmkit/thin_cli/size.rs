@@ -3,8 +3,8 @@
 //! device, and the bottom-level leaves at half occupancy.
 
 use super::{MetadataSizeArgs, Outcome};
-use crate::pdata::space_map::MAX_METADATA_BLOCKS;
-use crate::pdata::BLOCK_SIZE;
+use dmkit::pdata::space_map::MAX_METADATA_BLOCKS;
+use dmkit::pdata::BLOCK_SIZE;
 
 /// A unit as 1.x names it: (letter, name, short name, bytes). The names are 1.x's
 /// words, its "terabyte" for TiB included, so output compares equal.

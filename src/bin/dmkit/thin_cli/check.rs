@@ -1,7 +1,7 @@
 //! `thin_check`.
 
 use super::{open_input, quietly, req, CheckArgs, Failure, Outcome};
-use crate::thin::check::{check_with, CheckOptions, Line, Report};
+use dmkit::thin::check::{check_with, CheckOptions, Line, Report};
 use std::io::Write;
 
 pub fn run(a: CheckArgs) -> Outcome {

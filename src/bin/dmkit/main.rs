@@ -1,6 +1,8 @@
 //! The `dmkit` command: `serve` runs the daemon; the dmsetup verbs talk to it with
 //! dmsetup's semantics and output; `thin` holds the thin-provisioning-tools verbs.
 
+mod thin_cli;
+
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use dmkit::control::verbs::{one_line, DmVerb};
@@ -41,7 +43,7 @@ enum Cmd {
     /// The thin-provisioning-tools commands, option for option as thin_check,
     /// thin_dump, ... 1.x (a link named thin_check to dmkit is thin_check)
     #[command(subcommand)]
-    Thin(dmkit::thin::cli::ThinCmd),
+    Thin(thin_cli::ThinCmd),
     /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
     Completions { shell: clap_complete::Shell },
     /// Print a `linear` table that maps a device onto FILE's blocks, one line per
@@ -168,8 +170,8 @@ struct ServeArgs {
 fn main() {
     let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // Called as thin_check, thin_dump, ...: that tool (multi-call, as pdata_tools).
-    if let Some(tool) = argv_os.first().and_then(|a| dmkit::thin::cli::tool_named(a)) {
-        std::process::exit(dmkit::thin::cli::run_tool(tool, tool, argv_os[1..].to_vec()));
+    if let Some(tool) = argv_os.first().and_then(|a| thin_cli::tool_named(a)) {
+        std::process::exit(thin_cli::run_tool(tool, tool, argv_os[1..].to_vec()));
     }
     // `dmkit thin ...` parses as the tools do (paths need not be UTF-8).
     if let Some(i) = thin_word(&argv_os) {
@@ -178,7 +180,7 @@ fn main() {
             // run directory; single-threaded still, so the environment is ours
             std::env::set_var("DMKIT_RUN_DIR", dir);
         }
-        std::process::exit(dmkit::thin::cli::main(argv_os[i + 1..].to_vec()));
+        std::process::exit(thin_cli::main(argv_os[i + 1..].to_vec()));
     }
     let argv: Vec<String> = argv_os.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let cli = match Cli::try_parse_from(&argv) {
@@ -255,7 +257,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             Ok(0)
         }
         // dispatched before parsing; here only if that ever changes
-        Cmd::Thin(_) => Ok(dmkit::thin::cli::main(
+        Cmd::Thin(_) => Ok(thin_cli::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
         Cmd::Completions { shell } => {

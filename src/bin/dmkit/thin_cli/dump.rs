@@ -3,11 +3,11 @@
 use super::{
     open_input, open_output, quietly, req, stat, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs,
 };
-use crate::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Source};
-use crate::thin::ir::Overrides;
-use crate::thin::repair::salvage;
-use crate::thin::restore::Restorer;
-use crate::thin::{xml, ThinError};
+use dmkit::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Source};
+use dmkit::thin::ir::Overrides;
+use dmkit::thin::repair::salvage;
+use dmkit::thin::restore::Restorer;
+use dmkit::thin::{xml, ThinError};
 use std::path::Path;
 
 /// A failure: silent if the output pipe closed or -q, else its message.
