@@ -27,7 +27,7 @@ tools=(
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup lvm:lvm2
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
-  nbd-client:nbd-client cc:gcc
+  nbd-client:nbd-client cc:gcc openssl:openssl
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
