@@ -358,3 +358,42 @@ fn key_wipe_and_set_as_the_kernel_allows_them() {
     d.ok(&["resume", "x"]);
     assert!(Client::connect(&d.sock(), "x").read(0, 4096) != data[..4096]);
 }
+
+#[test]
+fn a_restarted_daemon_restores_crypt_from_an_owner_only_state_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Daemon::start("crypt-restore");
+    let f = d.dir.sparse("f.img", 4 * MIB);
+    let key = "c3".repeat(32);
+    d.create(
+        "x",
+        &format!(
+            "0 8192 crypt aes-xts-plain64 {key} 0 {} 0 1 no_read_workqueue",
+            f.display()
+        ),
+    );
+    let mut c = Client::connect(&d.sock(), "x");
+    let data = pattern(5, 128 << 10);
+    c.write(4096, &data);
+    drop(c);
+    // the message that failed and the table itself never reach the log
+    let _ = d.cli(&["message", "x", "0", "key", "set", &key]);
+    assert!(!d.log().contains(&key), "the daemon logged the key");
+    let state = d.run.join("devices.state");
+    let mode = std::fs::metadata(&state)
+        .expect("state file")
+        .permissions()
+        .mode();
+    assert_eq!(
+        mode & 0o777,
+        0o600,
+        "the state file holding the key is owner-only"
+    );
+    let d = d.kill9_and_restore();
+    let mut c = Client::connect(&d.sock(), "x");
+    assert!(
+        c.read(4096, data.len()) == data,
+        "the restored crypt device reads the data"
+    );
+    assert!(!d.log().contains(&key), "the restoring daemon logged the key");
+}
