@@ -171,3 +171,139 @@ fn dmkit_and_the_kernels_dm_crypt_read_each_others_images() {
         );
     }
 }
+
+/// A LUKS2 image formatted by cryptsetup here; the table that opens its data
+/// (from `luksDump --dump-volume-key`), with `DEV` for the device.
+fn luks_image(s: &Scratch, name: &str, pw: &Path) -> (std::path::PathBuf, String, u64) {
+    common::need("cryptsetup");
+    let img = s.sparse(name, 32 * MIB);
+    let cs = common::tool_path("cryptsetup");
+    common::run(
+        std::process::Command::new(&cs)
+            .args([
+                "luksFormat",
+                "--batch-mode",
+                "--type",
+                "luks2",
+                "--pbkdf",
+                "pbkdf2",
+            ])
+            .args(["--pbkdf-force-iterations", "1000", "--key-file"])
+            .arg(pw)
+            .arg(&img),
+    );
+    let dump = common::run(
+        std::process::Command::new(&cs)
+            .args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"])
+            .arg(pw)
+            .arg(&img),
+    );
+    let seg = common::run(std::process::Command::new(&cs).arg("luksDump").arg(&img));
+    // the key: the hex bytes after "MK dump:" up to the next field
+    let after = dump.split("MK dump:").nth(1).expect("MK dump in luksDump");
+    let key: String = after
+        .lines()
+        .take_while(|l| {
+            l.starts_with(['\t', ' ']) || l.contains(|c: char| c.is_ascii_hexdigit()) && !l.contains(':')
+        })
+        .flat_map(|l| l.split_whitespace())
+        .collect();
+    assert_eq!(key.len(), 128, "a 512-bit volume key: {dump}");
+    let field = |k: &str| -> String {
+        seg.lines()
+            .find_map(|l| l.trim().strip_prefix(k))
+            .unwrap_or_else(|| panic!("no {k} in luksDump: {seg}"))
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let cipher = field("cipher:");
+    let offset: u64 = field("offset:").parse().expect("offset in bytes");
+    let sector: u64 = field("sector:").parse().expect("sector size");
+    // LUKS2 numbers IVs in 512-byte units whatever its sector size (no
+    // iv_large_sectors: the guest's cryptsetup table says so)
+    let opts = if sector == 512 {
+        String::new()
+    } else {
+        format!(" 1 sector_size:{sector}")
+    };
+    let sectors = (32 * MIB - offset) / 512;
+    let table = format!("0 {sectors} crypt {cipher} {key} 0 DEV {}{opts}", offset / 512);
+    (img, table, sectors)
+}
+
+#[test]
+fn luks2_images_that_cryptsetup_formats_open_in_dmkit_and_in_the_kernel() {
+    let s = Scratch::new("crypt-luks");
+    let pw = s.path("pw");
+    std::fs::write(&pw, "correct horse").expect("passphrase");
+    // dmkit writes L1, which the guest opens with cryptsetup; the guest writes L2
+    let (l1, t1, n1) = luks_image(&s, "l1.img", &pw);
+    let (l2, t2, n2) = luks_image(&s, "l2.img", &pw);
+    let data = pattern(77, (n1 * 512) as usize);
+    {
+        let d = Daemon::start("crypt-luks-w");
+        d.create("l1", &t1.replace("DEV", &l1.display().to_string()));
+        let mut c = Client::connect(&d.sock(), "l1");
+        for (j, chunk) in data.chunks(256 << 10).enumerate() {
+            c.write((j * (256 << 10)) as u64, chunk);
+        }
+    }
+    let script = format!(
+        r#"{GUEST_HELPERS}
+mkdir -p /run/cryptsetup
+printf 'correct horse' > /tmp/pw
+for n in 1 2; do
+  dev=/dev/vda; [ $n = 2 ] && dev=/dev/vdb
+  cryptsetup open --type luks2 --disable-keyring --key-file /tmp/pw $dev l$n
+  echo "ORACLE l$n-table $(dmsetup table --showkeys l$n)"
+done
+echo "ORACLE l1-md5 $(sum /dev/mapper/l1)"
+dd if=/dev/urandom of=/dev/mapper/l2 bs=65536 count={} 2>/dev/null
+sync
+echo "ORACLE l2-md5 $(sum /dev/mapper/l2)"
+cryptsetup close l1
+cryptsetup close l2
+echo "ORACLE done yes"
+"#,
+        n2 * 512 / 65536
+    );
+    let cs = common::tool_path("cryptsetup");
+    let serial = oracle::run_env(
+        &s.0,
+        &script,
+        &[&l1, &l2],
+        &[
+            ("ORACLE_MODULES", MODULES),
+            ("DMKIT_ORACLE_KERNEL", "6.12"),
+            ("ORACLE_BINS", cs.as_str()),
+        ],
+    );
+    let m = markers(&serial);
+    assert_eq!(marker(&m, "done"), "yes");
+    // cryptsetup asked the kernel for the table dmkit was given
+    assert_eq!(
+        without_device(marker(&m, "l1-table")),
+        without_device(&t1),
+        "cryptsetup's table"
+    );
+    assert_eq!(
+        without_device(marker(&m, "l2-table")),
+        without_device(&t2),
+        "cryptsetup's table"
+    );
+    assert_eq!(
+        marker(&m, "l1-md5"),
+        md5(&data),
+        "the guest reads what dmkit wrote into LUKS2"
+    );
+    let d = Daemon::start("crypt-luks-r");
+    d.create("l2", &t2.replace("DEV", &l2.display().to_string()));
+    let got = Client::connect(&d.sock(), "l2").read(0, (n2 * 512) as usize);
+    assert_eq!(
+        md5(&got),
+        marker(&m, "l2-md5"),
+        "dmkit reads what the kernel wrote through cryptsetup"
+    );
+}
