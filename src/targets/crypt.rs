@@ -682,7 +682,8 @@ impl Target for Crypt {
         }
         let spc = self.layout.spc;
         let keys = self.keys.load_full();
-        let Some(keys) = keys.filter(|_| bio.sector.is_multiple_of(spc) && bio.nr_sectors.is_multiple_of(spc)) else {
+        let aligned = bio.sector.is_multiple_of(spc) && bio.nr_sectors.is_multiple_of(spc);
+        let Some(keys) = keys.filter(|s| aligned && s.keys().is_some()) else {
             // no key (wiped), or I/O not aligned to the encryption sector
             ctx.complete(bio, LeafKind::Fail(errno::EIO));
             return Ok(());
@@ -696,8 +697,10 @@ impl Target for Crypt {
                     let n = own.len().min(client.len());
                     own[..n].copy_from_slice(&client[..n]);
                     own[n..].fill(0);
-                    if let Some(k) = keys.keys() {
-                        layout.apply(k, true, bio.sector, own);
+                    match keys.keys() {
+                        Some(k) => layout.apply(k, true, bio.sector, own),
+                        // never the plaintext (map checked there are keys)
+                        None => own.fill(0),
                     }
                 },
                 Box::new(|_, _, _| 0),
