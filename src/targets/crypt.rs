@@ -73,7 +73,7 @@ pub const TYPE: TargetType = TargetType {
 /// The longest key any supported cipher takes (XTS with two AES-256 keys).
 const MAX_KEY: usize = 64;
 
-/// What the kernel says when a keyring key reaches us.
+/// Why a key in a kernel keyring is refused (the kernel would read the keyring).
 const KEYRING: &str = "the key is a kernel keyring reference, which userspace cannot read: \
                        open the device with cryptsetup --disable-keyring so the key is passed in the table";
 
