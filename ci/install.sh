@@ -6,6 +6,8 @@
 # (the real lvm that tests/lvm_door.rs drives through the same door),
 # a C compiler and libc headers (gcc, libc6-dev: build.rs builds the door's preload library),
 # the kernel's NBD client (nbd-client, run in the oracle's guest),
+# openssl (tests/crypt.rs decrypts what dm-crypt wrote with it) and cryptsetup
+# (cryptsetup-bin: tests/crypt_oracle.rs formats a LUKS2 image, the guest opens it),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
 # ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra).
 # Then fetches the oracle's kernel. Idempotent: with everything present it only checks.
@@ -27,7 +29,7 @@ tools=(
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup lvm:lvm2
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
-  nbd-client:nbd-client cc:gcc
+  nbd-client:nbd-client cc:gcc openssl:openssl cryptsetup:cryptsetup-bin
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }

@@ -21,7 +21,8 @@ fn target_versions_are_linux_6_12s() {
     let script = "dmsetup targets | while read n v; do echo \"ORACLE target-$n $v\"; done\n\
                   echo \"ORACLE driver $(dmsetup version | sed -n 's/^Driver version: *//p')\"\n";
     // the targets dm-mod does not carry itself
-    let modules = "drivers/md/dm-flakey.ko drivers/md/dm-delay.ko drivers/md/dm-zero.ko";
+    let modules =
+        "drivers/md/dm-flakey.ko drivers/md/dm-delay.ko drivers/md/dm-zero.ko drivers/md/dm-crypt.ko";
     let serial = oracle::run_env(
         &s.0,
         script,

@@ -93,6 +93,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
         h if h.contains("write cache") => {
             &["0 2097152 writecache 0 ", "mycache: nothing left to write back\n"]
         }
+        h if h.contains("encrypted device") => &[
+            "\tsector: 4096 [bytes]\n", // luksDump: the data segment
+            "0 2064384 crypt aes-xts-plain64 ",
+            " 0 ",
+            "/vol.img 32768 1 sector_size:4096\n", // table secret
+        ],
         h if h.contains("Ceph RBD") => &["0 2097152 linear rbd:rbd/vol:conf="],
         h if h.contains("incremental backup") => &["backup.raw\n", "full2.raw\n"],
         h if h.contains("The thin tools") => &[

@@ -6,7 +6,8 @@
 //! restored device may get another minor). Pools, caches and snapshots keep
 //! their own state in their metadata; the file holds only what the kernel's
 //! device-mapper would lose at a reboot: which tables are loaded, and which
-//! device is attached as which ublk block device.
+//! device is attached as which ublk block device. The file is its owner's alone
+//! (mode 0600): a dm-crypt table holds its key, as `table` prints it.
 
 use super::{verbs, Ctx};
 use crate::mapper::DevRef;
@@ -145,7 +146,16 @@ pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<u64> {
     text.push_str(&format!("{BOOT}{}\n\n", boot_id()));
     push_requests(&mut text, &requests(ctx));
     let tmp = path.with_extension("new");
-    let mut f = std::fs::File::create(&tmp)?;
+    // owner-only: tables hold dm-crypt keys, as the kernel's `table` prints them
+    let mut f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?
+    };
     f.write_all(text.as_bytes())?;
     std::fs::rename(&tmp, path)?;
     Ok(text.len() as u64)

@@ -27,6 +27,14 @@ pub enum ControlError {
     Usage(String),
 }
 
+/// How a refused message is named in errors (which the door logs): its first
+/// two words, never what follows them, which may be a key (dm-crypt's `key set`).
+fn message_verb(words: &[String]) -> String {
+    let shown: Vec<&str> = words.iter().take(2).map(String::as_str).collect();
+    let more = if words.len() > 2 { " ..." } else { "" };
+    format!("{}{more}", shown.join(" "))
+}
+
 fn dev_err(name: &str, what: impl Into<String>) -> ControlError {
     ControlError::Device {
         name: name.to_string(),
@@ -708,7 +716,7 @@ impl Registry {
         let e = &t.entries[t.entry_at(sector)];
         e.target
             .message(words)
-            .map_err(|why| dev_err(name, format!("message '{}' refused: {why}", words.join(" "))))
+            .map_err(|why| dev_err(name, format!("message '{}' refused: {why}", message_verb(words))))
     }
 
     fn build_table(&self, dev: &Arc<Device>, text: &str, cwd: Option<&Path>) -> Result<Table, ControlError> {

@@ -29,5 +29,6 @@ targets! {
     thin => thin::pool::TYPE, thin::device::TYPE;
     snapshot => snapshot::ORIGIN_TYPE, snapshot::SNAPSHOT_TYPE, snapshot::MERGE_TYPE;
     writecache => writecache::TYPE;
+    crypt => crypt::TYPE;
     xor => xor::TYPE;
 }

@@ -1,0 +1,309 @@
+//! Kernel oracle for dm-crypt (one boot of Debian's Linux 6.12 under qemu,
+//! tests/oracle/run.sh, with dm-crypt and the crypto modules it uses loaded):
+//! images that dmkit's `crypt` wrote read the same plaintext through the
+//! kernel's dm-crypt with the same table, images the kernel wrote read the same
+//! through dmkit, and both print the same table line.
+
+mod common;
+mod oracle;
+
+use common::nbd::Client;
+use common::{image, pattern, Daemon, Scratch};
+use oracle::{marker, markers, md5, GUEST_HELPERS};
+use std::path::Path;
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 4 * MIB;
+
+/// What the guest loads for dm-crypt, in dependency order (paths under the
+/// 6.12 kernel's modules; cbc, ecb, aes and sha256 are built in).
+const MODULES: &str = "lib/crypto/gf128mul.ko crypto/xts.ko crypto/authenc.ko crypto/essiv.ko \
+                       crypto/cryptd.ko crypto/crypto_simd.ko arch/x86/crypto/aesni-intel.ko \
+                       drivers/md/dm-crypt.ko";
+
+/// (name, table after the device's length with `DEV` for the device, sectors).
+struct Case {
+    name: &'static str,
+    table: String,
+    sectors: u64,
+}
+
+fn case(name: &'static str, cipher: &str, key_bytes: usize, rest: &str, offset: u64) -> Case {
+    let key: String = (0..key_bytes)
+        .map(|i| format!("{:02x}", (i * 37 + usize::from(name.as_bytes()[0]) * 11) as u8))
+        .collect();
+    let (iv_offset, opts) = rest.split_once(' ').unwrap_or((rest, ""));
+    let opts = if opts.is_empty() {
+        String::new()
+    } else {
+        format!(" {opts}")
+    };
+    Case {
+        name,
+        table: format!("{cipher} {key} {iv_offset} DEV {offset}{opts}"),
+        sectors: SIZE / 512 - offset,
+    }
+}
+
+fn table(c: &Case, dev: &str) -> String {
+    format!("0 {} crypt {}", c.sectors, c.table.replace("DEV", dev))
+}
+
+/// The table line without its device field (the kernel prints major:minor).
+fn without_device(line: &str) -> Vec<String> {
+    let mut f: Vec<String> = line.split_whitespace().map(str::to_string).collect();
+    if f.len() > 6 {
+        f.remove(6);
+    }
+    f
+}
+
+#[test]
+fn dmkit_and_the_kernels_dm_crypt_read_each_others_images() {
+    let s = Scratch::new("crypt-oracle");
+    // dmkit writes these, the kernel reads them
+    let ours = [
+        case("a", "aes-xts-plain64", 64, "40", 8),
+        case(
+            "b",
+            "capi:cbc(aes)-essiv:sha256",
+            32,
+            "64 2 sector_size:4096 iv_large_sectors",
+            0,
+        ),
+    ];
+    // the kernel writes these, dmkit reads them
+    let theirs = [
+        case("c", "aes-xts-plain64", 64, "24", 0),
+        case(
+            "d",
+            "aes-cbc-essiv:sha256",
+            16,
+            "40 2 allow_discards sector_size:4096",
+            0,
+        ),
+        case("e", "aes-xts-plain64be", 32, "16 1 iv_large_sectors", 0),
+        case("f", "capi:xts(aes)-plain", 48, "7", 0),
+    ];
+    let mut imgs = Vec::new();
+    let mut want = Vec::new();
+    {
+        let d = Daemon::start("crypt-oracle-w");
+        for (i, c) in ours.iter().enumerate() {
+            let img = image(&s, &format!("{}.img", c.name), SIZE, None);
+            d.create(c.name, &table(c, &img.display().to_string()));
+            let mut cl = Client::connect(&d.sock(), c.name);
+            let data = pattern(40 + i as u64, (c.sectors * 512) as usize);
+            for (j, chunk) in data.chunks(256 << 10).enumerate() {
+                cl.write((j * (256 << 10)) as u64, chunk);
+            }
+            assert!(cl.read(0, data.len()) == data, "{}: dmkit reads back", c.name);
+            want.push(md5(&data));
+            imgs.push(img);
+        }
+    }
+    for c in &theirs {
+        imgs.push(image(&s, &format!("{}.img", c.name), SIZE, Some(9)));
+    }
+
+    let mut script = String::from(GUEST_HELPERS);
+    let devs = ["vda", "vdb", "vdc", "vdd", "vde", "vdf"];
+    for (c, dev) in ours.iter().chain(&theirs).zip(devs) {
+        let n = c.name;
+        script += &format!("mk k{n} \"{}\"\n", table(c, &format!("/dev/{dev}")));
+        script += &format!("echo \"ORACLE {n}-table $(dmsetup table --showkeys k{n})\"\n");
+    }
+    for c in &ours {
+        let n = c.name;
+        script += &format!("echo \"ORACLE {n}-md5 $(sum /dev/mapper/k{n})\"\n");
+    }
+    for c in &theirs {
+        let n = c.name;
+        script += &format!(
+            "dd if=/dev/urandom of=/dev/mapper/k{n} bs=65536 count={} 2>/dev/null\nsync\n\
+             echo \"ORACLE {n}-md5 $(sum /dev/mapper/k{n})\"\n",
+            c.sectors * 512 / 65536
+        );
+    }
+    for c in ours.iter().chain(&theirs) {
+        script += &format!("dmsetup remove k{}\n", c.name);
+    }
+    script += "echo \"ORACLE done yes\"\n";
+    let disks: Vec<&Path> = imgs.iter().map(|p| p.as_path()).collect();
+    let serial = oracle::run_env(
+        &s.0,
+        &script,
+        &disks,
+        &[("ORACLE_MODULES", MODULES), ("DMKIT_ORACLE_KERNEL", "6.12")],
+    );
+    let m = markers(&serial);
+    assert_eq!(marker(&m, "done"), "yes");
+    for (c, w) in ours.iter().zip(&want) {
+        assert_eq!(
+            marker(&m, &format!("{}-md5", c.name)),
+            w,
+            "{}: the kernel reads dmkit's image as the plaintext dmkit wrote ({})",
+            c.name,
+            c.table
+        );
+    }
+    let d = Daemon::start("crypt-oracle-r");
+    for (c, img) in ours.iter().chain(&theirs).zip(&imgs) {
+        d.create(c.name, &table(c, &img.display().to_string()));
+        let kernel = marker(&m, &format!("{}-table", c.name));
+        let mine = d.ok(&["table", c.name]);
+        assert_eq!(
+            without_device(&mine),
+            without_device(kernel),
+            "{}: the table lines differ (device aside)",
+            c.name
+        );
+    }
+    for c in &theirs {
+        let mut cl = Client::connect(&d.sock(), c.name);
+        let got = cl.read(0, (c.sectors * 512) as usize);
+        assert_eq!(
+            md5(&got),
+            marker(&m, &format!("{}-md5", c.name)),
+            "{}: dmkit reads the kernel's image as the plaintext the kernel wrote ({})",
+            c.name,
+            c.table
+        );
+    }
+}
+
+/// A LUKS2 image formatted by cryptsetup here; the table that opens its data
+/// (from `luksDump --dump-volume-key`), with `DEV` for the device.
+fn luks_image(s: &Scratch, name: &str, pw: &Path) -> (std::path::PathBuf, String, u64) {
+    common::need("cryptsetup");
+    let img = s.sparse(name, 32 * MIB);
+    let cs = common::tool_path("cryptsetup");
+    common::run(
+        std::process::Command::new(&cs)
+            .args([
+                "luksFormat",
+                "--batch-mode",
+                "--type",
+                "luks2",
+                "--pbkdf",
+                "pbkdf2",
+            ])
+            .args(["--pbkdf-force-iterations", "1000", "--key-file"])
+            .arg(pw)
+            .arg(&img),
+    );
+    let dump = common::run(
+        std::process::Command::new(&cs)
+            .args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"])
+            .arg(pw)
+            .arg(&img),
+    );
+    let seg = common::run(std::process::Command::new(&cs).arg("luksDump").arg(&img));
+    // the key: the hex bytes after "MK dump:" up to the next field
+    let after = dump.split("MK dump:").nth(1).expect("MK dump in luksDump");
+    let key: String = after
+        .lines()
+        .take_while(|l| {
+            l.starts_with(['\t', ' ']) || l.contains(|c: char| c.is_ascii_hexdigit()) && !l.contains(':')
+        })
+        .flat_map(|l| l.split_whitespace())
+        .collect();
+    assert_eq!(key.len(), 128, "a 512-bit volume key: {dump}");
+    let field = |k: &str| -> String {
+        seg.lines()
+            .find_map(|l| l.trim().strip_prefix(k))
+            .unwrap_or_else(|| panic!("no {k} in luksDump: {seg}"))
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let cipher = field("cipher:");
+    let offset: u64 = field("offset:").parse().expect("offset in bytes");
+    let sector: u64 = field("sector:").parse().expect("sector size");
+    // LUKS2 numbers IVs in 512-byte units whatever its sector size (no
+    // iv_large_sectors: the guest's cryptsetup table says so)
+    let opts = if sector == 512 {
+        String::new()
+    } else {
+        format!(" 1 sector_size:{sector}")
+    };
+    let sectors = (32 * MIB - offset) / 512;
+    let table = format!("0 {sectors} crypt {cipher} {key} 0 DEV {}{opts}", offset / 512);
+    (img, table, sectors)
+}
+
+#[test]
+fn luks2_images_that_cryptsetup_formats_open_in_dmkit_and_in_the_kernel() {
+    let s = Scratch::new("crypt-luks");
+    let pw = s.path("pw");
+    std::fs::write(&pw, "correct horse").expect("passphrase");
+    // dmkit writes L1, which the guest opens with cryptsetup; the guest writes L2
+    let (l1, t1, n1) = luks_image(&s, "l1.img", &pw);
+    let (l2, t2, n2) = luks_image(&s, "l2.img", &pw);
+    let data = pattern(77, (n1 * 512) as usize);
+    {
+        let d = Daemon::start("crypt-luks-w");
+        d.create("l1", &t1.replace("DEV", &l1.display().to_string()));
+        let mut c = Client::connect(&d.sock(), "l1");
+        for (j, chunk) in data.chunks(256 << 10).enumerate() {
+            c.write((j * (256 << 10)) as u64, chunk);
+        }
+    }
+    let script = format!(
+        r#"{GUEST_HELPERS}
+mkdir -p /run/cryptsetup
+printf 'correct horse' > /tmp/pw
+for n in 1 2; do
+  dev=/dev/vda; [ $n = 2 ] && dev=/dev/vdb
+  cryptsetup open --type luks2 --disable-keyring --key-file /tmp/pw $dev l$n
+  echo "ORACLE l$n-table $(dmsetup table --showkeys l$n)"
+done
+echo "ORACLE l1-md5 $(sum /dev/mapper/l1)"
+dd if=/dev/urandom of=/dev/mapper/l2 bs=65536 count={} 2>/dev/null
+sync
+echo "ORACLE l2-md5 $(sum /dev/mapper/l2)"
+cryptsetup close l1
+cryptsetup close l2
+echo "ORACLE done yes"
+"#,
+        n2 * 512 / 65536
+    );
+    let cs = common::tool_path("cryptsetup");
+    let serial = oracle::run_env(
+        &s.0,
+        &script,
+        &[&l1, &l2],
+        &[
+            ("ORACLE_MODULES", MODULES),
+            ("DMKIT_ORACLE_KERNEL", "6.12"),
+            ("ORACLE_BINS", cs.as_str()),
+        ],
+    );
+    let m = markers(&serial);
+    assert_eq!(marker(&m, "done"), "yes");
+    // cryptsetup asked the kernel for the table dmkit was given
+    assert_eq!(
+        without_device(marker(&m, "l1-table")),
+        without_device(&t1),
+        "cryptsetup's table"
+    );
+    assert_eq!(
+        without_device(marker(&m, "l2-table")),
+        without_device(&t2),
+        "cryptsetup's table"
+    );
+    assert_eq!(
+        marker(&m, "l1-md5"),
+        md5(&data),
+        "the guest reads what dmkit wrote into LUKS2"
+    );
+    let d = Daemon::start("crypt-luks-r");
+    d.create("l2", &t2.replace("DEV", &l2.display().to_string()));
+    let got = Client::connect(&d.sock(), "l2").read(0, (n2 * 512) as usize);
+    assert_eq!(
+        md5(&got),
+        marker(&m, "l2-md5"),
+        "dmkit reads what the kernel wrote through cryptsetup"
+    );
+}
