@@ -41,13 +41,14 @@ pub fn file(name: &str, bytes: u64) -> String {
 }
 
 /// A registry with `z` (zero), `lin` (linear over a file), `pool` (thin-pool),
-/// `thin` (a thin of it) and `wc` (writecache), made once per process.
+/// `thin` (a thin of it), `wc` (writecache) and `cr` (crypt), made once per
+/// process.
 pub fn registry() -> &'static Registry {
     &ctx().reg
 }
 
 /// The devices [`registry`] makes (a target may remove the others it finds).
-pub const FIXTURE: &[&str] = &["z", "lin", "pool", "thin", "wc"];
+pub const FIXTURE: &[&str] = &["z", "lin", "pool", "thin", "wc", "cr"];
 
 /// The control requests' context over [`registry`] (no state file).
 pub fn ctx() -> &'static Ctx {
@@ -93,6 +94,14 @@ fn make_registry() -> Registry {
                 "0 8192 writecache s {} {} 4096 0",
                 file("origin", 4 << 20),
                 file("cache", 1 << 20)
+            ),
+        );
+        mk(
+            "cr",
+            format!(
+                "0 8192 crypt aes-xts-plain64 {} 0 {} 0",
+                "0123456789abcdef".repeat(4),
+                file("crypt", 4 << 20)
             ),
         );
         reg

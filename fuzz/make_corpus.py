@@ -81,6 +81,9 @@ for n, t in {
     "snapshot": f"0 1024 snapshot {D}lin {D}cow P 8",
     "origin": f"0 1024 snapshot-origin {D}lin",
     "bad": "0 x linear\n10 10 nosuch a b",
+    "crypt_xts": f"0 1024 crypt aes-xts-plain64 {'0123456789abcdef' * 8} 7 {D}lin 0 2 sector_size:4096 iv_large_sectors",
+    "crypt_essiv": f"0 1024 crypt capi:cbc(aes)-essiv:sha256 {'00ff' * 8} 0 /dev/mapper/lin 8 1 allow_discards",
+    "crypt_null": f"0 1024 crypt cipher_null-ecb - 0 {D}lin 0",
 }.items():
     put("table", n, t.encode())
 
@@ -97,6 +100,10 @@ for n, (pick, m) in {
     "wc_clear_stats": (4, "clear_stats"),
     "bad": (0, "@cancel_deferred_remove"),
     "flakey": (1, "corrupt_bio_byte 1 r 0 0"),
+    "thin_ls": (2, "thin_ls -o DEV,MAPPED,EXCLUSIVE_BLOCKS --no-headers -m"),
+    "thin_delta": (2, "thin_delta --thin1 0 --root2 5 --verbose"),
+    "crypt_key_wipe": (5, "key wipe"),
+    "crypt_key_set": (5, "key set " + "00" * 32),
 }.items():
     put("message", n, bytes([pick]) + m.encode())
 
