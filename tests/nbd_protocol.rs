@@ -1227,3 +1227,63 @@ fn disc_with_requests_in_flight() {
     }
     still_serving(&mut d, &mut by, "d");
 }
+
+/// A client that sends requests and then half-closes (shuts its write side)
+/// gets every one answered, also those the daemon's back-pressure (8 MiB of
+/// replies held) left unparsed in its buffer when the end of the stream came:
+/// the fuzzer found a 4 MiB read followed by a 6 MiB one answered by a closed
+/// connection (`fuzz/corpus/nbd_requests/regress-half-close-behind-back-pressure`).
+#[test]
+fn requests_held_back_by_back_pressure_are_answered_after_a_half_close() {
+    let (d, f) = setup("halfclose", 16);
+    let disk = pattern(91, (16 * MIB) as usize);
+    std::fs::write(&f, &disk).unwrap();
+    for structured in [false, true] {
+        let mut c = connect_either(&d, structured);
+        c.send(READ, 0, 1, 0, (4 * MIB) as u32, &[]);
+        c.send(READ, 0, 2, 4 * MIB, (6 * MIB) as u32, &[]);
+        c.send(READ, 0, 3, MIB, 512, &[]);
+        c.s.shutdown(std::net::Shutdown::Write).unwrap();
+        // (offset, length) of each cookie's read
+        let reads = [(0, 0), (0, 4 * MIB), (4 * MIB, 6 * MIB), (MIB, 512)];
+        let mut got = std::collections::BTreeMap::new();
+        let mut done = std::collections::BTreeSet::new();
+        while done.len() < 3 {
+            let r = c.next_reply(|k| reads[k as usize].1 as usize);
+            assert_eq!(r.error(), 0, "structured {structured}: {r:?}");
+            let k = r.cookie();
+            let (base, len) = reads[k as usize];
+            match &r {
+                nbd::Reply::Simple { data, .. } => {
+                    got.insert(k, data.clone());
+                }
+                nbd::Reply::Chunk { typ: 1, payload, .. } => {
+                    let off = u64::from_be_bytes(payload[..8].try_into().unwrap()) - base;
+                    let v = got.entry(k).or_insert_with(|| vec![0u8; len as usize]);
+                    v[off as usize..off as usize + payload.len() - 8].copy_from_slice(&payload[8..]);
+                }
+                _ => {}
+            }
+            if r.done() {
+                done.insert(k);
+            }
+        }
+        assert_eq!(got.len(), 3, "structured {structured}: three replies");
+        assert!(
+            got[&1] == disk[..(4 * MIB) as usize],
+            "structured {structured}: read 1"
+        );
+        assert!(
+            got[&2] == disk[(4 * MIB) as usize..(10 * MIB) as usize],
+            "structured {structured}: read 2"
+        );
+        assert!(
+            got[&3] == disk[MIB as usize..MIB as usize + 512],
+            "structured {structured}: read 3"
+        );
+        assert!(
+            nbd::closed_within(&mut c.s, Duration::from_secs(5)),
+            "closed after the replies"
+        );
+    }
+}

@@ -113,6 +113,9 @@ pub struct Conn {
     poll_armed: bool,
     /// The poll saw the client hang up (or an error): receive until the end.
     hangup: bool,
+    /// The client's end of the stream was seen: nothing more comes, and what
+    /// is buffered is still parsed and answered (`finish_input`).
+    eof: bool,
     /// The slot whose write payload is being received, and bytes received so far.
     payload: Option<(usize, usize)>,
     /// Payload bytes of a refused write still to be read and thrown away.
@@ -155,6 +158,7 @@ impl Conn {
             readable: true,
             poll_armed: false,
             hangup: false,
+            eof: false,
             payload: None,
             discard: 0,
             slots: (0..MAX_SLOTS).map(|_| Slot::new()).collect(),
@@ -291,7 +295,7 @@ impl Conn {
             self.on_recv(into, r as i32);
             self.parse();
         }
-        if !self.readable && !self.poll_armed && !self.dead && !self.closing {
+        if !self.readable && !self.poll_armed && !self.dead && !self.closing && !self.eof {
             self.engine.poll_in(self.fd, TAG_POLL);
             self.poll_armed = true;
         }
@@ -305,12 +309,15 @@ impl Conn {
     }
 
     fn on_recv(&mut self, into: RecvInto, r: i32) {
-        if r <= 0 {
-            // EOF at a request boundary is a normal disconnect (fio just closes).
-            if r < 0 || self.payload.is_some() || self.rpos != self.rend {
-                self.dead = true;
-            }
+        if r < 0 {
+            self.dead = true;
             self.closing = true;
+            return;
+        }
+        if r == 0 {
+            self.eof = true;
+            self.readable = false;
+            self.finish_input();
             return;
         }
         match into {
@@ -327,7 +334,31 @@ impl Conn {
         }
     }
 
+    /// After the client's end of stream: once every whole request it sent has
+    /// been parsed (back-pressure may hold some in the buffer until replies go
+    /// out), the connection closes once they are answered, as at a disconnect
+    /// between requests (fio just closes). A request cut short by the end of
+    /// the stream ends the connection at once.
+    fn finish_input(&mut self) {
+        if !self.eof || self.closing || self.dead {
+            return;
+        }
+        let avail = self.rend - self.rpos;
+        if self.payload.is_some() || self.discard > 0 || (avail > 0 && avail < 28) {
+            self.dead = true;
+            self.closing = true;
+        } else if avail == 0 {
+            self.closing = true;
+        }
+        // else whole requests wait in the buffer for back-pressure to lift
+    }
+
     fn parse(&mut self) {
+        self.parse_buffered();
+        self.finish_input();
+    }
+
+    fn parse_buffered(&mut self) {
         loop {
             let avail = self.rend - self.rpos;
             if self.discard > 0 {
