@@ -392,6 +392,29 @@ impl Keys {
     }
 }
 
+/// Encrypt (or decrypt) `buf` in place as the target does, in sectors of
+/// `sector_size` bytes numbered from `first`, with `cipher` (the table's
+/// spelling) and `key`: what `examples/crypt_speed.rs` times against
+/// `openssl speed` (bench/crypt.py).
+pub fn transform(
+    cipher: &str,
+    key: &[u8],
+    enc: bool,
+    sector_size: usize,
+    first: u64,
+    buf: &mut [u8],
+) -> Result<(), String> {
+    if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
+        return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
+    }
+    let spec = parse_cipher(cipher)?;
+    let keys = Keys::new(&spec, key)?;
+    for (i, s) in buf.chunks_exact_mut(sector_size).enumerate() {
+        keys.engine.sector(enc, s, keys.iv(first + i as u64));
+    }
+    Ok(())
+}
+
 /// A value in pages of its own, locked in memory while it lives, zeroed (by
 /// its own drop) before they are unlocked.
 #[repr(align(4096))]
