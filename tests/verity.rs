@@ -124,7 +124,7 @@ fn veritysetup_trees_serve_their_data_and_fail_exactly_the_corrupted_blocks() {
 }
 
 #[test]
-fn other_formats_sha512_version_0_small_blocks_zero_blocks() {
+fn other_formats_sha512_sha1_sha224_version_0_small_blocks_zero_blocks() {
     let s = Scratch::new("verity-fmt");
     let d = Daemon::start("verity-fmt");
     let data = image(&s, "data.img", SIZE, Some(5));
@@ -144,6 +144,14 @@ fn other_formats_sha512_version_0_small_blocks_zero_blocks() {
             hash_block: 4096,
             hash: "sha256",
             salt: "abcdef",
+            superblock: false,
+        },
+        Format {
+            version: 0,
+            data_block: 1024,
+            hash_block: 512,
+            hash: "sha1",
+            salt: "0f1e2d",
             superblock: false,
         },
         Format {

@@ -10,7 +10,8 @@
 //! - Version 1 hashes `salt || block` and stores each digest in a slot of
 //!   the digest size rounded up to a power of two; version 0 (the original
 //!   Chrome OS format) hashes `block || salt` and packs the digests.
-//! - Algorithms: `sha256`, `sha224`, `sha384`, `sha512` (RustCrypto's `sha2`).
+//! - Algorithms: `sha256`, `sha224`, `sha384`, `sha512` (RustCrypto's `sha2`)
+//!   and `sha1` (RustCrypto's `sha1`).
 //! - The tree's levels lie on the hash device from `hash_start_block` on, the
 //!   top level first; a hash block holds `2^k` digests, `2^k` the largest power
 //!   of two with `2^k * digest_size <= hash_block_size`, the rest zeroes.
@@ -40,6 +41,7 @@
 
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
+use sha1::Sha1;
 use sha2::{Digest, Sha224, Sha256, Sha384, Sha512};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -77,6 +79,7 @@ const FEC: &str = "forward error correction (use_fec_from_device, fec_roots, fec
 /// A hash function, already fed the salt for version 1.
 #[derive(Clone)]
 enum Alg {
+    Sha1(Sha1),
     Sha224(Sha224),
     Sha256(Sha256),
     Sha384(Sha384),
@@ -86,6 +89,7 @@ enum Alg {
 impl Alg {
     fn new(name: &str) -> Option<Alg> {
         Some(match name {
+            "sha1" => Alg::Sha1(Sha1::new()),
             "sha224" => Alg::Sha224(Sha224::new()),
             "sha256" => Alg::Sha256(Sha256::new()),
             "sha384" => Alg::Sha384(Sha384::new()),
@@ -96,6 +100,7 @@ impl Alg {
 
     fn size(&self) -> usize {
         match self {
+            Alg::Sha1(_) => 20,
             Alg::Sha224(_) => 28,
             Alg::Sha256(_) => 32,
             Alg::Sha384(_) => 48,
@@ -105,6 +110,7 @@ impl Alg {
 
     fn update(&mut self, b: &[u8]) {
         match self {
+            Alg::Sha1(h) => h.update(b),
             Alg::Sha224(h) => h.update(b),
             Alg::Sha256(h) => h.update(b),
             Alg::Sha384(h) => h.update(b),
@@ -115,6 +121,7 @@ impl Alg {
     /// The digest into the first `size()` bytes of `out`.
     fn finish(self, out: &mut [u8; MAX_DIGEST]) {
         match self {
+            Alg::Sha1(h) => out[..20].copy_from_slice(&h.finalize()),
             Alg::Sha224(h) => out[..28].copy_from_slice(&h.finalize()),
             Alg::Sha256(h) => out[..32].copy_from_slice(&h.finalize()),
             Alg::Sha384(h) => out[..48].copy_from_slice(&h.finalize()),
@@ -577,7 +584,7 @@ impl Verity {
             .ok_or_else(|| format!("Invalid hash start '{}'", args[6]))?;
         let mut alg = Alg::new(&args[7]).ok_or_else(|| {
             format!(
-                "Cannot initialize hash function '{}': dmkit supports sha256, sha224, sha384, sha512",
+                "Cannot initialize hash function '{}': dmkit supports sha256, sha1, sha224, sha384, sha512",
                 args[7]
             )
         })?;
