@@ -55,7 +55,8 @@ pub const TYPE: TargetType = TargetType {
     sync: None,
 };
 
-/// Bytes of verified hash blocks kept in memory per target.
+/// Bytes of verified hash blocks kept in memory per target (one block if a
+/// hash block is larger).
 pub const CACHE_BYTES: usize = 16 << 20;
 
 /// The kernel's limit on tree levels.
@@ -644,7 +645,8 @@ impl Verity {
             cache: Mutex::new(Cache {
                 blocks: HashMap::new(),
                 order: VecDeque::new(),
-                cap: (CACHE_BYTES >> hash_bits).max(MAX_LEVELS + 1),
+                // one block at least (a hash block larger than the cache)
+                cap: (CACHE_BYTES >> hash_bits).max(1),
             }),
             verified,
             hash_failed: AtomicBool::new(false),
