@@ -89,6 +89,8 @@ for n, t in {
     "crypt_xts": f"0 1024 crypt aes-xts-plain64 {'0123456789abcdef' * 8} 7 {D}lin 0 2 sector_size:4096 iv_large_sectors",
     "crypt_essiv": f"0 1024 crypt capi:cbc(aes)-essiv:sha256 {'00ff' * 8} 0 /dev/mapper/lin 8 1 allow_discards",
     "crypt_null": f"0 1024 crypt cipher_null-ecb - 0 {D}lin 0",
+    "verity": f"0 1024 verity 1 {D}lin {D}cache 4096 4096 128 1 sha256 {'ab' * 32} 00ff 2 ignore_zero_blocks check_at_most_once",
+    "verity_v0_sha1": f"0 1024 verity 0 /dev/mapper/lin {D}cow 512 1024 1024 0 sha1 {'01' * 20} - 1 ignore_corruption",
 }.items():
     put("table", n, t.encode())
 

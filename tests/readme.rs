@@ -99,6 +99,11 @@ fn promised(heading: &str) -> &'static [&'static str] {
             " 0 ",
             "/vol.img 32768 1 sector_size:4096\n", // table secret
         ],
+        h if h.contains("dm-verity") => &[
+            "Root hash:",
+            "0 16384 verity V\n", // status checked
+            "0 16384 verity C\n", // after the change
+        ],
         h if h.contains("Ceph RBD") => &["0 2097152 linear rbd:rbd/vol:conf="],
         h if h.contains("incremental backup") => &["backup.raw\n", "full2.raw\n"],
         h if h.contains("The thin tools") => &[

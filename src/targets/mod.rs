@@ -30,5 +30,6 @@ targets! {
     snapshot => snapshot::ORIGIN_TYPE, snapshot::SNAPSHOT_TYPE, snapshot::MERGE_TYPE;
     writecache => writecache::TYPE;
     crypt => crypt::TYPE;
+    verity => verity::TYPE;
     xor => xor::TYPE;
 }

@@ -5,6 +5,7 @@
 pub mod ceph;
 pub mod fs;
 pub mod nbd;
+pub mod verity;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
