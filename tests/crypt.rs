@@ -6,12 +6,10 @@
 
 mod common;
 use common::nbd::{Client, TRIM};
-use common::{need, pattern, read_at, run, Daemon};
+use common::{fio_verify_while_suspending, need, pattern, read_at, Daemon};
 use std::collections::HashSet;
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
@@ -205,7 +203,6 @@ fn xts_writes_read_back_and_land_as_the_definition_says() {
 
 #[test]
 fn fio_verifies_through_crypt_while_the_device_below_suspends() {
-    need("fio");
     let d = Daemon::start("crypt-fio");
     let f = d.dir.sparse("f.img", 32 * MIB);
     d.create("lin", &format!("0 65536 linear {} 0", f.display()));
@@ -213,38 +210,7 @@ fn fio_verifies_through_crypt_while_the_device_below_suspends() {
         "x",
         &format!("0 65536 crypt aes-xts-plain64 {XTS512} 0 /dev/mapper/lin 0"),
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let cycles = std::thread::scope(|s| {
-        let flipper = s.spawn(|| {
-            let mut n = 0;
-            while !stop.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(40));
-                d.ok(&["suspend", "lin"]);
-                std::thread::sleep(Duration::from_millis(20));
-                d.ok(&["resume", "lin"]);
-                n += 1;
-            }
-            n
-        });
-        let out = run(Command::new("fio")
-            .arg("--name=verify")
-            .arg("--ioengine=nbd")
-            .arg(format!("--uri={}", d.uri("x")))
-            .args([
-                "--rw=randwrite",
-                "--bsrange=4k-64k",
-                "--iodepth=16",
-                "--size=16M",
-                "--verify=crc32c",
-                "--verify_fatal=1",
-                "--verify_state_save=0",
-            ]));
-        stop.store(true, Ordering::SeqCst);
-        let n = flipper.join().expect("suspend thread");
-        assert!(out.contains("err= 0"), "fio through crypt: {out}");
-        n
-    });
-    assert!(cycles >= 3, "only {cycles} suspend/resume cycles during the run");
+    fio_verify_while_suspending(&d, "x", "lin");
     // every block is in the file encrypted exactly once: the file decrypted
     // independently is what the device reads
     let mut c = Client::connect(&d.sock(), "x");

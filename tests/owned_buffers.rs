@@ -3,11 +3,7 @@
 //! once, also when its writes are parked and requeued by a suspended device.
 
 mod common;
-use common::{need, pattern, read_at, run, Daemon};
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use common::{fio_verify_while_suspending, pattern, read_at, Daemon};
 
 const MIB: u64 = 1 << 20;
 const KEY: &str = "5a17c3";
@@ -51,43 +47,11 @@ fn xor_writes_read_back_and_land_transformed_once() {
 
 #[test]
 fn fio_verifies_through_xor_while_the_device_below_suspends() {
-    need("fio");
     let d = Daemon::start("xor-fio");
     let f = d.dir.sparse("f.img", 32 * MIB);
     d.create("lin", &format!("0 65536 linear {} 0", f.display()));
     d.create("x", &format!("0 65536 xor /dev/mapper/lin 0 {KEY}"));
-    let stop = Arc::new(AtomicBool::new(false));
-    let cycles = std::thread::scope(|s| {
-        let flipper = s.spawn(|| {
-            let mut n = 0;
-            while !stop.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(40));
-                d.ok(&["suspend", "lin"]);
-                std::thread::sleep(Duration::from_millis(20));
-                d.ok(&["resume", "lin"]);
-                n += 1;
-            }
-            n
-        });
-        let out = run(Command::new("fio")
-            .arg("--name=verify")
-            .arg("--ioengine=nbd")
-            .arg(format!("--uri={}", d.uri("x")))
-            .args([
-                "--rw=randwrite",
-                "--bsrange=4k-64k",
-                "--iodepth=16",
-                "--size=16M",
-                "--verify=crc32c",
-                "--verify_fatal=1",
-                "--verify_state_save=0",
-            ]));
-        stop.store(true, Ordering::SeqCst);
-        let n = flipper.join().expect("suspend thread");
-        assert!(out.contains("err= 0"), "fio through xor: {out}");
-        n
-    });
-    assert!(cycles >= 3, "only {cycles} suspend/resume cycles during the run");
+    fio_verify_while_suspending(&d, "x", "lin");
     // Every block fio wrote is in the file XORed exactly once: reading it back
     // through xor gives what the reference key stream makes of the file.
     let mut c = common::nbd::Client::connect(&d.sock(), "x");

@@ -505,3 +505,43 @@ pub fn accept(got: &[u8], state: &mut [Vec<u8>], allowed: &[Vec<Vec<u8>>], bs: u
         state[b] = blk.to_vec();
     }
 }
+
+/// fio's verify (random writes of 4–64 KiB at QD16 over 16 MiB, crc32c) through
+/// export `export` while device `below` is suspended and resumed every 60 ms:
+/// asserts fio saw no error and that it ran across at least three cycles.
+pub fn fio_verify_while_suspending(d: &Daemon, export: &str, below: &str) {
+    use std::sync::atomic::AtomicBool;
+    need("fio");
+    let stop = AtomicBool::new(false);
+    let cycles = std::thread::scope(|s| {
+        let flipper = s.spawn(|| {
+            let mut n = 0;
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(40));
+                d.ok(&["suspend", below]);
+                std::thread::sleep(Duration::from_millis(20));
+                d.ok(&["resume", below]);
+                n += 1;
+            }
+            n
+        });
+        let out = run(Command::new("fio")
+            .arg("--name=verify")
+            .arg("--ioengine=nbd")
+            .arg(format!("--uri={}", d.uri(export)))
+            .args([
+                "--rw=randwrite",
+                "--bsrange=4k-64k",
+                "--iodepth=16",
+                "--size=16M",
+                "--verify=crc32c",
+                "--verify_fatal=1",
+                "--verify_state_save=0",
+            ]));
+        stop.store(true, Ordering::SeqCst);
+        let n = flipper.join().expect("suspend thread");
+        assert!(out.contains("err= 0"), "fio through {export}: {out}");
+        n
+    });
+    assert!(cycles >= 3, "only {cycles} suspend/resume cycles during the run");
+}
