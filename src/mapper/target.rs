@@ -31,6 +31,16 @@ impl Bio {
     pub fn bytes(&self) -> u64 {
         self.nr_sectors * SECTOR
     }
+    /// This bio on a device where the target's sector 0 is sector `offset` (a
+    /// flush has no sector and stays at 0): what linear-like targets send down.
+    pub fn shifted(&self, offset: u64) -> Bio {
+        let sector = if self.op == Op::Flush {
+            0
+        } else {
+            offset + self.sector
+        };
+        Bio { sector, ..*self }
+    }
     /// The piece `[skip, skip+n)` sectors of this bio, at relative sector `sector`.
     pub fn sub(&self, skip: u64, n: u64, sector: u64) -> Bio {
         let buf_off = if self.op.has_data() {

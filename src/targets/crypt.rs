@@ -686,14 +686,7 @@ impl Target for Crypt {
     }
 
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let down = Bio {
-            sector: if bio.op == Op::Flush {
-                0
-            } else {
-                self.offset + bio.sector
-            },
-            ..bio
-        };
+        let down = bio.shifted(self.offset);
         match bio.op {
             Op::Flush => return ctx.remap(&self.dev, down, 0),
             Op::Discard if self.opts.allow_discards => return ctx.remap(&self.dev, down, 0),

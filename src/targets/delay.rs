@@ -154,12 +154,7 @@ impl Target for Delay {
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let (kind, c) = self.class_of(bio.op);
-        let sector = if bio.op == Op::Flush {
-            0
-        } else {
-            c.offset + bio.sector
-        };
-        let remapped = Bio { sector, ..bio };
+        let remapped = bio.shifted(c.offset);
         if c.delay_ms == 0 || self.timer.released.load(Ordering::SeqCst) {
             return ctx.remap(&c.dev, remapped, 0);
         }

@@ -1,7 +1,7 @@
 //! `flakey <dev> <offset> <up> <down> [<n> <features>...]`: linear while up; while
 //! down, errors, dropped writes or corruption as the features say.
 
-use crate::io::{errno, LeafKind, Op};
+use crate::io::{errno, LeafKind};
 use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -227,14 +227,7 @@ impl Target for Flakey {
         TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let remapped = Bio {
-            sector: if bio.op == Op::Flush {
-                0
-            } else {
-                self.offset + bio.sector
-            },
-            ..bio
-        };
+        let remapped = bio.shifted(self.offset);
         if !self.is_down() {
             return ctx.remap(&self.dev, remapped, 0);
         }

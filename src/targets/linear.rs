@@ -37,12 +37,7 @@ impl Target for Linear {
     }
     #[inline]
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let sector = if bio.op == crate::io::Op::Flush {
-            0
-        } else {
-            self.offset + bio.sector
-        };
-        ctx.remap(&self.dev, Bio { sector, ..bio }, 0)
+        ctx.remap(&self.dev, bio.shifted(self.offset), 0)
     }
     fn table_params(&self) -> String {
         format!("{} {}", self.dev.table_name(), self.offset)

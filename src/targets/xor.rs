@@ -74,14 +74,7 @@ impl Target for Xor {
         TYPE.name
     }
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let down = Bio {
-            sector: if bio.op == Op::Flush {
-                0
-            } else {
-                self.offset + bio.sector
-            },
-            ..bio
-        };
+        let down = bio.shifted(self.offset);
         match bio.op {
             Op::Write => {
                 let key = self.key.clone();

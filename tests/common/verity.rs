@@ -18,11 +18,10 @@ pub struct Format<'a> {
 }
 
 impl Format<'_> {
-    /// Build the tree of `data` on `hash_file`; the root hash veritysetup printed.
-    pub fn run(&self, data: &Path, hash_file: &Path) -> String {
-        need("veritysetup");
+    /// `veritysetup VERB` with this format's options.
+    fn veritysetup(&self, verb: &str) -> Command {
         let mut c = Command::new("veritysetup");
-        c.arg("format")
+        c.arg(verb)
             .arg(format!("--format={}", self.version))
             .arg(format!("--data-block-size={}", self.data_block))
             .arg(format!("--hash-block-size={}", self.hash_block))
@@ -31,6 +30,13 @@ impl Format<'_> {
         if !self.superblock {
             c.arg("--no-superblock");
         }
+        c
+    }
+
+    /// Build the tree of `data` on `hash_file`; the root hash veritysetup printed.
+    pub fn run(&self, data: &Path, hash_file: &Path) -> String {
+        need("veritysetup");
+        let mut c = self.veritysetup("format");
         let out = run(c.arg(data).arg(hash_file));
         out.lines()
             .find_map(|l| l.strip_prefix("Root hash:"))
@@ -55,16 +61,7 @@ impl Format<'_> {
 
     /// `veritysetup verify`: whether the data matches the tree and root.
     pub fn verify(&self, data: &Path, hash_file: &Path, root: &str) -> bool {
-        let mut c = Command::new("veritysetup");
-        c.arg("verify")
-            .arg(format!("--format={}", self.version))
-            .arg(format!("--data-block-size={}", self.data_block))
-            .arg(format!("--hash-block-size={}", self.hash_block))
-            .arg(format!("--hash={}", self.hash))
-            .arg(format!("--salt={}", self.salt));
-        if !self.superblock {
-            c.arg("--no-superblock");
-        }
+        let mut c = self.veritysetup("verify");
         c.arg(data).arg(hash_file).arg(root);
         c.output().expect("spawn veritysetup").status.success()
     }
