@@ -71,6 +71,12 @@ put("nbd_requests", "regress-zero-length-write", bytes([1]) + req(WRITE, 0, 0) +
 put("nbd_requests", "regress-half-close-behind-back-pressure", bytes([9]) + req(READ, 0, 4 << 20, 0, 1)
     + req(READ, 0, 0x951300, 8, 2))
 put("nbd_requests", "regress-zero-length-read-structured", bytes([1 | 2 << 2]) + req(READ, 0, 0) + req(BS, 0, 0, 8, 2))
+# A TRIM of a mapped thin block, then writes of zeroes over it and the next
+# block: each write held the pool device (its piece on the next block went
+# through it) while its piece on the trimmed block waited for the discard, which
+# waited for the pool device to drain. CI on 41830ba; the connection never closed.
+put("nbd_requests", "regress-discard-waits-for-a-write-waiting-for-it", bytes([2]) + req(WRITE, 0, 131072, 0, 1, b"\x5a" * 131072)
+    + req(TRIM, 0, 65536, 0, 2) + req(ZEROES, 2560, 65536, 2, 3) + req(ZEROES, 0, 1 << 20, 0x10, 4) + req(FLUSH, 0, 0, 0, 5))
 
 D = "/dev/shm/dmkit-fuzz-table/"
 for n, t in {

@@ -81,6 +81,8 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "dlin\t(253:",                 // dmsetup ls
             "dz\t(253:",
             "0 2097152 linear ", // dmsetup table dlin
+            "dlin: Created new region with 4 area(s) as region ID 0\n", // dmstats create
+            "dlin                 -    0 area       3 768.00m 256.00m", // dmstats report
         ],
         h if h.contains("thin pool with snapshots") => &[
             "0 20971520 thin-pool 0 ", // status pool

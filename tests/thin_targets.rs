@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::nbd::{Client, FLAG_FUA, FLUSH, TRIM, WRITE};
+use common::nbd::{reply_ready, Client, FLAG_FUA, FLUSH, TRIM, WRITE};
 use common::{assert_same, need, pattern, read_at, Daemon, Scratch};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
@@ -990,6 +990,61 @@ fn discard_passdown_in_flight_holds_its_block() {
     let st = pool_status(&d);
     assert_eq!((st.mode.as_str(), st.used_data), ("rw", 4), "{st:?}");
     drop(c);
+    stop_and_check(d, &f);
+}
+
+/// Writes over the end of a block being discarded and the start of a mapped
+/// one: the piece on the first waits in the prison for the discard, the other
+/// goes through the pool device, and the discard waits for the pool device's
+/// I/O to drain. Once only its waiting piece is left, a request must not hold
+/// the pool device, or the write and the discard wait for each other: for ever
+/// once two such writes count in the two epochs the drains alternate between
+/// (found by the nbd_requests fuzzer in CI on 41830ba: a TRIM, then two
+/// WRITE_ZEROES over two blocks). The discards are made slow
+/// (DMKIT_TEST_DISCARD_DELAY_MS) so that the first write arrives before the
+/// pool's thread starts draining, the second after its first drain began.
+#[test]
+fn writes_over_blocks_being_discarded_and_mapped_ones_complete() {
+    let (d, f) = pool_daemon(
+        "discard-span",
+        4 * MIB,
+        16,
+        &[],
+        &[("DMKIT_TEST_DISCARD_DELAY_MS", "700")],
+    );
+    let mut c = fill_four(&d);
+    let old = pattern(11, 4 * B as usize);
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+    let mut t = Client::connect(&d.sock(), "t0");
+    let t0 = Instant::now();
+    t.send(TRIM, 0, 1, 0, B as u32, &[]);
+    t.send(TRIM, 0, 2, 2 * B, B as u32, &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let (w1, w2) = (pattern(13, 8 * KIB as usize), pattern(14, 8 * KIB as usize));
+    c.send(WRITE, 0, 3, B - 4 * KIB, w1.len() as u32, &w1);
+    assert!(
+        !reply_ready(&c, Duration::from_millis(200)),
+        "the first write was answered before the discard of its first block"
+    );
+    std::thread::sleep(Duration::from_millis(1400).saturating_sub(t0.elapsed()));
+    let mut c2 = Client::connect(&d.sock(), "t0");
+    c2.send(WRITE, 0, 4, 3 * B - 4 * KIB, w2.len() as u32, &w2);
+    for (k, cookie) in [(0, 1), (0, 2), (1, 3), (2, 4)] {
+        let k = [&mut t, &mut c, &mut c2].into_iter().nth(k).unwrap();
+        assert!(
+            reply_ready(k, Duration::from_secs(10)),
+            "request {cookie} was never answered"
+        );
+        assert_eq!(k.reply(None), (cookie, 0), "request {cookie}");
+    }
+    let mut want = old.clone();
+    want[..B as usize].fill(0);
+    want[2 * B as usize..3 * B as usize].fill(0);
+    want[(B - 4 * KIB) as usize..(B + 4 * KIB) as usize].copy_from_slice(&w1);
+    want[(3 * B - 4 * KIB) as usize..(3 * B + 4 * KIB) as usize].copy_from_slice(&w2);
+    assert_same(&c.read(0, 4 * B as usize), &want, "blocks 0-3");
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+    drop((c, c2, t));
     stop_and_check(d, &f);
 }
 

@@ -619,14 +619,25 @@ impl Request {
     /// A target message's result (`DM_DATA_OUT_FLAG`), or BUFFER_FULL if it and
     /// its NUL do not fit.
     pub fn put_message_result(&mut self, text: &str) {
-        let (start, len) = self.result_space();
-        self.add_flags(DATA_OUT_FLAG);
-        if text.len() + 1 >= len {
-            self.add_flags(BUFFER_FULL_FLAG);
+        if !self.message_result_fits(text.len()) {
             return;
         }
+        let (start, _) = self.result_space();
         put_c_str(&mut self.buf, start, text.as_bytes());
         self.set_data_size((start + text.len() + 1) as u32);
+    }
+
+    /// Whether a message result of `len` bytes fits the caller's buffer; if not,
+    /// the reply says so (DM_BUFFER_FULL_FLAG: libdevmapper retries with a larger
+    /// buffer). A message that must not run twice (`@stats_create`) asks first.
+    pub fn message_result_fits(&mut self, len: usize) -> bool {
+        let (_, room) = self.result_space();
+        self.add_flags(DATA_OUT_FLAG);
+        if len + 1 >= room {
+            self.add_flags(BUFFER_FULL_FLAG);
+            return false;
+        }
+        true
     }
 
     /// The bytes to copy back after success: `data_size` of them.

@@ -46,6 +46,7 @@ fn errno_of(e: &ControlError) -> Errno {
         ControlError::NoDevice(_) => dm::ENXIO,
         ControlError::Exists(_) => dm::EBUSY,
         ControlError::Device { what, .. } if what.to_ascii_lowercase().contains("busy") => dm::EBUSY,
+        ControlError::Errno { errno, .. } => Errno(*errno),
         _ => dm::EINVAL,
     }
 }
@@ -520,9 +521,35 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
             if words.is_empty() {
                 return Err(refuse(dm::EINVAL, format!("{}: empty message", d.name())));
             }
+            // What may not run twice must know its answer fits before it runs
+            // (libdevmapper repeats a message whose answer did not fit): a new
+            // region's id, and what @stats_print_clear prints before it clears.
+            let verb = words[0].to_ascii_lowercase();
+            let need = match verb.as_str() {
+                "@stats_create" => Some(i32::MAX.to_string().len()),
+                "@stats_print_clear" => {
+                    let mut probe = words.clone();
+                    probe[0] = "@stats_print".into();
+                    Some(
+                        reg.message(&d.name(), sector, &probe)
+                            .map_err(from_registry)?
+                            .len(),
+                    )
+                }
+                _ => None,
+            };
+            if need.is_some_and(|n| !r.message_result_fits(n)) {
+                return Ok(false);
+            }
             let out = reg.message(&d.name(), sector, &words).map_err(from_registry)?;
             r.set_status(&status(&d));
-            if !out.is_empty() {
+            // dm-stats' messages that answer do so even with nothing to say
+            // (an empty @stats_list): libdevmapper wants the empty string
+            let answers = matches!(
+                verb.as_str(),
+                "@stats_create" | "@stats_list" | "@stats_print" | "@stats_print_clear" | "@stats_clear"
+            );
+            if answers || !out.is_empty() {
                 r.put_message_result(&out);
             }
             // a message may change what the state file records

@@ -219,6 +219,9 @@ pub struct Request {
     owned: Vec<Owned>,
     /// Leaves issued and pieces out with targets, not yet finished.
     pending: u32,
+    /// Of `pending`, the pieces out with targets: when they are all that is
+    /// left, the request lets go of the devices below its own (`mapper::relax`).
+    waits: u32,
     /// A device on the path is suspended: when nothing is pending, release every
     /// hold and map the whole request again once it resumes.
     requeue: bool,
@@ -233,6 +236,8 @@ pub struct Request {
     /// The device the request was started on; kept when the slot is reused for
     /// the same device, so the fast path clones no `Arc`.
     dev: Option<Arc<Device>>,
+    /// Counted in the device's statistics regions when it started.
+    stats: Option<super::stats::Started>,
 }
 
 impl Request {
@@ -252,11 +257,13 @@ impl Request {
             holds: Vec::with_capacity(4),
             owned: Vec::new(),
             pending: 0,
+            waits: 0,
             requeue: false,
             then_flush: false,
             flush_only: false,
             hooked: false,
             dev: None,
+            stats: None,
         }
     }
 
@@ -486,6 +493,7 @@ impl Engine {
         loop {
             while let Some(r) = self.parked.pop_front() {
                 self.reqs[r].state = State::Done;
+                end_stats(&mut self.reqs[r]);
             }
             self.io_events.clear();
             self.done.clear();
@@ -519,6 +527,11 @@ impl Engine {
         q.hooked = false;
         q.flush_only = false;
         q.then_flush = q.fua && matches!(q.op, Op::Discard | Op::WriteZeroes);
+        q.stats = if dev.stats.on() {
+            dev.stats.start(q.op, q.sector, q.nr_sectors)
+        } else {
+            None
+        };
         if self.parked.iter().any(|&p| same_device(&self.reqs[p], dev)) {
             // behind the device's requests waiting for a resume, to keep their order
             self.reqs[r].state = State::Parked;
@@ -558,6 +571,7 @@ impl Engine {
         let (submitted, flush_after) = ctx.finish();
         q.then_flush |= flush_after;
         q.pending += submitted;
+        q.waits += submitted;
         self.asyncs += u64::from(submitted);
         res
     }
@@ -670,6 +684,7 @@ impl Engine {
         let first = self.reqs[r].leaves.len();
         let Msg { piece: m, resume } = m;
         let q = &mut self.reqs[r];
+        q.waits -= 1;
         match resume {
             Resume::Done(e) => {
                 if let Some(h) = m.end_io {
@@ -720,10 +735,19 @@ impl Engine {
                 }
             }
         }
+        self.reqs[r].pending -= 1;
+        self.settle(r);
+    }
+
+    /// A leaf or piece of `r` finished, or leaves were issued: complete the
+    /// request when nothing is left; let go of the devices below its own when
+    /// only pieces waiting in targets are (`mapper::relax`).
+    fn settle(&mut self, r: usize) {
         let q = &mut self.reqs[r];
-        q.pending -= 1;
         if q.pending == 0 {
             self.leaves_done(r);
+        } else if q.pending == q.waits {
+            super::relax(&mut q.holds);
         }
     }
 
@@ -759,9 +783,7 @@ impl Engine {
         for i in from..n {
             self.issue_leaf(r, i);
         }
-        if self.reqs[r].pending == 0 {
-            self.leaves_done(r);
-        }
+        self.settle(r);
     }
 
     /// Start (or continue, after a short transfer) leaf `i` of `r`. Leaves with no
@@ -932,9 +954,7 @@ impl Engine {
                 q.error = e;
             }
         }
-        if self.reqs[r].pending == 0 {
-            self.leaves_done(r);
-        }
+        self.settle(r);
     }
 
     /// Every leaf and piece of `r` is done.
@@ -980,7 +1000,16 @@ impl Engine {
         }
         let q = &mut self.reqs[r];
         q.state = State::Done;
+        end_stats(q);
         self.done.push_back(r);
+    }
+}
+
+/// `q` is done: account its end in its device's statistics, if it was counted.
+#[inline]
+fn end_stats(q: &mut Request) {
+    if let (Some(s), Some(dev)) = (q.stats.take(), q.dev.as_ref()) {
+        dev.stats.end(q.op, q.sector, q.nr_sectors, s);
     }
 }
 

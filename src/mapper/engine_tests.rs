@@ -1,7 +1,8 @@
 //! The engine with mock targets: a request split by its target, parked while a
 //! device on its path is suspended and mapped again after the resume, data in
-//! buffers a target owns, and every end-of-I/O hook told whether its I/O
-//! happened.
+//! buffers a target owns, every end-of-I/O hook told whether its I/O
+//! happened, and a request whose only unfinished piece waits in a target
+//! holding no device below its own.
 
 use super::*;
 use crate::mapper::registry::{Config, Registry};
@@ -133,7 +134,50 @@ impl Target for Invert {
     }
 }
 
-const TYPES: &[TargetType] = &[SPLIT, INVERT, crate::mapper::error::TYPE];
+/// `wait <dev>`: the first half of a request waits in the target (a piece, kept
+/// in `WAITING` for the test to send on), the second half goes to `dev`.
+struct Wait {
+    dev: DevRef,
+}
+
+static WAITING: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
+
+const WAIT: TargetType = TargetType {
+    name: "wait",
+    version: [1, 0, 0],
+    new: |args, len, r: &dyn Resolver| {
+        Ok(Box::new(Wait {
+            dev: arg_dev(args, 0, 0, len, r)?,
+        }))
+    },
+    sync: None,
+};
+
+impl Target for Wait {
+    fn type_name(&self) -> &'static str {
+        "wait"
+    }
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let half = bio.nr_sectors / 2;
+        WAITING
+            .lock()
+            .unpoisoned()
+            .push(ctx.submit(bio.sub(0, half, bio.sector)));
+        ctx.remap(
+            &self.dev,
+            bio.sub(half, bio.nr_sectors - half, bio.sector + half),
+            0,
+        )
+    }
+    fn table_params(&self) -> String {
+        self.dev.table_name()
+    }
+    fn devices(&self) -> Vec<&DevRef> {
+        vec![&self.dev]
+    }
+}
+
+const TYPES: &[TargetType] = &[SPLIT, INVERT, WAIT, crate::mapper::error::TYPE];
 
 /// A registry knowing the mock targets, and a 1 MiB file of zeroes under it.
 fn setup(name: &str) -> (Registry, std::path::PathBuf) {
@@ -310,5 +354,54 @@ fn a_request_waits_while_a_lower_device_is_suspended_and_is_mapped_again_once() 
     drop(e);
     // the engine holds no device once its slots forgot them
     assert_eq!(Arc::strong_count(&top), 2, "the registry's and ours");
+    let _ = std::fs::remove_file(path);
+}
+
+/// A request whose only unfinished part is a piece waiting in its target holds
+/// its own device but none below it, so a lower device can drain (a thin pool's
+/// discard waits for that while the piece waits for the discard); the piece
+/// going on enters the lower device again.
+#[test]
+fn a_request_with_only_a_waiting_piece_left_holds_no_lower_device() {
+    let (reg, path) = setup("relax");
+    reg.create(
+        "low",
+        Some(&format!("0 2048 split {} 8 106", path.display())),
+        false,
+        None,
+    )
+    .expect("low");
+    reg.create("top", Some("0 2048 wait /dev/mapper/low"), false, None)
+        .expect("top");
+    let (top, low) = (reg.get("top").expect("top"), reg.get("low").expect("low"));
+    let mut e = Engine::new(4).expect("engine");
+    let data = pattern(16 << 10, 5);
+    let r = fill(&mut e, Op::Write, 128, 32, Some(&data));
+    e.start(r, &top);
+    for _ in 0..1000 {
+        if log_of(106).len() == 2 {
+            break;
+        }
+        e.turn(Some(Duration::from_millis(2))).expect("turn");
+    }
+    assert_eq!(log_of(106).len(), 2, "the second half's leaves");
+    assert!(e.pop_done().is_none(), "done with a piece still waiting");
+    assert_eq!(
+        (top.in_flight(), low.in_flight()),
+        (1, 0),
+        "in flight in top and low"
+    );
+    assert!(low.drain_epoch(Duration::from_millis(100)), "low drains");
+    let p = WAITING.lock().unpoisoned().pop().expect("the waiting piece");
+    let bio = p.bio();
+    p.remap(Dest::Dm(low.clone()), bio, None);
+    assert_eq!(wait(&mut e, r, 1000), Some(0));
+    assert_eq!((top.in_flight(), low.in_flight()), (0, 0));
+    assert_eq!(log_of(106).len(), 4, "the first half went on through low");
+    e.free(r);
+    let on_disk = std::fs::read(&path).expect("read back");
+    assert_eq!(&on_disk[128 * 512..128 * 512 + data.len()], &data[..]);
+    e.forget_devices();
+    e.shut_down();
     let _ = std::fs::remove_file(path);
 }

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod error;
 pub mod registry;
 pub mod report;
+pub mod stats;
 pub mod target;
 
 pub use registry::Registry;
@@ -164,6 +165,9 @@ pub struct Device {
     pub control: Mutex<()>,
     /// The kernel block device a frontend made of it (ublk's /dev/ublkbN).
     block_device: Mutex<Option<String>>,
+    /// dm statistics regions (`@stats_*` messages): counted where requests to
+    /// this device start and end.
+    pub stats: stats::Stats,
     /// `FAULT_*`: a worker panicked serving it (its I/O fails, see
     /// `crate::panics`), or a test armed a panic.
     fault: AtomicU8,
@@ -198,6 +202,7 @@ impl Device {
             deferred_remove: AtomicBool::new(false),
             control: Mutex::new(()),
             block_device: Mutex::new(None),
+            stats: stats::Stats::default(),
             fault: AtomicU8::new(FAULT_NONE),
         }
     }
@@ -443,19 +448,20 @@ pub(crate) fn collect_files(dev: &Device, out: &mut Vec<Arc<crate::io::BackingFi
 const MAX_DEPTH: u32 = 16;
 
 /// A request's claim on a device it passes through: the device cannot finish
-/// suspending (or draining an epoch) while the request holds it.
+/// suspending (or draining an epoch) while the request holds it. A hold on a
+/// device below the top one is let go while the request has no I/O under way
+/// (only pieces waiting in targets, see [`relax`]) and taken again when a piece
+/// goes on through it: the kernel counts each clone bio in the device it is
+/// submitted to only while it is there.
 pub struct Hold {
     pub dev: Arc<Device>,
     epoch: usize,
+    counted: bool,
 }
 
-/// Enter `dev` for a request (its holds so far): count it in flight unless it is
-/// suspended.
+/// Count a request in `dev`'s current epoch, unless `dev` is suspended.
 #[inline]
-fn enter(dev: &Arc<Device>, holds: &mut Vec<Hold>) -> Result<u16, MapErr> {
-    if let Some(i) = holds.iter().position(|h| Arc::ptr_eq(&h.dev, dev)) {
-        return Ok(i as u16);
-    }
+fn count_in(dev: &Arc<Device>) -> Result<usize, MapErr> {
     let mut e = dev.epoch.load(Ordering::SeqCst) & 1;
     dev.inflight[e].fetch_add(1, Ordering::SeqCst);
     // An epoch flip between the load and the increment: count in the new epoch, so
@@ -473,9 +479,26 @@ fn enter(dev: &Arc<Device>, holds: &mut Vec<Hold>) -> Result<u16, MapErr> {
         leave(dev, e);
         return Err(MapErr::Suspended);
     }
+    Ok(e)
+}
+
+/// Enter `dev` for a request (its holds so far): count it in flight unless it is
+/// suspended.
+#[inline]
+fn enter(dev: &Arc<Device>, holds: &mut Vec<Hold>) -> Result<u16, MapErr> {
+    if let Some(i) = holds.iter().position(|h| Arc::ptr_eq(&h.dev, dev)) {
+        let h = &mut holds[i];
+        if !h.counted {
+            h.epoch = count_in(dev)?;
+            h.counted = true;
+        }
+        return Ok(i as u16);
+    }
+    let epoch = count_in(dev)?;
     holds.push(Hold {
         dev: dev.clone(),
-        epoch: e,
+        epoch,
+        counted: true,
     });
     Ok((holds.len() - 1) as u16)
 }
@@ -483,6 +506,20 @@ fn enter(dev: &Arc<Device>, holds: &mut Vec<Hold>) -> Result<u16, MapErr> {
 /// Release every device a request entered (at completion, or before retrying it).
 pub fn release(holds: &mut Vec<Hold>) {
     for h in holds.drain(..) {
+        if h.counted {
+            leave(&h.dev, h.epoch);
+        }
+    }
+}
+
+/// The request has no I/O under way, only pieces waiting in targets (for a block
+/// being provisioned or discarded, for space, for a commit): let go of every
+/// device below the top one, which it enters again when a piece goes on. A
+/// piece waiting for something that waits for a lower device to drain (a thin
+/// pool's discard waits for the pool's I/O) must not hold that device itself.
+pub fn relax(holds: &mut [Hold]) {
+    for h in holds.iter_mut().skip(1).filter(|h| h.counted) {
+        h.counted = false;
         leave(&h.dev, h.epoch);
     }
 }

@@ -25,6 +25,9 @@ pub enum ControlError {
     /// A request that names no device and is wrong in itself.
     #[error("{0}")]
     Usage(String),
+    /// Refused with this errno (as the kernel would through the dm ioctl).
+    #[error("{name}: {what}")]
+    Errno { name: String, errno: i32, what: String },
 }
 
 /// How a refused message is named in errors (which the door logs): its first
@@ -110,6 +113,9 @@ pub struct Config {
     /// Tests only: how long a thin pool's discard passdown waits before it is
     /// sent to the data device (zero: at once).
     pub thin_passdown_delay: std::time::Duration,
+    /// Tests only: how long a thin pool's thread waits before it carries out
+    /// deferred discards (zero: at once).
+    pub thin_discard_delay: std::time::Duration,
     /// The target types tables may use (`crate::targets::types()`); the core
     /// itself knows only `error`.
     pub target_types: &'static [TargetType],
@@ -138,8 +144,8 @@ fn env_number(var: &str) -> Option<u64> {
 
 impl Default for Config {
     /// The daemon's defaults; the test hooks DMKIT_THIN_COMMIT_PERIOD_MS,
-    /// DMKIT_NO_SPACE_TIMEOUT_SECS and DMKIT_TEST_PASSDOWN_DELAY_MS override
-    /// the thin pool's timings.
+    /// DMKIT_NO_SPACE_TIMEOUT_SECS, DMKIT_TEST_PASSDOWN_DELAY_MS and
+    /// DMKIT_TEST_DISCARD_DELAY_MS override the thin pool's timings.
     fn default() -> Config {
         use std::time::Duration;
         Config {
@@ -156,6 +162,7 @@ impl Default for Config {
             thin_passdown_delay: Duration::from_millis(
                 env_number("DMKIT_TEST_PASSDOWN_DELAY_MS").unwrap_or(0),
             ),
+            thin_discard_delay: Duration::from_millis(env_number("DMKIT_TEST_DISCARD_DELAY_MS").unwrap_or(0)),
             target_types: &[super::error::TYPE],
             sim: None,
         }
@@ -695,6 +702,14 @@ impl Registry {
                 // Succeeds whether or not a remove was pending, as the kernel's.
                 dev.deferred_remove.store(false, Ordering::SeqCst);
                 return Ok(String::new());
+            }
+            let size = dev.live.load().as_ref().map_or(0, |t| t.size);
+            if let Some(r) = dev.stats.message(words, size) {
+                return r.map_err(|e| ControlError::Errno {
+                    name: name.to_string(),
+                    errno: e.errno,
+                    what: e.what,
+                });
             }
             return Err(dev_err(
                 name,

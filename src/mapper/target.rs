@@ -509,7 +509,7 @@ impl<'a> MapCtx<'a> {
     /// mapped through it since (it is still the last one).
     pub fn release_hold(&mut self, h: HoldMark) {
         if h.0 + 1 == self.holds.len() {
-            if let Some(h) = self.holds.pop() {
+            if let Some(h) = self.holds.pop().filter(|h| h.counted) {
                 super::leave(&h.dev, h.epoch);
             }
         }

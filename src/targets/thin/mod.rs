@@ -262,6 +262,7 @@ struct Timing {
     commit_period: Duration,
     no_space_timeout: Duration,
     passdown_delay: Duration,
+    discard_delay: Duration,
 }
 
 /// Live pools by their metadata file's identity.
@@ -453,6 +454,7 @@ impl Pool {
                 commit_period: config.thin_commit_period,
                 no_space_timeout: config.thin_no_space_timeout,
                 passdown_delay: config.thin_passdown_delay,
+                discard_delay: config.thin_discard_delay,
             },
             commit_lock: Mutex::new(()),
             started: AtomicU64::new(0),
@@ -511,6 +513,10 @@ impl Pool {
     /// device before: None (the discards put back) if it did not drain in time.
     fn take_drained_discards(&self) -> Option<Vec<Discard>> {
         let discards = std::mem::take(&mut self.lock().discards);
+        if !discards.is_empty() && !self.timing.discard_delay.is_zero() {
+            // a test hook: I/O arriving meanwhile meets the discards' prison cells
+            std::thread::sleep(self.timing.discard_delay);
+        }
         let dev = self.pool_dev.lock().unpoisoned().upgrade();
         if dev.is_some_and(|d| !d.drain_epoch(Duration::from_millis(500))) {
             self.lock().discards.extend(discards);
