@@ -528,13 +528,27 @@ mod tests {
             "lower",
             "the device the others use comes first"
         );
-        // a rename changes how other tables name the device: the record is written whole
+        // a rename is appended as entries for the device under both names and
+        // for the devices whose tables name it (they name it anew), whatever
+        // the number of other devices
+        let before = text.len();
         c.reg.rename("lower", "base").expect("rename");
         rec.record(&c, &path, false).expect("record");
         let text = std::fs::read_to_string(&path).expect("read");
-        assert!(!text.contains(SET), "written whole:\n{text}");
-        assert!(text.contains("/dev/mapper/base") && !text.contains("/dev/mapper/lower"));
+        let added = &text[before..];
+        assert!(
+            added.contains(&format!("{DEL}lower\n")) && added.contains(&format!("{SET}base\n")),
+            "appended:\n{added}"
+        );
+        assert_eq!(
+            added.matches(SET).count(),
+            1 + (0..20).filter(|i| i % 3 != 0).count(),
+            "base and each device over it:\n{added}"
+        );
+        let replayed = parse(&text).concat().join(" ");
+        assert!(replayed.contains("/dev/mapper/base") && !replayed.contains("/dev/mapper/lower"));
         assert_eq!(sorted(parse(&text)), sorted(requests(&c)));
+        assert_eq!(parse(&text)[0][1], "base", "the renamed device still comes first");
         // once the entries outgrow the record, it is written whole again
         let mut rewritten = false;
         for _ in 0..2000 {

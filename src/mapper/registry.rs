@@ -38,6 +38,20 @@ fn message_verb(words: &[String]) -> String {
     format!("{}{more}", shown.join(" "))
 }
 
+/// Whether a live or inactive table of `d` names device `other`.
+fn refers_to(d: &Device, other: &Arc<Device>) -> bool {
+    let names = |t: &crate::mapper::Table| {
+        t.entries.iter().any(|e| {
+            e.target
+                .devices()
+                .iter()
+                .any(|r| matches!(r, DevRef::Dm(h) if Arc::ptr_eq(&h.0, other)))
+        })
+    };
+    d.live.load().as_deref().is_some_and(names)
+        || d.inactive.lock().unpoisoned().as_deref().is_some_and(names)
+}
+
 fn dev_err(name: &str, what: impl Into<String>) -> ControlError {
     ControlError::Device {
         name: name.to_string(),
@@ -403,7 +417,6 @@ impl Registry {
     /// `dmsetup rename NAME NEW`: the device (and its NBD export) takes the new
     /// name; connections already attached go on.
     pub fn rename(&self, name: &str, new: &str) -> Result<(), ControlError> {
-        let _t = Touch(self, None);
         check_name(new)?;
         let mut devs = self.devices();
         if devs.contains_key(new) {
@@ -417,6 +430,17 @@ impl Registry {
             .ok_or_else(|| ControlError::NoDevice(name.to_string()))?;
         dev.set_name(new);
         dev.event_nr.fetch_add(1, Ordering::Relaxed);
+        // What changed: the device under both names, and the devices whose
+        // tables name it (their record names it anew), not every device.
+        let mut c = self.changed.lock().unpoisoned();
+        c.names.insert(name.to_string());
+        c.names.insert(new.to_string());
+        for (n, d) in devs.iter() {
+            if refers_to(d, &dev) {
+                c.names.insert(n.clone());
+            }
+        }
+        drop(c);
         devs.insert(new.to_string(), dev);
         Ok(())
     }
