@@ -384,6 +384,38 @@ fn dmstats_counts_io_per_area_through_the_door() {
     assert_eq!(dmsetup(&d, &["remove", "st"]), "");
 }
 
+/// A chosen minor number (DM_PERSISTENT_DEV_FLAG: `dmsetup create -j 253 -m N`,
+/// as LVM's `lvchange --persistent y --minor N` asks): the device gets it, a
+/// second device asking for it gets EBUSY, one out of range EINVAL, the others
+/// still get the lowest free number, and a restart gives each the same again.
+#[test]
+fn a_chosen_minor_is_given_refused_when_taken_and_kept_across_a_restart() {
+    let d = Daemon::start("door-minor");
+    let create = |d: &Daemon, name: &str, minor: &str| {
+        dmsetup_in(
+            d,
+            &["create", name, "-j", "253", "-m", minor, "--table", "0 8 zero"],
+            "",
+        )
+    };
+    let o = create(&d, "pm", "77");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for (minor, why) in [("77", "Device or resource busy"), ("1048576", "Invalid argument")] {
+        let o = create(&d, "pm2", minor);
+        let err = text(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(&format!("failed: {why}")),
+            "minor {minor}: {err}"
+        );
+    }
+    d.ok(&["create", "q", "--minor", "78", "--table", "0 8 zero"]);
+    d.ok(&["create", "r", "--table", "0 8 zero"]);
+    let ls = "pm\t(253:77)\nq\t(253:78)\nr\t(253:0)\n";
+    assert_eq!(dmsetup(&d, &["ls"]), ls);
+    let d = d.kill9_and_restore();
+    assert_eq!(dmsetup(&d, &["ls"]), ls, "after a restart");
+}
+
 #[test]
 fn exec_without_a_daemon_says_where_it_looked() {
     let d = Daemon::start("door-none");

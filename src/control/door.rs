@@ -343,16 +343,10 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
         Cmd::DevCreate => {
             let name = r.name();
             check_name(&name)?;
-            if r.has(dm::PERSISTENT_DEV_FLAG) {
-                return Err(refuse(
-                    dm::EINVAL,
-                    format!(
-                        "{name}: a chosen minor number (DM_PERSISTENT_DEV_FLAG) is not supported by dmkit"
-                    ),
-                ));
-            }
+            // DM_PERSISTENT_DEV_FLAG: the minor of `dev` (the kernel looks no further)
+            let minor = r.has(dm::PERSISTENT_DEV_FLAG).then(|| dm::decode_dev(r.dev()).1);
             let uuid = Some(r.uuid()).filter(|u| !u.is_empty());
-            reg.create_in(&name, None, r.has(dm::READONLY_FLAG), uuid, None)
+            reg.create_in(&name, None, r.has(dm::READONLY_FLAG), uuid, minor, None)
                 .map_err(from_registry)?;
             let d = reg.get(&name).map_err(from_registry)?;
             r.clear_flags(dm::INACTIVE_PRESENT_FLAG);

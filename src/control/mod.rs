@@ -155,11 +155,13 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             notable,
             readonly,
             uuid,
+            minor,
         } => done(reg.create_in(
             &name,
             table(&t, notable).as_deref(),
             readonly,
             uuid,
+            minor,
             t.cwd.as_deref(),
         )),
         DmVerb::Load { name, table: t } => match table(&t, false) {

@@ -85,6 +85,9 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
     if d.read_only {
         req.push("--readonly".into());
     }
+    if d.chosen_minor {
+        req.extend(["--minor".to_string(), d.minor.to_string()]);
+    }
     match ctx.reg.table_lines(Some(&name), false, false) {
         Ok(t) if !t.trim().is_empty() => {
             for line in t.lines() {

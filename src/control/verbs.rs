@@ -36,6 +36,10 @@ Examples:
         /// The device's uuid
         #[arg(short, long)]
         uuid: Option<String>,
+        /// Give the device this minor number (kept across restarts), as
+        /// dmsetup's --minor does; refused if a device has it
+        #[arg(short, long)]
+        minor: Option<u32>,
     },
     /// Load a table into the inactive slot (resume makes it live); the table
     /// comes from standard input without --table

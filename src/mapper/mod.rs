@@ -168,6 +168,9 @@ pub struct Device {
     /// dm statistics regions (`@stats_*` messages): counted where requests to
     /// this device start and end.
     pub stats: stats::Stats,
+    /// Its minor number was asked for (DM_PERSISTENT_DEV_FLAG, `create --minor`):
+    /// a restart gives it the same one.
+    pub chosen_minor: bool,
     /// `FAULT_*`: a worker panicked serving it (its I/O fails, see
     /// `crate::panics`), or a test armed a panic.
     fault: AtomicU8,
@@ -203,6 +206,7 @@ impl Device {
             control: Mutex::new(()),
             block_device: Mutex::new(None),
             stats: stats::Stats::default(),
+            chosen_minor: false,
             fault: AtomicU8::new(FAULT_NONE),
         }
     }

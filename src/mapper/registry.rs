@@ -94,6 +94,16 @@ impl Minors {
         })
     }
 
+    /// Take `minor` itself (DM_PERSISTENT_DEV_FLAG): false if a device has it.
+    fn take_this(&mut self, minor: u32) -> bool {
+        if minor < self.high {
+            return self.free.remove(&minor);
+        }
+        self.free.extend(self.high..minor);
+        self.high = minor + 1;
+        true
+    }
+
     fn give(&mut self, minor: u32) {
         if minor < self.high {
             self.free.insert(minor);
@@ -104,6 +114,9 @@ impl Minors {
         }
     }
 }
+
+/// Minor numbers are below this (the kernel's MINORBITS: 20 bits).
+const MAX_MINORS: u32 = 1 << 20;
 
 /// Options fixed for the daemon's life.
 #[derive(Clone, Debug)]
@@ -321,7 +334,7 @@ impl Registry {
         read_only: bool,
         uuid: Option<String>,
     ) -> Result<(), ControlError> {
-        self.create_in(name, table, read_only, uuid, None)
+        self.create_in(name, table, read_only, uuid, None, None)
     }
 
     /// [`Registry::create`] for a caller in directory `cwd`, which relative paths
@@ -333,11 +346,22 @@ impl Registry {
         table: Option<&str>,
         read_only: bool,
         uuid: Option<String>,
+        minor: Option<u32>,
         cwd: Option<&Path>,
     ) -> Result<(), ControlError> {
         let _t = self.touch(name);
         check_name(name)?;
         check_uuid(name, uuid.as_deref())?;
+        if minor.is_some_and(|m| m >= MAX_MINORS) {
+            return Err(ControlError::Errno {
+                name: name.to_string(),
+                errno: libc::EINVAL,
+                what: format!(
+                    "minor number {} out of range (below {MAX_MINORS})",
+                    minor.unwrap_or(0)
+                ),
+            });
+        }
         {
             let devs = self.devices();
             if devs.contains_key(name) {
@@ -345,8 +369,20 @@ impl Registry {
             }
             self.uuid_free(name, uuid.as_deref())?;
         }
-        let minor = self.take_minor();
-        let dev = Arc::new(Device::new(name.to_string(), minor, uuid.clone(), read_only));
+        let (minor, chosen) = match minor {
+            Some(m) if self.minors.lock().unpoisoned().take_this(m) => (m, true),
+            Some(m) => {
+                return Err(ControlError::Errno {
+                    name: name.to_string(),
+                    errno: libc::EBUSY,
+                    what: format!("Device or resource busy: minor number {m} is in use"),
+                })
+            }
+            None => (self.take_minor(), false),
+        };
+        let mut dev = Device::new(name.to_string(), minor, uuid.clone(), read_only);
+        dev.chosen_minor = chosen;
+        let dev = Arc::new(dev);
         // Build the table before the device is visible, so a failed create leaves
         // nothing, its minor included.
         if let Some(table) = table {
@@ -435,9 +471,12 @@ impl Registry {
         let mut c = self.changed.lock().unpoisoned();
         c.names.insert(name.to_string());
         c.names.insert(new.to_string());
-        for (n, d) in devs.iter() {
-            if refers_to(d, &dev) {
-                c.names.insert(n.clone());
+        // (only a device some table holds is looked for in the others)
+        if dev.holders.load(Ordering::SeqCst) > 0 {
+            for (n, d) in devs.iter() {
+                if refers_to(d, &dev) {
+                    c.names.insert(n.clone());
+                }
             }
         }
         drop(c);
