@@ -82,37 +82,95 @@ fn check_uuid(name: &str, uuid: Option<&str>) -> Result<(), ControlError> {
 struct Minors {
     /// Every minor below this has been taken at some time.
     high: u32,
-    /// The ones below `high` given back since.
-    free: std::collections::BTreeSet<u32>,
+    /// The ones below `high` given back since (or skipped by a chosen minor),
+    /// as ranges: start -> end (exclusive).
+    free: BTreeMap<u32, u32>,
 }
 
 impl Minors {
     fn take(&mut self) -> u32 {
-        self.free.pop_first().unwrap_or_else(|| {
-            self.high += 1;
-            self.high - 1
-        })
+        match self.free.pop_first() {
+            Some((s, e)) => {
+                if s + 1 < e {
+                    self.free.insert(s + 1, e);
+                }
+                s
+            }
+            None => {
+                self.high += 1;
+                self.high - 1
+            }
+        }
     }
 
     /// Take `minor` itself (DM_PERSISTENT_DEV_FLAG): false if a device has it.
     fn take_this(&mut self, minor: u32) -> bool {
-        if minor < self.high {
-            return self.free.remove(&minor);
+        if minor >= self.high {
+            if minor > self.high {
+                self.free.insert(self.high, minor);
+            }
+            self.high = minor + 1;
+            return true;
         }
-        self.free.extend(self.high..minor);
-        self.high = minor + 1;
+        let Some((&s, &e)) = self.free.range(..=minor).next_back() else {
+            return false;
+        };
+        if minor >= e {
+            return false;
+        }
+        self.free.remove(&s);
+        if s < minor {
+            self.free.insert(s, minor);
+        }
+        if minor + 1 < e {
+            self.free.insert(minor + 1, e);
+        }
         true
     }
 
     fn give(&mut self, minor: u32) {
-        if minor < self.high {
-            self.free.insert(minor);
+        if minor >= self.high {
+            return;
+        }
+        let (mut s, mut e) = (minor, minor + 1);
+        if let Some((&ps, &pe)) = self.free.range(..minor).next_back() {
+            if pe == minor {
+                self.free.remove(&ps);
+                s = ps;
+            }
+        }
+        if let Some(ne) = self.free.remove(&e) {
+            e = ne;
         }
         // keep `free` to the holes below the highest minor in use
-        while self.high > 0 && self.free.remove(&(self.high - 1)) {
-            self.high -= 1;
+        if e == self.high {
+            self.high = s;
+        } else {
+            self.free.insert(s, e);
         }
     }
+}
+
+#[cfg(test)]
+#[test]
+fn minors_are_the_lowest_free_and_a_chosen_one_leaves_a_hole() {
+    let mut m = Minors::default();
+    assert_eq!((m.take(), m.take()), (0, 1));
+    assert!(m.take_this(1_000_000), "far above: the gap is one range");
+    assert_eq!(m.free.len(), 1);
+    assert!(!m.take_this(1_000_000) && !m.take_this(1));
+    assert!(m.take_this(5));
+    assert_eq!((m.take(), m.take(), m.take(), m.take()), (2, 3, 4, 6));
+    m.give(3);
+    m.give(2);
+    assert_eq!(m.take(), 2);
+    m.give(1_000_000);
+    assert_eq!(m.high, 7, "the top given back: the hole below it goes too");
+    for x in [0, 2, 4, 5, 6, 1] {
+        m.give(x);
+    }
+    m.give(3);
+    assert_eq!((m.high, m.free.len()), (0, 0));
 }
 
 /// Minor numbers are below this (the kernel's MINORBITS: 20 bits).
