@@ -54,6 +54,8 @@ use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Targ
 use aes::cipher::array::Array;
 use aes::cipher::consts::U16;
 use aes::cipher::{BlockCipherDecrypt, BlockCipherEncrypt, BlockModeDecrypt, BlockModeEncrypt, BlockSizeUser};
+use aes::cipher::typenum::Unsigned;
+use aes::cipher::{BlockCipherDecBackend, BlockCipherDecClosure, BlockCipherEncBackend, BlockCipherEncClosure};
 use aes::cipher::{InnerIvInit, KeyInit};
 use aes::{Aes128, Aes192, Aes256};
 use arc_swap::ArcSwapOption;
@@ -257,35 +259,108 @@ fn xts<C: Block16>(key: &[u8]) -> Result<Xts<C>, String> {
     Ok(Xts(new_cipher(a)?, new_cipher(b)?))
 }
 
-/// Blocks whose tweaks are computed at once (a 4096-byte sector).
-const XTS_RUN: usize = 256;
-
 /// One sector in place with XTS (IEEE 1619, no ciphertext stealing: a sector
 /// is whole 16-byte blocks), `iv` as the tweak: T = E_k2(iv), block j is
-/// E_k1(P ^ T·x^j) ^ T·x^j in GF(2^128). The blocks go to the cipher all at
-/// once, so AES-NI pipelines them.
+/// E_k1(P ^ T·x^j) ^ T·x^j in GF(2^128). The work runs inside the cipher's
+/// backend (`XtsRun`), a batch of blocks at a time: the tweaks and the XORs are
+/// compiled there with the instructions the backend was chosen for (VAES and
+/// AVX-512 where the CPU has them), and the batch stays in registers and L1.
 fn xts_sector<C: Block16>(x: &Xts<C>, enc: bool, sector: &mut [u8], iv: [u8; 16]) {
     let (blocks, _) = Array::<u8, U16>::slice_as_chunks_mut(sector);
     let mut t = Array(iv);
     x.1.encrypt_block(&mut t);
-    let mut t = u128::from_le_bytes(t.0);
-    let mut tweaks = [0u128; XTS_RUN];
-    for run in blocks.chunks_mut(XTS_RUN) {
-        for (b, tw) in run.iter_mut().zip(tweaks.iter_mut()) {
-            *tw = t;
-            b.0 = (u128::from_le_bytes(b.0) ^ t).to_le_bytes();
-            // multiply by x: shift left, reduce by x^128 = x^7 + x^2 + x + 1
-            t = (t << 1) ^ ((t >> 127) * 0x87);
-        }
-        if enc {
-            x.0.encrypt_blocks(run)
-        } else {
-            x.0.decrypt_blocks(run)
-        }
-        for (b, tw) in run.iter_mut().zip(&tweaks) {
-            b.0 = (u128::from_le_bytes(b.0) ^ tw).to_le_bytes();
+    let run = XtsRun {
+        blocks,
+        t: u128::from_le_bytes(t.0),
+    };
+    if enc {
+        x.0.encrypt_with_backend(run)
+    } else {
+        x.0.decrypt_with_backend(run)
+    }
+}
+
+/// A sector's blocks and its first tweak, for the cipher's backend.
+struct XtsRun<'a> {
+    blocks: &'a mut [Array<u8, U16>],
+    t: u128,
+}
+
+impl BlockSizeUser for XtsRun<'_> {
+    type BlockSize = U16;
+}
+
+/// The blocks a batch at most holds (the widest backend's parallel blocks).
+const XTS_BATCH: usize = 64;
+
+impl XtsRun<'_> {
+    /// The XTS steps around `cipher`, a batch of `par` blocks at a time (the
+    /// backend's parallel width, at most `XTS_BATCH`).
+    #[inline(always)]
+    fn go(self, par: usize, mut cipher: impl FnMut(&mut [Array<u8, U16>])) {
+        let par = par.clamp(1, XTS_BATCH);
+        let mut tweaks = [0u128; XTS_BATCH];
+        let mut t = self.t;
+        for batch in self.blocks.chunks_mut(par) {
+            // T·x^j: the first eight one step apart, then each from the one
+            // eight before (eight independent chains, not one serial one)
+            for tw in tweaks.iter_mut().take(8) {
+                *tw = t;
+                t = mul_x(t);
+            }
+            for j in 8..batch.len() {
+                tweaks[j] = mul_x8(tweaks[j - 8]);
+            }
+            t = mul_x(tweaks[batch.len() - 1]);
+            for (b, tw) in batch.iter_mut().zip(&tweaks) {
+                b.0 = (u128::from_le_bytes(b.0) ^ tw).to_le_bytes();
+            }
+            cipher(batch);
+            for (b, tw) in batch.iter_mut().zip(&tweaks) {
+                b.0 = (u128::from_le_bytes(b.0) ^ tw).to_le_bytes();
+            }
         }
     }
+}
+
+impl BlockCipherEncClosure for XtsRun<'_> {
+    #[inline(always)]
+    fn call<B: BlockCipherEncBackend<BlockSize = U16>>(self, backend: &B) {
+        self.go(B::ParBlocksSize::USIZE, |batch| {
+            let (par, tail) = Array::<Array<u8, U16>, B::ParBlocksSize>::slice_as_chunks_mut(batch);
+            for p in par {
+                backend.encrypt_par_blocks(p.into());
+            }
+            backend.encrypt_tail_blocks(tail.into());
+        })
+    }
+}
+
+impl BlockCipherDecClosure for XtsRun<'_> {
+    #[inline(always)]
+    fn call<B: BlockCipherDecBackend<BlockSize = U16>>(self, backend: &B) {
+        self.go(B::ParBlocksSize::USIZE, |batch| {
+            let (par, tail) = Array::<Array<u8, U16>, B::ParBlocksSize>::slice_as_chunks_mut(batch);
+            for p in par {
+                backend.decrypt_par_blocks(p.into());
+            }
+            backend.decrypt_tail_blocks(tail.into());
+        })
+    }
+}
+
+/// `t`·x in GF(2^128) as XTS defines it: shift left, reduce by
+/// x^128 = x^7 + x^2 + x + 1.
+#[inline]
+fn mul_x(t: u128) -> u128 {
+    (t << 1) ^ ((t >> 127) * 0x87)
+}
+
+/// `t`·x^8: the byte shifted out, multiplied (carry-less) by 0x87, folds back.
+#[inline]
+fn mul_x8(t: u128) -> u128 {
+    let h = t >> 120;
+    (t << 8) ^ h ^ (h << 1) ^ (h << 2) ^ (h << 7)
 }
 
 /// One sector in place with CBC from `iv` (a sector is whole 16-byte blocks).
