@@ -129,17 +129,10 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
         ),
         ""
     );
-    // a read-only table (-r): dmkit cannot make a device read-only after its
-    // creation, so dmsetup's create fails (and removes the device) rather
-    // than give a writable one
-    let o = dmsetup_in(&d, &["create", "ro", "-r", "--table", "0 100 zero"], "");
-    assert!(!o.status.success());
-    assert_eq!(
-        text(&o.stderr),
-        "dmkit: ro: a read-only table for a device created writable: dmkit cannot change a device's mode \
-         yet (make it read-only with `dmkit create --readonly`)\n\
-         device-mapper: reload ioctl on ro (253:3) failed: Invalid argument\nCommand failed.\n"
-    );
+    // a read-only table (-r): the device is read-only once it is live
+    assert_eq!(dmsetup(&d, &["create", "ro", "-r", "--table", "0 100 zero"]), "");
+    assert!(d.ok(&["info", "ro"]).contains("ACTIVE (READ-ONLY)"));
+    assert_eq!(dmsetup(&d, &["remove", "ro"]), "");
     // the tables dmkit holds are the ones dmsetup loaded
     assert_eq!(d.ok(&["table", "lin"]), format!("0 8192 linear {a} 0\n"));
     assert_eq!(d.ok(&["table", "zer"]), "0 100 zero \n");
@@ -414,6 +407,36 @@ fn a_chosen_minor_is_given_refused_when_taken_and_kept_across_a_restart() {
     assert_eq!(dmsetup(&d, &["ls"]), ls);
     let d = d.kill9_and_restore();
     assert_eq!(dmsetup(&d, &["ls"]), ls, "after a restart");
+}
+
+/// A table's mode is its own, as in the kernel: a table loaded read-only
+/// (`dmsetup reload --readonly`, DM_READONLY_FLAG) makes the device read-only
+/// at the resume that makes it live, a writable one writable again; a restart
+/// keeps the live table's mode and the inactive table's.
+#[test]
+fn a_read_only_reload_makes_the_device_read_only_at_its_resume() {
+    let d = Daemon::start("door-ro");
+    let img = d.dir.sparse("ro.img", 1 << 20);
+    let t = format!("0 2048 linear {} 0", img.display());
+    let attr = |d: &Daemon| dmsetup(d, &["info", "-c", "-o", "attr", "--noheadings", "ro"]);
+    assert_eq!(dmsetup(&d, &["create", "ro", "--table", &t]), "");
+    assert_eq!(attr(&d), "L--w\n");
+    assert_eq!(dmsetup(&d, &["reload", "--readonly", "ro", "--table", &t]), "");
+    assert_eq!(attr(&d), "LI-w\n", "writable until the resume");
+    assert_eq!(dmsetup(&d, &["resume", "ro"]), "");
+    assert_eq!(attr(&d), "L--r\n");
+    assert!(d.ok(&["info", "ro"]).contains("(READ-ONLY)"));
+    let d = d.kill9_and_restore();
+    assert_eq!(attr(&d), "L--r\n", "read-only after a restart");
+    // a writable table loaded, not yet resumed, across a restart
+    assert_eq!(dmsetup(&d, &["reload", "ro", "--table", &t]), "");
+    let d = d.kill9_and_restore();
+    assert_eq!(attr(&d), "LI-r\n");
+    assert_eq!(dmsetup(&d, &["resume", "ro"]), "");
+    assert_eq!(attr(&d), "L--w\n", "writable again");
+    let mut c = nbd::Client::connect(&d.sock(), "ro");
+    c.write(0, &common::pattern(9, 4096));
+    assert_eq!(read_at(&img, 0, 4096), common::pattern(9, 4096));
 }
 
 #[test]

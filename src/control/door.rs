@@ -257,7 +257,7 @@ fn status(d: &Device) -> dm::DevStatus {
         minor: d.minor,
         suspended: d.suspended.load(Ordering::SeqCst),
         deferred_remove: d.deferred_remove.load(Ordering::SeqCst),
-        read_only: d.read_only,
+        read_only: d.read_only(),
         open_count: d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst),
         event_nr: d.events() as u32,
         live_targets: d.live.load().as_ref().map(|t| t.entries.len() as u32),
@@ -435,19 +435,6 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
         }
         Cmd::TableLoad => {
             let d = find(ctx, r)?;
-            if r.has(dm::READONLY_FLAG) && !d.read_only {
-                // the kernel makes the device read-only at the resume; dmkit fixes
-                // a device's mode at its creation, and a read-only table must not
-                // give a writable device
-                return Err(refuse(
-                    dm::EINVAL,
-                    format!(
-                        "{}: a read-only table for a device created writable: dmkit cannot change a \
-                         device's mode yet (make it read-only with `dmkit create --readonly`)",
-                        d.name()
-                    ),
-                ));
-            }
             let specs = r.table().map_err(|e| {
                 refuse(
                     e,
@@ -474,7 +461,10 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 }
                 text.push_str(&format!("{} {} {} {}\n", s.start, s.len, s.target_type, s.params));
             }
-            reg.load_in(&d.name(), &text, cwd).map_err(from_registry)?;
+            // the table's mode, as the kernel's: read-only with DM_READONLY_FLAG,
+            // writable without; the device takes it at the resume
+            reg.load_in(&d.name(), &text, cwd, Some(r.has(dm::READONLY_FLAG)))
+                .map_err(from_registry)?;
             r.add_flags(dm::INACTIVE_PRESENT_FLAG);
             r.set_status(&status(&d));
             Ok(true)

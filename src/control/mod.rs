@@ -164,8 +164,16 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             minor,
             t.cwd.as_deref(),
         )),
-        DmVerb::Load { name, table: t } => match table(&t, false) {
-            Some(text) => done(reg.load_in(&name, &text, t.cwd.as_deref())),
+        DmVerb::Load {
+            name,
+            table: t,
+            readonly,
+            writable,
+        } => match table(&t, false) {
+            Some(text) => {
+                let mode = (readonly || writable).then_some(readonly);
+                done(reg.load_in(&name, &text, t.cwd.as_deref(), mode))
+            }
             None => Err("a table is required".into()),
         },
         DmVerb::Clear { devs } => each(reg, &devs.names, &devs.pick, |n| done(reg.clear(n))),

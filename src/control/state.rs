@@ -82,7 +82,7 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
     if let Some(u) = d.uuid() {
         req.extend(["--uuid".to_string(), u]);
     }
-    if d.read_only {
+    if d.read_only() {
         req.push("--readonly".into());
     }
     if d.chosen_minor {
@@ -109,6 +109,10 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
     if let Ok(t) = ctx.reg.table_lines(Some(&name), false, true) {
         if !t.trim().is_empty() {
             let mut load = vec!["load".to_string(), name.clone()];
+            // its own mode, which the device takes at the resume
+            if let Some(ro) = inactive.as_ref().map(|t| t.read_only) {
+                load.push(if ro { "--readonly" } else { "--writable" }.to_string());
+            }
             for line in t.lines() {
                 load.extend(["--table".to_string(), by_path(line)]);
             }

@@ -54,6 +54,13 @@ Examples:
         name: String,
         #[command(flatten)]
         table: TableArgs,
+        /// A read-only table: the device is read-only once it is resumed
+        /// (without --readonly or --writable the device keeps its mode)
+        #[arg(long, conflicts_with = "writable")]
+        readonly: bool,
+        /// A writable table: the device is writable once it is resumed
+        #[arg(long)]
+        writable: bool,
     },
     /// Suspend devices: new I/O waits, in-flight I/O drains, then a flush
     #[command(after_help = "Example:

@@ -42,6 +42,9 @@ pub struct Table {
     /// `flush_bypass` holds: once each, however many targets use them.
     pub flush_devices: Vec<FlushDev>,
     pub logical_block_size: u32,
+    /// Loaded read-only (DM_READONLY_FLAG, `--readonly`): its files are open
+    /// read-only, and the device is read-only while it is live.
+    pub read_only: bool,
 }
 
 impl Table {
@@ -97,6 +100,7 @@ impl Table {
             flush_bypass,
             flush_devices,
             logical_block_size: lbs,
+            read_only: false,
         }
     }
 
@@ -133,7 +137,9 @@ pub struct Device {
     pub minor: u32,
     /// Set at create, or once later by `rename --setuuid`.
     uuid: Mutex<Option<String>>,
-    pub read_only: bool,
+    /// The live table's mode (DM_READONLY_FLAG at its load), as the kernel's
+    /// resume sets the disk read-only or writable from the table it makes live.
+    read_only: AtomicBool,
     pub live: ArcSwapOption<Table>,
     pub inactive: Mutex<Option<Arc<Table>>>,
     /// Suspended by its user (`suspend`; `info` shows it).
@@ -188,7 +194,7 @@ impl Device {
             name: Mutex::new(name),
             minor,
             uuid: Mutex::new(uuid),
-            read_only,
+            read_only: AtomicBool::new(read_only),
             live: ArcSwapOption::empty(),
             inactive: Mutex::new(None),
             suspended: AtomicBool::new(false),
@@ -414,6 +420,11 @@ impl Device {
     fn wake_drained(&self) {
         let _g = self.drained.0.lock().unpoisoned();
         self.drained.1.notify_all();
+    }
+
+    /// Whether the device is read-only (its live table's mode).
+    pub fn read_only(&self) -> bool {
+        self.read_only.load(Ordering::SeqCst)
     }
 
     /// Make everything written through the live table durable (synchronously, on

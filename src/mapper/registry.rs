@@ -444,7 +444,7 @@ impl Registry {
         // Build the table before the device is visible, so a failed create leaves
         // nothing, its minor included.
         if let Some(table) = table {
-            let built = self.build_table(&dev, table, cwd).and_then(|t| {
+            let built = self.build_table(&dev, table, cwd, read_only).and_then(|t| {
                 // create is load + resume: the targets' resume checks run first
                 t.preresume().map_err(|why| dev_err(name, why))?;
                 Ok(t)
@@ -566,15 +566,24 @@ impl Registry {
 
     /// `dmsetup load`: construct the table and keep it as the inactive one.
     pub fn load(&self, name: &str, table: &str) -> Result<(), ControlError> {
-        self.load_in(name, table, None)
+        self.load_in(name, table, None, None)
     }
 
     /// [`Registry::load`] for a caller in directory `cwd` (see [`Registry::create_in`]).
-    pub fn load_in(&self, name: &str, table: &str, cwd: Option<&Path>) -> Result<(), ControlError> {
+    /// `read_only`: the table's mode (the device takes it at the resume that
+    /// makes the table live); None keeps the device's.
+    pub fn load_in(
+        &self,
+        name: &str,
+        table: &str,
+        cwd: Option<&Path>,
+        read_only: Option<bool>,
+    ) -> Result<(), ControlError> {
         let _t = self.touch(name);
         let dev = self.get(name)?;
         let _c = dev.control.lock().unpoisoned();
-        let t = self.build_table(&dev, table, cwd)?;
+        let ro = read_only.unwrap_or_else(|| dev.read_only());
+        let t = self.build_table(&dev, table, cwd, ro)?;
         *dev.inactive.lock().unpoisoned() = Some(Arc::new(t));
         Ok(())
     }
@@ -855,7 +864,13 @@ impl Registry {
             .map_err(|why| dev_err(name, format!("message '{}' refused: {why}", message_verb(words))))
     }
 
-    fn build_table(&self, dev: &Arc<Device>, text: &str, cwd: Option<&Path>) -> Result<Table, ControlError> {
+    fn build_table(
+        &self,
+        dev: &Arc<Device>,
+        text: &str,
+        cwd: Option<&Path>,
+        read_only: bool,
+    ) -> Result<Table, ControlError> {
         let lines = parse_table(text)?;
         if let Some(c) = cwd.filter(|c| !c.is_absolute()) {
             return Err(dev_err(
@@ -866,7 +881,7 @@ impl Registry {
         let resolver = TableResolver {
             reg: self,
             dev,
-            read_only: dev.read_only,
+            read_only,
             cwd,
         };
         let mut entries = Vec::with_capacity(lines.len());
@@ -880,7 +895,8 @@ impl Registry {
                 target,
             });
         }
-        let table = Table::new(entries);
+        let mut table = Table::new(entries);
+        table.read_only = read_only;
         let lbs = u64::from(table.logical_block_size / 512);
         for (e, l) in table.entries.iter().zip(&lines) {
             if lbs > 1 && (e.start % lbs != 0 || e.len % lbs != 0) {
@@ -970,7 +986,7 @@ impl Registry {
                 "ACTIVE"
             }
             .to_string();
-            if d.read_only {
+            if d.read_only() {
                 state.push_str(" (READ-ONLY)");
             }
             if d.deferred_remove.load(Ordering::SeqCst) {
@@ -1196,6 +1212,7 @@ fn resume_locked(dev: &Device) -> Result<(), String> {
             let _ = dev.flush_sync();
         }
         // No request is in flight: the old table (and its files) can go.
+        dev.read_only.store(t.read_only, Ordering::SeqCst);
         dev.live.store(Some(t));
     }
     // Held suspended by another device (a suspended pool holds its thins): the
@@ -1359,6 +1376,9 @@ impl Resolver for TableResolver<'_> {
             }
             None => self.reg.open_file(&absolute(name, self.cwd), self.read_only),
         }
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 }
 

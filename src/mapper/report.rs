@@ -67,7 +67,7 @@ const FIELDS: &[Field] = &[
         heading: "RO",
         width: 2,
         right: false,
-        value: |d| yes_no(d.read_only, "Read-only", "Writeable"),
+        value: |d| yes_no(d.read_only(), "Read-only", "Writeable"),
     },
     Field {
         key: "deferred_remove",
@@ -190,7 +190,7 @@ fn attr(d: &Device) -> String {
         } else {
             '-'
         },
-        if d.read_only { 'r' } else { 'w' },
+        if d.read_only() { 'r' } else { 'w' },
     ]
     .iter()
     .collect()

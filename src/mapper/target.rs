@@ -133,7 +133,7 @@ impl DevRef {
                 ..Limits::FILE
             },
             DevRef::Dm(d) => Limits {
-                read_only: d.0.read_only || d.0.limits().read_only,
+                read_only: d.0.read_only() || d.0.limits().read_only,
                 ..d.0.limits()
             },
         }
@@ -852,6 +852,8 @@ pub trait Resolver {
     fn device(&self) -> &Arc<Device>;
     /// The daemon's options, which targets read when they are constructed.
     fn config(&self) -> &crate::mapper::registry::Config;
+    /// The table is loaded read-only (DM_READONLY_FLAG, `--readonly`).
+    fn read_only(&self) -> bool;
 }
 
 /// Builds a target from its table arguments, its length in sectors and the

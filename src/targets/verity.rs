@@ -535,8 +535,8 @@ fn block_size(v: &str, lbs: u32, max: u32, what: &str) -> Result<u32, String> {
 
 impl Verity {
     pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Verity, String> {
-        if !r.device().read_only {
-            return Err("Device must be readonly (create it with --readonly)".into());
+        if !r.read_only() {
+            return Err("Device must be readonly (create it with --readonly, load it with --readonly)".into());
         }
         if args.len() < 10 {
             return Err(format!(

@@ -83,7 +83,7 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
     if l.multi_conn {
         f |= TF_CAN_MULTI_CONN;
     }
-    if dev.read_only || l.read_only {
+    if dev.read_only() || l.read_only {
         f |= TF_READ_ONLY;
     } else {
         f |= TF_SEND_WRITE_ZEROES;

@@ -82,7 +82,7 @@ fn params(dev: &Device) -> sys::Params {
     if limits.fua {
         attrs |= sys::ATTR_FUA;
     }
-    if limits.read_only || dev.read_only {
+    if limits.read_only || dev.read_only() {
         attrs |= sys::ATTR_READ_ONLY;
     }
     let mut p = sys::Params {
