@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use dmkit::control::verbs::{one_line, DmVerb};
 use dmkit::daemon::{default_run_dir, serve, ServeOptions};
+use dmkit::export::nbd::tls::Mode as TlsMode;
 use dmkit::sync::Unpoison;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
@@ -139,6 +140,19 @@ struct ServeArgs {
     /// Also serve NBD over TCP on this address
     #[arg(long, value_name = "ADDR:PORT")]
     nbd_listen: Option<String>,
+    /// TLS on the NBD sockets (unix and TCP): off; on (STARTTLS offered, plain
+    /// clients served too); require (clients must start TLS first)
+    #[arg(long, value_enum, default_value_t = TlsMode::Off)]
+    tls: TlsMode,
+    /// The X.509 credentials: ca-cert.pem, server-cert.pem, server-key.pem
+    #[arg(long, value_name = "DIR")]
+    tls_certificates: Option<PathBuf>,
+    /// Require a client certificate signed by the ca-cert.pem of --tls-certificates
+    #[arg(long)]
+    tls_verify_peer: bool,
+    /// Pre-shared keys: one 'identity:hexkey' a line, as psktool writes them
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
     /// Let this group use the sockets (mode 0660)
     #[arg(long)]
     group: Option<String>,
@@ -246,6 +260,12 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             serve(ServeOptions {
                 run_dir,
                 nbd_listen: a.nbd_listen,
+                tls: dmkit::export::nbd::tls::Options {
+                    mode: a.tls,
+                    certificates: a.tls_certificates,
+                    verify_peer: a.tls_verify_peer,
+                    psk: a.tls_psk,
+                },
                 group: a.group,
                 demo,
                 direct_io: !a.buffered,

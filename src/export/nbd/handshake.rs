@@ -114,8 +114,32 @@ fn lookup(reg: &Registry, name: &str) -> Result<Arc<Device>, String> {
     reg.get(name).map_err(|e| e.to_string())
 }
 
-/// Run the handshake. Ok(None) when the client aborted or disconnected cleanly.
-pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Option<Negotiated>> {
+/// What the option haggling ended with.
+pub enum Outcome {
+    /// NBD_OPT_GO or NBD_OPT_EXPORT_NAME succeeded: transmission starts.
+    Go(Negotiated),
+    /// The client aborted or disconnected cleanly.
+    Closed,
+    /// NBD_OPT_STARTTLS was acknowledged: the TLS handshake comes next, then
+    /// the options again inside TLS.
+    StartTls,
+}
+
+/// Where the handshake stands with TLS.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TlsState {
+    /// The server has no TLS: STARTTLS is unsupported.
+    Off,
+    /// Offered, not started: plain options are served.
+    Offered,
+    /// Required, not started: options other than STARTTLS and ABORT are refused.
+    Required,
+    /// The options now run inside TLS.
+    Active,
+}
+
+/// Send the greeting and read the client's flags.
+pub fn greet<S: Read + Write>(s: &mut S) -> io::Result<Greeted> {
     let mut g = Vec::with_capacity(18);
     g.extend_from_slice(&NBDMAGIC.to_be_bytes());
     g.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -127,9 +151,35 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(protocol("client flags carry unknown bits"));
     }
-    let mut st = State {
+    Ok(Greeted {
         no_zeroes: cflags & FLAG_C_NO_ZEROES != 0,
         fixed: cflags & FLAG_C_FIXED_NEWSTYLE != 0,
+    })
+}
+
+/// The client's flags, which hold across STARTTLS.
+#[derive(Clone, Copy)]
+pub struct Greeted {
+    no_zeroes: bool,
+    fixed: bool,
+}
+
+/// Run the handshake of a server without TLS. Ok(None) when the client aborted
+/// or disconnected cleanly.
+pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Option<Negotiated>> {
+    let g = greet(s)?;
+    match options(s, reg, g, TlsState::Off)? {
+        Outcome::Go(n) => Ok(Some(n)),
+        Outcome::Closed | Outcome::StartTls => Ok(None),
+    }
+}
+
+/// The options, until transmission, the end, or STARTTLS. Nothing negotiated
+/// before STARTTLS carries over: this starts afresh inside TLS.
+pub fn options<S: Read + Write>(s: &mut S, reg: &Registry, g: Greeted, tls: TlsState) -> io::Result<Outcome> {
+    let mut st = State {
+        no_zeroes: g.no_zeroes,
+        fixed: g.fixed,
         structured: false,
         meta_export: None,
         meta_allocation: false,
@@ -139,7 +189,7 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
         let mut h = [0u8; 16];
         match s.read_exact(&mut h) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Outcome::Closed),
             Err(e) => return Err(e),
         }
         if u64::from_be_bytes(h[0..8].try_into().unwrap_or_default()) != IHAVEOPT {
@@ -161,6 +211,21 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
             )?;
             continue;
         }
+        if tls == TlsState::Required && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
+            if opt == OPT_EXPORT_NAME {
+                // no way to answer an error but to hang up
+                return Err(protocol(
+                    "NBD_OPT_EXPORT_NAME before STARTTLS on a server that requires TLS",
+                ));
+            }
+            err(
+                s,
+                opt,
+                REP_ERR_TLS_REQD,
+                "this server requires TLS: send NBD_OPT_STARTTLS first",
+            )?;
+            continue;
+        }
         match opt {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
@@ -175,11 +240,11 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
                     r.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&r)?;
-                return Ok(Some(st.negotiated(dev, size, flags)));
+                return Ok(Outcome::Go(st.negotiated(dev, size, flags)));
             }
             OPT_ABORT => {
                 let _ = reply(s, opt, REP_ACK, &[]);
-                return Ok(None);
+                return Ok(Outcome::Closed);
             }
             OPT_LIST => {
                 if !data.is_empty() {
@@ -196,9 +261,15 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
                 }
                 reply(s, opt, REP_ACK, &[])?;
             }
-            OPT_STARTTLS => {
-                err(s, opt, REP_ERR_UNSUP, "TLS is not supported by this server")?;
-            }
+            OPT_STARTTLS => match tls {
+                TlsState::Off => err(s, opt, REP_ERR_UNSUP, "TLS is not enabled on this server")?,
+                TlsState::Active => err(s, opt, REP_ERR_INVALID, "TLS is already negotiated")?,
+                _ if !data.is_empty() => err(s, opt, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?,
+                _ => {
+                    reply(s, opt, REP_ACK, &[])?;
+                    return Ok(Outcome::StartTls);
+                }
+            },
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     err(s, opt, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
@@ -212,7 +283,7 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => meta_context(s, reg, &mut st, opt, &data)?,
             OPT_INFO | OPT_GO => {
                 if let Some(n) = info_go(s, reg, &st, opt, &data)? {
-                    return Ok(Some(n));
+                    return Ok(Outcome::Go(n));
                 }
             }
             _ => err(s, opt, REP_ERR_UNSUP, "option not supported")?,
