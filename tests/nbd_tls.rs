@@ -37,6 +37,7 @@ set -e
 psktool -u alice -p psk/keys.psk >/dev/null
 sed 's/:.*/:00112233445566778899aabbccddeeff/' psk/keys.psk > psk-wrong/keys.psk
 psktool -u mallory -p psk-unknown/keys.psk >/dev/null
+cat psk/keys.psk psk-unknown/keys.psk > psk-two.psk
 ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
 openssl req -x509 $ec -keyout ca-key.pem -out ca-cert.pem -days 30 -subj /CN=dmkit-test-ca 2>/dev/null
 openssl req $ec -keyout server/server-key.pem -out server.csr -subj /CN=localhost 2>/dev/null
@@ -250,8 +251,13 @@ fn x509_verify_peer_unix_and_tcp() {
         "--tls-verify-peer",
         "--nbd-listen",
         &listen,
+        "--tls-allow",
+        "d=alice",
+        "--tls-allow",
+        "other=bob,carol",
     ];
     let (d, f) = daemon("tls-x509", &args, 8);
+    d.create("other", "0 2048 zero");
     let q = format!("tls-certificates={}", c.arg("client"));
     let unix = tls_unix(&d, "", &q);
     let tcp = format!("nbds://localhost:{port}/d?{q}");
@@ -261,6 +267,13 @@ fn x509_verify_peer_unix_and_tcp() {
         "{info}"
     );
     round_trip(&d.dir, &f, 4, &unix, &[&tcp]);
+    // export "other" is for bob and carol: the certificate of CN alice does not see it
+    let other = format!("nbds://localhost:{port}/other?{q}");
+    let err = fails(&mut nbdinfo(&other));
+    assert!(
+        err.starts_with("nbdinfo: nbd_opt_go: server replied with error to opt_go request: No such file or directory for export: other\n"),
+        "{err}"
+    );
     let before = md5(&f);
     // a client certificate of another CA: refused, nothing written
     let rogue = tls_unix(&d, "", &format!("tls-certificates={}", c.arg("rogue")));
@@ -493,4 +506,45 @@ fn qemu_img_over_tls_psk_and_x509() {
             .arg(&out));
         assert_eq!(md5(&out), md5(&src), "read by qemu-img over {object}");
     }
+}
+
+#[test]
+fn tls_allow_hides_exports_from_other_identities() {
+    need_all(&["nbdinfo"]);
+    let c = Creds::new();
+    let two = c.arg("psk-two.psk");
+    let args = ["--tls", "on", "--tls-psk", &two, "--tls-allow", "secret=alice"];
+    let (d, _f) = daemon("tls-allow", &args, 8);
+    d.create("secret", "0 2048 zero");
+    let q = format!("tls-psk-file={two}");
+    let sock = d.sock().display().to_string();
+    let uri = |user: &str, export: &str| format!("nbds+unix://{user}@/{export}?socket={sock}&{q}");
+    let info = run(&mut nbdinfo(&uri("alice", "secret")));
+    assert!(info.contains("\texport-size: 1048576 (1M)\n"), "{info}");
+    let list = run(nbdinfo(&uri("alice", "")).arg("--list").arg("--json"));
+    assert!(
+        list.contains("\"export-name\": \"secret\"") && list.contains("\"export-name\": \"d\""),
+        "{list}"
+    );
+    // mallory (a known key) and plain clients see only d
+    let err = fails(&mut nbdinfo(&uri("mallory", "secret")));
+    assert!(
+        err.starts_with("nbdinfo: nbd_opt_go: server replied with error to opt_go request: No such file or directory for export: secret\n"),
+        "{err}"
+    );
+    let list = run(nbdinfo(&uri("mallory", "")).arg("--list").arg("--json"));
+    assert!(
+        !list.contains("secret") && list.contains("\"export-name\": \"d\""),
+        "{list}"
+    );
+    run(&mut nbdinfo(&uri("mallory", "d")));
+    // the refusal is the one for an export that does not exist
+    let mut s = nbd::greet(&d.sock());
+    send_opt(&mut s, OPT_GO, &go_data("secret"));
+    let hidden = opt_reply(&mut s);
+    send_opt(&mut s, OPT_GO, &go_data("nothing"));
+    let (typ, absent) = opt_reply(&mut s);
+    assert_eq!((hidden.0, typ), (0x8000_0006, 0x8000_0006));
+    let text = |p: &[u8]| String::from_utf8_lossy(p).replace("nothing", "secret");
+    assert_eq!(text(&hidden.1), text(&absent));
 }

@@ -153,6 +153,11 @@ struct ServeArgs {
     /// Pre-shared keys: one 'identity:hexkey' a line, as psktool writes them
     #[arg(long, value_name = "FILE")]
     tls_psk: Option<PathBuf>,
+    /// Limit export EXPORT to TLS clients of these identities (PSK identities, or
+    /// the common names of client certificates under --tls-verify-peer); others,
+    /// plain clients included, see no such export. Repeatable, one per export
+    #[arg(long, value_name = "EXPORT=ID[,ID...]")]
+    tls_allow: Vec<String>,
     /// Let this group use the sockets (mode 0660)
     #[arg(long)]
     group: Option<String>,
@@ -265,6 +270,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                     certificates: a.tls_certificates,
                     verify_peer: a.tls_verify_peer,
                     psk: a.tls_psk,
+                    allow: a.tls_allow,
                 },
                 group: a.group,
                 demo,

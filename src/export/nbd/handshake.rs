@@ -16,8 +16,12 @@ pub struct Negotiated {
     pub dirty_base: Option<String>,
 }
 
+/// Which exports a client may see by name: the others are answered as absent.
+pub type Visible<'a> = &'a dyn Fn(&str) -> bool;
+
 /// Negotiation state that options build up.
-struct State {
+struct State<'a> {
+    visible: Visible<'a>,
     no_zeroes: bool,
     fixed: bool,
     structured: bool,
@@ -28,7 +32,7 @@ struct State {
     meta_dirty: Option<String>,
 }
 
-impl State {
+impl State<'_> {
     /// The outcome of entering transmission on `dev`: contexts count only if the
     /// last SET_META_CONTEXT named this same export.
     fn negotiated(&self, dev: Arc<Device>, size: u64, flags: u16) -> Negotiated {
@@ -100,18 +104,23 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
     f
 }
 
-/// The device an export name names; the empty name is the default export when the
-/// daemon has exactly one device.
-fn lookup(reg: &Registry, name: &str) -> Result<Arc<Device>, String> {
+/// The device an export name names, among those the client may see; the empty
+/// name is the default export when the client may see exactly one device. One it
+/// may not see is answered as a device that does not exist.
+fn lookup(reg: &Registry, visible: Visible, name: &str) -> Result<Arc<Device>, String> {
     if name.is_empty() {
-        let all = reg.list();
+        let all: Vec<_> = reg.list().into_iter().filter(|d| visible(&d.name())).collect();
         return match all.len() {
             1 => Ok(all[0].clone()),
             0 => Err("no devices exist".into()),
             _ => Err("no default export: name a device".into()),
         };
     }
-    reg.get(name).map_err(|e| e.to_string())
+    match reg.get(name) {
+        Ok(d) if visible(name) => Ok(d),
+        Ok(_) => Err(crate::mapper::registry::ControlError::NoDevice(name.to_string()).to_string()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// What the option haggling ended with.
@@ -168,7 +177,7 @@ pub struct Greeted {
 /// or disconnected cleanly.
 pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Option<Negotiated>> {
     let g = greet(s)?;
-    match options(s, reg, g, TlsState::Off)? {
+    match options(s, reg, g, TlsState::Off, &|_| true)? {
         Outcome::Go(n) => Ok(Some(n)),
         Outcome::Closed | Outcome::StartTls => Ok(None),
     }
@@ -176,8 +185,15 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
 
 /// The options, until transmission, the end, or STARTTLS. Nothing negotiated
 /// before STARTTLS carries over: this starts afresh inside TLS.
-pub fn options<S: Read + Write>(s: &mut S, reg: &Registry, g: Greeted, tls: TlsState) -> io::Result<Outcome> {
+pub fn options<S: Read + Write>(
+    s: &mut S,
+    reg: &Registry,
+    g: Greeted,
+    tls: TlsState,
+    visible: Visible,
+) -> io::Result<Outcome> {
     let mut st = State {
+        visible,
         no_zeroes: g.no_zeroes,
         fixed: g.fixed,
         structured: false,
@@ -230,7 +246,7 @@ pub fn options<S: Read + Write>(s: &mut S, reg: &Registry, g: Greeted, tls: TlsS
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No way to report an error here but to hang up.
-                let dev = lookup(reg, &name).map_err(|e| protocol(&e))?;
+                let dev = lookup(reg, visible, &name).map_err(|e| protocol(&e))?;
                 let size = dev.size_sectors() * 512;
                 let flags = transmission_flags(&dev, st.structured);
                 let mut r = Vec::with_capacity(134);
@@ -251,7 +267,7 @@ pub fn options<S: Read + Write>(s: &mut S, reg: &Registry, g: Greeted, tls: TlsS
                     err(s, opt, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
                     continue;
                 }
-                for d in reg.list() {
+                for d in reg.list().into_iter().filter(|d| visible(&d.name())) {
                     let mut p = Vec::new();
                     let name = d.name();
                     p.extend_from_slice(&(name.len() as u32).to_be_bytes());
@@ -335,7 +351,7 @@ fn info_go<S: Write>(
         )?;
         return Ok(None);
     }
-    let dev = match lookup(reg, &name) {
+    let dev = match lookup(reg, st.visible, &name) {
         Ok(d) => d,
         Err(e) => {
             err(s, opt, REP_ERR_UNKNOWN, &e)?;
@@ -431,7 +447,7 @@ fn meta_context<S: Write>(
     if pos != data.len() {
         return bad(s);
     }
-    let dev = match lookup(reg, &name) {
+    let dev = match lookup(reg, st.visible, &name) {
         Ok(d) => d,
         Err(e) => return err(s, opt, REP_ERR_UNKNOWN, &e),
     };

@@ -37,12 +37,19 @@ fn handshake<S: Read + Write + AsFd>(
         tls::Mode::On => TlsState::Offered,
         tls::Mode::Require => TlsState::Required,
     };
-    match handshake::options(s, reg, g, state)? {
+    let plain = |name: &str| tls.visible(None, name);
+    match handshake::options(s, reg, g, state, &plain)? {
         Outcome::Go(n) => Ok(Some((n, None))),
         Outcome::Closed => Ok(None),
         Outcome::StartTls => {
             let mut session = tls.accept(&*s)?;
-            match handshake::options(&mut session, reg, g, TlsState::Active)? {
+            let peer = tls.peer(&session);
+            tracing::debug!(
+                "nbd: TLS client {}",
+                peer.as_deref().unwrap_or("without an identity")
+            );
+            let visible = |name: &str| tls.visible(peer.as_deref(), name);
+            match handshake::options(&mut session, reg, g, TlsState::Active, &visible)? {
                 Outcome::Go(n) => {
                     session.to_transmission();
                     Ok(Some((n, Some(session))))

@@ -14,12 +14,14 @@
 
 use anyhow::{bail, Context, Result};
 use openssl::error::ErrorStack;
+use openssl::ex_data::Index;
+use openssl::nid::Nid;
 use openssl::ssl::{
     ErrorCode, Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions, SslStream,
     SslVerifyMode, SslVersion,
 };
 use openssl::x509::X509Name;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -47,6 +49,10 @@ pub struct Options {
     pub verify_peer: bool,
     /// psktool's key file.
     pub psk: Option<PathBuf>,
+    /// `EXPORT=ID[,ID...]`: the TLS identities (PSK identity, or the common name
+    /// of the client's certificate) that may see EXPORT; exports not named are
+    /// open to every client.
+    pub allow: Vec<String>,
 }
 
 /// The TLS side of the NBD server: the mode and, unless off, the context.
@@ -54,6 +60,10 @@ pub struct Options {
 pub struct Tls {
     pub mode: Mode,
     ctx: Option<SslContext>,
+    /// Where the PSK callback notes the client's identity.
+    psk_identity: Option<Index<Ssl, String>>,
+    /// Export -> the identities that may see it.
+    allow: HashMap<String, HashSet<String>>,
 }
 
 /// Largest PSK file read: a key file of thousands of identities stays far below.
@@ -66,8 +76,8 @@ impl Tls {
     /// Check the options and load the credentials; errors name the file and line.
     pub fn new(o: &Options) -> Result<Tls> {
         if o.mode == Mode::Off {
-            if o.certificates.is_some() || o.psk.is_some() || o.verify_peer {
-                bail!("--tls-certificates, --tls-psk and --tls-verify-peer need --tls on or --tls require");
+            if o.certificates.is_some() || o.psk.is_some() || o.verify_peer || !o.allow.is_empty() {
+                bail!("--tls-certificates, --tls-psk, --tls-verify-peer and --tls-allow need --tls on or --tls require");
             }
             return Ok(Tls::default());
         }
@@ -96,16 +106,32 @@ impl Tls {
         if let Some(dir) = &o.certificates {
             load_certificates(&mut b, dir, o.verify_peer)?;
         }
+        let allow = parse_allow(&o.allow)?;
+        if o.certificates.is_some() && !allow.is_empty() && !o.verify_peer {
+            bail!("--tls-allow with certificates needs --tls-verify-peer (the identities are the clients' certificates' names)");
+        }
+        let mut psk_identity = None;
         if let Some(file) = &o.psk {
             let keys = Arc::new(read_psk_file(file)?);
             // TLS 1.2 PSK suites too, for clients that do not speak TLS 1.3
             b.set_cipher_list("DEFAULT:PSK")
                 .context("enabling the PSK cipher suites")?;
-            b.set_psk_server_callback(move |_ssl, identity, out| psk_lookup(&keys, identity, out));
+            let idx = Ssl::new_ex_index::<String>().context("making room for the PSK identity")?;
+            psk_identity = Some(idx);
+            b.set_psk_server_callback(move |ssl, identity, out| {
+                let n = psk_lookup(&keys, identity, out)?;
+                if n > 0 {
+                    let id = String::from_utf8_lossy(identity.unwrap_or_default()).into_owned();
+                    ssl.set_ex_data(idx, id);
+                }
+                Ok(n)
+            });
         }
         Ok(Tls {
             mode: o.mode,
             ctx: Some(b.build()),
+            psk_identity,
+            allow,
         })
     }
 
@@ -124,6 +150,49 @@ impl Tls {
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("TLS handshake: {e}")))?;
         Ok(Session { stream })
     }
+
+    /// The client's identity: its PSK identity, or the common name of the
+    /// certificate it showed.
+    pub fn peer(&self, session: &Session) -> Option<String> {
+        let ssl = session.stream.ssl();
+        if let Some(id) = self.psk_identity.and_then(|idx| ssl.ex_data(idx)) {
+            return Some(id.clone());
+        }
+        let cert = ssl.peer_certificate()?;
+        let cn = cert.subject_name().entries_by_nid(Nid::COMMONNAME).next()?;
+        cn.data().to_string().ok()
+    }
+
+    /// Whether a client of identity `peer` (None: no TLS, or no identity) may
+    /// see `export`.
+    pub fn visible(&self, peer: Option<&str>, export: &str) -> bool {
+        match self.allow.get(export) {
+            None => true,
+            Some(ids) => peer.is_some_and(|p| ids.contains(p)),
+        }
+    }
+}
+
+/// `--tls-allow EXPORT=ID[,ID...]` values, an export at most once.
+fn parse_allow(values: &[String]) -> Result<HashMap<String, HashSet<String>>> {
+    let mut allow = HashMap::new();
+    for v in values {
+        let Some((export, ids)) = v.split_once('=') else {
+            bail!("--tls-allow {v}: EXPORT=ID[,ID...] expected");
+        };
+        let ids: HashSet<String> = ids
+            .split(',')
+            .filter(|i| !i.is_empty())
+            .map(String::from)
+            .collect();
+        if export.is_empty() || ids.is_empty() {
+            bail!("--tls-allow {v}: an export name and at least one identity expected");
+        }
+        if allow.insert(export.to_string(), ids).is_some() {
+            bail!("--tls-allow: export '{export}' given twice (list its identities in one)");
+        }
+    }
+    Ok(allow)
 }
 
 fn mode_name(m: Mode) -> &'static str {
@@ -332,6 +401,7 @@ impl Session {
         let mut got = 0;
         while got < buf.len() {
             match self.stream.ssl_read(&mut buf[got..]) {
+                Ok(0) => return Ok(got),
                 Ok(n) => got += n,
                 Err(e) => {
                     let errno = match e.code() {
@@ -347,10 +417,14 @@ impl Session {
                             errno
                         }
                     };
-                    if got > 0 {
-                        break; // the end or the failure shows on the next call
-                    }
-                    return if errno == 0 { Ok(0) } else { Err(errno) };
+                    return match errno {
+                        // the end of the stream shows on the next call
+                        0 | libc::EAGAIN if got > 0 => Ok(got),
+                        0 => Ok(0),
+                        // a failed session ends the connection now: no later
+                        // wake-up would come to report it
+                        _ => Err(errno),
+                    };
                 }
             }
         }

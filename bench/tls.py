@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""NBD over TLS: dmkit against nbdkit with the same pre-shared key, in one run.
+
+Both serve one 1 GiB file (dmkit: a linear device over it, --buffered; nbdkit: its
+file plugin, through the page cache likewise) on a unix socket with
+`--tls require` and the same psktool key file; fio's nbd engine (libnbd, GnuTLS)
+connects with nbds+unix://alice@/...&tls-psk-file=. dmkit without TLS runs beside
+them for the cost of TLS itself. Workloads: 4 KiB random reads at QD32 and 1 MiB
+sequential reads at QD8, one connection. The servers take turns, cell by cell, rep
+by rep. Records the medians (IOPS, MiB/s, the server's CPU per request) and the
+dmkit/nbdkit ratios in BENCHMARKS.md, section `tls`.
+
+Usage: bench/tls.py [--reps 5] [--runtime 4] [--dir /dev/shm] [--out BENCHMARKS.md]
+Needs: fio, nbdkit, psktool (ci/install.sh installs them), a release build.
+"""
+import argparse, os, subprocess, sys, tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402  (the shared helpers of bench/run.py)
+
+WORKLOADS = [
+    ("randread 4k qd32", ["--rw=randread", "--bs=4k", "--iodepth=32"]),
+    ("seq read 1M qd8", ["--rw=read", "--bs=1M", "--iodepth=8"]),
+]
+
+
+class Nbdkit:
+    """`nbdkit file` on a unix socket with `extra` arguments."""
+
+    def __init__(self, tmp, backing, extra):
+        self.sock = os.path.join(tmp, "nbdkit.sock")
+        self.p = subprocess.Popen(["nbdkit", "-f", "-U", self.sock, *extra, "file", backing],
+                                  stderr=subprocess.DEVNULL)
+        run.wait_for(self.sock)
+
+    def cpu(self):
+        return run.proc_cpu(self.p.pid)
+
+    def stop(self):
+        self.p.terminate()
+        self.p.wait(30)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--runtime", type=int, default=4)
+    ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="dmkit-tls-bench-")
+    backing = os.path.join(a.dir, "dmkit-tls-bench.img")
+    subprocess.run(["fio", "--name=fill", "--ioengine=psync", "--rw=write", "--bs=1M",
+                    f"--size={run.SIZE}", f"--filename={backing}"], capture_output=True, check=True)
+    psk = os.path.join(tmp, "keys.psk")
+    subprocess.run(["psktool", "-u", "alice", "-p", psk], capture_output=True, check=True)
+    table = f"0 {run.SIZE // 512} linear {backing} 0\n"
+    tls = ["--tls", "require", "--tls-psk", psk]
+    dm_tls = run.Dmkit(tmp, [("bench", table)], ["--buffered", *tls])
+    dm_plain = run.Dmkit(tmp, [("bench", table)], ["--buffered"])
+    kit = Nbdkit(tmp, backing, ["--tls=require", f"--tls-psk={psk}"])
+    servers = [
+        ("dmkit TLS", dm_tls, f"nbds+unix://alice@/bench?socket={dm_tls.run}/nbd.sock&tls-psk-file={psk}"),
+        ("nbdkit TLS", kit, f"nbds+unix://alice@/?socket={kit.sock}&tls-psk-file={psk}"),
+        ("dmkit plain", dm_plain, dm_plain.uri("bench")),
+    ]
+    res = {}
+    try:
+        for wl, args in WORKLOADS:
+            for rep in range(a.reps):
+                order = servers if rep % 2 == 0 else servers[::-1]
+                for name, srv, uri in order:
+                    r = run.fio_cpu(srv, uri, args + [f"--size={run.SIZE}"], a.runtime)
+                    res.setdefault((wl, name), []).append(r)
+                    print(f"{wl} {name} rep {rep}: {r[0]:,.0f} IOPS {r[1]:,.0f} MiB/s", file=sys.stderr)
+    finally:
+        for _, srv, _ in servers:
+            srv.stop()
+        os.unlink(backing)
+    med = {k: tuple(run.med([r[i] for r in v]) for i in range(3)) for k, v in res.items()}
+    commit = subprocess.run(["git", "-C", run.ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    date = subprocess.run(["date", "-u", "+%Y-%m-%d"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "## NBD over TLS (bench/tls.py)",
+        "",
+        f"`bench/tls.py --reps {a.reps} --runtime {a.runtime} --dir {a.dir}` ({date}, commit {commit}): "
+        "dmkit (linear over a 1 GiB file, `--buffered`) and `nbdkit file` on unix sockets, both "
+        "`--tls require` with one psktool key, fio's nbd engine (libnbd/GnuTLS, TLS 1.3 PSK) on one "
+        "connection; dmkit without TLS beside them. Medians of the reps, the servers taking turns; "
+        "µs/req is the server's CPU per request (all threads).",
+        "",
+        "| workload | dmkit TLS IOPS | nbdkit TLS IOPS | dmkit/nbdkit | dmkit TLS MiB/s | nbdkit TLS MiB/s "
+        "| dmkit plain IOPS | TLS/plain | µs/req dmkit TLS | µs/req nbdkit TLS | µs/req dmkit plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for wl, _ in WORKLOADS:
+        d, k, p = med[(wl, "dmkit TLS")], med[(wl, "nbdkit TLS")], med[(wl, "dmkit plain")]
+        lines.append(
+            f"| {wl} | {run.fmt(d[0])} | {run.fmt(k[0])} | **{d[0] / k[0]:.2f}** | {run.fmt(d[1])} "
+            f"| {run.fmt(k[1])} | {run.fmt(p[0])} | **{d[0] / p[0]:.2f}** | {run.fmt(d[2], 2)} "
+            f"| {run.fmt(k[2], 2)} | {run.fmt(p[2], 2)} |")
+    run.write_section(a.out, "tls", lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
