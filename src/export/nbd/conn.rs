@@ -48,6 +48,9 @@ const SEND_BATCH: usize = 64;
 /// Capacity kept in a TLS connection's plaintext and ciphertext buffers between
 /// batches; a larger batch's buffer is given back once sent.
 const TLS_KEPT_BYTES: usize = 1 << 20;
+/// Reply pieces smaller than this are copied together before encryption (one TLS
+/// record holds up to 16 KiB).
+const TLS_GATHER: usize = 16 << 10;
 /// Largest write payload read (and thrown away) from a client before hanging up.
 const MAX_DISCARDED_PAYLOAD: u64 = 2 * MAX_PAYLOAD as u64;
 
@@ -790,17 +793,26 @@ impl Conn {
         self.submit_send();
     }
 
-    /// TLS: replace the batch's iovecs by one over its encryption.
+    /// TLS: replace the batch's iovecs by one over its encryption. Small pieces
+    /// (headers, small reads) are gathered so that they share records; a large
+    /// piece is encrypted where it lies.
     fn encrypt_batch(&mut self) {
         let Some(t) = self.tls.as_mut() else { return };
         t.plain.clear();
+        let mut ok = true;
         for v in &self.iov {
             // SAFETY: each iovec names a slot's header, data or extra bytes, owned by
             // `self` and unchanged while the slot waits to be sent.
-            t.plain
-                .extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) });
+            let piece = unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) };
+            if piece.len() < TLS_GATHER {
+                t.plain.extend_from_slice(piece);
+                continue;
+            }
+            ok &= t.session.encrypt(&t.plain).is_ok() && t.session.encrypt(piece).is_ok();
+            t.plain.clear();
         }
-        if t.session.encrypt(&t.plain).is_err() {
+        ok &= t.session.encrypt(&t.plain).is_ok();
+        if !ok {
             self.dead = true;
         }
         t.session.take_output(&mut t.out);
