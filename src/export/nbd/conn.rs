@@ -46,8 +46,10 @@ const KEEP_EXTRA: usize = 4096;
 /// Replies gathered into one sendmsg.
 const SEND_BATCH: usize = 64;
 /// Capacity kept in a TLS connection's plaintext and ciphertext buffers between
-/// batches; a larger batch's buffer is given back once sent.
-const TLS_KEPT_BYTES: usize = 1 << 20;
+/// batches: a batch holds at most [`MAX_HELD_BYTES`] of replies, plus the records'
+/// overhead (22 bytes in 16 KiB); a larger batch's buffer is given back once sent.
+/// Regrowing the buffer batch after batch costs more than the encryption.
+const TLS_KEPT_BYTES: usize = MAX_KEPT_BYTES + (1 << 20);
 /// Reply pieces smaller than this are copied together before encryption (one TLS
 /// record holds up to 16 KiB).
 const TLS_GATHER: usize = 16 << 10;
@@ -799,6 +801,8 @@ impl Conn {
     fn encrypt_batch(&mut self) {
         let Some(t) = self.tls.as_mut() else { return };
         t.plain.clear();
+        let bytes: usize = self.iov.iter().map(|v| v.iov_len).sum();
+        t.session.reserve_output(bytes + bytes / 512 + 64);
         let mut ok = true;
         for v in &self.iov {
             // SAFETY: each iovec names a slot's header, data or extra bytes, owned by

@@ -45,8 +45,9 @@ fn handshake<S: Read + Write + AsFd>(
             let mut session = tls.accept(&*s)?;
             let peer = tls.peer(&session);
             tracing::debug!(
-                "nbd: TLS client {}",
-                peer.as_deref().unwrap_or("without an identity")
+                "nbd: TLS client {} ({})",
+                peer.as_deref().unwrap_or("without an identity"),
+                session.version()
             );
             let visible = |name: &str| tls.visible(peer.as_deref(), name);
             match handshake::options(&mut session, reg, g, TlsState::Active, &visible)? {

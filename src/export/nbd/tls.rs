@@ -388,6 +388,13 @@ impl Write for Session {
 }
 
 impl Session {
+    /// The protocol version and cipher suite negotiated, for the log.
+    pub fn version(&self) -> String {
+        let ssl = self.stream.ssl();
+        let cipher = ssl.current_cipher().map_or("no cipher", |c| c.name());
+        format!("{}, {cipher}", ssl.version_str())
+    }
+
     /// From here on reads do not wait and writes are buffered for `Conn` to send.
     pub fn to_transmission(&mut self) {
         self.stream.get_mut().buffered = true;
@@ -449,6 +456,11 @@ impl Session {
     /// session answer, such as a key update).
     pub fn has_output(&self) -> bool {
         !self.stream.get_ref().out.is_empty()
+    }
+
+    /// Make room in the output buffer for `n` more encrypted bytes.
+    pub fn reserve_output(&mut self, n: usize) {
+        self.stream.get_mut().out.reserve(n);
     }
 
     /// Move the encrypted bytes waiting into `into` (emptied first), leaving
