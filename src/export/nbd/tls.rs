@@ -101,7 +101,13 @@ impl Tls {
             .context("setting the TLS version")?;
         // No session tickets: each connection is one session, and a ticket written
         // after the handshake would have to be sent from the transmission phase.
-        b.set_options(SslOptions::NO_TICKET | SslOptions::IGNORE_UNEXPECTED_EOF);
+        b.set_options(
+            SslOptions::NO_TICKET | SslOptions::IGNORE_UNEXPECTED_EOF | SslOptions::CIPHER_SERVER_PREFERENCE,
+        );
+        // TLS 1.3's mandatory suite first: AES-128-GCM costs the server less CPU per
+        // byte than the AES-256-GCM or ChaCha20 that GnuTLS clients list first.
+        b.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256")
+            .context("setting the TLS 1.3 cipher suites")?;
         b.set_num_tickets(0).context("turning session tickets off")?;
         if let Some(dir) = &o.certificates {
             load_certificates(&mut b, dir, o.verify_peer)?;
