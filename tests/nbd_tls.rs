@@ -548,3 +548,26 @@ fn tls_allow_hides_exports_from_other_identities() {
     let text = |p: &[u8]| String::from_utf8_lossy(p).replace("nothing", "secret");
     assert_eq!(text(&hidden.1), text(&absent));
 }
+
+#[test]
+fn psk_in_tls_1_3_and_1_2() {
+    need_all(&["nbdinfo"]);
+    let c = Creds::new();
+    let psk = c.arg("psk/keys.psk");
+    let d = Daemon::start_with(
+        "tls-versions",
+        &["--tls", "require", "--tls-psk", &psk],
+        &[("RUST_LOG", "debug")],
+    );
+    d.create("d", "0 2048 zero");
+    let uri = tls_unix(&d, "alice@", &format!("tls-psk-file={psk}"));
+    assert_eq!(run(nbdinfo(&uri).arg("--size")), "1048576\n");
+    // GnuTLS with TLS 1.3 turned off by its system priority file
+    let prio = c.path("tls12.conf");
+    std::fs::write(&prio, "[overrides]\ndisabled-version = tls1.3\n").expect("priority file");
+    let out = run(nbdinfo(&uri).arg("--size").env("GNUTLS_SYSTEM_PRIORITY_FILE", &prio));
+    assert_eq!(out, "1048576\n");
+    let log = d.log();
+    assert!(log.contains("nbd: TLS client alice (TLSv1.3, TLS_AES_128_GCM_SHA256)"), "{log}");
+    assert!(log.contains("nbd: TLS client alice (TLSv1.2, ECDHE-PSK-"), "{log}");
+}

@@ -4,7 +4,8 @@
 //! `server-cert.pem`, `server-key.pem`) or a pre-shared key file in psktool's
 //! format (`identity:hexkey` a line). OpenSSL rather than rustls because rustls
 //! has no external pre-shared keys, and the clients that matter here (libnbd and
-//! qemu, both GnuTLS) offer PSK in TLS 1.3, which OpenSSL's PSK callback serves.
+//! qemu, both GnuTLS) offer PSK in TLS 1.3, which OpenSSL's PSK callback serves
+//! (TLS 1.2 PSK suites are enabled too, for older clients).
 //!
 //! The TLS handshake and the options after it run on blocking I/O in the
 //! connection's thread (`Session` over the socket); the transmission phase then
@@ -88,9 +89,8 @@ impl Tls {
             );
         }
         if o.certificates.is_some() && o.psk.is_some() {
-            // A server with a certificate picks a certificate suite in TLS 1.2 even
-            // for a client that only has a PSK (qemu's GnuTLS client offers PSK in
-            // TLS 1.2): the handshake would fail with "insufficient credentials".
+            // Seen with both: qemu's PSK client (GnuTLS) was answered with a
+            // certificate handshake and failed ("insufficient credentials").
             bail!("--tls-certificates and --tls-psk exclude each other: run one server for each");
         }
         if o.verify_peer && o.certificates.is_none() {
