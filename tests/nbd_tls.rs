@@ -565,9 +565,17 @@ fn psk_in_tls_1_3_and_1_2() {
     // GnuTLS with TLS 1.3 turned off by its system priority file
     let prio = c.path("tls12.conf");
     std::fs::write(&prio, "[overrides]\ndisabled-version = tls1.3\n").expect("priority file");
-    let out = run(nbdinfo(&uri).arg("--size").env("GNUTLS_SYSTEM_PRIORITY_FILE", &prio));
+    let out = run(nbdinfo(&uri)
+        .arg("--size")
+        .env("GNUTLS_SYSTEM_PRIORITY_FILE", &prio));
     assert_eq!(out, "1048576\n");
     let log = d.log();
-    assert!(log.contains("nbd: TLS client alice (TLSv1.3, TLS_AES_128_GCM_SHA256)"), "{log}");
-    assert!(log.contains("nbd: TLS client alice (TLSv1.2, ECDHE-PSK-"), "{log}");
+    assert!(
+        log.contains("nbd: TLS client alice (TLSv1.3, TLS_AES_128_GCM_SHA256)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("nbd: TLS client alice (TLSv1.2, ECDHE-PSK-"),
+        "{log}"
+    );
 }
