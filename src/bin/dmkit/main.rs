@@ -39,6 +39,7 @@ enum Cmd {
   dmkit serve --background            # returns once the daemon answers; log in RUN_DIR/serve.log
   dmkit serve --demo                  # a thin pool, a thin volume and a snapshot to try
   dmkit serve --group disk            # sockets mode 0660, group disk: its members may use dmkit
+  dmkit serve --nbd-listen 0.0.0.0:10809 --tls require --tls-psk keys.psk   # NBD over TCP and TLS
   dmkit serve --restore --background  # after a crash: the previous daemon's devices again")]
     Serve(ServeArgs),
     /// The thin-provisioning-tools commands, option for option as thin_check,
@@ -140,8 +141,7 @@ struct ServeArgs {
     /// Also serve NBD over TCP on this address
     #[arg(long, value_name = "ADDR:PORT")]
     nbd_listen: Option<String>,
-    /// TLS on the NBD sockets (unix and TCP): off; on (STARTTLS offered, plain
-    /// clients served too); require (clients must start TLS first)
+    /// TLS on the NBD sockets (unix and TCP)
     #[arg(long, value_enum, default_value_t = TlsMode::Off)]
     tls: TlsMode,
     /// The X.509 credentials: ca-cert.pem, server-cert.pem, server-key.pem
