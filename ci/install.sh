@@ -6,7 +6,10 @@
 # (the real lvm that tests/lvm_door.rs drives through the same door),
 # a C compiler and libc headers (gcc, libc6-dev: build.rs builds the door's preload library),
 # the kernel's NBD client (nbd-client, run in the oracle's guest),
-# openssl (tests/crypt.rs decrypts what dm-crypt wrote with it) and cryptsetup
+# openssl (tests/crypt.rs decrypts what dm-crypt wrote with it; tests/nbd_tls.rs makes
+# certificates with it), GnuTLS's psktool and certtool (gnutls-bin: the PSK file and an
+# expired certificate of tests/nbd_tls.rs), OpenSSL's headers and pkg-config (libssl-dev,
+# pkg-config: the openssl crate links the system's OpenSSL 3) and cryptsetup
 # (cryptsetup-bin: tests/crypt_oracle.rs formats a LUKS2 image, the guest opens it),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
 # ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra).
@@ -30,6 +33,7 @@ tools=(
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
   nbd-client:nbd-client cc:gcc openssl:openssl cryptsetup:cryptsetup-bin
+  psktool:gnutls-bin certtool:gnutls-bin pkg-config:pkg-config
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
@@ -44,6 +48,7 @@ done
 installed busybox-static || missing+=(busybox-static) # busybox alone is not static
 installed librbd-dev || missing+=(librbd-dev)
 installed libc6-dev || missing+=(libc6-dev) # the door's preload library (build.rs)
+installed libssl-dev || missing+=(libssl-dev) # the openssl crate (NBD over TLS)
 # qemu's rbd driver, at the version of the qemu installed (or about to be)
 installed qemu-block-extra || missing+=(qemu-block-extra)
 
@@ -81,7 +86,7 @@ fi
 for pair in "${tools[@]}"; do
   has "${pair%%:*}" || { echo "ci/install.sh: ${pair%%:*} still missing after install" >&2; exit 1; }
 done
-for pkg in busybox-static librbd-dev qemu-block-extra; do
+for pkg in busybox-static librbd-dev libssl-dev qemu-block-extra; do
   installed "$pkg" || { echo "ci/install.sh: $pkg still missing" >&2; exit 1; }
 done
 

@@ -12,6 +12,8 @@ use std::sync::Arc;
 pub struct ServeOptions {
     pub run_dir: PathBuf,
     pub nbd_listen: Option<String>,
+    /// TLS on the NBD listeners (unix and TCP).
+    pub tls: crate::export::nbd::tls::Options,
     pub group: Option<String>,
     pub demo: Option<PathBuf>,
     pub direct_io: bool,
@@ -77,6 +79,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals()?;
     crate::panics::install_hook();
     let group = opts.group.as_deref().map(group_id).transpose()?;
+    let tls = Arc::new(crate::export::nbd::tls::Tls::new(&opts.tls)?);
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let reg = Arc::new(Registry::new(Config {
         direct_io: opts.direct_io,
@@ -143,16 +146,18 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     }
     {
         let reg = reg.clone();
+        let tls = tls.clone();
         std::thread::Builder::new()
             .name("nbd-unix".into())
-            .spawn(move || crate::export::nbd::serve_unix(nbd, reg))?;
+            .spawn(move || crate::export::nbd::serve_unix(nbd, reg, tls))?;
     }
     if let Some(addr) = &opts.nbd_listen {
         let l = TcpListener::bind(addr).with_context(|| format!("listening on {addr}"))?;
         let reg = reg.clone();
+        let tls = tls.clone();
         std::thread::Builder::new()
             .name("nbd-tcp".into())
-            .spawn(move || crate::export::nbd::serve_tcp(l, reg))?;
+            .spawn(move || crate::export::nbd::serve_tcp(l, reg, tls))?;
         tracing::info!("NBD over TCP on {addr}");
     }
     {

@@ -106,6 +106,11 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "0 16384 verity V\n", // status checked
             "0 16384 verity C\n", // after the change
         ],
+        h if h.contains("NBD over TCP with TLS") => &[
+            "protocol: newstyle-fixed with TLS, using structured packets\n",
+            "a client without TLS is refused\n",
+            "Key stored to psk/keys.psk\n",
+        ],
         h if h.contains("Ceph RBD") => &["0 2097152 linear rbd:rbd/vol:conf="],
         h if h.contains("incremental backup") => &["backup.raw\n", "full2.raw\n"],
         h if h.contains("The thin tools") => &[

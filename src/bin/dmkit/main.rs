@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use dmkit::control::verbs::{one_line, DmVerb};
 use dmkit::daemon::{default_run_dir, serve, ServeOptions};
+use dmkit::export::nbd::tls::Mode as TlsMode;
 use dmkit::sync::Unpoison;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
@@ -38,6 +39,7 @@ enum Cmd {
   dmkit serve --background            # returns once the daemon answers; log in RUN_DIR/serve.log
   dmkit serve --demo                  # a thin pool, a thin volume and a snapshot to try
   dmkit serve --group disk            # sockets mode 0660, group disk: its members may use dmkit
+  dmkit serve --nbd-listen 0.0.0.0:10809 --tls require --tls-psk keys.psk   # NBD over TCP and TLS
   dmkit serve --restore --background  # after a crash: the previous daemon's devices again")]
     Serve(ServeArgs),
     /// The thin-provisioning-tools commands, option for option as thin_check,
@@ -139,6 +141,23 @@ struct ServeArgs {
     /// Also serve NBD over TCP on this address
     #[arg(long, value_name = "ADDR:PORT")]
     nbd_listen: Option<String>,
+    /// TLS on the NBD sockets (unix and TCP)
+    #[arg(long, value_enum, default_value_t = TlsMode::Off)]
+    tls: TlsMode,
+    /// The X.509 credentials: ca-cert.pem, server-cert.pem, server-key.pem
+    #[arg(long, value_name = "DIR")]
+    tls_certificates: Option<PathBuf>,
+    /// Require a client certificate signed by the ca-cert.pem of --tls-certificates
+    #[arg(long)]
+    tls_verify_peer: bool,
+    /// Pre-shared keys: one 'identity:hexkey' a line, as psktool writes them
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
+    /// Limit export EXPORT to TLS clients of these identities (PSK identities, or
+    /// the common names of client certificates under --tls-verify-peer); others,
+    /// plain clients included, see no such export. Repeatable, one per export
+    #[arg(long, value_name = "EXPORT=ID[,ID...]")]
+    tls_allow: Vec<String>,
     /// Let this group use the sockets (mode 0660)
     #[arg(long)]
     group: Option<String>,
@@ -246,6 +265,13 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             serve(ServeOptions {
                 run_dir,
                 nbd_listen: a.nbd_listen,
+                tls: dmkit::export::nbd::tls::Options {
+                    mode: a.tls,
+                    certificates: a.tls_certificates,
+                    verify_peer: a.tls_verify_peer,
+                    psk: a.tls_psk,
+                    allow: a.tls_allow,
+                },
                 group: a.group,
                 demo,
                 direct_io: !a.buffered,

@@ -8,8 +8,14 @@
 //! gathered into one sendmsg per batch. Nothing is shared with other
 //! connections but the device (an atomic in-flight count and its table), and the
 //! steady state allocates nothing.
+//!
+//! Over TLS the same loop runs with the session as a transform: a receive
+//! decrypts what the socket has into the same buffers, and a batch of replies is
+//! encrypted into one buffer sent by one sendmsg. A plain connection takes the
+//! same paths as before, past one test of `tls`.
 
 use super::proto::*;
+use super::tls::Session;
 use crate::io::queue::Sqe;
 use crate::io::{AlignedBuf, Op, SECTOR};
 use crate::mapper::engine::{Engine, IoEvent};
@@ -39,6 +45,14 @@ const MAX_KEPT_BYTES: usize = MAX_HELD_BYTES as usize;
 const KEEP_EXTRA: usize = 4096;
 /// Replies gathered into one sendmsg.
 const SEND_BATCH: usize = 64;
+/// Capacity kept in a TLS connection's plaintext and ciphertext buffers between
+/// batches: a batch holds at most [`MAX_HELD_BYTES`] of replies, plus the records'
+/// overhead (22 bytes in 16 KiB); a larger batch's buffer is given back once sent.
+/// Regrowing the buffer batch after batch costs more than the encryption.
+const TLS_KEPT_BYTES: usize = MAX_KEPT_BYTES + (1 << 20);
+/// Reply pieces smaller than this are copied together before encryption (one TLS
+/// record holds up to 16 KiB).
+const TLS_GATHER: usize = 16 << 10;
 /// Largest write payload read (and thrown away) from a client before hanging up.
 const MAX_DISCARDED_PAYLOAD: u64 = 2 * MAX_PAYLOAD as u64;
 
@@ -135,10 +149,21 @@ pub struct Conn {
     closing: bool,
     dead: bool,
     events: Vec<IoEvent>,
+    /// The TLS session of a connection that started TLS.
+    tls: Option<Tls>,
+}
+
+/// A TLS connection's session and buffers.
+struct Tls {
+    session: Session,
+    /// A batch of replies gathered for encryption.
+    plain: Vec<u8>,
+    /// The encrypted bytes being sent.
+    out: Vec<u8>,
 }
 
 impl Conn {
-    pub fn new(fd: RawFd, n: super::handshake::Negotiated) -> std::io::Result<Conn> {
+    pub fn new(fd: RawFd, n: super::handshake::Negotiated, tls: Option<Session>) -> std::io::Result<Conn> {
         // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
         // this thread serves `n.dev`: a panic on it is logged under the device's name
@@ -173,6 +198,11 @@ impl Conn {
             closing: false,
             dead: false,
             events: Vec::with_capacity(8),
+            tls: tls.map(|session| Tls {
+                session,
+                plain: Vec::new(),
+                out: Vec::new(),
+            }),
         })
     }
 
@@ -189,6 +219,11 @@ impl Conn {
             }
             if !self.dead && !self.send_inflight && !self.sendq.is_empty() {
                 self.send_batch();
+            } else if !self.dead
+                && !self.send_inflight
+                && self.tls.as_ref().is_some_and(|t| t.session.has_output())
+            {
+                self.send_batch(); // what the session has to say of its own (a key update)
             }
             let busy = self.engine.nr_free() < MAX_SLOTS;
             if !self.engine.busy() && (self.dead || (self.closing && !busy)) {
@@ -272,21 +307,37 @@ impl Conn {
             let Some((into, ptr, len)) = self.recv_target() else {
                 break;
             };
-            // SAFETY: `ptr..ptr + len` lies in the receive buffer or the request's
-            // buffer, which we own and which nothing else touches meanwhile.
-            let r = unsafe { libc::recv(self.fd, ptr.cast(), len, libc::MSG_DONTWAIT) };
-            if r < 0 {
-                let e = std::io::Error::last_os_error()
-                    .raw_os_error()
-                    .unwrap_or(libc::EIO);
-                match e {
-                    libc::EINTR => continue,
-                    libc::EAGAIN => self.readable = false,
-                    _ => self.on_recv(into, -e),
+            let r = match self.tls.as_mut() {
+                None => {
+                    // SAFETY: `ptr..ptr + len` lies in the receive buffer or the request's
+                    // buffer, which we own and which nothing else touches meanwhile.
+                    let r = unsafe { libc::recv(self.fd, ptr.cast(), len, libc::MSG_DONTWAIT) };
+                    if r < 0 {
+                        Err(std::io::Error::last_os_error()
+                            .raw_os_error()
+                            .unwrap_or(libc::EIO))
+                    } else {
+                        Ok(r as usize)
+                    }
                 }
-                break;
-            }
-            if (r as usize) < len && !self.hangup {
+                // SAFETY: as above; the slice lives only for this call.
+                Some(t) => t
+                    .session
+                    .recv(unsafe { std::slice::from_raw_parts_mut(ptr, len) }),
+            };
+            let r = match r {
+                Ok(r) => r,
+                Err(libc::EINTR) => continue,
+                Err(libc::EAGAIN) => {
+                    self.readable = false;
+                    break;
+                }
+                Err(e) => {
+                    self.on_recv(into, -e);
+                    break;
+                }
+            };
+            if r < len && !self.hangup {
                 // Drained: bytes that come later wake the poll. Not so once the
                 // client has hung up: the end of the stream is only seen by a
                 // receive that returns 0, and no later wake-up would announce it.
@@ -738,7 +789,42 @@ impl Conn {
             self.sending.push(slot);
         }
         self.iov_pos = 0;
+        if self.tls.is_some() {
+            self.encrypt_batch();
+        }
         self.submit_send();
+    }
+
+    /// TLS: replace the batch's iovecs by one over its encryption. Small pieces
+    /// (headers, small reads) are gathered so that they share records; a large
+    /// piece is encrypted where it lies.
+    fn encrypt_batch(&mut self) {
+        let Some(t) = self.tls.as_mut() else { return };
+        t.plain.clear();
+        let bytes: usize = self.iov.iter().map(|v| v.iov_len).sum();
+        t.session.reserve_output(bytes + bytes / 512 + 64);
+        let mut ok = true;
+        for v in &self.iov {
+            // SAFETY: each iovec names a slot's header, data or extra bytes, owned by
+            // `self` and unchanged while the slot waits to be sent.
+            let piece = unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) };
+            if piece.len() < TLS_GATHER {
+                t.plain.extend_from_slice(piece);
+                continue;
+            }
+            ok &= t.session.encrypt(&t.plain).is_ok() && t.session.encrypt(piece).is_ok();
+            t.plain.clear();
+        }
+        ok &= t.session.encrypt(&t.plain).is_ok();
+        if !ok {
+            self.dead = true;
+        }
+        t.session.take_output(&mut t.out);
+        self.iov.clear();
+        self.iov.push(libc::iovec {
+            iov_base: t.out.as_ptr() as *mut libc::c_void,
+            iov_len: t.out.len(),
+        });
     }
 
     fn submit_send(&mut self) {
@@ -781,6 +867,13 @@ impl Conn {
             self.free_slot(slot);
         }
         self.sending.clear();
+        if let Some(t) = self.tls.as_mut() {
+            for b in [&mut t.plain, &mut t.out] {
+                if b.capacity() > TLS_KEPT_BYTES {
+                    *b = Vec::new();
+                }
+            }
+        }
     }
 
     fn free_slot(&mut self, slot: usize) {

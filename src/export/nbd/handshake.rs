@@ -16,8 +16,12 @@ pub struct Negotiated {
     pub dirty_base: Option<String>,
 }
 
+/// Which exports a client may see by name: the others are answered as absent.
+pub type Visible<'a> = &'a dyn Fn(&str) -> bool;
+
 /// Negotiation state that options build up.
-struct State {
+struct State<'a> {
+    visible: Visible<'a>,
     no_zeroes: bool,
     fixed: bool,
     structured: bool,
@@ -28,7 +32,7 @@ struct State {
     meta_dirty: Option<String>,
 }
 
-impl State {
+impl State<'_> {
     /// The outcome of entering transmission on `dev`: contexts count only if the
     /// last SET_META_CONTEXT named this same export.
     fn negotiated(&self, dev: Arc<Device>, size: u64, flags: u16) -> Negotiated {
@@ -100,22 +104,51 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
     f
 }
 
-/// The device an export name names; the empty name is the default export when the
-/// daemon has exactly one device.
-fn lookup(reg: &Registry, name: &str) -> Result<Arc<Device>, String> {
+/// The device an export name names, among those the client may see; the empty
+/// name is the default export when the client may see exactly one device. One it
+/// may not see is answered as a device that does not exist.
+fn lookup(reg: &Registry, visible: Visible, name: &str) -> Result<Arc<Device>, String> {
     if name.is_empty() {
-        let all = reg.list();
+        let all: Vec<_> = reg.list().into_iter().filter(|d| visible(&d.name())).collect();
         return match all.len() {
             1 => Ok(all[0].clone()),
             0 => Err("no devices exist".into()),
             _ => Err("no default export: name a device".into()),
         };
     }
-    reg.get(name).map_err(|e| e.to_string())
+    match reg.get(name) {
+        Ok(d) if visible(name) => Ok(d),
+        Ok(_) => Err(crate::mapper::registry::ControlError::NoDevice(name.to_string()).to_string()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
-/// Run the handshake. Ok(None) when the client aborted or disconnected cleanly.
-pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Option<Negotiated>> {
+/// What the option haggling ended with.
+pub enum Outcome {
+    /// NBD_OPT_GO or NBD_OPT_EXPORT_NAME succeeded: transmission starts.
+    Go(Negotiated),
+    /// The client aborted or disconnected cleanly.
+    Closed,
+    /// NBD_OPT_STARTTLS was acknowledged: the TLS handshake comes next, then
+    /// the options again inside TLS.
+    StartTls,
+}
+
+/// Where the handshake stands with TLS.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TlsState {
+    /// The server has no TLS: STARTTLS is unsupported.
+    Off,
+    /// Offered, not started: plain options are served.
+    Offered,
+    /// Required, not started: options other than STARTTLS and ABORT are refused.
+    Required,
+    /// The options now run inside TLS.
+    Active,
+}
+
+/// Send the greeting and read the client's flags.
+pub fn greet<S: Read + Write>(s: &mut S) -> io::Result<Greeted> {
     let mut g = Vec::with_capacity(18);
     g.extend_from_slice(&NBDMAGIC.to_be_bytes());
     g.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -127,9 +160,42 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(protocol("client flags carry unknown bits"));
     }
-    let mut st = State {
+    Ok(Greeted {
         no_zeroes: cflags & FLAG_C_NO_ZEROES != 0,
         fixed: cflags & FLAG_C_FIXED_NEWSTYLE != 0,
+    })
+}
+
+/// The client's flags, which hold across STARTTLS.
+#[derive(Clone, Copy)]
+pub struct Greeted {
+    no_zeroes: bool,
+    fixed: bool,
+}
+
+/// Run the handshake of a server without TLS. Ok(None) when the client aborted
+/// or disconnected cleanly.
+pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Option<Negotiated>> {
+    let g = greet(s)?;
+    match options(s, reg, g, TlsState::Off, &|_| true)? {
+        Outcome::Go(n) => Ok(Some(n)),
+        Outcome::Closed | Outcome::StartTls => Ok(None),
+    }
+}
+
+/// The options, until transmission, the end, or STARTTLS. Nothing negotiated
+/// before STARTTLS carries over: this starts afresh inside TLS.
+pub fn options<S: Read + Write>(
+    s: &mut S,
+    reg: &Registry,
+    g: Greeted,
+    tls: TlsState,
+    visible: Visible,
+) -> io::Result<Outcome> {
+    let mut st = State {
+        visible,
+        no_zeroes: g.no_zeroes,
+        fixed: g.fixed,
         structured: false,
         meta_export: None,
         meta_allocation: false,
@@ -139,7 +205,7 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
         let mut h = [0u8; 16];
         match s.read_exact(&mut h) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Outcome::Closed),
             Err(e) => return Err(e),
         }
         if u64::from_be_bytes(h[0..8].try_into().unwrap_or_default()) != IHAVEOPT {
@@ -161,11 +227,26 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
             )?;
             continue;
         }
+        if tls == TlsState::Required && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
+            if opt == OPT_EXPORT_NAME {
+                // no way to answer an error but to hang up
+                return Err(protocol(
+                    "NBD_OPT_EXPORT_NAME before STARTTLS on a server that requires TLS",
+                ));
+            }
+            err(
+                s,
+                opt,
+                REP_ERR_TLS_REQD,
+                "this server requires TLS: send NBD_OPT_STARTTLS first",
+            )?;
+            continue;
+        }
         match opt {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No way to report an error here but to hang up.
-                let dev = lookup(reg, &name).map_err(|e| protocol(&e))?;
+                let dev = lookup(reg, visible, &name).map_err(|e| protocol(&e))?;
                 let size = dev.size_sectors() * 512;
                 let flags = transmission_flags(&dev, st.structured);
                 let mut r = Vec::with_capacity(134);
@@ -175,18 +256,18 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
                     r.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&r)?;
-                return Ok(Some(st.negotiated(dev, size, flags)));
+                return Ok(Outcome::Go(st.negotiated(dev, size, flags)));
             }
             OPT_ABORT => {
                 let _ = reply(s, opt, REP_ACK, &[]);
-                return Ok(None);
+                return Ok(Outcome::Closed);
             }
             OPT_LIST => {
                 if !data.is_empty() {
                     err(s, opt, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
                     continue;
                 }
-                for d in reg.list() {
+                for d in reg.list().into_iter().filter(|d| visible(&d.name())) {
                     let mut p = Vec::new();
                     let name = d.name();
                     p.extend_from_slice(&(name.len() as u32).to_be_bytes());
@@ -196,9 +277,15 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
                 }
                 reply(s, opt, REP_ACK, &[])?;
             }
-            OPT_STARTTLS => {
-                err(s, opt, REP_ERR_UNSUP, "TLS is not supported by this server")?;
-            }
+            OPT_STARTTLS => match tls {
+                TlsState::Off => err(s, opt, REP_ERR_UNSUP, "TLS is not enabled on this server")?,
+                TlsState::Active => err(s, opt, REP_ERR_INVALID, "TLS is already negotiated")?,
+                _ if !data.is_empty() => err(s, opt, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?,
+                _ => {
+                    reply(s, opt, REP_ACK, &[])?;
+                    return Ok(Outcome::StartTls);
+                }
+            },
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     err(s, opt, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
@@ -212,7 +299,7 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => meta_context(s, reg, &mut st, opt, &data)?,
             OPT_INFO | OPT_GO => {
                 if let Some(n) = info_go(s, reg, &st, opt, &data)? {
-                    return Ok(Some(n));
+                    return Ok(Outcome::Go(n));
                 }
             }
             _ => err(s, opt, REP_ERR_UNSUP, "option not supported")?,
@@ -264,7 +351,7 @@ fn info_go<S: Write>(
         )?;
         return Ok(None);
     }
-    let dev = match lookup(reg, &name) {
+    let dev = match lookup(reg, st.visible, &name) {
         Ok(d) => d,
         Err(e) => {
             err(s, opt, REP_ERR_UNKNOWN, &e)?;
@@ -360,7 +447,7 @@ fn meta_context<S: Write>(
     if pos != data.len() {
         return bad(s);
     }
-    let dev = match lookup(reg, &name) {
+    let dev = match lookup(reg, st.visible, &name) {
         Ok(d) => d,
         Err(e) => return err(s, opt, REP_ERR_UNKNOWN, &e),
     };

@@ -3,6 +3,7 @@
 pub mod conn;
 pub mod handshake;
 pub mod proto;
+pub mod tls;
 
 use crate::mapper::Registry;
 use std::io::{Read, Write};
@@ -22,9 +23,52 @@ fn handshake_timeout() -> Duration {
     Duration::from_millis(ms.unwrap_or(30_000))
 }
 
+/// The handshake, with STARTTLS where `tls` offers it: what it settled and the
+/// TLS session it runs in, if any. Ok(None) when the client aborted or left.
+fn handshake<S: Read + Write + AsFd>(
+    s: &mut S,
+    reg: &Registry,
+    tls: &tls::Tls,
+) -> std::io::Result<Option<(handshake::Negotiated, Option<tls::Session>)>> {
+    use handshake::{Outcome, TlsState};
+    let g = handshake::greet(s)?;
+    let state = match tls.mode {
+        tls::Mode::Off => TlsState::Off,
+        tls::Mode::On => TlsState::Offered,
+        tls::Mode::Require => TlsState::Required,
+    };
+    let plain = |name: &str| tls.visible(None, name);
+    match handshake::options(s, reg, g, state, &plain)? {
+        Outcome::Go(n) => Ok(Some((n, None))),
+        Outcome::Closed => Ok(None),
+        Outcome::StartTls => {
+            let mut session = tls.accept(&*s)?;
+            let peer = tls.peer(&session);
+            tracing::debug!(
+                "nbd: TLS client {} ({})",
+                peer.as_deref().unwrap_or("without an identity"),
+                session.version()
+            );
+            let visible = |name: &str| tls.visible(peer.as_deref(), name);
+            match handshake::options(&mut session, reg, g, TlsState::Active, &visible)? {
+                Outcome::Go(n) => {
+                    session.to_transmission();
+                    Ok(Some((n, Some(session))))
+                }
+                Outcome::Closed | Outcome::StartTls => Ok(None),
+            }
+        }
+    }
+}
+
 /// Serve one client connection to the end.
-pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(mut s: S, reg: &Registry, peer: &str) {
-    let neg = match handshake::negotiate(&mut s, reg) {
+pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(
+    mut s: S,
+    reg: &Registry,
+    peer: &str,
+    tls: &tls::Tls,
+) {
+    let (neg, session) = match handshake(&mut s, reg, tls) {
         Ok(Some(n)) => n,
         Ok(None) => return,
         Err(e) => {
@@ -36,7 +80,7 @@ pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(mut s: S, reg: &Regist
     clear_receive_timeout(&s);
     let dev = neg.dev.clone();
     dev.open_count.fetch_add(1, Ordering::SeqCst);
-    match conn::Conn::new(s.as_raw_fd(), neg) {
+    match conn::Conn::new(s.as_raw_fd(), neg, session) {
         Ok(mut conn) => conn.run(),
         Err(e) => tracing::warn!("nbd {peer}: cannot serve the connection: {e}"),
     }
@@ -45,14 +89,15 @@ pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(mut s: S, reg: &Regist
     reg.closed(&dev);
 }
 
-pub fn serve_unix(listener: UnixListener, reg: Arc<Registry>) {
+pub fn serve_unix(listener: UnixListener, reg: Arc<Registry>, tls: Arc<tls::Tls>) {
     for s in listener.incoming() {
         let Ok(s) = s else { continue };
         let reg = reg.clone();
+        let tls = tls.clone();
         let _ = s.set_read_timeout(Some(handshake_timeout()));
         let _ = std::thread::Builder::new()
             .name("nbd-conn".into())
-            .spawn(move || serve_connection::<UnixStream>(s, &reg, "unix"));
+            .spawn(move || serve_connection::<UnixStream>(s, &reg, "unix", &tls));
     }
 }
 
@@ -60,17 +105,18 @@ fn clear_receive_timeout(s: impl AsFd) {
     let _ = rustix::net::sockopt::set_socket_timeout(s, rustix::net::sockopt::Timeout::Recv, None);
 }
 
-pub fn serve_tcp(listener: TcpListener, reg: Arc<Registry>) {
+pub fn serve_tcp(listener: TcpListener, reg: Arc<Registry>, tls: Arc<tls::Tls>) {
     for s in listener.incoming() {
         let Ok(s) = s else { continue };
         let reg = reg.clone();
+        let tls = tls.clone();
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(handshake_timeout()));
         let _ = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
-                serve_connection::<TcpStream>(s, &reg, &peer);
+                serve_connection::<TcpStream>(s, &reg, &peer, &tls);
             });
     }
 }
