@@ -251,6 +251,28 @@ pub fn resize<V: ArrayValue>(
     Ok(root)
 }
 
+/// A new array of `len` entries, entry `i` being `values[i]` (default past
+/// its end): bulk (restore), its blocks written in order under a btree built
+/// bottom-up.
+pub fn build<V: ArrayValue>(tm: &mut TransactionManager, len: u64, values: &[V]) -> Result<u64> {
+    let mx = max_entries(V::SIZE) as u64;
+    let mut tree = btree::build::Builder::new(TREE);
+    for bi in 0..len.div_ceil(mx) {
+        let first = bi * mx;
+        let nr = (len - first).min(mx) as usize;
+        let b = new_block(tm, nr, V::default())?;
+        let d = tm.write(b, BlockKind::Array)?;
+        for i in 0..nr {
+            if let Some(v) = values.get(first as usize + i) {
+                let o = value_off::<V>(i);
+                v.encode(&mut d[o..o + V::SIZE]);
+            }
+        }
+        tree.push(tm, bi, b)?;
+    }
+    tree.finish(tm)
+}
+
 /// The array blocks of an array that must have `len` entries, in index order:
 /// its btree's keys must be exactly 0..nr_blocks(len). Nothing is sized by
 /// `len` before the tree has shown it holds that many blocks.
@@ -392,6 +414,19 @@ pub(crate) mod tests {
         // deleting frees every block but the tree's own root's block count
         del(&mut t, root).unwrap();
         assert_eq!(t.meta.nr_allocated(), 1);
+    }
+
+    #[test]
+    fn built_arrays_read_back() {
+        let mut t = tm(128);
+        let vals: Vec<u32> = (0..5000).collect();
+        let root = build(&mut t, 5000, &vals[..4000]).unwrap();
+        assert_eq!(all::<u32>(&mut t, root, 5000)[..4000], vals[..4000]);
+        assert!(all::<u32>(&mut t, root, 5000)[4000..].iter().all(|&v| v == 0));
+        let root = set(&mut t, root, 4999, 1u32).unwrap();
+        assert_eq!(get::<u32>(&mut t, root, 4999).unwrap(), 1);
+        let e = build::<u64>(&mut t, 0, &[]).unwrap();
+        assert!(all::<u64>(&mut t, e, 0).is_empty());
     }
 
     #[test]
