@@ -96,7 +96,11 @@ impl EraMetadata {
     pub fn open(dev: Box<dyn MetadataDev>) -> Result<EraMetadata> {
         let mut cache = BlockCache::new(dev, CACHE_BLOCKS);
         let sb = sbm::read(&mut cache, SUPERBLOCK_LOCATION)?;
-        let mut tm = TransactionManager::new(cache, SpaceMap::empty(SmKind::Metadata), SpaceMap::empty(SmKind::Data));
+        let mut tm = TransactionManager::new(
+            cache,
+            SpaceMap::empty(SmKind::Metadata),
+            SpaceMap::empty(SmKind::Data),
+        );
         tm.meta = sm_disk::load(&mut tm, SmKind::Metadata, &sb.sm_root)?;
         array::blocks::<u32>(&mut tm, sb.era_array_root, sb.nr_blocks as u64)?;
         if sb.current_writeset.root != INVALID_WRITESET_ROOT {
@@ -233,7 +237,13 @@ impl EraMetadata {
             return Ok(());
         }
         let era = self.sb.current_era as u64;
-        let (root, old) = btree::insert(&mut self.tm, self.sb.writeset_tree_root, era, &ws.encode(), WRITESETS)?;
+        let (root, old) = btree::insert(
+            &mut self.tm,
+            self.sb.writeset_tree_root,
+            era,
+            &ws.encode(),
+            WRITESETS,
+        )?;
         self.sb.writeset_tree_root = root;
         if let Some(old) = old {
             // an era archived twice (metadata written by something else): the
@@ -309,19 +319,23 @@ impl EraMetadata {
                 return Ok(false);
             }
             let mut first: Option<(u64, Writeset)> = None;
-            btree::walk(&mut self.tm, self.sb.writeset_tree_root, sbm::WRITESET_SIZE, &mut |k, v| {
-                if first.is_none() {
-                    first = Some((k, Writeset::decode(v)));
-                }
-                Ok(())
-            })?;
+            btree::walk(
+                &mut self.tm,
+                self.sb.writeset_tree_root,
+                sbm::WRITESET_SIZE,
+                &mut |k, v| {
+                    if first.is_none() {
+                        first = Some((k, Writeset::decode(v)));
+                    }
+                    Ok(())
+                },
+            )?;
             let Some((era, ws)) = first else {
                 self.archived = false;
                 return Ok(false);
             };
-            let era = u32::try_from(era).map_err(|_| {
-                EraError::Plain(format!("writeset tree holds era {era}, more than 32 bits"))
-            })?;
+            let era = u32::try_from(era)
+                .map_err(|_| EraError::Plain(format!("writeset tree holds era {era}, more than 32 bits")))?;
             self.digest = Some(Digest {
                 era,
                 ws,
@@ -410,9 +424,14 @@ mod tests {
         // reopened, it is all there; a different block size is refused
         let before = md.nr_allocated();
         drop(md);
-        let e = EraMetadata::open_or_format(Box::new(dev.clone()), 256).err().unwrap();
+        let e = EraMetadata::open_or_format(Box::new(dev.clone()), 256)
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("from 128 to 256"), "{e}");
         let md = EraMetadata::open_or_format(Box::new(dev), 128).unwrap();
-        assert_eq!((md.current_era(), md.nr_blocks(), md.nr_allocated()), (3, 3000, before));
+        assert_eq!(
+            (md.current_era(), md.nr_blocks(), md.nr_allocated()),
+            (3, 3000, before)
+        );
     }
 }

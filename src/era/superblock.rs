@@ -152,7 +152,13 @@ pub fn check_fields(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> 
         ("era array root", sb.era_array_root),
         ("metadata snap", sb.metadata_snap),
     ] {
-        bounds::field(block, field, v, dev_blocks.saturating_sub(1), "the metadata device's last block")?;
+        bounds::field(
+            block,
+            field,
+            v,
+            dev_blocks.saturating_sub(1),
+            "the metadata device's last block",
+        )?;
     }
     Ok(())
 }

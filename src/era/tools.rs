@@ -6,7 +6,7 @@ use super::metadata::{EraMetadata, WRITESETS};
 use super::superblock::{self as sbm, Superblock, Writeset, INVALID_WRITESET_ROOT, SUPERBLOCK_LOCATION};
 use super::xml::{self, XmlEra, XmlSuperblock, XmlWriteset};
 use crate::pdata::tm::TransactionManager;
-use crate::pdata::{array, bitset, btree, bounds, sm_disk, BlockKind, MetadataDev, PdataError};
+use crate::pdata::{array, bitset, bounds, btree, sm_disk, BlockKind, MetadataDev, PdataError};
 use std::collections::BTreeMap;
 use std::io::Write;
 
@@ -22,9 +22,7 @@ pub fn superblock_at(tm: &mut TransactionManager, loc: u64) -> Result<Superblock
     let dev_blocks = tm.cache.nr_blocks();
     let sb = match tm.read(loc, BlockKind::EraSuperblock) {
         Ok(d) => Superblock::decode(d),
-        Err(PdataError::Checksum { .. }) => {
-            return Err(EraError::Plain("bad checksum in superblock".into()))
-        }
+        Err(PdataError::Checksum { .. }) => return Err(EraError::Plain("bad checksum in superblock".into())),
         Err(e) => return Err(e.into()),
     };
     if sb.version > sbm::VERSION {
@@ -57,7 +55,10 @@ pub fn writesets(tm: &mut TransactionManager, root: u64) -> Result<BTreeMap<u32,
                 out.insert(era, ws);
             }
             Ok(era) => {
-                bad.get_or_insert(format!("writeset of era {era} has {} bits, more than 2^31 - 1", ws.nr_bits));
+                bad.get_or_insert(format!(
+                    "writeset of era {era} has {} bits, more than 2^31 - 1",
+                    ws.nr_bits
+                ));
             }
             Err(_) => {
                 bad.get_or_insert(format!("writeset tree holds era {k}, more than 32 bits"));
@@ -128,7 +129,8 @@ pub fn dump(dev: Box<dyn MetadataDev>, logical: bool, out: &mut dyn Write) -> Re
                 }
             }
         }
-        out.write_all(xml::superblock_open(&head).as_bytes()).map_err(io)?;
+        out.write_all(xml::superblock_open(&head).as_bytes())
+            .map_err(io)?;
     } else {
         let mut text = xml::superblock_open(&head).into_bytes();
         let mut sets = Vec::with_capacity(ordered.len());
@@ -244,7 +246,10 @@ pub fn check(dev: Box<dyn MetadataDev>, sb_only: bool) -> std::result::Result<()
     }
     let mut sets: Vec<(String, Writeset)> = Vec::new();
     match writesets(&mut tm, sb.writeset_tree_root) {
-        Ok(w) => sets.extend(w.into_iter().map(|(era, ws)| (format!("writeset of era {era}"), ws))),
+        Ok(w) => sets.extend(
+            w.into_iter()
+                .map(|(era, ws)| (format!("writeset of era {era}"), ws)),
+        ),
         Err(e) => errs.push(format!("writeset tree: {e}")),
     }
     if sb.current_writeset.root != INVALID_WRITESET_ROOT {
@@ -257,14 +262,22 @@ pub fn check(dev: Box<dyn MetadataDev>, sb_only: bool) -> std::result::Result<()
         }
     }
     let mut bad_eras = Vec::new();
-    let r = array::walk::<u32>(&mut tm, sb.era_array_root, sb.nr_blocks as u64, &mut |first, vals| {
-        for (i, &e) in vals.iter().enumerate() {
-            if e > sb.current_era && bad_eras.len() < 100 {
-                bad_eras.push(format!("invalid era value at data block {}: {e}", first + i as u64));
+    let r = array::walk::<u32>(
+        &mut tm,
+        sb.era_array_root,
+        sb.nr_blocks as u64,
+        &mut |first, vals| {
+            for (i, &e) in vals.iter().enumerate() {
+                if e > sb.current_era && bad_eras.len() < 100 {
+                    bad_eras.push(format!(
+                        "invalid era value at data block {}: {e}",
+                        first + i as u64
+                    ));
+                }
             }
-        }
-        Ok(())
-    });
+            Ok(())
+        },
+    );
     if let Err(e) = r {
         errs.push(format!("era array: {e}"));
     }
@@ -326,7 +339,10 @@ mod tests {
         dump(Box::new(dev.clone()), true, &mut out).unwrap();
         let logical = String::from_utf8(out).unwrap();
         assert!(logical.contains("<era block=\"60\" era=\"2\"/>\n    <era block=\"61\" era=\"2\"/>"));
-        assert!(logical.contains("<era block=\"5\" era=\"3\"/>") && logical.contains("<era block=\"1\" era=\"1\"/>"));
+        assert!(
+            logical.contains("<era block=\"5\" era=\"3\"/>")
+                && logical.contains("<era block=\"1\" era=\"1\"/>")
+        );
         assert!(!logical.contains("<writeset"));
         assert_eq!(
             invalidate(Box::new(dev.clone()), 3, false).unwrap(),
@@ -337,7 +353,9 @@ mod tests {
             "<blocks>\n  <range begin=\"0\" end=\"2\"/>\n  <block block=\"5\"/>\n  <range begin=\"60\" end=\"68\"/>\n  <block block=\"69\"/>\n</blocks>"
         );
         assert_eq!(
-            invalidate(Box::new(dev.clone()), 4, true).unwrap_err().to_string(),
+            invalidate(Box::new(dev.clone()), 4, true)
+                .unwrap_err()
+                .to_string(),
             "no current metadata snap"
         );
         check(Box::new(dev.clone()), false).unwrap();
@@ -354,7 +372,10 @@ mod tests {
         dump(Box::new(dev.clone()), false, &mut out).unwrap();
         let after = xml::parse(&out[..]).unwrap();
         assert_eq!(after.writesets.len(), 1);
-        assert_eq!((after.eras[0], after.eras[5], after.eras[61], after.eras[1]), (2, 3, 2, 1));
+        assert_eq!(
+            (after.eras[0], after.eras[5], after.eras[61], after.eras[1]),
+            (2, 3, 2, 1)
+        );
         // an era array dating a block after the current era fails the check
         let mut bad = md.clone();
         bad.eras[3] = 9;

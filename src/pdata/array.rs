@@ -81,7 +81,10 @@ pub fn check_block(b: u64, d: &Block, value_size: usize) -> Result<usize> {
     if m != max_entries(value_size) {
         return Err(corrupt(
             b,
-            format!("array block has max_entries {m}, expected {}", max_entries(value_size)),
+            format!(
+                "array block has max_entries {m}, expected {}",
+                max_entries(value_size)
+            ),
         ));
     }
     let n = block_nr(d);
@@ -124,8 +127,7 @@ fn new_block<V: ArrayValue>(tm: &mut TransactionManager, nr: usize, fill: V) -> 
 
 /// The array block holding block index `bi`.
 fn block_at(tm: &mut TransactionManager, root: u64, bi: u64) -> Result<u64> {
-    btree::lookup_u64(tm, root, bi)?
-        .ok_or_else(|| corrupt(root, format!("array has no block {bi}")))
+    btree::lookup_u64(tm, root, bi)?.ok_or_else(|| corrupt(root, format!("array has no block {bi}")))
 }
 
 /// The value at `index`.
@@ -210,7 +212,13 @@ pub fn resize<V: ArrayValue>(
     if new_len > old_len {
         if !old_len.is_multiple_of(mx) {
             let end = new_len.min(old_blocks * mx);
-            root = set_block_len(tm, root, old_blocks - 1, (end - (old_blocks - 1) * mx) as usize, fill)?;
+            root = set_block_len(
+                tm,
+                root,
+                old_blocks - 1,
+                (end - (old_blocks - 1) * mx) as usize,
+                fill,
+            )?;
         }
         let mut full: Option<u64> = None;
         for bi in old_blocks..new_blocks {
@@ -283,7 +291,10 @@ pub fn blocks<V: ArrayValue>(tm: &mut TransactionManager, root: u64, len: u64) -
     btree::walk(tm, root, 8, &mut |k, v| {
         if bad.is_none() {
             if k != out.len() as u64 {
-                bad = Some(format!("array btree has block index {k} where {} was expected", out.len()));
+                bad = Some(format!(
+                    "array btree has block index {k} where {} was expected",
+                    out.len()
+                ));
             } else if k >= want {
                 bad = Some(format!(
                     "array has more blocks than its {len} entries need ({want})"
@@ -408,7 +419,10 @@ pub(crate) mod tests {
         // a wrong length is refused, whichever way it is wrong
         assert!(walk::<u32>(&mut t, root, 11, &mut |_, _| Ok(())).is_err());
         let e = blocks::<u32>(&mut t, root, 5000).unwrap_err().to_string();
-        assert!(e.contains("array has 1 blocks, but its 5000 entries need 5"), "{e}");
+        assert!(
+            e.contains("array has 1 blocks, but its 5000 entries need 5"),
+            "{e}"
+        );
         let e = blocks::<u32>(&mut t, root, 0).unwrap_err().to_string();
         assert!(e.contains("more blocks than its 0 entries need"), "{e}");
         // deleting frees every block but the tree's own root's block count
@@ -439,13 +453,17 @@ pub(crate) mod tests {
         let b = blocks::<u64>(&mut t, root, 600).unwrap()[1];
         // a header that claims more entries than fit
         put32(t.write(b, BlockKind::Array).unwrap(), 8, 4000);
-        let e = walk::<u64>(&mut t, root, 600, &mut |_, _| Ok(())).unwrap_err().to_string();
+        let e = walk::<u64>(&mut t, root, 600, &mut |_, _| Ok(()))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("4000 entries, more than max_entries 509"), "{e}");
         // a value size the array does not have
         let e = walk::<u32>(&mut t, root, 600, &mut |_, _| Ok(()));
         assert!(e.is_err());
         put32(t.write(b, BlockKind::Array).unwrap(), 8, 90);
-        let e = walk::<u64>(&mut t, root, 600, &mut |_, _| Ok(())).unwrap_err().to_string();
+        let e = walk::<u64>(&mut t, root, 600, &mut |_, _| Ok(()))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("array block 1 has 90 entries, expected 91"), "{e}");
     }
 }

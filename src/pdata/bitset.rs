@@ -18,7 +18,13 @@ pub fn new(tm: &mut TransactionManager, nr_bits: u64) -> Result<u64> {
 }
 
 /// Resize from `old_bits` to `new_bits`, new bits `value`.
-pub fn resize(tm: &mut TransactionManager, root: u64, old_bits: u64, new_bits: u64, value: bool) -> Result<u64> {
+pub fn resize(
+    tm: &mut TransactionManager,
+    root: u64,
+    old_bits: u64,
+    new_bits: u64,
+    value: bool,
+) -> Result<u64> {
     let fill = if value { u64::MAX } else { 0 };
     let mut root = array::resize(tm, root, nr_words(old_bits), nr_words(new_bits), fill)?;
     if value && new_bits > old_bits && !old_bits.is_multiple_of(64) {

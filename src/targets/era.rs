@@ -66,6 +66,9 @@ struct State {
     /// The digest has work: the worker comes back at once.
     digesting: AtomicBool,
     failed: AtomicBool,
+    /// Suspended (after postsuspend): the worker leaves the metadata alone, as
+    /// the kernel stops its worker.
+    suspended: AtomicBool,
     block_sectors: u64,
 }
 
@@ -125,6 +128,7 @@ impl Era {
             dirty: AtomicBool::new(false),
             digesting: AtomicBool::new(true),
             failed: AtomicBool::new(false),
+            suspended: AtomicBool::new(true),
             block_sectors: bs as u64,
         });
         let s = st.clone();
@@ -217,6 +221,13 @@ impl State {
             let mut m = self.md.lock().unpoisoned();
             if m.failed {
                 writes.into_iter().chain(flushes).for_each(|p| p.fail(errno::EIO));
+                continue;
+            }
+            if self.suspended.load(Ordering::SeqCst) {
+                // held until the resume (the engine parks them meanwhile)
+                writes.into_iter().chain(flushes).for_each(Pending::requeue);
+                drop(m);
+                std::thread::sleep(Duration::from_millis(1));
                 continue;
             }
             let mut ok = true;
@@ -427,6 +438,7 @@ impl Target for Era {
         m.md.commit().map_err(|e| format!("metadata_commit failed: {e}"))?;
         m.failed = false;
         m.digest_off = false;
+        self.st.suspended.store(false, Ordering::SeqCst);
         self.st.digesting.store(true, Ordering::SeqCst);
         self.st.failed.store(false, Ordering::SeqCst);
         self.st.reset_bits(new_size);
@@ -437,6 +449,7 @@ impl Target for Era {
 
     fn postsuspend(&self) {
         let mut m = self.st.md.lock().unpoisoned();
+        self.st.suspended.store(true, Ordering::SeqCst);
         if m.failed {
             return;
         }
