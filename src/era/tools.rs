@@ -232,17 +232,138 @@ pub fn invalidate(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<S
     Ok(out)
 }
 
-/// era_check: every structure read and checked. Ok, or the messages of what
-/// is wrong (the last one 1.x's summary).
-pub fn check(dev: Box<dyn MetadataDev>, sb_only: bool) -> std::result::Result<(), Vec<String>> {
+/// The references every metadata block should have, found by walking what
+/// the superblock reaches (a node shared by two parents counts two, and is
+/// read once).
+#[derive(Default)]
+struct Refs {
+    counts: std::collections::HashMap<u64, u32>,
+}
+
+impl Refs {
+    /// One more reference to `b`; true the first time.
+    fn take(&mut self, b: u64) -> bool {
+        let c = self.counts.entry(b).or_default();
+        *c += 1;
+        *c == 1
+    }
+
+    /// A reference to the btree at `b` whose leaves hold `vk`.
+    fn tree(
+        &mut self,
+        tm: &mut TransactionManager,
+        b: u64,
+        vk: btree::ValueKind,
+        depth: usize,
+    ) -> Result<()> {
+        if !self.take(b) {
+            return Ok(());
+        }
+        if depth > 32 {
+            return Err(PdataError::Corrupt {
+                block: b,
+                what: "btree deeper than 32 levels (cycle?)".into(),
+            }
+            .into());
+        }
+        let d = tm.read(b, BlockKind::BtreeNode)?;
+        btree::node::check_header(b, d, vk.value_size())?;
+        let n = btree::node::nr_entries(d);
+        let leaf = btree::node::is_leaf(d);
+        let vals: Vec<u64> = match (leaf, vk) {
+            (false, _) | (true, btree::ValueKind::BlockRef) => {
+                (0..n).map(|i| btree::node::value_u64(d, i)).collect()
+            }
+            (true, btree::ValueKind::ArrayRoot { offset, .. }) => (0..n)
+                .map(|i| crate::pdata::le64(btree::node::value(d, i), offset))
+                .collect(),
+            _ => Vec::new(),
+        };
+        for v in vals {
+            match (leaf, vk) {
+                (false, _) => self.tree(tm, v, vk, depth + 1)?,
+                (true, btree::ValueKind::ArrayRoot { .. }) => self.tree(tm, v, array::TREE, 0)?,
+                _ => {
+                    self.take(v);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The references a superblock's trees hold.
+    fn superblock(&mut self, tm: &mut TransactionManager, sb: &Superblock) -> Result<()> {
+        self.tree(tm, sb.writeset_tree_root, WRITESETS, 0)?;
+        self.tree(tm, sb.era_array_root, array::TREE, 0)?;
+        if sb.current_writeset.root != INVALID_WRITESET_ROOT {
+            self.tree(tm, sb.current_writeset.root, array::TREE, 0)?;
+        }
+        Ok(())
+    }
+}
+
+/// Compare the metadata space map with the references found: a block with
+/// fewer references than its count is leaked, one with more is fatal.
+fn recount(tm: &mut TransactionManager, sb: &Superblock, errs: &mut Vec<String>) -> Result<usize> {
+    let sm = sm_disk::load(tm, crate::pdata::space_map::SmKind::Metadata, &sb.sm_root)?;
+    let mut r = Refs::default();
+    r.take(SUPERBLOCK_LOCATION);
+    r.take(sm.index_root);
+    for &b in &sm.bitmap_locs {
+        r.take(b);
+    }
+    r.tree(tm, sm.ref_count_root, btree::ValueKind::Plain(4), 0)?;
+    r.superblock(tm, sb)?;
+    if sb.metadata_snap != 0 {
+        r.take(sb.metadata_snap);
+        let snap = superblock_at(tm, sb.metadata_snap)?;
+        r.tree(tm, snap.writeset_tree_root, WRITESETS, 0)?;
+        r.tree(tm, snap.era_array_root, array::TREE, 0)?;
+    }
+    let mut wrong = 0usize;
+    let mut leaked = 0usize;
+    for b in 0..sm.nr_blocks() {
+        let (want, have) = (r.counts.get(&b).copied().unwrap_or(0), sm.count(b));
+        if want > have || (want < have && want > 0) {
+            if wrong < 10 {
+                errs.push(format!(
+                    "metadata block {b}: reference count is {have}, but {want} references were found"
+                ));
+            }
+            wrong += 1;
+        } else if want < have {
+            leaked += 1;
+        }
+    }
+    if let Some(b) = r.counts.keys().copied().filter(|&b| b >= sm.nr_blocks()).min() {
+        errs.push(format!(
+            "metadata block {b} is referenced but beyond the space map's {} blocks",
+            sm.nr_blocks()
+        ));
+    }
+    Ok(leaked)
+}
+
+/// era_check: every structure read and checked, and the metadata space map's
+/// counts against the references found. Ok, or the messages of what is wrong
+/// (the last one 1.x's summary).
+/// Leaked blocks fail it unless `ignore_non_fatal`.
+pub fn check(
+    dev: Box<dyn MetadataDev>,
+    sb_only: bool,
+    ignore_non_fatal: bool,
+) -> std::result::Result<Vec<String>, Vec<String>> {
     let mut tm = reader(dev);
     let sb = superblock(&mut tm, false).map_err(|e| vec![e.to_string()])?;
     if sb_only {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let mut errs = Vec::new();
-    if let Err(e) = sm_disk::load(&mut tm, crate::pdata::space_map::SmKind::Metadata, &sb.sm_root) {
-        errs.push(format!("metadata space map: {e}"));
+    let mut notes = Vec::new();
+    match recount(&mut tm, &sb, &mut errs) {
+        Ok(0) => {}
+        Ok(n) => notes.push(format!("{n} metadata blocks have leaked.")),
+        Err(e) => errs.push(format!("metadata space map: {e}")),
     }
     let mut sets: Vec<(String, Writeset)> = Vec::new();
     match writesets(&mut tm, sb.writeset_tree_root) {
@@ -282,9 +403,10 @@ pub fn check(dev: Box<dyn MetadataDev>, sb_only: bool) -> std::result::Result<()
         errs.push(format!("era array: {e}"));
     }
     errs.extend(bad_eras);
-    if errs.is_empty() {
-        Ok(())
+    if errs.is_empty() && (notes.is_empty() || ignore_non_fatal) {
+        Ok(notes)
     } else {
+        errs.extend(notes);
         errs.push("fatal errors in metadata".into());
         Err(errs)
     }
@@ -358,7 +480,7 @@ mod tests {
                 .to_string(),
             "no current metadata snap"
         );
-        check(Box::new(dev.clone()), false).unwrap();
+        check(Box::new(dev.clone()), false, false).unwrap();
         // the target opens it and carries on from era 3
         let mut live = EraMetadata::open_or_format(Box::new(dev.clone()), 128).unwrap();
         live.resize(70).unwrap();
@@ -367,7 +489,7 @@ mod tests {
         live.commit().unwrap();
         assert_eq!(live.current_era(), 4);
         drop(live);
-        check(Box::new(dev.clone()), false).unwrap();
+        check(Box::new(dev.clone()), false, false).unwrap();
         let mut out = Vec::new();
         dump(Box::new(dev.clone()), false, &mut out).unwrap();
         let after = xml::parse(&out[..]).unwrap();
@@ -382,7 +504,7 @@ mod tests {
         let dev = MemDev::new(64);
         restore(&bad, Box::new(dev.clone())).unwrap();
         assert_eq!(
-            check(Box::new(dev), false).unwrap_err(),
+            check(Box::new(dev), false, false).unwrap_err(),
             ["invalid era value at data block 3: 9", "fatal errors in metadata"]
         );
     }

@@ -162,8 +162,13 @@ fn check(a: EraCheckArgs) -> Outcome {
     if !a.quiet {
         eprintln!("Checking era metadata");
     }
-    match tools::check(Box::new(dev), a.super_block_only) {
-        Ok(()) => Ok(()),
+    match tools::check(Box::new(dev), a.super_block_only, a.ignore_non_fatal_errors) {
+        Ok(notes) => {
+            if !a.quiet {
+                notes.iter().for_each(|l| eprintln!("{l}"));
+            }
+            Ok(())
+        }
         Err(lines) => {
             if !a.quiet {
                 lines.iter().for_each(|l| eprintln!("{l}"));
