@@ -474,3 +474,46 @@ fn sigkill_under_load_keeps_every_flushed_write_in_its_era_or_later() {
         }
     }
 }
+
+#[test]
+fn suspend_resume_and_a_table_swap_start_new_eras_and_keep_the_marks() {
+    let s = Scratch::new("era-swap");
+    let meta = s.sparse("meta", 4 << 20);
+    let origin = s.sparse("origin", ORIGIN);
+    let table = format!(
+        "0 {} era {} {} 128",
+        ORIGIN / 512,
+        meta.display(),
+        origin.display()
+    );
+    let d = Daemon::start("era-swap");
+    d.create("e", &table);
+    let mut c = Client::connect(&d.sock(), "e");
+    write_blocks(&mut c, &[10], 1);
+    // as the kernel: the suspend archives the era, the resume starts the next
+    d.ok(&["suspend", "e"]);
+    d.ok(&["resume", "e"]);
+    assert_eq!(status(&d, "e").2, 2);
+    write_blocks(&mut c, &[11], 2);
+    // a new table on the same metadata takes over what the old one committed
+    d.ok(&["load", "e", "--table", &table]);
+    d.ok(&["suspend", "e"]);
+    d.ok(&["resume", "e"]);
+    assert_eq!(status(&d, "e").2, 3);
+    write_blocks(&mut c, &[12], 3);
+    message(&d, "e", &["take_metadata_snap"]);
+    let copy = settled_copy(&meta, &s.path("meta.copy"));
+    assert_eq!(
+        invalidate(&copy, 3, true),
+        "<blocks>\n  <block block=\"12\"/>\n</blocks>"
+    );
+    assert_eq!(
+        invalidate(&copy, 1, true),
+        "<blocks>\n  <range begin=\"10\" end=\"13\"/>\n</blocks>"
+    );
+    checks_pass(&copy);
+    drop(c);
+    d.ok(&["remove", "e"]);
+    let eras = eras_of(&dumps_agree(&meta).1);
+    assert_eq!((eras[10], eras[11], eras[12], eras[13]), (1, 2, 3, 0));
+}
