@@ -347,8 +347,17 @@ impl EraMetadata {
             return Ok(false);
         };
         let end = d.next.saturating_add(DIGEST_STEP).min(d.nr_bits);
+        let mut word: Option<(u32, u64)> = None;
         for b in d.next..end {
-            if bitset::test(&mut self.tm, d.ws.root, b as u64)? {
+            let w = match word {
+                Some((i, w)) if i == b / 64 => w,
+                _ => {
+                    let w: u64 = array::get(&mut self.tm, d.ws.root, (b / 64) as u64)?;
+                    word = Some((b / 64, w));
+                    w
+                }
+            };
+            if w & (1 << (b % 64)) != 0 {
                 self.sb.era_array_root = array::set(&mut self.tm, self.sb.era_array_root, b as u64, d.era)?;
                 self.dirty = true;
             }
