@@ -271,10 +271,16 @@ impl EraMetadata {
     /// Take the metadata snapshot: roll over, commit, and copy the superblock
     /// to a block of its own that holds the writeset tree and era array.
     pub fn take_snap(&mut self) -> Result<u64> {
+        self.rollover()?;
+        self.snap_rolled_over()
+    }
+
+    /// [`take_snap`](Self::take_snap) once its rollover is done (the target
+    /// clears its in-core writeset in between).
+    pub fn snap_rolled_over(&mut self) -> Result<u64> {
         if self.sb.metadata_snap != SUPERBLOCK_LOCATION {
             return Err(EraError::Invalid("metadata snapshot already exists".into()));
         }
-        self.rollover()?;
         self.commit()?;
         let h = self.tm.new_block(BlockKind::EraSuperblock)?;
         let mut copy = self.sb.clone();

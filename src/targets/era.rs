@@ -147,12 +147,12 @@ impl Era {
     }
 
     /// Run a metadata operation and commit, as the kernel's rpc to its worker.
-    fn rpc<T>(&self, f: impl FnOnce(&mut EraMetadata) -> crate::era::Result<T>) -> Result<T, String> {
+    fn rpc<T>(&self, f: impl FnOnce(&mut EraMetadata) -> Result<T, String>) -> Result<T, String> {
         let mut m = self.st.md.lock().unpoisoned();
         if m.failed {
             return Err("metadata operation failed earlier: the era device fails writes".into());
         }
-        let r = f(&mut m.md).map_err(|e| e.to_string());
+        let r = f(&mut m.md);
         let c = m.md.commit().map_err(|e| e.to_string());
         if c.is_err() {
             self.st.fail(&mut m);
@@ -180,15 +180,29 @@ impl State {
         })
     }
 
-    /// The in-core writeset of a new era: nothing marked, `nr_blocks` long.
-    fn reset_bits(&self, nr_blocks: u64) {
+    /// The in-core writeset of a new era: nothing marked, `nr_blocks` long
+    /// (an error, not an abort, when memory cannot hold it).
+    fn reset_bits(&self, nr_blocks: u64) -> Result<(), String> {
         let words = nr_blocks.div_ceil(64) as usize;
         let mut bits = self.bits.write().unpoisoned();
         if bits.len() != words {
-            *bits = (0..words).map(|_| AtomicU64::new(0)).collect();
+            let mut v: Vec<AtomicU64> = Vec::new();
+            v.try_reserve_exact(words)
+                .map_err(|_| format!("no memory for the in-core writeset of {nr_blocks} blocks"))?;
+            v.extend((0..words).map(|_| AtomicU64::new(0)));
+            *bits = v;
         } else {
             bits.iter().for_each(|w| w.store(0, Ordering::Release));
         }
+        Ok(())
+    }
+
+    /// Start a new era: archive the current writeset, a new one on disk, and
+    /// the in-core one cleared before anything commits, so a write mapped from
+    /// now on waits for its mark in the new era.
+    fn new_era(&self, md: &mut EraMetadata) -> Result<(), String> {
+        md.rollover().map_err(|e| format!("metadata_era_rollover failed: {e}"))?;
+        self.reset_bits(md.nr_blocks())
     }
 
     fn fail(&self, m: &mut Md) {
@@ -371,24 +385,18 @@ impl Target for Era {
         if words.len() != 1 {
             return Err("incorrect number of message arguments".into());
         }
-        let rolls = match words[0].to_ascii_lowercase().as_str() {
-            "checkpoint" => {
-                self.rpc(|md| md.rollover())?;
-                true
-            }
-            "take_metadata_snap" => {
-                self.rpc(|md| md.take_snap().map(|_| ()))?;
-                true
-            }
-            "drop_metadata_snap" => {
-                self.rpc(|md| md.drop_snap())?;
-                false
-            }
+        let st = &self.st;
+        match words[0].to_ascii_lowercase().as_str() {
+            "checkpoint" => self.rpc(|md| st.new_era(md))?,
+            "take_metadata_snap" => self.rpc(|md| {
+                if md.stats().snap != 0 {
+                    return Err("metadata snapshot already exists".into());
+                }
+                st.new_era(md)?;
+                md.snap_rolled_over().map(|_| ()).map_err(|e| e.to_string())
+            })?,
+            "drop_metadata_snap" => self.rpc(|md| md.drop_snap().map_err(|e| e.to_string()))?,
             _ => return Err(format!("unsupported message '{}'", words[0])),
-        };
-        if rolls {
-            let n = self.st.md.lock().unpoisoned().md.nr_blocks();
-            self.st.reset_bits(n);
         }
         self.st.wake.notify_all();
         Ok(String::new())
@@ -434,14 +442,13 @@ impl Target for Era {
             m.md.commit().map_err(|e| format!("metadata_commit failed: {e}"))?;
             m.nr_blocks = new_size;
         }
-        m.md.rollover().map_err(|e| format!("metadata_era_rollover failed: {e}"))?;
+        self.st.new_era(&mut m.md)?;
         m.md.commit().map_err(|e| format!("metadata_commit failed: {e}"))?;
         m.failed = false;
         m.digest_off = false;
         self.st.suspended.store(false, Ordering::SeqCst);
         self.st.digesting.store(true, Ordering::SeqCst);
         self.st.failed.store(false, Ordering::SeqCst);
-        self.st.reset_bits(new_size);
         drop(m);
         self.st.wake.notify_all();
         Ok(())
