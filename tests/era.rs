@@ -517,3 +517,81 @@ fn suspend_resume_and_a_table_swap_start_new_eras_and_keep_the_marks() {
     let eras = eras_of(&dumps_agree(&meta).1);
     assert_eq!((eras[10], eras[11], eras[12], eras[13]), (1, 2, 3, 0));
 }
+
+#[test]
+fn sigkill_between_checkpoints_dates_every_flushed_write_its_era_or_later() {
+    const BS: u64 = 4096;
+    const SIZE: u64 = 4 << 20;
+    let nb = SIZE / BS;
+    let s = Scratch::new("era-crash-eras");
+    let meta = s.sparse("meta", 4 << 20);
+    let origin = s.sparse("origin", SIZE);
+    let table = format!("0 {} era {} {} 8", SIZE / 512, meta.display(), origin.display());
+    let mut rng = Rng(0xe7a5);
+    for round in 0..3 {
+        let mut d = Daemon::start(&format!("era-crash-eras-{round}"));
+        d.create("e", &table);
+        let era0: u32 = d
+            .ok(&["status", "e"])
+            .split_whitespace()
+            .nth(5)
+            .and_then(|e| e.parse().ok())
+            .expect("era");
+        // one thread: 20 writes, a flush, a checkpoint, ... so each write's era is known
+        let (sock, run) = (d.sock(), d.run.clone());
+        let mut wr = Rng(rng.next());
+        let log = std::sync::Arc::new(std::sync::Mutex::new((Vec::<(u64, u32)>::new(), 0usize)));
+        let l2 = log.clone();
+        let writer = std::thread::spawn(move || {
+            let mut c = Client::connect(&sock, "e");
+            for k in 0u32.. {
+                for _ in 0..20 {
+                    let b = wr.below(nb);
+                    l2.lock().unwrap().0.push((b, era0 + k));
+                    if c.try_call(common::nbd::WRITE, b * BS, &pattern(b, BS as usize)) != Some(0) {
+                        return;
+                    }
+                }
+                if c.try_call(common::nbd::FLUSH, 0, &[]) != Some(0) {
+                    return;
+                }
+                let mut l = l2.lock().unwrap();
+                l.1 = l.0.len();
+                drop(l);
+                let o = Command::new(BIN)
+                    .arg("--run-dir")
+                    .arg(&run)
+                    .args(["message", "e", "0", "checkpoint"])
+                    .output();
+                if !o.is_ok_and(|o| o.status.success()) {
+                    return;
+                }
+            }
+        });
+        let want = 200 + rng.below(400) as usize;
+        let t0 = Instant::now();
+        while log.lock().unwrap().1 < want && t0.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        d.kill9();
+        writer.join().expect("writer");
+        let (writes, flushed) = std::mem::take(&mut *log.lock().unwrap());
+        assert!(
+            flushed >= want,
+            "round {round}: {flushed} flushed writes, not {want}"
+        );
+        checks_pass(&meta);
+        let eras = eras_of(&dumps_agree(&meta).1);
+        let mut latest = vec![0u32; nb as usize];
+        for &(b, e) in &writes[..flushed] {
+            latest[b as usize] = latest[b as usize].max(e);
+        }
+        let last = writes.last().map_or(era0, |w| w.1);
+        for (b, (&got, &min)) in eras.iter().zip(&latest).enumerate() {
+            assert!(
+                got >= min && got <= last,
+                "round {round}: block {b}, last flushed write in era {min}, is dated {got} (eras up to {last})"
+            );
+        }
+    }
+}
