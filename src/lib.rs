@@ -5,6 +5,7 @@ pub mod client;
 pub mod control;
 pub mod copier;
 pub mod daemon;
+pub mod era;
 pub mod export;
 pub mod extents;
 pub mod io;

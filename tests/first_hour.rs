@@ -411,6 +411,8 @@ fn thin_links_are_idempotent_and_force_replaces_other_files() {
     let first = links(false);
     assert!(first.status.success(), "{}", text(&first.stderr));
     assert!(text(&first.stdout).contains(&format!("{}/thin_check -> ", bin.display())));
+    // the era tools' names too
+    assert!(text(&first.stdout).contains(&format!("{}/era_invalidate -> ", bin.display())));
     let again = links(false);
     assert!(again.status.success(), "{}", text(&again.stderr));
     assert!(
@@ -453,7 +455,7 @@ fn every_verb_has_help_with_an_example() {
         .collect();
     assert!(verbs.len() > 20, "{top}");
     for v in &verbs {
-        if ["thin", "completions", "extents", "progress", "sim"].contains(v) {
+        if ["thin", "era", "completions", "extents", "progress", "sim"].contains(v) {
             continue; // dmkit's own, with help of their own
         }
         let h = text(&dmkit(&[v, "--help"]).stdout);

@@ -113,6 +113,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
         ],
         h if h.contains("Ceph RBD") => &["0 2097152 linear rbd:rbd/vol:conf="],
         h if h.contains("incremental backup") => &["backup.raw\n", "full2.raw\n"],
+        h if h.contains("dm-era") => &[
+            "0 131072 era 8 ",
+            "/1024 3 ", // status tracked: era 3, a snapshot held
+            "<blocks>\n  <range begin=\"64\" end=\"66\"/>\n</blocks>",
+            "16\n", // blocks dated era 1
+        ],
         h if h.contains("The thin tools") => &[
             "bin/thin_check -> ",
             "1.1.0\n", // thin_check -V

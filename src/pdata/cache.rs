@@ -61,7 +61,7 @@ pub fn validate(block: u64, kind: BlockKind, data: &Block) -> Result<()> {
             computed,
         });
     }
-    let found = le64(data, 8);
+    let found = le64(data, kind.blocknr_offset());
     if found != block {
         return Err(PdataError::BlockNr { block, kind, found });
     }
@@ -70,7 +70,7 @@ pub fn validate(block: u64, kind: BlockKind, data: &Block) -> Result<()> {
 
 /// Fill in the self block number and checksum before a block goes to disk.
 pub fn seal(block: u64, kind: BlockKind, data: &mut Block) {
-    put64(data, 8, block);
+    put64(data, kind.blocknr_offset(), block);
     let c = block_csum(data, kind.salt());
     put32(data, 0, c);
 }

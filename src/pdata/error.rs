@@ -9,6 +9,10 @@ pub enum BlockKind {
     BtreeNode,
     Bitmap,
     Index,
+    /// A dm-array block (header: max_entries, nr_entries, value_size, blocknr).
+    Array,
+    /// The dm-era superblock.
+    EraSuperblock,
 }
 
 impl BlockKind {
@@ -18,6 +22,17 @@ impl BlockKind {
             BlockKind::BtreeNode => 121_107,
             BlockKind::Bitmap => 240_779,
             BlockKind::Index => 160_478,
+            BlockKind::Array => 595_846_735,
+            BlockKind::EraSuperblock => 146_538_381,
+        }
+    }
+
+    /// Where the block's own number is stored: 16 in an array block (after
+    /// its three u32 counts), 8 everywhere else.
+    pub fn blocknr_offset(self) -> usize {
+        match self {
+            BlockKind::Array => 16,
+            _ => 8,
         }
     }
 }
@@ -29,6 +44,8 @@ impl fmt::Display for BlockKind {
             BlockKind::BtreeNode => "btree node",
             BlockKind::Bitmap => "space map bitmap",
             BlockKind::Index => "space map index block",
+            BlockKind::Array => "array block",
+            BlockKind::EraSuperblock => "era superblock",
         })
     }
 }

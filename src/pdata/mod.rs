@@ -3,6 +3,8 @@
 //! checksums, a bounded block cache, copy-on-write transactions, btrees and
 //! reference-counting space maps.
 
+pub mod array;
+pub mod bitset;
 pub mod bounds;
 pub mod btree;
 pub mod cache;

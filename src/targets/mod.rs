@@ -29,6 +29,7 @@ targets! {
     thin => thin::pool::TYPE, thin::device::TYPE;
     snapshot => snapshot::ORIGIN_TYPE, snapshot::SNAPSHOT_TYPE, snapshot::MERGE_TYPE;
     writecache => writecache::TYPE;
+    era => era::TYPE;
     crypt => crypt::TYPE;
     verity => verity::TYPE;
     xor => xor::TYPE;

@@ -228,19 +228,19 @@ pub fn write(md: &XmlMetadata) -> String {
 }
 
 /// A parse error on a line.
-fn at(line: usize, what: impl std::fmt::Display) -> ThinError {
+pub(crate) fn at(line: usize, what: impl std::fmt::Display) -> ThinError {
     ThinError::Plain(format!("line {line}: {what}"))
 }
 
 /// One element's attributes, decoded (entities included).
-struct Attrs {
-    name: String,
+pub(crate) struct Attrs {
+    pub(crate) name: String,
     pairs: Vec<(String, String)>,
     line: usize,
 }
 
 impl Attrs {
-    fn of(e: &BytesStart, line: usize) -> Result<Attrs> {
+    pub(crate) fn of(e: &BytesStart, line: usize) -> Result<Attrs> {
         let name = String::from_utf8_lossy(e.name().as_ref()).into_owned();
         let mut pairs = Vec::new();
         for a in e.attributes() {
@@ -253,10 +253,10 @@ impl Attrs {
         }
         Ok(Attrs { name, pairs, line })
     }
-    fn get(&self, key: &str) -> Option<&str> {
+    pub(crate) fn get(&self, key: &str) -> Option<&str> {
         self.pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
-    fn num<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
+    pub(crate) fn num<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
         let v = self.get(key).ok_or_else(|| {
             at(
                 self.line,

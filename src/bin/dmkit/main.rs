@@ -46,6 +46,11 @@ enum Cmd {
     /// thin_dump, ... 1.x (a link named thin_check to dmkit is thin_check)
     #[command(subcommand)]
     Thin(thin_cli::ThinCmd),
+    /// The era tools of thin-provisioning-tools, option for option as era_check,
+    /// era_dump, era_restore and era_invalidate 1.x (a link named era_check to
+    /// dmkit is era_check)
+    #[command(subcommand)]
+    Era(thin_cli::era::EraCmd),
     /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
     Completions { shell: clap_complete::Shell },
     /// Print a `linear` table that maps a device onto FILE's blocks, one line per
@@ -199,7 +204,10 @@ fn main() {
             // run directory; single-threaded still, so the environment is ours
             std::env::set_var("DMKIT_RUN_DIR", dir);
         }
-        std::process::exit(thin_cli::main(argv_os[i + 1..].to_vec()));
+        std::process::exit(match argv_os[i].to_str() {
+            Some("era") => thin_cli::era::main(argv_os[i + 1..].to_vec()),
+            _ => thin_cli::main(argv_os[i + 1..].to_vec()),
+        });
     }
     let argv: Vec<String> = argv_os.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let cli = match Cli::try_parse_from(&argv) {
@@ -207,7 +215,7 @@ fn main() {
         Err(e) => {
             // The command as far as it names a verb: `dmkit suspend`, `dmkit thin check`.
             let words = verb_words(&argv);
-            let depth = if words.first().is_some_and(|w| w == "thin") {
+            let depth = if words.first().is_some_and(|w| w == "thin" || w == "era") {
                 2
             } else {
                 1
@@ -284,6 +292,9 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         }
         // dispatched before parsing; here only if that ever changes
         Cmd::Thin(_) => Ok(thin_cli::main(
+            verb_words(argv).iter().skip(1).map(Into::into).collect(),
+        )),
+        Cmd::Era(_) => Ok(thin_cli::era::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
         Cmd::Completions { shell } => {
@@ -471,7 +482,7 @@ fn run_dir_before_verb(words: &[std::ffi::OsString]) -> Option<std::ffi::OsStrin
     None
 }
 
-/// The index of the verb word if it is `thin` (only `--run-dir` comes before it).
+/// The index of the verb word if it is `thin` or `era` (only `--run-dir` comes before it).
 fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
     let mut i = 1;
     while let Some(a) = argv.get(i) {
@@ -481,7 +492,7 @@ fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
         } else if a.starts_with("--run-dir=") {
             i += 1;
         } else {
-            return (a == "thin").then_some(i);
+            return (a == "thin" || a == "era").then_some(i);
         }
     }
     None

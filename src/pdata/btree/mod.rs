@@ -25,12 +25,18 @@ pub enum ValueKind {
     DataRef { shift: u32 },
     /// u64 values that are roots of DataRef subtrees (dm-thin top level).
     Subtree { leaf_shift: u32 },
+    /// u64 values that are metadata blocks holding no references themselves
+    /// (the array blocks beneath a dm-array's btree).
+    BlockRef,
+    /// Values of `size` bytes holding, at byte `offset`, the root of a dm-array
+    /// (a BlockRef tree): dm-era's writeset tree, whose values are bitsets.
+    ArrayRoot { size: usize, offset: usize },
 }
 
 impl ValueKind {
     pub fn value_size(self) -> usize {
         match self {
-            ValueKind::Plain(n) => n,
+            ValueKind::Plain(n) | ValueKind::ArrayRoot { size: n, .. } => n,
             _ => 8,
         }
     }
@@ -77,13 +83,23 @@ pub fn inc_children(tm: &mut TransactionManager, d: &Block, vk: ValueKind) -> Re
                 tm.data.inc(node::value_u64(d, i) >> shift)?;
             }
         }
-        ValueKind::Subtree { .. } => {
+        ValueKind::Subtree { .. } | ValueKind::BlockRef => {
             for i in 0..nr {
                 tm.meta.inc(node::value_u64(d, i))?;
             }
         }
+        ValueKind::ArrayRoot { offset, .. } => {
+            for i in 0..nr {
+                tm.meta.inc(array_root_of(d, i, offset))?;
+            }
+        }
     }
     Ok(())
+}
+
+/// The array root a leaf's value `i` holds at byte `offset` (ArrayRoot values).
+fn array_root_of(d: &Block, i: usize, offset: usize) -> u64 {
+    crate::pdata::le64(node::value(d, i), offset)
 }
 
 fn read_node(tm: &mut TransactionManager, b: u64, leaf_vs: usize) -> Result<&Block> {
@@ -414,6 +430,7 @@ fn del_rec(tm: &mut TransactionManager, b: u64, vk: ValueKind, depth: usize) -> 
     let leaf = node::is_leaf(d);
     let vals: Vec<u64> = match (leaf, vk) {
         (true, ValueKind::Plain(_)) => Vec::new(),
+        (true, ValueKind::ArrayRoot { offset, .. }) => (0..n).map(|i| array_root_of(d, i, offset)).collect(),
         _ => (0..n).map(|i| node::value_u64(d, i)).collect(),
     };
     for v in vals {
@@ -425,6 +442,10 @@ fn del_rec(tm: &mut TransactionManager, b: u64, vk: ValueKind, depth: usize) -> 
             (true, ValueKind::Subtree { leaf_shift }) => {
                 del_rec(tm, v, ValueKind::DataRef { shift: leaf_shift }, 0)?
             }
+            (true, ValueKind::BlockRef) => {
+                tm.dec(v)?;
+            }
+            (true, ValueKind::ArrayRoot { .. }) => del_rec(tm, v, ValueKind::BlockRef, 0)?,
             (true, ValueKind::Plain(_)) => {}
         }
     }

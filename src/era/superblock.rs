@@ -1,0 +1,164 @@
+//! The dm-era superblock (block 0, and the metadata snapshot's copy) and the
+//! writeset record of the writeset tree.
+
+use super::error::{EraError, Result};
+use crate::pdata::sm_disk::SmRoot;
+use crate::pdata::{bounds, le32, le64, put32, put64, Block, BlockKind, BLOCK_SIZE};
+
+pub const MAGIC: u64 = 2_126_579_579;
+pub const VERSION: u32 = 1;
+pub const SUPERBLOCK_LOCATION: u64 = 0;
+/// A writeset root of 0 is "no writeset" (the superblock's location).
+pub const INVALID_WRITESET_ROOT: u64 = SUPERBLOCK_LOCATION;
+/// Metadata block size in sectors.
+pub const METADATA_BLOCK_SECTORS: u32 = 8;
+/// Data block sizes are multiples of this many sectors.
+pub const MIN_BLOCK_SIZE: u32 = 8;
+/// nr_blocks is below 2^31 (the kernel's valid_nr_blocks).
+pub const MAX_NR_BLOCKS: u64 = (1 << 31) - 1;
+/// On-disk size of a writeset record: nr_bits (u32), root (u64), packed.
+pub const WRITESET_SIZE: usize = 12;
+/// The flag era_restore sets (1.x's "clean shutdown").
+pub const CLEAN_SHUTDOWN: u32 = 1;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Writeset {
+    pub nr_bits: u32,
+    pub root: u64,
+}
+
+impl Writeset {
+    pub fn decode(v: &[u8]) -> Writeset {
+        Writeset {
+            nr_bits: le32(v, 0),
+            root: le64(v, 4),
+        }
+    }
+    pub fn encode(&self) -> [u8; WRITESET_SIZE] {
+        let mut v = [0u8; WRITESET_SIZE];
+        put32(&mut v, 0, self.nr_bits);
+        put64(&mut v, 4, self.root);
+        v
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Superblock {
+    pub flags: u32,
+    pub blocknr: u64,
+    pub uuid: [u8; 16],
+    pub magic: u64,
+    pub version: u32,
+    pub sm_root: SmRoot,
+    pub data_block_size: u32,
+    pub metadata_block_size: u32,
+    pub nr_blocks: u32,
+    pub current_era: u32,
+    pub current_writeset: Writeset,
+    pub writeset_tree_root: u64,
+    pub era_array_root: u64,
+    pub metadata_snap: u64,
+}
+
+impl Superblock {
+    pub fn decode(d: &Block) -> Superblock {
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&d[16..32]);
+        Superblock {
+            flags: le32(d, 4),
+            blocknr: le64(d, 8),
+            uuid,
+            magic: le64(d, 32),
+            version: le32(d, 40),
+            sm_root: SmRoot::decode(&d[44..172]),
+            data_block_size: le32(d, 172),
+            metadata_block_size: le32(d, 176),
+            nr_blocks: le32(d, 180),
+            current_era: le32(d, 184),
+            current_writeset: Writeset::decode(&d[188..200]),
+            writeset_tree_root: le64(d, 200),
+            era_array_root: le64(d, 208),
+            metadata_snap: le64(d, 216),
+        }
+    }
+
+    /// The block image, checksum left for the cache to fill in.
+    pub fn encode(&self) -> Box<Block> {
+        let mut d = Box::new([0u8; BLOCK_SIZE]);
+        put32(&mut d[..], 4, self.flags);
+        put64(&mut d[..], 8, self.blocknr);
+        d[16..32].copy_from_slice(&self.uuid);
+        put64(&mut d[..], 32, self.magic);
+        put32(&mut d[..], 40, self.version);
+        self.sm_root.encode(&mut d[44..172]);
+        put32(&mut d[..], 172, self.data_block_size);
+        put32(&mut d[..], 176, self.metadata_block_size);
+        put32(&mut d[..], 180, self.nr_blocks);
+        put32(&mut d[..], 184, self.current_era);
+        d[188..200].copy_from_slice(&self.current_writeset.encode());
+        put64(&mut d[..], 200, self.writeset_tree_root);
+        put64(&mut d[..], 208, self.era_array_root);
+        put64(&mut d[..], 216, self.metadata_snap);
+        d
+    }
+
+    /// A superblock for `nr_blocks` of `data_block_size`, everything else empty.
+    pub fn new(data_block_size: u32) -> Superblock {
+        Superblock {
+            magic: MAGIC,
+            version: VERSION,
+            data_block_size,
+            metadata_block_size: METADATA_BLOCK_SECTORS,
+            ..Superblock::default()
+        }
+    }
+}
+
+/// Read the superblock at `block` and check what every reader relies on: the
+/// magic, the version, and every size and block number in it against the
+/// metadata device (`dev_blocks`), so nothing is sized by a lie.
+pub fn read(cache: &mut crate::pdata::cache::BlockCache, block: u64) -> Result<Superblock> {
+    let dev_blocks = cache.nr_blocks();
+    let sb = Superblock::decode(cache.read(block, BlockKind::EraSuperblock)?);
+    if sb.magic != MAGIC {
+        return Err(EraError::BadSuperblock(format!(
+            "bad magic {} (expected {MAGIC})",
+            sb.magic
+        )));
+    }
+    if sb.version != VERSION {
+        return Err(EraError::BadSuperblock(format!(
+            "Era metadata version {} found, but only versions between {VERSION} and {VERSION} supported.",
+            sb.version
+        )));
+    }
+    check_fields(&sb, block, dev_blocks)?;
+    Ok(sb)
+}
+
+/// The superblock's sizes and block numbers against the metadata device.
+pub fn check_fields(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
+    bounds::field(block, "nr_blocks", sb.nr_blocks as u64, MAX_NR_BLOCKS, "2^31 - 1")?;
+    bounds::field(
+        block,
+        "current writeset nr_bits",
+        sb.current_writeset.nr_bits as u64,
+        MAX_NR_BLOCKS,
+        "2^31 - 1",
+    )?;
+    for (field, v) in [
+        ("current writeset root", sb.current_writeset.root),
+        ("writeset tree root", sb.writeset_tree_root),
+        ("era array root", sb.era_array_root),
+        ("metadata snap", sb.metadata_snap),
+    ] {
+        bounds::field(
+            block,
+            field,
+            v,
+            dev_blocks.saturating_sub(1),
+            "the metadata device's last block",
+        )?;
+    }
+    Ok(())
+}
