@@ -224,12 +224,10 @@ fn decode_key(hex: &str, out: &mut [u8; MAX_KEY]) -> Result<usize, String> {
     if n > MAX_KEY {
         return Err(format!("key of {} bits is longer than any cipher takes ({} bits)", n * 8, MAX_KEY * 8));
     }
-    for (i, o) in out.iter_mut().take(n).enumerate() {
-        *o = hex
-            .get(2 * i..2 * i + 2)
-            .and_then(|d| u8::from_str_radix(d, 16).ok())
-            .ok_or_else(|| format!("the key is not hex (at digit {})", 2 * i))?;
-    }
+    hex::decode_to_slice(hex, &mut out[..n]).map_err(|e| match e {
+        hex::FromHexError::InvalidHexCharacter { index, .. } => format!("the key is not hex (at digit {index})"),
+        _ => "the key is not hex".to_string(),
+    })?;
     Ok(n)
 }
 
@@ -888,7 +886,7 @@ mod tests {
     use super::*;
 
     fn hex(s: &str) -> Vec<u8> {
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+        ::hex::decode(s).expect("hex")
     }
 
     fn keys(cipher: &str, key: &str) -> Keys {

@@ -131,21 +131,6 @@ impl Alg {
     }
 }
 
-/// Decode hex; None if odd or not hex.
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| s.get(i..i + 2).and_then(|d| u8::from_str_radix(d, 16).ok()))
-        .collect()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// What a corruption does (the kernel's verity mode).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -596,7 +581,7 @@ impl Verity {
                 args[7]
             ));
         }
-        let root = unhex(&args[8]).filter(|d| d.len() == ds).ok_or_else(|| {
+        let root = hex::decode(&args[8]).ok().filter(|d| d.len() == ds).ok_or_else(|| {
             format!(
                 "Invalid root digest '{}' ({} hex digits for {})",
                 args[8],
@@ -607,7 +592,7 @@ impl Verity {
         let salt = if args[9] == "-" {
             Vec::new()
         } else {
-            unhex(&args[9]).ok_or_else(|| format!("Invalid salt '{}' (hex digits in pairs, or -)", args[9]))?
+            hex::decode(&args[9]).ok().ok_or_else(|| format!("Invalid salt '{}' (hex digits in pairs, or -)", args[9]))?
         };
         let geo = Geometry::new(version, data_bits, hash_bits, data_blocks, hash_start, ds)?;
         let hash_dev_blocks = hash_dev.size_sectors() >> (hash_bits - 9);
@@ -733,7 +718,7 @@ impl Target for Verity {
         let salt = if self.core.salt.is_empty() {
             "-".to_string()
         } else {
-            hex(&self.core.salt)
+            hex::encode(&self.core.salt)
         };
         format!(
             "{} {} {} {} {} {} {} {} {} {salt}{}",
@@ -745,7 +730,7 @@ impl Target for Verity {
             g.data_blocks,
             g.hash_start,
             self.alg_name,
-            hex(&self.core.root[..g.digest_size]),
+            hex::encode(&self.core.root[..g.digest_size]),
             self.core.opts.table()
         )
     }
@@ -841,13 +826,5 @@ mod tests {
         assert!(parse_opts(&s(&["1", "bogus"])).unwrap_err().contains("Unrecognized"));
         assert!(parse_opts(&s(&["3", "bogus"])).unwrap_err().contains("Insufficient"));
         assert!(parse_opts(&s(&["x"])).unwrap_err().contains("Invalid number"));
-    }
-
-    #[test]
-    fn hex_decodes_or_refuses() {
-        assert_eq!(unhex("00ff10"), Some(vec![0, 255, 16]));
-        assert_eq!(unhex("0"), None);
-        assert_eq!(unhex("zz"), None);
-        assert_eq!(hex(&[1, 171]), "01ab");
     }
 }

@@ -49,14 +49,7 @@ fn parse_key(hex: &str) -> Result<Vec<u8>, String> {
     if hex.is_empty() || !hex.len().is_multiple_of(2) || hex.len() > 128 {
         return Err(bad());
     }
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| {
-            hex.get(i..i + 2)
-                .and_then(|d| u8::from_str_radix(d, 16).ok())
-                .ok_or_else(bad)
-        })
-        .collect()
+    hex::decode(hex).map_err(|_| bad())
 }
 
 /// XOR `data` (sectors from `sector` on) with the key stream; `from` and `to` may

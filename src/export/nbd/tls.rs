@@ -260,7 +260,9 @@ pub fn parse_psk(text: &str) -> Result<HashMap<Vec<u8>, Vec<u8>>, String> {
                 "line {n}: the identity must be 1 to {MAX_PSK_IDENTITY} bytes"
             ));
         }
-        let key = unhex(hex.trim_end()).ok_or_else(|| format!("line {n}: the key is not hexadecimal"))?;
+        let key = hex::decode(hex.trim_end())
+            .ok()
+            .ok_or_else(|| format!("line {n}: the key is not hexadecimal"))?;
         if key.is_empty() || key.len() > MAX_PSK_KEY {
             return Err(format!("line {n}: the key must be 1 to {MAX_PSK_KEY} bytes"));
         }
@@ -272,17 +274,6 @@ pub fn parse_psk(text: &str) -> Result<HashMap<Vec<u8>, Vec<u8>>, String> {
         return Err("no keys".into());
     }
     Ok(keys)
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    let digit = |c: u8| (c as char).to_digit(16);
-    s.as_bytes()
-        .chunks(2)
-        .map(|p| Some((digit(p[0])? * 16 + digit(p[1])?) as u8))
-        .collect()
 }
 
 /// OpenSSL's PSK callback: the key of `identity`, or 0 bytes (unknown: the
