@@ -148,6 +148,16 @@ for n, patches in {
 }.items():
     put("thin_metadata", n, b"".join(struct.pack("<IB", o, v) for o, v in patches))
 
+# era metadata: the same, over the base era image (superblock fields, a tree
+# node, an array block)
+for n, patches in {
+    "none": [],
+    "superblock": [(60, 0x7f), (61, 0xff)],
+    "block1": [(4096 + 24, 0xff)],
+    "block9": [(9 * 4096 + 40, 3), (9 * 4096 + 41, 0)],
+}.items():
+    put("era_metadata", n, b"".join(struct.pack("<IB", o, v) for o, v in patches))
+
 # Metadata images: `seeds/*/fresh` are what dmkit wrote on an empty device (see
 # README.md); here variants with content are derived from them.
 def seeded(target):
