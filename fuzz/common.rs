@@ -173,3 +173,45 @@ pub fn open_on_image(
     let _ = reg.remove(dev, true, false);
     let _ = reg.remove(dev, false, false);
 }
+
+/// What each block of a metadata image holds, by the salt its checksum was made
+/// with (None: none of `kinds`, a free block).
+pub fn block_kinds(
+    img: &[u8],
+    kinds: &[dmkit::pdata::BlockKind],
+) -> Vec<Option<dmkit::pdata::BlockKind>> {
+    use dmkit::pdata::checksum::block_csum;
+    img.chunks_exact(dmkit::pdata::BLOCK_SIZE)
+        .map(|b| {
+            let stored = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            kinds.iter().copied().find(|k| block_csum(b, k.salt()) == stored)
+        })
+        .collect()
+}
+
+/// `img0` with the input's patches applied (after a first byte: 4 bytes of
+/// offset, 1 byte of value, repeated). Unless the first byte is odd, each
+/// patched block is re-sealed: its checksum recomputed with the salt of what it
+/// held (a btree node's for a free block), its self block number left as
+/// patched, so the patches reach the parsers as metadata that lies with a valid
+/// checksum.
+pub fn patched(img0: &[u8], kinds: &[Option<dmkit::pdata::BlockKind>], data: &[u8]) -> Vec<u8> {
+    use dmkit::pdata::{checksum::block_csum, BlockKind, BLOCK_SIZE};
+    let mut img = img0.to_vec();
+    let reseal = data.first().is_none_or(|b| b & 1 == 0);
+    let mut touched = std::collections::BTreeSet::new();
+    for p in data.get(1..).unwrap_or(&[]).chunks_exact(5) {
+        let off = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize % img.len();
+        img[off] = p[4];
+        touched.insert(off / BLOCK_SIZE);
+    }
+    if reseal {
+        for b in touched {
+            let kind = kinds[b].unwrap_or(BlockKind::BtreeNode);
+            let block = &mut img[b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE];
+            let c = block_csum(block, kind.salt());
+            block[0..4].copy_from_slice(&c.to_le_bytes());
+        }
+    }
+    img
+}
