@@ -136,15 +136,33 @@ pub fn read(cache: &mut crate::pdata::cache::BlockCache, block: u64) -> Result<S
     Ok(sb)
 }
 
+/// The most bits a writeset on a metadata device of `dev_blocks` blocks can
+/// have: its words fill at most every block (a tree that says more shares
+/// blocks, and its walk would run for as long as the lie is big).
+pub fn max_bits(dev_blocks: u64) -> u64 {
+    let words = dev_blocks.saturating_mul(crate::pdata::array::max_entries(8) as u64);
+    words.saturating_mul(64).min(MAX_NR_BLOCKS)
+}
+
 /// The superblock's sizes and block numbers against the metadata device.
 pub fn check_fields(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
-    bounds::field(block, "nr_blocks", sb.nr_blocks as u64, MAX_NR_BLOCKS, "2^31 - 1")?;
+    // the era array holds a 32-bit era per block, in at most every block
+    let max_blocks = dev_blocks
+        .saturating_mul(crate::pdata::array::max_entries(4) as u64)
+        .min(MAX_NR_BLOCKS);
+    bounds::field(
+        block,
+        "nr_blocks",
+        sb.nr_blocks as u64,
+        max_blocks,
+        "2^31 - 1, and what an era array on the metadata device can hold",
+    )?;
     bounds::field(
         block,
         "current writeset nr_bits",
         sb.current_writeset.nr_bits as u64,
-        MAX_NR_BLOCKS,
-        "2^31 - 1",
+        max_bits(dev_blocks),
+        "2^31 - 1, and what a bitset on the metadata device can hold",
     )?;
     for (field, v) in [
         ("current writeset root", sb.current_writeset.root),
@@ -161,4 +179,28 @@ pub fn check_fields(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> 
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sizes the metadata device cannot hold are refused, naming the field: a
+    /// tree that claims them shares blocks, and walking it would take as long
+    /// as the lie is big.
+    #[test]
+    fn sizes_beyond_what_the_device_holds_are_refused() {
+        let mut sb = Superblock::new(128);
+        let dev = 256;
+        let most = dev * crate::pdata::array::max_entries(4) as u64;
+        sb.nr_blocks = most as u32;
+        assert!(check_fields(&sb, 0, dev).is_ok());
+        sb.nr_blocks = most as u32 + 1;
+        let e = check_fields(&sb, 0, dev).unwrap_err().to_string();
+        assert!(e.contains("nr_blocks"), "{e}");
+        sb.nr_blocks = 1000;
+        sb.current_writeset.nr_bits = max_bits(dev) as u32 + 1;
+        let e = check_fields(&sb, 0, dev).unwrap_err().to_string();
+        assert!(e.contains("current writeset nr_bits"), "{e}");
+    }
 }

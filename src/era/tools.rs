@@ -48,15 +48,17 @@ pub fn superblock(tm: &mut TransactionManager, snap: bool) -> Result<Superblock>
 pub fn writesets(tm: &mut TransactionManager, root: u64) -> Result<BTreeMap<u32, Writeset>> {
     let mut out = BTreeMap::new();
     let mut bad: Option<String> = None;
+    let max = sbm::max_bits(tm.cache.nr_blocks());
     btree::walk(tm, root, sbm::WRITESET_SIZE, &mut |k, v| {
         let ws = Writeset::decode(v);
         match u32::try_from(k) {
-            Ok(era) if (ws.nr_bits as u64) <= sbm::MAX_NR_BLOCKS => {
+            Ok(era) if (ws.nr_bits as u64) <= max => {
                 out.insert(era, ws);
             }
             Ok(era) => {
                 bad.get_or_insert(format!(
-                    "writeset of era {era} has {} bits, more than 2^31 - 1",
+                    "writeset of era {era} has {} bits, more than the {max} a bitset on the metadata \
+                     device can hold",
                     ws.nr_bits
                 ));
             }
