@@ -527,13 +527,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
             }
             let out = reg.message(&d.name(), sector, &words).map_err(from_registry)?;
             r.set_status(&status(&d));
-            // dm-stats' messages that answer do so even with nothing to say
-            // (an empty @stats_list): libdevmapper wants the empty string
-            let answers = matches!(
-                verb.as_str(),
-                "@stats_create" | "@stats_list" | "@stats_print" | "@stats_print_clear" | "@stats_clear"
-            );
-            if answers || !out.is_empty() {
+            if crate::mapper::stats::answers(&verb) || !out.is_empty() {
                 r.put_message_result(&out);
             }
             // a message may change what the state file records

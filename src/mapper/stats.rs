@@ -258,6 +258,16 @@ pub struct Started {
     merged: bool,
 }
 
+/// Whether the stats message `verb` (lower case) answers even with nothing to
+/// say, as the kernel's do (an empty `@stats_list` is the empty string, which
+/// libdevmapper wants; delete and set_aux answer nothing).
+pub fn answers(verb: &str) -> bool {
+    matches!(
+        verb,
+        "@stats_create" | "@stats_list" | "@stats_print" | "@stats_print_clear" | "@stats_clear"
+    )
+}
+
 fn dir_of(op: Op) -> Option<usize> {
     match op {
         Op::Read => Some(0),
