@@ -12,6 +12,8 @@ use std::sync::Arc;
 pub struct ServeOptions {
     pub run_dir: PathBuf,
     pub nbd_listen: Option<String>,
+    /// NBD reactor threads (0: one per core).
+    pub nbd_reactors: usize,
     /// TLS on the NBD listeners (unix and TCP).
     pub tls: crate::export::nbd::tls::Options,
     pub group: Option<String>,
@@ -75,9 +77,23 @@ fn block_signals() -> Result<SigSet> {
     Ok(set)
 }
 
+/// Every client connection is a descriptor: take the hard limit on open files
+/// as the daemon's own (the soft limit is often 1,024).
+fn raise_file_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.current < l.maximum {
+        l.current = l.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, l) {
+            tracing::warn!("cannot raise the limit on open files: {e}");
+        }
+    }
+}
+
 pub fn serve(opts: ServeOptions) -> Result<()> {
     let set = block_signals()?;
     crate::panics::install_hook();
+    raise_file_limit();
     let group = opts.group.as_deref().map(group_id).transpose()?;
     let tls = Arc::new(crate::export::nbd::tls::Tls::new(&opts.tls)?);
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
@@ -144,12 +160,18 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             );
         }
     }
+    let reactors = {
+        let n = match opts.nbd_reactors {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        crate::export::nbd::reactor::Reactors::start(n, &reg).context("starting the NBD reactors")?
+    };
     {
-        let reg = reg.clone();
-        let tls = tls.clone();
+        let (reg, tls, reactors) = (reg.clone(), tls.clone(), reactors.clone());
         std::thread::Builder::new()
             .name("nbd-unix".into())
-            .spawn(move || crate::export::nbd::serve_unix(nbd, reg, tls))?;
+            .spawn(move || crate::export::nbd::serve_unix(nbd, reg, tls, reactors))?;
     }
     if let Some(addr) = &opts.nbd_listen {
         let l = TcpListener::bind(addr).with_context(|| format!("listening on {addr}"))?;
@@ -157,7 +179,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         let tls = tls.clone();
         std::thread::Builder::new()
             .name("nbd-tcp".into())
-            .spawn(move || crate::export::nbd::serve_tcp(l, reg, tls))?;
+            .spawn(move || crate::export::nbd::serve_tcp(l, reg, tls, reactors))?;
         tracing::info!("NBD over TCP on {addr}");
     }
     {

@@ -474,7 +474,8 @@ fn a_panicking_worker_fails_its_device_only() {
         .find(|l| l.contains("panic in thread"))
         .unwrap_or_else(|| panic!("no panic logged:\n{log}"));
     assert!(
-        line.contains("panic in thread nbd-conn serving device bad at src/mapper/mod.rs:")
+        line.contains("panic in thread nbd-reactor-")
+            && line.contains(" serving device bad at src/mapper/mod.rs:")
             && line.contains("bad: the panic armed by the __panic message")
             && line.contains("fails with EIO"),
         "{line}"

@@ -272,7 +272,13 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         // no device nodes and no udev cookies here: nothing to do, as the help says
         DmVerb::Mknodes { .. } | DmVerb::UdevcompleteAll { .. } => Ok(String::new()),
         DmVerb::Targets => Ok(reg.targets()),
-        DmVerb::Stats { devs } => each(reg, &devs.names, &devs.pick, |n| reg.stats(n).map_err(e)),
+        DmVerb::Stats { server: true, .. } => Ok(reg.server.line()),
+        DmVerb::Stats { devs, .. }
+            if devs.names.is_empty() && devs.pick.uuid.is_none() && devs.pick.minor.is_none() =>
+        {
+            Err("a device name (or --server) is required".into())
+        }
+        DmVerb::Stats { devs, .. } => each(reg, &devs.names, &devs.pick, |n| reg.stats(n).map_err(e)),
         DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
         DmVerb::Attach { name, recover } => {
             let dev = reg.get(&name).map_err(e)?;

@@ -262,12 +262,18 @@ Example:
     #[command(after_help = "Example:
   dmkit version")]
     Version,
-    /// dmkit's own: the backing files under a device and the flushes each received
-    #[command(after_help = "Example:
-  dmkit stats pool                    # /…/meta.img flushes=3, /…/data.img flushes=3")]
+    /// dmkit's own: the backing files under a device and the flushes each
+    /// received; with --server, what the NBD server holds
+    #[command(after_help = "Examples:
+  dmkit stats pool                    # /…/meta.img flushes=3, /…/data.img flushes=3
+  dmkit stats --server                # reactors=2 connections=1 handshakes=0 buffer_bytes=…")]
     Stats {
+        /// The NBD server's reactor threads, connections (in their handshake and
+        /// after it) and the bytes of buffers it holds, instead of a device's files
+        #[arg(long, conflicts_with_all = ["names", "uuid", "minor"])]
+        server: bool,
         #[command(flatten)]
-        devs: Devices,
+        devs: AnyDevices,
     },
     /// dmkit's own: make a device a kernel block device through ublk (ublk_drv,
     /// Linux 6.5+): /dev/ublkbN, and /dev/mapper/NAME pointing at it

@@ -73,6 +73,31 @@ pub enum Sqe {
     },
 }
 
+/// An operation of the synchronous backend waiting for its descriptor.
+struct Waiting {
+    user_data: u64,
+    fd: RawFd,
+    what: WaitFor,
+}
+
+enum WaitFor {
+    /// Report readiness to read (a poll names no buffer).
+    Poll,
+    /// Read `len` bytes into `buf` once readable (an eventfd's counter).
+    Read { buf: *mut u8, len: u32 },
+    /// Send the message once the socket has room again.
+    Send { msg: *const libc::msghdr },
+}
+
+impl Waiting {
+    fn events(&self) -> i16 {
+        match self.what {
+            WaitFor::Send { .. } => libc::POLLOUT,
+            _ => libc::POLLIN | libc::POLLRDHUP,
+        }
+    }
+}
+
 /// The user data of the queue's own read of its RBD sink's eventfd.
 const RBD_WAKE: u64 = u64::MAX;
 
@@ -92,10 +117,10 @@ pub struct IoQueue {
     ring: Option<IoUring>,
     /// Completions of the synchronous backend, and of io_uring submissions that failed.
     done: VecDeque<(u64, i32)>,
-    /// The synchronous backend's pending readiness polls and wake reads (user data,
-    /// fd, buffer (null for a poll), length): they block only in `wait`, which
-    /// polls them together.
-    pending_recv: Vec<(u64, RawFd, *mut u8, u32)>,
+    /// The synchronous backend's operations that wait for their descriptor:
+    /// readiness polls, wake reads and sends a full socket refused. They block
+    /// only in `wait`, which polls them together.
+    pending_recv: Vec<Waiting>,
     queued: usize,
     rbd: Option<RbdState>,
     /// Operations on files of a simulated disk ([`super::sim`]) pushed and not
@@ -254,6 +279,27 @@ impl IoQueue {
                 self.done
                     .push_back((user_data, -e.raw_os_error().unwrap_or(libc::EIO)));
                 return;
+            }
+        }
+        self.queued += 1;
+    }
+
+    /// Stop the multishot poll queued with `user_data`: its last completion
+    /// (without `more`) follows, as when it ends of itself. The removal's own
+    /// completion comes with `remove_data`.
+    pub fn cancel_poll(&mut self, user_data: u64, remove_data: u64) {
+        let Some(ring) = self.ring.as_mut() else {
+            if let Some(i) = self.pending_recv.iter().position(|w| w.user_data == user_data) {
+                self.pending_recv.remove(i);
+                self.done.push_back((user_data, -libc::ECANCELED));
+            }
+            return;
+        };
+        let entry = opcode::PollRemove::new(user_data).build().user_data(remove_data);
+        // SAFETY: a poll removal names no memory.
+        while unsafe { ring.submission().push(&entry) }.is_err() {
+            if ring.submit().is_err() {
+                return; // the poll stays armed; its socket's end still ends it
             }
         }
         self.queued += 1;
@@ -518,15 +564,36 @@ impl IoQueue {
                     len,
                 } => libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) as isize,
                 Sqe::Wake { fd, buf } => {
-                    self.pending_recv.push((user_data, fd, buf, 8));
+                    self.pending_recv.push(Waiting {
+                        user_data,
+                        fd,
+                        what: WaitFor::Read { buf, len: 8 },
+                    });
                     return;
                 }
                 Sqe::PollIn { fd } => {
                     // no buffer: `sync_wait_recv` reports readiness without reading
-                    self.pending_recv.push((user_data, fd, std::ptr::null_mut(), 0));
+                    self.pending_recv.push(Waiting {
+                        user_data,
+                        fd,
+                        what: WaitFor::Poll,
+                    });
                     return;
                 }
-                Sqe::SendMsg { fd, msg } => libc::sendmsg(fd, msg, libc::MSG_NOSIGNAL),
+                Sqe::SendMsg { fd, msg } => {
+                    // A full socket must not stop the thread (it serves other
+                    // clients): the send waits in `wait` for room, as on a ring.
+                    let r = libc::sendmsg(fd, msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT);
+                    if r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN) {
+                        self.pending_recv.push(Waiting {
+                            user_data,
+                            fd,
+                            what: WaitFor::Send { msg },
+                        });
+                        return;
+                    }
+                    r
+                }
                 Sqe::Rbd { .. } => {
                     // `push` takes these
                     self.done.push_back((user_data, -libc::EINVAL));
@@ -557,9 +624,9 @@ impl IoQueue {
         let mut pfds: Vec<libc::pollfd> = self
             .pending_recv
             .iter()
-            .map(|&(_, fd, _, _)| libc::pollfd {
-                fd,
-                events: libc::POLLIN | libc::POLLRDHUP,
+            .map(|w| libc::pollfd {
+                fd: w.fd,
+                events: w.events(),
                 revents: 0,
             })
             .collect();
@@ -581,19 +648,33 @@ impl IoQueue {
                 i += 1;
                 continue;
             }
-            let (user_data, fd, buf, len) = self.pending_recv.remove(i);
-            if buf.is_null() {
-                self.done.push_back((user_data, i32::from(p.revents)));
-                continue;
-            }
-            // SAFETY: `buf`/`len` come from an operation pushed under `push`'s contract.
-            let r = unsafe { libc::read(fd, buf.cast(), len as usize) };
+            let w = self.pending_recv.remove(i);
+            // SAFETY: the buffers and messages come from operations pushed under
+            // `push`'s contract.
+            let r = unsafe {
+                match w.what {
+                    WaitFor::Poll => {
+                        self.done.push_back((w.user_data, i32::from(p.revents)));
+                        continue;
+                    }
+                    WaitFor::Read { buf, len } => libc::read(w.fd, buf.cast(), len as usize),
+                    WaitFor::Send { msg } => {
+                        libc::sendmsg(w.fd, msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+                    }
+                }
+            };
             let res = if r < 0 {
                 -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
             } else {
                 r as i32
             };
-            self.done.push_back((user_data, res));
+            if res == -libc::EAGAIN && matches!(w.what, WaitFor::Send { .. }) {
+                // woken without room after all (another writer): wait again
+                self.pending_recv.insert(i, w);
+                i += 1;
+                continue;
+            }
+            self.done.push_back((w.user_data, res));
         }
         Ok(())
     }

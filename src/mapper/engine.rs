@@ -35,6 +35,9 @@ const KIND_FRONTEND: u64 = 2;
 /// A frontend's readiness poll: it names no memory and may stay armed when the
 /// engine is idle, so it is not counted in `ops`.
 const KIND_POLL: u64 = 3;
+/// The removal of a frontend's poll ([`Engine::cancel_poll`]): nothing waits for
+/// its own completion, so it is neither counted nor reported.
+const KIND_CANCEL: u64 = 4;
 /// The frontend's tag in the user data below the kind.
 const TAG_MASK: u64 = (1 << KIND_SHIFT) - 1;
 const ZERO_BUF: usize = 1 << 20;
@@ -301,7 +304,13 @@ pub struct Engine {
     cq: Vec<(u64, i32)>,
     msgs: Vec<Msg>,
     closing: bool,
+    /// Slots the engine may grow to when all are taken ([`Engine::allow_growth`]).
+    max_slots: usize,
 }
+
+/// The most request slots an engine can have: a leaf's completion carries its
+/// slot in 16 bits.
+pub const SLOTS_LIMIT: usize = 1 << 16;
 
 impl Engine {
     /// An engine with `slots` request slots, for requests to any device.
@@ -323,7 +332,20 @@ impl Engine {
             cq: Vec::with_capacity(256),
             msgs: Vec::new(),
             closing: false,
+            max_slots: slots,
         })
+    }
+
+    /// Let the engine add slots, when all are taken, up to `max` (at most
+    /// [`SLOTS_LIMIT`]). Nothing the ring or a target holds points into a
+    /// request, so the slots may move as they grow.
+    pub fn allow_growth(&mut self, max: usize) {
+        self.max_slots = max.clamp(self.reqs.len(), SLOTS_LIMIT);
+    }
+
+    /// Whether [`Engine::alloc`] would give a slot.
+    pub fn can_alloc(&self) -> bool {
+        !self.free.is_empty() || self.reqs.len() < self.max_slots
     }
 
     /// Whether the engine runs on io_uring (else system calls: no driver commands).
@@ -333,6 +355,12 @@ impl Engine {
 
     /// A free request slot, to fill and `start`.
     pub fn alloc(&mut self) -> Option<usize> {
+        if self.free.is_empty() && self.reqs.len() < self.max_slots {
+            let n = self.reqs.len();
+            let add = n.max(64).min(self.max_slots - n);
+            self.reqs.extend((0..add).map(|_| Request::new()));
+            self.free.extend((n..n + add).rev());
+        }
         let r = self.free.pop()?;
         let q = &mut self.reqs[r];
         q.state = State::Filling;
@@ -420,6 +448,34 @@ impl Engine {
         };
     }
 
+    /// Stop the poll armed with [`Engine::poll_in`] under `tag`: its last event
+    /// (with `more` false) follows.
+    pub fn cancel_poll(&mut self, tag: u64) {
+        let tag = tag & TAG_MASK;
+        self.q
+            .cancel_poll((KIND_POLL << KIND_SHIFT) | tag, (KIND_CANCEL << KIND_SHIFT) | tag);
+    }
+
+    /// Give up the requests waiting for a resume that `drop` picks (their
+    /// frontend is going): they end with EIO, having reached no device.
+    pub fn drop_parked(&mut self, mut drop: impl FnMut(usize) -> bool) {
+        let mut i = 0;
+        while i < self.parked.len() {
+            let r = self.parked[i];
+            if !drop(r) {
+                i += 1;
+                continue;
+            }
+            self.parked.remove(i);
+            let q = &mut self.reqs[r];
+            q.state = State::Done;
+            q.error = libc::EIO;
+            end_stats(q);
+            release(&mut q.holds);
+            self.done.push_back(r);
+        }
+    }
+
     fn push(&mut self, op: Sqe, ud: u64) {
         self.ops += 1;
         // SAFETY: every pointer in `op` names memory the engine owns (request
@@ -461,6 +517,8 @@ impl Engine {
                     res: r,
                     more,
                 });
+            } else if u >> KIND_SHIFT == KIND_CANCEL {
+                // the poll's own last event says it ended
             } else {
                 cq.push((u, r));
             }

@@ -276,6 +276,35 @@ pub struct Registry {
     pub config: Config,
     /// What changed since the state file last recorded it ([`Registry::take_changed`]).
     changed: Mutex<Changed>,
+    /// What the frontends' servers hold (`dmkit stats --server`).
+    pub server: ServerCounters,
+}
+
+/// The NBD server's load, kept by the server and shown by `dmkit stats --server`.
+#[derive(Debug, Default)]
+pub struct ServerCounters {
+    /// Reactor threads serving connections.
+    pub reactors: std::sync::atomic::AtomicUsize,
+    /// Connections in the transmission phase.
+    pub connections: std::sync::atomic::AtomicUsize,
+    /// Connections in their handshake.
+    pub handshakes: std::sync::atomic::AtomicUsize,
+    /// Bytes of buffers the reactors hold (request data, receive buffers).
+    pub buffer_bytes: std::sync::atomic::AtomicUsize,
+}
+
+impl ServerCounters {
+    /// `dmkit stats --server`: one `key=value` line.
+    pub fn line(&self) -> String {
+        let l = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed);
+        format!(
+            "reactors={} connections={} handshakes={} buffer_bytes={}\n",
+            l(&self.reactors),
+            l(&self.connections),
+            l(&self.handshakes),
+            l(&self.buffer_bytes)
+        )
+    }
 }
 
 /// The devices whose record in the state file is out of date: by name, or all
@@ -323,6 +352,7 @@ impl Registry {
             shared: Shared::new(config.restart_logs.clone()),
             config,
             changed: Mutex::new(Changed::default()),
+            server: ServerCounters::default(),
         }
     }
 

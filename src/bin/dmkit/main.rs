@@ -146,6 +146,9 @@ struct ServeArgs {
     /// Also serve NBD over TCP on this address
     #[arg(long, value_name = "ADDR:PORT")]
     nbd_listen: Option<String>,
+    /// NBD I/O threads, each serving many connections (0: one per core)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    nbd_reactors: usize,
     /// TLS on the NBD sockets (unix and TCP)
     #[arg(long, value_enum, default_value_t = TlsMode::Off)]
     tls: TlsMode,
@@ -273,6 +276,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             serve(ServeOptions {
                 run_dir,
                 nbd_listen: a.nbd_listen,
+                nbd_reactors: a.nbd_reactors,
                 tls: dmkit::export::nbd::tls::Options {
                     mode: a.tls,
                     certificates: a.tls_certificates,

@@ -1,13 +1,16 @@
-//! The transmission phase: parse, validate, reply. One thread per connection.
+//! The transmission phase of one connection: parse, validate, reply.
 //!
-//! Requests are parsed from a receive buffer into the slots of the connection's
-//! request engine (`mapper::engine`), which maps and executes them. The socket is
-//! read with plain non-blocking receives while it has bytes; a multishot poll on
-//! the engine's ring says when it has more, and sends go through the ring, so one
-//! wait covers the socket, the backing I/O and targets' completions. Replies are
-//! gathered into one sendmsg per batch. Nothing is shared with other
-//! connections but the device (an atomic in-flight count and its table), and the
-//! steady state allocates nothing.
+//! A connection lives on a reactor (`super::reactor`), whose request engine
+//! (`mapper::engine`) and ring it shares with the reactor's other connections:
+//! requests are parsed from a receive buffer into the engine's slots, which map
+//! and execute them. The socket is read with plain non-blocking receives while it
+//! has bytes; a multishot poll on the ring says when it has more, and sends go
+//! through the ring, so one wait covers every socket of the reactor, the backing
+//! I/O and targets' completions. Replies are gathered into one sendmsg per batch.
+//! A connection with nothing under way holds its socket and a few hundred bytes:
+//! receive buffers come from the reactor's pool while bytes wait in them, and
+//! request buffers belong to the engine's slots. The steady state allocates
+//! nothing.
 //!
 //! Over TLS the same loop runs with the session as a transform: a receive
 //! decrypts what the socket has into the same buffers, and a batch of replies is
@@ -21,7 +24,7 @@ use crate::io::{AlignedBuf, Op, SECTOR};
 use crate::mapper::engine::{Engine, IoEvent};
 use crate::mapper::{self, Device};
 use std::collections::VecDeque;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 const RBUF_LEN: usize = 256 << 10;
@@ -37,10 +40,14 @@ const MAX_SLOTS: usize = 256;
 /// flight (fio's 8 x 512 KiB, nbdcopy's 32 x 256 KiB, qemu's 16 x 512 KiB); a
 /// request larger than that (up to the 32 MiB maximum payload) is taken alone.
 const MAX_HELD_BYTES: u64 = 8 << 20;
-/// Buffer capacity kept in the slots of one connection (so that steady I/O does
-/// not allocate); a buffer freed while the slots hold more is given back. Without
-/// a bound, a client could leave a large buffer in each of the 256 slots in turn.
-const MAX_KEPT_BYTES: usize = MAX_HELD_BYTES as usize;
+/// Buffer capacity kept in the slots of one reactor's engine (so that steady I/O
+/// does not allocate); a buffer freed while the slots hold more is given back.
+/// Without a bound, clients could leave a large buffer in every slot in turn.
+const MAX_KEPT_BYTES: usize = 32 << 20;
+/// Receive buffers kept for the reactor's connections between bursts.
+const KEPT_RBUFS: usize = 4;
+/// Capacity a TLS connection keeps in its buffers once it has nothing under way.
+const TLS_IDLE_KEPT: usize = 64 << 10;
 /// A block-status reply kept no larger than this in a freed slot.
 const KEEP_EXTRA: usize = 4096;
 /// Replies gathered into one sendmsg.
@@ -49,15 +56,26 @@ const SEND_BATCH: usize = 64;
 /// batches: a batch holds at most [`MAX_HELD_BYTES`] of replies, plus the records'
 /// overhead (22 bytes in 16 KiB); a larger batch's buffer is given back once sent.
 /// Regrowing the buffer batch after batch costs more than the encryption.
-const TLS_KEPT_BYTES: usize = MAX_KEPT_BYTES + (1 << 20);
+const TLS_KEPT_BYTES: usize = MAX_HELD_BYTES as usize + (1 << 20);
 /// Reply pieces smaller than this are copied together before encryption (one TLS
 /// record holds up to 16 KiB).
 const TLS_GATHER: usize = 16 << 10;
 /// Largest write payload read (and thrown away) from a client before hanging up.
 const MAX_DISCARDED_PAYLOAD: u64 = 2 * MAX_PAYLOAD as u64;
 
-const TAG_POLL: u64 = 1;
-const TAG_SEND: u64 = 2;
+/// A frontend tag names a connection and what completed for it.
+pub const TAG_POLL: u64 = 1;
+pub const TAG_SEND: u64 = 2;
+const TAG_KINDS: u32 = 2;
+
+pub fn tag(id: u32, kind: u64) -> u64 {
+    (u64::from(id) << TAG_KINDS) | kind
+}
+
+/// The connection and the kind of a tag made by [`tag`].
+pub fn untag(tag: u64) -> (u32, u64) {
+    ((tag >> TAG_KINDS) as u32, tag & ((1 << TAG_KINDS) - 1))
+}
 
 /// The protocol's side of a request; the engine's request of the same index holds
 /// the operation, the data and the progress.
@@ -78,6 +96,8 @@ struct Slot {
     extra_first: usize,
     /// What this request counts in the connection's held bytes.
     held: u64,
+    /// The connection the request belongs to.
+    conn: u32,
 }
 
 impl Slot {
@@ -95,7 +115,87 @@ impl Slot {
             extra: Vec::new(),
             extra_first: 0,
             held: 0,
+            conn: 0,
         }
+    }
+}
+
+/// What the connections of one reactor share: the engine with its ring and
+/// request slots, the protocol side of each slot, and the receive buffers.
+pub struct Shared {
+    pub engine: Engine,
+    slots: Slots,
+    rbufs: Vec<AlignedBuf>,
+    /// Capacity of the engine slots' data buffers, taken or free.
+    buf_bytes: usize,
+    /// Connections that stopped taking requests for want of a free slot; they go
+    /// on once one is freed.
+    pub starved: Vec<u32>,
+    /// The device the panic log names for this thread (the last one served).
+    named: usize,
+}
+
+impl Shared {
+    /// `slots` request slots to begin with, growing to `max` while clients
+    /// keep them all taken.
+    pub fn new(slots: usize, max: usize) -> std::io::Result<Shared> {
+        let mut engine = Engine::new(slots)?;
+        engine.allow_growth(max);
+        Ok(Shared {
+            engine,
+            slots: Slots(Vec::new()),
+            rbufs: Vec::new(),
+            buf_bytes: 0,
+            starved: Vec::new(),
+            named: 0,
+        })
+    }
+
+    /// The connection request `slot` belongs to.
+    pub fn owner(&self, slot: usize) -> u32 {
+        self.slots[slot].conn
+    }
+
+    /// Bytes of buffers the reactor holds (request data, receive buffers).
+    pub fn buffer_bytes(&self) -> usize {
+        self.buf_bytes + self.rbufs.len() * RBUF_LEN
+    }
+
+    /// Name `dev` in this thread's panic log, if it is not already named.
+    fn name(&mut self, dev: &Arc<Device>) {
+        let p = Arc::as_ptr(dev) as usize;
+        if self.named != p {
+            self.named = p;
+            crate::panics::set_device(&dev.name());
+        }
+    }
+}
+
+/// The protocol side of the engine's slots, by slot, in chunks that never move
+/// as more are added (a send under way points at a slot's reply header).
+struct Slots(Vec<Box<[Slot]>>);
+
+const SLOT_CHUNK: usize = 1024;
+
+impl Slots {
+    /// Make slot `i` exist.
+    fn cover(&mut self, i: usize) {
+        while self.0.len() * SLOT_CHUNK <= i {
+            self.0.push((0..SLOT_CHUNK).map(|_| Slot::new()).collect());
+        }
+    }
+}
+
+impl std::ops::Index<usize> for Slots {
+    type Output = Slot;
+    fn index(&self, i: usize) -> &Slot {
+        &self.0[i / SLOT_CHUNK][i % SLOT_CHUNK]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Slots {
+    fn index_mut(&mut self, i: usize) -> &mut Slot {
+        &mut self.0[i / SLOT_CHUNK][i % SLOT_CHUNK]
     }
 }
 
@@ -107,8 +207,11 @@ enum RecvInto {
 }
 
 pub struct Conn {
+    id: u32,
+    /// The socket; None once closed.
+    sock: Option<OwnedFd>,
     fd: RawFd,
-    dev: Arc<Device>,
+    pub dev: Arc<Device>,
     size: u64,
     /// The transmission flags the client was given: commands and flags they do not
     /// offer are refused.
@@ -117,8 +220,8 @@ pub struct Conn {
     base_allocation: bool,
     /// The base of the negotiated `qemu:dirty-bitmap:BASE` context.
     dirty_base: Option<String>,
-    engine: Engine,
-    rbuf: AlignedBuf,
+    /// Taken from the reactor's pool while bytes wait in it.
+    rbuf: Option<AlignedBuf>,
     rpos: usize,
     rend: usize,
     /// The socket may hold bytes not yet received.
@@ -134,21 +237,24 @@ pub struct Conn {
     payload: Option<(usize, usize)>,
     /// Payload bytes of a refused write still to be read and thrown away.
     discard: u64,
-    slots: Vec<Slot>,
+    /// Engine slots this connection has taken and not freed.
+    taken: usize,
+    /// On the reactor's list of connections waiting for a free slot.
+    starved: bool,
     /// Bytes held for requests taken and not yet answered on the wire (see
     /// [`MAX_HELD_BYTES`]).
     held_bytes: u64,
-    /// Capacity of the slots' data buffers, taken or free.
-    buf_bytes: usize,
     sendq: VecDeque<usize>,
     sending: Vec<usize>,
     iov: Vec<libc::iovec>,
     iov_pos: usize,
-    msg: libc::msghdr,
+    /// Boxed: the ring reads it while a send is under way.
+    msg: Box<libc::msghdr>,
     send_inflight: bool,
     closing: bool,
     dead: bool,
-    events: Vec<IoEvent>,
+    /// The socket is shut and closed; the connection waits for its poll's end.
+    closed: bool,
     /// The TLS session of a connection that started TLS.
     tls: Option<Tls>,
 }
@@ -163,21 +269,20 @@ struct Tls {
 }
 
 impl Conn {
-    pub fn new(fd: RawFd, n: super::handshake::Negotiated, tls: Option<Session>) -> std::io::Result<Conn> {
+    pub fn new(id: u32, sock: OwnedFd, n: super::handshake::Negotiated, tls: Option<Session>) -> Conn {
         // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        // this thread serves `n.dev`: a panic on it is logged under the device's name
-        crate::panics::set_device(&n.dev.name());
-        Ok(Conn {
-            fd,
-            engine: Engine::new(MAX_SLOTS)?,
+        Conn {
+            id,
+            fd: sock.as_raw_fd(),
+            sock: Some(sock),
             dev: n.dev,
             size: n.size,
             tflags: n.flags,
             structured: n.structured,
             base_allocation: n.base_allocation,
             dirty_base: n.dirty_base,
-            rbuf: AlignedBuf::new(RBUF_LEN),
+            rbuf: None,
             rpos: 0,
             rend: 0,
             readable: true,
@@ -186,113 +291,180 @@ impl Conn {
             eof: false,
             payload: None,
             discard: 0,
-            slots: (0..MAX_SLOTS).map(|_| Slot::new()).collect(),
+            taken: 0,
+            starved: false,
             held_bytes: 0,
-            buf_bytes: 0,
             sendq: VecDeque::new(),
-            sending: Vec::with_capacity(SEND_BATCH),
-            iov: Vec::with_capacity(3 * SEND_BATCH),
+            sending: Vec::new(),
+            iov: Vec::new(),
             iov_pos: 0,
-            msg,
+            msg: Box::new(msg),
             send_inflight: false,
             closing: false,
             dead: false,
-            events: Vec::with_capacity(8),
+            closed: false,
             tls: tls.map(|session| Tls {
                 session,
                 plain: Vec::new(),
                 out: Vec::new(),
             }),
-        })
+        }
     }
 
-    /// Serve until the client disconnects; every submitted operation has completed
-    /// when this returns (buffers are never freed under the kernel or a target).
-    pub fn run(&mut self) {
-        loop {
-            if !self.dead && !self.closing {
-                self.parse();
-                self.receive();
-            }
-            while let Some(r) = self.engine.pop_done() {
-                self.finish(r);
-            }
-            if !self.dead && !self.send_inflight && !self.sendq.is_empty() {
-                self.send_batch();
-            } else if !self.dead
-                && !self.send_inflight
-                && self.tls.as_ref().is_some_and(|t| t.session.has_output())
-            {
-                self.send_batch(); // what the session has to say of its own (a key update)
-            }
-            let busy = self.engine.nr_free() < MAX_SLOTS;
-            if !self.engine.busy() && (self.dead || (self.closing && !busy)) {
-                break;
-            }
-            if self.dead {
-                // Wake a receive that would otherwise wait for the client forever.
-                // SAFETY: shutdown on our own socket descriptor.
-                unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
-                break;
-            }
-            if self.engine.turn(None).is_err() {
-                self.dead = true;
-            }
-            let mut ev = std::mem::take(&mut self.events);
-            self.engine.io_events(&mut ev);
-            for e in &ev {
-                match e.tag {
-                    TAG_POLL => {
-                        self.readable = true;
-                        self.poll_armed = e.more;
-                        let end = i32::from(libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR);
-                        if e.res < 0 || e.res & end != 0 {
-                            self.hangup = true;
-                        }
-                    }
-                    _ => self.on_sent(e.res),
+    /// Do what the connection can do now: take requests from the socket while
+    /// it has bytes and there is room for them, and send the replies that are
+    /// ready. The reactor calls this whenever something happened to it.
+    pub fn step(&mut self, sh: &mut Shared) {
+        if self.closed {
+            return;
+        }
+        sh.name(&self.dev);
+        if !self.dead && !self.closing {
+            self.parse(sh);
+            self.receive(sh);
+        }
+        if !self.dead && !self.send_inflight && !self.sendq.is_empty() {
+            self.send_batch(sh);
+        } else if !self.dead
+            && !self.send_inflight
+            && self.tls.as_ref().is_some_and(|t| t.session.has_output())
+        {
+            self.send_batch(sh); // what the session has to say of its own (a key update)
+        }
+        if self.taken == 0 && !self.send_inflight {
+            self.shrink_idle();
+        }
+    }
+
+    /// A completion of the connection's own operation on the ring.
+    pub fn on_event(&mut self, sh: &mut Shared, kind: u64, e: &IoEvent) {
+        match kind {
+            TAG_POLL => {
+                self.readable = true;
+                self.poll_armed = e.more;
+                if self.closed && e.more {
+                    // the poll fired while its removal ran (which then fails with
+                    // EALREADY): remove it again
+                    sh.engine.cancel_poll(tag(self.id, TAG_POLL));
+                }
+                let end = i32::from(libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR);
+                if e.res < 0 || e.res & end != 0 {
+                    self.hangup = true;
                 }
             }
-            ev.clear();
-            self.events = ev;
+            _ => self.on_sent(sh, e.res),
         }
-        // the receive and send in flight name our buffers: the engine waits for them
-        self.engine.shut_down();
     }
 
-    fn push(&mut self, op: Sqe, tag: u64) {
+    /// The engine could not take the connection's requests: it failed (the
+    /// reactor's ring is gone).
+    pub fn fail(&mut self) {
+        self.dead = true;
+        self.closing = true;
+    }
+
+    /// Whether nothing of the connection is under way any more (requests,
+    /// sends), so that it can close: the client left, broke the protocol or
+    /// disconnected and every request has its answer out.
+    pub fn finished(&self) -> bool {
+        if self.send_inflight || !(self.dead || self.closing) {
+            return false;
+        }
+        if self.dead {
+            let waiting = self.sendq.len() + self.sending.len() + usize::from(self.payload.is_some());
+            self.taken == waiting
+        } else {
+            self.taken == 0 && self.payload.is_none()
+        }
+    }
+
+    /// Close a [`finished`](Conn::finished) connection: requests that never
+    /// reached a device are given up, the socket is shut and closed, and the
+    /// readiness poll is stopped. Returns whether the connection may be dropped
+    /// now (else once its poll's last event came).
+    pub fn close(&mut self, sh: &mut Shared) -> bool {
+        if !self.closed {
+            self.closed = true;
+            let mut slots: Vec<usize> = self.sendq.drain(..).chain(self.sending.drain(..)).collect();
+            slots.extend(self.payload.take().map(|(s, _)| s));
+            for slot in slots {
+                self.free_slot(sh, slot);
+            }
+            if self.dead {
+                // SAFETY: shutdown on our own socket descriptor.
+                unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+            }
+            if self.poll_armed {
+                sh.engine.cancel_poll(tag(self.id, TAG_POLL));
+            }
+            // (the ring's poll keeps its own reference to the socket until it ends)
+            self.sock = None;
+            if let Some(b) = self.rbuf.take() {
+                give_rbuf(sh, b);
+            }
+        }
+        !self.poll_armed
+    }
+
+    /// A dead connection's requests still waiting for a resume are given up.
+    pub fn drop_parked(&self, sh: &mut Shared) {
+        if self.dead {
+            let id = self.id;
+            let slots = &sh.slots;
+            sh.engine.drop_parked(|r| slots[r].conn == id);
+        }
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.dead
+    }
+
+    /// Give back what an idle connection need not keep.
+    fn shrink_idle(&mut self) {
+        if let Some(t) = self.tls.as_mut() {
+            for b in [&mut t.plain, &mut t.out] {
+                if b.capacity() > TLS_IDLE_KEPT {
+                    *b = Vec::new();
+                }
+            }
+        }
+    }
+
+    fn push(&mut self, sh: &mut Shared, op: Sqe, tag: u64) {
         // SAFETY: every pointer in `op` names memory owned by `self` (the receive
         // buffer, request buffers, iovecs and msghdr), which is neither freed nor
         // moved until the engine is idle: `run` only returns after `shut_down`,
         // which waits for every operation, and buffers are only resized in free slots.
-        unsafe { self.engine.push_io(op, tag) };
+        unsafe { sh.engine.push_io(op, tag) };
     }
 
     // ---- receiving and parsing ----
 
     /// Where the next bytes from the socket go, and how many fit; None while
     /// back-pressure holds the client in the socket.
-    fn recv_target(&mut self) -> Option<(RecvInto, *mut u8, usize)> {
+    fn recv_target(&mut self, sh: &mut Shared) -> Option<(RecvInto, *mut u8, usize)> {
         if let Some((slot, got)) = self.payload {
             if self.rpos == self.rend {
                 // Large payloads land in the request's buffer directly.
-                let need = self.slots[slot].len as usize - got;
+                let need = sh.slots[slot].len as usize - got;
                 if need >= 64 << 10 {
-                    let ptr = self.engine.request_mut(slot).buf.as_mut_slice()[got..].as_mut_ptr();
+                    let ptr = sh.engine.request_mut(slot).buf.as_mut_slice()[got..].as_mut_ptr();
                     return Some((RecvInto::Slot(slot), ptr, need));
                 }
             }
-        } else if self.discard == 0 && (self.engine.nr_free() == 0 || self.held_bytes >= MAX_HELD_BYTES) {
+        } else if self.discard == 0 && (self.no_slot(sh) || self.held_bytes >= MAX_HELD_BYTES) {
             return None; // back-pressure: the client waits in the socket
         }
-        if self.rend == self.rbuf.capacity() {
+        let rbuf = self.rbuf.get_or_insert_with(|| take_rbuf(sh));
+        if self.rend == rbuf.capacity() {
             if self.rpos == 0 {
                 return None; // full of unparsed bytes; parsing must make room first
             }
             self.compact();
         }
-        let ptr = self.rbuf.as_mut_slice()[self.rend..].as_mut_ptr();
-        Some((RecvInto::Rbuf, ptr, self.rbuf.capacity() - self.rend))
+        let rbuf = self.rbuf.as_mut()?;
+        let ptr = rbuf.as_mut_slice()[self.rend..].as_mut_ptr();
+        Some((RecvInto::Rbuf, ptr, rbuf.capacity() - self.rend))
     }
 
     /// Receive and parse while the socket has bytes and there is room for them.
@@ -302,9 +474,9 @@ impl Conn {
     /// where a receive queued on the ring would arm and disarm a poll every time
     /// it finds the socket empty (that was 43% of the server's CPU when the
     /// client, not the server, was the bottleneck).
-    fn receive(&mut self) {
+    fn receive(&mut self, sh: &mut Shared) {
         while self.readable && !self.dead && !self.closing {
-            let Some((into, ptr, len)) = self.recv_target() else {
+            let Some((into, ptr, len)) = self.recv_target(sh) else {
                 break;
             };
             let r = match self.tls.as_mut() {
@@ -333,7 +505,7 @@ impl Conn {
                     break;
                 }
                 Err(e) => {
-                    self.on_recv(into, -e);
+                    self.on_recv(sh, into, -e);
                     break;
                 }
             };
@@ -343,23 +515,58 @@ impl Conn {
                 // receive that returns 0, and no later wake-up would announce it.
                 self.readable = false;
             }
-            self.on_recv(into, r as i32);
-            self.parse();
+            self.on_recv(sh, into, r as i32);
+            self.parse(sh);
+        }
+        if self.rpos == self.rend && self.payload.is_none() {
+            (self.rpos, self.rend) = (0, 0);
+            if let Some(b) = self.rbuf.take() {
+                give_rbuf(sh, b); // nothing waits in it
+            }
         }
         if !self.readable && !self.poll_armed && !self.dead && !self.closing && !self.eof {
-            self.engine.poll_in(self.fd, TAG_POLL);
+            sh.engine.poll_in(self.fd, tag(self.id, TAG_POLL));
             self.poll_armed = true;
         }
     }
 
+    /// Whether the connection can take no request now: it has as many under way
+    /// as one connection may, or the reactor's slots are all taken (then it
+    /// waits on the reactor's list until one is freed).
+    fn no_slot(&mut self, sh: &mut Shared) -> bool {
+        if self.taken >= MAX_SLOTS {
+            return true;
+        }
+        if sh.engine.can_alloc() {
+            return false;
+        }
+        if !self.starved {
+            self.starved = true;
+            sh.starved.push(self.id);
+        }
+        true
+    }
+
+    /// Back on the reactor's list of connections to step: a slot is free.
+    pub fn unstarve(&mut self) {
+        self.starved = false;
+    }
+
+    /// The receive buffer's bytes (none while it is back in the pool).
+    fn received(&self) -> &[u8] {
+        self.rbuf.as_ref().map_or(&[], |b| b.as_slice())
+    }
+
     fn compact(&mut self) {
         let n = self.rend - self.rpos;
-        self.rbuf.as_mut_slice().copy_within(self.rpos..self.rend, 0);
+        if let Some(b) = self.rbuf.as_mut() {
+            b.as_mut_slice().copy_within(self.rpos..self.rend, 0);
+        }
         self.rpos = 0;
         self.rend = n;
     }
 
-    fn on_recv(&mut self, into: RecvInto, r: i32) {
+    fn on_recv(&mut self, sh: &mut Shared, into: RecvInto, r: i32) {
         if r < 0 {
             self.dead = true;
             self.closing = true;
@@ -376,9 +583,9 @@ impl Conn {
             RecvInto::Slot(slot) => {
                 if let Some((s, got)) = self.payload.as_mut() {
                     *got += r as usize;
-                    if *s == slot && *got == self.slots[slot].len as usize {
+                    if *s == slot && *got == sh.slots[slot].len as usize {
                         self.payload = None;
-                        self.dispatch(slot);
+                        self.dispatch(sh, slot);
                     }
                 }
             }
@@ -404,12 +611,12 @@ impl Conn {
         // else whole requests wait in the buffer for back-pressure to lift
     }
 
-    fn parse(&mut self) {
-        self.parse_buffered();
+    fn parse(&mut self, sh: &mut Shared) {
+        self.parse_buffered(sh);
         self.finish_input();
     }
 
-    fn parse_buffered(&mut self) {
+    fn parse_buffered(&mut self, sh: &mut Shared) {
         loop {
             let avail = self.rend - self.rpos;
             if self.discard > 0 {
@@ -422,28 +629,28 @@ impl Conn {
                 continue;
             }
             if let Some((slot, got)) = self.payload {
-                let need = self.slots[slot].len as usize - got;
+                let need = sh.slots[slot].len as usize - got;
                 let n = need.min(avail);
                 if n == 0 {
                     break;
                 }
-                let (rpos, src) = (self.rpos, self.rbuf.as_slice());
-                self.engine.request_mut(slot).buf.as_mut_slice()[got..got + n]
+                let (rpos, src) = (self.rpos, self.received());
+                sh.engine.request_mut(slot).buf.as_mut_slice()[got..got + n]
                     .copy_from_slice(&src[rpos..rpos + n]);
                 self.rpos += n;
                 if n == need {
                     self.payload = None;
-                    self.dispatch(slot);
+                    self.dispatch(sh, slot);
                 } else {
                     self.payload = Some((slot, got + n));
                     break;
                 }
                 continue;
             }
-            if avail < 28 || self.closing || self.engine.nr_free() == 0 {
+            if avail < 28 || self.closing || self.no_slot(sh) {
                 break;
             }
-            let h = &self.rbuf.as_slice()[self.rpos..self.rpos + 28];
+            let h = &self.received()[self.rpos..self.rpos + 28];
             let magic = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
             if magic != REQUEST_MAGIC {
                 tracing::warn!(
@@ -473,8 +680,11 @@ impl Conn {
                 self.closing = true;
                 return;
             }
-            let Some(slot) = self.engine.alloc() else { return };
-            let s = &mut self.slots[slot];
+            let Some(slot) = sh.engine.alloc() else { return };
+            sh.slots.cover(slot);
+            self.taken += 1;
+            let s = &mut sh.slots[slot];
+            s.conn = self.id;
             s.cookie = cookie;
             s.cmd = cmd;
             s.flags = flags;
@@ -486,10 +696,10 @@ impl Conn {
             s.held = cost;
             self.held_bytes += cost;
             if cost > 0 {
-                let buf = &mut self.engine.request_mut(slot).buf;
+                let buf = &mut sh.engine.request_mut(slot).buf;
                 let had = buf.capacity();
                 buf.ensure(len as usize);
-                self.buf_bytes += buf.capacity() - had;
+                sh.buf_bytes += buf.capacity() - had;
             }
             // A zero-length write has no payload to wait for.
             if cmd == CMD_WRITE && len > 0 {
@@ -499,23 +709,28 @@ impl Conn {
                             "nbd {}: write payload of {len} bytes; disconnecting",
                             self.dev.name()
                         );
-                        self.engine.free(slot);
+                        sh.engine.free(slot);
+                        self.taken -= 1;
                         self.dead = true;
                         return;
                     }
                     self.discard = u64::from(len);
-                    self.refuse(slot, EOVERFLOW);
+                    self.refuse(sh, slot, EOVERFLOW);
                     continue;
                 }
                 self.payload = Some((slot, 0));
                 continue;
             }
-            self.dispatch(slot);
+            self.dispatch(sh, slot);
         }
         if self.rpos == self.rend {
             self.rpos = 0;
             self.rend = 0;
-        } else if self.rpos > self.rbuf.capacity() / 2 {
+            // nothing waits in the buffer: the pool keeps it for the next burst
+            if let Some(b) = self.rbuf.take() {
+                give_rbuf(sh, b);
+            }
+        } else if self.rpos > RBUF_LEN / 2 {
             self.compact();
         }
     }
@@ -591,34 +806,34 @@ impl Conn {
         Ok(())
     }
 
-    fn dispatch(&mut self, slot: usize) {
-        if let Err(e) = self.validate(&self.slots[slot]) {
-            return self.refuse(slot, e);
+    fn dispatch(&mut self, sh: &mut Shared, slot: usize) {
+        if let Err(e) = self.validate(&sh.slots[slot]) {
+            return self.refuse(sh, slot, e);
         }
-        let s = &self.slots[slot];
+        let s = &sh.slots[slot];
         if s.cmd == CMD_BLOCK_STATUS {
-            return self.block_status(slot);
+            return self.block_status(sh, slot);
         }
         // CACHE is advisory and the range is valid; empty reads and writes have nothing to do.
         let Some(op) = Self::op_of(s.cmd).filter(|&op| s.len > 0 || op == Op::Flush) else {
-            return self.engine.complete(slot, 0);
+            return sh.engine.complete(slot, 0);
         };
         let (offset, len, flags) = (s.offset, s.len, s.flags);
-        let q = self.engine.request_mut(slot);
+        let q = sh.engine.request_mut(slot);
         q.op = op;
         q.sector = offset / SECTOR;
         q.nr_sectors = u64::from(len) / SECTOR;
         q.fua = flags & CMD_FLAG_FUA != 0;
         q.punch = flags & CMD_FLAG_NO_HOLE == 0;
         q.fast_zero = flags & CMD_FLAG_FAST_ZERO != 0;
-        self.engine.start(slot, &self.dev);
+        sh.engine.start(slot, &self.dev);
     }
 
     /// Answer `slot` with an NBD error of the export's own (the request never reaches
     /// the device).
-    fn refuse(&mut self, slot: usize, e: u32) {
-        self.slots[slot].error = e;
-        self.engine.complete(slot, 0);
+    fn refuse(&mut self, sh: &mut Shared, slot: usize, e: u32) {
+        sh.slots[slot].error = e;
+        sh.engine.complete(slot, 0);
     }
 
     /// The operation an NBD command maps to (None: handled by the export itself).
@@ -634,10 +849,10 @@ impl Conn {
     }
 
     /// Build the reply of `slot` and queue it.
-    fn finish(&mut self, slot: usize) {
+    pub fn finish(&mut self, sh: &mut Shared, slot: usize) {
         let structured = self.structured;
-        let engine_error = self.engine.request(slot).error;
-        let s = &mut self.slots[slot];
+        let engine_error = sh.engine.request(slot).error;
+        let s = &mut sh.slots[slot];
         if s.error == 0 && engine_error != 0 {
             s.error = nbd_errno(engine_error);
         }
@@ -679,9 +894,9 @@ impl Conn {
 
     /// One BLOCK_STATUS chunk per negotiated context: base:allocation, then the
     /// changed blocks against the dirty-bitmap base.
-    fn block_status(&mut self, slot: usize) {
+    fn block_status(&mut self, sh: &mut Shared, slot: usize) {
         let (sector, nr, len, req_one, cookie) = {
-            let s = &self.slots[slot];
+            let s = &sh.slots[slot];
             (
                 s.offset / SECTOR,
                 u64::from(s.len) / SECTOR,
@@ -713,12 +928,12 @@ impl Conn {
                 self.dev.name(),
                 sector * SECTOR
             );
-            let s = &mut self.slots[slot];
+            let s = &mut sh.slots[slot];
             s.extra.clear();
             s.extra_first = 0;
-            return self.refuse(slot, EIO);
+            return self.refuse(sh, slot, EIO);
         }
-        let s = &mut self.slots[slot];
+        let s = &mut sh.slots[slot];
         s.extra.clear();
         s.extra_first = 0;
         let n = contexts.len();
@@ -759,24 +974,24 @@ impl Conn {
         let n = s.extra.len() as u64;
         s.held += n;
         self.held_bytes += n;
-        self.engine.complete(slot, 0);
+        sh.engine.complete(slot, 0);
     }
 
     // ---- sending ----
 
-    fn send_batch(&mut self) {
+    fn send_batch(&mut self, sh: &mut Shared) {
         self.iov.clear();
         self.sending.clear();
         while self.sending.len() < SEND_BATCH {
             let Some(slot) = self.sendq.pop_front() else { break };
-            let s = &self.slots[slot];
+            let s = &sh.slots[slot];
             self.iov.push(libc::iovec {
                 iov_base: s.hdr.as_ptr() as *mut libc::c_void,
                 iov_len: s.hdr_len,
             });
             if s.data_len > 0 {
                 self.iov.push(libc::iovec {
-                    iov_base: self.engine.request(slot).buf.as_ptr() as *mut libc::c_void,
+                    iov_base: sh.engine.request(slot).buf.as_ptr() as *mut libc::c_void,
                     iov_len: s.data_len,
                 });
             }
@@ -792,7 +1007,7 @@ impl Conn {
         if self.tls.is_some() {
             self.encrypt_batch();
         }
-        self.submit_send();
+        self.submit_send(sh);
     }
 
     /// TLS: replace the batch's iovecs by one over its encryption. Small pieces
@@ -827,20 +1042,20 @@ impl Conn {
         });
     }
 
-    fn submit_send(&mut self) {
+    fn submit_send(&mut self, sh: &mut Shared) {
         let rest = &mut self.iov[self.iov_pos..];
         self.msg.msg_iov = rest.as_mut_ptr();
         self.msg.msg_iovlen = rest.len() as _;
-        let msg = &self.msg as *const libc::msghdr;
-        self.push(Sqe::SendMsg { fd: self.fd, msg }, TAG_SEND);
+        let msg = &*self.msg as *const libc::msghdr;
+        self.push(sh, Sqe::SendMsg { fd: self.fd, msg }, tag(self.id, TAG_SEND));
         self.send_inflight = true;
     }
 
-    fn on_sent(&mut self, r: i32) {
+    fn on_sent(&mut self, sh: &mut Shared, r: i32) {
         self.send_inflight = false;
         if r < 0 {
             if r == -libc::EINTR || r == -libc::EAGAIN {
-                return self.submit_send();
+                return self.submit_send(sh);
             }
             self.dead = true;
             self.sendq.extend(self.sending.drain(..));
@@ -860,11 +1075,11 @@ impl Conn {
             }
         }
         if self.iov_pos < self.iov.len() {
-            return self.submit_send();
+            return self.submit_send(sh);
         }
         for i in 0..self.sending.len() {
             let slot = self.sending[i];
-            self.free_slot(slot);
+            self.free_slot(sh, slot);
         }
         self.sending.clear();
         if let Some(t) = self.tls.as_mut() {
@@ -876,19 +1091,30 @@ impl Conn {
         }
     }
 
-    fn free_slot(&mut self, slot: usize) {
-        let s = &mut self.slots[slot];
+    fn free_slot(&mut self, sh: &mut Shared, slot: usize) {
+        let s = &mut sh.slots[slot];
         self.held_bytes -= s.held;
         s.held = 0;
         if s.extra.capacity() > KEEP_EXTRA {
             s.extra = Vec::new();
         }
-        let q = self.engine.request_mut(slot);
-        if self.buf_bytes > MAX_KEPT_BYTES {
-            self.buf_bytes -= q.buf.capacity();
+        let q = sh.engine.request_mut(slot);
+        if sh.buf_bytes > MAX_KEPT_BYTES {
+            sh.buf_bytes -= q.buf.capacity();
             q.buf = AlignedBuf::default();
         }
-        self.engine.free(slot);
+        sh.engine.free(slot);
+        self.taken -= 1;
+    }
+}
+
+fn take_rbuf(sh: &mut Shared) -> AlignedBuf {
+    sh.rbufs.pop().unwrap_or_else(|| AlignedBuf::new(RBUF_LEN))
+}
+
+fn give_rbuf(sh: &mut Shared, b: AlignedBuf) {
+    if sh.rbufs.len() < KEPT_RBUFS {
+        sh.rbufs.push(b);
     }
 }
 

@@ -3,12 +3,13 @@
 pub mod conn;
 pub mod handshake;
 pub mod proto;
+pub mod reactor;
 pub mod tls;
 
 use crate::mapper::Registry;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -61,62 +62,124 @@ fn handshake<S: Read + Write + AsFd>(
     }
 }
 
-/// Serve one client connection to the end.
-pub fn serve_connection<S: Read + Write + AsRawFd + AsFd>(
+/// Take one client through its handshake on this thread: the connection, ready
+/// for its transmission phase (None: it ended, and why is logged).
+fn negotiate<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
     mut s: S,
     reg: &Registry,
     peer: &str,
     tls: &tls::Tls,
-) {
+) -> Option<reactor::NewConn> {
     let (neg, session) = match handshake(&mut s, reg, tls) {
         Ok(Some(n)) => n,
-        Ok(None) => return,
+        Ok(None) => return None,
         Err(e) => {
             tracing::info!("nbd {peer}: handshake ended: {e}");
-            return;
+            return None;
         }
     };
     // The handshake deadline does not apply to an attached client, which may idle.
     clear_receive_timeout(&s);
-    let dev = neg.dev.clone();
-    dev.open_count.fetch_add(1, Ordering::SeqCst);
-    match conn::Conn::new(s.as_raw_fd(), neg, session) {
-        Ok(mut conn) => conn.run(),
-        Err(e) => tracing::warn!("nbd {peer}: cannot serve the connection: {e}"),
-    }
-    drop(s);
-    dev.open_count.fetch_sub(1, Ordering::SeqCst);
-    reg.closed(&dev);
+    neg.dev.open_count.fetch_add(1, Ordering::SeqCst);
+    Some(reactor::NewConn {
+        sock: s.into(),
+        neg,
+        session,
+    })
 }
 
-pub fn serve_unix(listener: UnixListener, reg: Arc<Registry>, tls: Arc<tls::Tls>) {
-    for s in listener.incoming() {
-        let Ok(s) = s else { continue };
-        let reg = reg.clone();
-        let tls = tls.clone();
-        let _ = s.set_read_timeout(Some(handshake_timeout()));
-        let _ = std::thread::Builder::new()
-            .name("nbd-conn".into())
-            .spawn(move || serve_connection::<UnixStream>(s, &reg, "unix", &tls));
+/// Take one client through its handshake, then hand it to a reactor.
+pub fn serve_connection<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
+    s: S,
+    reg: &Registry,
+    peer: &str,
+    tls: &tls::Tls,
+    reactors: &reactor::Reactors,
+) {
+    if let Some(c) = negotiate(s, reg, peer, tls) {
+        reactors.hand(c);
     }
+}
+
+/// The whole life of one connection on this thread: its handshake, then its
+/// transmission phase on an engine of its own (the fuzzers' way in).
+pub fn serve_one<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
+    s: S,
+    reg: &Arc<Registry>,
+    peer: &str,
+    tls: &tls::Tls,
+) {
+    if let Some(c) = negotiate(s, reg, peer, tls) {
+        let dev = c.neg.dev.clone();
+        if let Err(e) = reactor::serve_alone(c, reg) {
+            tracing::warn!("nbd {peer}: cannot serve the connection: {e}");
+            dev.open_count.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Accept clients for ever: each one's handshake on a thread of its own (at most
+/// [`reactor::MAX_HANDSHAKES`] at once; the others wait in the listen queue),
+/// then on a reactor.
+fn accept<S>(
+    mut next: impl FnMut() -> Option<(S, String)>,
+    reg: Arc<Registry>,
+    tls: Arc<tls::Tls>,
+    reactors: Arc<reactor::Reactors>,
+) where
+    S: Read + Write + AsRawFd + AsFd + Into<OwnedFd> + Send + 'static,
+{
+    loop {
+        reactors.wait_for_room();
+        let Some((s, peer)) = next() else {
+            // out of descriptors or memory: let the clients already in go first
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        reactors.begin_handshake(&reg);
+        let (reg2, tls2, r2) = (reg.clone(), tls.clone(), reactors.clone());
+        let spawned = std::thread::Builder::new()
+            .name("nbd-handshake".into())
+            .spawn(move || {
+                serve_connection::<S>(s, &reg2, &peer, &tls2, &r2);
+                r2.end_handshake(&reg2);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("nbd: no thread for a handshake ({e}); the client is turned away");
+            reactors.end_handshake(&reg);
+        }
+    }
+}
+
+pub fn serve_unix(
+    listener: UnixListener,
+    reg: Arc<Registry>,
+    tls: Arc<tls::Tls>,
+    reactors: Arc<reactor::Reactors>,
+) {
+    let next = || {
+        let (s, _) = listener.accept().ok()?;
+        let _ = s.set_read_timeout(Some(handshake_timeout()));
+        Some((s, "unix".to_string()))
+    };
+    accept::<UnixStream>(next, reg, tls, reactors);
 }
 
 fn clear_receive_timeout(s: impl AsFd) {
     let _ = rustix::net::sockopt::set_socket_timeout(s, rustix::net::sockopt::Timeout::Recv, None);
 }
 
-pub fn serve_tcp(listener: TcpListener, reg: Arc<Registry>, tls: Arc<tls::Tls>) {
-    for s in listener.incoming() {
-        let Ok(s) = s else { continue };
-        let reg = reg.clone();
-        let tls = tls.clone();
-        let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+pub fn serve_tcp(
+    listener: TcpListener,
+    reg: Arc<Registry>,
+    tls: Arc<tls::Tls>,
+    reactors: Arc<reactor::Reactors>,
+) {
+    let next = || {
+        let (s, addr) = listener.accept().ok()?;
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(handshake_timeout()));
-        let _ = std::thread::Builder::new()
-            .name("nbd-conn".into())
-            .spawn(move || {
-                serve_connection::<TcpStream>(s, &reg, &peer, &tls);
-            });
-    }
+        Some((s, addr.to_string()))
+    };
+    accept::<TcpStream>(next, reg, tls, reactors);
 }

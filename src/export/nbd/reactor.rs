@@ -1,0 +1,330 @@
+//! Reactors: a few I/O threads, each serving many NBD connections.
+//!
+//! A connection's handshake runs on a short-lived thread of its own (it is a
+//! conversation of blocking reads and writes, TLS included, bounded by a
+//! deadline and by [`MAX_HANDSHAKES`] at a time); once the client is in the
+//! transmission phase the connection is handed to the reactor with the fewest
+//! connections and stays there. A reactor owns one request engine (one ring,
+//! [`REACTOR_SLOTS`] request slots) shared by all its connections: one wait
+//! covers every socket, every backing I/O and every target completion of the
+//! thread, and nothing on the fast path takes a lock (requests of a connection
+//! never leave its reactor). An idle connection costs its socket and its
+//! `Conn` (a few hundred bytes); receive buffers and request buffers belong to
+//! the reactor and are bounded there.
+
+use super::conn::{self, Conn, Shared, TAG_POLL};
+use super::handshake::Negotiated;
+use super::tls::Session;
+use crate::mapper::engine::{IoEvent, SLOTS_LIMIT};
+use crate::mapper::Registry;
+use crate::sync::Unpoison;
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Request slots of one reactor's engine to begin with; it grows to the most an
+/// engine can have ([`SLOTS_LIMIT`]: 256 connections' worth, at 256 requests
+/// each, of requests under way or with replies their clients have not read).
+const REACTOR_SLOTS: usize = 1024;
+/// Handshakes under way at once; more clients wait in the listen queue.
+pub const MAX_HANDSHAKES: usize = 256;
+/// The tag of a reactor's own poll on its door.
+const DOOR_TAG: u64 = 0;
+
+/// A client that finished its handshake, for a reactor to serve.
+pub struct NewConn {
+    pub sock: OwnedFd,
+    pub neg: Negotiated,
+    pub session: Option<Session>,
+}
+
+/// Where connections are handed to a reactor.
+struct Door {
+    queue: Mutex<Vec<NewConn>>,
+    /// Signalled when the queue has connections.
+    efd: OwnedFd,
+    /// Connections the reactor serves (the least loaded gets the next one).
+    conns: AtomicUsize,
+}
+
+/// The reactors of a daemon, and the bound on handshakes.
+pub struct Reactors {
+    doors: Vec<Arc<Door>>,
+    handshakes: Mutex<usize>,
+    handshake_done: Condvar,
+}
+
+impl Reactors {
+    /// Start `n` reactors (at least one).
+    pub fn start(n: usize, reg: &Arc<Registry>) -> std::io::Result<Arc<Reactors>> {
+        let mut doors = Vec::new();
+        for i in 0..n.max(1) {
+            let efd = rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+            )?;
+            let door = Arc::new(Door {
+                queue: Mutex::new(Vec::new()),
+                efd,
+                conns: AtomicUsize::new(0),
+            });
+            let (d, reg) = (door.clone(), reg.clone());
+            // the engine is made on the thread that uses its ring
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name(format!("nbd-reactor-{i}"))
+                .spawn(move || match Shared::new(REACTOR_SLOTS, SLOTS_LIMIT) {
+                    Ok(sh) => {
+                        let _ = tx.send(Ok(()));
+                        run(sh, &d, &reg);
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
+                })?;
+            rx.recv().map_err(std::io::Error::other)??;
+            doors.push(door);
+        }
+        reg.server.reactors.store(doors.len(), Ordering::Relaxed);
+        Ok(Arc::new(Reactors {
+            doors,
+            handshakes: Mutex::new(0),
+            handshake_done: Condvar::new(),
+        }))
+    }
+
+    /// Hand a client in the transmission phase to the reactor with the fewest
+    /// connections.
+    pub fn hand(&self, c: NewConn) {
+        let Some(door) = self.doors.iter().min_by_key(|d| d.conns.load(Ordering::Relaxed)) else {
+            return;
+        };
+        door.conns.fetch_add(1, Ordering::Relaxed);
+        door.queue.lock().unpoisoned().push(c);
+        let _ = rustix::io::write(&door.efd, &1u64.to_ne_bytes());
+    }
+
+    /// Wait until another handshake may start.
+    pub fn wait_for_room(&self) {
+        let mut n = self.handshakes.lock().unpoisoned();
+        while *n >= MAX_HANDSHAKES {
+            n = self.handshake_done.wait(n).unpoisoned();
+        }
+    }
+
+    /// A handshake starts.
+    pub fn begin_handshake(&self, reg: &Registry) {
+        let mut n = self.handshakes.lock().unpoisoned();
+        *n += 1;
+        reg.server.handshakes.store(*n, Ordering::Relaxed);
+    }
+
+    /// A handshake counted by [`Reactors::begin_handshake`] ended.
+    pub fn end_handshake(&self, reg: &Registry) {
+        let mut n = self.handshakes.lock().unpoisoned();
+        *n -= 1;
+        reg.server.handshakes.store(*n, Ordering::Relaxed);
+        self.handshake_done.notify_one();
+    }
+}
+
+/// The connections of one reactor, by id (the id is in their ring tags).
+struct Conns {
+    list: Vec<Option<Box<Conn>>>,
+    free: Vec<u32>,
+    /// Connections to step, each once (`queued`).
+    ready: VecDeque<u32>,
+    queued: Vec<bool>,
+}
+
+impl Conns {
+    fn add(&mut self, make: impl FnOnce(u32) -> Conn) {
+        let id = self.free.pop().unwrap_or_else(|| {
+            self.list.push(None);
+            self.queued.push(false);
+            (self.list.len() - 1) as u32
+        });
+        self.list[id as usize] = Some(Box::new(make(id)));
+        self.wake(id);
+    }
+
+    fn wake(&mut self, id: u32) {
+        let i = id as usize;
+        if i < self.queued.len() && !self.queued[i] && self.list[i].is_some() {
+            self.queued[i] = true;
+            self.ready.push_back(id);
+        }
+    }
+
+    fn get(&mut self, id: u32) -> Option<&mut Conn> {
+        self.list.get_mut(id as usize)?.as_deref_mut()
+    }
+}
+
+/// One reactor's state: its engine and connections.
+struct Reactor<'a> {
+    sh: Shared,
+    conns: Conns,
+    events: Vec<IoEvent>,
+    door: Option<&'a Door>,
+    door_armed: bool,
+    door_rang: bool,
+    /// What this reactor counts in the daemon's buffer bytes.
+    buffers: usize,
+    reg: &'a Arc<Registry>,
+}
+
+impl<'a> Reactor<'a> {
+    fn new(sh: Shared, door: Option<&'a Door>, reg: &'a Arc<Registry>) -> Reactor<'a> {
+        Reactor {
+            sh,
+            conns: Conns {
+                list: Vec::new(),
+                free: Vec::new(),
+                ready: VecDeque::new(),
+                queued: Vec::new(),
+            },
+            events: Vec::with_capacity(64),
+            door,
+            door_armed: false,
+            door_rang: door.is_some(),
+            buffers: 0,
+            reg,
+        }
+    }
+
+    fn add(&mut self, c: NewConn) {
+        self.reg.server.connections.fetch_add(1, Ordering::Relaxed);
+        self.conns.add(|id| Conn::new(id, c.sock, c.neg, c.session));
+    }
+
+    /// Take new connections, step every connection that has something to do,
+    /// and wait for the ring once.
+    fn pass(&mut self) {
+        if let Some(door) = self.door {
+            if self.door_rang {
+                self.door_rang = false;
+                let mut buf = [0u8; 8];
+                let _ = rustix::io::read(&door.efd, &mut buf);
+                let new = std::mem::take(&mut *door.queue.lock().unpoisoned());
+                for c in new {
+                    self.add(c);
+                }
+            }
+            if !self.door_armed {
+                self.sh.engine.poll_in(door.efd.as_fd().as_raw_fd(), DOOR_TAG);
+                self.door_armed = true;
+            }
+        }
+        let (sh, conns) = (&mut self.sh, &mut self.conns);
+        if !sh.starved.is_empty() && sh.engine.can_alloc() {
+            for id in std::mem::take(&mut sh.starved) {
+                if let Some(c) = conns.get(id) {
+                    c.unstarve();
+                }
+                conns.wake(id);
+            }
+        }
+        while let Some(r) = sh.engine.pop_done() {
+            let id = sh.owner(r);
+            if let Some(c) = conns.get(id) {
+                c.finish(sh, r);
+            }
+            conns.wake(id);
+        }
+        let mut leaving: Vec<u32> = Vec::new();
+        while let Some(id) = conns.ready.pop_front() {
+            conns.queued[id as usize] = false;
+            let Some(c) = conns.get(id) else { continue };
+            c.step(sh);
+            if c.is_dead() {
+                c.drop_parked(sh);
+            }
+            if c.finished() && c.close(sh) {
+                leaving.push(id);
+            }
+        }
+        for id in leaving {
+            self.release(id);
+        }
+        let (sh, conns) = (&mut self.sh, &mut self.conns);
+        let now = sh.buffer_bytes();
+        if now != self.buffers {
+            self.reg
+                .server
+                .buffer_bytes
+                .fetch_add(now.wrapping_sub(self.buffers), Ordering::Relaxed);
+            self.buffers = now;
+        }
+        if let Err(e) = sh.engine.turn(None) {
+            tracing::error!("nbd reactor: its ring failed ({e}); its connections end");
+            for id in 0..conns.list.len() as u32 {
+                if let Some(c) = conns.get(id) {
+                    c.fail();
+                }
+                conns.wake(id);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        sh.engine.io_events(&mut self.events);
+        for e in self.events.drain(..) {
+            if self.door.is_some() && e.tag == DOOR_TAG {
+                self.door_armed = e.more;
+                self.door_rang = true;
+                continue;
+            }
+            let (id, kind) = conn::untag(e.tag);
+            if let Some(c) = conns.get(id) {
+                c.on_event(sh, kind, &e);
+                conns.wake(id);
+            } else if kind != TAG_POLL {
+                tracing::error!("nbd reactor: a completion for connection {id}, which is gone");
+            }
+        }
+    }
+
+    /// A closed connection leaves: its device is no longer open through it.
+    fn release(&mut self, id: u32) {
+        let Some(c) = self.conns.list[id as usize].take() else {
+            return;
+        };
+        self.conns.free.push(id);
+        if let Some(door) = self.door {
+            door.conns.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.reg.server.connections.fetch_sub(1, Ordering::Relaxed);
+        let dev = c.dev.clone();
+        drop(c);
+        // free slots let go of the device, so that a removal is not kept waiting
+        self.sh.engine.forget_devices();
+        dev.open_count.fetch_sub(1, Ordering::SeqCst);
+        if dev.deferred_remove.load(Ordering::SeqCst) {
+            // a deferred removal drains the device, whose I/O may be this thread's
+            let reg = self.reg.clone();
+            let _ = std::thread::Builder::new()
+                .name("nbd-closed".into())
+                .spawn(move || reg.closed(&dev));
+        }
+    }
+}
+
+fn run(sh: Shared, door: &Door, reg: &Arc<Registry>) {
+    let mut r = Reactor::new(sh, Some(door), reg);
+    loop {
+        r.pass();
+    }
+}
+
+/// Serve one connection on this thread until it ends, with an engine of its
+/// own (the fuzzers' way in: the connection's whole life in one call). Every
+/// operation it started has completed when this returns.
+pub fn serve_alone(c: NewConn, reg: &Arc<Registry>) -> std::io::Result<()> {
+    let mut r = Reactor::new(Shared::new(256, 256)?, None, reg);
+    r.add(c);
+    while r.conns.list.iter().any(Option::is_some) {
+        r.pass();
+    }
+    r.sh.engine.shut_down();
+    Ok(())
+}
