@@ -14,9 +14,12 @@ Usage: bench/scaling.py [--conns 1,2,4,8,16] [--rw randread,randwrite,randrw]
                         thin), run with OLD_DMKIT and with this tree's build in turn, cell
                         by cell, in one sitting; writes section `scaling-before-after`
                         with both binaries' medians, the after/before ratios and the
-                        run-to-run noise (the spread of the reps of one binary).
+                        run-to-run noise (the spread of the reps of one binary), and
+                        draws the curves (bench/results/scaling-before-after.svg;
+                        needs matplotlib).
+       bench/scaling.py --plot bench/results/scaling-before-after.json: redraw them.
 """
-import argparse, os, subprocess, sys, tempfile, time
+import argparse, json, os, subprocess, sys, tempfile, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402  (the shared helpers of bench/run.py)
@@ -113,7 +116,10 @@ def main():
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
     ap.add_argument("--before", help="an older dmkit binary to compare this build with")
+    ap.add_argument("--plot", help="only draw the picture of an earlier --before run's JSON")
     a = ap.parse_args()
+    if a.plot:
+        return print(plot(a.plot))
     if a.before:
         return before_after(a)
     kinds = ["dmkit-buffered", "dmkit-thin", "nbdkit", "qemu-nbd-cache", "nbdkit-null", "floor"]
@@ -224,8 +230,53 @@ def before_after(a):
                         f"| {rw} | {bs} | {n} | {k.replace('dmkit-buffered', 'linear').replace('dmkit-', '')} | "
                         f"{run.fmt(ib)} | {run.fmt(ia)} | **{ia / ib:.2f}** | ±{ni:.2f} | "
                         f"{run.fmt(cb, 2)} | {run.fmt(ca, 2)} | **{ca / cb:.2f}** | ±{nc:.2f} |")
+    med = {"|".join(map(str, k)): [run.med([r[0] for r in v]), run.med([r[1] for r in v])] for k, v in res.items()}
+    data = os.path.join(run.ROOT, "bench", "results", "scaling-before-after.json")
+    os.makedirs(os.path.dirname(data), exist_ok=True)
+    with open(data, "w") as f:
+        json.dump({"conns": conns, "rw": rws, "bs": bss, "kinds": kinds, "median": med}, f, indent=1)
+    svg = plot(data)
+    out += ["", f"![IOPS and CPU per request against connections, before and after]({os.path.relpath(svg, run.ROOT)})",
+            "", f"(the picture: `python3 bench/scaling.py --plot {os.path.relpath(data, run.ROOT)}`)"]
     run.write_section(a.out, "scaling-before-after", out)
     print("\n".join(out))
+
+
+def plot(data):
+    """Draw the before/after curves of a `--before` run's results (JSON) as an SVG
+    beside them: IOPS and server CPU per request against connections, one panel
+    pair per (rw, bs), linear and thin, before dashed and after solid."""
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("the picture needs matplotlib: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(data) as f:
+        d = json.load(f)
+    cells = [(rw, bs) for rw in d["rw"] for bs in d["bs"]]
+    fig, axes = plt.subplots(2, len(cells), figsize=(4 * len(cells), 6.5), squeeze=False)
+    for j, (rw, bs) in enumerate(cells):
+        for k in d["kinds"]:
+            name = k.replace("dmkit-buffered", "linear").replace("dmkit-", "")
+            for b, style in (("before", "--"), ("after", "-")):
+                ys = [d["median"].get(f"{rw}|{bs}|{n}|{k}|{b}", [None, None]) for n in d["conns"]]
+                axes[0][j].plot(d["conns"], [y[0] for y in ys], style, marker="o", label=f"{name} {b}")
+                axes[1][j].plot(d["conns"], [y[1] for y in ys], style, marker="o", label=f"{name} {b}")
+        axes[0][j].set_title(f"{rw} {bs}, QD32 per connection")
+        axes[0][j].set_ylabel("IOPS")
+        axes[1][j].set_ylabel("server CPU µs per request")
+        for i in (0, 1):
+            axes[i][j].set_xscale("log", base=2)
+            axes[i][j].set_xticks(d["conns"], [str(n) for n in d["conns"]])
+            axes[i][j].set_xlabel("connections")
+            axes[i][j].set_ylim(bottom=0)
+            axes[i][j].grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    svg = os.path.splitext(data)[0] + ".svg"
+    fig.savefig(svg)
+    return svg
 
 
 if __name__ == "__main__":

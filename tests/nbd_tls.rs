@@ -430,6 +430,14 @@ fn hostile_and_dropped_tls_handshakes_cost_nothing() {
     let q = format!("tls-psk-file={psk}");
     // a TLS client attached through the abuse
     let mut by = nbd::Client::connect(&d.sock(), "d");
+    // the bystander's handshake thread has gone (it hands the connection to a
+    // reactor, then ends)
+    let t0 = std::time::Instant::now();
+    while !d.ok(&["stats", "--server"]).contains(" handshakes=0 ") {
+        assert!(t0.elapsed() < Duration::from_secs(5), "a handshake never ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(50));
     let base = threads(&d);
     // garbage instead of a ClientHello: that connection is closed
     let mut s = started(&d);

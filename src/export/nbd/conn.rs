@@ -1006,6 +1006,12 @@ impl Conn {
         self.iov_pos = 0;
         if self.tls.is_some() {
             self.encrypt_batch();
+            if self.iov.iter().all(|v| v.iov_len == 0) {
+                // all of it went straight to the socket: the batch is sent
+                self.iov.clear();
+                self.send_inflight = true;
+                return self.on_sent(sh, 0);
+            }
         }
         self.submit_send(sh);
     }
@@ -1016,8 +1022,8 @@ impl Conn {
     fn encrypt_batch(&mut self) {
         let Some(t) = self.tls.as_mut() else { return };
         t.plain.clear();
-        let bytes: usize = self.iov.iter().map(|v| v.iov_len).sum();
-        t.session.reserve_output(bytes + bytes / 512 + 64);
+        // nothing of ours is on the ring (a batch is encrypted only between sends)
+        t.session.direct(true);
         let mut ok = true;
         for v in &self.iov {
             // SAFETY: each iovec names a slot's header, data or extra bytes, owned by
@@ -1031,6 +1037,7 @@ impl Conn {
             t.plain.clear();
         }
         ok &= t.session.encrypt(&t.plain).is_ok();
+        t.session.direct(false);
         if !ok {
             self.dead = true;
         }

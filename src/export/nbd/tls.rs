@@ -307,6 +307,8 @@ struct Wire {
     rpos: usize,
     rend: usize,
     out: Vec<u8>,
+    /// Records may go to the socket as they are made ([`Session::direct`]).
+    direct: bool,
 }
 
 /// Bytes read from the socket at once: several TLS records.
@@ -321,6 +323,7 @@ impl Wire {
             rpos: 0,
             rend: 0,
             out: Vec::new(),
+            direct: false,
         }
     }
 }
@@ -350,7 +353,23 @@ impl Read for Wire {
 impl Write for Wire {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         if self.buffered {
-            self.out.extend_from_slice(buf);
+            // Straight from OpenSSL's record to the socket while nothing waits
+            // before it (one copy fewer); what the socket has no room for waits
+            // in `out` for the ring.
+            let mut sent = 0;
+            while self.direct && self.out.is_empty() && sent < buf.len() {
+                let flags = rustix::net::SendFlags::NOSIGNAL | rustix::net::SendFlags::DONTWAIT;
+                match rustix::net::send(&self.fd, &buf[sent..], flags) {
+                    Ok(n) => sent += n,
+                    Err(rustix::io::Errno::INTR) => {}
+                    Err(rustix::io::Errno::AGAIN) => break,
+                    Err(e) => return Err(e.into()),
+                }
+                if sent < buf.len() {
+                    break; // the socket is full: the rest goes through the ring
+                }
+            }
+            self.out.extend_from_slice(&buf[sent..]);
             return Ok(buf.len());
         }
         Ok(rustix::net::send(
@@ -449,15 +468,16 @@ impl Session {
         Ok(())
     }
 
+    /// Let records go to the socket as they are made (only while nothing of
+    /// the connection's is being sent through the ring).
+    pub fn direct(&mut self, on: bool) {
+        self.stream.get_mut().direct = on;
+    }
+
     /// Whether encrypted bytes wait to be sent (replies, or what reading made the
     /// session answer, such as a key update).
     pub fn has_output(&self) -> bool {
         !self.stream.get_ref().out.is_empty()
-    }
-
-    /// Make room in the output buffer for `n` more encrypted bytes.
-    pub fn reserve_output(&mut self, n: usize) {
-        self.stream.get_mut().out.reserve(n);
     }
 
     /// Move the encrypted bytes waiting into `into` (emptied first), leaving
