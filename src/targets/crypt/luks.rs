@@ -372,15 +372,13 @@ pub fn read_header(path: &Path) -> Result<Header> {
     }
     match be16(&bin, 6) {
         1 => luks1(&bin[..LUKS1_HDR], path),
-        2 => {
-            match luks2_at(&f, path, 0, MAGIC1) {
-                Ok(h) => Ok(h),
-                Err(primary) => match luks2_secondary(&f, path, primary.to_string())? {
-                    Some(h) => Ok(h),
-                    None => Err(primary),
-                },
-            }
-        }
+        2 => match luks2_copy(&f, path, 0, MAGIC1) {
+            Ok((bin, json)) => luks2_parse(path, "primary", &bin, &json),
+            Err(primary) => match luks2_secondary(&f, path, primary.to_string())? {
+                Some(h) => Ok(h),
+                None => Err(primary),
+            },
+        },
         v => Err(bad(format!("{}: LUKS version {v} is not supported (1 or 2)", path.display()))),
     }
 }
@@ -474,14 +472,16 @@ fn bounded_stripes(n: u64, field: &str) -> Result<u32> {
 }
 
 /// The secondary LUKS2 header, if one with a valid checksum is at an offset
-/// LUKS2 allows; `why` says what was wrong with the primary.
+/// LUKS2 allows (its JSON's errors are final); `why` says what was wrong with
+/// the primary.
 fn luks2_secondary(f: &std::fs::File, path: &Path, why: String) -> Result<Option<Header>> {
     for off in HDR2_OFFSETS {
         let mut magic = [0u8; 6];
         if f.read_exact_at(&mut magic, off).is_err() || &magic != MAGIC2 {
             continue;
         }
-        if let Ok(mut h) = luks2_at(f, path, off, MAGIC2) {
+        if let Ok((bin, json)) = luks2_copy(f, path, off, MAGIC2) {
+            let mut h = luks2_parse(path, "secondary", &bin, &json)?;
             h.copy = format!("secondary at byte {off} ({why})");
             return Ok(Some(h));
         }
@@ -489,8 +489,9 @@ fn luks2_secondary(f: &std::fs::File, path: &Path, why: String) -> Result<Option
     Ok(None)
 }
 
-/// The LUKS2 header at `off`: its binary header, checksum and JSON.
-fn luks2_at(f: &std::fs::File, path: &Path, off: u64, magic: &[u8; 6]) -> Result<Header> {
+/// The LUKS2 binary header at `off` and its JSON area, once its magic,
+/// sizes and checksum hold (what decides whether the secondary is used).
+fn luks2_copy(f: &std::fs::File, path: &Path, off: u64, magic: &[u8; 6]) -> Result<([u8; LUKS2_BIN], Vec<u8>)> {
     let p = path.display();
     let which = if off == 0 { "primary" } else { "secondary" };
     let mut bin = [0u8; LUKS2_BIN];
@@ -532,6 +533,12 @@ fn luks2_at(f: &std::fs::File, path: &Path, off: u64, magic: &[u8; 6]) -> Result
     if sum[..] != bin[448..480] {
         return Err(bad(format!("{p}: LUKS2 {which} header at byte {off}: checksum mismatch")));
     }
+    Ok((bin, json))
+}
+
+/// The header a checksummed LUKS2 copy gives: its JSON's errors are final.
+fn luks2_parse(path: &Path, which: &str, bin: &[u8; LUKS2_BIN], json: &[u8]) -> Result<Header> {
+    let p = path.display();
     let end = json.iter().position(|&c| c == 0).unwrap_or(json.len());
     let v: Value = serde_json::from_slice(&json[..end])
         .map_err(|e| bad(format!("{p}: LUKS2 {which} header: the JSON area does not parse: {e}")))?;
