@@ -96,7 +96,7 @@ fn promised(heading: &str) -> &'static [&'static str] {
             &["0 2097152 writecache 0 ", "mycache: nothing left to write back\n"]
         }
         h if h.contains("encrypted device") => &[
-            "\tsector: 4096 [bytes]\n", // luksDump: the data segment
+            "\tsector: 4096 [bytes]\n",      // luksDump: the data segment
             "version: 2\nheader: primary\n", // luks dump
             "\nsector size: 4096\ndata offset: 16777216 bytes (32768 sectors)\n",
             "  0: pbkdf2 sha256 ",

@@ -737,7 +737,7 @@ fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
         cipher: get_str(s, &at, "encryption")?.to_string(),
         sector_size: sector_size as u32,
     };
-    if segment.offset % 512 != 0 || segment.size.is_some_and(|n| n % sector_size != 0) {
+    if !segment.offset.is_multiple_of(512) || segment.size.is_some_and(|n| !n.is_multiple_of(sector_size)) {
         return Err(format!("{at}: offset and size must be whole sectors"));
     }
     let mut flags = Opts {
@@ -899,7 +899,7 @@ impl Header {
                 s.offset
             )));
         }
-        if bytes % u64::from(s.sector_size) != 0 {
+        if !bytes.is_multiple_of(u64::from(s.sector_size)) {
             return Err(bad(format!(
                 "{device}: the data ({bytes} bytes) is not a whole number of {}-byte sectors",
                 s.sector_size
