@@ -564,3 +564,69 @@ fn lying_headers_are_refused_naming_the_field() {
         "{dump}"
     );
 }
+
+/// The real cryptsetup, through the dm ioctl door (`dmkit exec`), opens a
+/// LUKS2 image in the daemon: it unlocks the keyslot itself, attaches the
+/// image to a loop device (the kernel's loop driver) and loads the table that
+/// `dmkit luks table` prints, with the loop device's number for the device;
+/// what is written through its device reads back through dmkit's own, once
+/// cryptsetup closed it.
+#[test]
+fn cryptsetup_open_through_the_door_loads_dmkits_table() {
+    let s = Scratch::new("luks-door");
+    let pw = s.path("pw");
+    std::fs::write(&pw, PW).expect("passphrase");
+    let img = format(
+        &s,
+        "door.img",
+        &pw,
+        &[
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+        ],
+    );
+    let want = luks_table(&img, &pw);
+    let (i, p) = (img.to_str().expect("utf-8"), pw.to_str().expect("utf-8"));
+    let d = Daemon::start("luks-door");
+    let o = d.cli(&[
+        "exec",
+        "--",
+        "cryptsetup",
+        "open",
+        "--type",
+        "luks2",
+        "--disable-keyring",
+        "--key-file",
+        p,
+        i,
+        "cs",
+    ]);
+    assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
+    assert!(o.status.success());
+    let got = d.ok(&["table", "cs"]);
+    let mut fields: Vec<&str> = got.trim_end().split(' ').collect();
+    assert!(
+        fields[6].starts_with("7:"),
+        "a loop device (major 7): {}",
+        fields[6]
+    );
+    fields[6] = i;
+    assert_eq!(fields.join(" "), want, "cryptsetup's table is dmkit luks table's");
+    let uuid = field(&cryptsetup(&["luksDump"], &img), "UUID:").replace('-', "");
+    assert_eq!(d.info_line("cs", "UUID:"), format!("UUID: CRYPT-LUKS2-{uuid}-cs"));
+    let data = pattern(9, 512 << 10);
+    Client::connect(&d.sock(), "cs").write(0, &data);
+    d.wait_open_count("cs", 0);
+    let o = d.cli(&["exec", "--", "cryptsetup", "close", "cs"]);
+    assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
+    assert!(o.status.success());
+    assert_eq!(d.ok(&["ls"]), "No devices found\n");
+    let o = d.cli_in(&["luks", "table", i, "--name", "mine"], PW);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let back = Client::connect(&d.sock(), "mine").read(0, data.len());
+    assert!(back == data, "dmkit's device reads what cryptsetup's wrote");
+}
