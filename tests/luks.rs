@@ -565,6 +565,56 @@ fn lying_headers_are_refused_naming_the_field() {
     );
 }
 
+/// LUKS1 has no checksum: its fields are bounded alone (key bytes, a
+/// keyslot's stripes and iterations), each refused by name.
+#[test]
+fn lying_luks1_headers_are_refused_naming_the_field() {
+    let s = Scratch::new("luks1-lies");
+    let pw = s.path("pw");
+    std::fs::write(&pw, PW).expect("passphrase");
+    let img = format(
+        &s,
+        "lie1.img",
+        &pw,
+        &["--type", "luks1", "--pbkdf-force-iterations", "1000"],
+    );
+    let i = img.to_str().expect("utf-8");
+    let original = std::fs::read(&img).expect("image");
+    for (at, value, err) in [
+        (
+            108u64,
+            4096u32,
+            "key-bytes: 4096 bytes (1 to 64, what the ciphers dmkit has take)",
+        ),
+        (
+            208 + 44,
+            u32::MAX,
+            "key-slot-0 stripes: 4294967295 stripes (1 to 4000, LUKS's number)",
+        ),
+        (
+            208 + 4,
+            u32::MAX,
+            "key-slot-0 iterations: 4294967295 PBKDF2 iterations (1 to 1073741824 accepted)",
+        ),
+        (
+            164,
+            0,
+            "mk-digest-iter: 0 PBKDF2 iterations (1 to 1073741824 accepted)",
+        ),
+    ] {
+        std::fs::write(&img, &original).expect("restore");
+        let f = std::fs::OpenOptions::new().write(true).open(&img).expect("open");
+        f.write_all_at(&value.to_be_bytes(), at).expect("lie");
+        let o = dmkit(&["luks", "table", i], PW.as_bytes());
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert_eq!(
+            text(&o.stderr),
+            format!("dmkit luks table: {i}: LUKS1 header: {err}\n")
+        );
+        assert_eq!(text(&o.stdout), "");
+    }
+}
+
 /// The real cryptsetup, through the dm ioctl door (`dmkit exec`), opens a
 /// LUKS2 image in the daemon: it unlocks the keyslot itself, attaches the
 /// image to a loop device (the kernel's loop driver) and loads the table that

@@ -40,6 +40,11 @@
 //! raw key is wiped with `zeroize`). Neither is ever logged. Short-lived copies
 //! made while a key is parsed and expanded on the stack are not locked.
 //!
+//! [`luks`] reads LUKS1 and LUKS2 headers and gives the table line that opens
+//! a volume (`dmkit luks table`), unlocking its keyslots with these ciphers;
+//! the key material it handles lives in [`LockedBytes`], locked and wiped as
+//! the keys here are.
+//!
 //! Crates: `aes` (RustCrypto's AES, using AES-NI when the CPU has it; its
 //! many-block calls pipeline eight blocks at once), `cbc` (RustCrypto's CBC
 //! mode, borrowing the expanded key so no sector re-expands it), `sha2` (the
