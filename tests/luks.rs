@@ -465,64 +465,75 @@ fn lying_headers_are_refused_naming_the_field() {
     let i = img.to_str().expect("utf-8");
     let (bin, json) = primary(&img);
     let original = std::fs::read(&img).expect("image");
-    let lies: Vec<(&str, &str, serde_json::Value, String)> = vec![
+    let lies: Vec<(&[&str], serde_json::Value, String)> = vec![
         (
-            "area",
-            "size",
+            &["keyslots", "0", "area", "size"],
             "1099511627776".into(),
             "keyslots.0.area.size: 1099511627776 is out of bounds (0 to 134217728 bytes, LUKS2's largest keyslots area)".into(),
         ),
         (
-            "af",
-            "stripes",
+            &["keyslots", "0", "af", "stripes"],
             4294967295u64.into(),
             "keyslots.0.af.stripes: 4294967295 stripes (1 to 4000, LUKS's number)".into(),
         ),
         (
-            "kdf",
-            "memory",
+            &["keyslots", "0", "kdf", "memory"],
             4194305u64.into(),
             "keyslots.0.kdf.memory: 4194305 is out of bounds (8 to 4194304 KiB: at most 4 GiB)".into(),
         ),
         (
-            "kdf",
-            "time",
+            &["keyslots", "0", "kdf", "time"],
             4294967295u64.into(),
             "keyslots.0.kdf.time: 4294967295 is out of bounds (1 to 1048576)".into(),
         ),
         (
-            "",
-            "key_size",
+            &["keyslots", "0", "key_size"],
             4096u64.into(),
             "keyslots.0.key_size: 4096 is out of bounds (1 to 64 bytes, what the ciphers dmkit has take)".into(),
         ),
         (
-            "area",
-            "offset",
+            &["keyslots", "0", "area", "offset"],
             "134250496".into(),
             format!(
                 "{i}: reading keyslot 0's key material (256000 bytes at byte 134250496): \
                  the device ends before byte 134506496"
             ),
         ),
+        (
+            &["segments", "0", "encryption"],
+            "twofish-xts-plain64".into(),
+            "segments.0.encryption: Error allocating crypto tfm: cipher 'twofish-xts-plain64' is not supported \
+             by dmkit (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, or their capi: forms)"
+                .into(),
+        ),
+        (
+            &["config", "requirements"],
+            serde_json::json!({"mandatory": ["online-reencrypt-v2"]}),
+            "config.requirements.mandatory: online-reencrypt-v2 (a reencryption in progress, or a feature dmkit \
+             does not have)"
+                .into(),
+        ),
     ];
-    for (obj, key, value, err) in lies {
+    for (path, value, err) in lies {
         let mut j = json.clone();
-        let slot = &mut j["keyslots"]["0"];
-        let target = if obj.is_empty() { slot } else { &mut slot[obj] };
-        target[key] = value;
+        let mut target = &mut j;
+        for k in path {
+            target = &mut target[*k];
+        }
+        *target = value;
+        let what = path.join(".");
         write_primary(&img, &bin, &j);
         let t0 = std::time::Instant::now();
         let o = dmkit(&["luks", "table", i], PW.as_bytes());
-        assert_eq!(o.status.code(), Some(1), "{obj}.{key}: {}", text(&o.stderr));
+        assert_eq!(o.status.code(), Some(1), "{what}: {}", text(&o.stderr));
         let full = if err.starts_with(i) {
             format!("dmkit luks table: {err}\n")
         } else {
             format!("dmkit luks table: {i}: LUKS2 header: {err}\n")
         };
-        assert_eq!(text(&o.stderr), full, "{obj}.{key}");
+        assert_eq!(text(&o.stderr), full, "{what}");
         assert_eq!(text(&o.stdout), "");
-        assert!(t0.elapsed().as_secs() < 5, "{obj}.{key}: refused at once");
+        assert!(t0.elapsed().as_secs() < 5, "{what}: refused at once");
     }
     // a JSON area claiming a size LUKS2 does not have: the checksum no longer
     // covers it, and the secondary opens the volume
@@ -600,6 +611,12 @@ fn lying_luks1_headers_are_refused_naming_the_field() {
             164,
             0,
             "mk-digest-iter: 0 PBKDF2 iterations (1 to 1073741824 accepted)",
+        ),
+        (
+            8,
+            u32::from_be_bytes(*b"serp"),
+            "cipher-name, cipher-mode: Error allocating crypto tfm: cipher 'serp-xts-plain64' is not supported \
+             by dmkit (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, or their capi: forms)",
         ),
     ] {
         std::fs::write(&img, &original).expect("restore");

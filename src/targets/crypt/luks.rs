@@ -387,6 +387,7 @@ fn luks1(h: &[u8], path: &Path) -> Result<Header> {
     let p = path.display();
     let field = |name: &str| format!("{p}: LUKS1 header: {name}");
     let cipher = format!("{}-{}", cstr(&h[8..40]), cstr(&h[40..72]));
+    parse_cipher(&cipher).map_err(|e| bad(format!("{}: {e}", field("cipher-name, cipher-mode"))))?;
     let hash = Hash::parse(&cstr(&h[72..104]), &field("hash-spec"))?;
     let payload = u64::from(be32(h, 104));
     let key_bytes = be32(h, 108) as usize;
@@ -740,11 +741,26 @@ fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
     if !segment.offset.is_multiple_of(512) || segment.size.is_some_and(|n| !n.is_multiple_of(sector_size)) {
         return Err(format!("{at}: offset and size must be whole sectors"));
     }
+    // a cipher the crypt target would refuse is refused here, by its field
+    parse_cipher(&segment.cipher).map_err(|e| format!("{at}.encryption: {e}"))?;
+    let config = v.get("config");
+    if let Some(req) = config
+        .and_then(|c| c.get("requirements"))
+        .and_then(|r| r.get("mandatory"))
+        .and_then(Value::as_array)
+        .filter(|r| !r.is_empty())
+    {
+        let names: Vec<String> = req.iter().map(|x| x.as_str().unwrap_or("?").to_string()).collect();
+        return Err(format!(
+            "config.requirements.mandatory: {} (a reencryption in progress, or a feature dmkit does not have)",
+            names.join(", ")
+        ));
+    }
     let mut flags = Opts {
         sector_size: segment.sector_size,
         ..Opts::default()
     };
-    if let Some(list) = v.get("config").and_then(|c| c.get("flags")).and_then(Value::as_array) {
+    if let Some(list) = config.and_then(|c| c.get("flags")).and_then(Value::as_array) {
         for f in list.iter().filter_map(Value::as_str) {
             match f {
                 "allow-discards" => flags.allow_discards = true,
