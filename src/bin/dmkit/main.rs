@@ -374,8 +374,8 @@ fn luks(run_dir: &Path, cmd: LuksCmd) -> i32 {
             let pw = match &key_file {
                 Some(f) => std::fs::File::open(f)
                     .map_err(|e| format!("{}: {e}", f.display()))
-                    .and_then(|r| luks::read_passphrase(r, true)),
-                None => luks::read_passphrase(std::io::stdin().lock(), false),
+                    .and_then(|r| luks::read_passphrase(std::io::BufReader::new(r), true)),
+                None => prompt_passphrase(&device),
             };
             let pw = match pw {
                 Ok(p) => p,
@@ -407,6 +407,25 @@ fn luks(run_dir: &Path, cmd: LuksCmd) -> i32 {
             }
         }
     }
+}
+
+/// The passphrase from standard input, up to its newline; on a terminal,
+/// asked for with the echo off (restored whatever happens to the read).
+fn prompt_passphrase(device: &Path) -> std::result::Result<dmkit::targets::crypt::LockedBytes, String> {
+    use rustix::termios::{tcgetattr, tcsetattr, LocalModes, OptionalActions};
+    let stdin = std::io::stdin();
+    let Ok(saved) = tcgetattr(&stdin) else {
+        // not a terminal
+        return dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false);
+    };
+    eprint!("Enter passphrase for {}: ", device.display());
+    let mut quiet = saved.clone();
+    quiet.local_modes.remove(LocalModes::ECHO);
+    tcsetattr(&stdin, OptionalActions::Now, &quiet).map_err(|e| format!("turning the echo off: {e}"))?;
+    let pw = dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false);
+    let _ = tcsetattr(&stdin, OptionalActions::Now, &saved);
+    eprintln!();
+    pw
 }
 
 /// Create device `name` with `table`, sent as `dmkit create NAME` sends a

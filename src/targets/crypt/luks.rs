@@ -47,7 +47,7 @@ use base64ct::{Base64, Encoding};
 use serde_json::Value;
 use sha2::Digest;
 use std::fmt;
-use std::io::{Read, Seek};
+use std::io::{BufRead, Read, Seek};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use zeroize::Zeroizing;
@@ -967,11 +967,16 @@ pub fn device_bytes(path: &Path) -> Result<u64> {
 /// A passphrase from `r`: all of it from a key file (`key_file`), else up to
 /// the first newline, as cryptsetup reads one from standard input; at most
 /// [`MAX_PASSPHRASE`] bytes, in locked memory.
-pub fn read_passphrase(r: impl Read, key_file: bool) -> std::result::Result<LockedBytes, String> {
+pub fn read_passphrase(r: impl BufRead, key_file: bool) -> std::result::Result<LockedBytes, String> {
     let mut buf = Zeroizing::new(Vec::with_capacity(4096));
-    r.take(MAX_PASSPHRASE as u64 + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| format!("reading the passphrase: {e}"))?;
+    let mut r = r.take(MAX_PASSPHRASE as u64 + 1);
+    let read = if key_file {
+        r.read_to_end(&mut buf)
+    } else {
+        // a line: a terminal's input ends there, not at end of file
+        r.read_until(b'\n', &mut buf)
+    };
+    read.map_err(|e| format!("reading the passphrase: {e}"))?;
     if buf.len() > MAX_PASSPHRASE {
         return Err(format!("the passphrase is longer than {} MiB", MAX_PASSPHRASE >> 20));
     }
