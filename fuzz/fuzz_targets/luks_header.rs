@@ -21,8 +21,14 @@ const LUKS1: &[u8] = include_bytes!("../seeds/luks_header/luks1");
 const HDR: usize = 16384;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&mode, rest)) = data.split_first() else { return };
-    let mut img = if mode & 1 == 1 { LUKS1.to_vec() } else { LUKS2.to_vec() };
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let mut img = if mode & 1 == 1 {
+        LUKS1.to_vec()
+    } else {
+        LUKS2.to_vec()
+    };
     if mode & 2 == 2 && mode & 1 == 0 {
         let n = rest.len().min(HDR - 4096);
         img[4096..HDR].fill(0);
