@@ -158,6 +158,22 @@ for n, patches in {
 }.items():
     put("era_metadata", n, b"".join(struct.pack("<IB", o, v) for o, v in patches))
 
+# LUKS headers: the first byte picks (see fuzz_targets/luks_header.rs); patches
+# of the cryptsetup-written LUKS2 and LUKS1 headers, and the LUKS2 JSON area as text
+with open(os.path.join(HERE, "seeds", "luks_header", "luks2"), "rb") as f:
+    luks2 = f.read()
+luks2_json = luks2[4096:16384].rstrip(b"\0")
+for n, (mode, patches) in {
+    "luks2": (0, []),
+    "luks2-hdr-size": (0, [(8 + 5, 0x7f)]),
+    "luks2-no-checksum": (4, [(4096 + 2, 0x20)]),
+    "luks1": (1, []),
+    "luks1-stripes": (1, [(208 + 44, 0xff)]),
+}.items():
+    put("luks_header", n, bytes([mode]) + b"".join(struct.pack("<IB", o, v) for o, v in patches))
+put("luks_header", "luks2-json", bytes([2]) + luks2_json)
+put("luks_header", "luks2-json-lying", bytes([2]) + luks2_json.replace(b'"stripes":4000', b'"stripes":4000000'))
+
 # Metadata images: `seeds/*/fresh` are what dmkit wrote on an empty device (see
 # README.md); here variants with content are derived from them.
 def seeded(target):

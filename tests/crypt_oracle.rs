@@ -173,7 +173,8 @@ fn dmkit_and_the_kernels_dm_crypt_read_each_others_images() {
 }
 
 /// A LUKS2 image formatted by cryptsetup here; the table that opens its data
-/// (from `luksDump --dump-volume-key`), with `DEV` for the device.
+/// (`dmkit luks table`, from the header and the passphrase), with `DEV` for
+/// the device.
 fn luks_image(s: &Scratch, name: &str, pw: &Path) -> (std::path::PathBuf, String, u64) {
     common::need("cryptsetup");
     let img = s.sparse(name, 32 * MIB);
@@ -192,44 +193,21 @@ fn luks_image(s: &Scratch, name: &str, pw: &Path) -> (std::path::PathBuf, String
             .arg(pw)
             .arg(&img),
     );
-    let dump = common::run(
-        std::process::Command::new(&cs)
-            .args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"])
+    let line = common::run(
+        std::process::Command::new(common::BIN)
+            .args(["luks", "table", "--key-file"])
             .arg(pw)
             .arg(&img),
     );
-    let seg = common::run(std::process::Command::new(&cs).arg("luksDump").arg(&img));
-    // the key: the hex bytes after "MK dump:" up to the next field
-    let after = dump.split("MK dump:").nth(1).expect("MK dump in luksDump");
-    let key: String = after
-        .lines()
-        .take_while(|l| {
-            l.starts_with(['\t', ' ']) || l.contains(|c: char| c.is_ascii_hexdigit()) && !l.contains(':')
-        })
-        .flat_map(|l| l.split_whitespace())
-        .collect();
-    assert_eq!(key.len(), 128, "a 512-bit volume key: {dump}");
-    let field = |k: &str| -> String {
-        seg.lines()
-            .find_map(|l| l.trim().strip_prefix(k))
-            .unwrap_or_else(|| panic!("no {k} in luksDump: {seg}"))
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_string()
-    };
-    let cipher = field("cipher:");
-    let offset: u64 = field("offset:").parse().expect("offset in bytes");
-    let sector: u64 = field("sector:").parse().expect("sector size");
-    // LUKS2 numbers IVs in 512-byte units whatever its sector size (no
-    // iv_large_sectors: the guest's cryptsetup table says so)
-    let opts = if sector == 512 {
-        String::new()
-    } else {
-        format!(" 1 sector_size:{sector}")
-    };
-    let sectors = (32 * MIB - offset) / 512;
-    let table = format!("0 {sectors} crypt {cipher} {key} 0 DEV {}{opts}", offset / 512);
+    let table = line
+        .strip_suffix('\n')
+        .expect("one line")
+        .replace(&format!(" {} ", img.display()), " DEV ");
+    let sectors: u64 = table
+        .split(' ')
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .expect("the table's length");
     (img, table, sectors)
 }
 

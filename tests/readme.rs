@@ -96,10 +96,14 @@ fn promised(heading: &str) -> &'static [&'static str] {
             &["0 2097152 writecache 0 ", "mycache: nothing left to write back\n"]
         }
         h if h.contains("encrypted device") => &[
-            "\tsector: 4096 [bytes]\n", // luksDump: the data segment
+            "\tsector: 4096 [bytes]\n",      // luksDump: the data segment
+            "version: 2\nheader: primary\n", // luks dump
+            "\nsector size: 4096\ndata offset: 16777216 bytes (32768 sectors)\n",
+            "  0: pbkdf2 sha256 ",
             "0 2064384 crypt aes-xts-plain64 ",
             " 0 ",
             "/vol.img 32768 1 sector_size:4096\n", // table secret
+            "vol.img: no key slot matches this passphrase\nexit 2\n",
         ],
         h if h.contains("dm-verity") => &[
             "Root hash:",

@@ -93,8 +93,45 @@ Examples:
         )]
         program: Vec<String>,
     },
+    /// LUKS1 and LUKS2 headers: the crypt table line that opens a volume with
+    /// its passphrase, and what a header says
+    #[command(subcommand)]
+    Luks(LuksCmd),
     #[command(flatten)]
     Dm(DmVerb),
+}
+
+#[derive(Subcommand, Debug)]
+enum LuksCmd {
+    /// Print the crypt table line that opens DEVICE's LUKS volume, as `dmsetup
+    /// table --showkeys` shows the one `cryptsetup open` loads; with --name,
+    /// create that device in the daemon instead (the key stays off command
+    /// lines). The passphrase is read from --key-file (all of it), else from
+    /// standard input (up to its first newline). Exit status 2: no keyslot
+    /// opens with the passphrase
+    #[command(after_help = "Examples:
+  dmkit luks table vol.img --key-file pw                       # 0 2064384 crypt aes-xts-plain64 <key> 0 vol.img 32768 1 sector_size:4096
+  dmkit create secret --table \"$(dmkit luks table vol.img --key-file pw)\"
+  printf 'my passphrase' | dmkit luks table /dev/sdb --name secret   # create it directly")]
+    Table {
+        /// The LUKS device or image file (also the table's device)
+        device: PathBuf,
+        /// Read the passphrase from FILE (all of it, as cryptsetup --key-file)
+        #[arg(long, value_name = "FILE")]
+        key_file: Option<PathBuf>,
+        /// Try this keyslot only
+        #[arg(long, value_name = "N")]
+        key_slot: Option<u32>,
+        /// Create the device NAME with the table instead of printing it
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+    },
+    /// Print what a LUKS header says: version, uuid, cipher, sector size, data
+    /// offset, keyslots with their KDFs (a summary, not cryptsetup's text)
+    Dump {
+        /// The LUKS device or image file
+        device: PathBuf,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -312,8 +349,109 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         Cmd::Progress { name } => follow(&run_dir.join("control.sock"), &name),
         Cmd::Sim(a) => sim(a),
         Cmd::Exec { program } => exec(&run_dir, &program),
+        Cmd::Luks(cmd) => Ok(luks(&run_dir, cmd)),
         Cmd::Dm(verb) => client(&run_dir, &verb, verb_words(argv)),
     }
+}
+
+/// `dmkit luks ...`: its exit status, the error printed (2 for a passphrase no
+/// keyslot takes, as cryptsetup's open).
+fn luks(run_dir: &Path, cmd: LuksCmd) -> i32 {
+    use dmkit::targets::crypt::luks;
+    match cmd {
+        LuksCmd::Dump { device } => match luks::read_header(&device) {
+            Ok(h) => {
+                print!("{}", h.summary());
+                0
+            }
+            Err(e) => {
+                eprintln!("dmkit luks dump: {e}");
+                e.exit_code()
+            }
+        },
+        LuksCmd::Table {
+            device,
+            key_file,
+            key_slot,
+            name,
+        } => {
+            let pw = match &key_file {
+                Some(f) => std::fs::File::open(f)
+                    .map_err(|e| format!("{}: {e}", f.display()))
+                    .and_then(|r| luks::read_passphrase(std::io::BufReader::new(r), true)),
+                None => prompt_passphrase(&device),
+            };
+            let pw = match pw {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("dmkit luks table: {e}");
+                    return 1;
+                }
+            };
+            let table = match luks::table(&device, pw.as_slice(), key_slot, &device.to_string_lossy()) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("dmkit luks table: {e}");
+                    return e.exit_code();
+                }
+            };
+            drop(pw);
+            match name {
+                None => {
+                    println!("{}", table.as_str());
+                    0
+                }
+                Some(name) => match create_from(run_dir, &name, table.as_bytes()) {
+                    Ok(code) => code,
+                    Err(e) => {
+                        eprintln!("dmkit luks table: {e:#}");
+                        1
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// The passphrase from standard input, up to its newline; on a terminal,
+/// asked for with the echo off (restored whatever happens to the read).
+fn prompt_passphrase(device: &Path) -> std::result::Result<dmkit::targets::crypt::LockedBytes, String> {
+    use rustix::termios::{tcgetattr, tcsetattr, LocalModes, OptionalActions};
+    let stdin = std::io::stdin();
+    let Ok(saved) = tcgetattr(&stdin) else {
+        // not a terminal
+        return dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false);
+    };
+    eprint!("Enter passphrase for {}: ", device.display());
+    let mut quiet = saved.clone();
+    quiet.local_modes.remove(LocalModes::ECHO);
+    tcsetattr(&stdin, OptionalActions::Now, &quiet).map_err(|e| format!("turning the echo off: {e}"))?;
+    let pw = dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false);
+    let _ = tcsetattr(&stdin, OptionalActions::Now, &saved);
+    eprintln!();
+    pw
+}
+
+/// Create device `name` with `table`, sent as `dmkit create NAME` sends a
+/// table read from its standard input.
+fn create_from(run_dir: &Path, name: &str, table: &[u8]) -> Result<i32> {
+    let cwd = std::env::current_dir().context("the current directory")?;
+    let words = [
+        "create".to_string(),
+        name.to_string(),
+        "--cwd".to_string(),
+        cwd.to_string_lossy().into_owned(),
+    ];
+    let mut s = connect(&run_dir.join("control.sock"))?;
+    let (ok, out, err) = dmkit::control::call(&mut s, &words, table)?;
+    print!("{out}");
+    if !ok {
+        for line in err.trim_end().lines() {
+            eprintln!("dmkit create: {line}");
+        }
+        return Ok(1);
+    }
+    Ok(0)
 }
 
 /// `dmkit exec -- PROGRAM [ARGS...]`: replace this process by PROGRAM with the

@@ -40,6 +40,11 @@
 //! raw key is wiped with `zeroize`). Neither is ever logged. Short-lived copies
 //! made while a key is parsed and expanded on the stack are not locked.
 //!
+//! [`luks`] reads LUKS1 and LUKS2 headers and gives the table line that opens
+//! a volume (`dmkit luks table`), unlocking its keyslots with these ciphers;
+//! the key material it handles lives in [`LockedBytes`], locked and wiped as
+//! the keys here are.
+//!
 //! Crates: `aes` (RustCrypto's AES, using AES-NI when the CPU has it; its
 //! many-block calls pipeline eight blocks at once), `cbc` (RustCrypto's CBC
 //! mode, borrowing the expanded key so no sector re-expands it), `sha2` (the
@@ -63,6 +68,8 @@ use sha2::{Digest, Sha256};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use zeroize::{Zeroize, Zeroizing};
+
+pub mod luks;
 
 /// The `crypt` target type (Linux 6.12's dm-crypt version).
 pub const TYPE: TargetType = TargetType {
@@ -516,6 +523,68 @@ impl<T> Drop for Locked<T> {
         let ptr = (&mut *self.page as *mut Page<T>).cast::<std::ffi::c_void>();
         // SAFETY: the range `new` locked; the value in it is dropped (zeroed).
         let _ = unsafe { rustix::mm::munlock(ptr, std::mem::size_of::<Page<T>>()) };
+    }
+}
+
+/// Bytes whose number is known only at run time (a LUKS keyslot's split key,
+/// a derived key, a volume key), in pages of their own: locked in memory while
+/// they live, zeroed before they are unlocked. The pages are the page-aligned
+/// part of a buffer one page longer than they need, so no other value shares
+/// them (an munlock of a shared page would unlock its neighbour too).
+pub struct LockedBytes {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+const PAGE: usize = 4096;
+
+impl LockedBytes {
+    /// `len` zero bytes, locked.
+    pub fn new(len: usize) -> Result<LockedBytes, String> {
+        let span = len.div_ceil(PAGE).max(1) * PAGE;
+        let mut buf = vec![0u8; span + PAGE];
+        let start = buf.as_ptr().align_offset(PAGE).min(PAGE);
+        let ptr = buf[start..].as_mut_ptr().cast::<std::ffi::c_void>();
+        // SAFETY: `span` bytes from `ptr` lie inside `buf` (start < PAGE and
+        // buf holds span + PAGE bytes), whose allocation never moves or grows
+        // and lives until `drop` unlocks it.
+        unsafe { rustix::mm::mlock(ptr, span) }
+            .map_err(|e| format!("cannot lock {len} bytes of key material in memory (mlock: {e}; see RLIMIT_MEMLOCK)"))?;
+        Ok(LockedBytes { buf, start, len })
+    }
+
+    /// A locked copy of `b`.
+    pub fn from_slice(b: &[u8]) -> Result<LockedBytes, String> {
+        let mut l = LockedBytes::new(b.len())?;
+        l.as_mut_slice().copy_from_slice(b);
+        Ok(l)
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for LockedBytes {
+    fn drop(&mut self) {
+        self.buf.as_mut_slice().zeroize();
+        let span = self.len.div_ceil(PAGE).max(1) * PAGE;
+        let ptr = self.buf[self.start..].as_mut_ptr().cast::<std::ffi::c_void>();
+        // SAFETY: the range `new` locked, zeroed above.
+        let _ = unsafe { rustix::mm::munlock(ptr, span) };
     }
 }
 
