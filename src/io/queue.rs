@@ -284,6 +284,19 @@ impl IoQueue {
         self.queued += 1;
     }
 
+    /// Let the kernel run up to `n` workers at once for this ring's file I/O
+    /// that cannot complete inline (buffered writes among them); its default
+    /// is four per CPU, made for a ring per thread, which a ring serving many
+    /// clients outgrows. Nothing on the synchronous backend.
+    pub fn set_io_workers(&mut self, n: u32) {
+        if let Some(ring) = self.ring.as_ref() {
+            let mut max = [n, 0]; // bounded (file I/O) workers; unbounded unchanged
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max) {
+                tracing::debug!("io_uring: cannot set the number of io workers: {e}");
+            }
+        }
+    }
+
     /// Stop the multishot poll queued with `user_data`: its last completion
     /// (without `more`) follows, as when it ends of itself. The removal's own
     /// completion comes with `remove_data`.
@@ -455,6 +468,18 @@ impl IoQueue {
             st.taken = taken;
         }
         self.arm_rbd();
+    }
+
+    /// Hand what was queued to the kernel now, without waiting for anything.
+    pub fn submit(&mut self) {
+        if self.queued == 0 {
+            return;
+        }
+        if let Some(ring) = self.ring.as_mut() {
+            if ring.submit().is_ok() {
+                self.queued = 0;
+            }
+        }
     }
 
     /// Submit what was queued and wait until at least one completion is ready, or the

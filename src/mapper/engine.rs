@@ -343,6 +343,18 @@ impl Engine {
         self.max_slots = max.clamp(self.reqs.len(), SLOTS_LIMIT);
     }
 
+    /// Hand the I/O queued so far to the kernel without waiting (a frontend
+    /// serving several clients, between them: the first client's I/O need not
+    /// wait for the others' requests to be parsed).
+    pub fn submit(&mut self) {
+        self.q.submit();
+    }
+
+    /// See [`IoQueue::set_io_workers`].
+    pub fn set_io_workers(&mut self, n: u32) {
+        self.q.set_io_workers(n);
+    }
+
     /// Whether [`Engine::alloc`] would give a slot.
     pub fn can_alloc(&self) -> bool {
         !self.free.is_empty() || self.reqs.len() < self.max_slots

@@ -332,7 +332,7 @@ impl Conn {
             self.send_batch(sh); // what the session has to say of its own (a key update)
         }
         if self.taken == 0 && !self.send_inflight {
-            self.shrink_idle();
+            self.shrink_idle(sh);
         }
     }
 
@@ -419,8 +419,18 @@ impl Conn {
         self.dead
     }
 
-    /// Give back what an idle connection need not keep.
-    fn shrink_idle(&mut self) {
+    /// Give back what an idle connection need not keep: the receive buffer when
+    /// nothing waits in it (a connection with requests under way keeps it, as
+    /// more are bound to come: handing it back and forth costs a fresh 256 KiB
+    /// buffer whenever more connections are busy than the pool keeps), and large
+    /// TLS buffers.
+    fn shrink_idle(&mut self, sh: &mut Shared) {
+        if self.rpos == self.rend && self.payload.is_none() {
+            (self.rpos, self.rend) = (0, 0);
+            if let Some(b) = self.rbuf.take() {
+                give_rbuf(sh, b);
+            }
+        }
         if let Some(t) = self.tls.as_mut() {
             for b in [&mut t.plain, &mut t.out] {
                 if b.capacity() > TLS_IDLE_KEPT {
@@ -517,12 +527,6 @@ impl Conn {
             }
             self.on_recv(sh, into, r as i32);
             self.parse(sh);
-        }
-        if self.rpos == self.rend && self.payload.is_none() {
-            (self.rpos, self.rend) = (0, 0);
-            if let Some(b) = self.rbuf.take() {
-                give_rbuf(sh, b); // nothing waits in it
-            }
         }
         if !self.readable && !self.poll_armed && !self.dead && !self.closing && !self.eof {
             sh.engine.poll_in(self.fd, tag(self.id, TAG_POLL));
@@ -726,10 +730,6 @@ impl Conn {
         if self.rpos == self.rend {
             self.rpos = 0;
             self.rend = 0;
-            // nothing waits in the buffer: the pool keeps it for the next burst
-            if let Some(b) = self.rbuf.take() {
-                give_rbuf(sh, b);
-            }
         } else if self.rpos > RBUF_LEN / 2 {
             self.compact();
         }

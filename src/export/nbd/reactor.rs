@@ -27,6 +27,10 @@ use std::sync::{Arc, Condvar, Mutex};
 /// engine can have ([`SLOTS_LIMIT`]: 256 connections' worth, at 256 requests
 /// each, of requests under way or with replies their clients have not read).
 const REACTOR_SLOTS: usize = 1024;
+/// Kernel workers a reactor's ring may use at once for file I/O that cannot
+/// complete inline: as many as the connections it replaces used to have in all
+/// (each connection thread's ring had the kernel's default, four per CPU).
+const IO_WORKERS: u32 = 64;
 /// Handshakes under way at once; more clients wait in the listen queue.
 pub const MAX_HANDSHAKES: usize = 256;
 /// The tag of a reactor's own poll on its door.
@@ -75,7 +79,8 @@ impl Reactors {
             std::thread::Builder::new()
                 .name(format!("nbd-reactor-{i}"))
                 .spawn(move || match Shared::new(REACTOR_SLOTS, SLOTS_LIMIT) {
-                    Ok(sh) => {
+                    Ok(mut sh) => {
+                        sh.engine.set_io_workers(IO_WORKERS);
                         let _ = tx.send(Ok(()));
                         run(sh, &d, &reg);
                     }
@@ -243,6 +248,9 @@ impl<'a> Reactor<'a> {
             }
             if c.finished() && c.close(sh) {
                 leaving.push(id);
+            }
+            if !conns.ready.is_empty() {
+                sh.engine.submit(); // this one's I/O starts while the next is parsed
             }
         }
         for id in leaving {
