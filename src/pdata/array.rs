@@ -320,6 +320,45 @@ pub fn blocks<V: ArrayValue>(tm: &mut TransactionManager, root: u64, len: u64) -
     Ok(out)
 }
 
+/// The length of an array that holds at most `max_len` entries, as its tree
+/// and its last block say (every other block is full: [`walk`] checks it).
+/// Nothing is read past what `max_len` allows.
+pub fn len<V: ArrayValue>(tm: &mut TransactionManager, root: u64, max_len: u64) -> Result<u64> {
+    let most = nr_blocks(max_len, V::SIZE);
+    let mut n = 0u64;
+    let mut last = None;
+    let mut bad: Option<String> = None;
+    btree::walk(tm, root, 8, &mut |k, v| {
+        if bad.is_none() {
+            if k != n {
+                bad = Some(format!("array btree has block index {k} where {n} was expected"));
+            } else if n >= most {
+                bad = Some(format!(
+                    "array has more blocks than {max_len} entries need ({most})"
+                ));
+            } else {
+                n += 1;
+                last = Some(super::le64(v, 0));
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(what) = bad {
+        return Err(corrupt(root, what));
+    }
+    let Some(b) = last else { return Ok(0) };
+    let d = tm.read(b, BlockKind::Array)?;
+    let e = check_block(b, d, V::SIZE)? as u64;
+    let len = (n - 1) * max_entries(V::SIZE) as u64 + e;
+    if len > max_len {
+        return Err(corrupt(
+            b,
+            format!("array has {len} entries, more than {max_len}"),
+        ));
+    }
+    Ok(len)
+}
+
 /// Visit the values of an array that must have `len` entries, a block at a
 /// time: `f(first index, values)`. Each block's header is checked: every block
 /// full but the last, which holds the rest.
@@ -425,6 +464,9 @@ pub(crate) mod tests {
         );
         let e = blocks::<u32>(&mut t, root, 0).unwrap_err().to_string();
         assert!(e.contains("more blocks than its 0 entries need"), "{e}");
+        assert_eq!(len::<u32>(&mut t, root, 10).unwrap(), 10);
+        let e = len::<u32>(&mut t, root, 9).unwrap_err().to_string();
+        assert!(e.contains("array has 10 entries, more than 9"), "{e}");
         // deleting frees every block but the tree's own root's block count
         del(&mut t, root).unwrap();
         assert_eq!(t.meta.nr_allocated(), 1);
