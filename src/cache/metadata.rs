@@ -67,7 +67,7 @@ pub fn nr_origin_blocks(sb: &Superblock) -> Option<u64> {
 pub fn read_mappings(
     tm: &mut TransactionManager,
     sb: &Superblock,
-    mut errs: Option<&mut Vec<String>>,
+    errs: Option<&mut Vec<String>>,
 ) -> Result<Vec<Mapping>> {
     let nr = sb.cache_blocks as u64;
     let dirty_words = if sb.version >= 2 {
@@ -128,7 +128,7 @@ pub fn read_mappings(
         dup.sort_unstable();
         out.retain(|m| dup.binary_search(&m.cblock).is_err());
     }
-    match errs.as_deref_mut() {
+    match errs {
         Some(e) => e.extend(problems.into_iter().take(100)),
         None => {
             if let Some(p) = problems.into_iter().next() {
@@ -164,7 +164,7 @@ pub struct CacheMetadata {
 
 /// Whether a superblock block is all zeroes (an unformatted device).
 pub fn unformatted(dev: &mut dyn MetadataDev) -> Result<bool> {
-    Ok(crate::era::metadata::unformatted(dev).map_err(|e| CacheError::Plain(e.to_string()))?)
+    crate::era::metadata::unformatted(dev).map_err(|e| CacheError::Plain(e.to_string()))
 }
 
 impl CacheMetadata {

@@ -278,6 +278,21 @@ pub fn writeback(dev: Box<dyn MetadataDev>, o: WritebackOpts) -> Result<Writebac
         }
     };
     let regions = todo.iter().map(region).collect::<Result<Vec<_>>>()?;
+    // a block past a device's end would be read as zeroes, or written where
+    // the origin does not reach: refused before anything is copied
+    for (what, dev, end) in [
+        ("fast device", o.fast, regions.iter().map(|r| r.0 + r.2).max()),
+        ("origin device", o.origin, regions.iter().map(|r| r.1 + r.2).max()),
+    ] {
+        let size = dev
+            .size()
+            .map_err(|e| CacheError::Invalid(format!("{what}: {e}")))?;
+        if let Some(end) = end.filter(|&e| e > size) {
+            return Err(CacheError::Invalid(format!(
+                "{what} is too small: the blocks to write back reach byte {end}, it has {size}"
+            )));
+        }
+    }
     let copier = crate::copier::Copier::new(0, 0);
     let mut ok = vec![true; todo.len()];
     if copier.copy_regions(o.fast, o.origin, &regions, false).is_err() {
