@@ -59,16 +59,58 @@ pub fn nr_origin_blocks(sb: &Superblock) -> Option<u64> {
         .then(|| sb.discard_block_size.saturating_mul(sb.discard_nr_blocks) / sb.data_block_size as u64)
 }
 
-/// Every valid mapping of the metadata `sb` describes, in cache block order,
-/// each checked: its flags, its origin block within the origin (when the
-/// superblock says how big it is) and named by no other cache block. The first
-/// problems found go to `errs` (at most 100); the mappings that passed are
-/// returned. With `errs` None the first problem is the error.
-pub fn read_mappings(
+/// The origin blocks seen so far: a bitset as far as `limit` bits (what a
+/// cache's origin usually spans), the rare ones past it in a list.
+struct Seen {
+    bits: Vec<u64>,
+    limit: u64,
+    far: Vec<u64>,
+}
+
+impl Seen {
+    /// Whether `o` was seen before.
+    fn insert(&mut self, o: u64) -> Result<bool> {
+        if o >= self.limit {
+            self.far.push(o);
+            return Ok(false);
+        }
+        let w = (o / 64) as usize;
+        if w >= self.bits.len() {
+            let want = (w as u64 + 1)
+                .max(2 * self.bits.len() as u64)
+                .min(self.limit.div_ceil(64));
+            bounds::resize(&mut self.bits, 0, "origin blocks seen", want)?;
+        }
+        let m = 1u64 << (o % 64);
+        let had = self.bits[w] & m != 0;
+        self.bits[w] |= m;
+        Ok(had)
+    }
+
+    /// The origin blocks named twice among the far ones.
+    fn far_twice(&mut self) -> Vec<u64> {
+        self.far.sort_unstable();
+        let mut out: Vec<u64> = self
+            .far
+            .windows(2)
+            .filter(|w| w[0] == w[1])
+            .map(|w| w[0])
+            .collect();
+        out.dedup();
+        out
+    }
+}
+
+/// Visit every valid mapping of the metadata `sb` describes, in cache block
+/// order, each checked: its flags, its origin block within the origin (when
+/// the superblock says how big it is). Returns the problems found (at most
+/// 100), and the origin blocks named by more than one cache block (`f` has
+/// seen those mappings too).
+fn walk_mappings(
     tm: &mut TransactionManager,
     sb: &Superblock,
-    errs: Option<&mut Vec<String>>,
-) -> Result<Vec<Mapping>> {
+    f: &mut dyn FnMut(Mapping),
+) -> Result<(Vec<String>, Vec<u64>)> {
     let nr = sb.cache_blocks as u64;
     let dirty_words = if sb.version >= 2 {
         bitset::read(tm, sb.dirty_root, nr).map_err(|e| CacheError::Plain(format!("dirty bitset: {e}")))?
@@ -76,8 +118,14 @@ pub fn read_mappings(
         Vec::new()
     };
     let limit = nr_origin_blocks(sb);
-    let mut out: Vec<Mapping> = Vec::new();
+    let mut seen = Seen {
+        bits: Vec::new(),
+        limit: limit.unwrap_or(u64::MAX).min((nr * 64).max(1 << 20)),
+        far: Vec::new(),
+    };
+    let mut twice: Vec<u64> = Vec::new();
     let mut problems: Vec<String> = Vec::new();
+    let mut failed: Option<CacheError> = None;
     array::walk::<u64>(tm, sb.mapping_root, nr, &mut |first, vals| {
         for (i, &v) in vals.iter().enumerate() {
             let c = first + i as u64;
@@ -85,7 +133,9 @@ pub fn read_mappings(
                 .get((c / 64) as usize)
                 .is_some_and(|w| w & (1 << (c % 64)) != 0);
             if let Some(p) = check_entry(sb, c, v, bit) {
-                problems.push(p);
+                if problems.len() < 100 {
+                    problems.push(p);
+                }
                 continue;
             }
             let (oblock, flags) = sbm::unpack_mapping(v);
@@ -93,12 +143,21 @@ pub fn read_mappings(
                 continue;
             }
             if let Some(n) = limit.filter(|&n| oblock >= n) {
-                problems.push(format!(
-                    "cache block {c}: origin block {oblock} is beyond the end of the origin ({n} blocks)"
-                ));
+                if problems.len() < 100 {
+                    problems.push(format!(
+                        "cache block {c}: origin block {oblock} is beyond the end of the origin ({n} blocks)"
+                    ));
+                }
                 continue;
             }
-            out.push(Mapping {
+            match seen.insert(oblock) {
+                Ok(true) => twice.push(oblock),
+                Ok(false) => {}
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+            f(Mapping {
                 cblock: c as u32,
                 oblock,
                 dirty: bit || flags & M_DIRTY != 0,
@@ -107,29 +166,58 @@ pub fn read_mappings(
         Ok(())
     })
     .map_err(|e| CacheError::Plain(format!("mapping array: {e}")))?;
-    // an origin block held by two cache blocks: the second is refused
-    let mut by_origin: Vec<(u64, u32)> = Vec::new();
-    bounds::resize(&mut by_origin, sb.blocknr, "valid mappings", out.len() as u64)?;
-    for (slot, m) in by_origin.iter_mut().zip(&out) {
-        *slot = (m.oblock, m.cblock);
+    if let Some(e) = failed {
+        return Err(e);
     }
-    by_origin.sort_unstable();
-    let mut dup = Vec::new();
-    for w in by_origin.windows(2) {
-        if w[0].0 == w[1].0 {
-            problems.push(format!(
-                "origin block {} is mapped by cache blocks {} and {}",
-                w[0].0, w[0].1, w[1].1
-            ));
-            dup.push(w[1].1);
+    twice.extend(seen.far_twice());
+    twice.sort_unstable();
+    twice.dedup();
+    twice.truncate(100);
+    Ok((problems, twice))
+}
+
+/// Every valid mapping of the metadata `sb` describes, in cache block order,
+/// each checked: its flags, its origin block within the origin (when the
+/// superblock says how big it is) and named by no other cache block. The first
+/// problems found go to `errs` (at most 100), an origin block named twice with
+/// both cache blocks; the mappings that passed are returned (`keep`) or only
+/// checked. With `errs` None the first problem is the error.
+pub fn check_mappings(
+    tm: &mut TransactionManager,
+    sb: &Superblock,
+    errs: Option<&mut Vec<String>>,
+    keep: bool,
+) -> Result<Vec<Mapping>> {
+    let mut out: Vec<Mapping> = Vec::new();
+    let (mut problems, twice) = walk_mappings(tm, sb, &mut |m| {
+        if keep {
+            out.push(m)
         }
-    }
-    if !dup.is_empty() {
-        dup.sort_unstable();
-        out.retain(|m| dup.binary_search(&m.cblock).is_err());
+    })?;
+    if !twice.is_empty() {
+        // which cache blocks name them: the first keeps it, the others are refused
+        let mut by: Vec<(u64, u32)> = Vec::new();
+        walk_mappings(tm, sb, &mut |m| {
+            if twice.binary_search(&m.oblock).is_ok() {
+                by.push((m.oblock, m.cblock));
+            }
+        })?;
+        by.sort_unstable();
+        let mut refused = Vec::new();
+        for w in by.windows(2).filter(|w| w[0].0 == w[1].0) {
+            if problems.len() < 100 {
+                problems.push(format!(
+                    "origin block {} is mapped by cache blocks {} and {}",
+                    w[0].0, w[0].1, w[1].1
+                ));
+            }
+            refused.push(w[1].1);
+        }
+        refused.sort_unstable();
+        out.retain(|m| refused.binary_search(&m.cblock).is_err());
     }
     match errs {
-        Some(e) => e.extend(problems.into_iter().take(100)),
+        Some(e) => e.extend(problems),
         None => {
             if let Some(p) = problems.into_iter().next() {
                 return Err(PdataError::Corrupt {
@@ -141,6 +229,15 @@ pub fn read_mappings(
         }
     }
     Ok(out)
+}
+
+/// Every valid mapping, checked, in cache block order (see [`check_mappings`]).
+pub fn read_mappings(
+    tm: &mut TransactionManager,
+    sb: &Superblock,
+    errs: Option<&mut Vec<String>>,
+) -> Result<Vec<Mapping>> {
+    check_mappings(tm, sb, errs, true)
 }
 
 /// The hint array: as many hints as it holds (0 until the kernel first saves

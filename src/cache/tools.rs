@@ -11,9 +11,12 @@ use crate::pdata::tm::TransactionManager;
 use crate::pdata::{array, bitset, refcheck, BlockKind, MetadataDev};
 use std::io::Write;
 
+/// Blocks a reading tool caches: it reads each array block once.
+const READER_CACHE_BLOCKS: usize = 256;
+
 /// A transaction manager for reading only.
 pub fn reader(dev: Box<dyn MetadataDev>) -> TransactionManager {
-    crate::thin::dump::reader(dev, metadata::CACHE_BLOCKS)
+    crate::thin::dump::reader(dev, READER_CACHE_BLOCKS)
 }
 
 /// The superblock, checked against the device.
@@ -176,7 +179,7 @@ pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Ve
     }
     let mut errs = Vec::new();
     if !o.skip_mappings {
-        if let Err(e) = metadata::read_mappings(&mut tm, &sb, Some(&mut errs)) {
+        if let Err(e) = metadata::check_mappings(&mut tm, &sb, Some(&mut errs), false) {
             errs.push(e.to_string());
         }
     }

@@ -9,6 +9,7 @@ use super::metadata::Mapping;
 use crate::thin::xml::at;
 use quick_xml::events::{BytesStart, Event};
 use quick_xml::Reader;
+use std::borrow::Cow;
 use std::io::Write;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -151,21 +152,26 @@ fn number(key: &[u8], v: &[u8], line: usize) -> Result<u64> {
         })
 }
 
-/// The attributes `keys` of element `e` (each required), raw.
-fn attrs<const N: usize>(e: &BytesStart, keys: [&str; N], line: usize) -> Result<[Vec<u8>; N]> {
-    let tag = String::from_utf8_lossy(e.name().as_ref()).into_owned();
-    let mut out: [Option<Vec<u8>>; N] = std::array::from_fn(|_| None);
+/// The attributes `keys` of element `e`, a `<tag>` (each required), as they
+/// are in the input (nothing is copied but what entities change).
+fn attrs<'a, const N: usize>(
+    e: &'a BytesStart,
+    tag: &str,
+    keys: [&str; N],
+    line: usize,
+) -> Result<[Cow<'a, [u8]>; N]> {
+    let mut out: [Option<Cow<'a, [u8]>>; N] = std::array::from_fn(|_| None);
     for a in e.attributes() {
         let a = a.map_err(|err| bad(line, format!("<{tag}>: {err}")))?;
         match keys.iter().position(|k| k.as_bytes() == a.key.as_ref()) {
-            Some(i) => out[i] = Some(a.value.into_owned()),
+            Some(i) => out[i] = Some(a.value),
             None => {
                 let k = String::from_utf8_lossy(a.key.as_ref());
                 return Err(bad(line, format!("unknown attribute '{k}' in tag '{tag}'")));
             }
         }
     }
-    let mut res: [Vec<u8>; N] = std::array::from_fn(|_| Vec::new());
+    let mut res: [Cow<'a, [u8]>; N] = std::array::from_fn(|_| Cow::Borrowed(&[][..]));
     for (i, v) in out.into_iter().enumerate() {
         res[i] = v.ok_or_else(|| bad(line, format!("missing attribute '{}' for tag '{tag}'", keys[i])))?;
     }
@@ -229,6 +235,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
             (b"superblock", In::Nowhere) if !empty => {
                 let [uuid, bs, nr, policy, hw] = attrs(
                     e,
+                    "superblock",
                     ["uuid", "block_size", "nr_cache_blocks", "policy", "hint_width"],
                     line,
                 )?;
@@ -267,7 +274,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
             (b"discards", In::Superblock) if !empty => inside = In::Discards,
             (b"mappings" | b"hints" | b"discards", In::Superblock) => {}
             (b"mapping", In::Mappings) => {
-                let [c, o, d] = attrs(e, ["cache_block", "origin_block", "dirty"], line)?;
+                let [c, o, d] = attrs(e, "mapping", ["cache_block", "origin_block", "dirty"], line)?;
                 let oblock = number(b"origin_block", &o, line)?;
                 if oblock >= super::superblock::MAX_ORIGIN_BLOCKS {
                     return Err(bad(
@@ -292,7 +299,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
                 });
             }
             (b"hint", In::Hints) => {
-                let [c, d] = attrs(e, ["cache_block", "data"], line)?;
+                let [c, d] = attrs(e, "hint", ["cache_block", "data"], line)?;
                 let cblock = cblock_of(&c)?;
                 let bytes = unbase64(&d).ok_or_else(|| bad(line, "hint data is not base64"))?;
                 let hint: [u8; 4] = bytes.as_slice().try_into().map_err(|_| {
