@@ -106,7 +106,7 @@ impl Seen {
 /// the superblock says how big it is). Returns the problems found (at most
 /// 100), and the origin blocks named by more than one cache block (`f` has
 /// seen those mappings too).
-fn walk_mappings(
+pub(crate) fn walk_mappings(
     tm: &mut TransactionManager,
     sb: &Superblock,
     f: &mut dyn FnMut(Mapping),
@@ -471,6 +471,19 @@ impl CacheMetadata {
     /// Every valid mapping, checked (see [`read_mappings`]).
     pub fn mappings(&mut self) -> Result<Vec<Mapping>> {
         read_mappings(&mut self.tm, &self.sb, None)
+    }
+
+    /// The valid mappings `keep` selects, once all of them are checked (only
+    /// the selected ones are held).
+    pub fn select(&mut self, keep: &mut dyn FnMut(&Mapping) -> bool) -> Result<Vec<Mapping>> {
+        check_mappings(&mut self.tm, &self.sb, None, false)?;
+        let mut out = Vec::new();
+        walk_mappings(&mut self.tm, &self.sb, &mut |m| {
+            if keep(&m) {
+                out.push(m)
+            }
+        })?;
+        Ok(out)
     }
 
     /// The saved hints (empty until saved).

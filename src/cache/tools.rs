@@ -73,13 +73,55 @@ pub fn read_all(tm: &mut TransactionManager, sb: &Superblock, repair: bool) -> R
     })
 }
 
-/// cache_dump: the metadata as XML (`repair`: what can be read of it).
+/// cache_dump: the metadata as XML (`repair`: what can be read of it). The
+/// mappings are checked first, then written as they are read again, with
+/// the hints of the cache blocks they map: nothing is held but a bit per
+/// cache block.
 pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Result<()> {
     let mut tm = reader(dev);
     let sb = superblock(&mut tm)?;
-    let md = read_all(&mut tm, &sb, repair)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 16, out);
-    xml::write(&md, &mut w).map_err(io)?;
+    if repair {
+        let md = read_all(&mut tm, &sb, true)?;
+        xml::write(&md, &mut w).map_err(io)?;
+        return w.flush().map_err(io);
+    }
+    metadata::check_mappings(&mut tm, &sb, None, false)?;
+    let nr = sb.cache_blocks as u64;
+    let hints = array::len::<u32>(&mut tm, sb.hint_root, nr)?;
+    let head = XmlSuperblock {
+        uuid: String::new(),
+        block_size: sb.data_block_size,
+        nr_cache_blocks: sb.cache_blocks,
+        policy: sb.policy(),
+        hint_width: sb.policy_hint_size,
+    };
+    w.write_all(xml::head(&head).as_bytes()).map_err(io)?;
+    let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", bitset::nr_words(nr))?;
+    let mut failed: Option<std::io::Error> = None;
+    metadata::walk_mappings(&mut tm, &sb, &mut |m| {
+        mapped[m.cblock as usize / 64] |= 1 << (m.cblock % 64);
+        if failed.is_none() {
+            failed = xml::write_mapping(&mut w, &m).err();
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(io(e));
+    }
+    w.write_all(xml::MIDDLE.as_bytes()).map_err(io)?;
+    array::walk::<u32>(&mut tm, sb.hint_root, hints, &mut |first, vals| {
+        for (i, &h) in vals.iter().enumerate() {
+            let c = first as usize + i;
+            if failed.is_none() && mapped[c / 64] & (1 << (c % 64)) != 0 {
+                failed = xml::write_hint(&mut w, c as u32, h).err();
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(e) = failed {
+        return Err(io(e));
+    }
+    w.write_all(xml::TAIL.as_bytes()).map_err(io)?;
     w.flush().map_err(io)
 }
 
@@ -255,11 +297,7 @@ pub fn writeback(dev: Box<dyn MetadataDev>, o: WritebackOpts) -> Result<Writebac
     let mut md = CacheMetadata::open(dev)?;
     let sb = md.superblock().clone();
     let bs = sb.data_block_size as u64 * 512;
-    let mut todo: Vec<Mapping> = md
-        .mappings()?
-        .into_iter()
-        .filter(|m| m.dirty || !sb.clean_shutdown())
-        .collect();
+    let mut todo = md.select(&mut |m| m.dirty || !sb.clean_shutdown())?;
     todo.sort_unstable_by_key(|m| m.oblock);
     let mut res = Writeback {
         total: todo.len() as u64,
