@@ -125,8 +125,10 @@ pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Res
     w.flush().map_err(io)
 }
 
-/// cache_restore: new metadata of `version` on `dev` from the XML, the
-/// clean-shutdown flag set unless `omit_clean_shutdown`.
+/// cache_restore: new metadata of `version` on `dev` from the XML (its
+/// mappings and hints in cache block order, as [`xml::parse`] and
+/// [`read_all`] give them), the clean-shutdown flag set unless
+/// `omit_clean_shutdown`.
 pub fn restore(
     md: &XmlCache,
     dev: Box<dyn MetadataDev>,
@@ -141,36 +143,57 @@ pub fn restore(
             "nr_cache_blocks {nr} is more than a mapping array on the output device can hold"
         )));
     }
-    let mut maps: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "nr_cache_blocks", nr)?;
-    let mut dirty: Vec<u64> = Vec::new();
-    if version >= 2 {
-        crate::pdata::bounds::resize(&mut dirty, 0, "nr_cache_blocks", bitset::nr_words(nr))?;
+    // the XML's mappings and hints are in cache block order: each array is
+    // built from a cursor over them
+    let (maps, hints) = (&md.mappings, &md.hints);
+    let ordered = maps.windows(2).all(|w| w[0].cblock < w[1].cblock)
+        && hints.windows(2).all(|w| w[0].0 < w[1].0)
+        && maps.last().is_none_or(|m| (m.cblock as u64) < nr)
+        && hints.last().is_none_or(|h| (h.0 as u64) < nr);
+    if !ordered {
+        return Err(CacheError::Invalid(
+            "mappings and hints must be in cache block order, each below nr_cache_blocks".into(),
+        ));
     }
-    for m in &md.mappings {
-        let flags = if m.dirty && version == 1 {
+    let mut at = 0usize;
+    let flags_of = |m: &Mapping| {
+        if m.dirty && version == 1 {
             sbm::M_VALID | sbm::M_DIRTY
         } else {
             sbm::M_VALID
-        };
-        let c = m.cblock as usize;
-        maps[c] = sbm::pack_mapping(m.oblock, flags);
-        if m.dirty && version >= 2 {
-            dirty[c / 64] |= 1 << (c % 64);
         }
-    }
+    };
     array::del(tm, sb.mapping_root)?;
-    sb.mapping_root = array::build(tm, nr, &maps)?;
-    drop(maps);
+    sb.mapping_root = array::build_with(tm, nr, &mut |c| match maps.get(at) {
+        Some(m) if m.cblock as u64 == c => {
+            at += 1;
+            sbm::pack_mapping(m.oblock, flags_of(m))
+        }
+        _ => 0,
+    })?;
     if version >= 2 {
+        let mut at = 0usize;
         array::del(tm, sb.dirty_root)?;
-        sb.dirty_root = array::build(tm, bitset::nr_words(nr), &dirty)?;
+        sb.dirty_root = array::build_with(tm, bitset::nr_words(nr), &mut |w| {
+            let mut word = 0u64;
+            while let Some(m) = maps.get(at).filter(|m| m.cblock as u64 / 64 == w) {
+                if m.dirty {
+                    word |= 1 << (m.cblock % 64);
+                }
+                at += 1;
+            }
+            word
+        })?;
     }
-    let mut hints: Vec<u32> = crate::pdata::bounds::zeroed_vec(0, "nr_cache_blocks", nr)?;
-    for &(c, h) in &md.hints {
-        hints[c as usize] = h;
-    }
+    let mut at = 0usize;
     array::del(tm, sb.hint_root)?;
-    sb.hint_root = array::build(tm, nr, &hints)?;
+    sb.hint_root = array::build_with(tm, nr, &mut |c| match hints.get(at) {
+        Some(&(hc, h)) if hc as u64 == c => {
+            at += 1;
+            h
+        }
+        _ => 0,
+    })?;
     sb.cache_blocks = md.sb.nr_cache_blocks;
     sb.set_policy(&md.sb.policy)?;
     sb.policy_version = [2, 0, 0];

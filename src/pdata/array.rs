@@ -263,6 +263,18 @@ pub fn resize<V: ArrayValue>(
 /// its end): bulk (restore), its blocks written in order under a btree built
 /// bottom-up.
 pub fn build<V: ArrayValue>(tm: &mut TransactionManager, len: u64, values: &[V]) -> Result<u64> {
+    build_with(tm, len, &mut |i| {
+        values.get(i as usize).copied().unwrap_or_default()
+    })
+}
+
+/// [`build`] with entry `i` being `value(i)`, asked for in index order (a
+/// sparse source walks a cursor instead of filling a vector).
+pub fn build_with<V: ArrayValue>(
+    tm: &mut TransactionManager,
+    len: u64,
+    value: &mut dyn FnMut(u64) -> V,
+) -> Result<u64> {
     let mx = max_entries(V::SIZE) as u64;
     let mut tree = btree::build::Builder::new(TREE);
     for bi in 0..len.div_ceil(mx) {
@@ -271,7 +283,8 @@ pub fn build<V: ArrayValue>(tm: &mut TransactionManager, len: u64, values: &[V])
         let b = new_block(tm, nr, V::default())?;
         let d = tm.write(b, BlockKind::Array)?;
         for i in 0..nr {
-            if let Some(v) = values.get(first as usize + i) {
+            let v = value(first + i as u64);
+            if v != V::default() {
                 let o = value_off::<V>(i);
                 v.encode(&mut d[o..o + V::SIZE]);
             }
