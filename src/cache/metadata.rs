@@ -678,6 +678,16 @@ mod tests {
         md.commit(false).unwrap();
         assert_eq!(check(), Ok(vec![]));
         assert_eq!(md.hints().unwrap().len(), 2000);
+        // past the origin the discard bitset covers (100 x 256 sectors: 200
+        // blocks of 128) after a clean shutdown: refused, naming it
+        md.insert(6, 300).unwrap();
+        md.commit(true).unwrap();
+        let e = md.mappings().unwrap_err().to_string();
+        assert!(
+            e.contains("cache block 6: origin block 300 is beyond the end of the origin (200 blocks)"),
+            "{e}"
+        );
+        md.remove(6).unwrap();
         // an origin block named twice is refused, naming both cache blocks
         md.insert(5, 10).unwrap();
         let e = md.mappings().unwrap_err().to_string();
