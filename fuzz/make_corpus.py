@@ -174,6 +174,19 @@ for n, (mode, patches) in {
 put("luks_header", "luks2-json", bytes([2]) + luks2_json)
 put("luks_header", "luks2-json-lying", bytes([2]) + luks2_json.replace(b'"stripes":4000', b'"stripes":4000000'))
 
+# cache metadata: the same, over the base cache images (first byte: bit 1
+# picks version 2; even, so the patched blocks are re-sealed)
+for n, patches in {
+    "none-v1": (0, []),
+    "none-v2": (2, []),
+    "cache-blocks": (2, [(240, 0xff), (241, 0xff)]),
+    "hint-size": (0, [(60, 8)]),
+    "block3": (2, [(3 * 4096 + 24, 0xff)]),
+    "mapping-flags": (0, [(5 * 4096 + 24, 0x06)]),
+}.items():
+    first, p = patches
+    put("cache_metadata", n, bytes([first]) + b"".join(struct.pack("<IB", o, v) for o, v in p))
+
 # Metadata images: `seeds/*/fresh` are what dmkit wrote on an empty device (see
 # README.md); here variants with content are derived from them.
 def seeded(target):

@@ -1,6 +1,7 @@
 //! dmkit: Linux device-mapper in userspace (its tables, on-disk formats and dm ioctl
 //! interface), served over NBD and as ublk block devices. The module map is in the
 //! README; how to write a target, in docs/targets.md.
+pub mod cache;
 pub mod client;
 pub mod control;
 pub mod copier;

@@ -92,6 +92,11 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "/meta.img)\n",
         ],
         h if h.contains("snapshot of a device") => &["0 2097152 snapshot ", "lv: merged\n"],
+        h if h.contains("The cache tools") => &[
+            "cache_writeback -> ",                 // the links
+            "\n1\n62879.50 sectors\n",             // one dirty mapping; cache_metadata_size
+            "1/1 blocks successfully copied\n2\n", // writeback; both clean after
+        ],
         h if h.contains("write cache") => {
             &["0 2097152 writecache 0 ", "mycache: nothing left to write back\n"]
         }

@@ -2,6 +2,7 @@
 //! writeset record of the writeset tree.
 
 use super::error::{EraError, Result};
+use crate::pdata::header::Header;
 use crate::pdata::sm_disk::SmRoot;
 use crate::pdata::{bounds, le32, le64, put32, put64, Block, BlockKind, BLOCK_SIZE};
 
@@ -62,14 +63,13 @@ pub struct Superblock {
 
 impl Superblock {
     pub fn decode(d: &Block) -> Superblock {
-        let mut uuid = [0u8; 16];
-        uuid.copy_from_slice(&d[16..32]);
+        let h = Header::decode(d);
         Superblock {
-            flags: le32(d, 4),
-            blocknr: le64(d, 8),
-            uuid,
-            magic: le64(d, 32),
-            version: le32(d, 40),
+            flags: h.flags,
+            blocknr: h.blocknr,
+            uuid: h.uuid,
+            magic: h.magic,
+            version: h.version,
             sm_root: SmRoot::decode(&d[44..172]),
             data_block_size: le32(d, 172),
             metadata_block_size: le32(d, 176),
@@ -85,11 +85,14 @@ impl Superblock {
     /// The block image, checksum left for the cache to fill in.
     pub fn encode(&self) -> Box<Block> {
         let mut d = Box::new([0u8; BLOCK_SIZE]);
-        put32(&mut d[..], 4, self.flags);
-        put64(&mut d[..], 8, self.blocknr);
-        d[16..32].copy_from_slice(&self.uuid);
-        put64(&mut d[..], 32, self.magic);
-        put32(&mut d[..], 40, self.version);
+        Header {
+            flags: self.flags,
+            blocknr: self.blocknr,
+            uuid: self.uuid,
+            magic: self.magic,
+            version: self.version,
+        }
+        .encode(&mut d[..]);
         self.sm_root.encode(&mut d[44..172]);
         put32(&mut d[..], 172, self.data_block_size);
         put32(&mut d[..], 176, self.metadata_block_size);

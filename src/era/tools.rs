@@ -5,8 +5,9 @@ use super::error::{EraError, Result};
 use super::metadata::{EraMetadata, WRITESETS};
 use super::superblock::{self as sbm, Superblock, Writeset, INVALID_WRITESET_ROOT, SUPERBLOCK_LOCATION};
 use super::xml::{self, XmlEra, XmlSuperblock, XmlWriteset};
+use crate::pdata::refcheck::{self, Refs};
 use crate::pdata::tm::TransactionManager;
-use crate::pdata::{array, bitset, bounds, btree, sm_disk, BlockKind, MetadataDev, PdataError};
+use crate::pdata::{array, bitset, bounds, btree, BlockKind, MetadataDev, PdataError};
 use std::collections::BTreeMap;
 use std::io::Write;
 
@@ -234,116 +235,29 @@ pub fn invalidate(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<S
     Ok(out)
 }
 
-/// The references every metadata block should have, found by walking what
-/// the superblock reaches (a node shared by two parents counts two, and is
-/// read once).
-#[derive(Default)]
-struct Refs {
-    counts: std::collections::HashMap<u64, u32>,
-}
-
-impl Refs {
-    /// One more reference to `b`; true the first time.
-    fn take(&mut self, b: u64) -> bool {
-        let c = self.counts.entry(b).or_default();
-        *c += 1;
-        *c == 1
+/// The references an era superblock's trees hold.
+fn reach(tm: &mut TransactionManager, r: &mut Refs, sb: &Superblock) -> crate::pdata::Result<()> {
+    r.tree(tm, sb.writeset_tree_root, WRITESETS)?;
+    r.tree(tm, sb.era_array_root, array::TREE)?;
+    if sb.current_writeset.root != INVALID_WRITESET_ROOT {
+        r.tree(tm, sb.current_writeset.root, array::TREE)?;
     }
-
-    /// A reference to the btree at `b` whose leaves hold `vk`.
-    fn tree(
-        &mut self,
-        tm: &mut TransactionManager,
-        b: u64,
-        vk: btree::ValueKind,
-        depth: usize,
-    ) -> Result<()> {
-        if !self.take(b) {
-            return Ok(());
-        }
-        if depth > 32 {
-            return Err(PdataError::Corrupt {
-                block: b,
-                what: "btree deeper than 32 levels (cycle?)".into(),
-            }
-            .into());
-        }
-        let d = tm.read(b, BlockKind::BtreeNode)?;
-        btree::node::check_header(b, d, vk.value_size())?;
-        let n = btree::node::nr_entries(d);
-        let leaf = btree::node::is_leaf(d);
-        let vals: Vec<u64> = match (leaf, vk) {
-            (false, _) | (true, btree::ValueKind::BlockRef) => {
-                (0..n).map(|i| btree::node::value_u64(d, i)).collect()
-            }
-            (true, btree::ValueKind::ArrayRoot { offset, .. }) => (0..n)
-                .map(|i| crate::pdata::le64(btree::node::value(d, i), offset))
-                .collect(),
-            _ => Vec::new(),
-        };
-        for v in vals {
-            match (leaf, vk) {
-                (false, _) => self.tree(tm, v, vk, depth + 1)?,
-                (true, btree::ValueKind::ArrayRoot { .. }) => self.tree(tm, v, array::TREE, 0)?,
-                _ => {
-                    self.take(v);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The references a superblock's trees hold.
-    fn superblock(&mut self, tm: &mut TransactionManager, sb: &Superblock) -> Result<()> {
-        self.tree(tm, sb.writeset_tree_root, WRITESETS, 0)?;
-        self.tree(tm, sb.era_array_root, array::TREE, 0)?;
-        if sb.current_writeset.root != INVALID_WRITESET_ROOT {
-            self.tree(tm, sb.current_writeset.root, array::TREE, 0)?;
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// Compare the metadata space map with the references found: a block with
 /// fewer references than its count is leaked, one with more is fatal.
 fn recount(tm: &mut TransactionManager, sb: &Superblock, errs: &mut Vec<String>) -> Result<usize> {
-    let sm = sm_disk::load(tm, crate::pdata::space_map::SmKind::Metadata, &sb.sm_root)?;
-    let mut r = Refs::default();
-    r.take(SUPERBLOCK_LOCATION);
-    r.take(sm.index_root);
-    for &b in &sm.bitmap_locs {
-        r.take(b);
-    }
-    r.tree(tm, sm.ref_count_root, btree::ValueKind::Plain(4), 0)?;
-    r.superblock(tm, sb)?;
-    if sb.metadata_snap != 0 {
-        r.take(sb.metadata_snap);
-        let snap = superblock_at(tm, sb.metadata_snap)?;
-        r.tree(tm, snap.writeset_tree_root, WRITESETS, 0)?;
-        r.tree(tm, snap.era_array_root, array::TREE, 0)?;
-    }
-    let mut wrong = 0usize;
-    let mut leaked = 0usize;
-    for b in 0..sm.nr_blocks() {
-        let (want, have) = (r.counts.get(&b).copied().unwrap_or(0), sm.count(b));
-        if want > have || (want < have && want > 0) {
-            if wrong < 10 {
-                errs.push(format!(
-                    "metadata block {b}: reference count is {have}, but {want} references were found"
-                ));
-            }
-            wrong += 1;
-        } else if want < have {
-            leaked += 1;
+    refcheck::recount(tm, &sb.sm_root, errs, &mut |tm, r| -> Result<()> {
+        reach(tm, r, sb)?;
+        if sb.metadata_snap != 0 {
+            r.take(sb.metadata_snap);
+            let snap = superblock_at(tm, sb.metadata_snap)?;
+            r.tree(tm, snap.writeset_tree_root, WRITESETS)?;
+            r.tree(tm, snap.era_array_root, array::TREE)?;
         }
-    }
-    if let Some(b) = r.counts.keys().copied().filter(|&b| b >= sm.nr_blocks()).min() {
-        errs.push(format!(
-            "metadata block {b} is referenced but beyond the space map's {} blocks",
-            sm.nr_blocks()
-        ));
-    }
-    Ok(leaked)
+        Ok(())
+    })
 }
 
 /// era_check: every structure read and checked, and the metadata space map's

@@ -263,6 +263,18 @@ pub fn resize<V: ArrayValue>(
 /// its end): bulk (restore), its blocks written in order under a btree built
 /// bottom-up.
 pub fn build<V: ArrayValue>(tm: &mut TransactionManager, len: u64, values: &[V]) -> Result<u64> {
+    build_with(tm, len, &mut |i| {
+        values.get(i as usize).copied().unwrap_or_default()
+    })
+}
+
+/// [`build`] with entry `i` being `value(i)`, asked for in index order (a
+/// sparse source walks a cursor instead of filling a vector).
+pub fn build_with<V: ArrayValue>(
+    tm: &mut TransactionManager,
+    len: u64,
+    value: &mut dyn FnMut(u64) -> V,
+) -> Result<u64> {
     let mx = max_entries(V::SIZE) as u64;
     let mut tree = btree::build::Builder::new(TREE);
     for bi in 0..len.div_ceil(mx) {
@@ -271,7 +283,8 @@ pub fn build<V: ArrayValue>(tm: &mut TransactionManager, len: u64, values: &[V])
         let b = new_block(tm, nr, V::default())?;
         let d = tm.write(b, BlockKind::Array)?;
         for i in 0..nr {
-            if let Some(v) = values.get(first as usize + i) {
+            let v = value(first + i as u64);
+            if v != V::default() {
                 let o = value_off::<V>(i);
                 v.encode(&mut d[o..o + V::SIZE]);
             }
@@ -318,6 +331,45 @@ pub fn blocks<V: ArrayValue>(tm: &mut TransactionManager, root: u64, len: u64) -
         ));
     }
     Ok(out)
+}
+
+/// The length of an array that holds at most `max_len` entries, as its tree
+/// and its last block say (every other block is full: [`walk`] checks it).
+/// Nothing is read past what `max_len` allows.
+pub fn len<V: ArrayValue>(tm: &mut TransactionManager, root: u64, max_len: u64) -> Result<u64> {
+    let most = nr_blocks(max_len, V::SIZE);
+    let mut n = 0u64;
+    let mut last = None;
+    let mut bad: Option<String> = None;
+    btree::walk(tm, root, 8, &mut |k, v| {
+        if bad.is_none() {
+            if k != n {
+                bad = Some(format!("array btree has block index {k} where {n} was expected"));
+            } else if n >= most {
+                bad = Some(format!(
+                    "array has more blocks than {max_len} entries need ({most})"
+                ));
+            } else {
+                n += 1;
+                last = Some(super::le64(v, 0));
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(what) = bad {
+        return Err(corrupt(root, what));
+    }
+    let Some(b) = last else { return Ok(0) };
+    let d = tm.read(b, BlockKind::Array)?;
+    let e = check_block(b, d, V::SIZE)? as u64;
+    let len = (n - 1) * max_entries(V::SIZE) as u64 + e;
+    if len > max_len {
+        return Err(corrupt(
+            b,
+            format!("array has {len} entries, more than {max_len}"),
+        ));
+    }
+    Ok(len)
 }
 
 /// Visit the values of an array that must have `len` entries, a block at a
@@ -425,6 +477,9 @@ pub(crate) mod tests {
         );
         let e = blocks::<u32>(&mut t, root, 0).unwrap_err().to_string();
         assert!(e.contains("more blocks than its 0 entries need"), "{e}");
+        assert_eq!(len::<u32>(&mut t, root, 10).unwrap(), 10);
+        let e = len::<u32>(&mut t, root, 9).unwrap_err().to_string();
+        assert!(e.contains("array has 10 entries, more than 9"), "{e}");
         // deleting frees every block but the tree's own root's block count
         del(&mut t, root).unwrap();
         assert_eq!(t.meta.nr_allocated(), 1);

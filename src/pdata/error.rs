@@ -13,6 +13,8 @@ pub enum BlockKind {
     Array,
     /// The dm-era superblock.
     EraSuperblock,
+    /// The dm-cache superblock.
+    CacheSuperblock,
 }
 
 impl BlockKind {
@@ -24,6 +26,7 @@ impl BlockKind {
             BlockKind::Index => 160_478,
             BlockKind::Array => 595_846_735,
             BlockKind::EraSuperblock => 146_538_381,
+            BlockKind::CacheSuperblock => 9_031_977,
         }
     }
 
@@ -46,6 +49,7 @@ impl fmt::Display for BlockKind {
             BlockKind::Index => "space map index block",
             BlockKind::Array => "array block",
             BlockKind::EraSuperblock => "era superblock",
+            BlockKind::CacheSuperblock => "cache superblock",
         })
     }
 }

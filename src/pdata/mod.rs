@@ -11,6 +11,8 @@ pub mod cache;
 pub mod checksum;
 pub mod dev;
 pub mod error;
+pub mod header;
+pub mod refcheck;
 pub mod sm_disk;
 pub mod space_map;
 pub mod tm;

@@ -51,6 +51,11 @@ enum Cmd {
     /// dmkit is era_check)
     #[command(subcommand)]
     Era(thin_cli::era::EraCmd),
+    /// The cache tools of thin-provisioning-tools, option for option as
+    /// cache_check, cache_dump, cache_restore, cache_repair, cache_metadata_size
+    /// and cache_writeback 1.x (a link named cache_check to dmkit is cache_check)
+    #[command(subcommand)]
+    Cache(thin_cli::cache::CacheCmd),
     /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
     Completions { shell: clap_complete::Shell },
     /// Print a `linear` table that maps a device onto FILE's blocks, one line per
@@ -246,6 +251,7 @@ fn main() {
         }
         std::process::exit(match argv_os[i].to_str() {
             Some("era") => thin_cli::era::main(argv_os[i + 1..].to_vec()),
+            Some("cache") => thin_cli::cache::main(argv_os[i + 1..].to_vec()),
             _ => thin_cli::main(argv_os[i + 1..].to_vec()),
         });
     }
@@ -255,7 +261,10 @@ fn main() {
         Err(e) => {
             // The command as far as it names a verb: `dmkit suspend`, `dmkit thin check`.
             let words = verb_words(&argv);
-            let depth = if words.first().is_some_and(|w| w == "thin" || w == "era") {
+            let depth = if words
+                .first()
+                .is_some_and(|w| w == "thin" || w == "era" || w == "cache")
+            {
                 2
             } else {
                 1
@@ -336,6 +345,9 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
         Cmd::Era(_) => Ok(thin_cli::era::main(
+            verb_words(argv).iter().skip(1).map(Into::into).collect(),
+        )),
+        Cmd::Cache(_) => Ok(thin_cli::cache::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
         Cmd::Completions { shell } => {
@@ -624,7 +636,7 @@ fn run_dir_before_verb(words: &[std::ffi::OsString]) -> Option<std::ffi::OsStrin
     None
 }
 
-/// The index of the verb word if it is `thin` or `era` (only `--run-dir` comes before it).
+/// The index of the verb word if it is `thin`, `era` or `cache` (only `--run-dir` comes before it).
 fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
     let mut i = 1;
     while let Some(a) = argv.get(i) {
@@ -634,7 +646,7 @@ fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
         } else if a.starts_with("--run-dir=") {
             i += 1;
         } else {
-            return (a == "thin" || a == "era").then_some(i);
+            return (a == "thin" || a == "era" || a == "cache").then_some(i);
         }
     }
     None

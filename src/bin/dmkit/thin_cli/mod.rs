@@ -367,9 +367,9 @@ pub fn tool_named(argv0: &std::ffi::OsStr) -> Option<&'static str> {
     all_tools().find(|(t, _)| *t == base).map(|(t, _)| *t)
 }
 
-/// Every multi-call name: the thin tools' and the era tools'.
+/// Every multi-call name: the thin tools', the era tools' and the cache tools'.
 fn all_tools() -> impl Iterator<Item = &'static (&'static str, &'static str)> {
-    TOOLS.iter().chain(era::TOOLS)
+    TOOLS.iter().chain(era::TOOLS).chain(cache::TOOLS)
 }
 
 /// Run tool `tool` (a name from [`TOOLS`]) on `args` (the arguments after the
@@ -385,10 +385,12 @@ pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> i32 {
         "thin_metadata_size" => parse_run::<MetadataSizeArgs>(display, args, size::run),
         "thin_delta" => parse_run::<DeltaArgs>(display, args, other::run_delta),
         "thin_ls" => parse_run::<LsArgs>(display, args, other::run_ls),
-        _ => era::run_tool(tool, display, args).unwrap_or_else(|| {
-            eprintln!("{display}: unknown tool");
-            2
-        }),
+        _ => era::run_tool(tool, display, args.clone())
+            .or_else(|| cache::run_tool(tool, display, args))
+            .unwrap_or_else(|| {
+                eprintln!("{display}: unknown tool");
+                2
+            }),
     }
 }
 
@@ -401,6 +403,7 @@ macro_rules! versioned {
     ($($t:ty),*) => {$(impl $crate::thin_cli::Versioned for $t { fn version(&self) -> bool { self.version } })*};
 }
 
+pub mod cache;
 pub mod era;
 versioned!(
     CheckArgs,

@@ -63,7 +63,6 @@ pub fn estimate(nr_blocks: u64, max_thins: u64) -> u64 {
 }
 
 pub fn run(a: MetadataSizeArgs) -> Outcome {
-    let u = &UNITS[a.unit.min(UNITS.len() - 1)];
     let (block, pool) = (a.block_size.unwrap_or_default(), a.pool_size.unwrap_or_default());
     if block == 0 || !block.is_multiple_of(64 << 10) {
         return Err("block size must be a multiple of 64 KiB".into());
@@ -75,13 +74,22 @@ pub fn run(a: MetadataSizeArgs) -> Outcome {
         return Err("pool size must be larger than block size".into());
     }
     let bytes = estimate(pool / block, a.max_thins.unwrap_or_default());
-    let size = bytes as f64 / u.3 as f64;
+    print(bytes as f64, a.unit, a.numeric_only.as_ref());
+    Ok(())
+}
+
+/// Print a size of `bytes` in unit `unit` (an index in [`UNITS`]) as 1.x does:
+/// two decimals unless whole, then the unit's name (plural), its letter
+/// (`-n=short`) or nothing (`-n`).
+pub fn print(bytes: f64, unit: usize, numeric_only: Option<&Option<String>>) {
+    let u = &UNITS[unit.min(UNITS.len() - 1)];
+    let size = bytes / u.3 as f64;
     let mut out = if size < 1.0 || size.trunc() == size {
         format!("{size}")
     } else {
         format!("{size:.2}")
     };
-    match a.numeric_only.as_ref() {
+    match numeric_only {
         None => {
             out.push(' ');
             out.push_str(u.1);
@@ -95,7 +103,6 @@ pub fn run(a: MetadataSizeArgs) -> Outcome {
         }
     }
     println!("{out}");
-    Ok(())
 }
 
 #[cfg(test)]

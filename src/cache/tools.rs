@@ -1,0 +1,471 @@
+//! The cache tools as a library: check, dump, restore, repair, writeback and
+//! the metadata size estimate, with 1.x's results and messages (the CLI adds
+//! its options and exit codes).
+
+use super::error::{CacheError, Result};
+use super::metadata::{self, CacheMetadata, Mapping};
+use super::superblock::{self as sbm, Superblock, NEEDS_CHECK, SUPERBLOCK_LOCATION};
+use super::xml::{self, XmlCache, XmlSuperblock};
+use crate::io::BackingFile;
+use crate::pdata::tm::TransactionManager;
+use crate::pdata::{array, bitset, refcheck, BlockKind, MetadataDev};
+use std::io::Write;
+
+/// Blocks a reading tool caches: it reads each array block once.
+const READER_CACHE_BLOCKS: usize = 256;
+
+/// A transaction manager for reading only.
+pub fn reader(dev: Box<dyn MetadataDev>) -> TransactionManager {
+    crate::thin::dump::reader(dev, READER_CACHE_BLOCKS)
+}
+
+/// The superblock, checked against the device.
+pub fn superblock(tm: &mut TransactionManager) -> Result<Superblock> {
+    sbm::read(&mut tm.cache, SUPERBLOCK_LOCATION)
+}
+
+fn io(e: std::io::Error) -> CacheError {
+    CacheError::Output(e)
+}
+
+/// What of the metadata the XML shows: the valid mappings and the hints of
+/// mapped cache blocks the hint array covers. `repair`: what cannot be read is
+/// left out (a damaged dirty bitset makes every mapping dirty, as 1.x).
+pub fn read_all(tm: &mut TransactionManager, sb: &Superblock, repair: bool) -> Result<XmlCache> {
+    let mappings = if repair {
+        let mut ignored = Vec::new();
+        match metadata::read_mappings(tm, sb, Some(&mut ignored)) {
+            Ok(m) => m,
+            Err(_) if sb.version >= 2 => {
+                // the dirty bitset is unreadable: read the mappings as version 1
+                // does, and take every one for dirty
+                let mut v1 = sb.clone();
+                v1.version = 1;
+                metadata::read_mappings(tm, &v1, Some(&mut ignored))?
+                    .into_iter()
+                    .map(|m| Mapping { dirty: true, ..m })
+                    .collect()
+            }
+            Err(e) => return Err(e),
+        }
+    } else {
+        metadata::read_mappings(tm, sb, None)?
+    };
+    let hint_array = match metadata::read_hints(tm, sb) {
+        Ok(h) => h,
+        Err(_) if repair => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    let hints = mappings
+        .iter()
+        .filter_map(|m| hint_array.get(m.cblock as usize).map(|&h| (m.cblock, h)))
+        .collect();
+    Ok(XmlCache {
+        sb: XmlSuperblock {
+            uuid: String::new(),
+            block_size: sb.data_block_size,
+            nr_cache_blocks: sb.cache_blocks,
+            policy: sb.policy(),
+            hint_width: sb.policy_hint_size,
+        },
+        mappings,
+        hints,
+    })
+}
+
+/// cache_dump: the metadata as XML (`repair`: what can be read of it). The
+/// mappings are checked first, then written as they are read again, with
+/// the hints of the cache blocks they map: nothing is held but a bit per
+/// cache block.
+pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Result<()> {
+    let mut tm = reader(dev);
+    let sb = superblock(&mut tm)?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 16, out);
+    if repair {
+        let md = read_all(&mut tm, &sb, true)?;
+        xml::write(&md, &mut w).map_err(io)?;
+        return w.flush().map_err(io);
+    }
+    metadata::check_mappings(&mut tm, &sb, None, false)?;
+    let nr = sb.cache_blocks as u64;
+    let hints = array::len::<u32>(&mut tm, sb.hint_root, nr)?;
+    let head = XmlSuperblock {
+        uuid: String::new(),
+        block_size: sb.data_block_size,
+        nr_cache_blocks: sb.cache_blocks,
+        policy: sb.policy(),
+        hint_width: sb.policy_hint_size,
+    };
+    w.write_all(xml::head(&head).as_bytes()).map_err(io)?;
+    let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", bitset::nr_words(nr))?;
+    let mut failed: Option<std::io::Error> = None;
+    metadata::walk_mappings(&mut tm, &sb, &mut |m| {
+        mapped[m.cblock as usize / 64] |= 1 << (m.cblock % 64);
+        if failed.is_none() {
+            failed = xml::write_mapping(&mut w, &m).err();
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(io(e));
+    }
+    w.write_all(xml::MIDDLE.as_bytes()).map_err(io)?;
+    array::walk::<u32>(&mut tm, sb.hint_root, hints, &mut |first, vals| {
+        for (i, &h) in vals.iter().enumerate() {
+            let c = first as usize + i;
+            if failed.is_none() && mapped[c / 64] & (1 << (c % 64)) != 0 {
+                failed = xml::write_hint(&mut w, c as u32, h).err();
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(e) = failed {
+        return Err(io(e));
+    }
+    w.write_all(xml::TAIL.as_bytes()).map_err(io)?;
+    w.flush().map_err(io)
+}
+
+/// cache_restore: new metadata of `version` on `dev` from the XML (its
+/// mappings and hints in cache block order, as [`xml::parse`] and
+/// [`read_all`] give them), the clean-shutdown flag set unless
+/// `omit_clean_shutdown`.
+pub fn restore(
+    md: &XmlCache,
+    dev: Box<dyn MetadataDev>,
+    version: u32,
+    omit_clean_shutdown: bool,
+) -> Result<()> {
+    let mut out = CacheMetadata::format(dev, md.sb.block_size, version)?;
+    let (tm, sb) = out.parts();
+    let nr = md.sb.nr_cache_blocks as u64;
+    if nr > sbm::max_cache_blocks(tm.cache.nr_blocks()) {
+        return Err(CacheError::Plain(format!(
+            "nr_cache_blocks {nr} is more than a mapping array on the output device can hold"
+        )));
+    }
+    // the XML's mappings and hints are in cache block order: each array is
+    // built from a cursor over them
+    let (maps, hints) = (&md.mappings, &md.hints);
+    let ordered = maps.windows(2).all(|w| w[0].cblock < w[1].cblock)
+        && hints.windows(2).all(|w| w[0].0 < w[1].0)
+        && maps.last().is_none_or(|m| (m.cblock as u64) < nr)
+        && hints.last().is_none_or(|h| (h.0 as u64) < nr);
+    if !ordered {
+        return Err(CacheError::Invalid(
+            "mappings and hints must be in cache block order, each below nr_cache_blocks".into(),
+        ));
+    }
+    let mut at = 0usize;
+    let flags_of = |m: &Mapping| {
+        if m.dirty && version == 1 {
+            sbm::M_VALID | sbm::M_DIRTY
+        } else {
+            sbm::M_VALID
+        }
+    };
+    array::del(tm, sb.mapping_root)?;
+    sb.mapping_root = array::build_with(tm, nr, &mut |c| match maps.get(at) {
+        Some(m) if m.cblock as u64 == c => {
+            at += 1;
+            sbm::pack_mapping(m.oblock, flags_of(m))
+        }
+        _ => 0,
+    })?;
+    if version >= 2 {
+        let mut at = 0usize;
+        array::del(tm, sb.dirty_root)?;
+        sb.dirty_root = array::build_with(tm, bitset::nr_words(nr), &mut |w| {
+            let mut word = 0u64;
+            while let Some(m) = maps.get(at).filter(|m| m.cblock as u64 / 64 == w) {
+                if m.dirty {
+                    word |= 1 << (m.cblock % 64);
+                }
+                at += 1;
+            }
+            word
+        })?;
+    }
+    let mut at = 0usize;
+    array::del(tm, sb.hint_root)?;
+    sb.hint_root = array::build_with(tm, nr, &mut |c| match hints.get(at) {
+        Some(&(hc, h)) if hc as u64 == c => {
+            at += 1;
+            h
+        }
+        _ => 0,
+    })?;
+    sb.cache_blocks = md.sb.nr_cache_blocks;
+    sb.set_policy(&md.sb.policy)?;
+    sb.policy_version = [2, 0, 0];
+    sb.policy_hint_size = md.sb.hint_width;
+    out.commit(!omit_clean_shutdown)
+}
+
+/// cache_repair: what can be read of `input` written as new metadata of the
+/// same version to `output`.
+pub fn repair(input: Box<dyn MetadataDev>, output: Box<dyn MetadataDev>) -> Result<()> {
+    let mut tm = reader(input);
+    let sb = superblock(&mut tm)?;
+    let md = read_all(&mut tm, &sb, true)?;
+    restore(&md, output, sb.version, false)
+}
+
+/// What cache_check does besides reading everything.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CheckOpts {
+    pub sb_only: bool,
+    pub skip_mappings: bool,
+    pub skip_hints: bool,
+    pub skip_discards: bool,
+    pub ignore_non_fatal: bool,
+    pub clear_needs_check: bool,
+}
+
+/// The references a cache superblock's arrays hold.
+fn reach(tm: &mut TransactionManager, r: &mut refcheck::Refs, sb: &Superblock) -> crate::pdata::Result<()> {
+    r.tree(tm, sb.mapping_root, array::TREE)?;
+    r.tree(tm, sb.hint_root, array::TREE)?;
+    r.tree(tm, sb.discard_root, array::TREE)?;
+    if sb.version >= 2 {
+        r.tree(tm, sb.dirty_root, array::TREE)?;
+    }
+    Ok(())
+}
+
+/// cache_check: every structure read and checked, and the metadata space
+/// map's counts against the references found. Ok with the notes to print, or
+/// the messages of what is wrong (the last ones 1.x's summary). Leaked blocks
+/// fail it unless `ignore_non_fatal`.
+pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Vec<String>, Vec<String>> {
+    let mut tm = reader(dev);
+    let sb = superblock(&mut tm).map_err(|e| vec![e.to_string()])?;
+    if o.sb_only {
+        return Ok(Vec::new());
+    }
+    let mut errs = Vec::new();
+    if !o.skip_mappings {
+        if let Err(e) = metadata::check_mappings(&mut tm, &sb, Some(&mut errs), false) {
+            errs.push(e.to_string());
+        }
+    }
+    if !o.skip_hints && sb.policy_hint_size != 0 {
+        let r = array::len::<u32>(&mut tm, sb.hint_root, sb.cache_blocks as u64)
+            .and_then(|n| array::walk::<u32>(&mut tm, sb.hint_root, n, &mut |_, _| Ok(())));
+        if let Err(e) = r {
+            errs.push(format!("hint array: {e}"));
+        }
+    }
+    if !o.skip_discards {
+        let words = bitset::nr_words(sb.discard_nr_blocks);
+        if let Err(e) = array::walk::<u64>(&mut tm, sb.discard_root, words, &mut |_, _| Ok(())) {
+            errs.push(format!("discard bitset: {e}"));
+        }
+    }
+    let mut notes = Vec::new();
+    match refcheck::recount(&mut tm, &sb.sm_root, &mut errs, &mut |tm, r| reach(tm, r, &sb)) {
+        Ok(0) => {}
+        Ok(n) => notes.push(format!("{n} metadata blocks have leaked.")),
+        Err(e) => errs.push(format!("metadata space map: {e}")),
+    }
+    if !errs.is_empty() {
+        errs.extend(notes);
+        errs.push("metadata contains errors".into());
+        return Err(errs);
+    }
+    if !notes.is_empty() && !o.ignore_non_fatal {
+        notes.push("metadata space map contains leaks".into());
+        notes.push("perhaps you wanted to run with --auto-repair".into());
+        return Err(notes);
+    }
+    if o.clear_needs_check && sb.flags & NEEDS_CHECK != 0 {
+        let mut clean = sb.clone();
+        clean.flags &= !NEEDS_CHECK;
+        let r = tm
+            .cache
+            .write_through(SUPERBLOCK_LOCATION, BlockKind::CacheSuperblock, &clean.encode())
+            .and_then(|_| tm.cache.flush());
+        if let Err(e) = r {
+            return Err(vec![format!("clearing needs_check: {e}")]);
+        }
+    }
+    Ok(notes)
+}
+
+/// What cache_writeback did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Writeback {
+    /// Blocks to write back.
+    pub total: u64,
+    pub copied: u64,
+    /// Cache blocks whose copy failed.
+    pub failed: Vec<u32>,
+}
+
+/// Where cache_writeback copies, and whether it clears the dirty bits after.
+pub struct WritebackOpts<'a> {
+    pub fast: &'a BackingFile,
+    pub fast_offset: u64,
+    pub origin: &'a BackingFile,
+    pub origin_offset: u64,
+    pub update_metadata: bool,
+    /// Called before copying and before updating the metadata.
+    pub stage: &'a mut dyn FnMut(&str),
+}
+
+/// cache_writeback: copy every dirty cache block (every mapped one after an
+/// unclean shutdown) from the fast device to its origin block, in origin block
+/// order, then (`update_metadata`) clear their dirty bits in a commit.
+/// Offsets are in bytes.
+pub fn writeback(dev: Box<dyn MetadataDev>, o: WritebackOpts) -> Result<Writeback> {
+    let mut md = CacheMetadata::open(dev)?;
+    let sb = md.superblock().clone();
+    let bs = sb.data_block_size as u64 * 512;
+    let mut todo = md.select(&mut |m| m.dirty || !sb.clean_shutdown())?;
+    todo.sort_unstable_by_key(|m| m.oblock);
+    let mut res = Writeback {
+        total: todo.len() as u64,
+        ..Writeback::default()
+    };
+    (o.stage)("Copying cache blocks");
+    let region = |m: &Mapping| -> Result<(u64, u64, u64)> {
+        let src = (m.cblock as u64 * bs).checked_add(o.fast_offset);
+        let dst = m
+            .oblock
+            .checked_mul(bs)
+            .and_then(|d| d.checked_add(o.origin_offset));
+        match (src, dst) {
+            (Some(s), Some(d)) => Ok((s, d, bs)),
+            _ => Err(CacheError::Invalid(format!(
+                "cache block {} (origin block {}) is beyond any file offset",
+                m.cblock, m.oblock
+            ))),
+        }
+    };
+    let regions = todo.iter().map(region).collect::<Result<Vec<_>>>()?;
+    // a block past a device's end would be read as zeroes, or written where
+    // the origin does not reach: refused before anything is copied
+    for (what, dev, end) in [
+        ("fast device", o.fast, regions.iter().map(|r| r.0 + r.2).max()),
+        ("origin device", o.origin, regions.iter().map(|r| r.1 + r.2).max()),
+    ] {
+        let size = dev
+            .size()
+            .map_err(|e| CacheError::Invalid(format!("{what}: {e}")))?;
+        if let Some(end) = end.filter(|&e| e > size) {
+            return Err(CacheError::Invalid(format!(
+                "{what} is too small: the blocks to write back reach byte {end}, it has {size}"
+            )));
+        }
+    }
+    let copier = crate::copier::Copier::new(0, 0);
+    let mut ok = vec![true; todo.len()];
+    if copier.copy_regions(o.fast, o.origin, &regions, false).is_err() {
+        // find which blocks fail, one at a time
+        for (i, r) in regions.iter().enumerate() {
+            if copier.copy(o.fast, r.0, &[(o.origin, r.1)], r.2).is_err() {
+                ok[i] = false;
+                res.failed.push(todo[i].cblock);
+            }
+        }
+    }
+    o.origin
+        .sync()
+        .map_err(|e| CacheError::Plain(format!("origin device: flush failed: {e}")))?;
+    res.copied = ok.iter().filter(|&&k| k).count() as u64;
+    if o.update_metadata {
+        (o.stage)("Updating metadata");
+        for (m, _) in todo.iter().zip(&ok).filter(|(m, &k)| k && m.dirty) {
+            md.set_dirty(m.cblock as u64, false)?;
+        }
+        md.commit(sb.clean_shutdown())?;
+    }
+    res.failed.sort_unstable();
+    Ok(res)
+}
+
+/// cache_metadata_size's estimate, in sectors: a transaction overhead of 4
+/// MiB, 16 bytes a block for the mappings and the hint width plus 8 for the
+/// hints, no more than the largest metadata device.
+pub fn metadata_size(nr_blocks: u64, max_hint_width: u32) -> f64 {
+    let nr = nr_blocks as f64;
+    let sectors = 8192.0 + nr * 16.0 / 512.0 + nr * (max_hint_width as f64 + 8.0) / 512.0;
+    sectors.min((crate::pdata::space_map::MAX_METADATA_BLOCKS * 8) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pdata::MemDev;
+
+    const TEXT: &str = "<superblock uuid=\"\" block_size=\"128\" nr_cache_blocks=\"1100\" policy=\"smq\" hint_width=\"4\">\n  <mappings>\n    <mapping cache_block=\"0\" origin_block=\"10\" dirty=\"true\"/>\n    <mapping cache_block=\"1\" origin_block=\"5\" dirty=\"false\"/>\n    <mapping cache_block=\"1050\" origin_block=\"7\" dirty=\"true\"/>\n  </mappings>\n  <hints>\n    <hint cache_block=\"0\" data=\"AQAAAA==\"/>\n    <hint cache_block=\"1\" data=\"AgAAAA==\"/>\n    <hint cache_block=\"1050\" data=\"AwAAAA==\"/>\n  </hints>\n</superblock>";
+
+    fn dumped(dev: &MemDev) -> String {
+        let mut out = Vec::new();
+        dump(Box::new(dev.clone()), false, &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn restore_dump_check_repair_both_versions() {
+        let md = xml::parse(TEXT.as_bytes()).unwrap();
+        for version in [1, 2] {
+            let dev = MemDev::new(64);
+            restore(&md, Box::new(dev.clone()), version, false).unwrap();
+            assert_eq!(dumped(&dev), TEXT);
+            assert_eq!(check(Box::new(dev.clone()), &CheckOpts::default()), Ok(vec![]));
+            let out = MemDev::new(64);
+            repair(Box::new(dev.clone()), Box::new(out.clone())).unwrap();
+            assert_eq!(dumped(&out), TEXT);
+            let live = CacheMetadata::open(Box::new(out)).unwrap();
+            assert_eq!(live.superblock().version, version);
+        }
+    }
+
+    #[test]
+    fn lying_metadata_is_refused() {
+        let md = xml::parse(TEXT.as_bytes()).unwrap();
+        let dev = MemDev::new(64);
+        restore(&md, Box::new(dev.clone()), 2, false).unwrap();
+        // two cache blocks naming one origin block, with a valid checksum
+        let mut live = CacheMetadata::open(Box::new(dev.clone())).unwrap();
+        live.insert(5, 10).unwrap();
+        live.commit(true).unwrap();
+        let e = check(Box::new(dev.clone()), &CheckOpts::default()).unwrap_err();
+        assert_eq!(
+            e,
+            [
+                "origin block 10 is mapped by cache blocks 0 and 5",
+                "metadata contains errors"
+            ]
+        );
+        let e = dump(Box::new(dev.clone()), false, &mut Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("origin block 10 is mapped by cache blocks 0 and 5"),
+            "{e}"
+        );
+        // a cache block count beyond what the device holds: refused, naming it
+        let mut tm = reader(Box::new(dev.clone()));
+        let mut sb = superblock(&mut tm).unwrap();
+        sb.cache_blocks = u32::MAX;
+        tm.cache
+            .write_through(0, BlockKind::CacheSuperblock, &sb.encode())
+            .unwrap();
+        drop(tm);
+        let e = check(Box::new(dev.clone()), &CheckOpts::default()).unwrap_err();
+        assert!(
+            e[0].contains("cache_blocks is 4294967295, more than what a mapping array"),
+            "{e:?}"
+        );
+        assert!(CacheMetadata::open(Box::new(dev)).is_err());
+    }
+
+    #[test]
+    fn sizes_as_1x() {
+        assert_eq!(format!("{:.2}", metadata_size(1000, 4)), "8246.69");
+        assert_eq!(format!("{:.2}", metadata_size(1_000_000, 4)), "62879.50");
+        assert_eq!(metadata_size(0, 4), 8192.0);
+        assert_eq!(metadata_size(1 << 32, 4), 33_292_800.0);
+    }
+}
