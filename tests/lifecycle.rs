@@ -132,6 +132,44 @@ fn io_waits_while_suspended() {
     assert!(d.alive());
 }
 
+/// A client that leaves while its writes wait for a suspended device: the
+/// writes it sent are kept and carried out at the resume (as they would have
+/// been had it stayed), its connection ends then and the device's open count
+/// drops; meanwhile the other clients of the same reactor are served.
+#[test]
+fn a_client_leaving_while_its_io_waits_for_a_resume_is_served_then_let_go() {
+    let d = Daemon::start_with("susp-leave", &["--nbd-reactors", "1"], &[]);
+    let f = d.dir.sparse("disk", 4 * MIB);
+    let g = d.dir.sparse("other", 4 * MIB);
+    d.create("dev", &format!("0 8192 linear {} 0", f.display()));
+    d.create("other", &format!("0 8192 linear {} 0", g.display()));
+    let mut other = Client::connect(&d.sock(), "other");
+    let mut c = Client::connect(&d.sock(), "dev");
+    d.wait_open_count("dev", 1);
+    d.ok(&["suspend", "dev"]);
+    let data = pattern(6, 8192);
+    c.send(WRITE, 0, 31, 0, data.len() as u32, &data);
+    c.send(WRITE, 0, 32, MIB, data.len() as u32, &data);
+    assert!(
+        !nbd::reply_ready(&c, Duration::from_millis(200)),
+        "write completed while suspended"
+    );
+    drop(c);
+    // the same reactor serves the other device meanwhile
+    other.write(0, &data);
+    assert_eq!(other.read(0, 8192), data);
+    assert_eq!(
+        read_at(&f, 0, 8192),
+        vec![0; 8192],
+        "a write reached the file while suspended"
+    );
+    d.ok(&["resume", "dev"]);
+    d.wait_open_count("dev", 0);
+    assert_eq!(read_at(&f, 0, 8192), data, "the first write after the resume");
+    assert_eq!(read_at(&f, MIB, 8192), data, "the second write after the resume");
+    d.ok(&["remove", "dev"]);
+}
+
 /// fio randwrite+verify over NBD while another thread suspends and resumes.
 fn fio_under_suspend_cycles(d: &Daemon, name: &str) {
     let mut fio = Command::new("fio")
