@@ -275,6 +275,53 @@ fn stalled_handshake_is_dropped_but_idle_clients_stay() {
     assert!(attached.read(4096, 4096) == pattern(5, 4096));
 }
 
+/// A client that trickles its handshake (a byte every 100 ms, each read well
+/// within the socket's timeout) is hung up on once the whole handshake's
+/// deadline has passed, so such clients cannot hold the bounded handshakes for
+/// ever; a client that then handshakes normally is served.
+#[test]
+fn trickled_handshake_is_dropped_at_its_deadline() {
+    use std::io::{Read, Write};
+    let d = Daemon::start_with("trickle", &[], &[("DMKIT_HANDSHAKE_TIMEOUT_MS", "400")]);
+    let f = d.dir.sparse("f.img", MIB);
+    d.create("lin", &format!("0 2048 linear {} 0", f.display()));
+    let mut s = std::os::unix::net::UnixStream::connect(d.sock()).expect("connect");
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).expect("greeting");
+    // client flags, then NBD_OPT_GO with 4,000 bytes of data that never all
+    // come, a byte at a time
+    let bytes: Vec<u8> = [0u8, 0, 0, 3]
+        .into_iter()
+        .chain(*b"IHAVEOPT")
+        .chain(7u32.to_be_bytes())
+        .chain(4000u32.to_be_bytes())
+        .chain([0u8; 64])
+        .collect();
+    let t0 = std::time::Instant::now();
+    let mut closed = false;
+    for b in bytes {
+        if s.write_all(&[b]).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        s.set_nonblocking(true).expect("nonblocking");
+        let mut one = [0u8; 1];
+        let r = s.read(&mut one);
+        s.set_nonblocking(false).expect("blocking");
+        if matches!(r, Ok(0)) {
+            closed = true;
+            break;
+        }
+    }
+    let took = t0.elapsed();
+    assert!(closed, "a trickling handshake was kept open for {took:?}");
+    assert!(took < std::time::Duration::from_secs(3), "hung up only after {took:?}");
+    let mut c = common::nbd::Client::connect(&d.sock(), "lin");
+    c.write(0, &pattern(7, 4096));
+    assert_eq!(c.read(0, 4096), pattern(7, 4096));
+}
+
 /// Used data blocks of a pool, from its status line.
 fn pool_used_data(d: &Daemon, pool: &str) -> u64 {
     let st = d.ok(&["status", pool]);

@@ -96,7 +96,10 @@ pub fn serve_connection<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
     tls: &tls::Tls,
     reactors: &reactor::Reactors,
 ) {
-    if let Some(c) = negotiate(s, reg, peer, tls) {
+    let deadline = reactors.deadline(&s, handshake_timeout());
+    let c = negotiate(s, reg, peer, tls);
+    drop(deadline);
+    if let Some(c) = c {
         reactors.hand(c);
     }
 }

@@ -52,11 +52,49 @@ struct Door {
     conns: AtomicUsize,
 }
 
-/// The reactors of a daemon, and the bound on handshakes.
+/// The reactors of a daemon, and the bounds on handshakes.
 pub struct Reactors {
     doors: Vec<Arc<Door>>,
     handshakes: Mutex<usize>,
     handshake_done: Condvar,
+    deadlines: Arc<Deadlines>,
+}
+
+/// Handshakes under way and when each must be over: a client that trickles
+/// its bytes (each read within the socket's timeout) would otherwise hold a
+/// handshake for ever, and [`MAX_HANDSHAKES`] of them would keep every new
+/// client out. Past its deadline a handshake's socket is shut down, which ends
+/// the blocked read.
+#[derive(Default)]
+struct Deadlines {
+    list: Mutex<Vec<(u64, std::time::Instant, OwnedFd)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+/// A handshake's deadline, lifted when this is dropped.
+pub struct Deadline<'a> {
+    d: &'a Deadlines,
+    id: u64,
+}
+
+impl Drop for Deadline<'_> {
+    fn drop(&mut self) {
+        self.d.list.lock().unpoisoned().retain(|e| e.0 != self.id);
+    }
+}
+
+fn enforce(d: &Deadlines) {
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = std::time::Instant::now();
+        d.list.lock().unpoisoned().retain(|(_, at, fd)| {
+            if *at > now {
+                return true;
+            }
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+            false
+        });
+    }
 }
 
 impl Reactors {
@@ -92,11 +130,29 @@ impl Reactors {
             doors.push(door);
         }
         reg.server.reactors.store(doors.len(), Ordering::Relaxed);
+        let deadlines = Arc::new(Deadlines::default());
+        let d = deadlines.clone();
+        std::thread::Builder::new()
+            .name("nbd-deadlines".into())
+            .spawn(move || enforce(&d))?;
         Ok(Arc::new(Reactors {
             doors,
             handshakes: Mutex::new(0),
             handshake_done: Condvar::new(),
+            deadlines,
         }))
+    }
+
+    /// Shut `sock` down if its handshake is not over within `within`.
+    pub fn deadline(&self, sock: impl AsFd, within: std::time::Duration) -> Option<Deadline<'_>> {
+        let fd = sock.as_fd().try_clone_to_owned().ok()?;
+        let id = self.deadlines.next.fetch_add(1, Ordering::Relaxed);
+        let at = std::time::Instant::now() + within;
+        self.deadlines.list.lock().unpoisoned().push((id, at, fd));
+        Some(Deadline {
+            d: &self.deadlines,
+            id,
+        })
     }
 
     /// Hand a client in the transmission phase to the reactor with the fewest
