@@ -101,7 +101,7 @@ def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard < a.idle + 1000:
         sys.exit(f"{a.idle} connections need more open files than the hard limit ({hard})")
-    bins = [("after", run.DMKIT)] + ([("before", a.before)] if a.before else [])
+    bins = [("this build" if not a.before else "after", run.DMKIT)] + ([("before", a.before)] if a.before else [])
     tmp = tempfile.mkdtemp(dir=a.dir)
     backing = os.path.join(tmp, "backing")
     with open(backing, "wb") as f:
