@@ -39,6 +39,8 @@
 //! [`CACHE_BYTES`]: a warm read costs the data block's hash. A mismatch fails
 //! the read with EIO (never wrong data) and the status says `C`.
 
+pub mod superblock;
+
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use sha1::Sha1;
