@@ -288,7 +288,7 @@ mod tests {
     #[test]
     fn lying_fields_are_refused_by_name() {
         let cases: [(usize, &[u8], &str); 9] = [
-            (0, b"verit", "magic"),
+            (0, b"VERIT", "magic"),
             (8, &[2], "version: 2"),
             (12, &[7], "hash type: 7"),
             (32, b"md5\0\0\0", "algorithm: 'md5'"),
