@@ -24,8 +24,9 @@
 //!   `check_at_most_once` (a bitmap of verified blocks), `try_verify_in_tasklet`
 //!   (accepted and printed back; dmkit verifies where the read completes).
 //!   Forward error correction (`use_fec_from_device`, `fec_roots`, `fec_blocks`,
-//!   `fec_start`) and root hash signatures (`root_hash_sig_key_desc`, a kernel
-//!   keyring) are refused with one line naming them.
+//!   `fec_start`): a block failing its hash is rebuilt from the FEC device's
+//!   Reed-Solomon codewords ([`fec`]). Root hash signatures
+//!   (`root_hash_sig_key_desc`, a kernel keyring) are refused with one line.
 //!
 //! The device must be read-only (`dmkit create --readonly`), as the kernel's
 //! table must be; writes and discards fail with EIO. A read is remapped to
@@ -909,10 +910,10 @@ mod tests {
     fn options_parse_and_print_as_the_kernels() {
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         let o = parse_opts(&s(&["3", "check_at_most_once", "ignore_corruption", "ignore_zero_blocks"])).expect("opts");
-        assert_eq!(o.table(), " 3 ignore_corruption ignore_zero_blocks check_at_most_once");
+        assert_eq!(o.table(""), " 3 ignore_corruption ignore_zero_blocks check_at_most_once");
         let o = parse_opts(&s(&["2", "restart_on_error", "PANIC_ON_CORRUPTION"])).expect("opts");
-        assert_eq!(o.table(), " 2 panic_on_corruption restart_on_error");
-        assert_eq!(parse_opts(&[]).expect("none").table(), "");
+        assert_eq!(o.table(""), " 2 panic_on_corruption restart_on_error");
+        assert_eq!(parse_opts(&[]).expect("none").table(""), "");
         assert!(parse_opts(&s(&["2", "ignore_corruption", "restart_on_corruption"]))
             .unwrap_err()
             .contains("Conflicting"));
