@@ -240,7 +240,9 @@ fn lying_superblocks_are_refused_naming_the_field() {
 /// verity device in the daemon: it attaches the data and hash files to loop
 /// devices (the kernel's loop driver) and loads the table `dmkit verity
 /// table` prints, with the loop devices' numbers for the devices; the device
-/// serves the data; `veritysetup status` and `close` work through the door.
+/// serves the data; `veritysetup status` and `close` work through the door;
+/// `veritysetup open --fec-device` loads the FEC options with the FEC file's
+/// loop device.
 #[test]
 fn veritysetup_open_through_the_door_loads_dmkits_table() {
     let sc = Scratch::new("verity-door");
@@ -300,6 +302,63 @@ fn veritysetup_open_through_the_door_loads_dmkits_table() {
     assert_eq!(value(&st, "data loop:"), s(&data));
     assert_eq!(value(&st, "hash loop:"), s(&hash));
     let o = d.cli(&["exec", "--", "veritysetup", "close", "vs"]);
+    assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
+    assert!(o.status.success());
+    assert_eq!(d.ok(&["ls"]), "No devices found\n");
+
+    // with FEC: veritysetup loads the FEC options, the FEC file on a third
+    // loop device, fec_blocks covering the data and the hash file after its
+    // superblock (1024 + 255)
+    let fec = sc.path("fec.img");
+    let root = format(
+        &data,
+        &hash,
+        &["--salt=0123abcd", "--fec-device", s(&fec), "--fec-roots", "2"],
+    );
+    let want_table = verity_table(&data, &hash, &root, 0);
+    let o = d.cli(&[
+        "exec",
+        "--",
+        "veritysetup",
+        "open",
+        "--fec-device",
+        s(&fec),
+        "--fec-roots",
+        "2",
+        s(&data),
+        "vf",
+        s(&hash),
+        &root,
+    ]);
+    assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
+    assert!(o.status.success());
+    let got = d.ok(&["table", "vf"]);
+    let mut fields: Vec<&str> = got.trim_end().split(' ').collect();
+    assert_eq!(fields.len(), 22, "{got}");
+    for i in [4, 5, 15] {
+        assert!(
+            fields[i].starts_with("7:"),
+            "a loop device (major 7): {}",
+            fields[i]
+        );
+    }
+    fields[4] = s(&data);
+    fields[5] = s(&hash);
+    fields[15] = s(&fec);
+    assert_eq!(
+        fields.join(" "),
+        format!(
+            "{want_table} 8 use_fec_from_device {} fec_roots 2 fec_blocks 1279 fec_start 0",
+            s(&fec)
+        )
+    );
+    let got = Client::connect(&d.sock(), "vf").read(0, SIZE as usize);
+    assert!(
+        got == std::fs::read(&data).expect("data"),
+        "the data through veritysetup's FEC device"
+    );
+    d.wait_open_count("vf", 0);
+    let o = d.cli(&["exec", "--", "veritysetup", "close", "vf"]);
     assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
     assert!(o.status.success());
     assert_eq!(d.ok(&["ls"]), "No devices found\n");
