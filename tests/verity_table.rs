@@ -348,7 +348,7 @@ fn veritysetup_open_through_the_door_loads_dmkits_table() {
     assert_eq!(
         fields.join(" "),
         format!(
-            "{want_table} 8 use_fec_from_device {} fec_roots 2 fec_blocks 1279 fec_start 0",
+            "{want_table} 8 use_fec_from_device {} fec_blocks 1279 fec_start 0 fec_roots 2",
             s(&fec)
         )
     );

@@ -57,12 +57,13 @@ impl Args {
         self.dev.is_some()
     }
 
-    /// The options as the table prints them (after the others), or "".
+    /// The options as the kernel's table prints them (after the others, in
+    /// this order), or "".
     pub fn table(&self, dev_name: &str) -> String {
         if self.enabled() {
             format!(
-                " use_fec_from_device {dev_name} fec_roots {} fec_blocks {} fec_start {}",
-                self.roots, self.blocks, self.start
+                " use_fec_from_device {dev_name} fec_blocks {} fec_start {} fec_roots {}",
+                self.blocks, self.start, self.roots
             )
         } else {
             String::new()
