@@ -112,7 +112,10 @@ fn promised(heading: &str) -> &'static [&'static str] {
         ],
         h if h.contains("dm-verity") => &[
             "Root hash:",
+            "\nhash type: 1\nalgorithm: sha256\ndata block size: 4096\nhash block size: 4096\ndata blocks: 2048\nsalt: 0123abcd\nhash start block: 1\nhash blocks: 17\n", // verity dump
+            "hash device bytes: 73728\n0 16384 verity 1 ro.img ro.hash 4096 4096 2048 1 sha256 ", // verity table
             "0 16384 verity V\n", // status checked
+            "  status:      verified\n", // veritysetup status, through the door
             "0 16384 verity C\n", // after the change
         ],
         h if h.contains("NBD over TCP with TLS") => &[

@@ -239,7 +239,7 @@ fn bad_tables_fail_with_one_clear_line() {
         (format!("0 {n} verity 1 {p} {h} 4096 4096 {BLOCKS} 1 sha256 {root} 012"), "Invalid salt"),
         (format!("0 {n} verity 1 {p} {sm} 4096 4096 {BLOCKS} 1 sha256 {root} 00"), "Hash device is too small"),
         (format!("0 {n} verity 1 {p} {h} 4096 4096 {BLOCKS} 1 sha256 {root} 00 1 bogus"), "Unrecognized verity feature request"),
-        (format!("0 {n} verity 1 {p} {h} 4096 4096 {BLOCKS} 1 sha256 {root} 00 2 fec_roots 2"), "forward error correction"),
+        (format!("0 {n} verity 1 {p} {h} 4096 4096 {BLOCKS} 1 sha256 {root} 00 2 fec_roots 2"), "FEC feature arguments (fec_roots, fec_blocks, fec_start) without use_fec_from_device"),
         (format!("0 {n} verity 1 {p} {h} 4096 4096 {BLOCKS} 1 sha256 {root} 00 2 ignore_corruption panic_on_corruption"), "Conflicting error handling parameters"),
         (format!("0 {n} verity 1 {p} {h} 4096 4096 {BLOCKS} 1 sha256 {root}"), "Not enough arguments"),
     ] {

@@ -102,8 +102,49 @@ Examples:
     /// its passphrase, and what a header says
     #[command(subcommand)]
     Luks(LuksCmd),
+    /// Verity hash devices: the verity table line that opens a data device
+    /// with the tree `veritysetup format` wrote and its root hash, and what
+    /// the tree's superblock says
+    #[command(subcommand)]
+    Verity(VerityCmd),
     #[command(flatten)]
     Dm(DmVerb),
+}
+
+#[derive(Subcommand, Debug)]
+enum VerityCmd {
+    /// Print the verity table line that `veritysetup open DATA NAME HASH
+    /// ROOT_HASH` loads (as `dmsetup table` shows it), from the superblock at
+    /// the start of HASH (or at --hash-offset); with --name, create that
+    /// device, read-only, in the daemon instead
+    #[command(after_help = "Examples:
+  veritysetup format ro.img ro.hash | tee ro.fmt                    # Root hash: 4a6f...
+  dmkit verity table ro.img ro.hash 4a6f...    # 0 16384 verity 1 ro.img ro.hash 4096 4096 2048 1 sha256 4a6f... <salt>
+  dmkit verity table ro.img ro.hash 4a6f... --name checked         # create it directly")]
+    Table {
+        /// The data device or image file
+        data: PathBuf,
+        /// The hash device or file, with its superblock
+        hash: PathBuf,
+        /// The root hash `veritysetup format` printed (hex)
+        root_hash: String,
+        /// Where the superblock is on HASH, in bytes (veritysetup's --hash-offset)
+        #[arg(long, value_name = "BYTES", default_value_t = 0)]
+        hash_offset: u64,
+        /// Create the device NAME (read-only) with the table instead of printing it
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+    },
+    /// Print what a verity superblock says: uuid, hash type, algorithm, block
+    /// sizes, data blocks, salt, and where the tree lies (a summary, not
+    /// veritysetup's text)
+    Dump {
+        /// The hash device or file
+        hash: PathBuf,
+        /// Where the superblock is, in bytes (veritysetup's --hash-offset)
+        #[arg(long, value_name = "BYTES", default_value_t = 0)]
+        hash_offset: u64,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -362,6 +403,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         Cmd::Sim(a) => sim(a),
         Cmd::Exec { program } => exec(&run_dir, &program),
         Cmd::Luks(cmd) => Ok(luks(&run_dir, cmd)),
+        Cmd::Verity(cmd) => Ok(verity(&run_dir, cmd)),
         Cmd::Dm(verb) => client(&run_dir, &verb, verb_words(argv)),
     }
 }
@@ -413,14 +455,53 @@ fn luks(run_dir: &Path, cmd: LuksCmd) -> i32 {
                     println!("{}", table.as_str());
                     0
                 }
-                Some(name) => match create_from(run_dir, &name, table.as_bytes()) {
-                    Ok(code) => code,
-                    Err(e) => {
-                        eprintln!("dmkit luks table: {e:#}");
-                        1
-                    }
-                },
+                Some(name) => create_or_say(run_dir, &name, table.as_bytes(), false, "luks table"),
             }
+        }
+    }
+}
+
+/// `dmkit verity ...`: its exit status, the error printed.
+fn verity(run_dir: &Path, cmd: VerityCmd) -> i32 {
+    use dmkit::targets::verity::superblock;
+    let (out, name, verb) = match cmd {
+        VerityCmd::Dump { hash, hash_offset } => (
+            superblock::read(&hash, hash_offset).map(|sb| sb.summary()),
+            None,
+            "verity dump",
+        ),
+        VerityCmd::Table {
+            data,
+            hash,
+            root_hash,
+            hash_offset,
+            name,
+        } => (
+            superblock::table(&data, &hash, &root_hash, hash_offset).map(|t| format!("{t}\n")),
+            name,
+            "verity table",
+        ),
+    };
+    match (out, name) {
+        (Err(e), _) => {
+            eprintln!("dmkit {verb}: {e}");
+            1
+        }
+        (Ok(text), None) => {
+            print!("{text}");
+            0
+        }
+        (Ok(table), Some(name)) => create_or_say(run_dir, &name, table.as_bytes(), true, verb),
+    }
+}
+
+/// [`create_from`], its error printed as `verb`'s: the exit status.
+fn create_or_say(run_dir: &Path, name: &str, table: &[u8], readonly: bool, verb: &str) -> i32 {
+    match create_from(run_dir, name, table, readonly) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("dmkit {verb}: {e:#}");
+            1
         }
     }
 }
@@ -446,14 +527,17 @@ fn prompt_passphrase(device: &Path) -> std::result::Result<dmkit::targets::crypt
 
 /// Create device `name` with `table`, sent as `dmkit create NAME` sends a
 /// table read from its standard input.
-fn create_from(run_dir: &Path, name: &str, table: &[u8]) -> Result<i32> {
+fn create_from(run_dir: &Path, name: &str, table: &[u8], readonly: bool) -> Result<i32> {
     let cwd = std::env::current_dir().context("the current directory")?;
-    let words = [
+    let mut words = vec![
         "create".to_string(),
         name.to_string(),
         "--cwd".to_string(),
         cwd.to_string_lossy().into_owned(),
     ];
+    if readonly {
+        words.push("--readonly".into());
+    }
     let mut s = connect(&run_dir.join("control.sock"))?;
     let (ok, out, err) = dmkit::control::call(&mut s, &words, table)?;
     print!("{out}");

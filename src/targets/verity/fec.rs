@@ -1,0 +1,223 @@
+//! dm-verity's forward error correction: `use_fec_from_device <dev> fec_roots
+//! <n> fec_blocks <n> fec_start <n>`, with the kernel's layout (what
+//! `veritysetup format --fec-device` writes).
+//!
+//! FEC covers `fec_blocks` blocks: the data blocks, then the hash device's
+//! blocks from the tree's first (blocks past the hash device's tree read as
+//! zeroes). With `rsn = 255 - roots` and `rounds = ceil(fec_blocks / rsn)`,
+//! codeword `k` (`0 <= k < rounds * block_size`) takes as its message the
+//! bytes at offsets `k + i * rounds * block_size` of that space, `i < rsn`
+//! (so one byte of each of `rsn` blocks `rounds` apart: a block's bytes lie
+//! in different codewords), and its `roots` parity bytes are at byte `k *
+//! roots` of the FEC device from block `fec_start`. A block that fails its
+//! hash is rebuilt from its codewords and hashed again.
+
+use super::rs;
+use crate::io::BackingFile;
+use std::sync::Arc;
+
+/// The kernel's bounds on fec_roots (RS(255, 231) to RS(255, 253)).
+const MIN_ROOTS: u32 = 2;
+const MAX_ROOTS: u32 = 24;
+
+/// The FEC options as parsed (verity_parse_fec_opt_args).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Args {
+    pub dev: Option<String>,
+    pub roots: u32,
+    pub blocks: u64,
+    pub start: u64,
+}
+
+impl Args {
+    /// Take option `key` with its value; false if `key` is not a FEC option.
+    pub fn parse(&mut self, key: &str, value: Option<&String>) -> Result<bool, String> {
+        let key = key.to_ascii_lowercase();
+        if !matches!(key.as_str(), "use_fec_from_device" | "fec_roots" | "fec_blocks" | "fec_start") {
+            return Ok(false);
+        }
+        let v = value.ok_or_else(|| format!("FEC feature arguments: {key} without its value"))?;
+        let num = || v.parse::<u64>().map_err(|_| format!("Invalid {key} '{v}'"));
+        match key.as_str() {
+            "use_fec_from_device" => self.dev = Some(v.clone()),
+            "fec_roots" => {
+                self.roots = num()?
+                    .try_into()
+                    .ok()
+                    .filter(|r| (MIN_ROOTS..=MAX_ROOTS).contains(r))
+                    .ok_or_else(|| format!("Invalid fec_roots '{v}' ({MIN_ROOTS} to {MAX_ROOTS})"))?
+            }
+            "fec_blocks" => self.blocks = num()?,
+            _ => self.start = num()?,
+        }
+        Ok(true)
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.dev.is_some()
+    }
+
+    /// The options as the kernel's table prints them (after the others, in
+    /// this order), or "".
+    pub fn table(&self, dev_name: &str) -> String {
+        if self.enabled() {
+            format!(
+                " use_fec_from_device {dev_name} fec_blocks {} fec_start {} fec_roots {}",
+                self.blocks, self.start, self.roots
+            )
+        } else {
+            String::new()
+        }
+    }
+}
+
+/// Where FEC reads, checked against the devices (verity_fec_ctr).
+pub struct Fec {
+    pub args: Args,
+    dev: Arc<BackingFile>,
+    data: Arc<BackingFile>,
+    hash: Arc<BackingFile>,
+    block_bits: u32,
+    data_blocks: u64,
+    /// Blocks of the hash device FEC covers, from `hash_start`.
+    hash_blocks: u64,
+    hash_start: u64,
+    rsn: u64,
+    rounds: u64,
+}
+
+/// The devices and geometry FEC needs.
+pub struct Setup<'a> {
+    pub dev: Arc<BackingFile>,
+    pub data: Arc<BackingFile>,
+    pub hash: Arc<BackingFile>,
+    pub data_bits: u32,
+    pub hash_bits: u32,
+    pub data_blocks: u64,
+    pub hash_start: u64,
+    /// One past the tree's last hash block.
+    pub tree_end: u64,
+    pub hash_dev_blocks: u64,
+    pub fec_dev_bytes: u64,
+    pub name: &'a str,
+}
+
+impl Fec {
+    pub fn new(args: Args, s: Setup<'_>) -> Result<Fec, String> {
+        if s.data_bits != s.hash_bits {
+            return Err("Block sizes must match to use FEC".into());
+        }
+        if args.roots == 0 {
+            return Err("Missing fec_roots".into());
+        }
+        if args.blocks == 0 {
+            return Err("Missing fec_blocks".into());
+        }
+        let bits = s.data_bits;
+        let fits = |n: u64| n.checked_shl(bits).is_some_and(|b| b >> bits == n);
+        if !fits(args.blocks) {
+            return Err(format!("Invalid fec_blocks '{}'", args.blocks));
+        }
+        if !fits(args.start) {
+            return Err(format!("Invalid fec_start '{}'", args.start));
+        }
+        let rsn = u64::from(255 - args.roots);
+        let rounds = args.blocks.div_ceil(rsn);
+        let tree = s.tree_end - s.hash_start;
+        if args.blocks < s.data_blocks.saturating_add(tree) {
+            return Err(format!(
+                "Invalid fec_blocks '{}' (fewer than the {} data blocks and {tree} hash blocks)",
+                args.blocks, s.data_blocks
+            ));
+        }
+        let hash_blocks = args.blocks - s.data_blocks;
+        if s.hash_dev_blocks < hash_blocks.saturating_add(s.hash_start) {
+            return Err(format!(
+                "Hash device is too small for fec_blocks ({} blocks from block {}, the device holds {})",
+                hash_blocks, s.hash_start, s.hash_dev_blocks
+            ));
+        }
+        // parity: rounds * block_size codewords of `roots` bytes
+        let need = rounds
+            .checked_mul(u64::from(args.roots))
+            .and_then(|b| b.checked_add(args.start))
+            .and_then(|b| b.checked_shl(bits).filter(|v| v >> bits == b));
+        match need {
+            Some(n) if n <= s.fec_dev_bytes => {}
+            _ => {
+                return Err(format!(
+                    "FEC device {} is too small: {} bytes, fec_start {} and {rounds} rounds of {} parity blocks \
+                     need more",
+                    s.name, s.fec_dev_bytes, args.start, args.roots
+                ))
+            }
+        }
+        Ok(Fec {
+            args,
+            dev: s.dev,
+            data: s.data,
+            hash: s.hash,
+            block_bits: bits,
+            data_blocks: s.data_blocks,
+            hash_blocks,
+            hash_start: s.hash_start,
+            rsn,
+            rounds,
+        })
+    }
+
+    /// FEC's index of hash block `hb`.
+    pub fn hash_index(&self, hb: u64) -> u64 {
+        self.data_blocks + (hb - self.hash_start)
+    }
+
+    /// Block `idx` of the covered space into `buf`.
+    fn read_block(&self, idx: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let bs = buf.len() as u64;
+        if idx < self.data_blocks {
+            return self.data.read_exact_at(buf, idx * bs);
+        }
+        let h = idx - self.data_blocks;
+        if h >= self.hash_blocks {
+            buf.fill(0);
+            return Ok(());
+        }
+        self.hash.read_exact_at(buf, (h + self.hash_start) * bs)
+    }
+
+    /// Rebuild block `idx` of the covered space (a data block's index, or
+    /// [`Fec::hash_index`]) into `out` from its codewords: Err names why not.
+    pub fn correct(&self, idx: u64, out: &mut [u8]) -> Result<usize, String> {
+        let bs = 1u64 << self.block_bits;
+        let span = self.rounds; // blocks between a codeword's symbols
+        // the target is symbol `res` of the codewords of round block `rsb`
+        let (res, rsb) = (idx / span, idx % span);
+        if res >= self.rsn {
+            return Err(format!("block {idx} is beyond what FEC covers"));
+        }
+        let roots = self.args.roots as usize;
+        let n = self.rsn as usize;
+        // the rsn blocks of these codewords, one after another
+        let mut blocks = vec![0u8; n << self.block_bits];
+        for (i, b) in blocks.chunks_exact_mut(bs as usize).enumerate() {
+            let at = rsb + i as u64 * span;
+            self.read_block(at, b).map_err(|e| format!("reading block {at} for FEC: {e}"))?;
+        }
+        let mut par = vec![0u8; roots << self.block_bits];
+        let off = (self.args.start << self.block_bits) + rsb * bs * roots as u64;
+        self.dev
+            .read_exact_at(&mut par, off)
+            .map_err(|e| format!("reading {} parity bytes at byte {off} of the FEC device: {e}", par.len()))?;
+        let mut fixed = 0;
+        let mut cw = [0u8; rs::N];
+        for (j, o) in out.iter_mut().enumerate() {
+            for (i, c) in cw[..n].iter_mut().enumerate() {
+                *c = blocks[(i << self.block_bits) + j];
+            }
+            cw[n..].copy_from_slice(&par[j * roots..(j + 1) * roots]);
+            fixed += rs::decode(&mut cw, roots).ok_or_else(|| format!("byte {j}: too many errors"))?;
+            *o = cw[res as usize];
+        }
+        Ok(fixed)
+    }
+}

@@ -1,0 +1,213 @@
+//! Reed-Solomon RS(255, 255 - roots) over GF(2^8), as dm-verity's FEC uses
+//! it: field polynomial 0x11d, first consecutive root 0, primitive element
+//! 1 (the generator's roots are α^0 .. α^(roots-1)); a codeword is the
+//! message (its first byte the highest power) followed by the parity.
+//!
+//! Written here rather than taken from a crate: the Reed-Solomon crates
+//! either decode erasures only (reed-solomon-erasure, reed-solomon-novelpoly:
+//! a different, Vandermonde construction), fix other field or root choices
+//! (fec: CCSDS with fcr 112 and prim 11; reed-solomon-32: GF(2^5)), or are
+//! unmaintained since 2017 (reed-solomon 0.2). This is errors-only decoding
+//! (Berlekamp-Massey, Chien search, Forney): it corrects up to roots/2 wrong
+//! symbols a codeword; a wrong correction cannot get through, as the block
+//! is hashed again afterwards.
+
+/// The codeword length.
+pub const N: usize = 255;
+
+struct Gf {
+    exp: [u8; 512],
+    log: [u8; 256],
+}
+
+const fn tables() -> Gf {
+    let mut exp = [0u8; 512];
+    let mut log = [0u8; 256];
+    let mut x: u16 = 1;
+    let mut i = 0;
+    while i < 255 {
+        exp[i] = x as u8;
+        exp[i + 255] = x as u8;
+        log[x as usize] = i as u8;
+        x <<= 1;
+        if x & 0x100 != 0 {
+            x ^= 0x11d;
+        }
+        i += 1;
+    }
+    exp[510] = exp[255];
+    Gf { exp, log }
+}
+
+static GF: Gf = tables();
+
+fn mul(a: u8, b: u8) -> u8 {
+    if a == 0 || b == 0 {
+        0
+    } else {
+        GF.exp[GF.log[a as usize] as usize + GF.log[b as usize] as usize]
+    }
+}
+
+fn inv(a: u8) -> u8 {
+    // a != 0 (callers check)
+    GF.exp[255 - GF.log[a as usize] as usize]
+}
+
+/// α^e.
+fn pow_a(e: usize) -> u8 {
+    GF.exp[e % 255]
+}
+
+/// Evaluate `p` (coefficient i of x^i) at `x`.
+fn eval(p: &[u8], x: u8) -> u8 {
+    p.iter().rev().fold(0, |acc, &c| mul(acc, x) ^ c)
+}
+
+/// The parity of `msg` (255 - roots bytes) into `par` (roots bytes): the
+/// decoder's tests build codewords with it (veritysetup builds the FEC data).
+#[cfg(test)]
+pub fn encode(msg: &[u8], par: &mut [u8]) {
+    let roots = par.len();
+    // generator: Π (x - α^i), i < roots; g[i] the coefficient of x^i
+    let mut g = vec![0u8; roots + 1];
+    g[0] = 1;
+    for i in 0..roots {
+        let r = pow_a(i);
+        for j in (0..=i + 1).rev() {
+            let lower = if j > 0 { g[j - 1] } else { 0 };
+            g[j] = lower ^ mul(g[j], r);
+        }
+    }
+    // remainder of msg(x) * x^roots by g, by long division
+    par.fill(0);
+    for &m in msg {
+        let f = m ^ par[0];
+        par.copy_within(1.., 0);
+        par[roots - 1] = 0;
+        for j in 0..roots {
+            par[j] ^= mul(f, g[roots - 1 - j]);
+        }
+    }
+}
+
+/// Correct `cw` (255 bytes: message then `roots` parity bytes) in place: the
+/// number of symbols corrected, or None if the errors are beyond the code.
+pub fn decode(cw: &mut [u8; N], roots: usize) -> Option<usize> {
+    // syndromes S_j = cw(α^j); cw[i] is the coefficient of x^(254 - i)
+    let mut s = [0u8; 32];
+    let s = &mut s[..roots];
+    for (j, sj) in s.iter_mut().enumerate() {
+        let x = pow_a(j);
+        *sj = cw.iter().fold(0, |acc, &c| mul(acc, x) ^ c);
+    }
+    if s.iter().all(|&v| v == 0) {
+        return Some(0);
+    }
+    // Berlekamp-Massey: the error locator Λ
+    let mut lambda = [0u8; 33];
+    let mut b = [0u8; 33];
+    lambda[0] = 1;
+    b[0] = 1;
+    let mut l = 0usize;
+    for r in 1..=roots {
+        let d = (0..=l.min(r - 1)).fold(0, |acc, i| acc ^ mul(lambda[i], s[r - 1 - i]));
+        // b <- x * b (shifted below, after its use)
+        let mut xb = [0u8; 33];
+        xb[1..].copy_from_slice(&b[..32]);
+        if d == 0 {
+            b = xb;
+            continue;
+        }
+        let mut t = lambda;
+        for i in 0..33 {
+            t[i] ^= mul(d, xb[i]);
+        }
+        if 2 * l < r {
+            l = r - l;
+            let di = inv(d);
+            for i in 0..33 {
+                b[i] = mul(lambda[i], di);
+            }
+        } else {
+            b = xb;
+        }
+        lambda = t;
+    }
+    let deg = (0..33).rev().find(|&i| lambda[i] != 0).unwrap_or(0);
+    if deg == 0 || deg != l || 2 * deg > roots {
+        return None;
+    }
+    // Ω = S Λ mod x^roots
+    let mut omega = [0u8; 32];
+    for i in 0..roots {
+        for j in 0..=i.min(deg) {
+            omega[i] ^= mul(lambda[j], s[i - j]);
+        }
+    }
+    // Λ' (characteristic 2: the odd terms, one power down)
+    let mut dl = [0u8; 32];
+    for i in (1..=deg).step_by(2) {
+        dl[i - 1] = lambda[i];
+    }
+    // Chien search: a root α^-p of Λ is an error at power p, index 254 - p
+    let mut found = 0;
+    for p in 0..N {
+        let xinv = pow_a(255 - p);
+        if eval(&lambda[..=deg], xinv) != 0 {
+            continue;
+        }
+        let den = eval(&dl[..deg], xinv);
+        if den == 0 {
+            return None;
+        }
+        // Forney with fcr 0: e = X * Ω(X^-1) / Λ'(X^-1)
+        let e = mul(mul(pow_a(p), eval(&omega[..roots], xinv)), inv(den));
+        cw[N - 1 - p] ^= e;
+        found += 1;
+    }
+    (found == deg).then_some(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn codeword(roots: usize, seed: u64) -> [u8; N] {
+        let msg = crate::rng::pattern(seed, N - roots);
+        let mut cw = [0u8; N];
+        cw[..N - roots].copy_from_slice(&msg);
+        let (m, p) = cw.split_at_mut(N - roots);
+        encode(m, p);
+        cw
+    }
+
+    #[test]
+    fn corrects_up_to_half_the_roots() {
+        for roots in [2usize, 4, 7, 24] {
+            let good = codeword(roots, roots as u64);
+            let mut clean = good;
+            assert_eq!(decode(&mut clean, roots), Some(0));
+            for errs in 1..=roots / 2 {
+                let mut bad = good;
+                for k in 0..errs {
+                    bad[(k * 37 + 5) % N] ^= 0x5a + k as u8;
+                }
+                assert_eq!(decode(&mut bad, roots), Some(errs), "roots {roots}, {errs} errors");
+                assert!(bad == good, "roots {roots}, {errs} errors");
+            }
+        }
+    }
+
+    #[test]
+    fn beyond_the_code_is_refused_or_caught_by_the_syndromes() {
+        let good = codeword(2, 9);
+        let mut bad = good;
+        bad[3] ^= 1;
+        bad[200] ^= 7;
+        // two errors with two roots: refused, or "corrected" to another
+        // codeword (the block's hash catches that)
+        let r = decode(&mut bad, 2);
+        assert!(r.is_none() || bad != good);
+    }
+}
