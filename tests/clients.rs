@@ -316,7 +316,10 @@ fn trickled_handshake_is_dropped_at_its_deadline() {
     }
     let took = t0.elapsed();
     assert!(closed, "a trickling handshake was kept open for {took:?}");
-    assert!(took < std::time::Duration::from_secs(3), "hung up only after {took:?}");
+    assert!(
+        took < std::time::Duration::from_secs(3),
+        "hung up only after {took:?}"
+    );
     let mut c = common::nbd::Client::connect(&d.sock(), "lin");
     c.write(0, &pattern(7, 4096));
     assert_eq!(c.read(0, 4096), pattern(7, 4096));
