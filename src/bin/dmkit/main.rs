@@ -100,12 +100,22 @@ Examples:
     },
     /// LUKS1 and LUKS2 headers: the crypt table line that opens a volume with
     /// its passphrase, and what a header says
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  dmkit luks dump disk.img
+  dmkit luks table disk.img --key-file pw   # 0 ... crypt aes-xts-plain64 <key> 0 disk.img 32768"
+    )]
     Luks(LuksCmd),
     /// Verity hash devices: the verity table line that opens a data device
     /// with the tree `veritysetup format` wrote and its root hash, and what
     /// the tree's superblock says
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  dmkit verity dump hash.img
+  dmkit verity table data.img hash.img ROOT_HASH --name v   # a read-only device v"
+    )]
     Verity(VerityCmd),
     #[command(flatten)]
     Dm(DmVerb),
