@@ -185,7 +185,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&pick, rest)) = data.split_first() else {
         return;
     };
-    let reg = common::registry();
+    let reg = &common::ctx().reg;
     let name: &[u8] = match pick % 4 {
         0 => b"z",
         1 => b"lin",
@@ -240,7 +240,7 @@ fuzz_target!(|data: &[u8]| {
         let mut sink = [0u8; 1 << 16];
         while matches!(rd.read(&mut sink), Ok(n) if n > 0) {}
     });
-    dmkit::export::nbd::serve_one(server, &common::ctx().reg, "fuzz", &Default::default());
+    dmkit::export::nbd::serve_one(server, reg, "fuzz", &Default::default());
     let _ = writer.join();
     if let Err(e) = reader.join() {
         std::panic::resume_unwind(e);

@@ -321,6 +321,9 @@ impl<'a> Reactor<'a> {
                 .fetch_add(now.wrapping_sub(self.buffers), Ordering::Relaxed);
             self.buffers = now;
         }
+        if self.door.is_none() && conns.list.iter().all(Option::is_none) {
+            return; // serving one connection, which has gone: nothing more will come
+        }
         if let Err(e) = sh.engine.turn(None) {
             tracing::error!("nbd reactor: its ring failed ({e}); its connections end");
             for id in 0..conns.list.len() as u32 {
