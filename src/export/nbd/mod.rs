@@ -78,8 +78,6 @@ fn negotiate<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
             return None;
         }
     };
-    // The handshake deadline does not apply to an attached client, which may idle.
-    clear_receive_timeout(&s);
     neg.dev.open_count.fetch_add(1, Ordering::SeqCst);
     Some(reactor::NewConn {
         sock: s.into(),
@@ -96,7 +94,11 @@ pub fn serve_connection<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
     tls: &tls::Tls,
     reactors: &reactor::Reactors,
 ) {
-    let deadline = reactors.deadline(&s, handshake_timeout());
+    // one bound on the whole handshake (an attached client may then idle)
+    let Some(deadline) = reactors.deadline(&s, handshake_timeout()) else {
+        tracing::warn!("nbd {peer}: no descriptor to bound the handshake with; the client is turned away");
+        return;
+    };
     let c = negotiate(s, reg, peer, tls);
     drop(deadline);
     if let Some(c) = c {
@@ -162,14 +164,9 @@ pub fn serve_unix(
 ) {
     let next = || {
         let (s, _) = listener.accept().ok()?;
-        let _ = s.set_read_timeout(Some(handshake_timeout()));
         Some((s, "unix".to_string()))
     };
     accept::<UnixStream>(next, reg, tls, reactors);
-}
-
-fn clear_receive_timeout(s: impl AsFd) {
-    let _ = rustix::net::sockopt::set_socket_timeout(s, rustix::net::sockopt::Timeout::Recv, None);
 }
 
 pub fn serve_tcp(
@@ -181,7 +178,6 @@ pub fn serve_tcp(
     let next = || {
         let (s, addr) = listener.accept().ok()?;
         let _ = s.set_nodelay(true);
-        let _ = s.set_read_timeout(Some(handshake_timeout()));
         Some((s, addr.to_string()))
     };
     accept::<TcpStream>(next, reg, tls, reactors);

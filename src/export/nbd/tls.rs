@@ -141,7 +141,7 @@ impl Tls {
         })
     }
 
-    /// The TLS handshake on `sock` (blocking, under the socket's receive timeout),
+    /// The TLS handshake on `sock` (blocking, under the handshake's deadline),
     /// right after the server's ACK to NBD_OPT_STARTTLS.
     pub fn accept(&self, sock: impl AsFd) -> io::Result<Session> {
         let ctx = self
