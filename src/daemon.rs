@@ -128,7 +128,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             );
         }
     }
-    let ctx = Arc::new(crate::control::Ctx::new(reg.clone(), Some(state.clone())));
+    let ctx = Arc::new(crate::control::Ctx {
+        run_dir: Some(opts.run_dir.clone()),
+        ..crate::control::Ctx::new(reg.clone(), Some(state.clone()))
+    });
     if opts.restore {
         if prev.exists() && recorded_devices(&state) == 0 {
             // set aside by a daemon started without --restore that made no devices
@@ -247,6 +250,7 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         let _ = d.flush_sync();
     }
     reg.sync_targets();
+    ctx.files.unmount();
     let _ = std::fs::remove_file(&control_path);
     let _ = std::fs::remove_file(&nbd_path);
     let _ = std::fs::remove_file(&door_path);

@@ -25,6 +25,10 @@ use verbs::{DmVerb, Request, ShowArgs, TableArgs};
 pub struct Ctx {
     pub reg: Arc<Registry>,
     pub ublk: ublk::Frontend,
+    /// The devices as files, for programs behind the door (mounted on demand).
+    pub files: crate::export::files::DeviceFiles,
+    /// Where the daemon keeps its sockets and files (None: nowhere, when fuzzing).
+    pub run_dir: Option<PathBuf>,
     /// The state file (None: not recorded).
     pub state: Option<PathBuf>,
     /// Keeps the state file up to date.
@@ -36,6 +40,8 @@ impl Ctx {
         Ctx {
             reg,
             ublk: ublk::Frontend::default(),
+            files: Default::default(),
+            run_dir: None,
             state,
             recorder: state::Recorder::default(),
         }
@@ -46,6 +52,7 @@ impl Ctx {
     pub fn sandboxed(reg: Arc<Registry>) -> Ctx {
         Ctx {
             ublk: ublk::Frontend::disabled(),
+            files: crate::export::files::DeviceFiles::disabled(),
             ..Ctx::new(reg, None)
         }
     }
@@ -113,6 +120,7 @@ pub fn execute(ctx: &Ctx, args: &[String], stdin: &str) -> Result<String, String
             | DmVerb::Mknodes { .. }
             | DmVerb::UdevcompleteAll { .. }
             | DmVerb::Holder { .. }
+            | DmVerb::DeviceFiles
     );
     // a message may set state the table does not show (writecache `cleaner`):
     // recorded too
@@ -284,6 +292,11 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             let dev = reg.get(&name).map_err(e)?;
             let path = ctx.ublk.attach(&dev, recover)?;
             Ok(format!("{path}\n"))
+        }
+        DmVerb::DeviceFiles => {
+            let run_dir = ctx.run_dir.as_deref().ok_or("this daemon has no run directory")?;
+            let dir = ctx.files.ensure(&ctx.reg, run_dir)?;
+            Ok(format!("{}\n", dir.display()))
         }
         DmVerb::Holder { path } => Ok(reg.holder(&path).map(|n| n + "\n").unwrap_or_default()),
         DmVerb::Detach { name } => {

@@ -11,7 +11,12 @@
  *  - stat/lstat/fstat of the node: a character device 10:236, as libdevmapper
  *    checks before it opens it (else it would try to mknod one);
  *  - /proc/devices and /proc/misc (fopen and open): with a `device-mapper` line
- *    (block major 253, misc minor 236), where libdevmapper and LVM read them.
+ *    (block major 253, misc minor 236), where libdevmapper and LVM read them;
+ *  - open of a block node 253:N (/dev/mapper/NAME, /dev/VG/LV, /dev/dm-N), which
+ *    has no driver here: the device's file $DMKIT_DEVICE_FILES/253:N, which the
+ *    daemon serves (src/export/files.rs); on that descriptor, fstat says it is the
+ *    block device and the block-device ioctls (size, sector sizes, read-only,
+ *    flush, discard, zeroing) are answered from the file.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -23,6 +28,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/falloc.h>
+#include <linux/fs.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -38,6 +45,11 @@
 #define MAX_FD 65536
 
 static char door_socket[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static char files_dir[4096];
+static const char *files_error;
+static char dev_dir[4096];
+/* minor + 1 of the device each descriptor opened as its file, 0 for none */
+static uint32_t *blk_minor;
 static char control_alt[4096];
 static unsigned char ours[MAX_FD];
 static pthread_mutex_t door_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -82,7 +94,13 @@ __attribute__((constructor)) static void door_init(void)
 	const char *s = getenv("DMKIT_DOOR_SOCKET");
 	if (s && strlen(s) < sizeof(door_socket))
 		strcpy(door_socket, s);
+	const char *f = getenv("DMKIT_DEVICE_FILES");
+	if (f && strlen(f) + 32 < sizeof(files_dir))
+		strcpy(files_dir, f);
+	files_error = getenv("DMKIT_DEVICE_FILES_ERROR");
 	const char *d = getenv("DM_DEV_DIR");
+	if (d && strlen(d) + 2 < sizeof(dev_dir))
+		snprintf(dev_dir, sizeof(dev_dir), "%s/", d);
 	if (d && strlen(d) + sizeof("/mapper/control") < sizeof(control_alt))
 		snprintf(control_alt, sizeof(control_alt), "%s/mapper/control", d);
 }
@@ -219,14 +237,76 @@ static int special_fd(const char *path)
 	return -2;
 }
 
-static int open_common(const char *path, int flags)
+static int is_blk(int fd)
+{
+	return fd >= 0 && fd < MAX_FD && blk_minor && blk_minor[fd];
+}
+
+/* Where device nodes are: /dev, or $DM_DEV_DIR. */
+static int under_dev(const char *path)
+{
+	return strncmp(path, "/dev/", 5) == 0 || (dev_dir[0] && strncmp(path, dev_dir, strlen(dev_dir)) == 0);
+}
+
+/* The minor of the dmkit block node `path` names (following links), or -1. */
+static long dm_node_minor(int dirfd, const char *path)
+{
+	struct stat st;
+	(void)dirfd; /* nodes are named by absolute paths */
+	if (!path || path[0] != '/' || !under_dev(path))
+		return -1;
+	if (get_stat()(path, &st) != 0 || !S_ISBLK(st.st_mode) || major(st.st_rdev) != DM_MAJOR)
+		return -1;
+	return (long)minor(st.st_rdev);
+}
+
+/* A dmkit device's node: its file instead (-2 when `path` is not one). */
+static int open_device_file(int dirfd, const char *path, int flags, mode_t mode)
+{
+	long m = dm_node_minor(dirfd, path);
+	if (m < 0)
+		return -2;
+	if (!files_dir[0]) {
+		static int told;
+		if (!told && files_error) {
+			told = 1;
+			fprintf(stderr, "dmkit: %s is a dmkit device, but its file is not served: %s\n", path,
+				files_error);
+		}
+		return -2;
+	}
+	if (!blk_minor && !(blk_minor = calloc(MAX_FD, sizeof(*blk_minor)))) {
+		errno = ENOMEM;
+		return -1;
+	}
+	char file[sizeof(files_dir) + 32];
+	snprintf(file, sizeof(file), "%s/%u:%ld", files_dir, DM_MAJOR, m);
+	int fd = get_open()(file, flags & ~(O_CREAT | O_EXCL | O_TRUNC), mode);
+	if (fd < 0) {
+		if (errno == ENOENT)
+			errno = ENXIO; /* a node left by a removed device */
+		return -1;
+	}
+	if (fd >= MAX_FD) {
+		get_close()(fd);
+		errno = EMFILE;
+		return -1;
+	}
+	blk_minor[fd] = (uint32_t)m + 1;
+	return fd;
+}
+
+static int open_common(int dirfd, const char *path, int flags, mode_t mode)
 {
 	if (is_control(path))
 		return open_door(flags);
-	return special_fd(path);
+	int fd = special_fd(path);
+	if (fd != -2)
+		return fd;
+	return open_device_file(dirfd, path, flags, mode);
 }
 
-#define OPEN_BODY(realcall)                                    \
+#define OPEN_BODY(dirfd, realcall)                             \
 	mode_t mode = 0;                                           \
 	if (flags & (O_CREAT | __O_TMPFILE)) {                     \
 		va_list ap;                                            \
@@ -234,29 +314,29 @@ static int open_common(const char *path, int flags)
 		mode = va_arg(ap, mode_t);                             \
 		va_end(ap);                                            \
 	}                                                          \
-	int fd = open_common(path, flags);                         \
+	int fd = open_common(dirfd, path, flags, mode);            \
 	if (fd != -2)                                              \
 		return fd;                                             \
 	return realcall;
 
 int open(const char *path, int flags, ...)
 {
-	OPEN_BODY(get_open()(path, flags, mode))
+	OPEN_BODY(AT_FDCWD, get_open()(path, flags, mode))
 }
 
 int open64(const char *path, int flags, ...)
 {
-	OPEN_BODY(get_open64()(path, flags, mode))
+	OPEN_BODY(AT_FDCWD, get_open64()(path, flags, mode))
 }
 
 int openat(int dirfd, const char *path, int flags, ...)
 {
-	OPEN_BODY(get_openat()(dirfd, path, flags, mode))
+	OPEN_BODY(dirfd, get_openat()(dirfd, path, flags, mode))
 }
 
 int openat64(int dirfd, const char *path, int flags, ...)
 {
-	OPEN_BODY(get_openat64()(dirfd, path, flags, mode))
+	OPEN_BODY(dirfd, get_openat64()(dirfd, path, flags, mode))
 }
 
 int __open_2(const char *path, int flags)
@@ -432,6 +512,65 @@ static int sysfs_fd(const char *path)
 	return out;
 }
 
+/* The block-device ioctls programs ask of a device, answered from its file. */
+static int blk_ioctl(int fd, unsigned long request, void *arg)
+{
+	struct stat st;
+	if (get_fstat()(fd, &st) != 0)
+		return -1;
+	uint64_t size = (uint64_t)st.st_size, range[2];
+	switch (request) {
+	case BLKGETSIZE64:
+		memcpy(arg, &size, sizeof(size));
+		return 0;
+	case BLKGETSIZE: {
+		unsigned long sectors = (unsigned long)(size >> 9);
+		memcpy(arg, &sectors, sizeof(sectors));
+		return 0;
+	}
+	case BLKSSZGET:
+	case BLKPBSZGET:
+	case BLKIOMIN:
+	case BLKBSZGET: {
+		int v = request == BLKBSZGET ? 4096 : 512;
+		memcpy(arg, &v, sizeof(v));
+		return 0;
+	}
+	case BLKIOOPT:
+	case BLKALIGNOFF:
+	case BLKDISCARDZEROES: {
+		int v = 0;
+		memcpy(arg, &v, sizeof(v));
+		return 0;
+	}
+	case BLKROGET: {
+		int ro = (st.st_mode & 0200) == 0;
+		memcpy(arg, &ro, sizeof(ro));
+		return 0;
+	}
+	case BLKRAGET: {
+		long ra = 256;
+		memcpy(arg, &ra, sizeof(ra));
+		return 0;
+	}
+	case BLKFLSBUF:
+		return fsync(fd);
+	case BLKDISCARD:
+	case BLKZEROOUT:
+		memcpy(range, arg, sizeof(range));
+		if (range[0] > size || range[1] > size - range[0]) {
+			errno = EINVAL;
+			return -1;
+		}
+		return fallocate(fd,
+				 request == BLKDISCARD ? FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE : FALLOC_FL_ZERO_RANGE,
+				 (off_t)range[0], (off_t)range[1]);
+	default:
+		errno = ENOTTY;
+		return -1;
+	}
+}
+
 int ioctl(int fd, unsigned long request, ...)
 {
 	va_list ap;
@@ -440,6 +579,8 @@ int ioctl(int fd, unsigned long request, ...)
 	va_end(ap);
 	if (is_ours(fd))
 		return door_ioctl(fd, request, arg);
+	if (is_blk(fd))
+		return blk_ioctl(fd, request, arg);
 	return get_ioctl()(fd, request, arg);
 }
 
@@ -447,6 +588,8 @@ int close(int fd)
 {
 	if (is_ours(fd))
 		ours[fd] = 0;
+	if (is_blk(fd))
+		blk_minor[fd] = 0;
 	return get_close()(fd);
 }
 
@@ -457,6 +600,17 @@ static void control_stat(struct stat *st)
 	st->st_rdev = makedev(MISC_MAJOR, DM_CONTROL_MINOR);
 	st->st_nlink = 1;
 	st->st_blksize = 4096;
+}
+
+/* A device file's stat, made the block device's: its node's number, no size. */
+static int blk_stat(int fd, struct stat *st)
+{
+	uint32_t m = blk_minor[fd] - 1;
+	st->st_mode = S_IFBLK | (st->st_mode & 07777);
+	st->st_rdev = makedev(DM_MAJOR, m);
+	st->st_size = 0;
+	st->st_blocks = 0;
+	return 0;
 }
 
 /* struct stat and struct stat64 are one layout on 64-bit Linux. */
@@ -504,6 +658,8 @@ int fstat(int fd, struct stat *st)
 		control_stat(st);
 		return 0;
 	}
+	if (is_blk(fd))
+		return get_fstat()(fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
 	return get_fstat()(fd, st);
 }
 
@@ -513,6 +669,8 @@ int fstat64(int fd, struct stat64 *st)
 		control_stat((struct stat *)st);
 		return 0;
 	}
+	if (is_blk(fd))
+		return get_fstat64()(fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
 	return get_fstat64()(fd, st);
 }
 
@@ -559,6 +717,8 @@ int __fxstat(int ver, int fd, struct stat *st)
 		control_stat(st);
 		return 0;
 	}
+	if (is_blk(fd))
+		return get___fxstat()(ver, fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
 	return get___fxstat()(ver, fd, st);
 }
 
@@ -568,5 +728,7 @@ int __fxstat64(int ver, int fd, struct stat64 *st)
 		control_stat((struct stat *)st);
 		return 0;
 	}
+	if (is_blk(fd))
+		return get___fxstat64()(ver, fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
 	return get___fxstat64()(ver, fd, st);
 }

@@ -294,6 +294,10 @@ Example:
     /// (what a tool refused with EBUSY names)
     #[command(hide = true)]
     Holder { path: std::path::PathBuf },
+    /// dmkit's own: mount the devices as files for programs behind the door
+    /// (`dmkit exec` asks); prints their folder
+    #[command(hide = true)]
+    DeviceFiles,
 }
 
 /// The devices a verb acts on: names, or one device picked by uuid or number.

@@ -1,3 +1,4 @@
 //! Exports: how clients reach mapped devices.
+pub mod files;
 pub mod nbd;
 pub mod ublk;

@@ -585,6 +585,18 @@ fn exec(run_dir: &Path, program: &[String]) -> Result<i32> {
         .env("DMKIT_DOOR_SOCKET", run_dir.join(dmkit::control::door::SOCKET))
         .env("DMKIT_RUN_DIR", &run_dir)
         .env("DM_DISABLE_UDEV", "1");
+    // the devices as files, so a program can open /dev/mapper/NAME (none when no
+    // daemon answers yet: the door then says so at the first ioctl)
+    match device_files(&run_dir) {
+        Ok(dir) => {
+            cmd.env("DMKIT_DEVICE_FILES", dir)
+                .env_remove("DMKIT_DEVICE_FILES_ERROR");
+        }
+        Err(why) => {
+            cmd.env("DMKIT_DEVICE_FILES_ERROR", why)
+                .env_remove("DMKIT_DEVICE_FILES");
+        }
+    }
     if std::env::var_os("DM_DEV_DIR").is_none() {
         let dev = lib.parent().unwrap_or(&run_dir).join("dev");
         std::fs::create_dir_all(dev.join("mapper"))
@@ -593,6 +605,21 @@ fn exec(run_dir: &Path, program: &[String]) -> Result<i32> {
     }
     let e = cmd.exec();
     anyhow::bail!("dmkit exec: running {prog}: {e}")
+}
+
+/// Ask the daemon to serve its devices as files: their folder, or why not.
+fn device_files(run_dir: &Path) -> std::result::Result<std::path::PathBuf, String> {
+    let mut s = UnixStream::connect(run_dir.join("control.sock")).map_err(|e| {
+        format!(
+            "no dmkit daemon at {} ({e})",
+            run_dir.join("control.sock").display()
+        )
+    })?;
+    match dmkit::control::call(&mut s, &["device-files".to_string()], b"") {
+        Ok((true, out, _)) => Ok(out.trim_end().into()),
+        Ok((false, _, err)) => Err(err.trim_end().to_string()),
+        Err(e) => Err(format!("asking the daemon for its device files: {e}")),
+    }
 }
 
 fn sim(a: SimArgs) -> Result<i32> {
