@@ -622,3 +622,55 @@ fn hostile_buffers_get_the_kernels_errnos_and_the_daemon_stays_up() {
     assert_eq!(d.ok(&["ls"]), "z\t(253:0)\n");
     assert!(!d.log().contains("panicked"), "{}", d.log());
 }
+
+/// dmeventd's use of the control node: one thread waits in DM_DEV_WAIT while
+/// the program's other threads go on with their own ioctls (each thread has its
+/// own connection to the daemon, as each caller has its own turn in the
+/// kernel), and a signal interrupts the wait with EINTR, as the kernel's does
+/// (dmeventd stops a monitoring thread this way); the daemon then stops waiting
+/// for it. `tests/door/waiter.c`, built here with the C compiler.
+#[test]
+fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
+    common::need_all(&["cc"]);
+    let d = Daemon::start("doorwait");
+    d.create("w", "0 8 zero");
+    let exe = d.dir.path("waiter");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/door/waiter.c");
+    let o = Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(src)
+        .arg("-lpthread")
+        .output()
+        .expect("cc");
+    assert!(
+        o.status.success(),
+        "building waiter.c: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = Command::new(common::BIN)
+        .arg("--run-dir")
+        .arg(&d.run)
+        .args(["exec", "--"])
+        .arg(&exe)
+        .arg("w")
+        .output()
+        .expect("run waiter");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "waiter: {}\n{out}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        out,
+        "waiter still waiting: yes\n\
+         version while it waits: ok in under 1 s\n\
+         status while it waits: ok\n\
+         waiter after the signal: EINTR\n\
+         status after: ok\n"
+    );
+    // the daemon let the interrupted wait go: the device can be removed at once
+    d.ok(&["remove", "w"]);
+}

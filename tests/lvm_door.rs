@@ -39,6 +39,8 @@ impl Drop for Loops {
 struct Lvm<'a> {
     d: &'a Daemon,
     devices: String,
+    /// `--config` for every command (empty: none).
+    config: String,
 }
 
 impl Lvm<'_> {
@@ -50,6 +52,11 @@ impl Lvm<'_> {
             .arg(common::tool_path("lvm"))
             .arg(args[0])
             .args(["--devices", &self.devices])
+            .args(if self.config.is_empty() {
+                vec![]
+            } else {
+                vec!["--config", self.config.as_str()]
+            })
             .args(&args[1..])
             .env("LC_ALL", "C")
             .env("LVM_SUPPRESS_FD_WARNINGS", "1")
@@ -304,6 +311,7 @@ fn lvm_linear_and_striped_through_the_door() {
     let lvm = Lvm {
         d: &d,
         devices: loops.0.join(","),
+        config: String::new(),
     };
     let vg = format!("dmkit{}", std::process::id());
     let mut args = vec!["pvcreate"];
@@ -397,6 +405,7 @@ fn lvm_volumes_open_as_block_devices_through_the_door() {
     let lvm = Lvm {
         d: &d,
         devices: loops.0.join(","),
+        config: String::new(),
     };
     let vg = format!("dmkitf{}", std::process::id());
     let mut args = vec!["pvcreate"];
@@ -487,4 +496,406 @@ fn lvm_volumes_open_as_block_devices_through_the_door() {
     let mut args = vec!["pvremove", "-y"];
     args.extend(loops.0.iter().map(String::as_str));
     lvm.ok(&args);
+}
+
+/// LVM's thin pools through the door without ublk: the pool's metadata and data
+/// are LVM's `_tmeta` and `_tdata`, dmkit devices under the `thin-pool` target
+/// (read and written through their tables); LVM runs dmkit's `thin_check` on
+/// `_tmeta` (through the door too) at every activation; a thin, a thin snapshot,
+/// `lvextend` of the pool (its `_tdata` grows a second segment while the pool's
+/// stack is loaded before it is resumed, as libdevmapper does), `vgchange -an`
+/// and `-ay`, with the data read back through the LVs' block devices.
+#[test]
+fn lvm_thin_pools_and_snapshots_through_the_door() {
+    common::need_all(&["losetup", "lvm", "dd", "cmp"]);
+    let d = Daemon::start("lvmthin");
+    let (loops, _files) = loop_files(&d, None);
+    // LVM's thin_check is dmkit's (the multi-call name), through a script that
+    // records each run
+    let bin = d.dir.path("bin");
+    std::fs::create_dir_all(&bin).expect("bin dir");
+    let link = bin.join("dmkit-thin_check");
+    std::fs::create_dir_all(&link).expect("link dir");
+    std::os::unix::fs::symlink(
+        std::fs::canonicalize(common::BIN).expect("dmkit path"),
+        link.join("thin_check"),
+    )
+    .expect("thin_check link");
+    let runs = d.dir.path("thin_check.runs");
+    let script = bin.join("thin_check");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n{}/thin_check \"$@\"\nrc=$?\necho \"$* rc=$rc\" >> {}\nexit $rc\n",
+            link.display(),
+            runs.display()
+        ),
+    )
+    .expect("script");
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        // no monitoring: the machine has one dmeventd, and
+        // dmeventd_grows_a_thin_pool_past_its_autoextend_threshold has it
+        config: format!(
+            "global/thin_check_executable=\"{}\" activation/monitoring=0",
+            script.display()
+        ),
+    };
+    let vg = format!("dmkitt{}", std::process::id());
+    let mut args = vec!["pvcreate"];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+    let mut args = vec!["vgcreate", vg.as_str()];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+    lvm.ok(&[
+        "lvcreate",
+        "-y",
+        "--type",
+        "thin-pool",
+        "-L",
+        "64M",
+        "-n",
+        "pool",
+        &vg,
+    ]);
+    lvm.ok(&[
+        "lvcreate",
+        "-y",
+        "-V",
+        "24M",
+        "-T",
+        &format!("{vg}/pool"),
+        "-n",
+        "th1",
+    ]);
+    let tables = dmkit_tables(&d);
+    let pool = tables
+        .iter()
+        .find(|(n, _)| n.ends_with("-tpool"))
+        .unwrap_or_else(|| panic!("a -tpool device in {tables:?}"));
+    let w: Vec<&str> = pool.1.split_whitespace().collect();
+    assert_eq!(w[2], "thin-pool", "{pool:?}");
+    let num = |suffix: &str| -> String {
+        let name = format!("{vg}-pool{suffix}");
+        let info = d.ok(&["info", &name]);
+        let l = info
+            .lines()
+            .find(|l| l.starts_with("Major, minor"))
+            .unwrap_or_else(|| panic!("{info}"));
+        let (_, mm) = l.split_once(':').expect("Major, minor: M, N");
+        mm.trim().replace(", ", ":")
+    };
+    assert_eq!(
+        (w[3].to_string(), w[4].to_string()),
+        (num("_tmeta"), num("_tdata")),
+        "the pool's metadata and data are LVM's _tmeta and _tdata devices"
+    );
+    let ran = std::fs::read_to_string(&runs).unwrap_or_default();
+    assert!(
+        ran.lines()
+            .any(|l| l.contains(&format!("{vg}-pool_tmeta")) && l.ends_with("rc=0")),
+        "LVM ran dmkit's thin_check on _tmeta, which passed: {ran:?}"
+    );
+
+    let dir = d.dir.path("");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    std::fs::write(&a, pattern(1, 4 << 20)).expect("pattern a");
+    std::fs::write(&b, pattern(2, 1 << 20)).expect("pattern b");
+    let th1 = format!("/dev/{vg}/th1");
+    let snap = format!("/dev/{vg}/snap1");
+    let a_s = a.display().to_string();
+    let b_s = b.display().to_string();
+    door_ok(
+        &d,
+        &[
+            "dd",
+            &format!("if={a_s}"),
+            &format!("of={th1}"),
+            "bs=1M",
+            "oflag=direct",
+            "conv=fsync",
+        ],
+    );
+    lvm.ok(&["lvcreate", "-y", "-s", "-n", "snap1", &format!("{vg}/th1")]);
+    lvm.ok(&["lvchange", "-ay", "-K", &format!("{vg}/snap1")]);
+    door_ok(
+        &d,
+        &[
+            "dd",
+            &format!("if={b_s}"),
+            &format!("of={th1}"),
+            "bs=1M",
+            "oflag=direct",
+            "conv=fsync",
+        ],
+    );
+    let check = |d: &Daemon, when: &str| {
+        door_ok(d, &["cmp", "-n", &(4u64 << 20).to_string(), &a_s, &snap]);
+        door_ok(d, &["cmp", "-n", &(1u64 << 20).to_string(), &b_s, &th1]);
+        door_ok(
+            d,
+            &[
+                "cmp",
+                "-n",
+                &(3u64 << 20).to_string(),
+                "-i",
+                &(1u64 << 20).to_string(),
+                &a_s,
+                &th1,
+            ],
+        );
+        let _ = when;
+    };
+    check(&d, "after the snapshot");
+
+    // grow the pool: _tdata grows (a segment more, or a longer one)
+    let tdata_sectors = |tables: &[(String, String)]| -> u64 {
+        tables
+            .iter()
+            .find(|(n, _)| n.ends_with("pool_tdata"))
+            .map(|(_, t)| {
+                t.lines()
+                    .map(|l| {
+                        l.split_whitespace()
+                            .nth(1)
+                            .and_then(|x| x.parse::<u64>().ok())
+                            .expect("length")
+                    })
+                    .sum()
+            })
+            .unwrap_or_else(|| panic!("{tables:?}"))
+    };
+    assert_eq!(
+        tdata_sectors(&dmkit_tables(&d)),
+        131072,
+        "_tdata is the pool's 64 MiB"
+    );
+    lvm.ok(&["lvextend", "-L", "+32M", &format!("{vg}/pool")]);
+    let size = lvm.ok(&[
+        "lvs",
+        "--noheadings",
+        "--units",
+        "m",
+        "--nosuffix",
+        "-o",
+        "lv_size",
+        &format!("{vg}/pool"),
+    ]);
+    assert_eq!(size.trim(), "96.00", "the pool grew");
+    let tables = dmkit_tables(&d);
+    assert_eq!(
+        tdata_sectors(&tables),
+        196608,
+        "_tdata grew to 96 MiB: {tables:?}"
+    );
+    let pool = tables.iter().find(|(n, _)| n.ends_with("-tpool")).expect("tpool");
+    assert!(
+        pool.1.starts_with("0 196608 thin-pool "),
+        "the pool's table grew with it: {pool:?}"
+    );
+    check(&d, "after lvextend");
+
+    lvm.ok(&["vgchange", "-an", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
+    lvm.ok(&["vgchange", "-ay", &vg]);
+    lvm.ok(&["lvchange", "-ay", "-K", &format!("{vg}/snap1")]);
+    check(&d, "after vgchange -an/-ay");
+    let ran = std::fs::read_to_string(&runs).unwrap_or_default();
+    assert!(
+        ran.lines().filter(|l| l.ends_with("rc=0")).count() >= 2
+            && !ran.lines().any(|l| !l.ends_with("rc=0")),
+        "thin_check ran at each activation and passed: {ran:?}"
+    );
+    lvm.ok(&["lvremove", "-y", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "lvremove removed every device");
+    lvm.ok(&["vgremove", "-y", &vg]);
+    let mut args = vec!["pvremove", "-y"];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+}
+
+/// The dmeventd processes running here whose environment carries the door (ours,
+/// left by an earlier run), and whether another one runs.
+fn dmeventds() -> (Vec<u32>, bool) {
+    let mut ours = Vec::new();
+    let mut foreign = false;
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if comm.trim() != "dmeventd" {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env.windows(17).any(|w| w == b"DMKIT_DOOR_SOCKET") {
+            ours.push(pid);
+        } else if std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z ")) {
+            foreign = true;
+        }
+    }
+    (ours, foreign)
+}
+
+fn stop_our_dmeventds() {
+    for pid in dmeventds().0 {
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    }
+    for _ in 0..50 {
+        if dmeventds().0.is_empty() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// LVM's thin-pool autoextend through the door: LVM starts Debian's unmodified
+/// dmeventd to monitor the pool (it inherits the door from `dmkit exec`); its
+/// thin plugin, woken by the timeouts that interrupt its DM_DEV_WAIT (EINTR, as
+/// the kernel's), reads the pool's status through the door, finds it past
+/// `thin_pool_autoextend_threshold` and runs `lvextend --use-policies`, which
+/// grows `_tdata` and the pool, all without a kernel device-mapper.
+#[test]
+fn dmeventd_grows_a_thin_pool_past_its_autoextend_threshold() {
+    common::need_all(&["losetup", "lvm", "dmeventd", "dd"]);
+    stop_our_dmeventds();
+    assert!(
+        !dmeventds().1,
+        "a dmeventd that dmkit's tests did not start is running: LVM would talk to it (one per machine); stop it first"
+    );
+    let d = Daemon::start("lvmevents");
+    let f = d.dir.sparse("pv", 256 * MIB);
+    let o = Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(&f)
+        .output()
+        .expect("losetup");
+    assert!(
+        o.status.success(),
+        "losetup: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let node = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let _loops = Loops(vec![node.clone()]);
+    // the configuration dmeventd's plugin and the lvextend it runs read too
+    let sys = d.dir.path("lvm");
+    std::fs::create_dir_all(&sys).expect("lvm dir");
+    let link = d.dir.path("tools");
+    std::fs::create_dir_all(&link).expect("tools dir");
+    std::os::unix::fs::symlink(
+        std::fs::canonicalize(common::BIN).expect("dmkit"),
+        link.join("thin_check"),
+    )
+    .expect("thin_check link");
+    std::fs::write(
+        sys.join("lvm.conf"),
+        format!(
+            "devices {{ global_filter = [ \"a|^{node}$|\", \"r|.*|\" ] }}\n\
+             global {{ thin_check_executable = \"{}\" }}\n\
+             activation {{ monitoring = 1 thin_pool_autoextend_threshold = 60 thin_pool_autoextend_percent = 50 }}\n",
+            link.join("thin_check").display()
+        ),
+    )
+    .expect("lvm.conf");
+    let run = |args: &[&str]| -> String {
+        let o = Command::new(common::BIN)
+            .arg("--run-dir")
+            .arg(&d.run)
+            .args(["exec", "--"])
+            .arg(common::tool_path("lvm"))
+            .args(args)
+            .env("LVM_SYSTEM_DIR", &sys)
+            .env("LC_ALL", "C")
+            .env("LVM_SUPPRESS_FD_WARNINGS", "1")
+            .output()
+            .expect("spawn lvm");
+        assert!(
+            o.status.success(),
+            "lvm {args:?}: {}\nstderr: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let vg = format!("dmkite{}", std::process::id());
+    run(&["pvcreate", &node]);
+    run(&["vgcreate", &vg, &node]);
+    run(&[
+        "lvcreate",
+        "-y",
+        "--type",
+        "thin-pool",
+        "-L",
+        "32M",
+        "-n",
+        "pool",
+        &vg,
+    ]);
+    run(&[
+        "lvcreate",
+        "-y",
+        "-V",
+        "64M",
+        "-T",
+        &format!("{vg}/pool"),
+        "-n",
+        "th",
+    ]);
+    let pool = format!("{vg}/pool");
+    assert_eq!(
+        run(&["lvs", "--noheadings", "-o", "seg_monitor", &pool]).trim(),
+        "monitored",
+        "LVM has dmeventd monitor the pool"
+    );
+    assert_eq!(dmeventds().0.len(), 1, "LVM started one dmeventd, with the door");
+    // 24 of the pool's 32 MiB: 75%, past the 60% threshold
+    let th = format!("/dev/{vg}/th");
+    door_ok(
+        &d,
+        &[
+            "dd",
+            "if=/dev/urandom",
+            &format!("of={th}"),
+            "bs=1M",
+            "count=24",
+            "oflag=direct",
+            "conv=fsync",
+        ],
+    );
+    let size = || -> String {
+        run(&[
+            "lvs",
+            "--noheadings",
+            "--units",
+            "m",
+            "--nosuffix",
+            "-o",
+            "lv_size",
+            &pool,
+        ])
+        .trim()
+        .to_string()
+    };
+    let start = std::time::Instant::now();
+    while size() == "32.00" && start.elapsed() < std::time::Duration::from_secs(60) {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    assert_eq!(size(), "48.00", "dmeventd grew the pool by 50% within 60 s");
+    let tables = dmkit_tables(&d);
+    let tpool = tables.iter().find(|(n, _)| n.ends_with("-tpool")).expect("tpool");
+    assert!(
+        tpool.1.starts_with("0 98304 thin-pool "),
+        "the pool's table is 48 MiB: {tpool:?}"
+    );
+    let used = run(&["lvs", "--noheadings", "-o", "data_percent", &pool]);
+    assert_eq!(used.trim(), "50.00", "24 of 48 MiB used");
+
+    run(&["vgchange", "-an", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
+    run(&["vgremove", "-y", &vg]);
+    run(&["pvremove", "-y", &node]);
+    stop_our_dmeventds();
 }

@@ -51,8 +51,32 @@ static char dev_dir[4096];
 /* minor + 1 of the device each descriptor opened as its file, 0 for none */
 static uint32_t *blk_minor;
 static char control_alt[4096];
+/* CONTROL: a program's open of the control node; CONN: a thread's connection */
+#define CONTROL 1
+#define CONN 2
 static unsigned char ours[MAX_FD];
-static pthread_mutex_t door_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Each thread's own connection to the daemon, for its requests: threads of one
+ * program (dmeventd's) wait in DEV_WAIT while others go on, as on the kernel's
+ * one control node; made again after a fork. */
+static __thread int thread_conn = -1;
+static __thread pid_t thread_pid;
+static pthread_key_t conn_key;
+static pthread_once_t conn_once = PTHREAD_ONCE_INIT;
+
+/* A thread's connection goes with the thread. */
+static void conn_gone(void *v)
+{
+	int fd = (int)(intptr_t)v - 1;
+	if (fd >= 0 && fd < MAX_FD && ours[fd] == 2 && thread_conn == fd) {
+		ours[fd] = 0;
+		close(fd);
+	}
+}
+
+static void conn_key_init(void)
+{
+	pthread_key_create(&conn_key, conn_gone);
+}
 
 static void *next_fn(const char *name)
 {
@@ -136,7 +160,7 @@ static int is_control(const char *path)
 
 static int is_ours(int fd)
 {
-	return fd >= 0 && fd < MAX_FD && ours[fd];
+	return fd >= 0 && fd < MAX_FD && ours[fd] == CONTROL;
 }
 
 static int open_door(int flags)
@@ -387,13 +411,17 @@ static int write_all(int fd, const void *p, size_t n)
 	return 0;
 }
 
-static int read_all(int fd, void *p, size_t n)
+/* -1: failed; -2: interrupted by a signal (only when `interruptible`). */
+static int read_all(int fd, void *p, size_t n, int interruptible)
 {
 	char *c = p;
 	while (n) {
 		ssize_t r = read(fd, c, n);
-		if (r < 0 && errno == EINTR)
+		if (r < 0 && errno == EINTR) {
+			if (interruptible)
+				return -2;
 			continue;
+		}
 		if (r <= 0)
 			return -1;
 		c += r;
@@ -402,24 +430,64 @@ static int read_all(int fd, void *p, size_t n)
 	return 0;
 }
 
-/*
- * One request to the daemon: `len` bytes of `buf` out, the reply copied back
- * over them. Returns the errno (0: success; EIO: the daemon went away). The
- * daemon's reason for a refusal goes to stderr unless `quiet` (ENXIO, "no such
- * device", is an answer, not a failure: libdevmapper asks it to learn a
- * device does not exist).
- */
-static int exchange(int fd, uint32_t request, void *buf, uint32_t len, int quiet)
+#define DM_DEV_WAIT_NR 8u
+
+static void drop_thread_conn(void)
 {
+	if (thread_conn >= 0) {
+		ours[thread_conn] = 0;
+		get_close()(thread_conn);
+	}
+	thread_conn = -1;
+}
+
+/*
+ * One request to the daemon, on this thread's connection: `len` bytes of `buf`
+ * out, the reply copied back over them. Returns the errno (0: success; EIO: the
+ * daemon went away). The daemon's reason for a refusal goes to stderr unless
+ * `quiet` (ENXIO, "no such device", is an answer, not a failure: libdevmapper
+ * asks it to learn a device does not exist). A DEV_WAIT interrupted by a signal
+ * returns EINTR, as the kernel's: the connection is dropped, so the daemon stops
+ * waiting for the caller (dmeventd interrupts its waiting threads this way).
+ */
+static int exchange(uint32_t request, void *buf, uint32_t len, int quiet)
+{
+	if (thread_conn >= 0 && ours[thread_conn] != CONN) {
+		/* closed under us (a daemon closing every descriptor): the number may
+		 * be another file's now, so it is only forgotten */
+		thread_conn = -1;
+	}
+	if (thread_conn >= 0 && thread_pid != getpid()) {
+		/* a forked child's copy of its parent's connection: not its own */
+		ours[thread_conn] = 0;
+		get_close()(thread_conn);
+		thread_conn = -1;
+	}
+	if (thread_conn < 0) {
+		int c = open_door(O_CLOEXEC);
+		if (c < 0)
+			return EIO;
+		ours[c] = CONN;
+		thread_conn = c;
+		thread_pid = getpid();
+		pthread_once(&conn_once, conn_key_init);
+		pthread_setspecific(conn_key, (void *)(intptr_t)(c + 1));
+	}
+	int fd = thread_conn;
 	char cwd[4096];
 	if (!getcwd(cwd, sizeof(cwd)))
 		cwd[0] = 0;
 	uint32_t head[3] = {request, len, (uint32_t)strlen(cwd)};
 	int32_t rep[3] = {0, 0, 0};
 	int err = 0;
-	pthread_mutex_lock(&door_lock);
+	int waits = ((request & 0xff) == DM_DEV_WAIT_NR) && ((request >> 8) & 0xff) == 0xfd;
+	int r = 0;
 	if (write_all(fd, head, sizeof(head)) || write_all(fd, buf, len) || write_all(fd, cwd, head[2]) ||
-	    read_all(fd, rep, sizeof(rep)) || (uint32_t)rep[1] > len || read_all(fd, buf, (uint32_t)rep[1])) {
+	    (r = read_all(fd, rep, sizeof(rep), waits)) || (uint32_t)rep[1] > len ||
+	    read_all(fd, buf, (uint32_t)rep[1], 0)) {
+		drop_thread_conn();
+		if (r == -2)
+			return EINTR;
 		err = EIO;
 	} else {
 		err = rep[0];
@@ -430,7 +498,8 @@ static int exchange(int fd, uint32_t request, void *buf, uint32_t len, int quiet
 			fputs("dmkit: ", stderr);
 		while (why) {
 			uint32_t k = why < sizeof(msg) ? why : (uint32_t)sizeof(msg);
-			if (read_all(fd, msg, k)) {
+			if (read_all(fd, msg, k, 0)) {
+				drop_thread_conn();
 				err = EIO;
 				break;
 			}
@@ -441,7 +510,6 @@ static int exchange(int fd, uint32_t request, void *buf, uint32_t len, int quiet
 		if (show)
 			fputc('\n', stderr);
 	}
-	pthread_mutex_unlock(&door_lock);
 	if (err == EIO && rep[0] != EIO)
 		fprintf(stderr, "dmkit: the dmkit daemon at %s went away\n", door_socket);
 	return err;
@@ -463,7 +531,8 @@ static int door_ioctl(int fd, unsigned long request, void *arg)
 	uint32_t data_size;
 	memcpy(&data_size, (char *)arg + 12, 4);
 	uint32_t len = (data_size >= MIN_DATA_SIZE && data_size <= BUFFER_LIMIT) ? data_size : MIN_DATA_SIZE;
-	int e = exchange(fd, (uint32_t)request, arg, len, 0);
+	(void)fd;
+	int e = exchange((uint32_t)request, arg, len, 0);
 	if (e) {
 		errno = e;
 		return -1;
@@ -483,15 +552,10 @@ static int sysfs_fd(const char *path)
 	if (sscanf(path, "/sys/dev/block/%u:%u/bdi/read_ahead_kb%n", &maj, &min, &n) != 2 || n == 0 ||
 	    path[n] != 0 || maj != DM_MAJOR)
 		return -2;
-	int fd = open_door(O_CLOEXEC);
-	if (fd < 0)
-		return -1;
 	uint64_t dev = makedev(maj, min);
 	char b[8];
 	memcpy(b, &dev, 8);
-	int e = exchange(fd, READ_AHEAD_REQUEST, b, 8, 1);
-	ours[fd] = 0;
-	get_close()(fd);
+	int e = exchange(READ_AHEAD_REQUEST, b, 8, 1);
 	if (e) {
 		errno = ENOENT;
 		return -1;
@@ -586,7 +650,7 @@ int ioctl(int fd, unsigned long request, ...)
 
 int close(int fd)
 {
-	if (is_ours(fd))
+	if (fd >= 0 && fd < MAX_FD)
 		ours[fd] = 0;
 	if (is_blk(fd))
 		blk_minor[fd] = 0;

@@ -115,7 +115,7 @@ struct Files {
 impl Files {
     fn device(&self, ino: INodeNo) -> Option<Arc<Device>> {
         let minor = u32::try_from(ino.0.checked_sub(DEV_INO)?).ok()?;
-        self.reg.list().into_iter().find(|d| d.minor == minor)
+        self.reg.by_minor(minor)
     }
 
     fn by_name(&self, name: &OsStr) -> Option<Arc<Device>> {
@@ -123,8 +123,7 @@ impl Files {
         if major.parse::<u32>().ok()? != DM_MAJOR {
             return None;
         }
-        let minor: u32 = minor.parse().ok()?;
-        self.reg.list().into_iter().find(|d| d.minor == minor)
+        self.reg.by_minor(minor.parse().ok()?)
     }
 }
 

@@ -3,9 +3,12 @@
 //! workers, a snapshot merge, an exception store's commits.
 //!
 //! I/O to a dmkit device runs through a request engine of the calling thread's own
-//! (one per thread, for every device it reaches), so it passes the device's targets,
-//! waits while the device is suspended, and counts in its drains like any request.
-//! Never call it from a request engine's thread: it blocks.
+//! (one per thread, for every device it reaches; one more for each request started
+//! while another is being mapped), so it passes the device's targets, waits while
+//! the device is suspended, and counts in its drains like any request. It blocks
+//! the calling thread as a file's I/O does: a target calls it from its map only for
+//! what it would read from a file there (metadata on another dmkit device, as LVM
+//! puts a thin pool's on `_tmeta`), never for I/O that could wait on that thread.
 
 use super::engine::{Dest, Engine};
 use super::Device;
@@ -19,7 +22,7 @@ use std::time::Duration;
 const MAX_REQUEST: usize = 1 << 20;
 
 thread_local! {
-    static ENGINE: RefCell<Option<Engine>> = const { RefCell::new(None) };
+    static ENGINES: RefCell<Vec<Engine>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Read `buf.len()` bytes at `sector` of `dest`.
@@ -74,13 +77,11 @@ pub fn discard(dest: &Dest, sector: u64, sectors: u64) -> io::Result<()> {
     }
 }
 
-/// Drop this thread's engine (and its ring).
+/// Drop this thread's engines (and their rings).
 pub fn release_thread_engine() {
-    ENGINE.with(|cell| {
-        if let Some(mut e) = cell.borrow_mut().take() {
-            e.shut_down();
-        }
-    });
+    for mut e in ENGINES.with(|e| std::mem::take(&mut *e.borrow_mut())) {
+        e.shut_down();
+    }
 }
 
 /// Size of `dest` in sectors now.
@@ -99,61 +100,86 @@ enum Data<'a> {
     Out(&'a [u8]),
 }
 
-fn request(dev: &Arc<Device>, op: Op, sector: u64, mut data: Data, fua: bool) -> io::Result<()> {
-    ENGINE.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(Engine::new(1)?);
+fn request(dev: &Arc<Device>, op: Op, sector: u64, data: Data, fua: bool) -> io::Result<()> {
+    // The thread's engines: the top one for this request. A request can start
+    // another while it is being mapped (a thin pool whose metadata is on another
+    // dmkit device reads it from inside its map), so a nested one takes an
+    // engine of its own, made the first time and kept.
+    let mut eng = match ENGINES.with(|e| e.borrow_mut().pop()) {
+        Some(e) => e,
+        None => Engine::new(1)?,
+    };
+    let r = run(&mut eng, dev, op, sector, data, fua);
+    match r {
+        // the ring failed: this engine is gone
+        Err(Failed::Ring(e)) => {
+            eng.shut_down();
+            Err(e)
         }
-        let Some(eng) = slot.as_mut() else {
-            return Err(io::Error::from_raw_os_error(errno::EIO));
-        };
-        let r = eng
-            .alloc()
-            .ok_or_else(|| io::Error::from_raw_os_error(errno::EIO))?;
-        let len = match &data {
-            Data::None | Data::Discard(_) => 0,
-            Data::In(b) => b.len(),
-            Data::Out(b) => b.len(),
-        };
-        let q = eng.request_mut(r);
-        q.op = op;
-        q.sector = sector;
-        q.nr_sectors = match &data {
-            Data::Discard(n) => *n,
-            _ => len as u64 / SECTOR,
-        };
-        q.fua = fua;
-        q.punch = false;
-        q.fast_zero = false;
-        q.buf.ensure(len.max(1));
-        if let Data::Out(b) = &data {
-            q.buf.as_mut_slice()[..len].copy_from_slice(b);
+        Err(Failed::Io(e)) => {
+            ENGINES.with(|e| e.borrow_mut().push(eng));
+            Err(e)
         }
-        eng.start(r, dev);
-        let res = loop {
-            if let Some(done) = eng.pop_done() {
-                debug_assert_eq!(done, r);
-                break eng.request(r).error;
-            }
-            if let Err(e) = eng.turn(Some(Duration::from_millis(100))) {
-                // the ring failed: wait for what is under way, then report
-                eng.shut_down();
-                *slot = None;
-                return Err(e);
-            }
-        };
-        if let Data::In(b) = &mut data {
-            b.copy_from_slice(&eng.request(r).buf.as_slice()[..len]);
+        Ok(()) => {
+            ENGINES.with(|e| e.borrow_mut().push(eng));
+            Ok(())
         }
-        eng.free(r);
-        // the slot would keep `dev` alive past its removal
-        eng.forget_devices();
-        if res != 0 {
-            return Err(io::Error::from_raw_os_error(res));
+    }
+}
+
+enum Failed {
+    Ring(io::Error),
+    Io(io::Error),
+}
+
+fn run(
+    eng: &mut Engine,
+    dev: &Arc<Device>,
+    op: Op,
+    sector: u64,
+    mut data: Data,
+    fua: bool,
+) -> Result<(), Failed> {
+    let r = eng
+        .alloc()
+        .ok_or_else(|| Failed::Io(io::Error::from_raw_os_error(errno::EIO)))?;
+    let len = match &data {
+        Data::None | Data::Discard(_) => 0,
+        Data::In(b) => b.len(),
+        Data::Out(b) => b.len(),
+    };
+    let q = eng.request_mut(r);
+    q.op = op;
+    q.sector = sector;
+    q.nr_sectors = match &data {
+        Data::Discard(n) => *n,
+        _ => len as u64 / SECTOR,
+    };
+    q.fua = fua;
+    q.punch = false;
+    q.fast_zero = false;
+    q.buf.ensure(len.max(1));
+    if let Data::Out(b) = &data {
+        q.buf.as_mut_slice()[..len].copy_from_slice(b);
+    }
+    eng.start(r, dev);
+    let res = loop {
+        if let Some(done) = eng.pop_done() {
+            debug_assert_eq!(done, r);
+            break eng.request(r).error;
         }
-        Ok(())
-    })
+        eng.turn(Some(Duration::from_millis(100))).map_err(Failed::Ring)?;
+    };
+    if let Data::In(b) = &mut data {
+        b.copy_from_slice(&eng.request(r).buf.as_slice()[..len]);
+    }
+    eng.free(r);
+    // the slot would keep `dev` alive past its removal
+    eng.forget_devices();
+    if res != 0 {
+        return Err(Failed::Io(io::Error::from_raw_os_error(res)));
+    }
+    Ok(())
 }
 
 /// Copy `sectors` from `src` at `src_sector` to `dst` at `dst_sector`: through the
@@ -190,4 +216,70 @@ pub fn copy(
         done += n;
     }
     Ok(())
+}
+
+/// Zero `sectors` at `sector` of `dest`: through the copy engine on a file, as
+/// writes of zeroes through dm-io on a device.
+pub fn zero(copier: &crate::copier::Copier, dest: &Dest, sector: u64, sectors: u64) -> io::Result<()> {
+    if let Dest::File(f) = dest {
+        return copier.zero(&[(f, sector * SECTOR)], sectors * SECTOR);
+    }
+    let zeros = vec![0u8; MAX_REQUEST.min((sectors * SECTOR) as usize)];
+    let mut done = 0u64;
+    while done < sectors {
+        let n = (sectors - done).min(MAX_REQUEST as u64 / SECTOR);
+        write(dest, sector + done, &zeros[..(n * SECTOR) as usize], false)?;
+        done += n;
+    }
+    Ok(())
+}
+
+/// What tells two of a table's devices apart: a file's (device, inode), or a
+/// dmkit device's number.
+pub fn identity(dest: &Dest) -> (u64, u64) {
+    match dest {
+        Dest::File(f) => f.identity,
+        Dest::Dm(d) => (u64::MAX, u64::from(d.minor)),
+    }
+}
+
+/// How messages name `dest`: a file's path, a dmkit device's name.
+pub fn describe(dest: &Dest) -> String {
+    match dest {
+        Dest::File(f) => f.path.display().to_string(),
+        Dest::Dm(d) => d.name(),
+    }
+}
+
+/// Persistent-data metadata on `dest`: a file opened for metadata I/O, or a
+/// dmkit device (LVM's `_tmeta`, `_cmeta`), read and written through its table
+/// with dm-io. The device's I/O blocks the calling thread, as a file's does.
+pub fn metadata_dev(dest: &Dest) -> io::Result<Box<dyn crate::pdata::dev::MetadataDev>> {
+    match dest {
+        Dest::File(f) => crate::pdata::dev::open_backing(f),
+        Dest::Dm(d) => Ok(Box::new(DmMetadata(d.clone()))),
+    }
+}
+
+struct DmMetadata(Arc<Device>);
+
+impl crate::pdata::dev::MetadataDev for DmMetadata {
+    fn nr_blocks(&self) -> u64 {
+        self.0.size_sectors() * SECTOR / crate::pdata::BLOCK_SIZE as u64
+    }
+    fn read_block(&mut self, block: u64, buf: &mut crate::pdata::Block) -> io::Result<()> {
+        self.read_blocks(block, buf)
+    }
+    fn write_block(&mut self, block: u64, buf: &crate::pdata::Block) -> io::Result<()> {
+        write(&Dest::Dm(self.0.clone()), block * 8, buf, false)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        flush(&Dest::Dm(self.0.clone()))
+    }
+    fn try_clone(&self) -> Option<Box<dyn crate::pdata::dev::MetadataDev>> {
+        Some(Box::new(DmMetadata(self.0.clone())))
+    }
+    fn read_blocks(&mut self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        read(&Dest::Dm(self.0.clone()), block * 8, buf)
+    }
 }

@@ -45,12 +45,23 @@ pub struct Table {
     /// Loaded read-only (DM_READONLY_FLAG, `--readonly`): its files are open
     /// read-only, and the device is read-only while it is live.
     pub read_only: bool,
+    /// The areas of other dmkit devices the table uses, checked at its resume:
+    /// (device, its name in the table, end sector).
+    pub size_checks: Vec<(Arc<Device>, String, u64)>,
 }
 
 impl Table {
     /// Every target's preresume in order: the first refusal, as "resume refused
     /// by TYPE target: WHY" (a refused resume leaves the device suspended).
     pub fn preresume(&self) -> Result<(), String> {
+        for (d, name, end) in &self.size_checks {
+            let size = d.size_sectors();
+            if *end > size {
+                return Err(format!(
+                    "device '{name}' too small for the table: it needs {end} sectors, the device has {size}"
+                ));
+            }
+        }
         for e in &self.entries {
             e.target
                 .preresume()
@@ -101,6 +112,7 @@ impl Table {
             flush_devices,
             logical_block_size: lbs,
             read_only: false,
+            size_checks: Vec::new(),
         }
     }
 

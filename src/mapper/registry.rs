@@ -913,6 +913,7 @@ impl Registry {
             dev,
             read_only,
             cwd,
+            size_checks: Default::default(),
         };
         let mut entries = Vec::with_capacity(lines.len());
         for l in &lines {
@@ -927,6 +928,7 @@ impl Registry {
         }
         let mut table = Table::new(entries);
         table.read_only = read_only;
+        table.size_checks = resolver.size_checks.take();
         let lbs = u64::from(table.logical_block_size / 512);
         for (e, l) in table.entries.iter().zip(&lines) {
             if lbs > 1 && (e.start % lbs != 0 || e.len % lbs != 0) {
@@ -1215,7 +1217,8 @@ impl Registry {
         crate::io::shared(&self.files, key, open).map(DevRef::File)
     }
 
-    fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
+    /// The device with minor number `minor`.
+    pub fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
         self.devices().values().find(|d| d.minor == minor).cloned()
     }
 }
@@ -1341,6 +1344,8 @@ struct TableResolver<'a> {
     read_only: bool,
     /// The caller's directory, for relative paths (None: the daemon's).
     cwd: Option<&'a Path>,
+    /// What the table needs of other dmkit devices, checked at its resume.
+    size_checks: std::cell::RefCell<Vec<(Arc<Device>, String, u64)>>,
 }
 
 /// `name` as an absolute path: relative ones from `cwd` (else the daemon's
@@ -1361,6 +1366,11 @@ fn absolute(name: &str, cwd: Option<&Path>) -> std::path::PathBuf {
 }
 
 impl Resolver for TableResolver<'_> {
+    fn size_check(&self, dev: &Arc<Device>, name: &str, end: u64) {
+        self.size_checks
+            .borrow_mut()
+            .push((dev.clone(), name.to_string(), end));
+    }
     fn device(&self) -> &Arc<Device> {
         self.dev
     }

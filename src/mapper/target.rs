@@ -854,6 +854,12 @@ pub trait Resolver {
     fn config(&self) -> &crate::mapper::registry::Config;
     /// The table is loaded read-only (DM_READONLY_FLAG, `--readonly`).
     fn read_only(&self) -> bool;
+    /// The table needs sectors up to `end` of the dmkit device `dev` (named
+    /// `name` in the table): checked when the table is resumed, as the kernel
+    /// checks device areas when it swaps a table in, so a table over a device
+    /// that grows at its own resume can be loaded first (libdevmapper loads a
+    /// stack's tables before it resumes any of them).
+    fn size_check(&self, dev: &Arc<Device>, name: &str, end: u64);
 }
 
 /// Builds a target from its table arguments, its length in sectors and the
@@ -886,7 +892,9 @@ pub fn arg_dev(args: &[String], i: usize, offset: u64, len: u64, r: &dyn Resolve
     let name = args.get(i).ok_or("missing argument device")?;
     let dev = r.open(name).map_err(|e| format!("device '{name}': {e}"))?;
     let size = dev.size_sectors();
-    if offset.checked_add(len).is_none_or(|end| end > size) {
+    if let (DevRef::Dm(d), Some(end)) = (&dev, offset.checked_add(len)) {
+        r.size_check(&d.0, name, end);
+    } else if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err(format!(
             "device '{name}' too small for target: offset {offset} + length {len} sectors > device size {size} sectors"
         ));

@@ -14,6 +14,8 @@
 use super::{Key, Mode, Pool};
 use crate::copier::Copier;
 use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
+use crate::mapper::devio;
+use crate::mapper::engine::Dest;
 use crate::mapper::Device;
 use crate::mapper::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::{Arc, Weak};
@@ -328,7 +330,7 @@ impl ThinDev {
                 let copy_hi = origin_bytes.saturating_sub(vstart).clamp(lo, hi);
                 if copy_hi > lo {
                     jobs.push(Job::Copy(
-                        of.clone(),
+                        Dest::File(of.clone()),
                         vstart + lo,
                         data.clone(),
                         base + lo,
@@ -416,17 +418,17 @@ impl ThinDev {
 
 /// Copy-engine work preparing a new data block.
 enum Job {
-    /// (source, offset, destination, offset, length)
-    Copy(Arc<BackingFile>, u64, Arc<BackingFile>, u64, u64),
+    /// (source, offset, destination, offset, length), in bytes (whole sectors)
+    Copy(Dest, u64, Dest, u64, u64),
     /// (destination, offset, length)
-    Zero(Arc<BackingFile>, u64, u64),
+    Zero(Dest, u64, u64),
 }
 
 fn run_jobs(c: &Copier, jobs: &[Job]) -> std::io::Result<()> {
     for j in jobs {
         match j {
-            Job::Copy(src, so, dst, d, len) => c.copy(src, *so, &[(dst, *d)], *len)?,
-            Job::Zero(dst, d, len) => c.zero(&[(dst, *d)], *len)?,
+            Job::Copy(src, so, dst, d, len) => devio::copy(c, src, so / SECTOR, dst, d / SECTOR, len / SECTOR, false)?,
+            Job::Zero(dst, d, len) => devio::zero(c, dst, d / SECTOR, len / SECTOR)?,
         }
     }
     Ok(())

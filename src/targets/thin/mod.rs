@@ -15,7 +15,7 @@ pub mod pool;
 
 use crate::copier::Copier;
 use crate::io::restart_log::{Previous, Record, RestartLog};
-use crate::io::BackingFile;
+use crate::mapper::devio::{self, describe, identity};
 use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::registry::Config;
 use crate::mapper::Device;
@@ -224,10 +224,11 @@ pub struct Pool {
     /// Its timings, from the daemon's configuration.
     timing: Timing,
     md: Mutex<PoolMd>,
-    pub data: Arc<BackingFile>,
-    /// The metadata device (its path in messages, its size, a second handle for
-    /// thin_ls).
-    pub metadata: Arc<BackingFile>,
+    /// The data device: a file, or a dmkit device (LVM's `_tdata`).
+    pub data: Dest,
+    /// The metadata device (named in messages, its size, a second handle for
+    /// thin_ls): a file, or a dmkit device (LVM's `_tmeta`).
+    pub metadata: Dest,
     pub block_sectors: u64,
     pub copier: Arc<Copier>,
     /// One commit at a time (the commit thread, control operations).
@@ -301,18 +302,15 @@ impl Pools {
         let all: Vec<Arc<Pool>> = self.list().iter().filter_map(|(_, w)| w.upgrade()).collect();
         for p in all {
             if let Err(e) = p.commit_now() {
-                tracing::warn!(
-                    "thin-pool {}: final commit failed: {e}",
-                    p.metadata.path.display()
-                );
+                tracing::warn!("thin-pool {}: final commit failed: {e}", describe(&p.metadata));
             }
         }
     }
 }
 
-fn is_zeroed(f: &BackingFile) -> std::io::Result<bool> {
+fn is_zeroed(d: &Dest) -> std::io::Result<bool> {
     let mut b = vec![0u8; 4096];
-    f.read_at(&mut b, 0)?;
+    devio::read(d, 0, &mut b)?;
     Ok(b.iter().all(|&x| x == 0))
 }
 
@@ -326,15 +324,15 @@ impl Pool {
     pub fn get(
         pools: &Pools,
         owner: &Arc<Device>,
-        metadata: &Arc<BackingFile>,
-        data: &Arc<BackingFile>,
+        metadata: &Dest,
+        data: &Dest,
         block_sectors: u64,
         nr_blocks: u64,
         features: Features,
         low_water: u64,
         config: &Config,
     ) -> Result<Arc<Pool>, String> {
-        let key = metadata.identity;
+        let key = identity(metadata);
         wait_for_orphan(pools, key);
         let mut all = pools.list();
         all.retain(|(_, w)| w.strong_count() > 0);
@@ -343,7 +341,7 @@ impl Pool {
             o.filter(|o| !Arc::ptr_eq(o, owner)).map(|o| o.name())
         };
         for (_, p) in all.iter().filter(|(k, _)| *k != key) {
-            let Some(p) = p.upgrade().filter(|p| p.data.identity == data.identity) else {
+            let Some(p) = p.upgrade().filter(|p| identity(&p.data) == identity(data)) else {
                 continue;
             };
             if let Some(other) = owned_elsewhere(&p) {
@@ -372,7 +370,7 @@ impl Pool {
         }
         // Writable whenever the file allows, so a read_only pool can be reloaded
         // read-write; read_only itself is the pool's mode.
-        let dev = crate::pdata::dev::open_backing(metadata).map_err(|e| format!("metadata device: {e}"))?;
+        let dev = devio::metadata_dev(metadata).map_err(|e| format!("metadata device: {e}"))?;
         let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
         let mut md = if fresh {
             if features.read_only {
@@ -407,9 +405,13 @@ impl Pool {
         let restart = match config.restart_logs.as_deref() {
             Some(dir) if mode == Mode::Write => {
                 let path = RestartLog::path(dir, "thin-pool", key);
-                replay_restart_log(&mut md, data, &path, &metadata.path)?;
+                replay_restart_log(&mut md, data, &path, &describe(metadata))?;
                 let cap = usize::try_from(md.nr_data_blocks()).unwrap_or(usize::MAX);
-                match RestartLog::create_on(&path, cap, metadata.sim().cloned()) {
+                let sim = match metadata {
+                    Dest::File(f) => f.sim().cloned(),
+                    Dest::Dm(_) => None,
+                };
+                match RestartLog::create_on(&path, cap, sim) {
                     Ok(mut l) => {
                         l.begin(md.committed_identity());
                         Some(l)
@@ -417,7 +419,7 @@ impl Pool {
                     Err(e) => {
                         tracing::warn!(
                             "thin-pool {}: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
-                            metadata.path.display(),
+                            describe(metadata),
                             path.display()
                         );
                         None
@@ -631,7 +633,7 @@ impl Pool {
         let after = self.apply_deferred(&mut m, discards);
         let r = if !m.dirty || m.mode == Mode::ReadOnly {
             Ok(())
-        } else if let Err(e) = self.data.sync() {
+        } else if let Err(e) = devio::flush(&self.data) {
             // Zeroed and copied data must be on disk before the mappings that expose it.
             Err(format!("flushing the data device: {e}"))
         } else {
@@ -687,7 +689,7 @@ impl Pool {
     pub fn metadata_failed(&self, m: &mut PoolMd, e: &ThinError) {
         tracing::warn!(
             "thin-pool {}: metadata failure: {e}; switching to read-only",
-            self.metadata.path.display()
+            describe(&self.metadata)
         );
         if m.mode != Mode::ReadOnly {
             m.mode = Mode::ReadOnly;
@@ -719,7 +721,7 @@ impl Pool {
                     self.events.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(
                         "thin-pool {}: reached low water mark ({free} free data blocks)",
-                        self.metadata.path.display()
+                        describe(&self.metadata)
                     );
                 }
                 Ok(b)
@@ -728,7 +730,7 @@ impl Pool {
                 if m.mode == Mode::Write {
                     m.mode = Mode::OutOfDataSpace;
                     self.events.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("thin-pool {}: out of data space", self.metadata.path.display());
+                    tracing::warn!("thin-pool {}: out of data space", describe(&self.metadata));
                 }
                 let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
                 if !m.features.error_if_no_space && since.elapsed() >= self.timing.no_space_timeout {
@@ -800,7 +802,7 @@ impl Pool {
             if let Err(e) = self.commit_now() {
                 tracing::warn!(
                     "thin-pool {}: commit after growing: {e}",
-                    self.metadata.path.display()
+                    describe(&self.metadata)
                 );
             }
         }
@@ -836,11 +838,7 @@ impl Pool {
         // A bigger metadata file grows the metadata space too.
         // (at most the largest metadata space, as the kernel uses only that much of
         // a bigger device)
-        let meta_blocks = self
-            .metadata
-            .size()
-            .map(|x| (x / 4096).min(crate::pdata::space_map::MAX_METADATA_BLOCKS))
-            .unwrap_or(0);
+        let meta_blocks = (devio::size_sectors(&self.metadata) / 8).min(crate::pdata::space_map::MAX_METADATA_BLOCKS);
         if meta_blocks > m.md.nr_metadata_blocks() {
             if let Err(e) = m.md.resize_metadata_dev(meta_blocks) {
                 self.metadata_failed(&mut m, &e);
@@ -875,7 +873,7 @@ impl Drop for Pool {
         let m = self.md.get_mut().unpoisoned();
         let mut clean = !m.dirty;
         if m.dirty && m.mode != Mode::ReadOnly {
-            clean = self.data.sync().is_ok() && m.md.commit().is_ok();
+            clean = devio::flush(&self.data).is_ok() && m.md.commit().is_ok();
         }
         // everything committed: the pool's restart log has nothing to give
         if let Some(l) = m.restart.as_ref().filter(|_| clean) {
@@ -896,9 +894,9 @@ const MAPPED_ALLOCATED_BEFORE: u32 = 2;
 /// in use) is an error naming it, and nothing is replayed.
 fn replay_restart_log(
     md: &mut ThinPoolMetadata,
-    data: &BackingFile,
+    data: &Dest,
     log: &std::path::Path,
-    path: &std::path::Path,
+    path: &str,
 ) -> Result<(), String> {
     let here = md.committed_identity();
     let records = match RestartLog::previous(log) {
@@ -906,7 +904,7 @@ fn replay_restart_log(
         Previous::Overflowed { identity } if identity == here => {
             tracing::warn!(
                 "thin-pool {}: the previous daemon acknowledged more writes than its restart log holds and was killed before committing them: they are lost",
-                path.display()
+                path
             );
             return Ok(());
         }
@@ -962,8 +960,7 @@ fn replay_restart_log(
             }
             .map_err(|e| format!("{}: {e}", at()))?;
         }
-        data.sync()
-            .map_err(|e| format!("flushing the data device: {e}"))?;
+        devio::flush(data).map_err(|e| format!("flushing the data device: {e}"))?;
         md.commit().map_err(|e| format!("committing: {e}"))
     };
     if let Err(e) = apply(md) {
@@ -975,7 +972,7 @@ fn replay_restart_log(
     }
     tracing::info!(
         "thin-pool {}: committed {n} block mappings the previous daemon had acknowledged before it was killed",
-        path.display()
+        path
     );
     Ok(())
 }
@@ -1054,7 +1051,7 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         }
         if wanted || periodic {
             if let Err(e) = pool.commit_now() {
-                tracing::warn!("thin-pool {}: commit failed: {e}", pool.metadata.path.display());
+                tracing::warn!("thin-pool {}: commit failed: {e}", describe(&pool.metadata));
             }
             last = Instant::now();
         } else {

@@ -1,6 +1,7 @@
 //! `thin-pool <metadata dev> <data dev> <block size> <low water> [<n> <features>...]`.
 
 use super::{Features, Mode, Pool};
+use crate::mapper::devio;
 use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use crate::thin::ThinError;
 use std::sync::Arc;
@@ -13,13 +14,6 @@ pub struct ThinPool {
     /// Features as the table asked for them (the table line prints these).
     requested: Features,
     nr_blocks: u64,
-}
-
-fn file_of(d: &DevRef, what: &str) -> Result<Arc<crate::io::BackingFile>, String> {
-    match d {
-        DevRef::File(f) => Ok(f.clone()),
-        DevRef::Dm(_) => Err(format!("{what} device must be a file or block device")),
-    }
 }
 
 impl ThinPool {
@@ -68,8 +62,8 @@ impl ThinPool {
             .open(name)
             .map_err(|e| format!("metadata device '{name}': {e}"))?;
         let data = arg_dev(args, 1, 0, len, r)?;
-        let (mf, df) = (file_of(&metadata, "metadata")?, file_of(&data, "data")?);
-        if mf.identity == df.identity {
+        let (mf, df) = (metadata.dest(), data.dest());
+        if devio::identity(&mf) == devio::identity(&df) {
             return Err("metadata and data devices must differ".into());
         }
         let pool = Pool::get(
@@ -293,12 +287,12 @@ impl Target for ThinPool {
                 if let Err(e) = self.pool.commit_now() {
                     tracing::warn!(
                         "thin-pool {}: commit before {cmd}: {e}",
-                        self.pool.metadata.path.display()
+                        devio::describe(&self.pool.metadata)
                     );
                 }
                 let _m = self.pool.lock();
-                let dev = crate::pdata::dev::open_backing(&self.pool.metadata)
-                    .map_err(|e| format!("{}: {e}", self.pool.metadata.path.display()))?;
+                let dev = devio::metadata_dev(&self.pool.metadata)
+                    .map_err(|e| format!("{}: {e}", devio::describe(&self.pool.metadata)))?;
                 crate::thin::online::online(dev, words)
             }
             _ => Err(format!(
