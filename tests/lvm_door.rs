@@ -899,3 +899,110 @@ fn dmeventd_grows_a_thin_pool_past_its_autoextend_threshold() {
     run(&["pvremove", "-y", &node]);
     stop_our_dmeventds();
 }
+
+/// LVM's classic snapshot and its merge through the door: `lvcreate -s` stacks
+/// `snapshot-origin` over `LV-real` and `snapshot` over `-real` and `-cow` (the
+/// snapshot's table loaded before `-real` is resumed, so its size is checked at
+/// resume); the snapshot keeps the old data while the origin changes, and
+/// `lvconvert --merge` runs `snapshot-merge` to the end, after which LVM removes
+/// the snapshot and the origin holds the old data again.
+#[test]
+fn lvm_classic_snapshot_and_merge_through_the_door() {
+    common::need_all(&["losetup", "lvm", "dd", "cmp"]);
+    let d = Daemon::start("lvmsnap");
+    let (loops, _files) = loop_files(&d, None);
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
+    };
+    let vg = format!("dmkits{}", std::process::id());
+    let mut args = vec!["pvcreate"];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+    let mut args = vec!["vgcreate", vg.as_str()];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+    lvm.ok(&["lvcreate", "-y", "-L", "32M", "-n", "lin", &vg]);
+    let dir = d.dir.path("");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    std::fs::write(&a, pattern(3, 8 << 20)).expect("pattern a");
+    std::fs::write(&b, pattern(4, 1 << 20)).expect("pattern b");
+    let (a_s, b_s) = (a.display().to_string(), b.display().to_string());
+    let lin = format!("/dev/{vg}/lin");
+    let snap = format!("/dev/{vg}/snap");
+    door_ok(
+        &d,
+        &[
+            "dd",
+            &format!("if={a_s}"),
+            &format!("of={lin}"),
+            "bs=1M",
+            "oflag=direct",
+            "conv=fsync",
+        ],
+    );
+    lvm.ok(&[
+        "lvcreate",
+        "-y",
+        "-s",
+        "-L",
+        "16M",
+        "-n",
+        "snap",
+        &format!("{vg}/lin"),
+    ]);
+    let tables = dmkit_tables(&d);
+    let types: Vec<(String, String)> = tables
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.trim_start_matches(&format!("{vg}-")).to_string(),
+                t.split_whitespace().nth(2).unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        types,
+        vec![
+            ("lin".to_string(), "snapshot-origin".to_string()),
+            ("lin-real".to_string(), "linear".to_string()),
+            ("snap".to_string(), "snapshot".to_string()),
+            ("snap-cow".to_string(), "linear".to_string()),
+        ],
+        "LVM's snapshot stack: {tables:?}"
+    );
+    door_ok(
+        &d,
+        &[
+            "dd",
+            &format!("if={b_s}"),
+            &format!("of={lin}"),
+            "bs=1M",
+            "oflag=direct",
+            "conv=fsync",
+        ],
+    );
+    door_ok(&d, &["cmp", "-n", &(8u64 << 20).to_string(), &a_s, &snap]);
+    door_ok(&d, &["cmp", "-n", &(1u64 << 20).to_string(), &b_s, &lin]);
+    let o = lvm.run(&["lvconvert", "-y", "--merge", &format!("{vg}/snap")]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("has finished"),
+        "lvconvert --merge: {}\n{out}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let tables = dmkit_tables(&d);
+    assert_eq!(
+        tables.len(),
+        1,
+        "only the origin is left, linear again: {tables:?}"
+    );
+    assert!(tables[0].1.contains(" linear "), "{tables:?}");
+    door_ok(&d, &["cmp", "-n", &(8u64 << 20).to_string(), &a_s, &lin]);
+    lvm.ok(&["vgremove", "-y", &vg]);
+    let mut args = vec!["pvremove", "-y"];
+    args.extend(loops.0.iter().map(String::as_str));
+    lvm.ok(&args);
+}

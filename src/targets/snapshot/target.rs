@@ -192,7 +192,11 @@ impl SnapshotTarget {
             return Err("Snapshot exception store does not support snapshot-merge.".into());
         }
         let origin_size = origin.size_sectors();
-        if len > origin_size {
+        if let DevRef::Dm(o) = &origin {
+            // checked when the table is resumed, as the kernel's device areas:
+            // LVM loads a snapshot over an origin (`-real`) not resumed yet
+            r.size_check(&o.0, &args[0], len);
+        } else if len > origin_size {
             return Err(format!(
                 "snapshot of {len} sectors is larger than its origin ({origin_size} sectors)"
             ));
