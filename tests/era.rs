@@ -595,3 +595,40 @@ fn sigkill_between_checkpoints_dates_every_flushed_write_its_era_or_later() {
         }
     }
 }
+
+/// The metadata and the origin may be other dmkit devices, as LVM stacks them:
+/// the metadata is then read and written through its device's table (a linear
+/// over a file here), and what the era recorded is in that file.
+#[test]
+fn era_over_dmkit_devices() {
+    let s = Scratch::new("era-dm");
+    let meta = s.sparse("meta", 4 << 20);
+    let origin = s.sparse("origin", ORIGIN);
+    let d = Daemon::start("era-dm");
+    d.create(
+        "m",
+        &format!("0 {} linear {} 0", (4u64 << 20) / 512, meta.display()),
+    );
+    d.create("o", &format!("0 {} linear {} 0", ORIGIN / 512, origin.display()));
+    d.create(
+        "e",
+        &format!("0 {} era /dev/mapper/m /dev/mapper/o 128", ORIGIN / 512),
+    );
+    assert_eq!(status(&d, "e").2, 1);
+    let mut c = Client::connect(&d.sock(), "e");
+    write_blocks(&mut c, &ERA1, 1);
+    message(&d, "e", &["checkpoint"]);
+    write_blocks(&mut c, &ERA2, 2);
+    assert_eq!(c.read(6 * BLOCK + 4096, 8192), pattern(2 + 6, 8192));
+    drop(c);
+    d.ok(&["remove", "e"]);
+    d.ok(&["remove", "m", "o"]);
+    // the era's writes are on the origin's file, its record on the metadata's
+    assert_eq!(
+        common::read_at(&origin, 6 * BLOCK + 4096, 8192),
+        pattern(2 + 6, 8192)
+    );
+    checks_pass(&meta);
+    let since2 = "<blocks>\n  <block block=\"6\"/>\n  <range begin=\"200\" end=\"202\"/>\n  <block block=\"1023\"/>\n</blocks>";
+    assert_eq!(invalidate(&meta, 2, false), since2);
+}

@@ -82,12 +82,10 @@ pub struct Era {
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
+/// The metadata on a file, or on another dmkit device (read and written through
+/// its table).
 fn open_metadata(dev: &DevRef, block_size: u32) -> Result<EraMetadata, String> {
-    let f = match dev {
-        DevRef::File(f) => f,
-        DevRef::Dm(_) => return Err("metadata device must be a file or block device".into()),
-    };
-    let d = crate::pdata::dev::open_backing(f).map_err(|e| e.to_string())?;
+    let d = crate::mapper::devio::metadata_dev(&dev.dest()).map_err(|e| e.to_string())?;
     EraMetadata::open_or_format(d, block_size).map_err(|e| e.to_string())
 }
 
@@ -108,7 +106,9 @@ impl Era {
         if bs == 0 || !bs.is_multiple_of(MIN_BLOCK_SIZE) {
             return Err("Invalid block size".into());
         }
-        if origin.size_sectors() < len {
+        if let DevRef::Dm(o) = &origin {
+            r.size_check(&o.0, &args[1], len);
+        } else if origin.size_sectors() < len {
             return Err(format!(
                 "Error opening data device: {} sectors, smaller than the target's {len}",
                 origin.size_sectors()
