@@ -674,3 +674,72 @@ fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
     // the daemon let the interrupted wait go: the device can be removed at once
     d.ok(&["remove", "w"]);
 }
+
+/// A dmkit device's node opens behind the door as its device file: bytes in
+/// the middle of a sector are written as read-modify-write of whole sectors, a
+/// write past the end fails with ENOSPC (dd: "No space left on device"), and a
+/// read-only device does not open for writing (EACCES), as block devices do.
+#[test]
+fn device_nodes_open_as_the_devices_files_behind_the_door() {
+    let d = Daemon::start("doorfiles");
+    let f = d.dir.sparse("back", 1 << 20);
+    std::fs::write(&f, vec![0x11u8; 1 << 20]).expect("fill");
+    d.create("x", &format!("0 2048 linear {} 0", f.display()));
+    d.ok(&[
+        "create",
+        "ro",
+        "--readonly",
+        "--table",
+        &format!("0 2048 linear {} 0", f.display()),
+    ]);
+    let sh = |script: &str| -> Output {
+        Command::new(common::BIN)
+            .arg("--run-dir")
+            .arg(&d.run)
+            .args(["exec", "--", "sh", "-c", script])
+            .env("LC_ALL", "C")
+            .output()
+            .expect("sh")
+    };
+    let o = sh("dmsetup mknodes && printf hello | dd of=$DM_DEV_DIR/mapper/x bs=1 seek=1021 conv=notrunc status=none && \
+                dd if=$DM_DEV_DIR/mapper/x bs=1 skip=1019 count=9 status=none");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.stdout, b"\x11\x11hello\x11\x11",
+        "five bytes across a sector boundary, read back"
+    );
+    assert_eq!(
+        &read_at(&f, 1019, 9),
+        b"\x11\x11hello\x11\x11",
+        "and on the file below"
+    );
+    let o = sh("printf x | dd of=$DM_DEV_DIR/mapper/x bs=1 seek=1048576 conv=notrunc status=none");
+    assert!(!o.status.success(), "a write past the end fails");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("No space left on device"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = sh("printf x | dd of=$DM_DEV_DIR/mapper/ro bs=1 conv=notrunc status=none");
+    assert!(
+        !o.status.success(),
+        "a read-only device does not open for writing"
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("Permission denied"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = sh("blockdev --getro --getsize64 $DM_DEV_DIR/mapper/ro");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "1\n1048576\n",
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        d.info_line("x", "Open count").split_whitespace().last(),
+        Some("0"),
+        "every open was closed"
+    );
+}

@@ -11,7 +11,8 @@
 //! FUSE's `auto_unmount`, so the mount goes with the daemon even when it is
 //! killed. Reads and writes go through the device's table like any request
 //! (`devio`, on the FUSE session's own threads); an open counts in the device's
-//! open count as a block device's does; a read-only device opens for reading
+//! open count as a block device's does, and its I/O goes to the device it
+//! opened (ENXIO once that is removed, whatever has its number since); a read-only device opens for reading
 //! only (EACCES otherwise, as a read-only block device). `fuser` speaks the FUSE
 //! protocol: a well-kept crate that needs no libfuse.
 
@@ -81,7 +82,11 @@ impl DeviceFiles {
         ];
         config.acl = SessionACL::All;
         config.n_threads = Some(4);
-        let fs = Files { reg: reg.clone() };
+        let fs = Files {
+            reg: reg.clone(),
+            opens: Default::default(),
+            next_fh: 1.into(),
+        };
         let session = fuser::spawn_mount(fs, &dir, &config)
             .map_err(|e| format!("mounting the device files at {}: {e}", dir.display()))?;
         *s = Some((dir.clone(), session));
@@ -110,12 +115,22 @@ fn nix_detach(dir: &Path) -> std::io::Result<()> {
 
 struct Files {
     reg: Arc<Registry>,
+    /// Each open's device, by its file handle: I/O goes to the device that was
+    /// opened, whatever has the number since.
+    opens: Mutex<std::collections::HashMap<u64, Arc<Device>>>,
+    next_fh: std::sync::atomic::AtomicU64,
 }
 
 impl Files {
     fn device(&self, ino: INodeNo) -> Option<Arc<Device>> {
         let minor = u32::try_from(ino.0.checked_sub(DEV_INO)?).ok()?;
         self.reg.by_minor(minor)
+    }
+
+    /// The device an open is on (None: not open, or removed since).
+    fn opened(&self, fh: FileHandle) -> Option<Arc<Device>> {
+        let d = self.opens.lock().unpoisoned().get(&fh.0).cloned()?;
+        (!d.removed.load(Ordering::SeqCst)).then_some(d)
     }
 
     fn by_name(&self, name: &OsStr) -> Option<Arc<Device>> {
@@ -231,20 +246,23 @@ impl Filesystem for Files {
             return reply.error(Errno::EACCES);
         }
         d.open_count.fetch_add(1, Ordering::SeqCst);
-        reply.opened(FileHandle(ino.0), FopenFlags::FOPEN_DIRECT_IO);
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.opens.lock().unpoisoned().insert(fh, d);
+        reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO);
     }
 
     fn release(
         &self,
         _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
+        _ino: INodeNo,
+        fh: FileHandle,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        if let Some(d) = self.device(ino) {
+        let d = self.opens.lock().unpoisoned().remove(&fh.0);
+        if let Some(d) = d {
             let _ = d
                 .open_count
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -256,15 +274,15 @@ impl Filesystem for Files {
     fn read(
         &self,
         _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
+        _ino: INodeNo,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let Some(d) = self.device(ino) else {
+        let Some(d) = self.opened(fh) else {
             return reply.error(Errno::ENXIO);
         };
         let bytes = d.size_sectors() * SECTOR;
@@ -283,8 +301,8 @@ impl Filesystem for Files {
     fn write(
         &self,
         _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
+        _ino: INodeNo,
+        fh: FileHandle,
         offset: u64,
         data: &[u8],
         _write_flags: WriteFlags,
@@ -292,7 +310,7 @@ impl Filesystem for Files {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let Some(d) = self.device(ino) else {
+        let Some(d) = self.opened(fh) else {
             return reply.error(Errno::ENXIO);
         };
         if d.read_only() {
@@ -333,8 +351,8 @@ impl Filesystem for Files {
         reply.ok();
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.device(ino).map(|d| devio::flush(&Dest::Dm(d))) {
+    fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.opened(fh).map(|d| devio::flush(&Dest::Dm(d))) {
             Some(Ok(())) => reply.ok(),
             Some(Err(e)) => reply.error(errno(&e)),
             None => reply.error(Errno::ENXIO),
@@ -346,14 +364,14 @@ impl Filesystem for Files {
     fn fallocate(
         &self,
         _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
+        _ino: INodeNo,
+        fh: FileHandle,
         offset: u64,
         length: u64,
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        let Some(d) = self.device(ino) else {
+        let Some(d) = self.opened(fh) else {
             return reply.error(Errno::ENXIO);
         };
         let bytes = d.size_sectors() * SECTOR;
