@@ -35,6 +35,7 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/un.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #define DM_MAJOR 253
@@ -596,7 +597,12 @@ static int blk_ioctl(int fd, unsigned long request, void *arg)
 	case BLKPBSZGET:
 	case BLKIOMIN:
 	case BLKBSZGET: {
-		int v = request == BLKBSZGET ? 4096 : 512;
+		/* the device's logical block size, an attribute of its file */
+		char a[16] = {0};
+		int lbs = 512;
+		if (fgetxattr(fd, "user.dmkit.logical_block_size", a, sizeof(a) - 1) > 0 && atoi(a) >= 512)
+			lbs = atoi(a);
+		int v = request == BLKBSZGET && lbs < 4096 ? 4096 : lbs;
 		memcpy(arg, &v, sizeof(v));
 		return 0;
 	}
@@ -674,6 +680,7 @@ static int blk_stat(int fd, struct stat *st)
 	st->st_rdev = makedev(DM_MAJOR, m);
 	st->st_size = 0;
 	st->st_blocks = 0;
+	st->st_blksize = 4096;
 	return 0;
 }
 

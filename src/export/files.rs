@@ -23,7 +23,7 @@ use crate::sync::Unpoison;
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig,
     LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyOpen, ReplyWrite, Request, SessionACL, WriteFlags,
+    ReplyEntry, ReplyOpen, ReplyWrite, ReplyXattr, Request, SessionACL, WriteFlags,
 };
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -43,6 +43,8 @@ const MAX_IO: usize = 4 << 20;
 /// Attributes are asked for again at once: a device's size changes with its table.
 const TTL: Duration = Duration::ZERO;
 const SECTOR: u64 = 512;
+/// The attribute that carries a device's logical block size (src/control/preload.c).
+const LBS_XATTR: &str = "user.dmkit.logical_block_size";
 
 /// The mounted filesystem, once asked for.
 #[derive(Default)]
@@ -113,11 +115,18 @@ fn nix_detach(dir: &Path) -> std::io::Result<()> {
     rustix::mount::unmount(dir, rustix::mount::UnmountFlags::DETACH).map_err(std::io::Error::from)
 }
 
+/// An open of a device file: its device, and whether it still counts in the
+/// device's open count.
+struct Open {
+    dev: Arc<Device>,
+    counted: bool,
+}
+
 struct Files {
     reg: Arc<Registry>,
     /// Each open's device, by its file handle: I/O goes to the device that was
     /// opened, whatever has the number since.
-    opens: Mutex<std::collections::HashMap<u64, Arc<Device>>>,
+    opens: Mutex<std::collections::HashMap<u64, Open>>,
     next_fh: std::sync::atomic::AtomicU64,
 }
 
@@ -127,9 +136,20 @@ impl Files {
         self.reg.by_minor(minor)
     }
 
+    /// An open stops counting.
+    fn uncount(&self, o: Open) {
+        if o.counted {
+            let _ = o
+                .dev
+                .open_count
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            self.reg.closed(&o.dev);
+        }
+    }
+
     /// The device an open is on (None: not open, or removed since).
     fn opened(&self, fh: FileHandle) -> Option<Arc<Device>> {
-        let d = self.opens.lock().unpoisoned().get(&fh.0).cloned()?;
+        let d = self.opens.lock().unpoisoned().get(&fh.0).map(|o| o.dev.clone())?;
         (!d.removed.load(Ordering::SeqCst)).then_some(d)
     }
 
@@ -177,16 +197,21 @@ fn errno(e: &std::io::Error) -> Errno {
     Errno::from_i32(e.raw_os_error().unwrap_or(libc::EIO))
 }
 
-/// The whole sectors around `len` bytes at `off`, within `size` bytes: (first
-/// sector, bytes), or None past the end.
-fn span(off: u64, len: usize, size: u64) -> Option<(u64, usize)> {
+/// The whole logical blocks (`unit` bytes) around `len` bytes at `off`, within
+/// `size` bytes: (first sector, bytes), or None past the end.
+fn span(off: u64, len: usize, size: u64, unit: u64) -> Option<(u64, usize)> {
     if off >= size || len == 0 {
         return None;
     }
     let end = off.saturating_add(len as u64).min(size);
-    let first = off / SECTOR;
-    let last = end.div_ceil(SECTOR);
-    Some((first, ((last - first) * SECTOR) as usize))
+    let first = off / unit * unit;
+    let last = end.div_ceil(unit).saturating_mul(unit).min(size);
+    Some((first / SECTOR, (last - first) as usize))
+}
+
+/// A device's logical block size in bytes (512 at least).
+fn unit(d: &Device) -> u64 {
+    u64::from(d.logical_block_size()).max(SECTOR)
 }
 
 impl Filesystem for Files {
@@ -247,7 +272,13 @@ impl Filesystem for Files {
         }
         d.open_count.fetch_add(1, Ordering::SeqCst);
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.opens.lock().unpoisoned().insert(fh, d);
+        self.opens.lock().unpoisoned().insert(
+            fh,
+            Open {
+                dev: d,
+                counted: true,
+            },
+        );
         reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO);
     }
 
@@ -261,12 +292,9 @@ impl Filesystem for Files {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let d = self.opens.lock().unpoisoned().remove(&fh.0);
-        if let Some(d) = d {
-            let _ = d
-                .open_count
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-            self.reg.closed(&d);
+        let o = self.opens.lock().unpoisoned().remove(&fh.0);
+        if let Some(o) = o {
+            self.uncount(o);
         }
         reply.ok();
     }
@@ -286,7 +314,7 @@ impl Filesystem for Files {
             return reply.error(Errno::ENXIO);
         };
         let bytes = d.size_sectors() * SECTOR;
-        let Some((first, len)) = span(offset, (size as usize).min(MAX_IO), bytes) else {
+        let Some((first, len)) = span(offset, (size as usize).min(MAX_IO), bytes, unit(&d)) else {
             return reply.data(&[]);
         };
         let mut buf = vec![0u8; len];
@@ -317,7 +345,7 @@ impl Filesystem for Files {
             return reply.error(Errno::EROFS);
         }
         let bytes = d.size_sectors() * SECTOR;
-        let Some((first, len)) = span(offset, data.len().min(MAX_IO), bytes) else {
+        let Some((first, len)) = span(offset, data.len().min(MAX_IO), bytes, unit(&d)) else {
             return reply.error(Errno::ENOSPC);
         };
         let fua = flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0;
@@ -340,14 +368,43 @@ impl Filesystem for Files {
         }
     }
 
+    /// `user.dmkit.logical_block_size`: the device's logical block size, which
+    /// the door reports as the block device's sector size (BLKSSZGET). No other
+    /// attribute exists.
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let Some(d) = (name == LBS_XATTR).then(|| self.device(ino)).flatten() else {
+            return reply.error(Errno::NO_XATTR);
+        };
+        let v = unit(&d).to_string();
+        match size {
+            0 => reply.size(v.len() as u32),
+            n if (n as usize) < v.len() => reply.error(Errno::ERANGE),
+            _ => reply.data(v.as_bytes()),
+        }
+    }
+
+    /// A close: the open stops counting in the device's open count now, as a
+    /// block device's close does, rather than at the release, which FUSE sends
+    /// after close() has returned (LVM deactivates a device it has just closed).
+    /// A duplicate or inherited descriptor closed first ends the count early.
     fn flush(
         &self,
         _req: &Request,
         _ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        let o = self.opens.lock().unpoisoned().get_mut(&fh.0).and_then(|o| {
+            let was = std::mem::replace(&mut o.counted, false);
+            was.then(|| Open {
+                dev: o.dev.clone(),
+                counted: true,
+            })
+        });
+        if let Some(o) = o {
+            self.uncount(o);
+        }
         reply.ok();
     }
 
@@ -375,8 +432,8 @@ impl Filesystem for Files {
             return reply.error(Errno::ENXIO);
         };
         let bytes = d.size_sectors() * SECTOR;
-        if !offset.is_multiple_of(SECTOR)
-            || !length.is_multiple_of(SECTOR)
+        if !offset.is_multiple_of(unit(&d))
+            || !length.is_multiple_of(unit(&d))
             || offset.saturating_add(length) > bytes
         {
             return reply.error(Errno::EINVAL);
@@ -411,12 +468,19 @@ mod tests {
 
     #[test]
     fn spans_cover_whole_sectors_within_the_device() {
-        assert_eq!(span(0, 4096, 1 << 20), Some((0, 4096)));
-        assert_eq!(span(100, 10, 1 << 20), Some((0, 512)));
-        assert_eq!(span(510, 4, 1 << 20), Some((0, 1024)));
-        assert_eq!(span(1024, 4096, 2048), Some((2, 1024)));
-        assert_eq!(span(2048, 1, 2048), None);
-        assert_eq!(span(0, 0, 2048), None);
-        assert_eq!(span(u64::MAX - 1, 4096, u64::MAX), Some((u64::MAX / 512, 512)));
+        assert_eq!(span(0, 4096, 1 << 20, 512), Some((0, 4096)));
+        assert_eq!(span(100, 10, 1 << 20, 512), Some((0, 512)));
+        assert_eq!(span(510, 4, 1 << 20, 512), Some((0, 1024)));
+        assert_eq!(span(1024, 4096, 2048, 512), Some((2, 1024)));
+        assert_eq!(span(2048, 1, 2048, 512), None);
+        assert_eq!(span(0, 0, 2048, 512), None);
+        assert_eq!(
+            span(u64::MAX - 1, 4096, u64::MAX, 512),
+            Some((u64::MAX / 512, 511))
+        );
+        // a device of 4 KiB logical blocks: whole blocks around the bytes
+        assert_eq!(span(1024, 1024, 1 << 20, 4096), Some((0, 4096)));
+        assert_eq!(span(4000, 200, 1 << 20, 4096), Some((0, 8192)));
+        assert_eq!(span(8192, 4096, 1 << 20, 4096), Some((16, 4096)));
     }
 }
