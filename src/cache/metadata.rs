@@ -595,7 +595,12 @@ impl CacheMetadata {
         Ok(())
     }
 
-    /// Metadata blocks allocated (for tests).
+    /// Metadata blocks the device holds (as many as a space map can track).
+    pub fn nr_metadata_blocks(&self) -> u64 {
+        self.tm.cache.nr_blocks().min(MAX_METADATA_BLOCKS)
+    }
+
+    /// Metadata blocks allocated.
     pub fn nr_allocated(&self) -> u64 {
         self.tm.meta.nr_allocated()
     }
