@@ -21,10 +21,10 @@ use crate::mapper::{Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, Targe
 use crate::pdata::space_map::MAX_METADATA_BLOCKS;
 use std::sync::Arc;
 
-/// The `cache` target type (Linux 6.12's dm-cache).
+/// The `cache` target type (Linux 6.12's dm-cache: v2.3.0, as its `dmsetup targets` says).
 pub const TYPE: TargetType = TargetType {
     name: "cache",
-    version: [2, 2, 0],
+    version: [2, 3, 0],
     new: |args, len, r| Ok(Box::new(Cache::new(args, len, r)?)),
     sync: None,
 };
@@ -50,7 +50,7 @@ fn parse_features(args: &[String], i: usize) -> Result<(Features, usize), String
     let n: usize = args
         .get(i)
         .and_then(|a| a.parse().ok())
-        .filter(|&n| n <= 3 && n <= args.len() - i - 1)
+        .filter(|&n| n <= 3 && n < args.len() - i)
         .ok_or(bad_count)?;
     let mut f = Features {
         mode: IoMode::Writeback,
@@ -216,7 +216,11 @@ fn set_config_value(threshold: &mut u64, p: &mut dyn policy::Policy, key: &str, 
         *threshold = value.parse().map_err(|_| bad())?;
         return Ok(());
     }
-    p.set_config(key, value).map_err(|()| bad())
+    if p.set_config(key, value) {
+        Ok(())
+    } else {
+        Err(bad())
+    }
 }
 
 /// `<begin>` or `<begin>-<end>`: the cache blocks [begin, end).

@@ -73,8 +73,8 @@ pub trait Policy: Send {
     fn residency(&self) -> u32;
     /// Time passes (`now_ms` since the cache started).
     fn tick(&mut self, now_ms: u64);
-    /// A `<key> <value>` tunable (table or message); Err: not one of its own.
-    fn set_config(&mut self, key: &str, value: &str) -> Result<(), ()>;
+    /// A `<key> <value>` tunable (table or message): whether it is one of its own.
+    fn set_config(&mut self, key: &str, value: &str) -> bool;
     /// The policy's arguments in the status: `<#args> <args>*`.
     fn emit_config(&self) -> String;
     fn allow_migrations(&mut self, allow: bool);
@@ -265,11 +265,7 @@ impl Stats {
 
     fn assess(&self) -> Assessment {
         let total = u64::from(self.hits) + u64::from(self.misses);
-        let confidence = if total == 0 {
-            0
-        } else {
-            (u64::from(self.hits) << FP_SHIFT) / total
-        };
+        let confidence = (u64::from(self.hits) << FP_SHIFT).checked_div(total).unwrap_or(0);
         if confidence < 1 << (FP_SHIFT - 4) {
             Assessment::Poor
         } else if confidence < 1 << (FP_SHIFT - 3) {
@@ -744,7 +740,7 @@ impl Policy for Smq {
         }
     }
 
-    fn set_config(&mut self, key: &str, _value: &str) -> Result<(), ()> {
+    fn set_config(&mut self, key: &str, _value: &str) -> bool {
         // mq's tunables are still taken (and have no effect, as in the kernel)
         const MQ_TUNABLES: [&str; 5] = [
             "random_threshold",
@@ -755,9 +751,9 @@ impl Policy for Smq {
         ];
         if self.mimic_mq && MQ_TUNABLES.iter().any(|t| t.eq_ignore_ascii_case(key)) {
             tracing::warn!("tunable '{key}' no longer has any effect, mq policy is now an alias for smq");
-            return Ok(());
+            return true;
         }
-        Err(())
+        false
     }
 
     fn emit_config(&self) -> String {
@@ -887,8 +883,8 @@ impl Policy for Cleaner {
 
     fn tick(&mut self, _now_ms: u64) {}
 
-    fn set_config(&mut self, _key: &str, _value: &str) -> Result<(), ()> {
-        Err(())
+    fn set_config(&mut self, _key: &str, _value: &str) -> bool {
+        false
     }
 
     fn emit_config(&self) -> String {
@@ -945,9 +941,9 @@ mod tests {
         // a new promotion sits at the top level: its hint says so
         assert_eq!(p.hint(0), NR_LEVELS as u32 - 1);
         assert_eq!(p.emit_config(), "0");
-        assert!(p.set_config("sequential_threshold", "1").is_err());
+        assert!(!p.set_config("sequential_threshold", "1"));
         let mut mq = create("mq", 64, 8192 * 128, 128).unwrap();
-        assert!(mq.set_config("sequential_threshold", "1").is_ok());
+        assert!(mq.set_config("sequential_threshold", "1"));
         assert_eq!(mq.name(), "smq");
     }
 
