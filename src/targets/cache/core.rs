@@ -27,7 +27,7 @@ use crate::mapper::{Bio, DevRef, MapCtx, MapErr};
 use crate::sync::Unpoison;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// How writes are cached.
@@ -90,7 +90,6 @@ impl Core {
         nr_cache: u32,
         origin_sectors: u64,
         bs: u64,
-        _discard_passdown: bool,
     ) -> Result<Core, String> {
         let n = nr_cache as usize;
         let mut map = HashMap::new();
@@ -202,7 +201,8 @@ pub struct Shared {
     inflight: [AtomicU64; 2],
     drain_lock: Mutex<()>,
     drained: Condvar,
-    hooks: OnceLock<[EndIo; 2]>,
+    /// The end-of-I/O hooks of the two epochs, made once.
+    hooks: [EndIo; 2],
     start: Instant,
     last_io: AtomicU64,
     suspended: AtomicBool,
@@ -253,9 +253,7 @@ impl Shared {
                         0
                     })
                 };
-                let l = OnceLock::new();
-                let _ = l.set([hook(0), hook(1)]);
-                l
+                [hook(0), hook(1)]
             },
             start: Instant::now(),
             last_io: AtomicU64::new(0),
@@ -285,12 +283,12 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// Count an I/O in the current epoch (call with the core locked); the
-    /// hook that ends it.
-    fn enter(&self, n: u64) -> Option<EndIo> {
+    /// Count `n` I/Os in the current epoch (call with the core locked): the
+    /// epoch, and the hook that ends one of them.
+    fn enter(&self, n: u64) -> (usize, EndIo) {
         let e = (self.epoch.load(Ordering::SeqCst) & 1) as usize;
         self.inflight[e].fetch_add(n, Ordering::SeqCst);
-        self.hooks.get().map(|h| h[e].clone())
+        (e, self.hooks[e].clone())
     }
 
     fn leave(&self, e: usize) {
@@ -346,7 +344,7 @@ impl Shared {
             } else {
                 core.stats.read_miss = core.stats.read_miss.wrapping_add(1);
             }
-            let hook = if write { self.enter(1) } else { None };
+            let hook = write.then(|| self.enter(1).1);
             drop(core);
             if queued {
                 self.kick();
@@ -383,29 +381,26 @@ impl Shared {
                 ctx.remap(origin, bio, 0)
             }
             IoMode::Writethrough if write && !dirty => {
-                let hook = self.enter(2);
+                // to both, completing when both have it: two shares of the epoch
+                let (e, hook) = self.enter(2);
                 drop(core);
-                match hook {
-                    Some(h) => {
-                        ctx.remap_with(origin, bio, 0, h.clone())?;
-                        ctx.remap_with(cache, to_cache, 1, h)
-                    }
-                    None => Err(MapErr::Errno(errno::EIO)),
+                if let Err(err) = ctx.remap_with(origin, bio, 0, hook.clone()) {
+                    // the cache's share is never issued
+                    self.leave(e);
+                    return Err(err);
                 }
+                ctx.remap_with(cache, to_cache, 1, hook)
             }
             _ => {
                 if write && !dirty {
                     core.set_dirty(c, true);
                 }
-                let hook = self.enter(1);
+                let (_, hook) = self.enter(1);
                 drop(core);
                 if queued {
                     self.kick();
                 }
-                match hook {
-                    Some(h) => ctx.remap_with(cache, to_cache, 1, h),
-                    None => Err(MapErr::Errno(errno::EIO)),
-                }
+                ctx.remap_with(cache, to_cache, 1, hook)
             }
         }
     }

@@ -185,7 +185,7 @@ impl Cache {
             policy.allow_migrations(false);
         }
         drop(md);
-        let core = Core::new(policy, nr_cache as u32, len, bs, features.discard_passdown)?;
+        let core = Core::new(policy, nr_cache as u32, len, bs)?;
         let st = Shared::new(
             core,
             features,
