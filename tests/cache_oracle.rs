@@ -36,10 +36,15 @@ fn ok(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// Both checks pass and both dumps agree on `meta`.
-fn tools_agree(meta: &Path) {
+/// Both checks pass on `meta`.
+fn checks_pass(meta: &Path) {
     ok(Command::new(BIN).args(["cache", "check"]).arg(meta));
     ok(Command::new(thin_util::tool("cache_check")).arg(meta));
+}
+
+/// Both checks pass and both dumps agree on `meta`.
+fn tools_agree(meta: &Path) {
+    checks_pass(meta);
     let ours = ok(Command::new(BIN).args(["cache", "dump"]).arg(meta));
     let theirs = ok(Command::new(thin_util::tool("cache_dump")).arg(meta));
     assert_eq!(ours, theirs, "cache_dump of {}", meta.display());
@@ -99,10 +104,13 @@ fn dmkit_leaves_dirty(s: &Scratch, tag: &str, features: &str, kill: bool) -> (Ve
     drop(c);
     if kill {
         d.kill9();
+        // never shut down cleanly: no hints saved yet, which 1.x's cache_dump
+        // cannot read (as on the kernel's); the checks pass
+        checks_pass(&meta);
     } else {
         d.ok(&["remove", "c"]);
+        tools_agree(&meta);
     }
-    tools_agree(&meta);
     (view, st)
 }
 
