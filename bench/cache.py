@@ -43,7 +43,7 @@ def one(tmp, shm, kind, hot, runtime):
         else:
             d.cli("create", "slow", "--table", f"0 {sec} delay {origin} 0 1")
             if kind == "cache (warm) over the slowed origin":
-                d.cli("create", "dev", "--table", f"0 {sec} cache {meta} {cache} slow 128 0 smq 0")
+                d.cli("create", "dev", "--table", f"0 {sec} cache {meta} {cache} /dev/mapper/slow 128 0 smq 0")
                 # warm: read the hot set until every block of it is cached
                 want = hot // (64 << 10)
                 t0 = time.time()
@@ -54,7 +54,7 @@ def one(tmp, shm, kind, hot, runtime):
                              "--iodepth=16", f"--size={hot}"], 2)
                 cached = status(d, "dev")[0]
             else:
-                d.cli("create", "dev", "--table", f"0 {sec} linear slow 0")
+                d.cli("create", "dev", "--table", f"0 {sec} linear /dev/mapper/slow 0")
         ios, _, cpu = run.fio_cpu(d, d.uri("dev"), ["--rw=randread", "--bs=4k", "--iodepth=16", f"--size={hot}"],
                                   runtime)
         return ios, cpu, cached
