@@ -6,9 +6,10 @@
 //! cache retires to a linear table (`lvconvert --splitcache`); the reference
 //! cache_check and cache_dump read dmkit's metadata, and metadata made by the
 //! reference cache_restore opens in the target; a restart keeps the hot set
-//! (the hints); the kernel's errors for bad tables and messages; and, after a
-//! SIGKILL under a write load with flushes, no flushed write is lost and no
-//! stale block is read.
+//! (the hints); the kernel's errors for bad tables and messages; mappings past
+//! the origin's end dropped, or refused when dirty; and, after a SIGKILL under
+//! a write load with flushes, no flushed write is lost and no stale block is
+//! read.
 
 mod common;
 mod thin_util;
@@ -684,4 +685,46 @@ fn sigkill_under_a_write_load_loses_no_flushed_write() {
         &state[0].concat(),
         "the origin after the cleaner",
     );
+}
+
+#[test]
+fn mappings_past_the_origins_end_are_dropped_unless_dirty() {
+    for (dirty, err) in [
+        (false, None),
+        (true, Some("unable to shrink origin; cache block 4 is dirty")),
+    ] {
+        let f = files(&format!("cache-past-{dirty}"));
+        let xml = format!(
+            "<superblock uuid=\"\" block_size=\"128\" nr_cache_blocks=\"64\" policy=\"smq\" hint_width=\"4\">\n  <mappings>\n    \
+             <mapping cache_block=\"1\" origin_block=\"7\" dirty=\"false\"/>\n    \
+             <mapping cache_block=\"4\" origin_block=\"600\" dirty=\"{dirty}\"/>\n  </mappings>\n</superblock>\n"
+        );
+        let x = f.s.path("in.xml");
+        std::fs::write(&x, &xml).unwrap();
+        ok(reference("cache_restore")
+            .arg("-i")
+            .arg(&x)
+            .arg("-o")
+            .arg(&f.meta));
+        let d = Daemon::start(&format!("cache-past-{dirty}"));
+        let t = table(&f.meta, &f.cache, &f.origin, "0", "smq 0");
+        match err {
+            None => {
+                d.create("c", &t);
+                // origin block 600 is past the 512 of the origin: unmapped
+                assert_eq!(counters(&status(&d, "c"))[0], 1);
+                d.ok(&["remove", "c"]);
+                let dump = reference_reads(&f.meta);
+                assert!(
+                    dump.contains("origin_block=\"7\"") && !dump.contains("origin_block=\"600\""),
+                    "{dump}"
+                );
+            }
+            Some(e) => {
+                let out = d.cli_in(&["create", "c"], &t);
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                assert!(!out.status.success() && stderr.contains(e), "{stderr}");
+            }
+        }
+    }
 }
