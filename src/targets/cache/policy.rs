@@ -27,6 +27,10 @@ const MAX_WORK: usize = 4096;
 /// Free blocks (with demotions queued) a full cache aims for, in percent.
 const FREE_TARGET: u64 = 25;
 const HOTSPOT_UPDATE_MS: u64 = 1000;
+/// How often the writeback and demotion sentinels move (the kernel's
+/// WRITEBACK_PERIOD, DEMOTE_PERIOD).
+const WRITEBACK_PERIOD_MS: u64 = 10_000;
+const DEMOTE_PERIOD_MS: u64 = 60_000;
 const CACHE_UPDATE_MS: u64 = 60_000;
 /// Fixed point of the hotspot queue's confidence.
 const FP_SHIFT: u32 = 8;
@@ -108,20 +112,29 @@ pub(crate) fn vec_of<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>, Str
 
 // ---- the multiqueue ----
 
-/// The links of a pool of entries, shared by the queues they move between.
+/// The links of a pool of entries, shared by the queues they move between;
+/// entries from `sentinel_from` on are sentinels (they mark a place in a
+/// level and are not counted).
 struct Links {
     prev: Vec<u32>,
     next: Vec<u32>,
     level: Vec<u8>,
+    sentinel_from: u32,
 }
 
 impl Links {
-    fn new(n: usize, what: &str) -> Result<Links, String> {
+    fn new(n: usize, sentinels: usize, what: &str) -> Result<Links, String> {
+        let all = n + sentinels;
         Ok(Links {
-            prev: vec_of(n, NIL, what)?,
-            next: vec_of(n, NIL, what)?,
-            level: vec_of(n, 0, what)?,
+            prev: vec_of(all, NIL, what)?,
+            next: vec_of(all, NIL, what)?,
+            level: vec_of(all, 0, what)?,
+            sentinel_from: n as u32,
         })
+    }
+
+    fn sentinel(&self, e: u32) -> bool {
+        e >= self.sentinel_from
     }
 }
 
@@ -129,6 +142,7 @@ impl Links {
 struct MQueue {
     head: [u32; NR_LEVELS],
     tail: [u32; NR_LEVELS],
+    /// Entries (sentinels not counted) of each level, and of all.
     count: [u32; NR_LEVELS],
     nr: u32,
 }
@@ -140,6 +154,19 @@ impl MQueue {
             tail: [NIL; NR_LEVELS],
             count: [0; NR_LEVELS],
             nr: 0,
+        }
+    }
+
+    fn counted(&mut self, l: &Links, e: u32, lv: usize, add: bool) {
+        if l.sentinel(e) {
+            return;
+        }
+        if add {
+            self.count[lv] += 1;
+            self.nr += 1;
+        } else {
+            self.count[lv] -= 1;
+            self.nr -= 1;
         }
     }
 
@@ -163,12 +190,26 @@ impl MQueue {
             }
             self.tail[lv] = e;
         }
-        self.count[lv] += 1;
-        self.nr += 1;
+        self.counted(l, e, lv, true);
     }
 
     fn push(&mut self, l: &mut Links, e: u32) {
         self.push_at(l, e, false)
+    }
+
+    /// Put `e` just before `at`, in `at`'s level.
+    fn push_before(&mut self, l: &mut Links, at: u32, e: u32) {
+        let lv = l.level[at as usize] as usize;
+        l.level[e as usize] = lv as u8;
+        let p = l.prev[at as usize];
+        l.prev[e as usize] = p;
+        l.next[e as usize] = at;
+        l.prev[at as usize] = e;
+        match p {
+            NIL => self.head[lv] = e,
+            p => l.next[p as usize] = e,
+        }
+        self.counted(l, e, lv, true);
     }
 
     fn del(&mut self, l: &mut Links, e: u32) {
@@ -185,49 +226,88 @@ impl MQueue {
         }
         l.prev[i] = NIL;
         l.next[i] = NIL;
-        self.count[lv] -= 1;
-        self.nr -= 1;
+        self.counted(l, e, lv, false);
     }
 
-    /// The oldest entry of the lowest level below `max_level`.
-    fn peek(&self, max_level: usize) -> Option<u32> {
-        (0..max_level.min(NR_LEVELS))
-            .map(|lv| self.head[lv])
-            .find(|&h| h != NIL)
+    /// The oldest entry of the lowest level below `max_level`; without
+    /// `cross`, a level is looked at only up to its first sentinel (the
+    /// entries not touched since it was placed).
+    fn peek(&self, l: &Links, max_level: usize, cross: bool) -> Option<u32> {
+        for lv in 0..max_level.min(NR_LEVELS) {
+            let mut e = self.head[lv];
+            while e != NIL {
+                if !l.sentinel(e) {
+                    return Some(e);
+                }
+                if !cross {
+                    break;
+                }
+                e = l.next[e as usize];
+            }
+        }
+        None
     }
 
     fn pop(&mut self, l: &mut Links) -> Option<u32> {
-        let e = self.peek(NR_LEVELS)?;
+        let e = self.peek(l, NR_LEVELS, true)?;
         self.del(l, e);
         Some(e)
     }
 
-    /// Move `e` up `extra` levels (to the end of its new level).
-    fn requeue(&mut self, l: &mut Links, e: u32, extra: usize) {
+    /// Move `e` up `extra` levels, swapping the first entry of its new level
+    /// down into its old one (placed before the sentinel `before` of the old
+    /// level names, for each sentinel passed, when the queue has them).
+    fn requeue(&mut self, l: &mut Links, e: u32, extra: usize, before: Option<(u32, u32)>) {
+        let old = l.level[e as usize] as usize;
+        let new = (old + extra).min(NR_LEVELS - 1);
+        if extra > 0 && old < NR_LEVELS - 1 {
+            let mut de = self.head[new];
+            let mut passed = 0;
+            while de != NIL && l.sentinel(de) {
+                passed += 1;
+                de = l.next[de as usize];
+            }
+            if de != NIL {
+                self.del(l, de);
+                l.level[de as usize] = old as u8;
+                match (before, passed) {
+                    (Some((s1, _)), 0) => self.push_before(l, s1, de),
+                    (Some((_, s2)), 1) => self.push_before(l, s2, de),
+                    _ => self.push(l, de),
+                }
+            }
+        }
         self.del(l, e);
-        let lv = (l.level[e as usize] as usize + extra).min(NR_LEVELS - 1);
-        l.level[e as usize] = lv as u8;
+        l.level[e as usize] = new as u8;
         self.push(l, e);
     }
 
+    /// The first (`head`) or last entry of level `lv`, sentinels skipped.
+    fn first_of(&self, l: &Links, lv: usize, head: bool) -> Option<u32> {
+        let mut e = if head { self.head[lv] } else { self.tail[lv] };
+        while e != NIL && l.sentinel(e) {
+            e = if head { l.next[e as usize] } else { l.prev[e as usize] };
+        }
+        (e != NIL).then_some(e)
+    }
+
     /// Spread the entries evenly over the levels, keeping their order (the
-    /// remainder goes to the lowest levels).
+    /// remainder goes to the lowest levels); sentinels stay where they are.
     fn redistribute(&mut self, l: &mut Links) {
         let per = self.nr / NR_LEVELS as u32;
         let rem = self.nr % NR_LEVELS as u32;
         for lv in 0..NR_LEVELS - 1 {
             let target = per + u32::from((lv as u32) < rem);
             while self.count[lv] < target {
-                let Some(src) = (lv + 1..NR_LEVELS).find(|&s| self.head[s] != NIL) else {
+                let Some(e) = (lv + 1..NR_LEVELS).find_map(|s| self.first_of(l, s, true)) else {
                     break;
                 };
-                let e = self.head[src];
                 self.del(l, e);
                 l.level[e as usize] = lv as u8;
                 self.push(l, e);
             }
             while self.count[lv] > target {
-                let e = self.tail[lv];
+                let Some(e) = self.first_of(l, lv, false) else { break };
                 self.del(l, e);
                 l.level[e as usize] = (lv + 1) as u8;
                 self.push_at(l, e, true);
@@ -315,6 +395,11 @@ struct Smq {
     migrations_allowed: bool,
     next_hotspot_period: u64,
     next_cache_period: u64,
+    /// Which set of sentinels moves next, and when.
+    current_wb: bool,
+    current_demote: bool,
+    next_wb_period: u64,
+    next_demote_period: u64,
 }
 
 fn test_and_set(bits: &mut [u64], i: usize) -> bool {
@@ -365,7 +450,8 @@ impl Smq {
         Ok(Smq {
             mimic_mq,
             nr_cache,
-            links: Links::new(n, "cache entries")?,
+            // two sets of sentinels a level for each of the two queues
+            links: Links::new(n, 4 * NR_LEVELS, "cache entries")?,
             oblock: vec_of(n, 0, "cache entries")?,
             allocated: vec_of(n, false, "cache entries")?,
             dirty: vec_of(n, false, "cache entries")?,
@@ -376,7 +462,7 @@ impl Smq {
             dirtyq: MQueue::new(),
             cache_hit: vec_of(n.div_ceil(64), 0, "cache hit bits")?,
             cache_stats: Stats::default(),
-            hs_links: Links::new(nh, "hotspot entries")?,
+            hs_links: Links::new(nh, 0, "hotspot entries")?,
             hs_block: vec_of(nh, 0, "hotspot entries")?,
             hs_table,
             hs_allocated: 0,
@@ -394,7 +480,59 @@ impl Smq {
             migrations_allowed: true,
             next_hotspot_period: HOTSPOT_UPDATE_MS,
             next_cache_period: CACHE_UPDATE_MS,
-        })
+            current_wb: false,
+            current_demote: false,
+            next_wb_period: WRITEBACK_PERIOD_MS,
+            next_demote_period: DEMOTE_PERIOD_MS,
+        }
+        .with_sentinels())
+    }
+
+    /// The writeback sentinel of set `set` at level `lv` (in the dirty queue).
+    fn wb_sentinel(&self, set: bool, lv: usize) -> u32 {
+        self.nr_cache + (usize::from(set) * NR_LEVELS + lv) as u32
+    }
+
+    /// The demotion sentinel of set `set` at level `lv` (in the clean queue).
+    fn demote_sentinel(&self, set: bool, lv: usize) -> u32 {
+        self.nr_cache + ((2 + usize::from(set)) * NR_LEVELS + lv) as u32
+    }
+
+    /// Both sets of sentinels in each level of their queues.
+    fn with_sentinels(mut self) -> Smq {
+        for set in [false, true] {
+            for lv in 0..NR_LEVELS {
+                let (w, d) = (self.wb_sentinel(set, lv), self.demote_sentinel(set, lv));
+                self.links.level[w as usize] = lv as u8;
+                self.links.level[d as usize] = lv as u8;
+                self.dirtyq.push(&mut self.links, w);
+                self.clean.push(&mut self.links, d);
+            }
+        }
+        self
+    }
+
+    /// Move the current set of sentinels to the end of their levels, once a
+    /// period: what is ahead of them was not touched since.
+    fn update_sentinels(&mut self, now_ms: u64) {
+        if now_ms >= self.next_wb_period {
+            self.next_wb_period = now_ms + WRITEBACK_PERIOD_MS;
+            self.current_wb = !self.current_wb;
+            for lv in 0..NR_LEVELS {
+                let e = self.wb_sentinel(self.current_wb, lv);
+                self.dirtyq.del(&mut self.links, e);
+                self.dirtyq.push(&mut self.links, e);
+            }
+        }
+        if now_ms >= self.next_demote_period {
+            self.next_demote_period = now_ms + DEMOTE_PERIOD_MS;
+            self.current_demote = !self.current_demote;
+            for lv in 0..NR_LEVELS {
+                let e = self.demote_sentinel(self.current_demote, lv);
+                self.clean.del(&mut self.links, e);
+                self.clean.push(&mut self.links, e);
+            }
+        }
     }
 
     fn queue_of(&mut self, c: u32) -> &mut MQueue {
@@ -458,8 +596,10 @@ impl Smq {
         true
     }
 
-    fn queue_writeback(&mut self) {
-        if let Some(c) = self.dirtyq.peek(NR_LEVELS) {
+    /// Write back the coldest dirty block: when busy, only one not written
+    /// to since the writeback sentinels last moved.
+    fn queue_writeback(&mut self, idle: bool) {
+        if let Some(c) = self.dirtyq.peek(&self.links, NR_LEVELS, idle) {
             self.dirtyq.del(&mut self.links, c);
             self.pending[c as usize] = true;
             let w = Work {
@@ -478,9 +618,9 @@ impl Smq {
         if !self.migrations_allowed {
             return;
         }
-        let Some(c) = self.clean.peek(NR_LEVELS / 2) else {
+        let Some(c) = self.clean.peek(&self.links, NR_LEVELS / 2, true) else {
             if self.dirtyq.nr > 0 {
-                self.queue_writeback();
+                self.queue_writeback(false);
             }
             return;
         };
@@ -539,7 +679,7 @@ impl Smq {
             } else {
                 self.level_jump
             };
-            self.hotspot.requeue(&mut self.hs_links, e, jump);
+            self.hotspot.requeue(&mut self.hs_links, e, jump, None);
             return Some(self.hs_links.level[e as usize]);
         }
         self.hs_stats.miss();
@@ -593,8 +733,13 @@ impl Policy for Smq {
             let lv = self.links.level[i];
             self.cache_stats.accessed(lv);
             if !self.pending[i] && !test_and_set(&mut self.cache_hit, i) {
+                // a dirty block stays behind the writeback sentinels it passed
+                let before = self.dirty[i].then(|| {
+                    let lv = lv as usize;
+                    (self.wb_sentinel(!self.current_wb, lv), self.wb_sentinel(self.current_wb, lv))
+                });
                 let mut q = std::mem::replace(self.queue_of(c), MQueue::new());
-                q.requeue(&mut self.links, c, 1);
+                q.requeue(&mut self.links, c, 1, before);
                 *self.queue_of(c) = q;
             }
             return false;
@@ -618,7 +763,7 @@ impl Policy for Smq {
 
     fn background_work(&mut self, idle: bool) -> Option<Work> {
         if self.queued.is_empty() && idle && self.dirtyq.nr > 0 {
-            self.queue_writeback();
+            self.queue_writeback(true);
         }
         let w = self.queued.pop_front()?;
         if w.op == Op::Demote {
@@ -718,6 +863,7 @@ impl Policy for Smq {
     }
 
     fn tick(&mut self, now_ms: u64) {
+        self.update_sentinels(now_ms);
         // the end of a hotspot period: every region may be lifted again
         self.hs_hit.iter_mut().for_each(|w| *w = 0);
         self.update_promote_levels();
@@ -900,7 +1046,7 @@ mod tests {
 
     #[test]
     fn redistribute_spreads_in_order() {
-        let mut l = Links::new(100, "t").unwrap();
+        let mut l = Links::new(100, 0, "t").unwrap();
         let mut q = MQueue::new();
         for e in 0..100u32 {
             l.level[e as usize] = 0;
@@ -910,7 +1056,7 @@ mod tests {
         // 100 over 64 levels: 2 in the lowest 36, 1 above; order kept
         assert_eq!((q.count[0], q.count[35], q.count[36], q.count[63]), (2, 2, 1, 1));
         assert_eq!(q.head[63], 99);
-        assert_eq!(q.peek(NR_LEVELS), Some(0));
+        assert_eq!(q.peek(&l, NR_LEVELS, true), Some(0));
         assert_eq!(q.nr, 100);
     }
 
@@ -969,6 +1115,36 @@ mod tests {
         p.complete(w, true);
         assert_eq!(p.residency(), 7);
         assert_eq!(p.hint(0), 0);
+    }
+
+    #[test]
+    fn under_pressure_only_blocks_dirty_since_before_the_sentinels_are_written_back() {
+        let mut p = Smq::new(8, 1 << 20, 64, false).unwrap();
+        // all in the top half (nothing clean to demote), 3 dirtied now
+        for c in 0..8u32 {
+            p.load_mapping(100 + u64::from(c), c, false, Some(40));
+        }
+        p.set_dirty(3, true);
+        p.queue_demotion();
+        assert!(p.queued.is_empty(), "written to just now: not yet");
+        // the sentinels move every 10 s: two moves put it ahead of both
+        p.tick(10_000);
+        p.queue_demotion();
+        assert!(p.queued.is_empty(), "one period: not yet");
+        p.tick(20_000);
+        p.queue_demotion();
+        let w = p.queued.pop_front().unwrap();
+        assert_eq!((w.op, w.cblock), (Op::Writeback, 3));
+        // when idle, the sentinels do not hold it back
+        p.complete(w, true);
+        p.set_dirty(5, true);
+        assert_eq!(p.background_work(true).map(|w| w.cblock), Some(5));
+        // the hit swaps its level with the first entry of the level above
+        let mut q = Smq::new(8, 1 << 20, 64, false).unwrap();
+        q.load_mapping(1, 0, false, Some(10));
+        q.load_mapping(2, 1, false, Some(11));
+        q.lookup(1, Some(0), false);
+        assert_eq!((q.hint(0), q.hint(1)), (11, 10));
     }
 
     #[test]
