@@ -14,8 +14,12 @@
 //! a hot enough region queues a promotion into a free block; with none free,
 //! a demotion of the coldest clean block (from the bottom half of the levels)
 //! until a quarter of the cache is free. When idle, dirty blocks are written
-//! back, coldest first. A block's level is its hint, saved on a clean shutdown
-//! and loaded again, so a restarted cache keeps its hot set.
+//! back, coldest first; under pressure only those not written to since the
+//! writeback sentinels last moved (two sets a level, one of them moved to the
+//! end of its level every 10 s; the demotion sentinels every minute). A hit
+//! lifts a block a level and drops the first block of that level into its
+//! place. A block's level is its hint, saved on a clean shutdown and loaded
+//! again, so a restarted cache keeps its hot set.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
