@@ -97,6 +97,14 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "\n1\n62879.50 sectors\n",             // one dirty mapping; cache_metadata_size
             "1/1 blocks successfully copied\n2\n", // writeback; both clean after
         ],
+        h if h.contains("dm-cache, lvmcache") => &[
+            "0 2097152 cache 8 ", // status lvcache
+            "/1024 ",
+            " 1 writeback 2 migration_threshold 2048 smq 0 rw - \n",
+            "lvcache: no dirty block left\n",
+            "read 1048576/1048576 bytes at offset 0\n",
+            "<superblock uuid=\"\" block_size=\"128\" nr_cache_blocks=\"1024\" policy=\"cleaner\" hint_width=\"4\">\n",
+        ],
         h if h.contains("write cache") => {
             &["0 2097152 writecache 0 ", "mycache: nothing left to write back\n"]
         }

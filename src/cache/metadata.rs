@@ -240,10 +240,14 @@ pub fn read_mappings(
     check_mappings(tm, sb, errs, true)
 }
 
-/// The hint array: as many hints as it holds (0 until the kernel first saves
-/// them, else one per cache block).
+/// The hint array: as many hints as it holds (none until the kernel first
+/// saves them: no array at all, root 0, as the kernel formats it; else one per
+/// cache block).
 pub fn read_hints(tm: &mut TransactionManager, sb: &Superblock) -> Result<Vec<u32>> {
-    let n = array::len::<u32>(tm, sb.hint_root, sb.cache_blocks as u64)?;
+    let n = nr_hints(tm, sb)?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     let mut out: Vec<u32> = bounds::zeroed_vec(sb.hint_root, "hint array entries", n)?;
     array::walk::<u32>(tm, sb.hint_root, n, &mut |first, vals| {
         let f = first as usize;
@@ -251,6 +255,14 @@ pub fn read_hints(tm: &mut TransactionManager, sb: &Superblock) -> Result<Vec<u3
         Ok(())
     })?;
     Ok(out)
+}
+
+/// How many hints the hint array holds (0 without one).
+pub fn nr_hints(tm: &mut TransactionManager, sb: &Superblock) -> Result<u64> {
+    if sb.hint_root == 0 {
+        return Ok(0);
+    }
+    Ok(array::len::<u32>(tm, sb.hint_root, sb.cache_blocks as u64)?)
 }
 
 pub struct CacheMetadata {
@@ -267,7 +279,8 @@ pub fn unformatted(dev: &mut dyn MetadataDev) -> Result<bool> {
 impl CacheMetadata {
     /// Write new, empty cache metadata of `version` (1 or 2) to `dev` for
     /// blocks of `block_size` sectors, as the kernel formats it: no cache
-    /// blocks yet, empty arrays and bitsets, no policy.
+    /// blocks yet, empty arrays and bitsets, no policy and no hint array (it
+    /// is made when hints are first saved).
     pub fn format(dev: Box<dyn MetadataDev>, block_size: u32, version: u32) -> Result<CacheMetadata> {
         if !(sbm::MIN_VERSION..=sbm::MAX_VERSION).contains(&version) {
             return Err(CacheError::Invalid(format!(
@@ -287,7 +300,7 @@ impl CacheMetadata {
         sm_disk::create_trees(&mut tm, SmKind::Metadata)?;
         let mut sb = Superblock::new(block_size, version);
         sb.mapping_root = array::empty(&mut tm)?;
-        sb.hint_root = array::empty(&mut tm)?;
+        sb.hint_root = 0;
         sb.discard_root = bitset::new(&mut tm, 0)?;
         if version >= 2 {
             sb.dirty_root = bitset::new(&mut tm, 0)?;
@@ -314,7 +327,7 @@ impl CacheMetadata {
             array::blocks::<u64>(&mut tm, sb.dirty_root, bitset::nr_words(nr))?;
         }
         array::blocks::<u64>(&mut tm, sb.discard_root, bitset::nr_words(sb.discard_nr_blocks))?;
-        array::len::<u32>(&mut tm, sb.hint_root, nr)?;
+        nr_hints(&mut tm, &sb)?;
         Ok(CacheMetadata::with(tm, sb))
     }
 
@@ -381,7 +394,7 @@ impl CacheMetadata {
         if self.sb.version >= 2 {
             self.sb.dirty_root = bitset::resize(&mut self.tm, self.sb.dirty_root, old, nr, false)?;
         }
-        let hints = array::len::<u32>(&mut self.tm, self.sb.hint_root, old)?;
+        let hints = nr_hints(&mut self.tm, &self.sb)?;
         if hints > nr {
             self.sb.hint_root = array::resize(&mut self.tm, self.sb.hint_root, hints, nr, 0u32)?;
         }
@@ -508,7 +521,9 @@ impl CacheMetadata {
                 hints.len()
             )));
         }
-        array::del(&mut self.tm, self.sb.hint_root)?;
+        if self.sb.hint_root != 0 {
+            array::del(&mut self.tm, self.sb.hint_root)?;
+        }
         self.sb.hint_root = array::build(&mut self.tm, nr, hints)?;
         Ok(())
     }
@@ -595,7 +610,12 @@ impl CacheMetadata {
         Ok(())
     }
 
-    /// Metadata blocks allocated (for tests).
+    /// Metadata blocks the device holds (as many as a space map can track).
+    pub fn nr_metadata_blocks(&self) -> u64 {
+        self.tm.cache.nr_blocks().min(MAX_METADATA_BLOCKS)
+    }
+
+    /// Metadata blocks allocated.
     pub fn nr_allocated(&self) -> u64 {
         self.tm.meta.nr_allocated()
     }

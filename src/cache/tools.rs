@@ -88,7 +88,7 @@ pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Res
     }
     metadata::check_mappings(&mut tm, &sb, None, false)?;
     let nr = sb.cache_blocks as u64;
-    let hints = array::len::<u32>(&mut tm, sb.hint_root, nr)?;
+    let hints = metadata::nr_hints(&mut tm, &sb)?;
     let head = XmlSuperblock {
         uuid: String::new(),
         block_size: sb.data_block_size,
@@ -109,15 +109,18 @@ pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Res
         return Err(io(e));
     }
     w.write_all(xml::MIDDLE.as_bytes()).map_err(io)?;
-    array::walk::<u32>(&mut tm, sb.hint_root, hints, &mut |first, vals| {
-        for (i, &h) in vals.iter().enumerate() {
-            let c = first as usize + i;
-            if failed.is_none() && mapped[c / 64] & (1 << (c % 64)) != 0 {
-                failed = xml::write_hint(&mut w, c as u32, h).err();
+    // (no hint array until hints are first saved)
+    if hints > 0 {
+        array::walk::<u32>(&mut tm, sb.hint_root, hints, &mut |first, vals| {
+            for (i, &h) in vals.iter().enumerate() {
+                let c = first as usize + i;
+                if failed.is_none() && mapped[c / 64] & (1 << (c % 64)) != 0 {
+                    failed = xml::write_hint(&mut w, c as u32, h).err();
+                }
             }
-        }
-        Ok(())
-    })?;
+            Ok(())
+        })?;
+    }
     if let Some(e) = failed {
         return Err(io(e));
     }
@@ -186,7 +189,9 @@ pub fn restore(
         })?;
     }
     let mut at = 0usize;
-    array::del(tm, sb.hint_root)?;
+    if sb.hint_root != 0 {
+        array::del(tm, sb.hint_root)?;
+    }
     sb.hint_root = array::build_with(tm, nr, &mut |c| match hints.get(at) {
         Some(&(hc, h)) if hc as u64 == c => {
             at += 1;
@@ -224,7 +229,9 @@ pub struct CheckOpts {
 /// The references a cache superblock's arrays hold.
 fn reach(tm: &mut TransactionManager, r: &mut refcheck::Refs, sb: &Superblock) -> crate::pdata::Result<()> {
     r.tree(tm, sb.mapping_root, array::TREE)?;
-    r.tree(tm, sb.hint_root, array::TREE)?;
+    if sb.hint_root != 0 {
+        r.tree(tm, sb.hint_root, array::TREE)?;
+    }
     r.tree(tm, sb.discard_root, array::TREE)?;
     if sb.version >= 2 {
         r.tree(tm, sb.dirty_root, array::TREE)?;
@@ -248,7 +255,7 @@ pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Ve
             errs.push(e.to_string());
         }
     }
-    if !o.skip_hints && sb.policy_hint_size != 0 {
+    if !o.skip_hints && sb.policy_hint_size != 0 && sb.hint_root != 0 {
         let r = array::len::<u32>(&mut tm, sb.hint_root, sb.cache_blocks as u64)
             .and_then(|n| array::walk::<u32>(&mut tm, sb.hint_root, n, &mut |_, _| Ok(())));
         if let Err(e) = r {

@@ -30,6 +30,7 @@ targets! {
     snapshot => snapshot::ORIGIN_TYPE, snapshot::SNAPSHOT_TYPE, snapshot::MERGE_TYPE;
     writecache => writecache::TYPE;
     era => era::TYPE;
+    cache => cache::TYPE;
     crypt => crypt::TYPE;
     verity => verity::TYPE;
     xor => xor::TYPE;

@@ -63,8 +63,9 @@ enum Cmd {
     /// fallocate first). `dmkit extents FILE | dmkit create NAME` makes the device
     Extents { file: PathBuf },
     /// Follow a device's background work until it ends, showing what is left on
-    /// a terminal: a snapshot-merge's merge, or a writecache's write-back (send
-    /// `cleaner` or `flush` first, else new writes keep it going)
+    /// a terminal: a snapshot-merge's merge, a writecache's write-back (send
+    /// `cleaner` or `flush` first, else new writes keep it going), or a cache's
+    /// (dm-cache) dirty blocks written back (under the `cleaner` policy)
     Progress { name: String },
     /// Crash trials: a seeded random workload on simulated disks that lose and
     /// tear unflushed writes, a crash, then the stack reopened and checked. A
@@ -884,7 +885,7 @@ enum Work {
     Left(String),
     Done(String),
     Failed(String),
-    /// No snapshot-merge or writecache target.
+    /// No snapshot-merge, writecache or cache target.
     None,
 }
 
@@ -924,6 +925,16 @@ fn work(name: &str, status: &str, first: &mut Option<u64>) -> Work {
                     return Work::Done(format!("{name}: nothing left to write back"));
                 }
                 return Work::Left(format!("{name}: {left} blocks left to write back"));
+            }
+            Some("cache") => {
+                // dm-cache: the dirty count (field 11 of the target's status)
+                let Some(left) = f.get(13).and_then(|x| x.parse::<u64>().ok()) else {
+                    return Work::Failed(format!("{name}: cache status: {line}"));
+                };
+                if left == 0 {
+                    return Work::Done(format!("{name}: no dirty block left"));
+                }
+                return Work::Left(format!("{name}: {left} dirty blocks left to write back"));
             }
             _ => {}
         }
@@ -968,7 +979,7 @@ fn follow(sock: &Path, name: &str) -> Result<i32> {
                 return Ok(1);
             }
             Work::None => {
-                eprintln!("dmkit progress: {name} has no snapshot-merge or writecache target");
+                eprintln!("dmkit progress: {name} has no snapshot-merge, writecache or cache target");
                 return Ok(1);
             }
         }
