@@ -413,11 +413,122 @@ impl Engine {
     }
 }
 
+/// The most XTS context pairs a key keeps for reuse: one per thread
+/// transforming at once (the reactors and I/O workers are fewer); a pair given
+/// back beyond it is freed.
+const XTS_POOL: usize = 64;
+
+/// OpenSSL's XTS (`aes-128-xts`, `aes-256-xts`), keyed: its assembly (VAES
+/// and AVX-512 where the CPU has them) runs a whole sector in one pass, where
+/// the `aes` crate is called a batch at a time. A context holds one
+/// direction's key schedules, so contexts go in pairs, and a pair serves one
+/// thread at a time: taken from `pool` for a request, set to each sector's IV
+/// (`EVP_CipherInit_ex` with the IV alone: no key expansion), given back.
+struct OsslXts {
+    cipher: &'static openssl::cipher::CipherRef,
+    pool: std::sync::Mutex<Vec<XtsCtx>>,
+}
+
+/// One context to encrypt, one to decrypt, keyed alike.
+struct XtsCtx {
+    enc: openssl::cipher_ctx::CipherCtx,
+    dec: openssl::cipher_ctx::CipherCtx,
+}
+
+impl OsslXts {
+    /// For an XTS key OpenSSL takes: two AES-128 or two AES-256 keys that
+    /// differ (OpenSSL refuses equal halves to encrypt; the kernel, outside
+    /// FIPS mode, does not, so such a key stays with the `aes` crate).
+    fn new(chain: Chain, key: &[u8]) -> Option<OsslXts> {
+        let cipher = match (chain, key.len()) {
+            (Chain::Xts, 32) => openssl::cipher::Cipher::aes_128_xts(),
+            (Chain::Xts, 64) => openssl::cipher::Cipher::aes_256_xts(),
+            _ => return None,
+        };
+        let (a, b) = key.split_at(key.len() / 2);
+        // no early exit: how much of the halves agree is not told by the time
+        if a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0 {
+            return None;
+        }
+        Some(OsslXts {
+            cipher,
+            pool: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A keyed pair, from the pool or new; None if OpenSSL fails.
+    fn take(&self, key: &[u8]) -> Option<XtsCtx> {
+        if let Some(c) = self.pool.lock().ok().and_then(|mut p| p.pop()) {
+            return Some(c);
+        }
+        let keyed = |enc: bool| {
+            let mut c = openssl::cipher_ctx::CipherCtx::new().ok()?;
+            let r = if enc {
+                c.encrypt_init(Some(self.cipher), Some(key), None)
+            } else {
+                c.decrypt_init(Some(self.cipher), Some(key), None)
+            };
+            r.ok().map(|_| c)
+        };
+        Some(XtsCtx {
+            enc: keyed(true)?,
+            dec: keyed(false)?,
+        })
+    }
+
+    fn give_back(&self, c: XtsCtx) {
+        if let Ok(mut p) = self.pool.lock() {
+            if p.len() < XTS_POOL {
+                p.push(c);
+            }
+        }
+    }
+}
+
+impl XtsCtx {
+    /// One sector in place with `iv` as the tweak; false if OpenSSL refused
+    /// (its XTS checks its arguments before it writes, so the sector is then
+    /// untouched).
+    fn sector(&mut self, enc: bool, s: &mut [u8], iv: &[u8; 16]) -> bool {
+        // XTS takes at most 2^20 blocks a sector (and the crate an int's length)
+        if s.len() > 1 << 24 {
+            return false;
+        }
+        let c = if enc { &mut self.enc } else { &mut self.dec };
+        let ctx = foreign_types::ForeignTypeRef::as_ptr(&**c);
+        let (len, mut out) = (s.len() as std::ffi::c_int, 0);
+        // SAFETY: `ctx` is a live context this pair owns (keyed, its cipher
+        // set), borrowed mutably here so no other thread uses it; `iv` is the
+        // 16 bytes XTS's IV takes; `s` is `len` bytes, read and written in
+        // place (XTS's block size is 1: it writes exactly `len` bytes, counted
+        // into `out`).
+        let ok = unsafe {
+            openssl_sys::EVP_CipherInit_ex(
+                ctx,
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                iv.as_ptr(),
+                i32::from(enc),
+            ) == 1
+                && openssl_sys::EVP_CipherUpdate(ctx, s.as_mut_ptr(), &mut out, s.as_ptr(), len) == 1
+                && out == len
+        };
+        if !ok {
+            // the reasons queued on this thread: not kept for another call
+            drop(openssl::error::ErrorStack::get());
+        }
+        ok
+    }
+}
+
 /// The volume key and everything keyed by it.
 struct Keys {
     key: [u8; MAX_KEY],
     len: usize,
     engine: Engine,
+    /// OpenSSL's XTS for the data path ([`Keys::run`]), for the keys it takes.
+    ossl: Option<OsslXts>,
     iv: Option<IvMode>,
     /// ESSIV's cipher, keyed with sha256 of the volume key.
     essiv: Option<Aes256>,
@@ -446,9 +557,27 @@ impl Keys {
             key: k,
             len: key.len(),
             engine: Engine::new(spec.chain, key)?,
+            ossl: OsslXts::new(spec.chain, key),
             iv: spec.iv,
             essiv,
         })
+    }
+
+    /// Encrypt (`enc`) or decrypt `data` in place in sectors of `unit`
+    /// bytes, the one at index i with the IV numbered `n(i)`: with OpenSSL's
+    /// XTS where it takes the key (one context pair for the whole call), else
+    /// (or should OpenSSL fail) with the `aes` crate.
+    fn run(&self, enc: bool, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
+        let mut ctx = self.ossl.as_ref().and_then(|o| o.take(&self.key[..self.len]));
+        for (i, s) in data.chunks_exact_mut(unit).enumerate() {
+            let iv = self.iv(n(i));
+            if !ctx.as_mut().is_some_and(|c| c.sector(enc, s, &iv)) {
+                self.engine.sector(enc, s, iv);
+            }
+        }
+        if let (Some(o), Some(c)) = (&self.ossl, ctx) {
+            o.give_back(c);
+        }
     }
 
     /// The IV of the sector numbered `n` (in IV units).
@@ -472,27 +601,26 @@ impl Keys {
     }
 }
 
-/// Encrypt (or decrypt) `buf` in place as the target does, in sectors of
-/// `sector_size` bytes numbered from `first`, with `cipher` (the table's
-/// spelling) and `key`: what `examples/crypt_speed.rs` times against
-/// `openssl speed` (bench/crypt.py).
-pub fn transform(
-    cipher: &str,
-    key: &[u8],
-    enc: bool,
-    sector_size: usize,
-    first: u64,
-    buf: &mut [u8],
-) -> Result<(), String> {
-    if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
-        return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
+/// A cipher as the target keys it, for `examples/crypt_speed.rs`, which
+/// times it against `openssl speed` (bench/crypt.py). Its keys are not in
+/// locked memory.
+pub struct SectorCipher(Keys);
+
+impl SectorCipher {
+    /// `cipher` in the table's spelling, `key` its bytes.
+    pub fn new(cipher: &str, key: &[u8]) -> Result<SectorCipher, String> {
+        Ok(SectorCipher(Keys::new(&parse_cipher(cipher)?, key)?))
     }
-    let spec = parse_cipher(cipher)?;
-    let keys = Keys::new(&spec, key)?;
-    for (i, s) in buf.chunks_exact_mut(sector_size).enumerate() {
-        keys.engine.sector(enc, s, keys.iv(first + i as u64));
+
+    /// Encrypt (or decrypt) `buf` in place as the target does, in sectors of
+    /// `sector_size` bytes numbered from `first`.
+    pub fn apply(&self, enc: bool, sector_size: usize, first: u64, buf: &mut [u8]) -> Result<(), String> {
+        if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
+            return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
+        }
+        self.0.run(enc, buf, sector_size, |i| first + i as u64);
+        Ok(())
     }
-    Ok(())
 }
 
 /// A value in pages of its own, locked in memory while it lives, zeroed (by
@@ -716,12 +844,14 @@ impl Layout {
     /// Encrypt (`enc`) or decrypt `data` in place: whole encryption sectors
     /// from target sector `sector` on.
     fn apply(&self, keys: &Keys, enc: bool, sector: u64, data: &mut [u8]) {
-        let bytes = (self.spc * SECTOR) as usize;
-        for (i, s) in data.chunks_exact_mut(bytes).enumerate() {
+        keys.run(enc, data, (self.spc * SECTOR) as usize, |i| {
             let n = sector + self.iv_offset + i as u64 * self.spc;
-            let n = if self.large { n / self.spc } else { n };
-            keys.engine.sector(enc, s, keys.iv(n));
-        }
+            if self.large {
+                n / self.spc
+            } else {
+                n
+            }
+        });
     }
 }
 
@@ -962,14 +1092,45 @@ mod tests {
         Keys::new(&parse_cipher(cipher).unwrap(), &hex(key)).unwrap()
     }
 
-    /// Encrypt one data unit of `pt` with IV sector `n`; check it decrypts back.
+    /// Encrypt one data unit of `pt` with IV sector `n` on the data path
+    /// (OpenSSL's XTS where it takes the key); check it decrypts back, and
+    /// that the `aes` crate's path (LUKS keyslots, keys OpenSSL refuses)
+    /// agrees both ways.
     fn enc(k: &Keys, n: u64, pt: &[u8]) -> Vec<u8> {
         let mut b = pt.to_vec();
-        k.engine.sector(true, &mut b, k.iv(n));
+        k.run(true, &mut b, pt.len(), |_| n);
+        let mut soft = pt.to_vec();
+        k.engine.sector(true, &mut soft, k.iv(n));
+        assert_eq!(soft, b, "the aes crate's path encrypts alike");
         let mut d = b.clone();
-        k.engine.sector(false, &mut d, k.iv(n));
+        k.run(false, &mut d, pt.len(), |_| n);
         assert_eq!(d, pt, "decrypts back");
+        k.engine.sector(false, &mut soft, k.iv(n));
+        assert_eq!(soft, pt, "the aes crate's path decrypts back");
         b
+    }
+
+    #[test]
+    fn openssl_takes_the_xts_keys_it_can() {
+        let spec = parse_cipher("aes-xts-plain64").unwrap();
+        let distinct: Vec<u8> = (0..64u8).collect();
+        for n in [32, 64] {
+            let k = Keys::new(&spec, &distinct[..n]).unwrap();
+            let o = k.ossl.as_ref().expect("OpenSSL's XTS");
+            // a pair is reused, not made anew, by the next request
+            let c = o.take(&k.key[..k.len]).expect("keyed");
+            o.give_back(c);
+            assert_eq!(o.pool.lock().unwrap().len(), 1);
+            k.run(true, &mut [0u8; 512], 512, |i| i as u64);
+            assert_eq!(o.pool.lock().unwrap().len(), 1);
+        }
+        // AES-192 (OpenSSL has no aes-192-xts), equal halves, CBC: the aes crate
+        assert!(Keys::new(&spec, &distinct[..48]).unwrap().ossl.is_none());
+        assert!(Keys::new(&spec, &[7; 64]).unwrap().ossl.is_none());
+        assert!(Keys::new(&parse_cipher("aes-cbc-plain64").unwrap(), &distinct[..32])
+            .unwrap()
+            .ossl
+            .is_none());
     }
 
     #[test]
