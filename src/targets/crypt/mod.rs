@@ -486,22 +486,24 @@ impl OsslXts {
 }
 
 impl XtsCtx {
-    /// One sector in place with `iv` as the tweak; false if OpenSSL refused
-    /// (its XTS checks its arguments before it writes, so the sector is then
-    /// untouched).
-    fn sector(&mut self, enc: bool, s: &mut [u8], iv: &[u8; 16]) -> bool {
+    /// One sector into `s` with `iv` as the tweak, from `from` (as long as
+    /// `s`) or in place; false if OpenSSL refused (its XTS checks its
+    /// arguments before it writes, so `s` is then untouched).
+    fn sector(&mut self, enc: bool, from: Option<&[u8]>, s: &mut [u8], iv: &[u8; 16]) -> bool {
         // XTS takes at most 2^20 blocks a sector (and the crate an int's length)
-        if s.len() > 1 << 24 {
+        if s.len() > 1 << 24 || from.is_some_and(|f| f.len() != s.len()) {
             return false;
         }
+        let src = from.map_or(s.as_ptr(), <[u8]>::as_ptr);
         let c = if enc { &mut self.enc } else { &mut self.dec };
         let ctx = foreign_types::ForeignTypeRef::as_ptr(&**c);
         let (len, mut out) = (s.len() as std::ffi::c_int, 0);
         // SAFETY: `ctx` is a live context this pair owns (keyed, its cipher
         // set), borrowed mutably here so no other thread uses it; `iv` is the
-        // 16 bytes XTS's IV takes; `s` is `len` bytes, read and written in
-        // place (XTS's block size is 1: it writes exactly `len` bytes, counted
-        // into `out`).
+        // 16 bytes XTS's IV takes; `s` is `len` bytes, written (XTS's block
+        // size is 1: exactly `len` bytes, counted into `out`), and `src` is
+        // `len` bytes too: `from` (checked above, borrowed apart from `s`) or
+        // `s` itself, which OpenSSL's update allows.
         let ok = unsafe {
             openssl_sys::EVP_CipherInit_ex(
                 ctx,
@@ -511,7 +513,7 @@ impl XtsCtx {
                 iv.as_ptr(),
                 i32::from(enc),
             ) == 1
-                && openssl_sys::EVP_CipherUpdate(ctx, s.as_mut_ptr(), &mut out, s.as_ptr(), len) == 1
+                && openssl_sys::EVP_CipherUpdate(ctx, s.as_mut_ptr(), &mut out, src, len) == 1
                 && out == len
         };
         if !ok {
@@ -563,15 +565,20 @@ impl Keys {
         })
     }
 
-    /// Encrypt (`enc`) or decrypt `data` in place in sectors of `unit`
-    /// bytes, the one at index i with the IV numbered `n(i)`: with OpenSSL's
-    /// XTS where it takes the key (one context pair for the whole call), else
-    /// (or should OpenSSL fail) with the `aes` crate.
-    fn run(&self, enc: bool, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
+    /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
+    /// place, in sectors of `unit` bytes, the one at index i with the IV
+    /// numbered `n(i)`: with OpenSSL's XTS where it takes the key (one context
+    /// pair for the whole call; from `from` straight into `data`, no copy
+    /// first), else (or should OpenSSL fail) with the `aes` crate in place.
+    fn run(&self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
         let mut ctx = self.ossl.as_ref().and_then(|o| o.take(&self.key[..self.len]));
         for (i, s) in data.chunks_exact_mut(unit).enumerate() {
             let iv = self.iv(n(i));
-            if !ctx.as_mut().is_some_and(|c| c.sector(enc, s, &iv)) {
+            let src = from.and_then(|f| f.get(i * unit..(i + 1) * unit));
+            if !ctx.as_mut().is_some_and(|c| c.sector(enc, src, s, &iv)) {
+                if let Some(f) = src {
+                    s.copy_from_slice(f);
+                }
                 self.engine.sector(enc, s, iv);
             }
         }
@@ -618,7 +625,7 @@ impl SectorCipher {
         if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
             return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
         }
-        self.0.run(enc, buf, sector_size, |i| first + i as u64);
+        self.0.run(enc, None, buf, sector_size, |i| first + i as u64);
         Ok(())
     }
 }
@@ -841,10 +848,10 @@ struct Layout {
 }
 
 impl Layout {
-    /// Encrypt (`enc`) or decrypt `data` in place: whole encryption sectors
-    /// from target sector `sector` on.
-    fn apply(&self, keys: &Keys, enc: bool, sector: u64, data: &mut [u8]) {
-        keys.run(enc, data, (self.spc * SECTOR) as usize, |i| {
+    /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
+    /// place: whole encryption sectors from target sector `sector` on.
+    fn apply(&self, keys: &Keys, enc: bool, sector: u64, from: Option<&[u8]>, data: &mut [u8]) {
+        keys.run(enc, from, data, (self.spc * SECTOR) as usize, |i| {
             let n = sector + self.iv_offset + i as u64 * self.spc;
             if self.large {
                 n / self.spc
@@ -981,15 +988,16 @@ impl Target for Crypt {
             ctx.remap_owned(
                 &self.dev,
                 down,
-                |own, client| {
-                    let n = own.len().min(client.len());
-                    own[..n].copy_from_slice(&client[..n]);
-                    own[n..].fill(0);
-                    match keys.keys() {
-                        Some(k) => layout.apply(k, true, bio.sector, own),
-                        // never the plaintext (map checked there are keys)
-                        None => own.fill(0),
+                |own, client| match keys.keys() {
+                    Some(k) if own.len() == client.len() => layout.apply(k, true, bio.sector, Some(client), own),
+                    Some(k) => {
+                        let n = own.len().min(client.len());
+                        own[..n].copy_from_slice(&client[..n]);
+                        own[n..].fill(0);
+                        layout.apply(k, true, bio.sector, None, own)
                     }
+                    // never the plaintext (map checked there are keys)
+                    None => own.fill(0),
                 },
                 Box::new(|_, _, _| 0),
             )
@@ -1005,8 +1013,7 @@ impl Target for Crypt {
                     let (Some(k), true) = (keys.keys(), own.len() == client.len()) else {
                         return errno::EIO;
                     };
-                    client.copy_from_slice(own);
-                    layout.apply(k, false, bio.sector, client);
+                    layout.apply(k, false, bio.sector, Some(own), client);
                     0
                 }),
             )
@@ -1098,12 +1105,15 @@ mod tests {
     /// agrees both ways.
     fn enc(k: &Keys, n: u64, pt: &[u8]) -> Vec<u8> {
         let mut b = pt.to_vec();
-        k.run(true, &mut b, pt.len(), |_| n);
+        k.run(true, None, &mut b, pt.len(), |_| n);
+        let mut apart = vec![0u8; pt.len()];
+        k.run(true, Some(pt), &mut apart, pt.len(), |_| n);
+        assert_eq!(apart, b, "from one buffer into another as in place");
         let mut soft = pt.to_vec();
         k.engine.sector(true, &mut soft, k.iv(n));
         assert_eq!(soft, b, "the aes crate's path encrypts alike");
         let mut d = b.clone();
-        k.run(false, &mut d, pt.len(), |_| n);
+        k.run(false, None, &mut d, pt.len(), |_| n);
         assert_eq!(d, pt, "decrypts back");
         k.engine.sector(false, &mut soft, k.iv(n));
         assert_eq!(soft, pt, "the aes crate's path decrypts back");
@@ -1121,7 +1131,7 @@ mod tests {
             let c = o.take(&k.key[..k.len]).expect("keyed");
             o.give_back(c);
             assert_eq!(o.pool.lock().unwrap().len(), 1);
-            k.run(true, &mut [0u8; 512], 512, |i| i as u64);
+            k.run(true, None, &mut [0u8; 512], 512, |i| i as u64);
             assert_eq!(o.pool.lock().unwrap().len(), 1);
         }
         // AES-192 (OpenSSL has no aes-192-xts), equal halves, CBC: the aes crate
@@ -1313,16 +1323,16 @@ mod tests {
         // target sector 16, iv_offset 8: 4096-byte sectors numbered 3 and 4
         let large = Layout { spc: 8, iv_offset: 8, large: true };
         let mut b = data.clone();
-        large.apply(&k, true, 16, &mut b);
+        large.apply(&k, true, 16, None, &mut b);
         assert_eq!(b[..4096], enc(&k, 3, &data[..4096]));
         assert_eq!(b[4096..], enc(&k, 4, &data[4096..]));
         // without iv_large_sectors they are numbered in 512-byte units: 24, 32
         let small = Layout { large: false, ..large };
         let mut b = data.clone();
-        small.apply(&k, true, 16, &mut b);
+        small.apply(&k, true, 16, None, &mut b);
         assert_eq!(b[..4096], enc(&k, 24, &data[..4096]));
         assert_eq!(b[4096..], enc(&k, 32, &data[4096..]));
-        small.apply(&k, false, 16, &mut b);
+        small.apply(&k, false, 16, None, &mut b);
         assert_eq!(b, data);
     }
 

@@ -76,6 +76,13 @@ const MAX_DIGEST: usize = 64;
 /// The largest data block (the kernel's PAGE_SIZE limit).
 const MAX_DATA_BLOCK: u32 = 4096;
 
+/// The most threads one request's blocks are checked on.
+const MAX_PAR: usize = 8;
+
+/// The fewest data blocks a thread of a split request checks (256 KiB of 4
+/// KiB blocks): below it a thread's start costs more than it saves.
+const PAR_BLOCKS: usize = 64;
+
 /// Optional parameters: the most the kernel counts.
 const MAX_OPT_ARGS: usize = 15;
 
@@ -358,6 +365,10 @@ impl Cache {
     }
 }
 
+/// A verified level-0 hash block and its number, kept while a request's
+/// data blocks are checked ([`Core::want_digest`]).
+type Last = Option<(u64, Arc<[u8]>)>;
+
 /// Which kind of block failed its check.
 #[derive(Clone, Copy)]
 enum Kind {
@@ -383,6 +394,8 @@ struct Core {
     hash_failed: AtomicBool,
     corrupted_errs: AtomicU32,
     fec: Option<fec::Fec>,
+    /// Threads a long request's blocks are checked on ([`Core::verify_request`]).
+    par: usize,
 }
 
 impl Core {
@@ -475,14 +488,29 @@ impl Core {
 
     /// The expected digest of data block `block` into `want`, checking the
     /// hash blocks on the way down from the root (verity_hash_for_block).
-    fn want_digest(&self, block: u64, want: &mut [u8; MAX_DIGEST]) -> Result<(), i32> {
+    /// `last` is the level-0 hash block the request's previous data block
+    /// found (verified): a sequential read takes the next digests from it
+    /// without walking the tree or taking the cache's lock again.
+    fn want_digest(&self, block: u64, want: &mut [u8; MAX_DIGEST], last: &mut Last) -> Result<(), i32> {
         let ds = self.geo.digest_size;
+        let levels = self.geo.levels();
+        if levels > 0 {
+            let (hb, off) = self.geo.at_level(block, 0);
+            if let Some((b, d)) = last.as_ref().filter(|(b, _)| *b == hb) {
+                let slot = d.get(off..off + ds).ok_or_else(|| {
+                    tracing::error!("verity {}: hash block {b} is shorter than its digest {off}", self.data_name);
+                    errno::EIO
+                })?;
+                want[..ds].copy_from_slice(slot);
+                return Ok(());
+            }
+        }
         *want = self.root;
-        for level in (0..self.geo.levels()).rev() {
+        for level in (0..levels).rev() {
             let (hb, off) = self.geo.at_level(block, level);
             let cached = self.cache.lock().map_err(|_| errno::EIO)?.get(hb);
-            let data = match cached {
-                Some(d) => d,
+            let (data, verified) = match cached {
+                Some(d) => (d, true),
                 None => {
                     let raw = self.read_hash_block(hb)?;
                     let mut real = [0u8; MAX_DIGEST];
@@ -501,13 +529,67 @@ impl Core {
                     if keep {
                         self.cache.lock().map_err(|_| errno::EIO)?.insert(hb, d.clone());
                     }
-                    d
+                    (d, keep)
                 }
             };
             let slot = data.get(off..off + ds).ok_or(errno::EIO)?;
             want[..ds].copy_from_slice(slot);
+            if level == 0 && verified {
+                *last = Some((hb, data));
+            }
         }
         Ok(())
+    }
+
+    /// Check a request's data blocks, from data block `first`, as read into
+    /// `own`, serving them into `client`; 0 or the errno that fails the read.
+    /// A long request is split between this thread and up to `par - 1`
+    /// threads of its own (scoped to the call), as the kernel's verity hands
+    /// its reads to a workqueue on every CPU: a cold sequential read is
+    /// sha256 bound, and one request's hashing would otherwise wait on one
+    /// core.
+    fn verify_request(&self, first: u64, own: &[u8], client: &mut [u8]) -> i32 {
+        let bs = 1usize << self.geo.data_bits;
+        let blocks = own.len() / bs;
+        let parts = self.par.min(blocks / PAR_BLOCKS).max(1);
+        let per = blocks.div_ceil(parts) * bs;
+        let run = |at: usize, o: &[u8], c: &mut [u8]| {
+            let mut last = None;
+            for (i, (o, c)) in o.chunks_exact(bs).zip(c.chunks_exact_mut(bs)).enumerate() {
+                if let Err(e) = self.verify(first + (at / bs + i) as u64, o, c, &mut last) {
+                    return e;
+                }
+            }
+            0
+        };
+        if parts == 1 {
+            return run(0, own, client);
+        }
+        std::thread::scope(|sc| {
+            let mut chunks = own.chunks(per).zip(client.chunks_mut(per)).enumerate();
+            let here = chunks.next();
+            let spawned: Vec<_> = chunks
+                .map(|(k, (o, c))| {
+                    let at = k * per;
+                    std::thread::Builder::new().spawn_scoped(sc, move || run(at, o, c)).map_err(|e| {
+                        tracing::error!(
+                            "verity {}: cannot start a thread to check data blocks from {}: {e}",
+                            self.data_name,
+                            first + (at / bs) as u64
+                        );
+                        errno::EIO
+                    })
+                })
+                .collect();
+            let mut e = here.map_or(0, |(_, (o, c))| run(0, o, c));
+            for h in spawned {
+                let r = h.and_then(|h| h.join().map_err(|_| errno::EIO)).unwrap_or_else(|e| e);
+                if e == 0 {
+                    e = r;
+                }
+            }
+            e
+        })
     }
 
     fn is_verified(&self, block: u64) -> bool {
@@ -525,14 +607,14 @@ impl Core {
 
     /// Check data block `block` as read into `own`; the data served goes to
     /// `out` (zeroes for an expected zero block). Err(errno) fails the read.
-    fn verify(&self, block: u64, own: &[u8], out: &mut [u8]) -> Result<(), i32> {
+    fn verify(&self, block: u64, own: &[u8], out: &mut [u8], last: &mut Last) -> Result<(), i32> {
         if self.is_verified(block) {
             out.copy_from_slice(own);
             return Ok(());
         }
         let ds = self.geo.digest_size;
         let mut want = [0u8; MAX_DIGEST];
-        self.want_digest(block, &mut want)?;
+        self.want_digest(block, &mut want, last)?;
         if let Some(z) = &self.zero_digest {
             if z[..ds] == want[..ds] {
                 out.fill(0);
@@ -730,6 +812,7 @@ impl Verity {
             verified,
             hash_failed: AtomicBool::new(false),
             corrupted_errs: AtomicU32::new(0),
+            par: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_PAR),
             fec,
         };
         if core.opts.ignore_zero_blocks {
@@ -797,14 +880,7 @@ impl Target for Verity {
                 if own.len() != client.len() {
                     return errno::EIO;
                 }
-                let bs = 1usize << core.geo.data_bits;
-                let first = bio.sector / spb;
-                for (i, (o, c)) in own.chunks_exact(bs).zip(client.chunks_exact_mut(bs)).enumerate() {
-                    if let Err(e) = core.verify(first + i as u64, o, c) {
-                        return e;
-                    }
-                }
-                0
+                core.verify_request(bio.sector / spb, own, client)
             }),
         )
     }
