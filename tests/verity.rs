@@ -95,8 +95,16 @@ fn veritysetup_trees_serve_their_data_and_fail_exactly_the_corrupted_blocks() {
     // long reads are checked on more than one thread where there are CPUs:
     // the bad block in the part this thread hands off fails the read too
     let long = (512 * BLOCK) as u32;
-    assert_ne!(c.call(READ, 0, 512 * BLOCK, long, &[]), 0, "blocks 512..1024 hold 900");
-    assert_eq!(c.call(READ, 0, 8 * BLOCK, long, &[]), 0, "blocks 8..520 are whole");
+    assert_ne!(
+        c.call(READ, 0, 512 * BLOCK, long, &[]),
+        0,
+        "blocks 512..1024 hold 900"
+    );
+    assert_eq!(
+        c.call(READ, 0, 8 * BLOCK, long, &[]),
+        0,
+        "blocks 8..520 are whole"
+    );
     assert_eq!(status(&d, "c"), format!("0 {} verity C", SIZE / 512));
 
     // ignore_corruption: served as it is on disk, reported

@@ -34,11 +34,26 @@
 //! twice. Write-zeroes fails (EOPNOTSUPP): zeroed sectors would not decrypt to
 //! zeroes, and a range can be too large to encrypt zeroes for.
 //!
-//! The key and the ciphers' key schedules live in one page-aligned allocation
-//! of their own, locked in memory (`mlock`: never swapped out) and zeroed when
-//! dropped (the `aes` crate's `zeroize` feature wipes its key schedules; the
-//! raw key is wiped with `zeroize`). Neither is ever logged. Short-lived copies
-//! made while a key is parsed and expanded on the stack are not locked.
+//! The key and the `aes` crate's key schedules live in one page-aligned
+//! allocation of their own, locked in memory (`mlock`: never swapped out) and
+//! zeroed when dropped (the `aes` crate's `zeroize` feature wipes its key
+//! schedules; the raw key is wiped with `zeroize`). Neither is ever logged.
+//! Short-lived copies made while a key is parsed and expanded on the stack are
+//! not locked.
+//!
+//! The exception, chosen for speed: XTS with two AES-128 or two AES-256 keys
+//! (what cryptsetup uses) runs in OpenSSL's EVP `aes-128-xts` / `aes-256-xts`
+//! ([`OsslXts`]; its assembly is what the goal is measured against,
+//! and the `aes` crate called a batch at a time reached 0.64× of it). OpenSSL
+//! expands the key into its cipher contexts, which it allocates in its own
+//! heap (`OPENSSL_zalloc`, not the secure heap: `CRYPTO_secure_malloc_init`
+//! would not cover them) and wipes when they are freed (`OPENSSL_clear_free`
+//! in the provider's `freectx`). So those key schedules are wiped on `key
+//! wipe`, `key set`, remove and exit (the contexts are freed with the
+//! [`Keys`] that own them) but are **not locked**: they can be swapped out.
+//! AES-192 XTS (OpenSSL has none), XTS keys with equal halves (OpenSSL refuses
+//! them to encrypt; the kernel outside FIPS mode takes them), CBC and LUKS
+//! keyslots stay with the `aes` crate, locked.
 //!
 //! [`luks`] reads LUKS1 and LUKS2 headers and gives the table line that opens
 //! a volume (`dmkit luks table`), unlocking its keyslots with these ciphers;
@@ -49,10 +64,12 @@
 //! many-block calls pipeline eight blocks at once), `cbc` (RustCrypto's CBC
 //! mode, borrowing the expanded key so no sector re-expands it), `sha2` (the
 //! ESSIV salt), `zeroize` (wiping key bytes so the compiler cannot elide it).
-//! XTS is the few lines of `xts_sector` over `aes`'s many-block calls: the
+//! `openssl` (and `openssl-sys`, to set a context's IV per sector without the
+//! crate's per-call IV-length query) for the XTS above. The `aes` crate's XTS
+//! is the few lines of `xts_sector` over its many-block calls: the
 //! `xts-mode` crate encrypts one block at a time (200 MiB/s through NBD here
 //! against 4 times that), so it serves as the reference the unit tests check
-//! this XTS against, beside the IEEE 1619 vectors.
+//! both XTS paths against, beside the IEEE 1619 vectors.
 
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
