@@ -12,6 +12,7 @@ pub mod extents;
 pub mod io;
 pub mod mapper;
 pub mod panics;
+pub mod par;
 pub mod pdata;
 pub mod rng;
 pub mod sim;

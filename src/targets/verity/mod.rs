@@ -46,7 +46,7 @@
 //! request's consecutive data blocks take their digests from the level-0 hash
 //! block the previous one found, without walking the tree or taking the
 //! cache's lock again, and a request of 128 blocks or more is checked on up to
-//! one thread a CPU ([`MAX_PAR`]), threads scoped to the request, as the
+//! one thread a CPU ([`crate::par`]), threads scoped to the request, as the
 //! kernel's verity hands its reads to a workqueue on every CPU.
 
 mod fec;
@@ -84,9 +84,6 @@ const MAX_DIGEST: usize = 64;
 
 /// The largest data block (the kernel's PAGE_SIZE limit).
 const MAX_DATA_BLOCK: u32 = 4096;
-
-/// The most threads one request's blocks are checked on.
-const MAX_PAR: usize = 8;
 
 /// The fewest data blocks a thread of a split request checks (256 KiB of 4
 /// KiB blocks; a request is split from twice that): below it a thread's start
@@ -553,17 +550,12 @@ impl Core {
 
     /// Check a request's data blocks, from data block `first`, as read into
     /// `own`, serving them into `client`; 0 or the errno that fails the read.
-    /// A long request is split between this thread and up to `par - 1`
-    /// threads of its own (scoped to the call), as the kernel's verity hands
-    /// its reads to a workqueue on every CPU: a cold sequential read is
-    /// sha256 bound, and one request's hashing would otherwise wait on one
-    /// core.
+    /// A long request is split between this thread and threads of its own
+    /// ([`crate::par::split`]): a cold sequential read is sha256 bound, and
+    /// one request's hashing would otherwise wait on one core.
     fn verify_request(&self, first: u64, own: &[u8], client: &mut [u8]) -> i32 {
         let bs = 1usize << self.geo.data_bits;
-        let blocks = own.len() / bs;
-        let parts = self.par.min(blocks / PAR_BLOCKS).max(1);
-        let per = blocks.div_ceil(parts) * bs;
-        let run = |at: usize, o: &[u8], c: &mut [u8]| {
+        let parts = crate::par::split(self.par, bs, PAR_BLOCKS, own, client, &|at, o, c| {
             let mut last = None;
             for (i, (o, c)) in o.chunks_exact(bs).zip(c.chunks_exact_mut(bs)).enumerate() {
                 if let Err(e) = self.verify(first + (at / bs + i) as u64, o, c, &mut last) {
@@ -571,35 +563,9 @@ impl Core {
                 }
             }
             0
-        };
-        if parts == 1 {
-            return run(0, own, client);
-        }
-        std::thread::scope(|sc| {
-            let mut chunks = own.chunks(per).zip(client.chunks_mut(per)).enumerate();
-            let here = chunks.next();
-            let spawned: Vec<_> = chunks
-                .map(|(k, (o, c))| {
-                    let at = k * per;
-                    std::thread::Builder::new().spawn_scoped(sc, move || run(at, o, c)).map_err(|e| {
-                        tracing::error!(
-                            "verity {}: cannot start a thread to check data blocks from {}: {e}",
-                            self.data_name,
-                            first + (at / bs) as u64
-                        );
-                        errno::EIO
-                    })
-                })
-                .collect();
-            let mut e = here.map_or(0, |(_, (o, c))| run(0, o, c));
-            for h in spawned {
-                let r = h.and_then(|h| h.join().map_err(|_| errno::EIO)).unwrap_or_else(|e| e);
-                if e == 0 {
-                    e = r;
-                }
-            }
-            e
-        })
+        });
+        // a part whose thread panicked was not checked: the read fails
+        parts.into_iter().map(|r| r.unwrap_or(errno::EIO)).find(|&e| e != 0).unwrap_or(0)
     }
 
     fn is_verified(&self, block: u64) -> bool {
@@ -822,7 +788,7 @@ impl Verity {
             verified,
             hash_failed: AtomicBool::new(false),
             corrupted_errs: AtomicU32::new(0),
-            par: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_PAR),
+            par: crate::par::threads(),
             fec,
         };
         if core.opts.ignore_zero_blocks {
