@@ -12,7 +12,6 @@ pub mod extents;
 pub mod io;
 pub mod mapper;
 pub mod panics;
-pub mod par;
 pub mod pdata;
 pub mod rng;
 pub mod sim;

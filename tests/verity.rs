@@ -1,7 +1,6 @@
 //! dm-verity (`verity`) through the real daemon, the CLI and NBD, on trees
 //! `veritysetup format` builds: the data reads back; a flipped byte in a data
-//! block fails exactly that block's reads (a long read's too, whichever of its
-//! threads checks the block) and the status says `C`; a flipped
+//! block fails exactly that block's reads (a long read's too) and the status says `C`; a flipped
 //! byte in a level-0 hash block fails exactly the data blocks it covers;
 //! `ignore_corruption` serves and reports; a wrong root hash fails every read;
 //! `veritysetup verify` agrees on each image; bad tables fail with one line;
@@ -92,8 +91,7 @@ fn veritysetup_trees_serve_their_data_and_fail_exactly_the_corrupted_blocks() {
     let mut c = Client::connect(&d.sock(), "c");
     assert_eq!(failing(&mut c), vec![5, 900]);
     assert_ne!(c.call(READ, 0, 0, 64 << 10, &[]), 0, "a read spanning it fails");
-    // long reads are checked on more than one thread where there are CPUs:
-    // the bad block in the part this thread hands off fails the read too
+    // long reads: a bad block anywhere in them fails the read
     let long = (512 * BLOCK) as u32;
     assert_ne!(
         c.call(READ, 0, 512 * BLOCK, long, &[]),

@@ -72,7 +72,6 @@
 //! both XTS paths against, beside the IEEE 1619 vectors.
 
 use crate::io::{errno, LeafKind, Op, SECTOR};
-use crate::sync::Unpoison;
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use aes::cipher::array::Array;
 use aes::cipher::consts::U16;
@@ -476,7 +475,7 @@ impl OsslXts {
 
     /// A keyed pair, from the pool or new; None if OpenSSL fails.
     fn take(&self, key: &[u8]) -> Option<XtsCtx> {
-        if let Some(c) = self.pool.lock().unpoisoned().pop() {
+        if let Some(c) = self.pool.lock().ok().and_then(|mut p| p.pop()) {
             return Some(c);
         }
         let keyed = |enc: bool| {
@@ -495,9 +494,10 @@ impl OsslXts {
     }
 
     fn give_back(&self, c: XtsCtx) {
-        let mut p = self.pool.lock().unpoisoned();
-        if p.len() < XTS_POOL {
-            p.push(c);
+        if let Ok(mut p) = self.pool.lock() {
+            if p.len() < XTS_POOL {
+                p.push(c);
+            }
         }
     }
 }
@@ -862,44 +862,20 @@ struct Layout {
     spc: u64,
     iv_offset: u64,
     large: bool,
-    /// Threads a long request may be split between ([`crate::par::threads`]).
-    threads: usize,
 }
-
-/// The least a thread of a split request transforms: below it a thread's
-/// start costs more than it saves.
-const PAR_BYTES: usize = 256 << 10;
 
 impl Layout {
     /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
-    /// place: whole encryption sectors from target sector `sector` on. From
-    /// one buffer into another, a long request is split between this thread
-    /// and threads of its own ([`crate::par::split`]), as the kernel's
-    /// dm-crypt spreads its work over per-CPU workqueues. False if a part was
-    /// not done (its thread panicked).
-    fn apply(&self, keys: &Keys, enc: bool, sector: u64, from: Option<&[u8]>, data: &mut [u8]) -> bool {
-        let unit = (self.spc * SECTOR) as usize;
-        let run = |first: usize, from: Option<&[u8]>, data: &mut [u8]| {
-            keys.run(enc, from, data, unit, |i| {
-                let n = sector + self.iv_offset + (first + i) as u64 * self.spc;
-                if self.large {
-                    n / self.spc
-                } else {
-                    n
-                }
-            })
-        };
-        match from {
-            Some(f) => crate::par::split(self.threads, unit, PAR_BYTES / unit, f, data, &|at, x, y| {
-                run(at / unit, Some(x), y)
-            })
-            .iter()
-            .all(Option::is_some),
-            None => {
-                run(0, None, data);
-                true
+    /// place: whole encryption sectors from target sector `sector` on.
+    fn apply(&self, keys: &Keys, enc: bool, sector: u64, from: Option<&[u8]>, data: &mut [u8]) {
+        keys.run(enc, from, data, (self.spc * SECTOR) as usize, |i| {
+            let n = sector + self.iv_offset + i as u64 * self.spc;
+            if self.large {
+                n / self.spc
+            } else {
+                n
             }
-        }
+        });
     }
 }
 
@@ -955,7 +931,6 @@ impl Crypt {
                 spc,
                 iv_offset,
                 large: opts.iv_large_sectors,
-                threads: crate::par::threads(),
             },
             dev,
             offset,
@@ -1030,22 +1005,16 @@ impl Target for Crypt {
             ctx.remap_owned(
                 &self.dev,
                 down,
-                |own, client| {
-                    let done = match keys.keys() {
-                        Some(k) if own.len() == client.len() => layout.apply(k, true, bio.sector, Some(client), own),
-                        Some(k) => {
-                            let n = own.len().min(client.len());
-                            own[..n].copy_from_slice(&client[..n]);
-                            own[n..].fill(0);
-                            layout.apply(k, true, bio.sector, None, own)
-                        }
-                        // map checked there are keys
-                        None => false,
-                    };
-                    if !done {
-                        // never the plaintext, nor what the buffer held before
-                        own.fill(0);
+                |own, client| match keys.keys() {
+                    Some(k) if own.len() == client.len() => layout.apply(k, true, bio.sector, Some(client), own),
+                    Some(k) => {
+                        let n = own.len().min(client.len());
+                        own[..n].copy_from_slice(&client[..n]);
+                        own[n..].fill(0);
+                        layout.apply(k, true, bio.sector, None, own)
                     }
+                    // never the plaintext (map checked there are keys)
+                    None => own.fill(0),
                 },
                 Box::new(|_, _, _| 0),
             )
@@ -1061,11 +1030,8 @@ impl Target for Crypt {
                     let (Some(k), true) = (keys.keys(), own.len() == client.len()) else {
                         return errno::EIO;
                     };
-                    if layout.apply(k, false, bio.sector, Some(own), client) {
-                        0
-                    } else {
-                        errno::EIO
-                    }
+                    layout.apply(k, false, bio.sector, Some(own), client);
+                    0
                 }),
             )
         }
@@ -1372,12 +1338,7 @@ mod tests {
         let k = keys("aes-xts-plain64", &"07".repeat(32));
         let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
         // target sector 16, iv_offset 8: 4096-byte sectors numbered 3 and 4
-        let large = Layout {
-            spc: 8,
-            iv_offset: 8,
-            large: true,
-            threads: 1,
-        };
+        let large = Layout { spc: 8, iv_offset: 8, large: true };
         let mut b = data.clone();
         large.apply(&k, true, 16, None, &mut b);
         assert_eq!(b[..4096], enc(&k, 3, &data[..4096]));
@@ -1390,29 +1351,6 @@ mod tests {
         assert_eq!(b[4096..], enc(&k, 32, &data[4096..]));
         small.apply(&k, false, 16, None, &mut b);
         assert_eq!(b, data);
-    }
-
-    /// A long request from one buffer into another, split between threads,
-    /// numbers its sectors as one thread in place does.
-    #[test]
-    fn split_requests_transform_as_one() {
-        let k = keys("aes-xts-plain64", &(0..64).map(|i| format!("{i:02x}")).collect::<String>());
-        let data = crate::rng::pattern(7, 3 * PAR_BYTES);
-        let one = Layout {
-            spc: 8,
-            iv_offset: 16,
-            large: false,
-            threads: 1,
-        };
-        let mut want = data.clone();
-        assert!(one.apply(&k, true, 40, None, &mut want));
-        let three = Layout { threads: 3, ..one };
-        let mut got = vec![0u8; data.len()];
-        assert!(three.apply(&k, true, 40, Some(&data), &mut got));
-        assert!(got == want, "encrypted alike");
-        let mut back = vec![0u8; data.len()];
-        assert!(three.apply(&k, false, 40, Some(&got), &mut back));
-        assert!(back == data, "decrypts back");
     }
 
     #[test]

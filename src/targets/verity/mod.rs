@@ -42,12 +42,13 @@
 //!
 //! A cold sequential read is bound by sha256 over every data byte (RustCrypto's
 //! `sha2`, with SHA-NI where the CPU has it: as fast as OpenSSL's SHA-256 here,
-//! `examples/verity_hash_speed.rs`). Two things keep the rest small: a
-//! request's consecutive data blocks take their digests from the level-0 hash
-//! block the previous one found, without walking the tree or taking the
-//! cache's lock again, and a request of 128 blocks or more is checked on up to
-//! one thread a CPU ([`crate::par`]), threads scoped to the request, as the
-//! kernel's verity hands its reads to a workqueue on every CPU.
+//! `examples/verity_hash_speed.rs`). A request's consecutive data blocks take
+//! their digests from the level-0 hash block the previous one found, without
+//! walking the tree or taking the cache's lock again. A request's blocks are
+//! checked on the thread its read completed on: splitting a long request
+//! between threads (as the kernel's workqueues spread bios) was measured
+//! slower on the 2 shared cores here, the request's thread waiting for a core
+//! the client held.
 
 mod fec;
 mod rs;
@@ -84,11 +85,6 @@ const MAX_DIGEST: usize = 64;
 
 /// The largest data block (the kernel's PAGE_SIZE limit).
 const MAX_DATA_BLOCK: u32 = 4096;
-
-/// The fewest data blocks a thread of a split request checks (256 KiB of 4
-/// KiB blocks; a request is split from twice that): below it a thread's start
-/// costs more than it saves.
-const PAR_BLOCKS: usize = 64;
 
 /// Optional parameters: the most the kernel counts.
 const MAX_OPT_ARGS: usize = 15;
@@ -401,8 +397,6 @@ struct Core {
     hash_failed: AtomicBool,
     corrupted_errs: AtomicU32,
     fec: Option<fec::Fec>,
-    /// Threads a long request's blocks are checked on ([`Core::verify_request`]).
-    par: usize,
 }
 
 impl Core {
@@ -550,22 +544,15 @@ impl Core {
 
     /// Check a request's data blocks, from data block `first`, as read into
     /// `own`, serving them into `client`; 0 or the errno that fails the read.
-    /// A long request is split between this thread and threads of its own
-    /// ([`crate::par::split`]): a cold sequential read is sha256 bound, and
-    /// one request's hashing would otherwise wait on one core.
     fn verify_request(&self, first: u64, own: &[u8], client: &mut [u8]) -> i32 {
         let bs = 1usize << self.geo.data_bits;
-        let parts = crate::par::split(self.par, bs, PAR_BLOCKS, own, client, &|at, o, c| {
-            let mut last = None;
-            for (i, (o, c)) in o.chunks_exact(bs).zip(c.chunks_exact_mut(bs)).enumerate() {
-                if let Err(e) = self.verify(first + (at / bs + i) as u64, o, c, &mut last) {
-                    return e;
-                }
+        let mut last = None;
+        for (i, (o, c)) in own.chunks_exact(bs).zip(client.chunks_exact_mut(bs)).enumerate() {
+            if let Err(e) = self.verify(first + i as u64, o, c, &mut last) {
+                return e;
             }
-            0
-        });
-        // a part whose thread panicked was not checked: the read fails
-        parts.into_iter().map(|r| r.unwrap_or(errno::EIO)).find(|&e| e != 0).unwrap_or(0)
+        }
+        0
     }
 
     fn is_verified(&self, block: u64) -> bool {
@@ -788,7 +775,6 @@ impl Verity {
             verified,
             hash_failed: AtomicBool::new(false),
             corrupted_errs: AtomicU32::new(0),
-            par: crate::par::threads(),
             fec,
         };
         if core.opts.ignore_zero_blocks {
