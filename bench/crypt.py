@@ -42,6 +42,12 @@ def dmkit_rate(cipher, key, sector, secs):
     return float(out.stdout.strip())
 
 
+def spread(rs):
+    """(max - min) / median of the IOPS of the reps."""
+    v = [r[0] for r in rs]
+    return (max(v) - min(v)) / run.med(v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
@@ -49,14 +55,21 @@ def main():
     ap.add_argument("--dir", default="/dev/shm")
     a = ap.parse_args()
     cmd = f"bench/crypt.py --reps {a.reps} --runtime {a.runtime} --dir {a.dir}"
+    commit = subprocess.run(["git", "-C", run.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    day = subprocess.run(["date", "-u", "+%Y-%m-%d"], capture_output=True, text=True).stdout.strip()
     lines = ["## dm-crypt (bench/crypt.py)", "",
              f"`{cmd}` (after `cargo build --release --examples`). The machine's 2 cores are shared "
-             "with the client and were not idle; read each ratio as ±10–20%.", "",
+             "with the client and were not idle; read each ratio as ±10–20%. "
+             f"Run {day} on {commit}; load average at the start {os.getloadavg()[0]:.1f}, at the end LOAD_END.", "",
              "**Cipher alone** (one core): `examples/crypt_speed.rs` encrypts a 1 MiB buffer sector by "
              "sector as the target does (IV per sector), against `openssl speed -evp NAME -bytes SECTOR` "
-             "(OpenSSL's assembly; the same transform per sector). MB/s (10^6 bytes), medians of "
-             f"{a.reps} runs of {a.runtime} s, alternating.", "",
-             "| cipher | sector | dmkit MB/s | openssl MB/s | dmkit/openssl |", "|---|---|---|---|---|"]
+             "(OpenSSL's assembly; the same transform per sector). Both count bytes per second of the "
+             "process's CPU time (openssl speed its user time), so a loaded machine's waits do not count. "
+             "MB/s (10^6 bytes), medians of "
+             f"{a.reps} runs of {a.runtime} s, alternating; the spread is (max − min) / median of each side.",
+             "", "| cipher | sector | dmkit MB/s | openssl MB/s | dmkit/openssl | spread dmkit / openssl |",
+             "|---|---|---|---|---|---|"]
     for cipher, key, evp in CIPHERS:
         for sector in (512, 4096):
             d, o = [], []
@@ -65,7 +78,8 @@ def main():
                 o.append(openssl_rate(evp, sector, a.runtime))
             dm, om = run.med(d), run.med(o)
             lines.append(f"| {cipher} ({len(key) * 4}-bit key) / {evp} | {sector} | {dm / 1e6:,.0f} | "
-                         f"{om / 1e6:,.0f} | **{dm / om:.2f}** |")
+                         f"{om / 1e6:,.0f} | **{dm / om:.2f}** | ±{(max(d) - min(d)) / dm:.2f} / "
+                         f"±{(max(o) - min(o)) / om:.2f} |")
             print(lines[-1], file=sys.stderr)
     tmp = tempfile.mkdtemp(prefix="dmkit-crypt-", dir=a.dir)
     f = os.path.join(tmp, "disk.img")
@@ -90,12 +104,14 @@ def main():
               f"the same 1 GiB file on `{a.dir}`, in one `dmkit serve --buffered`, fio's nbd engine, one "
               "connection; server CPU per request in µs (all its threads).", "",
               "| workload | linear IOPS | crypt IOPS | crypt/linear | linear MiB/s | crypt MiB/s | "
-              "linear µs/req | crypt µs/req |", "|---|---|---|---|---|---|---|---|"]
+              "linear µs/req | crypt µs/req | IOPS spread linear / crypt |", "|---|---|---|---|---|---|---|---|---|"]
     for wl, _ in WORKLOADS:
         lm = [run.med([r[i] for r in res[(wl, "lin")]]) for i in range(3)]
         cm = [run.med([r[i] for r in res[(wl, "cr")]]) for i in range(3)]
         lines.append(f"| {wl} | {lm[0]:,.0f} | {cm[0]:,.0f} | **{cm[0] / lm[0]:.2f}** | {lm[1]:,.0f} | "
-                     f"{cm[1]:,.0f} | {lm[2]:.2f} | {cm[2]:.2f} |")
+                     f"{cm[1]:,.0f} | {lm[2]:.2f} | {cm[2]:.2f} | ±{spread(res[(wl, 'lin')]):.2f} / "
+                     f"±{spread(res[(wl, 'cr')]):.2f} |")
+    lines = [ln.replace("LOAD_END", f"{os.getloadavg()[0]:.1f}") for ln in lines]
     run.write_section(os.path.join(run.ROOT, "BENCHMARKS.md"), "crypt", lines)
     print("\n".join(lines))
 

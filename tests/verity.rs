@@ -1,6 +1,6 @@
 //! dm-verity (`verity`) through the real daemon, the CLI and NBD, on trees
 //! `veritysetup format` builds: the data reads back; a flipped byte in a data
-//! block fails exactly that block's reads and the status says `C`; a flipped
+//! block fails exactly that block's reads (a long read's too) and the status says `C`; a flipped
 //! byte in a level-0 hash block fails exactly the data blocks it covers;
 //! `ignore_corruption` serves and reports; a wrong root hash fails every read;
 //! `veritysetup verify` agrees on each image; bad tables fail with one line;
@@ -81,15 +81,28 @@ fn veritysetup_trees_serve_their_data_and_fail_exactly_the_corrupted_blocks() {
     assert_ne!(c.call(TRIM, 0, 0, 4096, &[]), 0, "a discard fails");
     assert_eq!(status(&d, "v"), format!("0 {} verity V", SIZE / 512));
 
-    // a flipped byte in data block 5: that block's reads fail, no other's
+    // a flipped byte in data blocks 5 and 900: their reads fail, no other's
     let bad = s.0.join("bad.img");
     std::fs::copy(&data, &bad).expect("copy");
     flip(&bad, 5 * BLOCK + 100);
+    flip(&bad, 900 * BLOCK + 9);
     assert!(!FMT.verify(&bad, &hash, &root), "veritysetup verify finds it too");
     create_ro(&d, "c", &verity_line(&FMT, &bad, &hash, &root, ""));
     let mut c = Client::connect(&d.sock(), "c");
-    assert_eq!(failing(&mut c), vec![5]);
+    assert_eq!(failing(&mut c), vec![5, 900]);
     assert_ne!(c.call(READ, 0, 0, 64 << 10, &[]), 0, "a read spanning it fails");
+    // long reads: a bad block anywhere in them fails the read
+    let long = (512 * BLOCK) as u32;
+    assert_ne!(
+        c.call(READ, 0, 512 * BLOCK, long, &[]),
+        0,
+        "blocks 512..1024 hold 900"
+    );
+    assert_eq!(
+        c.call(READ, 0, 8 * BLOCK, long, &[]),
+        0,
+        "blocks 8..520 are whole"
+    );
     assert_eq!(status(&d, "c"), format!("0 {} verity C", SIZE / 512));
 
     // ignore_corruption: served as it is on disk, reported

@@ -2,9 +2,13 @@
 //! `fec_blocks`, `fec_start`) on FEC data `veritysetup format --fec-device
 //! --fec-roots 2` writes: bytes changed in a data block and in a hash block
 //! are corrected and the data reads right (the status turns `C`, as the
-//! 6.12 kernel's does once it corrected a block); the same bytes changed in three blocks of one codeword group
+//! 6.12 kernel's does once it corrected a block); the same bytes changed in
+//! three blocks of one codeword group
 //! (more than two roots fix) fail exactly those blocks with EIO and the
-//! status says `C`; FEC parameters that lie are refused naming the parameter.
+//! status says `C`; data blocks that cannot be read at all (the file cut
+//! short under the device: the FEC data's reads of them fail), two in each
+//! codeword group, are rebuilt as erasures; FEC parameters that lie are
+//! refused naming the parameter.
 
 mod common;
 
@@ -148,6 +152,37 @@ fn fec_corrects_data_and_hash_blocks_and_fails_exactly_what_it_cannot() {
         let r = (b * BS) as usize..((b + 1) * BS) as usize;
         assert!(c.read(b * BS, BS as usize) == t.want[r], "block {b}");
     }
+}
+
+/// Blocks whose reads fail are erasures: the data file loses its last 12
+/// blocks (after the device is made), two in each of the 6 codeword groups,
+/// more than the one unknown wrong byte two roots fix, and they still read
+/// back, each alone and in one request.
+#[test]
+fn unreadable_data_blocks_are_rebuilt_as_erasures() {
+    let t = setup("verity-fec-eras");
+    let table = t.fec_opts("2", &FEC_BLOCKS.to_string(), "0");
+    let o = t.d.cli_in(&["create", "--readonly", "ve"], &table);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let lost = BLOCKS - 2 * ROUNDS;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&t.data)
+        .expect("open")
+        .set_len(lost * BS)
+        .expect("truncate");
+    let mut c = Client::connect(&t.d.sock(), "ve");
+    for b in lost..BLOCKS {
+        let r = (b * BS) as usize..((b + 1) * BS) as usize;
+        assert!(c.read(b * BS, BS as usize) == t.want[r], "block {b}");
+    }
+    let tail = (lost * BS) as usize..SIZE as usize;
+    assert!(
+        c.read(lost * BS, tail.len()) == t.want[tail],
+        "the lost blocks in one read"
+    );
+    assert!(c.read(0, SIZE as usize) == t.want, "the whole device");
+    assert_eq!(t.d.ok(&["status", "ve"]), format!("0 {} verity C\n", SIZE / 512));
 }
 
 #[test]

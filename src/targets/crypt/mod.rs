@@ -34,11 +34,26 @@
 //! twice. Write-zeroes fails (EOPNOTSUPP): zeroed sectors would not decrypt to
 //! zeroes, and a range can be too large to encrypt zeroes for.
 //!
-//! The key and the ciphers' key schedules live in one page-aligned allocation
-//! of their own, locked in memory (`mlock`: never swapped out) and zeroed when
-//! dropped (the `aes` crate's `zeroize` feature wipes its key schedules; the
-//! raw key is wiped with `zeroize`). Neither is ever logged. Short-lived copies
-//! made while a key is parsed and expanded on the stack are not locked.
+//! The key and the `aes` crate's key schedules live in one page-aligned
+//! allocation of their own, locked in memory (`mlock`: never swapped out) and
+//! zeroed when dropped (the `aes` crate's `zeroize` feature wipes its key
+//! schedules; the raw key is wiped with `zeroize`). Neither is ever logged.
+//! Short-lived copies made while a key is parsed and expanded on the stack are
+//! not locked.
+//!
+//! The exception, chosen for speed: XTS with two AES-128 or two AES-256 keys
+//! (what cryptsetup uses) runs in OpenSSL's EVP `aes-128-xts` / `aes-256-xts`
+//! ([`OsslXts`]; its assembly is what the goal is measured against,
+//! and the `aes` crate called a batch at a time reached 0.64× of it). OpenSSL
+//! expands the key into its cipher contexts, which it allocates in its own
+//! heap (`OPENSSL_zalloc`, not the secure heap: `CRYPTO_secure_malloc_init`
+//! would not cover them) and wipes when they are freed (`OPENSSL_clear_free`
+//! in the provider's `freectx`). So those key schedules are wiped on `key
+//! wipe`, `key set`, remove and exit (the contexts are freed with the
+//! [`Keys`] that own them) but are **not locked**: they can be swapped out.
+//! AES-192 XTS (OpenSSL has none), XTS keys with equal halves (OpenSSL refuses
+//! them to encrypt; the kernel outside FIPS mode takes them), CBC and LUKS
+//! keyslots stay with the `aes` crate, locked.
 //!
 //! [`luks`] reads LUKS1 and LUKS2 headers and gives the table line that opens
 //! a volume (`dmkit luks table`), unlocking its keyslots with these ciphers;
@@ -49,10 +64,12 @@
 //! many-block calls pipeline eight blocks at once), `cbc` (RustCrypto's CBC
 //! mode, borrowing the expanded key so no sector re-expands it), `sha2` (the
 //! ESSIV salt), `zeroize` (wiping key bytes so the compiler cannot elide it).
-//! XTS is the few lines of `xts_sector` over `aes`'s many-block calls: the
+//! `openssl` (and `openssl-sys`, to set a context's IV per sector without the
+//! crate's per-call IV-length query) for the XTS above. The `aes` crate's XTS
+//! is the few lines of `xts_sector` over its many-block calls: the
 //! `xts-mode` crate encrypts one block at a time (200 MiB/s through NBD here
 //! against 4 times that), so it serves as the reference the unit tests check
-//! this XTS against, beside the IEEE 1619 vectors.
+//! both XTS paths against, beside the IEEE 1619 vectors.
 
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
@@ -413,11 +430,124 @@ impl Engine {
     }
 }
 
+/// The most XTS context pairs a key keeps for reuse: one per thread
+/// transforming at once (the reactors and I/O workers are fewer); a pair given
+/// back beyond it is freed.
+const XTS_POOL: usize = 64;
+
+/// OpenSSL's XTS (`aes-128-xts`, `aes-256-xts`), keyed: its assembly (VAES
+/// and AVX-512 where the CPU has them) runs a whole sector in one pass, where
+/// the `aes` crate is called a batch at a time. A context holds one
+/// direction's key schedules, so contexts go in pairs, and a pair serves one
+/// thread at a time: taken from `pool` for a request, set to each sector's IV
+/// (`EVP_CipherInit_ex` with the IV alone: no key expansion), given back.
+struct OsslXts {
+    cipher: &'static openssl::cipher::CipherRef,
+    pool: std::sync::Mutex<Vec<XtsCtx>>,
+}
+
+/// One context to encrypt, one to decrypt, keyed alike.
+struct XtsCtx {
+    enc: openssl::cipher_ctx::CipherCtx,
+    dec: openssl::cipher_ctx::CipherCtx,
+}
+
+impl OsslXts {
+    /// For an XTS key OpenSSL takes: two AES-128 or two AES-256 keys that
+    /// differ (OpenSSL refuses equal halves to encrypt; the kernel, outside
+    /// FIPS mode, does not, so such a key stays with the `aes` crate).
+    fn new(chain: Chain, key: &[u8]) -> Option<OsslXts> {
+        let cipher = match (chain, key.len()) {
+            (Chain::Xts, 32) => openssl::cipher::Cipher::aes_128_xts(),
+            (Chain::Xts, 64) => openssl::cipher::Cipher::aes_256_xts(),
+            _ => return None,
+        };
+        let (a, b) = key.split_at(key.len() / 2);
+        // no early exit: how much of the halves agree is not told by the time
+        if a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0 {
+            return None;
+        }
+        Some(OsslXts {
+            cipher,
+            pool: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A keyed pair, from the pool or new; None if OpenSSL fails.
+    fn take(&self, key: &[u8]) -> Option<XtsCtx> {
+        if let Some(c) = self.pool.lock().ok().and_then(|mut p| p.pop()) {
+            return Some(c);
+        }
+        let keyed = |enc: bool| {
+            let mut c = openssl::cipher_ctx::CipherCtx::new().ok()?;
+            let r = if enc {
+                c.encrypt_init(Some(self.cipher), Some(key), None)
+            } else {
+                c.decrypt_init(Some(self.cipher), Some(key), None)
+            };
+            r.ok().map(|_| c)
+        };
+        Some(XtsCtx {
+            enc: keyed(true)?,
+            dec: keyed(false)?,
+        })
+    }
+
+    fn give_back(&self, c: XtsCtx) {
+        if let Ok(mut p) = self.pool.lock() {
+            if p.len() < XTS_POOL {
+                p.push(c);
+            }
+        }
+    }
+}
+
+impl XtsCtx {
+    /// One sector into `s` with `iv` as the tweak, from `from` (as long as
+    /// `s`) or in place; false if OpenSSL refused (its XTS checks its
+    /// arguments before it writes, so `s` is then untouched).
+    fn sector(&mut self, enc: bool, from: Option<&[u8]>, s: &mut [u8], iv: &[u8; 16]) -> bool {
+        // XTS takes at most 2^20 blocks a sector (and the crate an int's length)
+        if s.len() > 1 << 24 || from.is_some_and(|f| f.len() != s.len()) {
+            return false;
+        }
+        let src = from.map_or(s.as_ptr(), <[u8]>::as_ptr);
+        let c = if enc { &mut self.enc } else { &mut self.dec };
+        let ctx = foreign_types::ForeignTypeRef::as_ptr(&**c);
+        let (len, mut out) = (s.len() as std::ffi::c_int, 0);
+        // SAFETY: `ctx` is a live context this pair owns (keyed, its cipher
+        // set), borrowed mutably here so no other thread uses it; `iv` is the
+        // 16 bytes XTS's IV takes; `s` is `len` bytes, written (XTS's block
+        // size is 1: exactly `len` bytes, counted into `out`), and `src` is
+        // `len` bytes too: `from` (checked above, borrowed apart from `s`) or
+        // `s` itself, which OpenSSL's update allows.
+        let ok = unsafe {
+            openssl_sys::EVP_CipherInit_ex(
+                ctx,
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                iv.as_ptr(),
+                i32::from(enc),
+            ) == 1
+                && openssl_sys::EVP_CipherUpdate(ctx, s.as_mut_ptr(), &mut out, src, len) == 1
+                && out == len
+        };
+        if !ok {
+            // the reasons queued on this thread: not kept for another call
+            drop(openssl::error::ErrorStack::get());
+        }
+        ok
+    }
+}
+
 /// The volume key and everything keyed by it.
 struct Keys {
     key: [u8; MAX_KEY],
     len: usize,
     engine: Engine,
+    /// OpenSSL's XTS for the data path ([`Keys::run`]), for the keys it takes.
+    ossl: Option<OsslXts>,
     iv: Option<IvMode>,
     /// ESSIV's cipher, keyed with sha256 of the volume key.
     essiv: Option<Aes256>,
@@ -446,9 +576,32 @@ impl Keys {
             key: k,
             len: key.len(),
             engine: Engine::new(spec.chain, key)?,
+            ossl: OsslXts::new(spec.chain, key),
             iv: spec.iv,
             essiv,
         })
+    }
+
+    /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
+    /// place, in sectors of `unit` bytes, the one at index i with the IV
+    /// numbered `n(i)`: with OpenSSL's XTS where it takes the key (one context
+    /// pair for the whole call; from `from` straight into `data`, no copy
+    /// first), else (or should OpenSSL fail) with the `aes` crate in place.
+    fn run(&self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
+        let mut ctx = self.ossl.as_ref().and_then(|o| o.take(&self.key[..self.len]));
+        for (i, s) in data.chunks_exact_mut(unit).enumerate() {
+            let iv = self.iv(n(i));
+            let src = from.and_then(|f| f.get(i * unit..(i + 1) * unit));
+            if !ctx.as_mut().is_some_and(|c| c.sector(enc, src, s, &iv)) {
+                if let Some(f) = src {
+                    s.copy_from_slice(f);
+                }
+                self.engine.sector(enc, s, iv);
+            }
+        }
+        if let (Some(o), Some(c)) = (&self.ossl, ctx) {
+            o.give_back(c);
+        }
     }
 
     /// The IV of the sector numbered `n` (in IV units).
@@ -472,27 +625,26 @@ impl Keys {
     }
 }
 
-/// Encrypt (or decrypt) `buf` in place as the target does, in sectors of
-/// `sector_size` bytes numbered from `first`, with `cipher` (the table's
-/// spelling) and `key`: what `examples/crypt_speed.rs` times against
-/// `openssl speed` (bench/crypt.py).
-pub fn transform(
-    cipher: &str,
-    key: &[u8],
-    enc: bool,
-    sector_size: usize,
-    first: u64,
-    buf: &mut [u8],
-) -> Result<(), String> {
-    if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
-        return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
+/// A cipher as the target keys it, for `examples/crypt_speed.rs`, which
+/// times it against `openssl speed` (bench/crypt.py). Its keys are not in
+/// locked memory.
+pub struct SectorCipher(Keys);
+
+impl SectorCipher {
+    /// `cipher` in the table's spelling, `key` its bytes.
+    pub fn new(cipher: &str, key: &[u8]) -> Result<SectorCipher, String> {
+        Ok(SectorCipher(Keys::new(&parse_cipher(cipher)?, key)?))
     }
-    let spec = parse_cipher(cipher)?;
-    let keys = Keys::new(&spec, key)?;
-    for (i, s) in buf.chunks_exact_mut(sector_size).enumerate() {
-        keys.engine.sector(enc, s, keys.iv(first + i as u64));
+
+    /// Encrypt (or decrypt) `buf` in place as the target does, in sectors of
+    /// `sector_size` bytes numbered from `first`.
+    pub fn apply(&self, enc: bool, sector_size: usize, first: u64, buf: &mut [u8]) -> Result<(), String> {
+        if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
+            return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
+        }
+        self.0.run(enc, None, buf, sector_size, |i| first + i as u64);
+        Ok(())
     }
-    Ok(())
 }
 
 /// A value in pages of its own, locked in memory while it lives, zeroed (by
@@ -713,15 +865,17 @@ struct Layout {
 }
 
 impl Layout {
-    /// Encrypt (`enc`) or decrypt `data` in place: whole encryption sectors
-    /// from target sector `sector` on.
-    fn apply(&self, keys: &Keys, enc: bool, sector: u64, data: &mut [u8]) {
-        let bytes = (self.spc * SECTOR) as usize;
-        for (i, s) in data.chunks_exact_mut(bytes).enumerate() {
+    /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
+    /// place: whole encryption sectors from target sector `sector` on.
+    fn apply(&self, keys: &Keys, enc: bool, sector: u64, from: Option<&[u8]>, data: &mut [u8]) {
+        keys.run(enc, from, data, (self.spc * SECTOR) as usize, |i| {
             let n = sector + self.iv_offset + i as u64 * self.spc;
-            let n = if self.large { n / self.spc } else { n };
-            keys.engine.sector(enc, s, keys.iv(n));
-        }
+            if self.large {
+                n / self.spc
+            } else {
+                n
+            }
+        });
     }
 }
 
@@ -851,15 +1005,16 @@ impl Target for Crypt {
             ctx.remap_owned(
                 &self.dev,
                 down,
-                |own, client| {
-                    let n = own.len().min(client.len());
-                    own[..n].copy_from_slice(&client[..n]);
-                    own[n..].fill(0);
-                    match keys.keys() {
-                        Some(k) => layout.apply(k, true, bio.sector, own),
-                        // never the plaintext (map checked there are keys)
-                        None => own.fill(0),
+                |own, client| match keys.keys() {
+                    Some(k) if own.len() == client.len() => layout.apply(k, true, bio.sector, Some(client), own),
+                    Some(k) => {
+                        let n = own.len().min(client.len());
+                        own[..n].copy_from_slice(&client[..n]);
+                        own[n..].fill(0);
+                        layout.apply(k, true, bio.sector, None, own)
                     }
+                    // never the plaintext (map checked there are keys)
+                    None => own.fill(0),
                 },
                 Box::new(|_, _, _| 0),
             )
@@ -875,8 +1030,7 @@ impl Target for Crypt {
                     let (Some(k), true) = (keys.keys(), own.len() == client.len()) else {
                         return errno::EIO;
                     };
-                    client.copy_from_slice(own);
-                    layout.apply(k, false, bio.sector, client);
+                    layout.apply(k, false, bio.sector, Some(own), client);
                     0
                 }),
             )
@@ -962,14 +1116,48 @@ mod tests {
         Keys::new(&parse_cipher(cipher).unwrap(), &hex(key)).unwrap()
     }
 
-    /// Encrypt one data unit of `pt` with IV sector `n`; check it decrypts back.
+    /// Encrypt one data unit of `pt` with IV sector `n` on the data path
+    /// (OpenSSL's XTS where it takes the key); check it decrypts back, and
+    /// that the `aes` crate's path (LUKS keyslots, keys OpenSSL refuses)
+    /// agrees both ways.
     fn enc(k: &Keys, n: u64, pt: &[u8]) -> Vec<u8> {
         let mut b = pt.to_vec();
-        k.engine.sector(true, &mut b, k.iv(n));
+        k.run(true, None, &mut b, pt.len(), |_| n);
+        let mut apart = vec![0u8; pt.len()];
+        k.run(true, Some(pt), &mut apart, pt.len(), |_| n);
+        assert_eq!(apart, b, "from one buffer into another as in place");
+        let mut soft = pt.to_vec();
+        k.engine.sector(true, &mut soft, k.iv(n));
+        assert_eq!(soft, b, "the aes crate's path encrypts alike");
         let mut d = b.clone();
-        k.engine.sector(false, &mut d, k.iv(n));
+        k.run(false, None, &mut d, pt.len(), |_| n);
         assert_eq!(d, pt, "decrypts back");
+        k.engine.sector(false, &mut soft, k.iv(n));
+        assert_eq!(soft, pt, "the aes crate's path decrypts back");
         b
+    }
+
+    #[test]
+    fn openssl_takes_the_xts_keys_it_can() {
+        let spec = parse_cipher("aes-xts-plain64").unwrap();
+        let distinct: Vec<u8> = (0..64u8).collect();
+        for n in [32, 64] {
+            let k = Keys::new(&spec, &distinct[..n]).unwrap();
+            let o = k.ossl.as_ref().expect("OpenSSL's XTS");
+            // a pair is reused, not made anew, by the next request
+            let c = o.take(&k.key[..k.len]).expect("keyed");
+            o.give_back(c);
+            assert_eq!(o.pool.lock().unwrap().len(), 1);
+            k.run(true, None, &mut [0u8; 512], 512, |i| i as u64);
+            assert_eq!(o.pool.lock().unwrap().len(), 1);
+        }
+        // AES-192 (OpenSSL has no aes-192-xts), equal halves, CBC: the aes crate
+        assert!(Keys::new(&spec, &distinct[..48]).unwrap().ossl.is_none());
+        assert!(Keys::new(&spec, &[7; 64]).unwrap().ossl.is_none());
+        assert!(Keys::new(&parse_cipher("aes-cbc-plain64").unwrap(), &distinct[..32])
+            .unwrap()
+            .ossl
+            .is_none());
     }
 
     #[test]
@@ -1152,16 +1340,16 @@ mod tests {
         // target sector 16, iv_offset 8: 4096-byte sectors numbered 3 and 4
         let large = Layout { spc: 8, iv_offset: 8, large: true };
         let mut b = data.clone();
-        large.apply(&k, true, 16, &mut b);
+        large.apply(&k, true, 16, None, &mut b);
         assert_eq!(b[..4096], enc(&k, 3, &data[..4096]));
         assert_eq!(b[4096..], enc(&k, 4, &data[4096..]));
         // without iv_large_sectors they are numbered in 512-byte units: 24, 32
         let small = Layout { large: false, ..large };
         let mut b = data.clone();
-        small.apply(&k, true, 16, &mut b);
+        small.apply(&k, true, 16, None, &mut b);
         assert_eq!(b[..4096], enc(&k, 24, &data[..4096]));
         assert_eq!(b[4096..], enc(&k, 32, &data[4096..]));
-        small.apply(&k, false, 16, &mut b);
+        small.apply(&k, false, 16, None, &mut b);
         assert_eq!(b, data);
     }
 

@@ -10,7 +10,10 @@
 //! (so one byte of each of `rsn` blocks `rounds` apart: a block's bytes lie
 //! in different codewords), and its `roots` parity bytes are at byte `k *
 //! roots` of the FEC device from block `fec_start`. A block that fails its
-//! hash is rebuilt from its codewords and hashed again.
+//! hash, or whose read failed, is rebuilt from its codewords and hashed again.
+//! A block of the codewords that cannot be read is an erasure (its symbols
+//! known to be lost, as the kernel's fec_read_bufs marks them): up to `roots`
+//! of them are recovered, where unknown wrong symbols stop at roots/2.
 
 use super::rs;
 use crate::io::BackingFile;
@@ -197,11 +200,22 @@ impl Fec {
         }
         let roots = self.args.roots as usize;
         let n = self.rsn as usize;
-        // the rsn blocks of these codewords, one after another
+        // the rsn blocks of these codewords, one after another; those that
+        // cannot be read are erasures (zeroes), at most `roots`
         let mut blocks = vec![0u8; n << self.block_bits];
+        let mut eras = Vec::new();
         for (i, b) in blocks.chunks_exact_mut(bs as usize).enumerate() {
             let at = rsb + i as u64 * span;
-            self.read_block(at, b).map_err(|e| format!("reading block {at} for FEC: {e}"))?;
+            if let Err(e) = self.read_block(at, b) {
+                if eras.len() == roots {
+                    return Err(format!(
+                        "reading block {at} for FEC: {e} (more unreadable blocks than the {roots} roots recover)"
+                    ));
+                }
+                tracing::warn!("verity FEC: block {at} cannot be read ({e}): an erasure in its codewords");
+                b.fill(0);
+                eras.push(i);
+            }
         }
         let mut par = vec![0u8; roots << self.block_bits];
         let off = (self.args.start << self.block_bits) + rsb * bs * roots as u64;
@@ -215,9 +229,88 @@ impl Fec {
                 *c = blocks[(i << self.block_bits) + j];
             }
             cw[n..].copy_from_slice(&par[j * roots..(j + 1) * roots]);
-            fixed += rs::decode(&mut cw, roots).ok_or_else(|| format!("byte {j}: too many errors"))?;
+            fixed += rs::decode(&mut cw, roots, &eras).ok_or_else(|| {
+                format!("byte {j}: too many errors (with {} unreadable blocks)", eras.len())
+            })?;
             *o = cw[res as usize];
         }
         Ok(fixed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 506 data blocks of 512 bytes, two roots: two rounds, so a codeword
+    /// group is every other block. Its parity is built here as veritysetup
+    /// lays it out; the data file then loses its tail, so its last blocks
+    /// fail to read (past the end of the file).
+    #[test]
+    fn unreadable_blocks_are_erasures_up_to_the_roots() {
+        let (bits, roots, blocks) = (9u32, 2u32, 506u64);
+        let bs = 1usize << bits;
+        let dir = std::env::temp_dir().join(format!("dmkit-fec-eras-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data = crate::rng::pattern(42, blocks as usize * bs);
+        let rsn = 255 - roots as usize;
+        let rounds = (blocks as usize).div_ceil(rsn);
+        let mut parity = vec![0u8; rounds * bs * roots as usize];
+        for rsb in 0..rounds {
+            for j in 0..bs {
+                let msg: Vec<u8> = (0..rsn)
+                    .map(|i| data.get((rsb + i * rounds) * bs + j).copied().unwrap_or(0))
+                    .collect();
+                let at = (rsb * bs + j) * roots as usize;
+                rs::encode(&msg, &mut parity[at..at + roots as usize]);
+            }
+        }
+        let open = |name: &str, bytes: &[u8]| {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).unwrap();
+            Arc::new(BackingFile::open(&p, true, false).unwrap())
+        };
+        let fec = |data_bytes: &[u8]| {
+            let args = Args {
+                dev: Some("fec".into()),
+                roots,
+                blocks,
+                start: 0,
+            };
+            Fec::new(
+                args,
+                Setup {
+                    dev: open("fec.img", &parity),
+                    data: open("data.img", data_bytes),
+                    hash: open("hash.img", &[]),
+                    data_bits: bits,
+                    hash_bits: bits,
+                    data_blocks: blocks,
+                    hash_start: 0,
+                    tree_end: 0,
+                    hash_dev_blocks: 0,
+                    fec_dev_bytes: parity.len() as u64,
+                    name: "fec.img",
+                },
+            )
+            .unwrap()
+        };
+        let block = |b: usize| &data[b * bs..(b + 1) * bs];
+        let mut out = vec![0u8; bs];
+        // blocks 502 and 504 unreadable: two erasures in group 0 (more than
+        // the one wrong symbol two roots correct), both rebuilt
+        let f = fec(&data[..502 * bs]);
+        for b in [502, 504, 500] {
+            f.correct(b as u64, &mut out).unwrap();
+            assert!(out == block(b), "block {b}");
+        }
+        // group 1 (odd blocks) lost 503 and 505 alike
+        f.correct(505, &mut out).unwrap();
+        assert!(out == block(505));
+        // three in one group: beyond two roots
+        let f = fec(&data[..500 * bs]);
+        let e = f.correct(504, &mut out).unwrap_err();
+        assert!(e.contains("more unreadable blocks than the 2 roots"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

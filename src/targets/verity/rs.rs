@@ -7,10 +7,12 @@
 //! either decode erasures only (reed-solomon-erasure, reed-solomon-novelpoly:
 //! a different, Vandermonde construction), fix other field or root choices
 //! (fec: CCSDS with fcr 112 and prim 11; reed-solomon-32: GF(2^5)), or are
-//! unmaintained since 2017 (reed-solomon 0.2). This is errors-only decoding
-//! (Berlekamp-Massey, Chien search, Forney): it corrects up to roots/2 wrong
-//! symbols a codeword; a wrong correction cannot get through, as the block
-//! is hashed again afterwards.
+//! unmaintained since 2017 (reed-solomon 0.2). This is errors-and-erasures
+//! decoding (Berlekamp-Massey started from the erasures' locator, Chien
+//! search, Forney): with f symbols known to be lost (erasures: their blocks
+//! could not be read) and e wrong ones, it corrects them while 2e + f <=
+//! roots, so up to `roots` erasures instead of roots/2 errors; a wrong
+//! correction cannot get through, as the block is hashed again afterwards.
 
 /// The codeword length.
 pub const N: usize = 255;
@@ -91,9 +93,14 @@ pub fn encode(msg: &[u8], par: &mut [u8]) {
     }
 }
 
-/// Correct `cw` (255 bytes: message then `roots` parity bytes) in place: the
-/// number of symbols corrected, or None if the errors are beyond the code.
-pub fn decode(cw: &mut [u8; N], roots: usize) -> Option<usize> {
+/// Correct `cw` (255 bytes: message then `roots` parity bytes) in place,
+/// `eras` the indices of symbols known to be lost (each once): the number of
+/// symbols corrected (erasures included), or None if the errors are beyond
+/// the code.
+pub fn decode(cw: &mut [u8; N], roots: usize, eras: &[usize]) -> Option<usize> {
+    if eras.len() > roots {
+        return None;
+    }
     // syndromes S_j = cw(α^j); cw[i] is the coefficient of x^(254 - i)
     let mut s = [0u8; 32];
     let s = &mut s[..roots];
@@ -104,14 +111,21 @@ pub fn decode(cw: &mut [u8; N], roots: usize) -> Option<usize> {
     if s.iter().all(|&v| v == 0) {
         return Some(0);
     }
-    // Berlekamp-Massey: the error locator Λ
+    // the erasures' locator Γ = Π (1 + X x), X = α^p for index 254 - p
+    let f = eras.len();
     let mut lambda = [0u8; 33];
-    let mut b = [0u8; 33];
     lambda[0] = 1;
-    b[0] = 1;
-    let mut l = 0usize;
-    for r in 1..=roots {
-        let d = (0..=l.min(r - 1)).fold(0, |acc, i| acc ^ mul(lambda[i], s[r - 1 - i]));
+    for (k, &i) in eras.iter().enumerate() {
+        let x = pow_a(N.checked_sub(i + 1)?);
+        for j in (1..=k + 1).rev() {
+            lambda[j] ^= mul(x, lambda[j - 1]);
+        }
+    }
+    // Berlekamp-Massey from Γ: the locator Λ of errors and erasures
+    let mut b = lambda;
+    let mut l = f;
+    for r in f + 1..=roots {
+        let d = (0..r).fold(0, |acc, i| acc ^ mul(lambda[i], s[r - 1 - i]));
         // b <- x * b (shifted below, after its use)
         let mut xb = [0u8; 33];
         xb[1..].copy_from_slice(&b[..32]);
@@ -123,8 +137,8 @@ pub fn decode(cw: &mut [u8; N], roots: usize) -> Option<usize> {
         for i in 0..33 {
             t[i] ^= mul(d, xb[i]);
         }
-        if 2 * l < r {
-            l = r - l;
+        if 2 * l < r + f {
+            l = r + f - l;
             let di = inv(d);
             for i in 0..33 {
                 b[i] = mul(lambda[i], di);
@@ -135,7 +149,8 @@ pub fn decode(cw: &mut [u8; N], roots: usize) -> Option<usize> {
         lambda = t;
     }
     let deg = (0..33).rev().find(|&i| lambda[i] != 0).unwrap_or(0);
-    if deg == 0 || deg != l || 2 * deg > roots {
+    // e errors and f erasures: 2e + f = 2 deg - f must not pass the roots
+    if deg == 0 || deg != l || 2 * deg > roots + f {
         return None;
     }
     // Ω = S Λ mod x^roots
@@ -187,13 +202,13 @@ mod tests {
         for roots in [2usize, 4, 7, 24] {
             let good = codeword(roots, roots as u64);
             let mut clean = good;
-            assert_eq!(decode(&mut clean, roots), Some(0));
+            assert_eq!(decode(&mut clean, roots, &[]), Some(0));
             for errs in 1..=roots / 2 {
                 let mut bad = good;
                 for k in 0..errs {
                     bad[(k * 37 + 5) % N] ^= 0x5a + k as u8;
                 }
-                assert_eq!(decode(&mut bad, roots), Some(errs), "roots {roots}, {errs} errors");
+                assert_eq!(decode(&mut bad, roots, &[]), Some(errs), "roots {roots}, {errs} errors");
                 assert!(bad == good, "roots {roots}, {errs} errors");
             }
         }
@@ -207,7 +222,43 @@ mod tests {
         bad[200] ^= 7;
         // two errors with two roots: refused, or "corrected" to another
         // codeword (the block's hash catches that)
-        let r = decode(&mut bad, 2);
+        let r = decode(&mut bad, 2, &[]);
         assert!(r.is_none() || bad != good);
+        // three erasures with two roots: refused
+        let mut bad = good;
+        assert_eq!(decode(&mut bad, 2, &[1, 2, 3]), None);
+    }
+
+    /// Erasures (known positions) count one root each, errors two: every mix
+    /// with 2e + f <= roots comes back whole, up to `roots` erasures, where
+    /// errors alone stop at roots/2.
+    #[test]
+    fn corrects_erasures_and_errors_while_2e_plus_f_fit_the_roots() {
+        for roots in [2usize, 3, 4, 7, 24] {
+            let good = codeword(roots, 77 + roots as u64);
+            for f in 0..=roots {
+                for e in 0..=(roots - f) / 2 {
+                    let mut bad = good;
+                    let eras: Vec<usize> = (0..f).map(|k| (k * 41 + 3) % N).collect();
+                    for &i in &eras {
+                        bad[i] ^= 0xa5; // lost: any value
+                    }
+                    for k in 0..e {
+                        bad[(k * 53 + 100) % N] ^= 0x11 + k as u8;
+                    }
+                    let r = decode(&mut bad, roots, &eras);
+                    assert_eq!(r, Some(e + f), "roots {roots}, {f} erasures, {e} errors");
+                    assert!(bad == good, "roots {roots}, {f} erasures, {e} errors");
+                }
+            }
+        }
+        // an erasure whose symbol happens to be right is still found, unchanged
+        let good = codeword(4, 5);
+        let mut same = good;
+        assert_eq!(decode(&mut same, 4, &[10, 20, 30]), Some(0), "no syndrome: nothing to do");
+        let mut bad = good;
+        bad[20] ^= 9;
+        assert!(decode(&mut bad, 4, &[10, 20, 30]).is_some());
+        assert!(bad == good);
     }
 }
