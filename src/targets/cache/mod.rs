@@ -109,12 +109,10 @@ pub struct Cache {
     st: Arc<Shared>,
 }
 
+/// The metadata on a file, or on another dmkit device (LVM's `_cmeta`, read and
+/// written through its table).
 fn open_metadata(dev: &DevRef, block_size: u32, version: u32) -> Result<CacheMetadata, String> {
-    let f = match dev {
-        DevRef::File(f) => f,
-        DevRef::Dm(_) => return Err("metadata device must be a file or block device".into()),
-    };
-    let d = crate::pdata::dev::open_backing(f).map_err(|e| e.to_string())?;
+    let d = crate::mapper::devio::metadata_dev(&dev.dest()).map_err(|e| e.to_string())?;
     CacheMetadata::open_or_format(d, block_size, version).map_err(|e| e.to_string())
 }
 
@@ -131,7 +129,11 @@ impl Cache {
         let origin = r
             .open(arg(2)?)
             .map_err(|e| format!("Error opening origin device: {e}"))?;
-        if len > origin.size_sectors() {
+        if let DevRef::Dm(o) = &origin {
+            // checked at resume, as the kernel's device areas (LVM loads the
+            // cache before its `_corig` is resumed)
+            r.size_check(&o.0, arg(2)?, len);
+        } else if len > origin.size_sectors() {
             return Err("Device size larger than cached device".into());
         }
         let bs: u64 = arg(3)?
