@@ -199,6 +199,20 @@ fn xts_writes_read_back_and_land_as_the_definition_says() {
     );
     let mut y = Client::connect(&d.sock(), "y");
     assert_eq!(y.call(TRIM, 0, 0, 4096, &[]), 0, "discard with allow_discards");
+    // the 512-bit key runs in OpenSSL's XTS, whose key schedules are in its
+    // heap: the daemon's memory is locked (it runs as root here)
+    assert!(
+        d.log().contains("crypt: the daemon's memory is locked"),
+        "the daemon says its memory is locked: {}",
+        d.log()
+    );
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).expect("status");
+    let locked: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmLck");
+    assert!(locked > 0, "the daemon's pages are locked: {status}");
 }
 
 #[test]

@@ -313,13 +313,7 @@ fn lvm_linear_and_striped_through_the_door() {
         devices: loops.0.join(","),
         config: String::new(),
     };
-    let vg = format!("dmkit{}", std::process::id());
-    let mut args = vec!["pvcreate"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
-    let mut args = vec!["vgcreate", vg.as_str()];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    let vg = new_vg(&lvm, &loops, "dmkit");
 
     lvm.ok(&["lvcreate", "-Zn", "-Wn", "-L", "16M", "-n", "lin", &vg]);
     lvm.ok(&[
@@ -407,13 +401,7 @@ fn lvm_volumes_open_as_block_devices_through_the_door() {
         devices: loops.0.join(","),
         config: String::new(),
     };
-    let vg = format!("dmkitf{}", std::process::id());
-    let mut args = vec!["pvcreate"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
-    let mut args = vec!["vgcreate", vg.as_str()];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    let vg = new_vg(&lvm, &loops, "dmkitf");
     lvm.ok(&["lvcreate", "-y", "-L", "16M", "-n", "fs", &vg]);
     let want = tables_from_metadata(&lvm, &vg, &loops.0);
     assert_eq!(dmkit_tables(&d), want, "the table LVM's metadata describes");
@@ -543,13 +531,7 @@ fn lvm_thin_pools_and_snapshots_through_the_door() {
             script.display()
         ),
     };
-    let vg = format!("dmkitt{}", std::process::id());
-    let mut args = vec!["pvcreate"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
-    let mut args = vec!["vgcreate", vg.as_str()];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    let vg = new_vg(&lvm, &loops, "dmkitt");
     lvm.ok(&[
         "lvcreate",
         "-y",
@@ -916,13 +898,7 @@ fn lvm_classic_snapshot_and_merge_through_the_door() {
         devices: loops.0.join(","),
         config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
     };
-    let vg = format!("dmkits{}", std::process::id());
-    let mut args = vec!["pvcreate"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
-    let mut args = vec!["vgcreate", vg.as_str()];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    let vg = new_vg(&lvm, &loops, "dmkits");
     lvm.ok(&["lvcreate", "-y", "-L", "32M", "-n", "lin", &vg]);
     let dir = d.dir.path("");
     let (a, b) = (dir.join("a"), dir.join("b"));
@@ -1007,124 +983,34 @@ fn lvm_classic_snapshot_and_merge_through_the_door() {
     lvm.ok(&args);
 }
 
-/// LVM's writecache through the door: `lvconvert --type writecache --cachevol`
-/// stacks `writecache s` over `LV_wcorig` and the cache volume `_cvol` (both
-/// dmkit devices); an ext4 made before is written through the cache, and
-/// `lvconvert --splitcache` (the `cleaner` message, then waiting for the dirty
-/// blocks to drain, as LVM does) leaves the LV linear with the filesystem clean
-/// and every file in it.
-#[test]
-fn lvm_writecache_attach_and_split_through_the_door() {
-    common::need_all(&["losetup", "lvm", "mkfs.ext4", "debugfs", "e2fsck"]);
-    let d = Daemon::start("lvmwc");
-    let (loops, _files) = loop_files(&d, None);
-    let lvm = Lvm {
-        d: &d,
-        devices: loops.0.join(","),
-        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
-    };
-    let vg = format!("dmkitw{}", std::process::id());
+/// A new VG over two loop devices (named `prefix` + this process's id).
+fn new_vg(lvm: &Lvm, loops: &Loops, prefix: &str) -> String {
+    let vg = format!("{prefix}{}", std::process::id());
     let mut args = vec!["pvcreate"];
     args.extend(loops.0.iter().map(String::as_str));
     lvm.ok(&args);
     let mut args = vec!["vgcreate", vg.as_str()];
     args.extend(loops.0.iter().map(String::as_str));
     lvm.ok(&args);
-    lvm.ok(&["lvcreate", "-y", "-L", "32M", "-n", "lin", &vg, &loops.0[0]]);
-    lvm.ok(&[
-        "lvcreate",
-        "-y",
-        "-an",
-        "-L",
-        "16M",
-        "-n",
-        "fast",
-        &vg,
-        &loops.0[1],
-    ]);
-    let lv = format!("/dev/{vg}/lin");
-    door_ok(&d, &["mkfs.ext4", "-q", "-b", "4096", &lv]);
-    let put = |name: &str, text: &str| {
-        let host = d.dir.path(name);
-        std::fs::write(&host, text).expect("write");
-        door_ok(
-            &d,
-            &[
-                "debugfs",
-                "-w",
-                "-R",
-                &format!("write {} {name}", host.display()),
-                &lv,
-            ],
-        );
-    };
-    put("before", "written before the cache\n");
-    let o = lvm.run(&[
-        "lvconvert",
-        "-y",
-        "--type",
-        "writecache",
-        "--cachevol",
-        "fast",
-        &format!("{vg}/lin"),
-    ]);
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("now has writecache"),
-        "lvconvert --type writecache: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let tables = dmkit_tables(&d);
-    let top = tables
-        .iter()
-        .find(|(n, _)| *n == format!("{vg}-lin"))
-        .expect("lin");
-    assert!(
-        top.1.contains(" writecache s "),
-        "lin is a writecache now: {tables:?}"
-    );
-    put("through", "written through the cache\n");
-    door_ok(&d, &["e2fsck", "-fn", &lv]);
-    let o = lvm.run(&["lvconvert", "-y", "--splitcache", &format!("{vg}/lin")]);
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("has been detached"),
-        "lvconvert --splitcache: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let tables = dmkit_tables(&d);
-    let top = tables
-        .iter()
-        .find(|(n, _)| *n == format!("{vg}-lin"))
-        .expect("lin");
-    assert!(top.1.contains(" linear "), "lin is linear again: {tables:?}");
-    door_ok(&d, &["e2fsck", "-fn", &lv]);
-    for (name, text) in [
-        ("before", "written before the cache\n"),
-        ("through", "written through the cache\n"),
-    ] {
-        assert_eq!(
-            door_ok(&d, &["debugfs", "-R", &format!("cat {name}"), &lv]),
-            text,
-            "{name}"
-        );
-    }
-    lvm.ok(&["vgremove", "-y", &vg]);
-    let mut args = vec!["pvremove", "-y"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    vg
 }
 
-/// LVM's cache (lvmcache) through the door: `lvconvert --type cache --cachevol`
-/// splits the cache volume into `-cmeta` and `-cdata` and stacks the `cache`
-/// target over them and `LV_corig`, all dmkit devices (the cache's metadata read
-/// and written through `-cmeta`'s table); data written before reads back
-/// through the cache, a file written through it survives `lvconvert
-/// --splitcache`, which leaves the LV linear again.
-#[test]
-fn lvm_cache_attach_and_split_through_the_door() {
+/// A cache of LVM's kind `kind` attached to an LV holding an ext4 and split off
+/// again: the top of the LV is the `target` table (over the devices `parts` end
+/// with), a file written before the attach reads back through the cache, one
+/// written through it survives the split, and the filesystem is clean on the
+/// cache and on the bare LV after the split, which leaves it linear again.
+fn cache_attach_and_split(
+    tag: &str,
+    kind: &str,
+    target: &str,
+    parts: &[&str],
+    config: &str,
+    attached: &str,
+    split: &str,
+) {
     common::need_all(&["losetup", "lvm", "mkfs.ext4", "debugfs", "e2fsck"]);
-    let d = Daemon::start("lvmcache");
+    let d = Daemon::start(tag);
     let (loops, _files) = loop_files(&d, None);
     let link = d.dir.path("tools");
     std::fs::create_dir_all(&link).expect("tools dir");
@@ -1137,17 +1023,11 @@ fn lvm_cache_attach_and_split_through_the_door() {
         d: &d,
         devices: loops.0.join(","),
         config: format!(
-            "activation/monitoring=0 global/use_lvmpolld=0 global/cache_check_executable=\"{}\"",
+            "activation/monitoring=0 global/use_lvmpolld=0 global/cache_check_executable=\"{}\" {config}",
             link.join("cache_check").display()
         ),
     };
-    let vg = format!("dmkitc{}", std::process::id());
-    let mut args = vec!["pvcreate"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
-    let mut args = vec!["vgcreate", vg.as_str()];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    let vg = new_vg(&lvm, &loops, tag);
     lvm.ok(&["lvcreate", "-y", "-L", "32M", "-n", "lin", &vg, &loops.0[0]]);
     lvm.ok(&[
         "lvcreate",
@@ -1162,7 +1042,11 @@ fn lvm_cache_attach_and_split_through_the_door() {
     ]);
     let lv = format!("/dev/{vg}/lin");
     door_ok(&d, &["mkfs.ext4", "-q", "-b", "4096", &lv]);
-    let put = |name: &str, text: &str| {
+    let files = [
+        ("before", "written before the cache\n"),
+        ("through", "written through the cache\n"),
+    ];
+    let put = |(name, text): (&str, &str)| {
         let host = d.dir.path(name);
         std::fs::write(&host, text).expect("write");
         door_ok(
@@ -1176,69 +1060,92 @@ fn lvm_cache_attach_and_split_through_the_door() {
             ],
         );
     };
-    put("before", "written before the cache\n");
-    // LVM asks modprobe for dm-cache-smq: this machine has no modprobe, which
-    // LVM reports and carries on (it then asks for `mq`, which dmkit's cache
-    // takes as smq, as the kernel's does)
-    let o = lvm.run(&[
-        "lvconvert",
-        "-y",
-        "--type",
-        "cache",
-        "--cachevol",
-        "fast",
-        &format!("{vg}/lin"),
-    ]);
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("is now cached"),
-        "lvconvert --type cache: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let tables = dmkit_tables(&d);
-    let top = tables
-        .iter()
-        .find(|(n, _)| *n == format!("{vg}-lin"))
-        .expect("lin");
-    assert!(top.1.contains(" cache "), "lin is a cache now: {tables:?}");
-    assert!(
-        tables.iter().any(|(n, _)| n.ends_with("-cmeta"))
-            && tables.iter().any(|(n, _)| n.ends_with("-cdata")),
-        "the cache volume split into -cmeta and -cdata: {tables:?}"
-    );
-    assert_eq!(
-        door_ok(&d, &["debugfs", "-R", "cat before", &lv]),
-        "written before the cache\n",
-        "read through the cache"
-    );
-    put("through", "written through the cache\n");
-    door_ok(&d, &["e2fsck", "-fn", &lv]);
-    let o = lvm.run(&["lvconvert", "-y", "--splitcache", &format!("{vg}/lin")]);
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("is not cached"),
-        "lvconvert --splitcache: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let tables = dmkit_tables(&d);
-    let top = tables
-        .iter()
-        .find(|(n, _)| *n == format!("{vg}-lin"))
-        .expect("lin");
-    assert!(top.1.contains(" linear "), "lin is linear again: {tables:?}");
-    door_ok(&d, &["e2fsck", "-fn", &lv]);
-    for (name, text) in [
-        ("before", "written before the cache\n"),
-        ("through", "written through the cache\n"),
-    ] {
-        assert_eq!(
-            door_ok(&d, &["debugfs", "-R", &format!("cat {name}"), &lv]),
-            text,
-            "{name}"
+    let cat = |name: &str| door_ok(&d, &["debugfs", "-R", &format!("cat {name}"), &lv]);
+    let top = |want: &str| {
+        let tables = dmkit_tables(&d);
+        let t = tables
+            .iter()
+            .find(|(n, _)| *n == format!("{vg}-lin"))
+            .expect("lin");
+        assert!(t.1.contains(&format!(" {want} ")), "lin is {want}: {tables:?}");
+        tables
+    };
+    let run = |args: &[&str], says: &str| {
+        let o = lvm.run(args);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && out.contains(says),
+            "lvm {args:?}: {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
         );
+    };
+    put(files[0]);
+    run(
+        &[
+            "lvconvert",
+            "-y",
+            "--type",
+            kind,
+            "--cachevol",
+            "fast",
+            &format!("{vg}/lin"),
+        ],
+        attached,
+    );
+    let tables = top(target);
+    for p in parts {
+        assert!(
+            tables.iter().any(|(n, _)| n.ends_with(p)),
+            "a {p} device: {tables:?}"
+        );
+    }
+    assert_eq!(cat(files[0].0), files[0].1, "read through the cache");
+    put(files[1]);
+    door_ok(&d, &["e2fsck", "-fn", &lv]);
+    run(&["lvconvert", "-y", "--splitcache", &format!("{vg}/lin")], split);
+    top("linear");
+    door_ok(&d, &["e2fsck", "-fn", &lv]);
+    for (name, text) in files {
+        assert_eq!(cat(name), text, "{name} after the split");
     }
     lvm.ok(&["vgremove", "-y", &vg]);
     let mut args = vec!["pvremove", "-y"];
     args.extend(loops.0.iter().map(String::as_str));
     lvm.ok(&args);
+}
+
+/// LVM's writecache through the door: `lvconvert --type writecache --cachevol`
+/// stacks `writecache s` over `LV_wcorig` and the cache volume `_cvol` (both
+/// dmkit devices), and `lvconvert --splitcache` (the `cleaner` message, then
+/// waiting for the dirty blocks to drain, as LVM does) leaves it linear.
+#[test]
+fn lvm_writecache_attach_and_split_through_the_door() {
+    cache_attach_and_split(
+        "dmkitw",
+        "writecache",
+        "writecache s",
+        &["_wcorig", "_cvol"],
+        "",
+        "now has writecache",
+        "has been detached",
+    );
+}
+
+/// LVM's cache (lvmcache) through the door: `lvconvert --type cache --cachevol`
+/// splits the cache volume into `-cmeta` and `-cdata` and stacks the `cache`
+/// target over them and `LV_corig`, all dmkit devices (the cache's metadata read
+/// and written through `-cmeta`'s table), and `lvconvert --splitcache` leaves it
+/// linear. LVM asks modprobe for dm-cache-smq: where there is none, it says so
+/// and asks for `mq`, which dmkit's cache takes as smq, as the kernel's does.
+#[test]
+fn lvm_cache_attach_and_split_through_the_door() {
+    cache_attach_and_split(
+        "dmkitc",
+        "cache",
+        "cache",
+        &["_corig", "-cmeta", "-cdata"],
+        "",
+        "is now cached",
+        "is not cached",
+    );
 }

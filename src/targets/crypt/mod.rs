@@ -50,7 +50,11 @@
 //! would not cover them) and wipes when they are freed (`OPENSSL_clear_free`
 //! in the provider's `freectx`). So those key schedules are wiped on `key
 //! wipe`, `key set`, remove and exit (the contexts are freed with the
-//! [`Keys`] that own them) but are **not locked**: they can be swapped out.
+//! [`Keys`] that own them), and they are locked because the first such key
+//! locks all of the daemon's memory (`mlockall`, each page when first touched,
+//! as dmeventd and multipathd lock theirs; [`memory_locked`]). Where that is
+//! not allowed (an unprivileged daemon's locked-memory limit), XTS stays with
+//! the `aes` crate, whose schedules are in locked pages.
 //! AES-192 XTS (OpenSSL has none), XTS keys with equal halves (OpenSSL refuses
 //! them to encrypt; the kernel outside FIPS mode takes them), CBC and LUKS
 //! keyslots stay with the `aes` crate, locked.
@@ -446,6 +450,27 @@ struct OsslXts {
     pool: std::sync::Mutex<Vec<XtsCtx>>,
 }
 
+/// Lock all of the daemon's memory, now and to come, each page when first
+/// touched (`mlockall` with MCL_ONFAULT), once: as dmeventd and multipathd lock
+/// theirs, and so OpenSSL's key schedules are never swapped. False where the
+/// limit on locked memory does not allow it (an unprivileged daemon).
+fn memory_locked() -> bool {
+    static LOCKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LOCKED.get_or_init(|| {
+        use rustix::mm::MlockAllFlags as F;
+        match rustix::mm::mlockall(F::CURRENT | F::FUTURE | F::ONFAULT) {
+            Ok(()) => {
+                tracing::info!("crypt: the daemon's memory is locked (OpenSSL's XTS holds key schedules)");
+                true
+            }
+            Err(e) => {
+                tracing::info!("crypt: cannot lock the daemon's memory ({e}): XTS runs in the aes crate");
+                false
+            }
+        }
+    })
+}
+
 /// One context to encrypt, one to decrypt, keyed alike.
 struct XtsCtx {
     enc: openssl::cipher_ctx::CipherCtx,
@@ -465,6 +490,11 @@ impl OsslXts {
         let (a, b) = key.split_at(key.len() / 2);
         // no early exit: how much of the halves agree is not told by the time
         if a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0 {
+            return None;
+        }
+        // OpenSSL's key schedules are in its heap: locked only if all of the
+        // daemon's memory is; otherwise the `aes` crate, whose are
+        if !memory_locked() {
             return None;
         }
         Some(OsslXts {
