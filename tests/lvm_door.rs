@@ -480,10 +480,7 @@ fn lvm_volumes_open_as_block_devices_through_the_door() {
     d.wait_open_count(&dm_name, 0);
     lvm.ok(&["lvremove", "-y", &format!("{vg}/fs")]);
     assert_eq!(dmkit_tables(&d), vec![], "lvremove removed the device");
-    lvm.ok(&["vgremove", "-y", &vg]);
-    let mut args = vec!["pvremove", "-y"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    remove_vg(&lvm, &loops, &vg);
 }
 
 /// LVM's thin pools through the door without ublk: the pool's metadata and data
@@ -693,10 +690,7 @@ fn lvm_thin_pools_and_snapshots_through_the_door() {
     );
     lvm.ok(&["lvremove", "-y", &vg]);
     assert_eq!(dmkit_tables(&d), vec![], "lvremove removed every device");
-    lvm.ok(&["vgremove", "-y", &vg]);
-    let mut args = vec!["pvremove", "-y"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    remove_vg(&lvm, &loops, &vg);
 }
 
 /// The dmeventd processes running here whose environment carries the door (ours,
@@ -977,7 +971,12 @@ fn lvm_classic_snapshot_and_merge_through_the_door() {
     );
     assert!(tables[0].1.contains(" linear "), "{tables:?}");
     door_ok(&d, &["cmp", "-n", &(8u64 << 20).to_string(), &a_s, &lin]);
-    lvm.ok(&["vgremove", "-y", &vg]);
+    remove_vg(&lvm, &loops, &vg);
+}
+
+/// `vgremove` of `vg`, then `pvremove` of its loop devices.
+fn remove_vg(lvm: &Lvm, loops: &Loops, vg: &str) {
+    lvm.ok(&["vgremove", "-y", vg]);
     let mut args = vec!["pvremove", "-y"];
     args.extend(loops.0.iter().map(String::as_str));
     lvm.ok(&args);
@@ -1108,10 +1107,7 @@ fn cache_attach_and_split(
     for (name, text) in files {
         assert_eq!(cat(name), text, "{name} after the split");
     }
-    lvm.ok(&["vgremove", "-y", &vg]);
-    let mut args = vec!["pvremove", "-y"];
-    args.extend(loops.0.iter().map(String::as_str));
-    lvm.ok(&args);
+    remove_vg(&lvm, &loops, &vg);
 }
 
 /// LVM's writecache through the door: `lvconvert --type writecache --cachevol`
