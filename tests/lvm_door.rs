@@ -256,6 +256,21 @@ fn write_and_find(d: &Daemon, tables: &[(String, String)], files: &[(String, Pat
     }
 }
 
+/// A loop device over `f`: its node.
+fn losetup(f: &std::path::Path) -> String {
+    let o = Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(f)
+        .output()
+        .expect("losetup");
+    assert!(
+        o.status.success(),
+        "losetup: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
 /// Two loop devices over 64 MiB files of the daemon's scratch folder (filled with
 /// `fill` when given), each with its file.
 fn loop_files(d: &Daemon, fill: Option<u8>) -> (Loops, Vec<(String, PathBuf)>) {
@@ -266,17 +281,7 @@ fn loop_files(d: &Daemon, fill: Option<u8>) -> (Loops, Vec<(String, PathBuf)>) {
         if let Some(b) = fill {
             std::fs::write(&f, vec![b; (64 * MIB) as usize]).expect("fill the loop file");
         }
-        let o = Command::new("losetup")
-            .args(["-f", "--show"])
-            .arg(&f)
-            .output()
-            .expect("losetup");
-        assert!(
-            o.status.success(),
-            "losetup: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let node = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        let node = losetup(&f);
         loops.0.push(node.clone());
         files.push((node, f));
     }
@@ -744,17 +749,7 @@ fn dmeventd_grows_a_thin_pool_past_its_autoextend_threshold() {
     );
     let d = Daemon::start("lvmevents");
     let f = d.dir.sparse("pv", 256 * MIB);
-    let o = Command::new("losetup")
-        .args(["-f", "--show"])
-        .arg(&f)
-        .output()
-        .expect("losetup");
-    assert!(
-        o.status.success(),
-        "losetup: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let node = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let node = losetup(&f);
     let _loops = Loops(vec![node.clone()]);
     // the configuration dmeventd's plugin and the lvextend it runs read too
     let sys = d.dir.path("lvm");

@@ -1,26 +1,5 @@
-//! Errors of the era metadata layer.
+//! Errors of the era metadata layer: the metadata layers' shared type.
 
-use crate::pdata::PdataError;
-
-#[derive(Debug, thiserror::Error)]
-pub enum EraError {
-    #[error(transparent)]
-    Pdata(#[from] PdataError),
-    #[error("superblock: {0}")]
-    BadSuperblock(String),
-    #[error("invalid argument: {0}")]
-    Invalid(String),
-    /// A message as the era tools print it.
-    #[error("{0}")]
-    Plain(String),
-    #[error("output error: {0}")]
-    Output(std::io::Error),
-}
-
-impl From<crate::thin::ThinError> for EraError {
-    fn from(e: crate::thin::ThinError) -> EraError {
-        EraError::Plain(e.to_string())
-    }
-}
+pub use crate::pdata::error::MetadataError as EraError;
 
 pub type Result<T> = std::result::Result<T, EraError>;

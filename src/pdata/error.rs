@@ -101,3 +101,20 @@ pub(crate) fn corrupt(block: u64, what: impl Into<String>) -> PdataError {
         what: what.into(),
     }
 }
+
+/// Errors of a metadata layer built on persistent data with tools of its own
+/// (cache, era): one type for both, `CacheError` and `EraError` by name.
+#[derive(Debug, thiserror::Error)]
+pub enum MetadataError {
+    #[error(transparent)]
+    Pdata(#[from] PdataError),
+    #[error("superblock: {0}")]
+    BadSuperblock(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A message as the tools print it.
+    #[error("{0}")]
+    Plain(String),
+    #[error("output error: {0}")]
+    Output(std::io::Error),
+}

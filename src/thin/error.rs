@@ -32,3 +32,10 @@ pub enum ThinError {
 }
 
 pub type Result<T> = std::result::Result<T, ThinError>;
+
+/// The thin layer's errors, as the cache and era tools print them.
+impl From<ThinError> for crate::pdata::error::MetadataError {
+    fn from(e: ThinError) -> crate::pdata::error::MetadataError {
+        crate::pdata::error::MetadataError::Plain(e.to_string())
+    }
+}
