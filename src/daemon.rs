@@ -26,6 +26,8 @@ pub struct ServeOptions {
     /// Make the devices recorded in the run directory again, and take over the
     /// block devices they were attached as.
     pub restore: bool,
+    /// Attach every device as a ublk block device at its resume (`--attach`).
+    pub attach: bool,
     /// Called once the sockets are listening and the devices are made (the
     /// parent of `serve --background` waits for it).
     pub ready: Option<Box<dyn FnOnce() + Send>>,
@@ -37,6 +39,21 @@ pub fn state_path(run_dir: &Path) -> PathBuf {
 }
 
 pub use crate::client::default_run_dir;
+
+/// Buffers of 128 KiB and more are mapped and unmapped by the C library each
+/// time (its default, before it raises the threshold to the largest block freed
+/// so far). The daemon's large buffers live as long as their devices (a ublk
+/// queue's: 128 of 512 KiB): above a raised threshold they would come from the
+/// heap, zeroed page by page at once (so resident in full, though mostly never
+/// used) and kept by the heap after their device is gone.
+fn fixed_mmap_threshold() {
+    // SAFETY: mallopt only sets a tunable of the C library's allocator; it is
+    // called before the daemon starts its threads.
+    let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10) };
+    if ok != 1 {
+        tracing::warn!("mallopt(M_MMAP_THRESHOLD) refused: large buffers may stay resident");
+    }
+}
 
 fn group_id(name: &str) -> Result<u32> {
     if let Ok(g) = name.parse::<u32>() {
@@ -91,6 +108,7 @@ fn raise_file_limit() {
 }
 
 pub fn serve(opts: ServeOptions) -> Result<()> {
+    fixed_mmap_threshold();
     let set = block_signals()?;
     crate::panics::install_hook();
     raise_file_limit();
@@ -130,8 +148,11 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     }
     let ctx = Arc::new(crate::control::Ctx {
         run_dir: Some(opts.run_dir.clone()),
+        auto_attach: opts.attach,
         ..crate::control::Ctx::new(reg.clone(), Some(state.clone()))
     });
+    ctx.ublk
+        .set_map_dir(opts.run_dir.join(crate::export::ublk::MAP_DIR));
     if opts.restore {
         if prev.exists() && recorded_devices(&state) == 0 {
             // set aside by a daemon started without --restore that made no devices
@@ -214,8 +235,19 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                     let _ = std::thread::Builder::new()
                         .name("dm-door-conn".into())
                         .spawn(move || {
-                            if let Err(e) = crate::control::door::serve_connection(&mut s, &ctx) {
-                                tracing::warn!("dm ioctl door connection: {e}");
+                            match crate::control::door::serve_connection(&mut s, &ctx) {
+                                // the program left before its answer (a waiter
+                                // interrupted by a signal drops its connection)
+                                Err(e)
+                                    if matches!(
+                                        e.kind(),
+                                        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                                    ) =>
+                                {
+                                    tracing::debug!("dm ioctl door connection: {e}")
+                                }
+                                Err(e) => tracing::warn!("dm ioctl door connection: {e}"),
+                                Ok(()) => {}
                             }
                         });
                 }

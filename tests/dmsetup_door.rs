@@ -675,6 +675,93 @@ fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
     d.ok(&["remove", "w"]);
 }
 
+/// What libdevmapper and LVM read of a device in sysfs, `/sys/dev/block/253:N/dm/`
+/// `name`, `uuid` and `suspended`, is the daemon's device's behind the door.
+#[test]
+fn sysfs_dm_attributes_are_the_daemons_behind_the_door() {
+    let d = Daemon::start("doorsysfs");
+    d.ok(&["create", "sy", "--uuid", "LVM-sysfs-test", "--table", "0 8 zero"]);
+    // `ls`: "sy\t(253:N)"
+    let ls = d.ok(&["ls"]);
+    let num = ls
+        .trim()
+        .trim_start_matches("sy\t(")
+        .trim_end_matches(')')
+        .to_string();
+    assert!(num.starts_with("253:"), "{ls}");
+    let dir = format!("/sys/dev/block/{num}/dm");
+    let cat = || -> String {
+        let o = Command::new(common::BIN)
+            .arg("--run-dir")
+            .arg(&d.run)
+            .args(["exec", "--", "cat"])
+            .args(["name", "uuid", "suspended"].map(|a| format!("{dir}/{a}")))
+            .output()
+            .expect("cat");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    assert_eq!(cat(), "sy\nLVM-sysfs-test\n0\n");
+    d.ok(&["suspend", "sy"]);
+    assert_eq!(cat(), "sy\nLVM-sysfs-test\n1\n");
+    d.ok(&["resume", "sy"]);
+    d.ok(&["remove", "sy"]);
+}
+
+/// multipathd's use of the control node: DM_DEV_ARM_POLL, then `poll()` on the
+/// same descriptor, which stays quiet until an event (a rename here) and then
+/// is readable (POLLIN) until it is armed again, as the kernel's; the
+/// descriptor's other ioctls go on meanwhile. `tests/door/poller.c`.
+#[test]
+fn dev_arm_poll_makes_the_control_descriptor_readable_at_an_event() {
+    use std::io::{BufRead, BufReader, Read};
+    common::need_all(&["cc"]);
+    let d = Daemon::start("doorpoll");
+    d.create("p", "0 8 zero");
+    let exe = d.dir.path("poller");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/door/poller.c");
+    let o = Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(src)
+        .output()
+        .expect("cc");
+    assert!(
+        o.status.success(),
+        "building poller.c: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut child = Command::new(common::BIN)
+        .arg("--run-dir")
+        .arg(&d.run)
+        .args(["exec", "--"])
+        .arg(&exe)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run poller");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut seen = String::new();
+    while !seen.ends_with("armed\n") {
+        let mut l = String::new();
+        assert!(out.read_line(&mut l).expect("read") > 0, "poller ended: {seen}");
+        seen.push_str(&l);
+    }
+    d.ok(&["rename", "p", "q"]);
+    out.read_to_string(&mut seen).expect("read");
+    assert!(child.wait().expect("wait").success(), "{seen}");
+    assert_eq!(
+        seen,
+        "arm: ok\n\
+         before an event: quiet\n\
+         armed\n\
+         after the event: POLLIN\n\
+         still: POLLIN\n\
+         version: ok\n\
+         re-arm: ok\n\
+         after re-arming: quiet\n"
+    );
+}
+
 /// A dmkit device's node opens behind the door as its device file: bytes in
 /// the middle of a sector are written as read-modify-write of whole sectors, a
 /// write past the end fails with ENOSPC (dd: "No space left on device"), and a

@@ -56,7 +56,8 @@ fn blocks(readme: &str) -> Vec<Block> {
 /// Why a block is left out here, if it is.
 fn skipped(b: &Block) -> Option<String> {
     let ublk = Path::new("/dev/ublk-control");
-    (b.text.contains("dmkit attach") && !ublk.exists()).then(|| {
+    let needs_ublk = b.text.contains("dmkit attach") || b.text.contains("serve --attach");
+    (needs_ublk && !ublk.exists()).then(|| {
         format!(
             "{} does not exist: the kernel has no ublk driver here",
             ublk.display()

@@ -55,10 +55,60 @@ fn from_registry(e: ControlError) -> Refusal {
     (errno_of(&e), e.to_string())
 }
 
+/// The frame the daemon sends, unasked, on a descriptor armed by DM_DEV_ARM_POLL
+/// once an event happens: an errno no reply carries, nothing to copy, no reason.
+/// Its arrival makes the descriptor readable, so `poll()` on the program's
+/// control descriptor wakes as the kernel's does (POLLIN); the library drops it
+/// at the next DM_DEV_ARM_POLL.
+pub const POLL_NOTICE: i32 = 0x7fff_dc02;
+
+/// How often an armed descriptor's daemon side looks for an event.
+const POLL_TICK_MS: i32 = 50;
+
+/// What the kernel's dm_global_event_nr counts, as one number that changes
+/// when it would: any device's event (a target's, a resume's table swap, a
+/// rename) and the devices made and removed (DEV_CREATE, DEV_REMOVE,
+/// REMOVE_ALL issue a global event).
+fn global_events(ctx: &Ctx) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for d in ctx.reg.list() {
+        (d.minor, d.events(), d.name()).hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Whether the connection has a frame to read within `ms` milliseconds (or has
+/// been closed).
+fn readable(fd: i32, ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN | libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n != 0
+}
+
 /// Serve one connection (one open descriptor of the control node) until the
 /// caller closes it.
 pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
+    // DM_DEV_ARM_POLL: the events seen when it was armed
+    let mut armed: Option<u64> = None;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(s);
     loop {
+        if let Some(seen) = armed {
+            while !readable(fd, POLL_TICK_MS) {
+                if global_events(ctx) != seen {
+                    let mut notice = [0u8; 12];
+                    notice[..4].copy_from_slice(&POLL_NOTICE.to_le_bytes());
+                    s.write_all(&notice)?;
+                    armed = None;
+                    break;
+                }
+            }
+        }
         let mut h = [0u8; 12];
         match s.read_exact(&mut h) {
             Ok(()) => {}
@@ -78,8 +128,13 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
         let mut cwd = vec![0u8; cwd_len as usize];
         s.read_exact(&mut cwd)?;
         let cwd = String::from_utf8_lossy(&cwd).into_owned();
-        let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+        // the type and number bytes name the command (the size is the header's)
+        let arms = request & 0xffff == Cmd::DevArmPoll.request() & 0xffff;
+        let before = arms.then(|| global_events(ctx));
         let (errno, mut out, why) = ioctl(ctx, request, buf, &cwd, &|| hung_up(fd));
+        if errno == 0 && before.is_some() {
+            armed = before;
+        }
         let mut rep = Vec::with_capacity(12 + out.len() + why.len());
         rep.extend_from_slice(&errno.to_le_bytes());
         rep.extend_from_slice(&(out.len() as u32).to_le_bytes());
@@ -245,7 +300,7 @@ fn find(ctx: &Ctx, r: &mut Request) -> Result<Arc<Device>, Refusal> {
 }
 
 /// `__dev_status` of a device.
-fn status(d: &Device) -> dm::DevStatus {
+fn status(ctx: &super::Ctx, d: &Arc<Device>) -> dm::DevStatus {
     let inactive = d
         .inactive
         .lock()
@@ -258,7 +313,9 @@ fn status(d: &Device) -> dm::DevStatus {
         suspended: d.suspended.load(Ordering::SeqCst),
         deferred_remove: d.deferred_remove.load(Ordering::SeqCst),
         read_only: d.read_only(),
-        open_count: d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst),
+        open_count: d.open_count.load(Ordering::SeqCst)
+            + d.holders.load(Ordering::SeqCst)
+            + u32::from(ctx.ublk.held(d)),
         event_nr: d.events() as u32,
         live_targets: d.live.load().as_ref().map(|t| t.entries.len() as u32),
         inactive_targets: inactive,
@@ -301,6 +358,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
         Cmd::Version | Cmd::DevArmPoll => Ok(false),
         Cmd::RemoveAll => {
             // the kernel removes what it can and reports nothing
+            super::before_remove_all(ctx);
             if let Err(e) = reg.remove_all(false, r.has(dm::DEFERRED_REMOVE)) {
                 tracing::info!("dm ioctl remove_all: {e}");
             }
@@ -350,14 +408,20 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 .map_err(from_registry)?;
             let d = reg.get(&name).map_err(from_registry)?;
             r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             Ok(true)
         }
         Cmd::DevRemove => {
             let d = find(ctx, r)?;
             let deferred = r.has(dm::DEFERRED_REMOVE);
-            reg.remove(&d.name(), false, deferred).map_err(from_registry)?;
+            super::before_remove(ctx, &d.name()).map_err(|e| refuse(dm::EBUSY, e))?;
+            let removed = reg.remove(&d.name(), false, deferred).map_err(from_registry);
             reg.reap_deferred();
+            if removed.is_err() {
+                // refused (held by another device, say): its block device again
+                super::after_resume(ctx, &d.name());
+            }
+            removed?;
             if d.removed.load(Ordering::SeqCst) {
                 r.clear_flags(dm::DEFERRED_REMOVE);
             }
@@ -390,7 +454,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 ctx.ublk.renamed(&d);
             }
             r.set_identity(&d.name(), d.uuid().as_deref());
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             Ok(true)
         }
         Cmd::DevSuspend => {
@@ -400,18 +464,19 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 reg.suspend(&name, r.has(dm::NOFLUSH_FLAG))
                     .map_err(from_registry)?;
             } else {
-                super::check_resize(reg, &name).map_err(|e| refuse(dm::EINVAL, e))?;
+                super::before_resume(ctx, &name).map_err(|e| refuse(dm::EINVAL, e))?;
                 let res = reg.resume(&name).map_err(from_registry);
                 reg.reap_deferred();
                 res?;
+                super::after_resume(ctx, &name);
                 r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
             }
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             Ok(true)
         }
         Cmd::DevStatus => {
             let d = find(ctx, r)?;
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             Ok(false)
         }
         Cmd::DevWait => {
@@ -429,7 +494,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 }
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             put_status(&d, r);
             Ok(false)
         }
@@ -466,19 +531,19 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
             reg.load_in(&d.name(), &text, cwd, Some(r.has(dm::READONLY_FLAG)))
                 .map_err(from_registry)?;
             r.add_flags(dm::INACTIVE_PRESENT_FLAG);
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             Ok(true)
         }
         Cmd::TableClear => {
             let d = find(ctx, r)?;
             reg.clear(&d.name()).map_err(from_registry)?;
             r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             Ok(true)
         }
         Cmd::TableDeps => {
             let d = find(ctx, r)?;
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             if let Some(t) = table_of(&d, r) {
                 r.put_deps(&crate::mapper::report::dep_numbers(&t));
             }
@@ -486,7 +551,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
         }
         Cmd::TableStatus => {
             let d = find(ctx, r)?;
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             put_status(&d, r);
             Ok(false)
         }
@@ -526,7 +591,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 return Ok(false);
             }
             let out = reg.message(&d.name(), sector, &words).map_err(from_registry)?;
-            r.set_status(&status(&d));
+            r.set_status(&status(ctx, &d));
             if crate::mapper::stats::answers(&verb) || !out.is_empty() {
                 r.put_message_result(&out);
             }

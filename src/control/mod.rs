@@ -33,6 +33,9 @@ pub struct Ctx {
     pub state: Option<PathBuf>,
     /// Keeps the state file up to date.
     pub(crate) recorder: state::Recorder,
+    /// Every device is attached as a ublk block device when a table is resumed
+    /// on it, and detached at its removal (`serve --attach`).
+    pub auto_attach: bool,
 }
 
 impl Ctx {
@@ -44,6 +47,7 @@ impl Ctx {
             run_dir: None,
             state,
             recorder: state::Recorder::default(),
+            auto_attach: false,
         }
     }
 
@@ -189,10 +193,11 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             each(reg, &devs.names, &devs.pick, |n| done(reg.suspend(n, noflush)))
         }
         DmVerb::Resume { devs } => each(reg, &devs.names, &devs.pick, |n| {
-            check_resize(reg, n)?;
+            before_resume(ctx, n)?;
             let r = done(reg.resume(n));
             // the old table may have held a device marked for deferred removal
             reg.reap_deferred();
+            after_resume(ctx, n);
             r
         }),
         DmVerb::Remove {
@@ -200,11 +205,17 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             force,
             deferred,
         } => each(reg, &devs.names, &devs.pick, |n| {
+            before_remove(ctx, n)?;
             let r = done(reg.remove(n, force, deferred));
             reg.reap_deferred();
+            // refused (held by another device, say): its block device again
+            after_resume(ctx, n);
             r
         }),
-        DmVerb::RemoveAll { force, deferred } => reg.remove_all(force, deferred).map(|()| String::new()),
+        DmVerb::RemoveAll { force, deferred } => {
+            before_remove_all(ctx);
+            reg.remove_all(force, deferred).map(|()| String::new())
+        }
         DmVerb::Rename {
             name,
             new_name,
@@ -387,21 +398,83 @@ fn wait(reg: &Registry, name: &str, event_nr: u64) -> Result<String, String> {
 }
 
 /// A resume that would change the size of a device attached as a block device is
-/// refused: the ublk driver cannot resize a device (before Linux 6.16).
-fn check_resize(reg: &Registry, name: &str) -> Result<(), String> {
-    let Ok(dev) = reg.get(name) else { return Ok(()) };
+/// refused: the ublk driver cannot resize a device (before Linux 6.16). With
+/// `serve --attach` only while the block device is held (mounted): otherwise it
+/// is attached again at the new size after the resume.
+pub(crate) fn before_resume(ctx: &Ctx, name: &str) -> Result<(), String> {
+    let Ok(dev) = ctx.reg.get(name) else { return Ok(()) };
     let Some(b) = dev.block_device() else {
         return Ok(());
     };
     let new = dev.inactive.lock().unpoisoned().as_ref().map(|t| t.size);
     match new {
-        Some(n) if n != dev.size_sectors() => Err(format!(
-            "{name}: attached as {b}, whose size the kernel cannot change: the new table has {n} sectors, \
-             the device {}; detach it first (or load a table of the same size)",
-            dev.size_sectors()
-        )),
+        Some(n) if n != dev.size_sectors() && (!ctx.auto_attach || ctx.ublk.held(&dev)) => {
+            let how = if ctx.auto_attach {
+                "unmount it first"
+            } else {
+                "detach it first"
+            };
+            Err(format!(
+                "{name}: attached as {b}, whose size the kernel cannot change while it is in use: the new table \
+                 has {n} sectors, the device {}; {how} (or load a table of the same size)",
+                dev.size_sectors()
+            ))
+        }
         _ => Ok(()),
     }
+}
+
+/// With `serve --attach`, after a resume: the device is a block device of its
+/// table's size and logical block size (attached, or attached again when the
+/// table changed them). A device that cannot be attached still works through
+/// the door's files; the reason is logged.
+pub(crate) fn after_resume(ctx: &Ctx, name: &str) {
+    if !ctx.auto_attach {
+        return;
+    }
+    let Ok(dev) = ctx.reg.get(name) else { return };
+    if dev.suspended.load(std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    if ctx.ublk.misfits(&dev) {
+        if let Err(e) = ctx.ublk.detach(&dev) {
+            tracing::warn!("{name}: its table changed shape, but its block device stays: {e}");
+            return;
+        }
+    }
+    if dev.block_device().is_none() && dev.size_sectors() > 0 {
+        if let Err(e) = ctx.ublk.attach(&dev, None) {
+            tracing::warn!("{name}: no block device: {e}");
+        }
+    }
+}
+
+/// With `serve --attach`, before every device is removed: the block devices
+/// that are not held go (the held ones keep their devices).
+pub(crate) fn before_remove_all(ctx: &Ctx) {
+    if ctx.auto_attach {
+        for d in ctx.reg.list() {
+            if d.block_device().is_some() {
+                let _ = ctx.ublk.detach(&d);
+            }
+        }
+    }
+}
+
+/// With `serve --attach`, before a removal: the device's block device goes
+/// first (refused while it is held, as the kernel refuses to remove an open
+/// device). If the removal is then refused, [`after_resume`] attaches it again.
+pub(crate) fn before_remove(ctx: &Ctx, name: &str) -> Result<(), String> {
+    if !ctx.auto_attach {
+        return Ok(());
+    }
+    let Ok(dev) = ctx.reg.get(name) else { return Ok(()) };
+    if dev.block_device().is_none() {
+        return Ok(());
+    }
+    ctx.ublk
+        .detach(&dev)
+        .map_err(|e| format!("Device or resource busy: {e}"))
 }
 
 fn show(reg: &Registry, a: ShowArgs, status: bool) -> Result<String, String> {

@@ -16,7 +16,11 @@
  *    has no driver here: the device's file $DMKIT_DEVICE_FILES/253:N, which the
  *    daemon serves (src/export/files.rs); on that descriptor, fstat says it is the
  *    block device and the block-device ioctls (size, sector sizes, read-only,
- *    flush, discard, zeroing) are answered from the file.
+ *    flush, discard, zeroing) are answered from the file;
+ *  - stat of a node that is a dmkit device's ublk block device (as
+ *    /dev/mapper/NAME is under `serve --attach`): the device-mapper number
+ *    253:N, from $DMKIT_RUN_DIR/block-numbers, so that libdevmapper and LVM see
+ *    one device; its I/O goes to the kernel's block device.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -28,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/dm-ioctl.h>
 #include <linux/falloc.h>
 #include <linux/fs.h>
 #include <sys/mman.h>
@@ -52,6 +57,8 @@ static char dev_dir[4096];
 /* minor + 1 of the device each descriptor opened as its file, 0 for none */
 static uint32_t *blk_minor;
 static char control_alt[4096];
+/* $DMKIT_RUN_DIR/block-numbers: MAJOR:MINOR -> 253:N for attached devices */
+static char numbers_dir[4096];
 /* CONTROL: a program's open of the control node; CONN: a thread's connection */
 #define CONTROL 1
 #define CONN 2
@@ -123,6 +130,9 @@ __attribute__((constructor)) static void door_init(void)
 	if (f && strlen(f) + 32 < sizeof(files_dir))
 		strcpy(files_dir, f);
 	files_error = getenv("DMKIT_DEVICE_FILES_ERROR");
+	const char *r = getenv("DMKIT_RUN_DIR");
+	if (r && strlen(r) + 64 < sizeof(numbers_dir))
+		snprintf(numbers_dir, sizeof(numbers_dir), "%s/block-numbers", r);
 	const char *d = getenv("DM_DEV_DIR");
 	if (d && strlen(d) + 2 < sizeof(dev_dir))
 		snprintf(dev_dir, sizeof(dev_dir), "%s/", d);
@@ -432,6 +442,11 @@ static int read_all(int fd, void *p, size_t n, int interruptible)
 }
 
 #define DM_DEV_WAIT_NR 8u
+#define DM_DEV_ARM_POLL_NR 16u
+/* door.rs POLL_NOTICE: the daemon's frame for an event on an armed descriptor */
+#define POLL_NOTICE 0x7fffdc02
+
+static int exchange_on(int fd, int own, uint32_t request, void *buf, uint32_t len, int quiet);
 
 static void drop_thread_conn(void)
 {
@@ -474,7 +489,14 @@ static int exchange(uint32_t request, void *buf, uint32_t len, int quiet)
 		pthread_once(&conn_once, conn_key_init);
 		pthread_setspecific(conn_key, (void *)(intptr_t)(c + 1));
 	}
-	int fd = thread_conn;
+	return exchange_on(thread_conn, 1, request, buf, len, quiet);
+}
+
+/* A request on connection `fd`; `own`: the thread's connection (dropped when it
+ * fails), else the program's control descriptor (an armed one: notices of
+ * events that came before the reply are skipped). */
+static int exchange_on(int fd, int own, uint32_t request, void *buf, uint32_t len, int quiet)
+{
 	char cwd[4096];
 	if (!getcwd(cwd, sizeof(cwd)))
 		cwd[0] = 0;
@@ -483,10 +505,13 @@ static int exchange(uint32_t request, void *buf, uint32_t len, int quiet)
 	int err = 0;
 	int waits = ((request & 0xff) == DM_DEV_WAIT_NR) && ((request >> 8) & 0xff) == 0xfd;
 	int r = 0;
-	if (write_all(fd, head, sizeof(head)) || write_all(fd, buf, len) || write_all(fd, cwd, head[2]) ||
-	    (r = read_all(fd, rep, sizeof(rep), waits)) || (uint32_t)rep[1] > len ||
-	    read_all(fd, buf, (uint32_t)rep[1], 0)) {
-		drop_thread_conn();
+	int failed = write_all(fd, head, sizeof(head)) || write_all(fd, buf, len) || write_all(fd, cwd, head[2]);
+	while (!failed && !(r = read_all(fd, rep, sizeof(rep), waits)) && rep[0] == POLL_NOTICE && rep[1] == 0 &&
+	       rep[2] == 0)
+		; /* an event's notice, sent before the reply */
+	if (failed || r || (uint32_t)rep[1] > len || read_all(fd, buf, (uint32_t)rep[1], 0)) {
+		if (own)
+			drop_thread_conn();
 		if (r == -2)
 			return EINTR;
 		err = EIO;
@@ -500,7 +525,8 @@ static int exchange(uint32_t request, void *buf, uint32_t len, int quiet)
 		while (why) {
 			uint32_t k = why < sizeof(msg) ? why : (uint32_t)sizeof(msg);
 			if (read_all(fd, msg, k, 0)) {
-				drop_thread_conn();
+				if (own)
+					drop_thread_conn();
 				err = EIO;
 				break;
 			}
@@ -532,8 +558,20 @@ static int door_ioctl(int fd, unsigned long request, void *arg)
 	uint32_t data_size;
 	memcpy(&data_size, (char *)arg + 12, 4);
 	uint32_t len = (data_size >= MIN_DATA_SIZE && data_size <= BUFFER_LIMIT) ? data_size : MIN_DATA_SIZE;
-	(void)fd;
-	int e = exchange((uint32_t)request, arg, len, 0);
+	int e;
+	if ((request & 0xff) == DM_DEV_ARM_POLL_NR) {
+		/* On the program's descriptor itself, the one it polls: the notices
+		 * of events before this arming are dropped, and from the reply on the
+		 * daemon sends one when an event happens, which makes the descriptor
+		 * readable (POLLIN), as the kernel's control node is after an event. */
+		int32_t n[3];
+		while (recv(fd, n, sizeof(n), MSG_DONTWAIT | MSG_PEEK) == (ssize_t)sizeof(n) && n[0] == POLL_NOTICE)
+			if (recv(fd, n, sizeof(n), MSG_DONTWAIT) != (ssize_t)sizeof(n))
+				break;
+		e = exchange_on(fd, 0, (uint32_t)request, arg, len, 0);
+	} else {
+		e = exchange((uint32_t)request, arg, len, 0);
+	}
 	if (e) {
 		errno = e;
 		return -1;
@@ -546,10 +584,58 @@ static int door_ioctl(int fd, unsigned long request, void *arg)
 
 /* /sys/dev/block/253:N/bdi/read_ahead_kb, where libdevmapper reads a device's
  * read-ahead: the daemon's device's (253 may be another driver's major here). */
+/* A memory file holding `text`, as a sysfs attribute reads. */
+static int text_fd(const char *name, const char *text)
+{
+	int out = memfd_create(name, MFD_CLOEXEC);
+	if (out < 0)
+		return -1;
+	size_t k = strlen(text);
+	if (write(out, text, k) != (ssize_t)k) {
+		get_close()(out);
+		errno = EIO;
+		return -1;
+	}
+	lseek(out, 0, SEEK_SET);
+	return out;
+}
+
+/* /sys/dev/block/253:N/dm/{name,uuid,suspended}: the daemon's device's, from
+ * DM_DEV_STATUS by number (libdevmapper and LVM read them to name a device and
+ * to know whether it is suspended); -2 for other paths. */
+static int sysfs_dm_fd(const char *path)
+{
+	unsigned maj, min;
+	char attr[16];
+	int n = 0;
+	if (sscanf(path, "/sys/dev/block/%u:%u/dm/%15[a-z]%n", &maj, &min, attr, &n) != 3 || path[n] != 0 ||
+	    maj != DM_MAJOR || (strcmp(attr, "name") && strcmp(attr, "uuid") && strcmp(attr, "suspended")))
+		return -2;
+	struct dm_ioctl io;
+	memset(&io, 0, sizeof(io));
+	io.version[0] = DM_VERSION_MAJOR;
+	io.data_size = sizeof(io);
+	io.data_start = sizeof(io);
+	io.dev = makedev(maj, min);
+	if (exchange((uint32_t)DM_DEV_STATUS, &io, sizeof(io), 1)) {
+		errno = ENOENT;
+		return -1;
+	}
+	char text[DM_UUID_LEN + 2];
+	if (!strcmp(attr, "suspended"))
+		snprintf(text, sizeof(text), "%d\n", (io.flags & DM_SUSPEND_FLAG) ? 1 : 0);
+	else
+		snprintf(text, sizeof(text), "%.*s\n", DM_UUID_LEN - 1, !strcmp(attr, "name") ? io.name : io.uuid);
+	return text_fd(attr, text);
+}
+
 static int sysfs_fd(const char *path)
 {
 	unsigned maj, min;
 	int n = 0;
+	int dm = sysfs_dm_fd(path);
+	if (dm != -2)
+		return dm;
 	if (sscanf(path, "/sys/dev/block/%u:%u/bdi/read_ahead_kb%n", &maj, &min, &n) != 2 || n == 0 ||
 	    path[n] != 0 || maj != DM_MAJOR)
 		return -2;
@@ -563,18 +649,9 @@ static int sysfs_fd(const char *path)
 	}
 	uint64_t sectors;
 	memcpy(&sectors, b, 8);
-	int out = memfd_create("read_ahead_kb", MFD_CLOEXEC);
-	if (out < 0)
-		return -1;
 	char line[32];
-	int k = snprintf(line, sizeof(line), "%llu\n", (unsigned long long)(sectors / 2));
-	if (write(out, line, (size_t)k) != k) {
-		get_close()(out);
-		errno = EIO;
-		return -1;
-	}
-	lseek(out, 0, SEEK_SET);
-	return out;
+	snprintf(line, sizeof(line), "%llu\n", (unsigned long long)(sectors / 2));
+	return text_fd("read_ahead_kb", line);
 }
 
 /* The block-device ioctls programs ask of a device, answered from its file. */
@@ -687,13 +764,33 @@ static int blk_stat(int fd, struct stat *st)
 /* struct stat and struct stat64 are one layout on 64-bit Linux. */
 _Static_assert(sizeof(struct stat) == sizeof(struct stat64), "stat64 layout");
 
+/* A block device that is a dmkit device's block device: its device-mapper
+ * number. Returns `rc` (the real call's result), for the stat wrappers. */
+static int dm_number(int rc, struct stat *st)
+{
+	if (rc != 0 || !numbers_dir[0] || !S_ISBLK(st->st_mode) || major(st->st_rdev) == DM_MAJOR)
+		return rc;
+	char p[sizeof(numbers_dir) + 32], t[32];
+	snprintf(p, sizeof(p), "%s/%u:%u", numbers_dir, major(st->st_rdev), minor(st->st_rdev));
+	int e = errno;
+	ssize_t n = readlink(p, t, sizeof(t) - 1);
+	errno = e;
+	unsigned maj, min;
+	if (n > 0) {
+		t[n] = 0;
+		if (sscanf(t, "%u:%u", &maj, &min) == 2)
+			st->st_rdev = makedev(maj, min);
+	}
+	return rc;
+}
+
 int stat(const char *path, struct stat *st)
 {
 	if (is_control(path)) {
 		control_stat(st);
 		return 0;
 	}
-	return get_stat()(path, st);
+	return dm_number(get_stat()(path, st), st);
 }
 
 int stat64(const char *path, struct stat64 *st)
@@ -702,7 +799,7 @@ int stat64(const char *path, struct stat64 *st)
 		control_stat((struct stat *)st);
 		return 0;
 	}
-	return get_stat64()(path, st);
+	return dm_number(get_stat64()(path, st), (struct stat *)st);
 }
 
 int lstat(const char *path, struct stat *st)
@@ -711,7 +808,7 @@ int lstat(const char *path, struct stat *st)
 		control_stat(st);
 		return 0;
 	}
-	return get_lstat()(path, st);
+	return dm_number(get_lstat()(path, st), st);
 }
 
 int lstat64(const char *path, struct stat64 *st)
@@ -720,7 +817,7 @@ int lstat64(const char *path, struct stat64 *st)
 		control_stat((struct stat *)st);
 		return 0;
 	}
-	return get_lstat64()(path, st);
+	return dm_number(get_lstat64()(path, st), (struct stat *)st);
 }
 
 int fstat(int fd, struct stat *st)
@@ -731,7 +828,7 @@ int fstat(int fd, struct stat *st)
 	}
 	if (is_blk(fd))
 		return get_fstat()(fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
-	return get_fstat()(fd, st);
+	return dm_number(get_fstat()(fd, st), st);
 }
 
 int fstat64(int fd, struct stat64 *st)
@@ -742,7 +839,7 @@ int fstat64(int fd, struct stat64 *st)
 	}
 	if (is_blk(fd))
 		return get_fstat64()(fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
-	return get_fstat64()(fd, st);
+	return dm_number(get_fstat64()(fd, st), (struct stat *)st);
 }
 
 /* The entries binaries built against glibc before 2.33 call. */
@@ -752,7 +849,7 @@ int __xstat(int ver, const char *path, struct stat *st)
 		control_stat(st);
 		return 0;
 	}
-	return get___xstat()(ver, path, st);
+	return dm_number(get___xstat()(ver, path, st), st);
 }
 
 int __xstat64(int ver, const char *path, struct stat64 *st)
@@ -761,7 +858,7 @@ int __xstat64(int ver, const char *path, struct stat64 *st)
 		control_stat((struct stat *)st);
 		return 0;
 	}
-	return get___xstat64()(ver, path, st);
+	return dm_number(get___xstat64()(ver, path, st), (struct stat *)st);
 }
 
 int __lxstat(int ver, const char *path, struct stat *st)
@@ -770,7 +867,7 @@ int __lxstat(int ver, const char *path, struct stat *st)
 		control_stat(st);
 		return 0;
 	}
-	return get___lxstat()(ver, path, st);
+	return dm_number(get___lxstat()(ver, path, st), st);
 }
 
 int __lxstat64(int ver, const char *path, struct stat64 *st)
@@ -779,7 +876,7 @@ int __lxstat64(int ver, const char *path, struct stat64 *st)
 		control_stat((struct stat *)st);
 		return 0;
 	}
-	return get___lxstat64()(ver, path, st);
+	return dm_number(get___lxstat64()(ver, path, st), (struct stat *)st);
 }
 
 int __fxstat(int ver, int fd, struct stat *st)
@@ -790,7 +887,7 @@ int __fxstat(int ver, int fd, struct stat *st)
 	}
 	if (is_blk(fd))
 		return get___fxstat()(ver, fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
-	return get___fxstat()(ver, fd, st);
+	return dm_number(get___fxstat()(ver, fd, st), st);
 }
 
 int __fxstat64(int ver, int fd, struct stat64 *st)
@@ -801,5 +898,5 @@ int __fxstat64(int ver, int fd, struct stat64 *st)
 	}
 	if (is_blk(fd))
 		return get___fxstat64()(ver, fd, st) != 0 ? -1 : blk_stat(fd, (struct stat *)st);
-	return get___fxstat64()(ver, fd, st);
+	return dm_number(get___fxstat64()(ver, fd, st), (struct stat *)st);
 }

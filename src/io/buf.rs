@@ -43,6 +43,25 @@ impl AlignedBuf {
         &mut self.raw[self.start..self.start + self.len]
     }
 
+    /// Let the kernel take the buffer's pages back if memory runs short
+    /// (MADV_FREE): its contents become zero or stay as they were. For buffers
+    /// that are large but rarely full (a ublk tag's, sized for the largest
+    /// request), so a device that once saw large requests does not keep their
+    /// memory.
+    pub fn release(&mut self) {
+        let len = self.len & !(BUF_ALIGN - 1);
+        if len == 0 {
+            return;
+        }
+        let p = self.as_mut_ptr();
+        // SAFETY: [p, p + len) is inside this buffer's allocation, page-aligned
+        // (BUF_ALIGN is the page size) and owned by `&mut self`: nothing else
+        // reads or writes it during the call, and MADV_FREE only lets the kernel
+        // replace its pages by zero ones, which any byte values allow.
+        let r = unsafe { libc::madvise(p.cast(), len, libc::MADV_FREE) };
+        debug_assert!(r == 0 || r == -1);
+    }
+
     pub fn as_ptr(&self) -> *const u8 {
         self.as_slice().as_ptr()
     }

@@ -23,6 +23,11 @@
 #                        shared libraries), space-separated absolute paths
 #   ORACLE_MODULES       more modules to load, paths under kernel/ (before the
 #                        modules that need them)
+#   ORACLE_FILES         more host files for the guest, at the same paths (with
+#                        the shared libraries of those that are ELF objects)
+#   ORACLE_DM_LATE=1     the device-mapper modules (drivers/md/) are not loaded at
+#                        boot: the script loads them with `load_dm` when it wants
+#                        the kernel's device-mapper (until then the guest has none)
 #   ORACLE_SMP, ORACLE_MEM  the guest's CPUs (default 1) and MiB (default 512)
 # Exit status: qemu's (0 normally), 124 on timeout, 77 when a prerequisite
 # (package, kernel download) could not be had.
@@ -106,10 +111,18 @@ mkdir -p "$ROOT"/{bin,sbin,proc,sys,dev,tmp,mod}
 cp "$BUSYBOX" "$ROOT/bin/busybox"
 cp -L "$DMSETUP" "$ROOT/sbin/dmsetup"
 # each binary with the shared libraries it loads
-for bin in "$DMSETUP" ${ORACLE_BINS:-}; do
-  [ -x "$bin" ] || { echo "oracle: $bin missing" >&2; exit 1; }
-  [ "$bin" = "$DMSETUP" ] || cp -L "$bin" "$ROOT/bin/${bin##*/}"
-  for lib in $(ldd "$bin" | grep -o '/[^ ]*'); do
+for f in ${ORACLE_FILES:-}; do
+  [ -e "$f" ] || { echo "oracle: $f missing" >&2; exit 1; }
+  mkdir -p "$ROOT$(dirname "$f")"
+  cp -L "$f" "$ROOT$f"
+done
+for bin in "$DMSETUP" ${ORACLE_BINS:-} ${ORACLE_FILES:-}; do
+  [ -x "$bin" ] || [ -f "$bin" ] || { echo "oracle: $bin missing" >&2; exit 1; }
+  case " ${ORACLE_FILES:-} " in
+    *" $bin "*) ;; # at its own path already
+    *) [ "$bin" = "$DMSETUP" ] || cp -L "$bin" "$ROOT/bin/${bin##*/}" ;;
+  esac
+  for lib in $(ldd "$bin" 2>/dev/null | grep -o '/[^ ]*' || true); do
     mkdir -p "$ROOT$(dirname "$lib")"
     cp -L "$lib" "$ROOT$lib"
   done
@@ -133,6 +146,7 @@ drivers/md/dm-snapshot.ko
 ${ORACLE_MODULES:-}
 "
 list=""
+late=""
 for m in $MODULES; do
   src=$MODDIR/$m
   if [ -f "$src.xz" ]; then
@@ -143,8 +157,16 @@ for m in $MODULES; do
     for ext in .zst .gz; do [ -f "$src$ext" ] && { echo "oracle: compressed module $src$ext not supported" >&2; exit 1; }; done
     continue # built in
   fi
-  list="$list ${m##*/}"
+  case "${ORACLE_DM_LATE:-}:$m" in
+    1:drivers/md/*) late="$late ${m##*/}" ;;
+    *) list="$list ${m##*/}" ;;
+  esac
 done
+cat >"$ROOT/bin/load_dm" <<LATE
+#!/bin/busybox sh
+for m in $late; do insmod /mod/\$m || echo "ORACLE-INSMOD-FAILED \$m"; done
+LATE
+chmod +x "$ROOT/bin/load_dm"
 cp "$SCRIPT" "$ROOT/oracle-test.sh"
 cat >"$ROOT/init" <<EOF
 #!/bin/busybox sh

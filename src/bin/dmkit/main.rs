@@ -286,6 +286,12 @@ struct ServeArgs {
     /// requests the kernel held meanwhile
     #[arg(long)]
     restore: bool,
+    /// Make every device a kernel block device through ublk (as `dmkit attach`)
+    /// when a table is resumed on it, and remove that block device with it: the
+    /// /dev/mapper/NAME nodes programs behind the door (LVM) make then open the
+    /// device, and filesystems on it mount (needs root and ublk_drv)
+    #[arg(long)]
+    attach: bool,
 }
 
 fn main() {
@@ -388,6 +394,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 copy_subjob_kb: a.copy_subjob_kb,
                 writecache_lru_writeback: a.writecache_lru_writeback,
                 restore: a.restore,
+                attach: a.attach,
                 ready,
             })?;
             Ok(0)

@@ -27,6 +27,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// The run directory's folder mapping block device numbers to dmkit's
+/// (see [`Frontend::set_map_dir`]).
+pub const MAP_DIR: &str = "block-numbers";
+
 /// Requests each queue holds at once.
 const QUEUE_DEPTH: u16 = 128;
 /// Largest request (the device's max_sectors is this).
@@ -43,6 +47,10 @@ struct Attached {
     cdev: Arc<std::fs::File>,
     /// /dev/mapper/NAME, if we made it.
     link: Option<PathBuf>,
+    /// The size and logical block size the block device was started with.
+    shape: (u64, u32),
+    /// The map entry naming the block device's number (see [`Frontend::set_map_dir`]).
+    map_entry: Option<PathBuf>,
 }
 
 impl Attached {
@@ -60,6 +68,8 @@ pub struct Frontend {
     attaching: Mutex<()>,
     /// Attaching is refused (fuzzing the control protocol makes no block devices).
     disabled: bool,
+    /// Where each block device's number is mapped to its dmkit device's.
+    map_dir: std::sync::OnceLock<PathBuf>,
 }
 
 /// How many queues a device gets: one per core, at most 4.
@@ -208,7 +218,8 @@ impl Frontend {
                 return Err(format!("{name}: {e}"));
             }
         };
-        a.link = link(&name, id);
+        a.link = link(&name, id, dev.minor);
+        a.map_entry = self.map(dev, id);
         tracing::info!(
             "{name}: {} as {} ({} queues of {}; driver features: {})",
             if fresh { "attached" } else { "recovered" },
@@ -309,6 +320,8 @@ impl Frontend {
             ctl: qctl.clone(),
             cdev: cdev.clone(),
             link: None,
+            shape: (dev.size_sectors(), dev.logical_block_size()),
+            map_entry: None,
         };
         let mut failed = None;
         for q_id in 0..info.nr_hw_queues {
@@ -360,7 +373,7 @@ impl Frontend {
             let _ = h.join();
         }
         drop(a.cdev);
-        if let Some(l) = a.link {
+        for l in [a.link, a.map_entry].into_iter().flatten() {
             let _ = std::fs::remove_file(l);
         }
     }
@@ -374,16 +387,10 @@ impl Frontend {
             return Err(format!("{name}: not attached"));
         };
         let path = list[i].block_device();
-        if let Err(e) = rustix::fs::open(
-            &path,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        ) {
-            if e == rustix::io::Errno::BUSY {
-                return Err(format!(
-                    "{name}: {path} is in use (mounted, or held by another device); unmount it first"
-                ));
-            }
+        if held(&path) {
+            return Err(format!(
+                "{name}: {path} is in use (mounted, or held by another device); unmount it first"
+            ));
         }
         let mut ctl = Control::open()?;
         let a = list.remove(i);
@@ -429,6 +436,59 @@ impl Frontend {
         Ok(())
     }
 
+    /// Record, in `dir`, each block device's number as a link to its dmkit
+    /// device's: `dir/MAJOR:MINOR -> 253:N`. The door's library reads it to give
+    /// programs the device-mapper number of a node that is the ublk device (as
+    /// /dev/mapper/NAME is), so libdevmapper and LVM see one device.
+    pub fn set_map_dir(&self, dir: PathBuf) {
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            tracing::warn!("{}: {e}", dir.display());
+        }
+        let _ = self.map_dir.set(dir);
+    }
+
+    fn map(&self, dev: &Device, id: u32) -> Option<PathBuf> {
+        let dir = self.map_dir.get()?;
+        let path = format!("/dev/ublkb{id}");
+        let rdev = match std::fs::metadata(&path) {
+            Ok(m) => std::os::unix::fs::MetadataExt::rdev(&m),
+            Err(e) => {
+                tracing::warn!("{path}: {e}");
+                return None;
+            }
+        };
+        let entry = dir.join(format!("{}:{}", libc::major(rdev), libc::minor(rdev)));
+        let _ = std::fs::remove_file(&entry);
+        let target = format!("{}:{}", crate::mapper::DM_MAJOR, dev.minor);
+        match std::os::unix::fs::symlink(target, &entry) {
+            Ok(()) => Some(entry),
+            Err(e) => {
+                tracing::warn!("{}: {e}", entry.display());
+                None
+            }
+        }
+    }
+
+    /// Whether `dev`'s block device is held (mounted, or opened exclusively),
+    /// which counts in its open count as the kernel's holders do.
+    pub fn held(&self, dev: &Arc<Device>) -> bool {
+        let path = match self.list().iter().find(|a| Arc::ptr_eq(&a.dev, dev)) {
+            Some(a) => a.block_device(),
+            None => return false,
+        };
+        held(&path)
+    }
+
+    /// Whether `dev`'s live table no longer fits the block device it is attached
+    /// as (its size or logical block size changed at a resume).
+    pub fn misfits(&self, dev: &Arc<Device>) -> bool {
+        self.list()
+            .iter()
+            .find(|a| Arc::ptr_eq(&a.dev, dev))
+            .is_some_and(|a| a.shape != (dev.size_sectors(), dev.logical_block_size()))
+    }
+
     /// The device was renamed: move its /dev/mapper link.
     pub fn renamed(&self, dev: &Arc<Device>) {
         let mut list = self.list();
@@ -436,7 +496,7 @@ impl Frontend {
             if let Some(l) = a.link.take() {
                 let _ = std::fs::remove_file(l);
             }
-            a.link = link(&dev.name(), a.id);
+            a.link = link(&dev.name(), a.id, dev.minor);
         }
     }
 
@@ -451,13 +511,31 @@ impl Frontend {
     }
 }
 
-/// /dev/mapper/NAME -> ../ublkbN, unless something else has that name.
-fn link(name: &str, id: u32) -> Option<PathBuf> {
+/// Whether the block device at `path` is held: an exclusive open of it fails
+/// because a filesystem or another exclusive holder has it.
+fn held(path: &str) -> bool {
+    matches!(
+        rustix::fs::open(
+            path,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ),
+        Err(rustix::io::Errno::BUSY)
+    )
+}
+
+/// /dev/mapper/NAME -> ../ublkbN, unless something else has that name (a node
+/// of the device's own device-mapper number, made by libdevmapper, is replaced).
+fn link(name: &str, id: u32, minor: u32) -> Option<PathBuf> {
     let dir = PathBuf::from("/dev/mapper");
     let _ = std::fs::create_dir_all(&dir);
     let l = dir.join(name);
     let target = format!("../ublkb{id}");
-    let ours = std::fs::read_link(&l).is_ok_and(|t| t.to_string_lossy().starts_with("../ublkb"));
+    let ours = std::fs::read_link(&l).is_ok_and(|t| t.to_string_lossy().starts_with("../ublkb"))
+        || l.symlink_metadata().is_ok_and(|m| {
+            use std::os::unix::fs::{FileTypeExt, MetadataExt};
+            m.file_type().is_block_device() && m.rdev() == libc::makedev(crate::mapper::DM_MAJOR, minor)
+        });
     if ours {
         let _ = std::fs::remove_file(&l);
     } else if l.symlink_metadata().is_ok() {

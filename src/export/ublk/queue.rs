@@ -138,6 +138,13 @@ impl Drop for Descs {
     }
 }
 
+/// A request larger than this leaves its tag's buffer released to the kernel
+/// afterwards: each tag's buffer is sized for the largest request (512 KiB, 64
+/// MiB for a queue of 128), and a device that once saw large requests would
+/// otherwise keep all of it resident; smaller requests, the common ones, cost
+/// no system call.
+const RELEASE_OVER: u64 = 32 << 10;
+
 struct Queue {
     engine: Engine,
     /// The device this queue serves.
@@ -156,6 +163,9 @@ struct Queue {
     cmds: usize,
     /// Tags whose last command the driver refused (see `refused`).
     refused: Vec<bool>,
+    /// Tags whose buffer a large read filled, to be released at its next use
+    /// that does not need its contents (see [`RELEASE_OVER`]).
+    filled: Vec<bool>,
     /// Requests with the engine.
     in_flight: usize,
     /// Fetched while paused: left to the driver for the next daemon.
@@ -202,6 +212,7 @@ impl Queue {
             tag_of: vec![0; usize::from(s.depth)],
             cmds: 0,
             refused: vec![false; usize::from(s.depth)],
+            filled: vec![false; usize::from(s.depth)],
             in_flight: 0,
             held: 0,
             paused: false,
@@ -349,6 +360,11 @@ impl Queue {
             q.nr_sectors = 0;
             return self.engine.complete(slot, error);
         };
+        if op == Op::Read && std::mem::take(&mut self.filled[usize::from(tag)]) {
+            // the last read's data reached the driver at its commit
+            self.bufs[usize::from(tag)].release();
+        }
+        let q = self.engine.request_mut(slot);
         std::mem::swap(&mut q.buf, &mut self.bufs[usize::from(tag)]);
         q.op = op;
         q.sector = if op == Op::Flush { 0 } else { d.start_sector };
@@ -378,6 +394,17 @@ impl Queue {
         } else {
             0
         };
+        let large = q.nr_sectors * SECTOR > RELEASE_OVER;
+        match q.op {
+            // the driver copied a write's data in before the request came: it
+            // needs nothing from the buffer at the commit
+            Op::Write if large || std::mem::take(&mut self.filled[usize::from(tag)]) => {
+                self.bufs[usize::from(tag)].release()
+            }
+            // the driver copies a read's data out at this commit: released later
+            Op::Read if large => self.filled[usize::from(tag)] = true,
+            _ => {}
+        }
         self.engine.free(slot);
         self.in_flight -= 1;
         self.command(sys::IO_COMMIT_AND_FETCH_REQ, tag, result);
