@@ -18,6 +18,9 @@ REPS=${1:-9}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 truncate -s 256M "$work/pv.img"
+truncate -s 1M "$work/small.img"
+# coreutils date (nanoseconds) under a name busybox does not take
+ln -s "$(command -v date)" "$work/gdate"
 cat >"$work/guest.sh" <<GUEST
 set -e
 mkdir -p /etc/lvm /run/lock/lvm /run/lvm /run/dmkit /tmp
@@ -28,39 +31,43 @@ global { use_lvmpolld = 0 thin_check_executable = "/bin/thin_check" event_activa
 activation { udev_sync = 0 udev_rules = 0 monitoring = 0 }
 CONF
 export LVM_SUPPRESS_FD_WARNINGS=1 LC_ALL=C DM_DEV_DIR=/dev
-ms() { echo \$(( (\$(date +%s%N) - \$1) / 1000 )); }
+cat > /side.sh <<'SIDE'
+# one side's timings, run in one shell (with the door open, for dmkit: as
+# dmkit exec -- bash makes it for a session), so no process start but the
+# commands' own is counted
+P=\$1
+ms() { echo \$(( (\$(gdate +%s%N) - \$1) / 1000 )); }
 median() { sort -n | awk '{a[NR]=\$1} END {print a[int((NR+1)/2)]}'; }
-side() {
-  P=\$1
-  for i in \$(seq $REPS); do
-    t=\$(date +%s%N); \$X dmsetup create z\$i --table "0 8 zero"; \$X dmsetup remove z\$i; ms \$t
-  done | median | sed "s/^/BENCH \$P create+remove /"
-  for i in \$(seq 1000); do echo "z\$i"; done > /tmp/names
-  \$X sh -c 'while read n; do dmsetup create --notable "\$n"; done < /tmp/names'
-  for i in \$(seq $REPS); do t=\$(date +%s%N); \$X dmsetup status > /dev/null; ms \$t; done | median | sed "s/^/BENCH \$P status-1000 /"
-  \$X dmsetup remove_all
-  \$X lvm pvcreate -q /dev/vda
-  \$X lvm vgcreate -q vg /dev/vda
-  \$X lvm lvcreate -q -y --type thin-pool -L 64M -n pool vg
-  for i in \$(seq $REPS); do
-    t=\$(date +%s%N); \$X lvm lvcreate -q -y -V 16M -T vg/pool -n t\$i; \$X lvm lvremove -q -y vg/t\$i; ms \$t
-  done | median | sed "s/^/BENCH \$P lvcreate+lvremove /"
-  \$X lvm vgremove -q -y vg
-  \$X lvm pvremove -q -y /dev/vda
-}
+for i in \$(seq REPS); do
+  t=\$(gdate +%s%N); dmsetup create z\$i --table "0 2048 linear /dev/vdb 0"; dmsetup remove z\$i; ms \$t
+done | median | sed "s/^/BENCH \$P create+remove /"
+for i in \$(seq 1000); do dmsetup create --notable "n\$i"; done
+for i in \$(seq REPS); do t=\$(gdate +%s%N); dmsetup status > /dev/null; ms \$t; done | median | sed "s/^/BENCH \$P status-1000 /"
+dmsetup remove_all
+lvm pvcreate -q /dev/vda
+lvm vgcreate -q vg /dev/vda
+lvm lvcreate -q -y --type thin-pool -L 64M -n pool vg > /dev/null
+for i in \$(seq REPS); do
+  t=\$(gdate +%s%N); lvm lvcreate -q -y -V 16M -T vg/pool -n t\$i > /dev/null; lvm lvremove -q -y vg/t\$i > /dev/null; ms \$t
+done | median | sed "s/^/BENCH \$P lvcreate+lvremove /"
+lvm vgremove -q -y vg
+lvm pvremove -q -y /dev/vda
+SIDE
+sed -i "s/REPS/$REPS/" /side.sh
 dmkit serve --run-dir /run/dmkit --attach > /tmp/dmkit.log 2>&1 &
 D=\$!
 i=0; while [ ! -S /run/dmkit/control.sock ] && [ \$i -lt 300 ]; do sleep 0.1; i=\$((i+1)); done
-X="dmkit --run-dir /run/dmkit exec --" side dmkit
+dmkit --run-dir /run/dmkit exec -- sh /side.sh dmkit
 kill \$D; wait \$D || true
 load_dm
-X= side kernel
+sh /side.sh kernel
 GUEST
-bins="$PWD/target/release/dmkit $(command -v lvm || echo /usr/sbin/lvm) $(command -v date)"
+bins="$PWD/target/release/dmkit $(command -v lvm || echo /usr/sbin/lvm) $work/gdate"
 out=$(ORACLE_BINS="$bins" ORACLE_MODULES="drivers/block/ublk_drv.ko" ORACLE_DM_LATE=1 \
   DMKIT_ORACLE_KERNEL=6.12 DMKIT_ORACLE_TIMEOUT=1800 ORACLE_MEM=1024 \
-  bash tests/oracle/run.sh "$work/guest.sh" "$work/pv.img")
-echo "$out" | grep '^BENCH' >"$work/bench" || { echo "$out" | tail -40; exit 1; }
+  bash tests/oracle/run.sh "$work/guest.sh" "$work/pv.img" "$work/small.img")
+echo "$out" > "${BENCH_SERIAL:-/dev/null}"
+echo "$out" | grep "^BENCH" >"$work/bench" || { echo "$out" | tail -40; exit 1; }
 echo "| operation (median of $REPS, µs in the emulated guest) | dmkit through the door | kernel dm | ratio |"
 echo "|---|---|---|---|"
 for op in create+remove status-1000 lvcreate+lvremove; do

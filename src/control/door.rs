@@ -97,9 +97,11 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
     // DM_DEV_ARM_POLL: the events seen when it was armed
     let mut armed: Option<u64> = None;
     let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+    // a frame's parts (header, buffer, directory) in one read where they fit
+    let mut rd = io::BufReader::with_capacity(64 << 10, s.try_clone()?);
     loop {
         if let Some(seen) = armed {
-            while !readable(fd, POLL_TICK_MS) {
+            while rd.buffer().is_empty() && !readable(fd, POLL_TICK_MS) {
                 if global_events(ctx) != seen {
                     let mut notice = [0u8; 12];
                     notice[..4].copy_from_slice(&POLL_NOTICE.to_le_bytes());
@@ -110,7 +112,7 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
             }
         }
         let mut h = [0u8; 12];
-        match s.read_exact(&mut h) {
+        match rd.read_exact(&mut h) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
@@ -124,9 +126,9 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
             ));
         }
         let mut buf = vec![0u8; len as usize];
-        s.read_exact(&mut buf)?;
+        rd.read_exact(&mut buf)?;
         let mut cwd = vec![0u8; cwd_len as usize];
-        s.read_exact(&mut cwd)?;
+        rd.read_exact(&mut cwd)?;
         let cwd = String::from_utf8_lossy(&cwd).into_owned();
         // the type and number bytes name the command (the size is the header's)
         let arms = request & 0xffff == Cmd::DevArmPoll.request() & 0xffff;

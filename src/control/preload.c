@@ -38,6 +38,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <sys/xattr.h>
@@ -68,12 +69,18 @@ static unsigned char ours[MAX_FD];
  * one control node; made again after a fork. */
 static __thread int thread_conn = -1;
 static __thread pid_t thread_pid;
+/* This thread's buffer for whole replies (read_reply). */
+static __thread char *reply_buf;
+static __thread size_t reply_cap;
 static pthread_key_t conn_key;
 static pthread_once_t conn_once = PTHREAD_ONCE_INIT;
 
 /* A thread's connection goes with the thread. */
 static void conn_gone(void *v)
 {
+	free(reply_buf);
+	reply_buf = NULL;
+	reply_cap = 0;
 	int fd = (int)(intptr_t)v - 1;
 	if (fd >= 0 && fd < MAX_FD && ours[fd] == 2 && thread_conn == fd) {
 		ours[fd] = 0;
@@ -422,6 +429,39 @@ static int write_all(int fd, const void *p, size_t n)
 	return 0;
 }
 
+/* A request's header, buffer and directory in one system call where the
+ * socket takes them at once; 0, or -1 when it failed. */
+static int send_frame(int fd, const void *head, const void *buf, size_t len, const char *cwd, size_t cwd_len)
+{
+	struct iovec iov[3] = {
+		{(void *)head, 12},
+		{(void *)buf, len},
+		{(void *)cwd, cwd_len},
+	};
+	struct msghdr m;
+	memset(&m, 0, sizeof(m));
+	m.msg_iov = iov;
+	m.msg_iovlen = 3;
+	ssize_t w;
+	do
+		w = sendmsg(fd, &m, MSG_NOSIGNAL);
+	while (w < 0 && errno == EINTR);
+	if (w < 0)
+		return -1;
+	/* the rest, part by part, when the socket took less */
+	size_t done = (size_t)w;
+	for (int i = 0; i < 3; i++) {
+		if (done >= iov[i].iov_len) {
+			done -= iov[i].iov_len;
+			continue;
+		}
+		if (write_all(fd, (const char *)iov[i].iov_base + done, iov[i].iov_len - done))
+			return -1;
+		done = 0;
+	}
+	return 0;
+}
+
 /* -1: failed; -2: interrupted by a signal (only when `interruptible`). */
 static int read_all(int fd, void *p, size_t n, int interruptible)
 {
@@ -441,8 +481,49 @@ static int read_all(int fd, void *p, size_t n, int interruptible)
 	return 0;
 }
 
+/*
+ * A reply on a thread's connection (which carries nothing else) in as few
+ * reads as it arrives in, usually one: the header into `rep`, the bytes to
+ * copy back into `buf` (at most `len`), and in `*early` the first bytes of the
+ * reason that came with them (`*early_len`, at most the reason's length).
+ * 0, or -1 when the connection failed or the reply does not fit.
+ */
+static int read_reply(int fd, int32_t rep[3], void *buf, uint32_t len, const char **early, uint32_t *early_len)
+{
+	size_t want = 12 + (size_t)len + 512;
+	if (reply_cap < want) {
+		char *b = realloc(reply_buf, want);
+		if (!b)
+			return -1;
+		reply_buf = b;
+		reply_cap = want;
+	}
+	size_t have = 0;
+	while (have < 12) {
+		ssize_t k = read(fd, reply_buf + have, want - have);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return -1;
+		have += (size_t)k;
+	}
+	memcpy(rep, reply_buf, 12);
+	uint32_t body = (uint32_t)rep[1], why = (uint32_t)rep[2];
+	if (body > len || (size_t)body + why + 12 < have)
+		return -1;
+	size_t got = have - 12;
+	size_t in_body = got < body ? got : body;
+	memcpy(buf, reply_buf + 12, in_body);
+	if (in_body < body && read_all(fd, (char *)buf + in_body, body - in_body, 0))
+		return -1;
+	*early = reply_buf + 12 + in_body;
+	*early_len = (uint32_t)(got - in_body);
+	return 0;
+}
+
 #define DM_DEV_WAIT_NR 8u
 #define DM_DEV_ARM_POLL_NR 16u
+#define DM_TABLE_LOAD_NR 9u
 /* door.rs POLL_NOTICE: the daemon's frame for an event on an armed descriptor */
 #define POLL_NOTICE 0x7fffdc02
 
@@ -497,19 +578,30 @@ static int exchange(uint32_t request, void *buf, uint32_t len, int quiet)
  * events that came before the reply are skipped). */
 static int exchange_on(int fd, int own, uint32_t request, void *buf, uint32_t len, int quiet)
 {
+	/* the working directory, for the relative paths of a table */
 	char cwd[4096];
-	if (!getcwd(cwd, sizeof(cwd)))
+	cwd[0] = 0;
+	if ((request & 0xff) == DM_TABLE_LOAD_NR && !getcwd(cwd, sizeof(cwd)))
 		cwd[0] = 0;
 	uint32_t head[3] = {request, len, (uint32_t)strlen(cwd)};
 	int32_t rep[3] = {0, 0, 0};
 	int err = 0;
 	int waits = ((request & 0xff) == DM_DEV_WAIT_NR) && ((request >> 8) & 0xff) == 0xfd;
 	int r = 0;
-	int failed = write_all(fd, head, sizeof(head)) || write_all(fd, buf, len) || write_all(fd, cwd, head[2]);
-	while (!failed && !(r = read_all(fd, rep, sizeof(rep), waits)) && rep[0] == POLL_NOTICE && rep[1] == 0 &&
-	       rep[2] == 0)
-		; /* an event's notice, sent before the reply */
-	if (failed || r || (uint32_t)rep[1] > len || read_all(fd, buf, (uint32_t)rep[1], 0)) {
+	int failed = send_frame(fd, head, buf, len, cwd, head[2]);
+	/* the reason's bytes that came with the reply (see read_reply) */
+	const char *early = NULL;
+	uint32_t early_len = 0;
+	if (!failed && own && !waits) {
+		r = read_reply(fd, rep, buf, len, &early, &early_len);
+	} else {
+		while (!failed && !(r = read_all(fd, rep, sizeof(rep), waits)) && rep[0] == POLL_NOTICE &&
+		       rep[1] == 0 && rep[2] == 0)
+			; /* an event's notice, sent before the reply */
+		if (!failed && !r && ((uint32_t)rep[1] > len || read_all(fd, buf, (uint32_t)rep[1], 0)))
+			r = -1;
+	}
+	if (failed || r) {
 		if (own)
 			drop_thread_conn();
 		if (r == -2)
@@ -522,6 +614,11 @@ static int exchange_on(int fd, int own, uint32_t request, void *buf, uint32_t le
 		char msg[512];
 		if (show)
 			fputs("dmkit: ", stderr);
+		if (early_len) {
+			if (show)
+				fwrite(early, 1, early_len, stderr);
+			why -= early_len;
+		}
 		while (why) {
 			uint32_t k = why < sizeof(msg) ? why : (uint32_t)sizeof(msg);
 			if (read_all(fd, msg, k, 0)) {
