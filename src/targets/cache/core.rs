@@ -117,6 +117,13 @@ impl Core {
         })
     }
 
+    fn discarded(&self, oblock: u64, bs: u64) -> bool {
+        let d = oblock * bs / self.discard_sectors;
+        self.discarded
+            .get((d / 64) as usize)
+            .is_some_and(|w| w & (1u64 << (d % 64)) != 0)
+    }
+
     fn clear_discard(&mut self, oblock: u64, bs: u64) {
         let d = oblock * bs / self.discard_sectors;
         if let Some(w) = self.discarded.get_mut((d / 64) as usize) {
@@ -336,7 +343,11 @@ impl Shared {
             core.policy.tick(now);
         }
         let hit = core.map.get(&b).copied();
-        let queued = core.policy.lookup(b, hit, write);
+        // the kernel's optimisable bio: promoted at once while blocks are free
+        let fast = write
+            && self.features.mode == IoMode::Writeback
+            && ((bio.sector % bs == 0 && bio.nr_sectors == bs) || core.discarded(b, bs));
+        let queued = core.policy.lookup(b, hit, write, fast);
         let Some(c) = hit else {
             if write {
                 core.stats.write_miss = core.stats.write_miss.wrapping_add(1);
