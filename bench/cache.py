@@ -14,7 +14,18 @@ copying as many bytes from the cache file to the origin file (conv=fdatasync).
 Files in --dir (O_DIRECT needs a real filesystem). Writes section
 `cache-writeback`.
 
+With --zipf: the policy on a Zipf trace (fio `zipf:1.2`, a fixed seed, 4 KiB
+reads over a 320 MiB origin, a 64 MiB cache: 20% of it). In the 6.12 guest
+(tests/oracle/run.sh, one boot): the same rate-limited trace through the
+kernel's dm-cache + dm-cache-smq and through dmkit's cache attached with
+ublk, each a fresh cache over its own virtio disks; the hit rate is the read
+hits / (hits + misses) the status lines gained over the trace's second half.
+On the host: the trace's IOPS (QD16, after a warm-up) through dmkit's cache
+over an origin slowed by a `delay` target (1 ms) against the slowed origin
+alone. Writes section `cache-zipf`.
+
 Usage: bench/cache.py [--reps 3] [--runtime 5] [--hot-mib 16]
+       bench/cache.py --zipf [--reps 3] [--runtime 10] [--ios 12000] [--rate 300]
        bench/cache.py --writeback [--reps 3] [--hot-mib 192] [--dir /var/tmp]
 """
 import argparse, os, shutil, subprocess, sys, tempfile, time
@@ -155,15 +166,159 @@ def writeback_main(a):
     print("\n".join(lines))
 
 
+ZIPF_ORIGIN_MIB = 320
+ZIPF_CACHE_MIB = 64
+ZIPF_TRACE = ["--rw=randread", "--bs=4k", "--random_distribution=zipf:1.2", f"--size={ZIPF_ORIGIN_MIB}M"]
+ZIPF = ZIPF_TRACE + ["--randseed=34"]
+
+
+def read_hits(status_line):
+    """(read hits, read misses) of a cache status line `0 <len> cache ...`."""
+    f = status_line.split()
+    return int(f[7]), int(f[8])
+
+
+def zipf_guest(ios, rate):
+    """{'kernel': hit rate, 'dmkit': hit rate} of the trace's second half in the guest."""
+    sec = ZIPF_ORIGIN_MIB * MIB // 512
+    table = lambda m, c, o: f"0 {sec} cache {m} {c} {o} 128 0 smq 0"  # noqa: E731
+    half = ios // 2
+    script = f"""
+set -e
+mkdir -p /run/dmkit /tmp
+trace() {{
+  fio --name=z --filename=$1 --ioengine=psync --direct=1 {' '.join(ZIPF_TRACE)} --randseed=$2 \\
+      --number_ios={half} --rate_iops={rate} > /tmp/fio 2>&1 || {{ cat /tmp/fio; exit 1; }}
+}}
+dmsetup create k --table "{table('/dev/vda', '/dev/vdb', '/dev/vdc')}"
+trace /dev/mapper/k 34
+echo "ORACLE kernel-half $(dmsetup status k)"
+trace /dev/mapper/k 35
+echo "ORACLE kernel-end $(dmsetup status k)"
+dmsetup remove k
+D="dmkit --run-dir /run/dmkit"
+dmkit serve --run-dir /run/dmkit > /tmp/dmkit.log 2>&1 &
+i=0; while [ ! -S /run/dmkit/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+$D create c --table "{table('/dev/vdd', '/dev/vde', '/dev/vdf')}"
+$D attach c > /dev/null
+trace /dev/mapper/c 34
+echo "ORACLE dmkit-half $($D status c)"
+trace /dev/mapper/c 35
+echo "ORACLE dmkit-end $($D status c)"
+"""
+    tmp = tempfile.mkdtemp(dir="/var/tmp")
+    try:
+        disks = []
+        for who in ("k", "d"):
+            for n, size in (("meta", 8), ("cache", ZIPF_CACHE_MIB), ("origin", ZIPF_ORIGIN_MIB)):
+                p = os.path.join(tmp, f"{who}-{n}.img")
+                sparse(p, size * MIB)
+                disks.append(p)
+        sp = os.path.join(tmp, "guest.sh")
+        with open(sp, "w") as f:
+            f.write(script)
+        env = dict(os.environ, DMKIT_ORACLE_KERNEL="6.12", DMKIT_ORACLE_TIMEOUT="1800",
+                   ORACLE_BINS=f"{run.DMKIT} {shutil.which('fio')}",
+                   ORACLE_MODULES="drivers/md/dm-cache.ko drivers/md/dm-cache-smq.ko drivers/block/ublk_drv.ko")
+        p = subprocess.run(["bash", os.path.join(run.ROOT, "tests/oracle/run.sh"), sp] + disks,
+                           capture_output=True, text=True, env=env)
+        marks = {}
+        for line in p.stdout.splitlines():
+            if line.startswith("ORACLE ") and " " in line[7:]:
+                k, v = line[7:].split(" ", 1)
+                marks[k] = v
+        if p.returncode != 0 or "ORACLE-EXIT 0" not in p.stdout:
+            raise RuntimeError(f"guest run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}")
+        out = {}
+        for who in ("kernel", "dmkit"):
+            h0, m0 = read_hits(marks[f"{who}-half"])
+            h1, m1 = read_hits(marks[f"{who}-end"])
+            out[who] = (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))
+            print(f"  {who}: {marks[f'{who}-end']}", file=sys.stderr)
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def zipf_host(tmp, kind, runtime, warm):
+    """(IOPS, hit rate while measured or None) of the trace on the host."""
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    sec = ZIPF_ORIGIN_MIB * MIB // 512
+    meta, cache, origin = (os.path.join(shm, n) for n in ("meta.img", "cache.img", "origin.img"))
+    for p, size in ((meta, 8 * MIB), (cache, ZIPF_CACHE_MIB * MIB), (origin, ZIPF_ORIGIN_MIB * MIB)):
+        sparse(p, size)
+    d = run.Dmkit(tmp)
+    try:
+        d.cli("create", "slow", "--table", f"0 {sec} delay {origin} 0 1")
+        hit = None
+        if kind == "cache":
+            d.cli("create", "dev", "--table", f"0 {sec} cache {meta} {cache} /dev/mapper/slow 128 0 smq 0")
+            run.fio(["--ioengine=nbd", f"--uri={d.uri('dev')}", "--iodepth=16"] + ZIPF, warm)
+            h0, m0 = read_hits(d.cli("status", "dev"))
+        else:
+            d.cli("create", "dev", "--table", f"0 {sec} linear /dev/mapper/slow 0")
+        ios, _ = run.fio(["--ioengine=nbd", f"--uri={d.uri('dev')}", "--iodepth=16"] + ZIPF, runtime)
+        if kind == "cache":
+            h1, m1 = read_hits(d.cli("status", "dev"))
+            hit = (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))
+        return ios, hit
+    finally:
+        d.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def zipf_main(a):
+    cmd = (f"python3 bench/cache.py --zipf --reps {a.reps} --runtime {a.runtime} --warm {a.warm} "
+           f"--ios {a.ios} --rate {a.rate}")
+    res = {"cache": [], "origin": []}
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        for _ in range(a.reps):
+            for k in res:
+                res[k].append(zipf_host(tmp, k, a.runtime, a.warm))
+                print(f"  {k}: {run.fmt(res[k][-1][0])} IOPS, hit rate {res[k][-1][1]}", file=sys.stderr)
+    guest = zipf_guest(a.ios, a.rate)
+    c, o = run.med([r[0] for r in res["cache"]]), run.med([r[0] for r in res["origin"]])
+    hit_host = run.med([r[1] for r in res["cache"]])
+    k, d = guest["kernel"], guest["dmkit"]
+    lines = ["## dm-cache policy on a Zipf trace (issue 34, bench/cache.py --zipf)\n",
+             f"`{cmd}`. The trace: fio randread 4 KiB, `--random_distribution=zipf:1.2 --randseed=34`, over a "
+             f"{ZIPF_ORIGIN_MIB} MiB origin; the cache {ZIPF_CACHE_MIB} MiB (20% of it), 64 KiB blocks, `smq`.\n",
+             f"Hit rate, Linux 6.12 guest (one boot, tests/oracle/run.sh, qemu TCG): {a.ios} reads at {a.rate} IOPS "
+             "(psync, O_DIRECT), the first half with seed 34 as warm-up, the second with seed 35; read hits / "
+             "(hits + misses) gained by the status line over the second half. The kernel's dm-cache over three "
+             "virtio disks, then dmkit's cache (attached with ublk) over three fresh ones.\n",
+             "| cache | hit rate, second half | vs the kernel |",
+             "|---|---|---|",
+             f"| kernel dm-cache + dm-cache-smq | {k:.3f} | 1.00 |",
+             f"| dmkit cache (smq) | {d:.3f} | **{d / k if k else 0:.2f}** |",
+             "\nGoal: dmkit ≥ 0.95× the kernel's hit rate.\n",
+             f"IOPS on the host, medians of {a.reps} reps: fio's nbd engine, QD16, the trace for {a.warm} s "
+             f"(warm-up), then {a.runtime} s measured; origin behind a `delay` target (1 ms per I/O); "
+             "files on /dev/shm.\n",
+             "| device | IOPS | hit rate while measured | vs the slowed origin alone |",
+             "|---|---|---|---|",
+             f"| cache over the slowed origin | {run.fmt(c)} | {hit_host:.3f} | **{c / o:.2f}** |",
+             f"| the slowed origin alone | {run.fmt(o)} | — | 1.00 |",
+             "\nGoal: ≥ 5× the slowed origin alone.\n"]
+    run.write_section(a.out, "cache-zipf", lines)
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=5)
     ap.add_argument("--hot-mib", type=int, default=None)
     ap.add_argument("--writeback", action="store_true")
+    ap.add_argument("--zipf", action="store_true")
+    ap.add_argument("--warm", type=int, default=20)
+    ap.add_argument("--ios", type=int, default=12000)
+    ap.add_argument("--rate", type=int, default=300)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
     a = ap.parse_args()
+    if a.zipf:
+        return zipf_main(a)
     if a.writeback:
         a.hot_mib = a.hot_mib or 192
         return writeback_main(a)

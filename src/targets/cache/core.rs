@@ -349,7 +349,7 @@ impl Shared {
         // the kernel's optimisable bio: promoted at once while blocks are free
         let fast = write
             && self.features.mode == IoMode::Writeback
-            && ((bio.sector % bs == 0 && bio.nr_sectors == bs) || core.discarded(b, bs));
+            && ((bio.sector.is_multiple_of(bs) && bio.nr_sectors == bs) || core.discarded(b, bs));
         let queued = core.policy.lookup(b, hit, write, fast);
         let Some(c) = hit else {
             if write {
