@@ -26,7 +26,7 @@ alone. Writes section `cache-zipf`.
 
 Usage: bench/cache.py [--reps 3] [--runtime 5] [--hot-mib 16]
        bench/cache.py --zipf [--reps 3] [--runtime 10] [--ios 12000] [--rate 300]
-       bench/cache.py --writeback [--reps 3] [--hot-mib 192] [--dir /var/tmp]
+       bench/cache.py --writeback [--reps 3] [--hot-mib 768] [--dir /var/tmp]
 """
 import argparse, os, shutil, subprocess, sys, tempfile, time
 
@@ -37,8 +37,8 @@ MIB = 1 << 20
 ORIGIN_MIB = 256
 CACHE_MIB = 64
 # --writeback: a larger cache, so the fixed costs (a reload, a suspend) weigh little
-WB_ORIGIN_MIB = 1024
-WB_CACHE_MIB = 256
+WB_ORIGIN_MIB = 4096
+WB_CACHE_MIB = 1024
 
 
 def sparse(path, size):
@@ -120,7 +120,7 @@ def writeback_once(tmp, dirn, hot):
             while dirty_of(d, "c") > 0:
                 if time.time() - t0 > 300:
                     raise RuntimeError(f"the cleaner did not finish in 300 s: {d.cli('status', 'c')}")
-                time.sleep(0.002)
+                time.sleep(0.01)  # (each poll is a process: few, to leave the CPUs to the cleaner)
             # what it wrote made durable, as before lvconvert retires the cache
             d.cli("suspend", "c")
             t_clean = time.time() - t0
@@ -320,7 +320,7 @@ def main():
     if a.zipf:
         return zipf_main(a)
     if a.writeback:
-        a.hot_mib = a.hot_mib or 192
+        a.hot_mib = a.hot_mib or 768
         return writeback_main(a)
     a.hot_mib = a.hot_mib or 16
     cmd = f"python3 bench/cache.py --reps {a.reps} --runtime {a.runtime} --hot-mib {a.hot_mib}"
