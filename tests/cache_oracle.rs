@@ -20,7 +20,7 @@ mod thin_util;
 
 use common::nbd::Client;
 use common::{pattern, read_all, tool_path, Daemon, Rng, Scratch, BIN};
-use oracle::{marker, markers, md5, GUEST_HELPERS};
+use oracle::{marker, markers, md5, DMKIT_GUEST, EXT4_UBLK_MODULES, GUEST_HELPERS};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -304,11 +304,8 @@ fn ext4_through_the_cache_then_retired_to_the_bare_origin() {
     let script = format!(
         r#"
 set -e
-mkdir -p /run/dmkit /mnt /tmp /etc
-ln -sf /bin/mke2fs /bin/mkfs.ext4
-D="dmkit --run-dir /run/dmkit"
-dmkit serve --run-dir /run/dmkit > /tmp/dmkit.log 2>&1 &
-i=0; while [ ! -S /run/dmkit/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+{DMKIT_GUEST}
+start
 dirty() {{ $D status c | cut -d' ' -f14; }}
 fsck() {{ e2fsck -fn $1 > /tmp/fsck 2>&1 && echo clean || {{ echo dirty; cat /tmp/fsck >&2; }}; }}
 same() {{ echo 3 > /proc/sys/vm/drop_caches; (cd /mnt && md5sum -c /tmp/sums > /dev/null 2>&1) && echo same || echo differ; }}
@@ -348,10 +345,9 @@ echo "ORACLE fsck-origin $(fsck /dev/vdc)"
 echo "ORACLE log-errors $(grep -ci "panic\|error" /tmp/dmkit.log)"
 "#
     );
-    let modules = "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
     let env = [
         ("ORACLE_BINS", bins.as_str()),
-        ("ORACLE_MODULES", modules),
+        ("ORACLE_MODULES", EXT4_UBLK_MODULES),
         ("DMKIT_ORACLE_KERNEL", "6.12"),
         ("DMKIT_ORACLE_TIMEOUT", "600"),
     ];
