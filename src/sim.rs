@@ -12,6 +12,9 @@
 //!   durable by a completed flush or FUA) or a write issued after that one, and
 //!   never a sector of another device or another place, nor bytes never written;
 //! - thin-pool metadata passes dmkit's checker after every trial;
+//! - era: every block a write landed in (acknowledged, or found on the origin
+//!   after the crash) is marked in the era metadata as written in the era the
+//!   write was issued in or a later one;
 //! - nothing panics.
 //!
 //! Trials run in-process through the device registry and dm-io, without the
@@ -34,6 +37,14 @@ const SECTOR: u64 = 512;
 /// Writes and reads are in 4 KiB units (the writecache block size).
 const BLOCK: u64 = 4096;
 const SPB: u64 = BLOCK / SECTOR;
+/// The cache stack: blocks of 32 KiB, 16 of them in the cache, over the
+/// first 2 MiB of the origin the workload writes (64 blocks), so blocks are
+/// promoted and the cache fills.
+const CACHE_BLOCK: u64 = 64;
+const CACHE_BLOCKS: u64 = 16;
+const CACHE_SPAN: u64 = (2 << 20) / SECTOR;
+/// The era stack's blocks: 16 KiB, so writes share and straddle them.
+const ERA_BLOCK: u64 = 32;
 
 /// The device stacks a trial can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +55,11 @@ pub enum Stack {
     Writecache,
     /// snapshot-origin with one persistent snapshot.
     Snapshot,
+    /// cache (writeback, smq) over an origin file with a cache of 16 blocks,
+    /// switched to `cleaner` and back by its messages.
+    Cache,
+    /// era over an origin file, with checkpoints and metadata snapshots.
+    Era,
 }
 
 impl Stack {
@@ -52,6 +68,8 @@ impl Stack {
             Stack::Thin => "thin",
             Stack::Writecache => "writecache",
             Stack::Snapshot => "snapshot",
+            Stack::Cache => "cache",
+            Stack::Era => "era",
         }
     }
     pub fn parse(s: &str) -> Option<Stack> {
@@ -59,6 +77,8 @@ impl Stack {
             "thin" => Some(Stack::Thin),
             "writecache" => Some(Stack::Writecache),
             "snapshot" => Some(Stack::Snapshot),
+            "cache" => Some(Stack::Cache),
+            "era" => Some(Stack::Era),
             _ => None,
         }
     }
@@ -104,6 +124,12 @@ pub struct Outcome {
     pub crash: Option<CrashKind>,
     /// Metadata images the reference thin_check agreed on.
     pub ref_checked: u64,
+    /// cache: blocks promoted before the crash, and written back by the
+    /// `cleaner` (dirty blocks gone while it ran).
+    pub promotions: u64,
+    pub writebacks: u64,
+    /// era: blocks whose marks were checked after the crash.
+    pub era_blocks_checked: u64,
 }
 
 /// The command that replays a trial.
@@ -356,6 +382,16 @@ struct Trial {
     /// Writes under way when an injected I/O error was noticed: their
     /// acknowledgement proves nothing.
     undefined: Vec<u64>,
+    /// cache: the `cleaner` policy is loaded, and the dirty count when it was;
+    /// the promotion count of the live table when it was loaded (each table
+    /// starts from what the metadata saved).
+    cleaning: Option<u64>,
+    promotions_at_load: u64,
+    /// era: the current era, the era each write was issued in, and for each
+    /// block the latest era a write to it that must be marked was issued in.
+    era_now: u32,
+    era_of: HashMap<u64, u32>,
+    era_must: BTreeMap<u64, u32>,
 }
 
 /// A workload request under way.
@@ -519,6 +555,11 @@ fn new_trial(o: &Options, dir: &Path, disk: Arc<SimDisk>) -> Trial {
         acks: 0,
         pace: Rng::new(o.seed ^ 0x9ace_0000_0000_0001),
         undefined: Vec::new(),
+        cleaning: None,
+        promotions_at_load: 0,
+        era_now: 0,
+        era_of: HashMap::new(),
+        era_must: BTreeMap::new(),
     }
 }
 
@@ -538,6 +579,12 @@ fn run_workload(
         Stack::Thin => &[("meta", 4 << 20), ("data", 16 << 20)],
         Stack::Writecache => &[("origin", 8 << 20), ("cache", 1 << 20)],
         Stack::Snapshot => &[("origin", 8 << 20), ("cow", 12 << 20)],
+        Stack::Cache => &[
+            ("meta", 2 << 20),
+            ("cache", CACHE_BLOCKS * CACHE_BLOCK * SECTOR),
+            ("origin", 8 << 20),
+        ],
+        Stack::Era => &[("meta", 2 << 20), ("origin", 8 << 20)],
     };
     for (n, bytes) in sizes {
         let p = dir.join(n);
@@ -584,6 +631,12 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     });
     let mut t = run_workload(o, dir, at, fail)?;
     trace(|| format!("before the crash: {:?}", t.reg.table_lines(None, true, false)));
+    if o.stack == Stack::Cache {
+        t.count_promotions();
+        if let (Some(before), Some(now)) = (t.cleaning, t.status_field("cache", 10)) {
+            t.out.writebacks += before.saturating_sub(now);
+        }
+    }
     t.out.crash = Some(kind);
     t.out.depth = t.depth;
     t.out.crashed_mid_op = t.disk.frozen();
@@ -621,6 +674,9 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     trace(|| format!("after the crash: {:?}", t.reg.table_lines(None, true, false)));
     t.verify_all()?;
     t.teardown();
+    if o.stack == Stack::Era {
+        t.check_era_marks()?;
+    }
     if o.stack == Stack::Thin {
         let meta = &t.files[0];
         let dev = crate::pdata::FileDev::open(meta, false).map_err(|e| format!("{}: {e}", meta.display()))?;
@@ -785,6 +841,22 @@ impl Trial {
                 self.single_device("wc", sectors, again);
                 Ok(())
             }
+            Stack::Cache => {
+                let table = self.cache_table("smq");
+                self.reg.create("cache", Some(&table), false, None).map_err(e)?;
+                self.single_device("cache", CACHE_SPAN, again);
+                self.cleaning = None;
+                self.promotions_at_load = self.status_field("cache", 9).unwrap_or(0);
+                Ok(())
+            }
+            Stack::Era => {
+                let sectors = (8 << 20) / SECTOR;
+                let table = format!("0 {sectors} era {} {} {ERA_BLOCK}", self.path(0), self.path(1));
+                self.reg.create("era", Some(&table), false, None).map_err(e)?;
+                self.single_device("era", sectors, again);
+                self.era_now = self.current_era().unwrap_or(0);
+                Ok(())
+            }
             Stack::Snapshot => {
                 let sectors = (8 << 20) / SECTOR;
                 let table = format!("0 {sectors} snapshot-origin {}", self.path(0));
@@ -816,6 +888,83 @@ impl Trial {
             key: 0,
             span: sectors,
         }];
+    }
+
+    /// The cache stack's table with `policy`: writeback, over the whole origin.
+    fn cache_table(&self, policy: &str) -> String {
+        format!(
+            "0 {} cache {} {} {} {CACHE_BLOCK} 1 writeback {policy} 0",
+            (8 << 20) / SECTOR,
+            self.path(0),
+            self.path(1),
+            self.path(2)
+        )
+    }
+
+    /// Field `i` of a device's status after its target name (None when the
+    /// status does not have it: a failed target).
+    fn status_field(&self, name: &str, i: usize) -> Option<u64> {
+        let st = self.reg.table_lines(Some(name), true, false).ok()?;
+        st.split_whitespace().nth(3 + i)?.parse().ok()
+    }
+
+    /// cache: count the promotions of the live table since it was loaded.
+    fn count_promotions(&mut self) {
+        let now = self.status_field("cache", 9).unwrap_or(0);
+        self.out.promotions += now.saturating_sub(self.promotions_at_load);
+        self.promotions_at_load = now;
+    }
+
+    /// era: the current era, as its status says.
+    fn current_era(&self) -> Option<u32> {
+        self.status_field("era", 2).and_then(|e| u32::try_from(e).ok())
+    }
+
+    /// Load `table` into device `name` and make it live, as lvconvert does
+    /// (suspend, resume). Err: the device may be left suspended.
+    fn reload(&mut self, name: &str, table: &str) -> Result<(), String> {
+        self.reg.load(name, table).map_err(|e| format!("load: {e}"))?;
+        self.reg
+            .suspend(name, false)
+            .map_err(|e| format!("suspend: {e}"))?;
+        self.reg.resume(name).map_err(|e| format!("resume: {e}"))
+    }
+
+    /// era: a write issued in era `era` landed in sectors `sector..+n`, so the
+    /// blocks they cover must be marked in that era or a later one.
+    fn era_requires(must: &mut BTreeMap<u64, u32>, sector: u64, n: u64, era: u32) {
+        for b in sector / ERA_BLOCK..(sector + n).div_ceil(ERA_BLOCK) {
+            let e = must.entry(b).or_insert(era);
+            *e = (*e).max(era);
+        }
+    }
+
+    /// era, after the crash and the recovery: every block a write landed in is
+    /// marked in the era metadata as written in the write's era or later.
+    fn check_era_marks(&mut self) -> Result<(), String> {
+        let meta = self.files[0].clone();
+        let mut eras: Vec<u32> = self.era_must.values().copied().collect();
+        eras.sort_unstable();
+        eras.dedup();
+        for since in eras {
+            let dev =
+                crate::pdata::FileDev::open(&meta, false).map_err(|e| format!("{}: {e}", meta.display()))?;
+            let (nr, marked) = crate::era::tools::marked_since(Box::new(dev), since, false)
+                .map_err(|e| format!("era metadata after the crash: {e}"))?;
+            for (&b, _) in self.era_must.iter().filter(|&(_, &e)| e == since) {
+                let is = b < nr
+                    && marked
+                        .get((b / 64) as usize)
+                        .is_some_and(|w| w & (1 << (b % 64)) != 0);
+                if !is {
+                    return Err(format!(
+                        "era: block {b} was written in era {since} and is not marked as written since then after the crash"
+                    ));
+                }
+                self.out.era_blocks_checked += 1;
+            }
+        }
+        Ok(())
     }
 
     const THIN_SECTORS: u64 = (8 << 20) / SECTOR;
@@ -965,6 +1114,9 @@ impl Trial {
         let fua = self.rng.chance(15);
         let id = self.next_id;
         self.next_id += 1;
+        if self.o.stack == Stack::Era {
+            self.era_of.insert(id, self.era_now);
+        }
         let key = self.devs[di].key;
         let owner = self.owner(key);
         let mut buf = vec![0u8; (n * SECTOR) as usize];
@@ -1144,6 +1296,9 @@ impl Trial {
                     let seq = self.acks;
                     self.model(key).ack(sector, n, id, fua, seq);
                     self.out.acked_writes += 1;
+                    if let Some(&era) = self.era_of.get(&id) {
+                        Self::era_requires(&mut self.era_must, sector, n, era);
+                    }
                 }
             }
             Req::Read { key, sector, .. } => {
@@ -1230,6 +1385,55 @@ impl Trial {
                 trace(|| format!("message flush: {r:?}"));
                 Ok(())
             }
+            Stack::Cache => {
+                // to `cleaner` (every dirty block written back while the
+                // workload goes on) and back to `smq`, as lvconvert switches
+                if self.rng.chance(60) {
+                    return self.write(di);
+                }
+                if self.rng.chance(25) {
+                    let v = 64 * self.rng.below(64);
+                    let r = self
+                        .reg
+                        .message("cache", 0, &words(&format!("migration_threshold {v}")));
+                    trace(|| format!("message migration_threshold {v}: {r:?}"));
+                    return Ok(());
+                }
+                let policy = if self.cleaning.is_some() { "smq" } else { "cleaner" };
+                let dirty = self.status_field("cache", 10);
+                self.count_promotions();
+                let table = self.cache_table(policy);
+                let r = self.reload("cache", &table);
+                trace(|| format!("switch to {policy} with {dirty:?} dirty: {r:?}"));
+                match r {
+                    Ok(()) => {
+                        if let (Some(before), Some(now)) = (self.cleaning, dirty) {
+                            self.out.writebacks += before.saturating_sub(now);
+                        }
+                        self.cleaning = (policy == "cleaner").then(|| dirty.unwrap_or(0));
+                        self.promotions_at_load = self.status_field("cache", 9).unwrap_or(0);
+                    }
+                    Err(_) => {
+                        // (an injected error) the device may be suspended:
+                        // the workload leaves it until the crash
+                        self.devs.clear();
+                    }
+                }
+                Ok(())
+            }
+            Stack::Era => {
+                let m = match self.rng.below(5) {
+                    0 => "take_metadata_snap",
+                    1 => "drop_metadata_snap",
+                    _ => "checkpoint",
+                };
+                let r = self.reg.message("era", 0, &words(m));
+                trace(|| format!("message {m}: {r:?}"));
+                if let Some(e) = self.current_era() {
+                    self.era_now = self.era_now.max(e);
+                }
+                Ok(())
+            }
             Stack::Snapshot => {
                 // one snapshot per trial: model key 1 once it is taken
                 if self.models.contains_key(&1) {
@@ -1313,6 +1517,9 @@ impl Trial {
                 let sec = s0 + i as u64;
                 let sm = m.and_then(|m| m.sectors.get(&sec)).unwrap_or(&empty);
                 let got = identify(s, owner, sec).map_err(|e| format!("{name}: after the crash: {e}"))?;
+                if let Some(&era) = self.era_of.get(&got) {
+                    Self::era_requires(&mut self.era_must, sec, 1, era);
+                }
                 // after an injected I/O error, what was acknowledged and not
                 // yet durable is undefined (see `note_failures`): a kill then
                 // keeps what a crash would
@@ -1359,6 +1566,11 @@ pub struct Summary {
     pub at_end: u64,
     /// Metadata images on which the reference thin_check agreed with dmkit's.
     pub ref_checked: u64,
+    /// cache: blocks promoted and written back (by the cleaner), all trials.
+    pub promotions: u64,
+    pub writebacks: u64,
+    /// era: block marks checked after crashes.
+    pub era_blocks_checked: u64,
 }
 
 /// Run `trials` trials with seeds `base.seed`, `base.seed + 1`, ...; stop at the
@@ -1379,6 +1591,9 @@ pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
                 sum.crashed_mid_op += u64::from(out.crashed_mid_op);
                 sum.with_io_errors += u64::from(out.io_errors_injected > 0);
                 sum.ref_checked += out.ref_checked;
+                sum.promotions += out.promotions;
+                sum.writebacks += out.writebacks;
+                sum.era_blocks_checked += out.era_blocks_checked;
                 match out.crash {
                     Some(CrashKind::CommitFlush) => sum.at_commit_flush += 1,
                     Some(CrashKind::Write) => sum.at_write += 1,

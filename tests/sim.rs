@@ -27,7 +27,8 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
     let s = sim::run_trials(&o, trials, false);
     eprintln!(
         "{}{}: {} trials, {} crashed mid-workload ({} at a flush inside a commit, {} after a chosen write, {} at the end), \
-         {} with an I/O error, {} writes acknowledged, {} sectors checked, {} metadata images agreed on by the reference thin_check",
+         {} with an I/O error, {} writes acknowledged, {} sectors checked, {} metadata images agreed on by the reference thin_check, \
+         {} blocks promoted, {} written back by the cleaner, {} era marks checked",
         stack.name(),
         if kill { " (killed)" } else { "" },
         s.trials,
@@ -38,7 +39,10 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
         s.with_io_errors,
         s.acked_writes,
         s.sectors_checked,
-        s.ref_checked
+        s.ref_checked,
+        s.promotions,
+        s.writebacks,
+        s.era_blocks_checked
     );
     let report: Vec<String> = s
         .failures
@@ -74,7 +78,23 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
     } else {
         assert_eq!(s.ref_checked, 0);
     }
-    assert!(s.acked_writes > trials * 20 && s.sectors_checked > trials * 8192);
+    // the cache stack's workload spans 2 MiB of its origin, the others 4 MiB or more
+    let span = if stack == Stack::Cache { 4096 } else { 8192 };
+    assert!(s.acked_writes > trials * 20 && s.sectors_checked >= trials * span);
+    match stack {
+        Stack::Cache => assert!(
+            s.promotions > trials && s.writebacks > trials / 10,
+            "migrations: {} promotions, {} writebacks by the cleaner",
+            s.promotions,
+            s.writebacks
+        ),
+        Stack::Era => assert!(
+            s.era_blocks_checked > trials * 20,
+            "{} era marks checked",
+            s.era_blocks_checked
+        ),
+        _ => assert_eq!((s.promotions, s.writebacks, s.era_blocks_checked), (0, 0, 0)),
+    }
     if io_errors {
         assert!(
             s.with_io_errors > trials / 20,
@@ -96,6 +116,20 @@ fn writecache_crash_trials() {
 #[test]
 fn snapshot_crash_trials() {
     run(Stack::Snapshot, 0, 300, true);
+}
+
+/// cache (writeback, smq) with 16 cache blocks: whole-block writes promoted,
+/// the cleaner switched in and out writing dirty blocks back under the load.
+#[test]
+fn cache_crash_trials() {
+    run(Stack::Cache, 0, 300, true);
+}
+
+/// era with checkpoints and metadata snapshots: the data as any stack's, and
+/// every block written is marked in its era or a later one after the crash.
+#[test]
+fn era_crash_trials() {
+    run(Stack::Era, 0, 300, true);
 }
 
 /// The crash is a kill of the daemon (`dmkit sim --kill`): every write issued

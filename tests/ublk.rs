@@ -31,6 +31,7 @@
 mod common;
 mod oracle;
 use common::{tool_path, Scratch, BIN};
+use oracle::{DMKIT_GUEST, EXT4_UBLK_MODULES};
 
 const MIB: u64 = 1 << 20;
 
@@ -58,16 +59,7 @@ fn ublk_block_devices_restart_under_a_mounted_filesystem() {
     let script = format!(
         r#"
 set -e
-mkdir -p /run/dmkit /mnt /tmp /etc
-ln -sf /bin/mke2fs /bin/mkfs.ext4
-D="dmkit --run-dir /run/dmkit"
-start() {{
-  rm -f /run/dmkit/control.sock
-  dmkit serve --run-dir /run/dmkit $1 >> /tmp/dmkit.log 2>&1 &
-  echo $! > /tmp/pid
-  i=0; while [ ! -S /run/dmkit/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
-  $D version > /dev/null
-}}
+{DMKIT_GUEST}
 start
 $D create lin --table "0 {lin} linear /dev/vda 0"
 $D create pool --table "0 {data} thin-pool /dev/vdb /dev/vdc 128 0"
@@ -214,10 +206,9 @@ echo "ORACLE log-panics $(grep -ci panic /tmp/dmkit.log)"
 echo "ORACLE log-errors $(grep ERROR /tmp/dmkit.log | grep -v "lost\|could not be restored" | wc -l)"
 "#
     );
-    let modules = "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
     let env = [
         ("ORACLE_BINS", bins.as_str()),
-        ("ORACLE_MODULES", modules),
+        ("ORACLE_MODULES", EXT4_UBLK_MODULES),
         ("DMKIT_ORACLE_KERNEL", "6.12"),
         ("DMKIT_ORACLE_TIMEOUT", "900"),
     ];

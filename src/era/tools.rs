@@ -184,12 +184,9 @@ pub fn dump(dev: Box<dyn MetadataDev>, logical: bool, out: &mut dyn Write) -> Re
     w.flush().map_err(io)
 }
 
-/// era_invalidate: the blocks written in era `since` or later, as 1.x lists
-/// them: those of the archived writesets from `since` on and, when the oldest
-/// archived writeset is younger than `since`, those the era array dates from
-/// `since` on. The current writeset is not read (a live device's is taken in
-/// by a metadata snapshot, which archives it).
-pub fn invalidate(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<String> {
+/// The blocks written in era `since` or later, as era_invalidate finds them:
+/// the origin's size in blocks and a bitset of them (64 a word).
+pub fn marked_since(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<(u64, Vec<u64>)> {
     let mut tm = reader(dev);
     let sb = superblock(&mut tm, snap)?;
     let nr = sb.nr_blocks as u64;
@@ -213,6 +210,16 @@ pub fn invalidate(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<S
             Ok(())
         })?;
     }
+    Ok((nr, marked))
+}
+
+/// era_invalidate: the blocks written in era `since` or later, as 1.x lists
+/// them: those of the archived writesets from `since` on and, when the oldest
+/// archived writeset is younger than `since`, those the era array dates from
+/// `since` on. The current writeset is not read (a live device's is taken in
+/// by a metadata snapshot, which archives it).
+pub fn invalidate(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<String> {
+    let (nr, marked) = marked_since(dev, since, snap)?;
     let mut out = String::from("<blocks>\n");
     let mut b = 0u64;
     let is = |b: u64| marked[(b / 64) as usize] & (1 << (b % 64)) != 0;

@@ -182,6 +182,29 @@ fn run(
     Ok(())
 }
 
+/// Copy `(source sector, destination sector, sectors)` regions from `src` to
+/// `dst` as one job when both are files (the copier gathers the regions that
+/// follow each other on `dst` into larger writes, several at once), else one
+/// region after another. Returns when all of it is written (not durable).
+pub fn copy_regions(
+    copier: &crate::copier::Copier,
+    src: &Dest,
+    dst: &Dest,
+    regions: &[(u64, u64, u64)],
+) -> io::Result<()> {
+    if let (Dest::File(s), Dest::File(d)) = (src, dst) {
+        let bytes: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .map(|&(a, b, n)| (a * SECTOR, b * SECTOR, n * SECTOR))
+            .collect();
+        return copier.copy_regions(s, d, &bytes, false);
+    }
+    for &(a, b, n) in regions {
+        copy(copier, src, a, dst, b, n, false)?;
+    }
+    Ok(())
+}
+
 /// Copy `sectors` from `src` at `src_sector` to `dst` at `dst_sector`: through the
 /// copy engine between files, in 1 MiB pieces through dm-io otherwise; with `fua`
 /// every write to `dst` carries FUA.

@@ -19,6 +19,27 @@ sum() { echo 3 > /proc/sys/vm/drop_caches; md5sum < "$1" | cut -d' ' -f1; }
 mk() { dmsetup create "$1" --table "$2"; dmsetup mknodes; }
 "#;
 
+/// Shell for guest scripts that run dmkit (its binary in `ORACLE_BINS`): the
+/// directories, `mkfs.ext4`, `$D` (the CLI of the daemon on /run/dmkit) and
+/// `start [ARGS]`: the daemon started (its pid in /tmp/pid, its log appended
+/// to /tmp/dmkit.log), back once it answers.
+pub const DMKIT_GUEST: &str = r#"
+mkdir -p /run/dmkit /mnt /tmp /etc
+ln -sf /bin/mke2fs /bin/mkfs.ext4
+D="dmkit --run-dir /run/dmkit"
+start() {
+  rm -f /run/dmkit/control.sock
+  dmkit serve --run-dir /run/dmkit $1 >> /tmp/dmkit.log 2>&1 &
+  echo $! > /tmp/pid
+  i=0; while [ ! -S /run/dmkit/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+  $D version > /dev/null
+}
+"#;
+
+/// The modules (`ORACLE_MODULES`) for ext4 on a ublk device in the 6.12 guest.
+pub const EXT4_UBLK_MODULES: &str =
+    "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
+
 /// Boot the kernel with `script` (written into `dir`) and the disks; the serial
 /// output.
 pub fn run(dir: &Path, script: &str, disks: &[&Path]) -> String {

@@ -193,7 +193,8 @@ enum LuksCmd {
 
 #[derive(clap::Args, Debug)]
 struct SimArgs {
-    /// The stack: thin (thin-pool, thins, snapshots), writecache, snapshot
+    /// The stack: thin (thin-pool, thins, snapshots), writecache, snapshot,
+    /// cache (writeback smq, switched to cleaner and back), era
     #[arg(long, default_value = "thin")]
     stack: String,
     /// The first trial's seed
@@ -632,8 +633,12 @@ fn device_files(run_dir: &Path) -> std::result::Result<std::path::PathBuf, Strin
 
 fn sim(a: SimArgs) -> Result<i32> {
     use dmkit::sim;
-    let stack = sim::Stack::parse(&a.stack)
-        .ok_or_else(|| anyhow::anyhow!("--stack {}: one of thin, writecache, snapshot", a.stack))?;
+    let stack = sim::Stack::parse(&a.stack).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--stack {}: one of thin, writecache, snapshot, cache, era",
+            a.stack
+        )
+    })?;
     let o = sim::Options {
         stack,
         seed: a.seed,
@@ -654,7 +659,7 @@ fn sim(a: SimArgs) -> Result<i32> {
         "{} trials of {} ({} crashed mid-workload: {} at a flush inside a commit, {} after a chosen write, \
          {} after the last operation; {} hit an injected I/O error; {} metadata images checked by the \
          reference thin_check too): {} failed; \
-         {} writes acknowledged, {} flushes, {} sectors checked after crashes; {:.1} s",
+         {} writes acknowledged, {} flushes, {} sectors checked after crashes{}; {:.1} s",
         s.trials,
         stack.name(),
         s.crashed_mid_op,
@@ -667,6 +672,14 @@ fn sim(a: SimArgs) -> Result<i32> {
         s.acked_writes,
         s.flushes,
         s.sectors_checked,
+        match stack {
+            sim::Stack::Cache => format!(
+                "; {} blocks promoted, {} written back by the cleaner",
+                s.promotions, s.writebacks
+            ),
+            sim::Stack::Era => format!("; {} era marks checked", s.era_blocks_checked),
+            _ => String::new(),
+        },
         t.elapsed().as_secs_f64()
     );
     Ok(if s.failures.is_empty() { 0 } else { 1 })

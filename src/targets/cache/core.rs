@@ -117,6 +117,13 @@ impl Core {
         })
     }
 
+    fn discarded(&self, oblock: u64, bs: u64) -> bool {
+        let d = oblock * bs / self.discard_sectors;
+        self.discarded
+            .get((d / 64) as usize)
+            .is_some_and(|w| w & (1u64 << (d % 64)) != 0)
+    }
+
     fn clear_discard(&mut self, oblock: u64, bs: u64) {
         let d = oblock * bs / self.discard_sectors;
         if let Some(w) = self.discarded.get_mut((d / 64) as usize) {
@@ -207,6 +214,8 @@ pub struct Shared {
     last_io: AtomicU64,
     suspended: AtomicBool,
     failed: AtomicBool,
+    /// Blocks were written back since the origin was last flushed.
+    wb_unflushed: AtomicBool,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -259,6 +268,7 @@ impl Shared {
             last_io: AtomicU64::new(0),
             suspended: AtomicBool::new(true),
             failed: AtomicBool::new(false),
+            wb_unflushed: AtomicBool::new(false),
             worker: Mutex::new(None),
         });
         let s = Arc::downgrade(&st);
@@ -336,7 +346,11 @@ impl Shared {
             core.policy.tick(now);
         }
         let hit = core.map.get(&b).copied();
-        let queued = core.policy.lookup(b, hit, write);
+        // the kernel's optimisable bio: promoted at once while blocks are free
+        let fast = write
+            && self.features.mode == IoMode::Writeback
+            && ((bio.sector.is_multiple_of(bs) && bio.nr_sectors == bs) || core.discarded(b, bs));
+        let queued = core.policy.lookup(b, hit, write, fast);
         let Some(c) = hit else {
             if write {
                 core.stats.write_miss = core.stats.write_miss.wrapping_add(1);
@@ -531,6 +545,18 @@ impl Shared {
         if m.failed || m.md.is_none() {
             return;
         }
+        // the blocks written back are on the origin before the metadata says
+        // they are clean
+        if self.wb_unflushed.swap(false, Ordering::SeqCst) {
+            if let Err(e) = devio::flush(&self.origin) {
+                tracing::error!("cache: flushing the origin after writebacks failed: {e}");
+                self.wb_unflushed.store(true, Ordering::SeqCst);
+                if let Err(e) = commit(&mut m, false) {
+                    tracing::error!("cache: could not write cache metadata: {e}");
+                }
+                return;
+            }
+        }
         let core = self.core.lock().unpoisoned();
         let r = (|| -> Result<(), String> {
             let Md { md, on_disk_dirty, .. } = &mut *m;
@@ -658,19 +684,30 @@ impl Shared {
         }
         self.drain_epoch();
         let bs = self.bs;
+        // the writebacks as one copy, in the policy's order (the cleaner's is
+        // by origin block): runs of origin blocks become large writes
+        let wbs: Vec<(u64, u64, u64)> = batch
+            .iter()
+            .filter(|w| w.op == Op::Writeback)
+            .map(|w| (u64::from(w.cblock) * bs, w.oblock * bs, bs))
+            .collect();
+        let wb_ok = wbs.is_empty()
+            || devio::copy_regions(&self.copier, &self.cache, &self.origin, &wbs)
+                .map_err(|e| tracing::error!("cache: writing back {} blocks failed: {e}", wbs.len()))
+                .is_ok();
         let mut done: Vec<(Work, bool)> = Vec::with_capacity(batch.len());
         let (mut promoted, mut written, mut unmapped) = (false, false, false);
         for w in batch {
             let (o, c) = (w.oblock * bs, u64::from(w.cblock) * bs);
             let r = match w.op {
                 Op::Promote => devio::copy(&self.copier, &self.origin, o, &self.cache, c, bs, false),
-                Op::Writeback => devio::copy(&self.copier, &self.cache, c, &self.origin, o, bs, false),
+                Op::Writeback => Ok(()),
                 Op::Demote => Ok(()),
             };
             if let Err(e) = &r {
                 tracing::error!("cache: {:?} of origin block {} failed: {e}", w.op, w.oblock);
             }
-            let ok = r.is_ok();
+            let ok = r.is_ok() && (w.op != Op::Writeback || wb_ok);
             promoted |= ok && w.op == Op::Promote;
             written |= ok && w.op == Op::Writeback;
             unmapped |= w.op == Op::Demote;
@@ -683,7 +720,14 @@ impl Shared {
                 done.iter_mut().filter(|d| d.0.op == Op::Promote).for_each(|d| d.1 = false);
             }
         }
-        if written || unmapped {
+        if written {
+            // flushed before a metadata commit that relies on it: a demotion's
+            // (below) or the clean shutdown's (sync_metadata); until then the
+            // metadata still has the block dirty, or every block is taken as
+            // dirty after a crash
+            self.wb_unflushed.store(true, Ordering::SeqCst);
+        }
+        if unmapped {
             if let Err(e) = devio::flush(&self.origin) {
                 tracing::error!("cache: flushing the origin failed: {e}");
                 done.iter_mut()

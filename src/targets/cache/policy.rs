@@ -64,8 +64,10 @@ pub trait Policy: Send {
     fn name(&self) -> &'static str;
     fn version(&self) -> [u32; 3];
     /// An I/O to `oblock`, cached in `hit` (if it is): returns whether
-    /// background work was queued.
-    fn lookup(&mut self, oblock: u64, hit: Option<u32>, write: bool) -> bool;
+    /// background work was queued. `fast`: a writeback-mode write that covers
+    /// the whole block or lands on a discarded one (the kernel's optimisable
+    /// bio), promoted at once while free cache blocks remain.
+    fn lookup(&mut self, oblock: u64, hit: Option<u32>, write: bool, fast: bool) -> bool;
     /// The next background work; `idle`: the device has had no I/O for a second.
     fn background_work(&mut self, idle: bool) -> Option<Work>;
     /// `w` is done (`ok`) or abandoned.
@@ -728,7 +730,7 @@ impl Policy for Smq {
         [2, 0, 0]
     }
 
-    fn lookup(&mut self, oblock: u64, hit: Option<u32>, write: bool) -> bool {
+    fn lookup(&mut self, oblock: u64, hit: Option<u32>, write: bool, fast: bool) -> bool {
         if let Some(c) = hit {
             let i = c as usize;
             if i >= self.allocated.len() || !self.allocated[i] {
@@ -757,7 +759,7 @@ impl Policy for Smq {
         } else {
             self.read_promote_level
         };
-        if level as usize >= promote_level {
+        if (write && fast && !self.allocator_empty()) || level as usize >= promote_level {
             let before = self.queued.len();
             self.queue_promotion(oblock);
             return self.queued.len() != before;
@@ -955,7 +957,7 @@ impl Policy for Cleaner {
         [1, 0, 0]
     }
 
-    fn lookup(&mut self, _oblock: u64, _hit: Option<u32>, _write: bool) -> bool {
+    fn lookup(&mut self, _oblock: u64, _hit: Option<u32>, _write: bool, _fast: bool) -> bool {
         false
     }
 
@@ -1072,7 +1074,7 @@ mod tests {
         let mut promoted = Vec::new();
         for round in 0..40 {
             for b in [7u64, 300, 301] {
-                if p.lookup(b, None, false) {
+                if p.lookup(b, None, false, false) {
                     while let Some(w) = p.background_work(false) {
                         assert_eq!(w.op, Op::Promote);
                         promoted.push(w.oblock);
@@ -1081,7 +1083,7 @@ mod tests {
                 }
             }
             // cold traffic spread over the origin
-            p.lookup(1000 + round * 97, None, false);
+            p.lookup(1000 + round * 97, None, false, false);
             now += 300;
             p.tick(now);
         }
@@ -1095,6 +1097,27 @@ mod tests {
         let mut mq = create("mq", 64, 8192 * 128, 128).unwrap();
         assert!(mq.set_config("sequential_threshold", "1"));
         assert_eq!(mq.name(), "smq");
+    }
+
+    /// A writeback-mode write over a whole block is promoted at once while a
+    /// cache block is free (before any hotspot period), and not once the
+    /// cache is full; a read or a partial write waits for its region's level.
+    #[test]
+    fn smq_promotes_a_whole_block_write_at_once_while_blocks_are_free() {
+        let mut p = create("smq", 2, 1 << 20, 64).unwrap();
+        assert!(!p.lookup(10, None, false, false), "a read miss");
+        assert!(!p.lookup(11, None, true, false), "a partial write miss");
+        let mut promoted = Vec::new();
+        for b in [12u64, 13, 14] {
+            if p.lookup(b, None, true, true) {
+                let w = p.background_work(false).unwrap();
+                assert_eq!((w.op, w.oblock), (Op::Promote, b));
+                promoted.push(w.oblock);
+                p.complete(w, true);
+            }
+        }
+        assert_eq!(promoted, [12, 13], "the third found the cache full");
+        assert_eq!(p.residency(), 2);
     }
 
     #[test]
@@ -1111,7 +1134,7 @@ mod tests {
         assert_eq!(p.background_work(true), None, "all clean");
         // full: a promotion demotes the coldest clean block of the bottom half
         for _ in 0..200 {
-            p.lookup(5000, None, false);
+            p.lookup(5000, None, false, false);
             p.tick(10_000);
         }
         let w = p.background_work(false).unwrap();
@@ -1147,7 +1170,7 @@ mod tests {
         let mut q = Smq::new(8, 1 << 20, 64, false).unwrap();
         q.load_mapping(1, 0, false, Some(10));
         q.load_mapping(2, 1, false, Some(11));
-        q.lookup(1, Some(0), false);
+        q.lookup(1, Some(0), false, false);
         assert_eq!((q.hint(0), q.hint(1)), (11, 10));
     }
 
@@ -1157,7 +1180,7 @@ mod tests {
         p.load_mapping(50, 0, true, None);
         p.load_mapping(10, 1, true, None);
         p.load_mapping(30, 2, false, None);
-        assert!(!p.lookup(99, None, false));
+        assert!(!p.lookup(99, None, false, false));
         let a = p.background_work(false).unwrap();
         let b = p.background_work(false).unwrap();
         assert_eq!((a.oblock, b.oblock), (10, 50));
