@@ -623,6 +623,25 @@ fn hostile_buffers_get_the_kernels_errnos_and_the_daemon_stays_up() {
     assert!(!d.log().contains("panicked"), "{}", d.log());
 }
 
+/// `tests/door/NAME.c` built with the C compiler into the daemon's folder.
+fn build_c(d: &Daemon, name: &str) -> std::path::PathBuf {
+    let exe = d.dir.path(name);
+    let src = format!("{}/tests/door/{name}.c", env!("CARGO_MANIFEST_DIR"));
+    let o = Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-lpthread")
+        .output()
+        .expect("cc");
+    assert!(
+        o.status.success(),
+        "building {src}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    exe
+}
+
 /// dmeventd's use of the control node: one thread waits in DM_DEV_WAIT while
 /// the program's other threads go on with their own ioctls (each thread has its
 /// own connection to the daemon, as each caller has its own turn in the
@@ -634,20 +653,7 @@ fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
     common::need_all(&["cc"]);
     let d = Daemon::start("doorwait");
     d.create("w", "0 8 zero");
-    let exe = d.dir.path("waiter");
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/door/waiter.c");
-    let o = Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(src)
-        .arg("-lpthread")
-        .output()
-        .expect("cc");
-    assert!(
-        o.status.success(),
-        "building waiter.c: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let exe = build_c(&d, "waiter");
     let o = Command::new(common::BIN)
         .arg("--run-dir")
         .arg(&d.run)
@@ -718,19 +724,7 @@ fn dev_arm_poll_makes_the_control_descriptor_readable_at_an_event() {
     common::need_all(&["cc"]);
     let d = Daemon::start("doorpoll");
     d.create("p", "0 8 zero");
-    let exe = d.dir.path("poller");
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/door/poller.c");
-    let o = Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(src)
-        .output()
-        .expect("cc");
-    assert!(
-        o.status.success(),
-        "building poller.c: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let exe = build_c(&d, "poller");
     let mut child = Command::new(common::BIN)
         .arg("--run-dir")
         .arg(&d.run)

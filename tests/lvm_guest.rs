@@ -16,8 +16,6 @@ mod oracle;
 use common::{pattern, tool_path, Scratch, BIN};
 
 const MIB: u64 = 1 << 20;
-/// ext4 and ublk, besides the oracle's own (virtio; device-mapper loaded late).
-const MODULES: &str = "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
 
 #[test]
 fn lvm_and_dmeventd_in_a_kernel_without_device_mapper_match_the_kernels_own() {
@@ -46,7 +44,7 @@ fn lvm_and_dmeventd_in_a_kernel_without_device_mapper_match_the_kernels_own() {
         &[
             ("ORACLE_BINS", bins.as_str()),
             ("ORACLE_FILES", files),
-            ("ORACLE_MODULES", MODULES),
+            ("ORACLE_MODULES", oracle::EXT4_UBLK_MODULES),
             ("ORACLE_DM_LATE", "1"),
             ("DMKIT_ORACLE_KERNEL", "6.12"),
             ("DMKIT_ORACLE_TIMEOUT", "1200"),
