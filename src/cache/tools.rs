@@ -12,7 +12,7 @@ use crate::pdata::{array, bitset, refcheck, BlockKind, MetadataDev};
 use std::io::Write;
 
 /// Blocks a reading tool caches: it reads each array block once.
-const READER_CACHE_BLOCKS: usize = 256;
+const READER_CACHE_BLOCKS: usize = 16;
 
 /// A transaction manager for reading only.
 pub fn reader(dev: Box<dyn MetadataDev>) -> TransactionManager {
