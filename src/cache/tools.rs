@@ -138,14 +138,7 @@ pub fn restore(
     version: u32,
     omit_clean_shutdown: bool,
 ) -> Result<()> {
-    let mut out = CacheMetadata::format(dev, md.sb.block_size, version)?;
-    let (tm, sb) = out.parts();
     let nr = md.sb.nr_cache_blocks as u64;
-    if nr > sbm::max_cache_blocks(tm.cache.nr_blocks()) {
-        return Err(CacheError::Plain(format!(
-            "nr_cache_blocks {nr} is more than a mapping array on the output device can hold"
-        )));
-    }
     // the XML's mappings and hints are in cache block order: each array is
     // built from a cursor over them
     let (maps, hints) = (&md.mappings, &md.hints);
@@ -158,61 +151,143 @@ pub fn restore(
             "mappings and hints must be in cache block order, each below nr_cache_blocks".into(),
         ));
     }
-    let mut at = 0usize;
-    let flags_of = |m: &Mapping| {
-        if m.dirty && version == 1 {
+    let (mut at, mut hint_at) = (0usize, 0usize);
+    build(
+        dev,
+        &md.sb,
+        version,
+        !omit_clean_shutdown,
+        &mut |c| match maps.get(at) {
+            Some(m) if m.cblock as u64 == c => {
+                at += 1;
+                Ok(Some(*m))
+            }
+            _ => Ok(None),
+        },
+        &mut |c| match hints.get(hint_at) {
+            Some(&(hc, h)) if hc as u64 == c => {
+                hint_at += 1;
+                Ok(h)
+            }
+            _ => Ok(0),
+        },
+    )
+}
+
+/// Blocks cached while new metadata is built: each is written once, in
+/// order, so a few suffice (a restore's memory is its input's).
+const BUILD_CACHE_BLOCKS: usize = 64;
+
+/// New metadata of `version` on `dev`, as `head` describes it, with cache
+/// block `c`'s mapping `mapping(c)` and hint `hint(c)` (asked for in cache
+/// block order; hints only of mapped blocks), committed.
+fn build(
+    dev: Box<dyn MetadataDev>,
+    head: &XmlSuperblock,
+    version: u32,
+    clean_shutdown: bool,
+    mapping: &mut dyn FnMut(u64) -> Result<Option<Mapping>>,
+    hint: &mut dyn FnMut(u64) -> Result<u32>,
+) -> Result<()> {
+    let mut out = CacheMetadata::format_cached(dev, head.block_size, version, BUILD_CACHE_BLOCKS)?;
+    let (tm, sb) = out.parts();
+    let nr = head.nr_cache_blocks as u64;
+    if nr > sbm::max_cache_blocks(tm.cache.nr_blocks()) {
+        return Err(CacheError::Plain(format!(
+            "nr_cache_blocks {nr} is more than a mapping array on the output device can hold"
+        )));
+    }
+    // a bit per cache block: mapped, and (version 2) dirty
+    let words = bitset::nr_words(nr);
+    let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", words)?;
+    let mut dirty: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", words)?;
+    let mut failed: Option<CacheError> = None;
+    array::del(tm, sb.mapping_root)?;
+    sb.mapping_root = array::build_with(tm, nr, &mut |c| {
+        let m = match mapping(c) {
+            Ok(Some(m)) => m,
+            Ok(None) => return 0,
+            Err(e) => {
+                failed.get_or_insert(e);
+                return 0;
+            }
+        };
+        let bit = 1 << (c % 64);
+        mapped[c as usize / 64] |= bit;
+        if m.dirty {
+            dirty[c as usize / 64] |= bit;
+        }
+        let flags = if m.dirty && version == 1 {
             sbm::M_VALID | sbm::M_DIRTY
         } else {
             sbm::M_VALID
-        }
-    };
-    array::del(tm, sb.mapping_root)?;
-    sb.mapping_root = array::build_with(tm, nr, &mut |c| match maps.get(at) {
-        Some(m) if m.cblock as u64 == c => {
-            at += 1;
-            sbm::pack_mapping(m.oblock, flags_of(m))
-        }
-        _ => 0,
+        };
+        sbm::pack_mapping(m.oblock, flags)
     })?;
     if version >= 2 {
-        let mut at = 0usize;
         array::del(tm, sb.dirty_root)?;
-        sb.dirty_root = array::build_with(tm, bitset::nr_words(nr), &mut |w| {
-            let mut word = 0u64;
-            while let Some(m) = maps.get(at).filter(|m| m.cblock as u64 / 64 == w) {
-                if m.dirty {
-                    word |= 1 << (m.cblock % 64);
-                }
-                at += 1;
-            }
-            word
-        })?;
+        sb.dirty_root = array::build(tm, words, &dirty)?;
     }
-    let mut at = 0usize;
     if sb.hint_root != 0 {
         array::del(tm, sb.hint_root)?;
     }
-    sb.hint_root = array::build_with(tm, nr, &mut |c| match hints.get(at) {
-        Some(&(hc, h)) if hc as u64 == c => {
-            at += 1;
-            h
+    sb.hint_root = array::build_with(tm, nr, &mut |c| {
+        if mapped[c as usize / 64] & (1 << (c % 64)) == 0 || failed.is_some() {
+            return 0;
         }
-        _ => 0,
+        hint(c).unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            0
+        })
     })?;
-    sb.cache_blocks = md.sb.nr_cache_blocks;
-    sb.set_policy(&md.sb.policy)?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    sb.cache_blocks = head.nr_cache_blocks;
+    sb.set_policy(&head.policy)?;
     sb.policy_version = [2, 0, 0];
-    sb.policy_hint_size = md.sb.hint_width;
-    out.commit(!omit_clean_shutdown)
+    sb.policy_hint_size = head.hint_width;
+    out.commit(clean_shutdown)
 }
 
 /// cache_repair: what can be read of `input` written as new metadata of the
-/// same version to `output`.
+/// same version to `output`: the mappings that check out (see
+/// [`metadata::Salvage`]), the hints of those if the hint array reads, copied
+/// a block at a time.
 pub fn repair(input: Box<dyn MetadataDev>, output: Box<dyn MetadataDev>) -> Result<()> {
     let mut tm = reader(input);
     let sb = superblock(&mut tm)?;
-    let md = read_all(&mut tm, &sb, true)?;
-    restore(&md, output, sb.version, false)
+    let salvage = metadata::Salvage::plan(&mut tm, &sb)?;
+    let nr = sb.cache_blocks as u64;
+    let mut maps = array::Reader::<u64>::new(&mut tm, sb.mapping_root, nr)?;
+    // hints if every block of the array reads (else none, as 1.x)
+    let nr_hints = metadata::nr_hints(&mut tm, &sb).unwrap_or(0);
+    let mut hints = (nr_hints > 0)
+        .then(|| {
+            array::walk::<u32>(&mut tm, sb.hint_root, nr_hints, &mut |_, _| Ok(()))
+                .and_then(|_| array::Reader::<u32>::new(&mut tm, sb.hint_root, nr_hints))
+                .ok()
+        })
+        .flatten();
+    let head = XmlSuperblock {
+        uuid: String::new(),
+        block_size: sb.data_block_size,
+        nr_cache_blocks: sb.cache_blocks,
+        policy: sb.policy(),
+        hint_width: sb.policy_hint_size,
+    };
+    let tm = std::cell::RefCell::new(tm);
+    build(
+        output,
+        &head,
+        sb.version,
+        true,
+        &mut |c| Ok(salvage.mapping(c, maps.get(&mut tm.borrow_mut(), c)?)),
+        &mut |c| match hints.as_mut() {
+            Some(h) if c < nr_hints => Ok(h.get(&mut tm.borrow_mut(), c)?),
+            _ => Ok(0),
+        },
+    )
 }
 
 /// What cache_check does besides reading everything.
