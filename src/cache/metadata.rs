@@ -68,6 +68,17 @@ struct Seen {
 }
 
 impl Seen {
+    fn new(sb: &Superblock) -> Seen {
+        let nr = sb.cache_blocks as u64;
+        Seen {
+            bits: Vec::new(),
+            limit: nr_origin_blocks(sb)
+                .unwrap_or(u64::MAX)
+                .min((nr * 64).max(1 << 20)),
+            far: Vec::new(),
+        }
+    }
+
     /// Whether `o` was seen before.
     fn insert(&mut self, o: u64) -> Result<bool> {
         if o >= self.limit {
@@ -154,11 +165,7 @@ pub(crate) fn walk_mappings(
     let nr = sb.cache_blocks as u64;
     let dirty_words = dirty_words(tm, sb)?;
     let limit = nr_origin_blocks(sb);
-    let mut seen = Seen {
-        bits: Vec::new(),
-        limit: limit.unwrap_or(u64::MAX).min((nr * 64).max(1 << 20)),
-        far: Vec::new(),
-    };
+    let mut seen = Seen::new(sb);
     let mut twice: Vec<u64> = Vec::new();
     let mut problems: Vec<String> = Vec::new();
     let mut failed: Option<CacheError> = None;
@@ -276,9 +283,46 @@ pub struct Salvage {
     dirty_words: Vec<u64>,
     all_dirty: bool,
     refused: Vec<u32>,
+    /// Assumed clean (no pass made): the origin blocks met so far.
+    seen: Option<Seen>,
 }
 
+/// An assumption of [`Salvage::assume_clean`] that the metadata broke.
+#[derive(Debug)]
+pub struct NotClean;
+
 impl Salvage {
+    /// Without a pass: assume no origin block is named twice, and that the
+    /// dirty bitset reads. [`Salvage::take`] says when that is wrong, and
+    /// whether it was is known only once every mapping has been taken
+    /// ([`Salvage::held`]).
+    pub fn assume_clean(tm: &mut TransactionManager, sb: &Superblock) -> Result<Salvage> {
+        Ok(Salvage {
+            limit: nr_origin_blocks(sb),
+            dirty_words: dirty_words(tm, sb)?,
+            seen: Some(Seen::new(sb)),
+            sb: sb.clone(),
+            all_dirty: false,
+            refused: Vec::new(),
+        })
+    }
+
+    /// [`Salvage::mapping`], in cache block order, checking the assumption.
+    pub fn take(&mut self, c: u64, v: u64) -> std::result::Result<Option<Mapping>, NotClean> {
+        let m = self.mapping(c, v);
+        if let (Some(m), Some(seen)) = (m, self.seen.as_mut()) {
+            if !matches!(seen.insert(m.oblock), Ok(false)) {
+                return Err(NotClean);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Whether the assumption held, once every mapping was taken.
+    pub fn held(&mut self) -> bool {
+        self.seen.as_mut().is_none_or(|s| s.far_twice().is_empty())
+    }
+
     pub fn plan(tm: &mut TransactionManager, sb: &Superblock) -> Result<Salvage> {
         let plan = |tm: &mut TransactionManager, sb: &Superblock| -> Result<(Vec<u64>, Vec<u32>)> {
             let (mut problems, twice) = walk_mappings(tm, sb, &mut |_| {})?;
@@ -301,6 +345,7 @@ impl Salvage {
             dirty_words,
             all_dirty,
             refused,
+            seen: None,
         })
     }
 

@@ -253,22 +253,51 @@ fn build(
 /// cache_repair: what can be read of `input` written as new metadata of the
 /// same version to `output`: the mappings that check out (see
 /// [`metadata::Salvage`]), the hints of those if the hint array reads, copied
-/// a block at a time.
+/// a block at a time. Metadata that reads cleanly is copied in one pass; when
+/// it does not (a block unreadable, an origin block named twice), the output
+/// is built again from what a first pass found.
 pub fn repair(input: Box<dyn MetadataDev>, output: Box<dyn MetadataDev>) -> Result<()> {
     let mut tm = reader(input);
     let sb = superblock(&mut tm)?;
+    let output = match output.try_clone() {
+        Some(again) => {
+            if let Ok(clean) = metadata::Salvage::assume_clean(&mut tm, &sb) {
+                if let Ok(true) = copy(&mut tm, &sb, clean, true, output) {
+                    return Ok(());
+                }
+            }
+            again
+        }
+        None => output,
+    };
     let salvage = metadata::Salvage::plan(&mut tm, &sb)?;
+    copy(&mut tm, &sb, salvage, false, output).map(|_| ())
+}
+
+/// The repair's copy of what `salvage` keeps to `output`. `optimistic`: the
+/// hint array is read as it is copied, and anything unexpected gives false
+/// (the copy is then to be made again, carefully); else a hint array that does
+/// not read entirely is left out.
+fn copy(
+    tm: &mut TransactionManager,
+    sb: &Superblock,
+    mut salvage: metadata::Salvage,
+    optimistic: bool,
+    output: Box<dyn MetadataDev>,
+) -> Result<bool> {
     let nr = sb.cache_blocks as u64;
-    let mut maps = array::Reader::<u64>::new(&mut tm, sb.mapping_root, nr)?;
-    // hints if every block of the array reads (else none, as 1.x)
-    let nr_hints = metadata::nr_hints(&mut tm, &sb).unwrap_or(0);
-    let mut hints = (nr_hints > 0)
-        .then(|| {
-            array::walk::<u32>(&mut tm, sb.hint_root, nr_hints, &mut |_, _| Ok(()))
-                .and_then(|_| array::Reader::<u32>::new(&mut tm, sb.hint_root, nr_hints))
-                .ok()
-        })
-        .flatten();
+    let mut maps = array::Reader::<u64>::new(tm, sb.mapping_root, nr)?;
+    let nr_hints = metadata::nr_hints(tm, sb).unwrap_or(0);
+    let readable = |tm: &mut TransactionManager| {
+        optimistic || array::walk::<u32>(tm, sb.hint_root, nr_hints, &mut |_, _| Ok(())).is_ok()
+    };
+    let mut hints = match nr_hints > 0 && readable(tm) {
+        true => array::Reader::<u32>::new(tm, sb.hint_root, nr_hints).ok(),
+        false => None,
+    };
+    if optimistic && nr_hints > 0 && hints.is_none() {
+        return Ok(false);
+    }
     let head = XmlSuperblock {
         uuid: String::new(),
         block_size: sb.data_block_size,
@@ -277,17 +306,27 @@ pub fn repair(input: Box<dyn MetadataDev>, output: Box<dyn MetadataDev>) -> Resu
         hint_width: sb.policy_hint_size,
     };
     let tm = std::cell::RefCell::new(tm);
-    build(
+    let r = build(
         output,
         &head,
         sb.version,
         true,
-        &mut |c| Ok(salvage.mapping(c, maps.get(&mut tm.borrow_mut(), c)?)),
+        &mut |c| {
+            let v = maps.get(&mut tm.borrow_mut(), c)?;
+            salvage
+                .take(c, v)
+                .map_err(|_| CacheError::Plain("an origin block is named twice".into()))
+        },
         &mut |c| match hints.as_mut() {
             Some(h) if c < nr_hints => Ok(h.get(&mut tm.borrow_mut(), c)?),
             _ => Ok(0),
         },
-    )
+    );
+    match r {
+        Ok(()) => Ok(salvage.held()),
+        Err(_) if optimistic => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// What cache_check does besides reading everything.
@@ -541,6 +580,52 @@ mod tests {
             "{e:?}"
         );
         assert!(CacheMetadata::open(Box::new(dev)).is_err());
+    }
+
+    /// What the repair writes is what [`read_all`] salvages, whether the
+    /// metadata reads cleanly (one pass) or not (an origin block named twice,
+    /// a hint block that does not check out: a second, careful pass).
+    #[test]
+    fn repair_writes_what_read_all_salvages() {
+        let md = xml::parse(TEXT.as_bytes()).unwrap();
+        let dev = MemDev::new(64);
+        restore(&md, Box::new(dev.clone()), 2, false).unwrap();
+        // what read_all salvages, restored
+        let salvaged = |dev: &MemDev| {
+            let mut tm = reader(Box::new(dev.clone()));
+            let sb = superblock(&mut tm).unwrap();
+            let out = MemDev::new(64);
+            let md = read_all(&mut tm, &sb, true).unwrap();
+            restore(&md, Box::new(out.clone()), sb.version, false).unwrap();
+            dumped(&out)
+        };
+        let repaired = |dev: &MemDev| {
+            let out = MemDev::new(64);
+            repair(Box::new(dev.clone()), Box::new(out.clone())).unwrap();
+            dumped(&out)
+        };
+        assert_eq!(repaired(&dev), TEXT);
+        // cache block 5 names origin block 10 too: cache block 0 keeps it
+        let mut live = CacheMetadata::open(Box::new(dev.clone())).unwrap();
+        live.insert(5, 10).unwrap();
+        live.commit(true).unwrap();
+        let want = salvaged(&dev);
+        assert!(!want.contains("cache_block=\"5\""), "{want}");
+        assert_eq!(repaired(&dev), want);
+        // a hint block whose checksum is wrong: no hints
+        let mut tm = reader(Box::new(dev.clone()));
+        let sb = superblock(&mut tm).unwrap();
+        let hint_block = array::blocks::<u32>(&mut tm, sb.hint_root, 1100).unwrap()[0];
+        drop(tm);
+        let mut img = dev.image();
+        img[hint_block as usize * crate::pdata::BLOCK_SIZE + 100] ^= 1;
+        let dev = MemDev::from_image(img);
+        let want = salvaged(&dev);
+        assert!(
+            want.contains("<hint cache_block=\"0\" data=\"AAAAAA==\"/>"),
+            "{want}"
+        );
+        assert_eq!(repaired(&dev), want);
     }
 
     #[test]
