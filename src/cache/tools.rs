@@ -24,6 +24,17 @@ pub fn superblock(tm: &mut TransactionManager) -> Result<Superblock> {
     sbm::read(&mut tm.cache, SUPERBLOCK_LOCATION)
 }
 
+/// The XML's superblock line for the metadata `sb` describes.
+fn head_of(sb: &Superblock) -> XmlSuperblock {
+    XmlSuperblock {
+        uuid: String::new(),
+        block_size: sb.data_block_size,
+        nr_cache_blocks: sb.cache_blocks,
+        policy: sb.policy(),
+        hint_width: sb.policy_hint_size,
+    }
+}
+
 fn io(e: std::io::Error) -> CacheError {
     CacheError::Output(e)
 }
@@ -61,13 +72,7 @@ pub fn read_all(tm: &mut TransactionManager, sb: &Superblock, repair: bool) -> R
         .filter_map(|m| hint_array.get(m.cblock as usize).map(|&h| (m.cblock, h)))
         .collect();
     Ok(XmlCache {
-        sb: XmlSuperblock {
-            uuid: String::new(),
-            block_size: sb.data_block_size,
-            nr_cache_blocks: sb.cache_blocks,
-            policy: sb.policy(),
-            hint_width: sb.policy_hint_size,
-        },
+        sb: head_of(sb),
         mappings,
         hints,
     })
@@ -89,13 +94,7 @@ pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Res
     metadata::check_mappings(&mut tm, &sb, None, false)?;
     let nr = sb.cache_blocks as u64;
     let hints = metadata::nr_hints(&mut tm, &sb)?;
-    let head = XmlSuperblock {
-        uuid: String::new(),
-        block_size: sb.data_block_size,
-        nr_cache_blocks: sb.cache_blocks,
-        policy: sb.policy(),
-        hint_width: sb.policy_hint_size,
-    };
+    let head = head_of(&sb);
     w.write_all(xml::head(&head).as_bytes()).map_err(io)?;
     let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", bitset::nr_words(nr))?;
     let mut failed: Option<std::io::Error> = None;
@@ -298,13 +297,7 @@ fn copy(
     if optimistic && nr_hints > 0 && hints.is_none() {
         return Ok(false);
     }
-    let head = XmlSuperblock {
-        uuid: String::new(),
-        block_size: sb.data_block_size,
-        nr_cache_blocks: sb.cache_blocks,
-        policy: sb.policy(),
-        hint_width: sb.policy_hint_size,
-    };
+    let head = head_of(sb);
     let tm = std::cell::RefCell::new(tm);
     let r = build(
         output,
