@@ -384,12 +384,41 @@ pub fn walk<V: ArrayValue>(
     let mx = max_entries(V::SIZE) as u64;
     let list = blocks::<V>(tm, root, len)?;
     let mut vals: Vec<V> = Vec::with_capacity(mx as usize);
-    for (bi, b) in list.into_iter().enumerate() {
-        load_block(tm, b, bi as u64, len, &mut vals)?;
-        f(bi as u64 * mx, &vals)?;
+    if tm.cache.dirty_count() > 0 {
+        // blocks changed in this transaction are in the cache only
+        for (bi, b) in list.into_iter().enumerate() {
+            load_block(tm, b, bi as u64, len, &mut vals)?;
+            f(bi as u64 * mx, &vals)?;
+        }
+        return Ok(());
+    }
+    // nothing changed: consecutive blocks (an array is usually written in
+    // order) are read in one I/O, past the cache
+    let mut buf = Vec::new();
+    let mut bi = 0usize;
+    while bi < list.len() {
+        let run = list[bi..]
+            .iter()
+            .zip(list[bi]..)
+            .take(RUN_BLOCKS)
+            .take_while(|(b, want)| **b == *want)
+            .count();
+        let checked = tm
+            .cache
+            .read_run_uncached(list[bi], run, BlockKind::Array, &mut buf)?;
+        for (i, (ok, d)) in checked.into_iter().zip(buf.chunks_exact(BLOCK_SIZE)).enumerate() {
+            ok?;
+            let d = <&Block>::try_from(d).map_err(|_| corrupt(list[bi + i], "short block"))?;
+            decode_block(list[bi + i], (bi + i) as u64, len, d, &mut vals)?;
+            f((bi + i) as u64 * mx, &vals)?;
+        }
+        bi += run;
     }
     Ok(())
 }
+
+/// The most blocks [`walk`] reads in one I/O (128 KiB).
+const RUN_BLOCKS: usize = 32;
 
 /// The values of array block `b`, the `bi`th of an array of `len` entries,
 /// into `vals`; its header checked (full, or the last block holding the rest).
@@ -400,9 +429,14 @@ fn load_block<V: ArrayValue>(
     len: u64,
     vals: &mut Vec<V>,
 ) -> Result<()> {
+    let d = tm.read(b, BlockKind::Array)?;
+    decode_block(b, bi, len, d, vals)
+}
+
+/// [`load_block`] of block `b` read as `d` (validated).
+fn decode_block<V: ArrayValue>(b: u64, bi: u64, len: u64, d: &Block, vals: &mut Vec<V>) -> Result<()> {
     let mx = max_entries(V::SIZE) as u64;
     let want = (len - bi * mx).min(mx) as usize;
-    let d = tm.read(b, BlockKind::Array)?;
     let n = check_block(b, d, V::SIZE)?;
     if n != want {
         return Err(corrupt(
