@@ -114,7 +114,7 @@ def main():
         d, r = res[(tool, "dmkit")], res[(tool, "1.x")]
         dt, rt = nb.med([x[0] for x in d]), nb.med([x[0] for x in r])
         dm, rm = max(x[1] for x in d), max(x[1] for x in r)
-        rows.append(f"| {tool} | {dt:.3f} s | {rt:.3f} s | **{rt / dt:.1f}×** | {dm:,.0f} MiB | {rm:,.0f} MiB |")
+        rows.append(f"| {tool} | {dt:.3f} s | {rt:.3f} s | **{rt / dt:.1f}×** | {dm:,.1f} MiB | {rm:,.1f} MiB |")
     load = os.getloadavg()[0]
     out = [
         f"## The cache tools vs thin-provisioning-tools 1.x (issue 34): {n:,} cache blocks",

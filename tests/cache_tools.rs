@@ -540,4 +540,21 @@ fn multi_call_names() {
     }
     let (code, o, _) = run(Command::new(s.path("cache_metadata_size")).args(["--nr-blocks", "1000000"]));
     assert_eq!((code, o.as_str()), (0, "62879.50 sectors\n"));
+    // what is missing, named as 1.x names it, before anything is opened
+    let missing = s.path("missing");
+    let m = missing.to_str().unwrap();
+    for args in [
+        &["--metadata-device", m][..],
+        &["--metadata-device", m, "--origin-device", m],
+        &["--metadata-device", m, "--fast-device", m],
+        &["--fast-device", m],
+        &["--metadata-device", m, "--origin-device", m, "--fast-device", m],
+    ] {
+        let ours = run(Command::new(s.path("cache_writeback")).args(args));
+        let theirs = run(reference("cache_writeback").args(args));
+        assert_eq!(ours, theirs, "cache_writeback {args:?}");
+        let want = if args.len() == 6 { 64 } else { 2 };
+        assert_eq!(ours.0, want, "cache_writeback {args:?}");
+        assert_eq!(ours.1, "");
+    }
 }

@@ -793,3 +793,209 @@ fn trim_discards_the_free_blocks_as_the_reference_does() {
         );
     }
 }
+
+/// A pool's dump, restored and dumped again, is the same text, whichever tool
+/// restores and whichever dumps: 1.x names a shared subtree after its first leaf
+/// block and lays a restored pool's `<def>` leaves out from block 1 in the
+/// order of the dump, and dmkit's restore does the same.
+#[test]
+fn dump_restore_dump_is_a_fixed_point() {
+    let s = Scratch::new("tools-fixed");
+    let base = s.path("base");
+    pool(&base, 4, 8000, 25, 11);
+    let dumpers = [tool_path("thin_dump"), ours(&s).join("thin_dump")];
+    let dump = |m: &Path| {
+        let [r, o] = dumpers.clone().map(|d| run(&d, &[m.to_str().unwrap()]));
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        assert_eq!(outcome(&r), outcome(&o), "the dumps of {}", m.display());
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let first = dump(&base);
+    assert!(
+        first.contains("<def name="),
+        "the test pool should share subtrees"
+    );
+    let want = model(&first);
+    let mut after = Vec::new();
+    for restorer in [tool_path("thin_restore"), ours(&s).join("thin_restore")] {
+        let mut text = first.clone();
+        let mut dumps = Vec::new();
+        for round in 0..2 {
+            let x = s.path("in.xml");
+            std::fs::write(&x, &text).unwrap();
+            let m = s.path(&format!("m{round}"));
+            std::fs::write(&m, vec![0u8; 64 << 20]).unwrap();
+            let o = run(&restorer, &["-i", x.to_str().unwrap(), "-o", m.to_str().unwrap()]);
+            assert_eq!(outcome(&o), (Some(0), String::new(), String::new()));
+            text = dump(&m);
+            assert_eq!(model(&text), want, "round {round} via {}", restorer.display());
+            dumps.push(text.clone());
+        }
+        assert_eq!(dumps[0], dumps[1], "{}: not a fixed point", restorer.display());
+        after.push(dumps.remove(0));
+    }
+    assert_eq!(
+        after[0], after[1],
+        "the restores name the shared subtrees differently"
+    );
+}
+
+/// thin_delta without one of its sides says which, with 1.x's exit code, once it
+/// has checked the input file and before it reads the metadata (so also on
+/// metadata without a superblock, or without a metadata snapshot).
+#[test]
+fn delta_refuses_a_missing_side_before_reading() {
+    let s = Scratch::new("tools-delta-args");
+    let base = s.path("base");
+    pool(&base, 1, 100, 1, 3);
+    let zeros = s.path("zeros");
+    std::fs::write(&zeros, vec![0u8; 1 << 20]).unwrap();
+    let small = s.path("small");
+    std::fs::write(&small, [0u8; 100]).unwrap();
+    let (b, z, t) = (
+        base.to_str().unwrap(),
+        zeros.to_str().unwrap(),
+        small.to_str().unwrap(),
+    );
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["--snap1", "0", b], 64, "--thin2 or --root2 not specified\n"),
+        (&["--snap1", "0", z], 64, "--thin2 or --root2 not specified\n"),
+        (
+            &["--snap1", "0", "-m", b],
+            64,
+            "--thin2 or --root2 not specified\n",
+        ),
+        (&["--root1", "5", z], 64, "--thin2 or --root2 not specified\n"),
+        (&["--snap2", "1", z], 64, "--thin1 or --root1 not specified\n"),
+        (&[z], 64, "--thin1 or --root1 not specified\n"),
+        (
+            &["--snap1", "0", "--snap2", "1", z],
+            64,
+            "bad checksum in superblock\n",
+        ),
+        (
+            &["--snap1", "0", "--snap2", "1", "-m", b],
+            64,
+            "no current metadata snap\n",
+        ),
+        (
+            &["--snap1", "0", t],
+            64,
+            "Metadata device/file too small.  Is this binary metadata?\n",
+        ),
+        (
+            &["--snap1", "0", "/nonexistent"],
+            64,
+            "Couldn't find input file '/nonexistent'\n",
+        ),
+    ];
+    for (args, code, err) in cases {
+        for bin in [tool_path("thin_delta"), ours(&s).join("thin_delta")] {
+            let o = run(&bin, args);
+            assert_eq!(
+                (
+                    o.status.code(),
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+                (Some(*code), "".into(), (*err).into()),
+                "{} {args:?}",
+                bin.display()
+            );
+        }
+    }
+    // no input at all: clap's usage error, exit 2, on both
+    for bin in [tool_path("thin_delta"), ours(&s).join("thin_delta")] {
+        let o = run(&bin, &["--snap1", "0", "--snap2", "1"]);
+        assert_eq!(o.status.code(), Some(2));
+        assert!(o.stdout.is_empty());
+        assert!(String::from_utf8_lossy(&o.stderr)
+            .starts_with("error: the following required arguments were not provided:\n  <INPUT>\n"));
+    }
+}
+
+/// `thin_check -m` reads the metadata snapshot: on a damaged one it says so as
+/// 1.x does, and prints none of the live superblock's fields.
+#[test]
+fn check_of_a_damaged_metadata_snapshot() {
+    let s = Scratch::new("tools-check-snap");
+    let base = s.path("base");
+    pool(&base, 2, 3000, 3, 4);
+    let held = damaged(&s, &base, "held", |p| {
+        with_md(p, |md| {
+            md.reserve_metadata_snap().unwrap();
+        })
+    });
+    let snap_at = |p: &Path| {
+        let md = ThinPoolMetadata::open(Box::new(FileDev::open(p, false).unwrap()), 64).unwrap();
+        md.held_root().unwrap()
+    };
+    let at = snap_at(&held);
+    let cases = [
+        ("clean snapshot", held.clone()),
+        (
+            "snapshot superblock checksum",
+            damaged(&s, &held, "snapsum", |p| {
+                let mut img = std::fs::read(p).unwrap();
+                img[at as usize * BLOCK_SIZE + 300] ^= 1;
+                std::fs::write(p, img).unwrap();
+            }),
+        ),
+        (
+            "snapshot zeroed",
+            damaged(&s, &held, "snapzero", |p| {
+                let mut img = std::fs::read(p).unwrap();
+                img[at as usize * BLOCK_SIZE..(at as usize + 1) * BLOCK_SIZE].fill(0);
+                std::fs::write(p, img).unwrap();
+            }),
+        ),
+        (
+            "snapshot's leaf checksum",
+            damaged(&s, &held, "snapleaf", |p| {
+                // a leaf of the snapshot's trees that the live trees do not share:
+                // the live pool changes after the snapshot is taken
+                with_md(p, |md| {
+                    for v in 0..300 {
+                        let b = md.alloc_data_block().unwrap();
+                        md.insert(0, v, b).unwrap();
+                    }
+                });
+                let mut tm = reader(Box::new(FileDev::open(p, false).unwrap()), 64);
+                let snap =
+                    dmkit::thin::superblock::Superblock::decode(tm.read(at, BlockKind::Superblock).unwrap());
+                let plan = plan_of(&mut tm, &snap).unwrap();
+                let (l, _) = dmkit::pdata::btree::leaves(&mut tm, plan.devices[0].2, 8, false).unwrap();
+                let mut img = std::fs::read(p).unwrap();
+                img[l[0] as usize * BLOCK_SIZE + 100] ^= 1;
+                std::fs::write(p, img).unwrap();
+            }),
+        ),
+        ("no snapshot", base.clone()),
+    ];
+    // what 1.x says of a snapshot whose superblock does not check out: that alone
+    for (what, p) in &cases[1..3] {
+        let [(r, _), _] = both(&s, p, "thin_check", &["-m", "META"]);
+        assert_eq!(
+            outcome(&r),
+            (
+                Some(64),
+                String::new(),
+                "metadata snap: bad checksum in superblock".into()
+            ),
+            "{what}"
+        );
+        assert_eq!(r.stderr, b"metadata snap: bad checksum in superblock\n");
+    }
+    for (what, p) in &cases {
+        for flags in [
+            &["-m"][..],
+            &["-m", "-q"],
+            &["-m", "--skip-mappings"],
+            &["-m", "--super-block-only"],
+        ] {
+            let mut args = flags.to_vec();
+            args.push("META");
+            assert_same(&s, p, "thin_check", &args, what);
+        }
+    }
+}

@@ -68,6 +68,17 @@ struct Seen {
 }
 
 impl Seen {
+    fn new(sb: &Superblock) -> Seen {
+        let nr = sb.cache_blocks as u64;
+        Seen {
+            bits: Vec::new(),
+            limit: nr_origin_blocks(sb)
+                .unwrap_or(u64::MAX)
+                .min((nr * 64).max(1 << 20)),
+            far: Vec::new(),
+        }
+    }
+
     /// Whether `o` was seen before.
     fn insert(&mut self, o: u64) -> Result<bool> {
         if o >= self.limit {
@@ -101,6 +112,46 @@ impl Seen {
     }
 }
 
+/// Entry `v` of cache block `c`: its mapping, None if unmapped, or what is
+/// wrong with it (its flags, its origin block past the origin's `limit`).
+fn accept(
+    sb: &Superblock,
+    limit: Option<u64>,
+    dirty_words: &[u64],
+    c: u64,
+    v: u64,
+) -> std::result::Result<Option<Mapping>, String> {
+    let bit = dirty_words
+        .get((c / 64) as usize)
+        .is_some_and(|w| w & (1 << (c % 64)) != 0);
+    if let Some(p) = check_entry(sb, c, v, bit) {
+        return Err(p);
+    }
+    let (oblock, flags) = sbm::unpack_mapping(v);
+    if flags & M_VALID == 0 {
+        return Ok(None);
+    }
+    if let Some(n) = limit.filter(|&n| oblock >= n) {
+        return Err(format!(
+            "cache block {c}: origin block {oblock} is beyond the end of the origin ({n} blocks)"
+        ));
+    }
+    Ok(Some(Mapping {
+        cblock: c as u32,
+        oblock,
+        dirty: bit || flags & M_DIRTY != 0,
+    }))
+}
+
+/// The dirty bitset of the metadata `sb` describes (empty in version 1).
+fn dirty_words(tm: &mut TransactionManager, sb: &Superblock) -> Result<Vec<u64>> {
+    if sb.version < 2 {
+        return Ok(Vec::new());
+    }
+    bitset::read(tm, sb.dirty_root, sb.cache_blocks as u64)
+        .map_err(|e| CacheError::Plain(format!("dirty bitset: {e}")))
+}
+
 /// Visit every valid mapping of the metadata `sb` describes, in cache block
 /// order, each checked: its flags, its origin block within the origin (when
 /// the superblock says how big it is). Returns the problems found (at most
@@ -112,56 +163,33 @@ pub(crate) fn walk_mappings(
     f: &mut dyn FnMut(Mapping),
 ) -> Result<(Vec<String>, Vec<u64>)> {
     let nr = sb.cache_blocks as u64;
-    let dirty_words = if sb.version >= 2 {
-        bitset::read(tm, sb.dirty_root, nr).map_err(|e| CacheError::Plain(format!("dirty bitset: {e}")))?
-    } else {
-        Vec::new()
-    };
+    let dirty_words = dirty_words(tm, sb)?;
     let limit = nr_origin_blocks(sb);
-    let mut seen = Seen {
-        bits: Vec::new(),
-        limit: limit.unwrap_or(u64::MAX).min((nr * 64).max(1 << 20)),
-        far: Vec::new(),
-    };
+    let mut seen = Seen::new(sb);
     let mut twice: Vec<u64> = Vec::new();
     let mut problems: Vec<String> = Vec::new();
     let mut failed: Option<CacheError> = None;
     array::walk::<u64>(tm, sb.mapping_root, nr, &mut |first, vals| {
         for (i, &v) in vals.iter().enumerate() {
             let c = first + i as u64;
-            let bit = dirty_words
-                .get((c / 64) as usize)
-                .is_some_and(|w| w & (1 << (c % 64)) != 0);
-            if let Some(p) = check_entry(sb, c, v, bit) {
-                if problems.len() < 100 {
-                    problems.push(p);
+            let m = match accept(sb, limit, &dirty_words, c, v) {
+                Ok(Some(m)) => m,
+                Ok(None) => continue,
+                Err(p) => {
+                    if problems.len() < 100 {
+                        problems.push(p);
+                    }
+                    continue;
                 }
-                continue;
-            }
-            let (oblock, flags) = sbm::unpack_mapping(v);
-            if flags & M_VALID == 0 {
-                continue;
-            }
-            if let Some(n) = limit.filter(|&n| oblock >= n) {
-                if problems.len() < 100 {
-                    problems.push(format!(
-                        "cache block {c}: origin block {oblock} is beyond the end of the origin ({n} blocks)"
-                    ));
-                }
-                continue;
-            }
-            match seen.insert(oblock) {
-                Ok(true) => twice.push(oblock),
+            };
+            match seen.insert(m.oblock) {
+                Ok(true) => twice.push(m.oblock),
                 Ok(false) => {}
                 Err(e) => {
                     failed.get_or_insert(e);
                 }
             }
-            f(Mapping {
-                cblock: c as u32,
-                oblock,
-                dirty: bit || flags & M_DIRTY != 0,
-            });
+            f(m);
         }
         Ok(())
     })
@@ -194,28 +222,8 @@ pub fn check_mappings(
             out.push(m)
         }
     })?;
-    if !twice.is_empty() {
-        // which cache blocks name them: the first keeps it, the others are refused
-        let mut by: Vec<(u64, u32)> = Vec::new();
-        walk_mappings(tm, sb, &mut |m| {
-            if twice.binary_search(&m.oblock).is_ok() {
-                by.push((m.oblock, m.cblock));
-            }
-        })?;
-        by.sort_unstable();
-        let mut refused = Vec::new();
-        for w in by.windows(2).filter(|w| w[0].0 == w[1].0) {
-            if problems.len() < 100 {
-                problems.push(format!(
-                    "origin block {} is mapped by cache blocks {} and {}",
-                    w[0].0, w[0].1, w[1].1
-                ));
-            }
-            refused.push(w[1].1);
-        }
-        refused.sort_unstable();
-        out.retain(|m| refused.binary_search(&m.cblock).is_err());
-    }
+    let refused = refused(tm, sb, &twice, &mut problems)?;
+    out.retain(|m| refused.binary_search(&m.cblock).is_err());
     match errs {
         Some(e) => e.extend(problems),
         None => {
@@ -229,6 +237,129 @@ pub fn check_mappings(
         }
     }
     Ok(out)
+}
+
+/// The cache blocks refused for naming an origin block in `twice` that a
+/// lower cache block names (the first keeps it), ascending; each pair said in
+/// `problems` (up to 100 of them).
+fn refused(
+    tm: &mut TransactionManager,
+    sb: &Superblock,
+    twice: &[u64],
+    problems: &mut Vec<String>,
+) -> Result<Vec<u32>> {
+    let mut refused = Vec::new();
+    if twice.is_empty() {
+        return Ok(refused);
+    }
+    let mut by: Vec<(u64, u32)> = Vec::new();
+    walk_mappings(tm, sb, &mut |m| {
+        if twice.binary_search(&m.oblock).is_ok() {
+            by.push((m.oblock, m.cblock));
+        }
+    })?;
+    by.sort_unstable();
+    for w in by.windows(2).filter(|w| w[0].0 == w[1].0) {
+        if problems.len() < 100 {
+            problems.push(format!(
+                "origin block {} is mapped by cache blocks {} and {}",
+                w[0].0, w[0].1, w[1].1
+            ));
+        }
+        refused.push(w[1].1);
+    }
+    refused.sort_unstable();
+    Ok(refused)
+}
+
+/// What a repair keeps of a mapping array, decided in a pass that holds
+/// nothing per mapping (so a repair copies the mappings from one array to the
+/// other a block at a time): the mappings [`check_mappings`] passes, read as
+/// version 1 reads them, every one dirty, when the dirty bitset of version 2
+/// cannot be read (as 1.x).
+pub struct Salvage {
+    sb: Superblock,
+    limit: Option<u64>,
+    dirty_words: Vec<u64>,
+    all_dirty: bool,
+    refused: Vec<u32>,
+    /// Assumed clean (no pass made): the origin blocks met so far.
+    seen: Option<Seen>,
+}
+
+/// An assumption of [`Salvage::assume_clean`] that the metadata broke.
+#[derive(Debug)]
+pub struct NotClean;
+
+impl Salvage {
+    /// Without a pass: assume no origin block is named twice, and that the
+    /// dirty bitset reads. [`Salvage::take`] says when that is wrong, and
+    /// whether it was is known only once every mapping has been taken
+    /// ([`Salvage::held`]).
+    pub fn assume_clean(tm: &mut TransactionManager, sb: &Superblock) -> Result<Salvage> {
+        Ok(Salvage {
+            limit: nr_origin_blocks(sb),
+            dirty_words: dirty_words(tm, sb)?,
+            seen: Some(Seen::new(sb)),
+            sb: sb.clone(),
+            all_dirty: false,
+            refused: Vec::new(),
+        })
+    }
+
+    /// [`Salvage::mapping`], in cache block order, checking the assumption.
+    pub fn take(&mut self, c: u64, v: u64) -> std::result::Result<Option<Mapping>, NotClean> {
+        let m = self.mapping(c, v);
+        if let (Some(m), Some(seen)) = (m, self.seen.as_mut()) {
+            if !matches!(seen.insert(m.oblock), Ok(false)) {
+                return Err(NotClean);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Whether the assumption held, once every mapping was taken.
+    pub fn held(&mut self) -> bool {
+        self.seen.as_mut().is_none_or(|s| s.far_twice().is_empty())
+    }
+
+    pub fn plan(tm: &mut TransactionManager, sb: &Superblock) -> Result<Salvage> {
+        let plan = |tm: &mut TransactionManager, sb: &Superblock| -> Result<(Vec<u64>, Vec<u32>)> {
+            let (mut problems, twice) = walk_mappings(tm, sb, &mut |_| {})?;
+            let refused = refused(tm, sb, &twice, &mut problems)?;
+            Ok((dirty_words(tm, sb)?, refused))
+        };
+        let (sb, all_dirty, (dirty_words, refused)) = match plan(tm, sb) {
+            Ok(p) => (sb.clone(), false, p),
+            Err(_) if sb.version >= 2 => {
+                let mut v1 = sb.clone();
+                v1.version = 1;
+                let p = plan(tm, &v1)?;
+                (v1, true, p)
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Salvage {
+            limit: nr_origin_blocks(&sb),
+            sb,
+            dirty_words,
+            all_dirty,
+            refused,
+            seen: None,
+        })
+    }
+
+    /// What is kept of cache block `c`, whose mapping array entry is `v`.
+    pub fn mapping(&self, c: u64, v: u64) -> Option<Mapping> {
+        let m = accept(&self.sb, self.limit, &self.dirty_words, c, v).ok()??;
+        if self.refused.binary_search(&m.cblock).is_ok() {
+            return None;
+        }
+        Some(Mapping {
+            dirty: m.dirty || self.all_dirty,
+            ..m
+        })
+    }
 }
 
 /// Every valid mapping, checked, in cache block order (see [`check_mappings`]).
@@ -282,12 +413,23 @@ impl CacheMetadata {
     /// blocks yet, empty arrays and bitsets, no policy and no hint array (it
     /// is made when hints are first saved).
     pub fn format(dev: Box<dyn MetadataDev>, block_size: u32, version: u32) -> Result<CacheMetadata> {
+        Self::format_cached(dev, block_size, version, CACHE_BLOCKS)
+    }
+
+    /// [`CacheMetadata::format`] with a block cache of `cache_blocks` blocks
+    /// (the tools that build metadata write each block once).
+    pub fn format_cached(
+        dev: Box<dyn MetadataDev>,
+        block_size: u32,
+        version: u32,
+        cache_blocks: usize,
+    ) -> Result<CacheMetadata> {
         if !(sbm::MIN_VERSION..=sbm::MAX_VERSION).contains(&version) {
             return Err(CacheError::Invalid(format!(
                 "metadata version {version} (1 or 2)"
             )));
         }
-        let cache = BlockCache::new(dev, CACHE_BLOCKS);
+        let cache = BlockCache::new(dev, cache_blocks);
         let nr_meta = cache.nr_blocks().min(MAX_METADATA_BLOCKS);
         if nr_meta < 8 {
             return Err(CacheError::Invalid(format!(

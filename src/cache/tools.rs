@@ -12,7 +12,7 @@ use crate::pdata::{array, bitset, refcheck, BlockKind, MetadataDev};
 use std::io::Write;
 
 /// Blocks a reading tool caches: it reads each array block once.
-const READER_CACHE_BLOCKS: usize = 256;
+const READER_CACHE_BLOCKS: usize = 16;
 
 /// A transaction manager for reading only.
 pub fn reader(dev: Box<dyn MetadataDev>) -> TransactionManager {
@@ -22,6 +22,17 @@ pub fn reader(dev: Box<dyn MetadataDev>) -> TransactionManager {
 /// The superblock, checked against the device.
 pub fn superblock(tm: &mut TransactionManager) -> Result<Superblock> {
     sbm::read(&mut tm.cache, SUPERBLOCK_LOCATION)
+}
+
+/// The XML's superblock line for the metadata `sb` describes.
+fn head_of(sb: &Superblock) -> XmlSuperblock {
+    XmlSuperblock {
+        uuid: String::new(),
+        block_size: sb.data_block_size,
+        nr_cache_blocks: sb.cache_blocks,
+        policy: sb.policy(),
+        hint_width: sb.policy_hint_size,
+    }
 }
 
 fn io(e: std::io::Error) -> CacheError {
@@ -61,13 +72,7 @@ pub fn read_all(tm: &mut TransactionManager, sb: &Superblock, repair: bool) -> R
         .filter_map(|m| hint_array.get(m.cblock as usize).map(|&h| (m.cblock, h)))
         .collect();
     Ok(XmlCache {
-        sb: XmlSuperblock {
-            uuid: String::new(),
-            block_size: sb.data_block_size,
-            nr_cache_blocks: sb.cache_blocks,
-            policy: sb.policy(),
-            hint_width: sb.policy_hint_size,
-        },
+        sb: head_of(sb),
         mappings,
         hints,
     })
@@ -89,13 +94,7 @@ pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Res
     metadata::check_mappings(&mut tm, &sb, None, false)?;
     let nr = sb.cache_blocks as u64;
     let hints = metadata::nr_hints(&mut tm, &sb)?;
-    let head = XmlSuperblock {
-        uuid: String::new(),
-        block_size: sb.data_block_size,
-        nr_cache_blocks: sb.cache_blocks,
-        policy: sb.policy(),
-        hint_width: sb.policy_hint_size,
-    };
+    let head = head_of(&sb);
     w.write_all(xml::head(&head).as_bytes()).map_err(io)?;
     let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", bitset::nr_words(nr))?;
     let mut failed: Option<std::io::Error> = None;
@@ -138,14 +137,7 @@ pub fn restore(
     version: u32,
     omit_clean_shutdown: bool,
 ) -> Result<()> {
-    let mut out = CacheMetadata::format(dev, md.sb.block_size, version)?;
-    let (tm, sb) = out.parts();
     let nr = md.sb.nr_cache_blocks as u64;
-    if nr > sbm::max_cache_blocks(tm.cache.nr_blocks()) {
-        return Err(CacheError::Plain(format!(
-            "nr_cache_blocks {nr} is more than a mapping array on the output device can hold"
-        )));
-    }
     // the XML's mappings and hints are in cache block order: each array is
     // built from a cursor over them
     let (maps, hints) = (&md.mappings, &md.hints);
@@ -158,61 +150,176 @@ pub fn restore(
             "mappings and hints must be in cache block order, each below nr_cache_blocks".into(),
         ));
     }
-    let mut at = 0usize;
-    let flags_of = |m: &Mapping| {
-        if m.dirty && version == 1 {
+    let (mut at, mut hint_at) = (0usize, 0usize);
+    build(
+        dev,
+        &md.sb,
+        version,
+        !omit_clean_shutdown,
+        &mut |c| match maps.get(at) {
+            Some(m) if m.cblock as u64 == c => {
+                at += 1;
+                Ok(Some(*m))
+            }
+            _ => Ok(None),
+        },
+        &mut |c| match hints.get(hint_at) {
+            Some(&(hc, h)) if hc as u64 == c => {
+                hint_at += 1;
+                Ok(h)
+            }
+            _ => Ok(0),
+        },
+    )
+}
+
+/// Blocks cached while new metadata is built: each is written once, in
+/// order, so a few suffice (a restore's memory is its input's).
+const BUILD_CACHE_BLOCKS: usize = 64;
+
+/// New metadata of `version` on `dev`, as `head` describes it, with cache
+/// block `c`'s mapping `mapping(c)` and hint `hint(c)` (asked for in cache
+/// block order; hints only of mapped blocks), committed.
+fn build(
+    dev: Box<dyn MetadataDev>,
+    head: &XmlSuperblock,
+    version: u32,
+    clean_shutdown: bool,
+    mapping: &mut dyn FnMut(u64) -> Result<Option<Mapping>>,
+    hint: &mut dyn FnMut(u64) -> Result<u32>,
+) -> Result<()> {
+    let mut out = CacheMetadata::format_cached(dev, head.block_size, version, BUILD_CACHE_BLOCKS)?;
+    let (tm, sb) = out.parts();
+    let nr = head.nr_cache_blocks as u64;
+    if nr > sbm::max_cache_blocks(tm.cache.nr_blocks()) {
+        return Err(CacheError::Plain(format!(
+            "nr_cache_blocks {nr} is more than a mapping array on the output device can hold"
+        )));
+    }
+    // a bit per cache block: mapped, and (version 2) dirty
+    let words = bitset::nr_words(nr);
+    let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", words)?;
+    let mut dirty: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", words)?;
+    let mut failed: Option<CacheError> = None;
+    array::del(tm, sb.mapping_root)?;
+    sb.mapping_root = array::build_with(tm, nr, &mut |c| {
+        let m = match mapping(c) {
+            Ok(Some(m)) => m,
+            Ok(None) => return 0,
+            Err(e) => {
+                failed.get_or_insert(e);
+                return 0;
+            }
+        };
+        let bit = 1 << (c % 64);
+        mapped[c as usize / 64] |= bit;
+        if m.dirty {
+            dirty[c as usize / 64] |= bit;
+        }
+        let flags = if m.dirty && version == 1 {
             sbm::M_VALID | sbm::M_DIRTY
         } else {
             sbm::M_VALID
-        }
-    };
-    array::del(tm, sb.mapping_root)?;
-    sb.mapping_root = array::build_with(tm, nr, &mut |c| match maps.get(at) {
-        Some(m) if m.cblock as u64 == c => {
-            at += 1;
-            sbm::pack_mapping(m.oblock, flags_of(m))
-        }
-        _ => 0,
+        };
+        sbm::pack_mapping(m.oblock, flags)
     })?;
     if version >= 2 {
-        let mut at = 0usize;
         array::del(tm, sb.dirty_root)?;
-        sb.dirty_root = array::build_with(tm, bitset::nr_words(nr), &mut |w| {
-            let mut word = 0u64;
-            while let Some(m) = maps.get(at).filter(|m| m.cblock as u64 / 64 == w) {
-                if m.dirty {
-                    word |= 1 << (m.cblock % 64);
-                }
-                at += 1;
-            }
-            word
-        })?;
+        sb.dirty_root = array::build(tm, words, &dirty)?;
     }
-    let mut at = 0usize;
     if sb.hint_root != 0 {
         array::del(tm, sb.hint_root)?;
     }
-    sb.hint_root = array::build_with(tm, nr, &mut |c| match hints.get(at) {
-        Some(&(hc, h)) if hc as u64 == c => {
-            at += 1;
-            h
+    sb.hint_root = array::build_with(tm, nr, &mut |c| {
+        if mapped[c as usize / 64] & (1 << (c % 64)) == 0 || failed.is_some() {
+            return 0;
         }
-        _ => 0,
+        hint(c).unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            0
+        })
     })?;
-    sb.cache_blocks = md.sb.nr_cache_blocks;
-    sb.set_policy(&md.sb.policy)?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    sb.cache_blocks = head.nr_cache_blocks;
+    sb.set_policy(&head.policy)?;
     sb.policy_version = [2, 0, 0];
-    sb.policy_hint_size = md.sb.hint_width;
-    out.commit(!omit_clean_shutdown)
+    sb.policy_hint_size = head.hint_width;
+    out.commit(clean_shutdown)
 }
 
 /// cache_repair: what can be read of `input` written as new metadata of the
-/// same version to `output`.
+/// same version to `output`: the mappings that check out (see
+/// [`metadata::Salvage`]), the hints of those if the hint array reads, copied
+/// a block at a time. Metadata that reads cleanly is copied in one pass; when
+/// it does not (a block unreadable, an origin block named twice), the output
+/// is built again from what a first pass found.
 pub fn repair(input: Box<dyn MetadataDev>, output: Box<dyn MetadataDev>) -> Result<()> {
     let mut tm = reader(input);
     let sb = superblock(&mut tm)?;
-    let md = read_all(&mut tm, &sb, true)?;
-    restore(&md, output, sb.version, false)
+    let output = match output.try_clone() {
+        Some(again) => {
+            if let Ok(clean) = metadata::Salvage::assume_clean(&mut tm, &sb) {
+                if let Ok(true) = copy(&mut tm, &sb, clean, true, output) {
+                    return Ok(());
+                }
+            }
+            again
+        }
+        None => output,
+    };
+    let salvage = metadata::Salvage::plan(&mut tm, &sb)?;
+    copy(&mut tm, &sb, salvage, false, output).map(|_| ())
+}
+
+/// The repair's copy of what `salvage` keeps to `output`. `optimistic`: the
+/// hint array is read as it is copied, and anything unexpected gives false
+/// (the copy is then to be made again, carefully); else a hint array that does
+/// not read entirely is left out.
+fn copy(
+    tm: &mut TransactionManager,
+    sb: &Superblock,
+    mut salvage: metadata::Salvage,
+    optimistic: bool,
+    output: Box<dyn MetadataDev>,
+) -> Result<bool> {
+    let nr = sb.cache_blocks as u64;
+    let mut maps = array::Reader::<u64>::new(tm, sb.mapping_root, nr)?;
+    let nr_hints = metadata::nr_hints(tm, sb).unwrap_or(0);
+    let readable = |tm: &mut TransactionManager| {
+        optimistic || array::walk::<u32>(tm, sb.hint_root, nr_hints, &mut |_, _| Ok(())).is_ok()
+    };
+    let mut hints = match nr_hints > 0 && readable(tm) {
+        true => array::Reader::<u32>::new(tm, sb.hint_root, nr_hints).ok(),
+        false => None,
+    };
+    if optimistic && nr_hints > 0 && hints.is_none() {
+        return Ok(false);
+    }
+    let head = head_of(sb);
+    let tm = std::cell::RefCell::new(tm);
+    let r = build(
+        output,
+        &head,
+        sb.version,
+        true,
+        &mut |c| {
+            let v = maps.get(&mut tm.borrow_mut(), c)?;
+            salvage
+                .take(c, v)
+                .map_err(|_| CacheError::Plain("an origin block is named twice".into()))
+        },
+        &mut |c| match hints.as_mut() {
+            Some(h) if c < nr_hints => Ok(h.get(&mut tm.borrow_mut(), c)?),
+            _ => Ok(0),
+        },
+    );
+    match r {
+        Ok(()) => Ok(salvage.held()),
+        Err(_) if optimistic => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// What cache_check does besides reading everything.
@@ -466,6 +573,52 @@ mod tests {
             "{e:?}"
         );
         assert!(CacheMetadata::open(Box::new(dev)).is_err());
+    }
+
+    /// What the repair writes is what [`read_all`] salvages, whether the
+    /// metadata reads cleanly (one pass) or not (an origin block named twice,
+    /// a hint block that does not check out: a second, careful pass).
+    #[test]
+    fn repair_writes_what_read_all_salvages() {
+        let md = xml::parse(TEXT.as_bytes()).unwrap();
+        let dev = MemDev::new(64);
+        restore(&md, Box::new(dev.clone()), 2, false).unwrap();
+        // what read_all salvages, restored
+        let salvaged = |dev: &MemDev| {
+            let mut tm = reader(Box::new(dev.clone()));
+            let sb = superblock(&mut tm).unwrap();
+            let out = MemDev::new(64);
+            let md = read_all(&mut tm, &sb, true).unwrap();
+            restore(&md, Box::new(out.clone()), sb.version, false).unwrap();
+            dumped(&out)
+        };
+        let repaired = |dev: &MemDev| {
+            let out = MemDev::new(64);
+            repair(Box::new(dev.clone()), Box::new(out.clone())).unwrap();
+            dumped(&out)
+        };
+        assert_eq!(repaired(&dev), TEXT);
+        // cache block 5 names origin block 10 too: cache block 0 keeps it
+        let mut live = CacheMetadata::open(Box::new(dev.clone())).unwrap();
+        live.insert(5, 10).unwrap();
+        live.commit(true).unwrap();
+        let want = salvaged(&dev);
+        assert!(!want.contains("cache_block=\"5\""), "{want}");
+        assert_eq!(repaired(&dev), want);
+        // a hint block whose checksum is wrong: no hints
+        let mut tm = reader(Box::new(dev.clone()));
+        let sb = superblock(&mut tm).unwrap();
+        let hint_block = array::blocks::<u32>(&mut tm, sb.hint_root, 1100).unwrap()[0];
+        drop(tm);
+        let mut img = dev.image();
+        img[hint_block as usize * crate::pdata::BLOCK_SIZE + 100] ^= 1;
+        let dev = MemDev::from_image(img);
+        let want = salvaged(&dev);
+        assert!(
+            want.contains("<hint cache_block=\"0\" data=\"AAAAAA==\"/>"),
+            "{want}"
+        );
+        assert_eq!(repaired(&dev), want);
     }
 
     #[test]

@@ -32,6 +32,19 @@ pub struct XmlCache {
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
+const NOT_B64: u8 = 0xff;
+
+/// Each byte's value as a base64 digit, or [`NOT_B64`].
+const UNB64: [u8; 256] = {
+    let mut t = [NOT_B64; 256];
+    let mut i = 0;
+    while i < 64 {
+        t[B64[i] as usize] = i as u8;
+        i += 1;
+    }
+    t
+};
+
 /// Standard base64 with padding (how 1.x writes a hint's bytes).
 pub fn base64(bytes: &[u8]) -> String {
     let mut s = String::with_capacity(bytes.len().div_ceil(3) * 4);
@@ -62,8 +75,11 @@ pub fn unbase64(s: &[u8]) -> Option<Vec<u8>> {
         }
         let mut n = 0u32;
         for &c in &q[..4 - pad] {
-            let v = B64.iter().position(|&b| b == c)? as u32;
-            n = n << 6 | v;
+            let v = UNB64[c as usize];
+            if v == NOT_B64 {
+                return None;
+            }
+            n = n << 6 | v as u32;
         }
         n <<= 6 * pad as u32;
         out.extend_from_slice(&[(n >> 16) as u8, (n >> 8) as u8, n as u8][..3 - pad]);
@@ -160,6 +176,9 @@ fn attrs<'a, const N: usize>(
     keys: [&str; N],
     line: usize,
 ) -> Result<[Cow<'a, [u8]>; N]> {
+    if let Some(v) = crate::thin::xml::plain_attrs(e.attributes_raw(), keys) {
+        return Ok(v.map(Cow::Borrowed));
+    }
     let mut out: [Option<Cow<'a, [u8]>>; N] = std::array::from_fn(|_| None);
     for a in e.attributes() {
         let a = a.map_err(|err| bad(line, format!("<{tag}>: {err}")))?;
@@ -333,12 +352,16 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
     if let Some(w) = md.hints.windows(2).find(|w| w[0].0 == w[1].0) {
         return Err(CacheError::Plain(format!("cache block {} has two hints", w[0].0)));
     }
-    let mut by_origin: Vec<(u64, u32)> = md.mappings.iter().map(|m| (m.oblock, m.cblock)).collect();
-    by_origin.sort_unstable();
-    if let Some(w) = by_origin.windows(2).find(|w| w[0].0 == w[1].0) {
+    // origin blocks alone (half the memory of pairs); the cache blocks of one
+    // found twice are looked up after
+    let mut origins: Vec<u64> = md.mappings.iter().map(|m| m.oblock).collect();
+    origins.sort_unstable();
+    if let Some(w) = origins.windows(2).find(|w| w[0] == w[1]) {
+        let mut by = md.mappings.iter().filter(|m| m.oblock == w[0]).map(|m| m.cblock);
+        let (a, b) = (by.next().unwrap_or(0), by.next().unwrap_or(0));
         return Err(CacheError::Plain(format!(
-            "origin block {} is mapped by cache blocks {} and {}",
-            w[0].0, w[0].1, w[1].1
+            "origin block {} is mapped by cache blocks {a} and {b}",
+            w[0]
         )));
     }
     Ok(md)

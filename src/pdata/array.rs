@@ -11,7 +11,7 @@
 //! out-of-range access or an allocation sized by the lie.
 
 use super::btree::{self, ValueKind};
-use super::error::{corrupt, BlockKind, Result};
+use super::error::{corrupt, BlockKind, PdataError, Result};
 use super::tm::TransactionManager;
 use super::{le32, put32, Block, BLOCK_SIZE};
 
@@ -384,25 +384,112 @@ pub fn walk<V: ArrayValue>(
     let mx = max_entries(V::SIZE) as u64;
     let list = blocks::<V>(tm, root, len)?;
     let mut vals: Vec<V> = Vec::with_capacity(mx as usize);
-    for (bi, b) in list.into_iter().enumerate() {
-        let first = bi as u64 * mx;
-        let want = (len - first).min(mx) as usize;
-        let d = tm.read(b, BlockKind::Array)?;
-        let n = check_block(b, d, V::SIZE)?;
-        if n != want {
-            return Err(corrupt(
-                b,
-                format!("array block {bi} has {n} entries, expected {want}"),
-            ));
+    if tm.cache.dirty_count() > 0 {
+        // blocks changed in this transaction are in the cache only
+        for (bi, b) in list.into_iter().enumerate() {
+            load_block(tm, b, bi as u64, len, &mut vals)?;
+            f(bi as u64 * mx, &vals)?;
         }
-        vals.clear();
-        vals.extend((0..n).map(|i| {
-            let o = value_off::<V>(i);
-            V::decode(&d[o..o + V::SIZE])
-        }));
-        f(first, &vals)?;
+        return Ok(());
+    }
+    // nothing changed: consecutive blocks (an array is usually written in
+    // order) are read in one I/O, past the cache
+    let mut buf = Vec::new();
+    let mut bi = 0usize;
+    while bi < list.len() {
+        let run = list[bi..]
+            .iter()
+            .zip(list[bi]..)
+            .take(RUN_BLOCKS)
+            .take_while(|(b, want)| **b == *want)
+            .count();
+        let checked = tm
+            .cache
+            .read_run_uncached(list[bi], run, BlockKind::Array, &mut buf)?;
+        for (i, (ok, d)) in checked.into_iter().zip(buf.chunks_exact(BLOCK_SIZE)).enumerate() {
+            ok?;
+            let d = <&Block>::try_from(d).map_err(|_| corrupt(list[bi + i], "short block"))?;
+            decode_block(list[bi + i], (bi + i) as u64, len, d, &mut vals)?;
+            f((bi + i) as u64 * mx, &vals)?;
+        }
+        bi += run;
     }
     Ok(())
+}
+
+/// The most blocks [`walk`] reads in one I/O (128 KiB).
+const RUN_BLOCKS: usize = 32;
+
+/// The values of array block `b`, the `bi`th of an array of `len` entries,
+/// into `vals`; its header checked (full, or the last block holding the rest).
+fn load_block<V: ArrayValue>(
+    tm: &mut TransactionManager,
+    b: u64,
+    bi: u64,
+    len: u64,
+    vals: &mut Vec<V>,
+) -> Result<()> {
+    let d = tm.read(b, BlockKind::Array)?;
+    decode_block(b, bi, len, d, vals)
+}
+
+/// [`load_block`] of block `b` read as `d` (validated).
+fn decode_block<V: ArrayValue>(b: u64, bi: u64, len: u64, d: &Block, vals: &mut Vec<V>) -> Result<()> {
+    let mx = max_entries(V::SIZE) as u64;
+    let want = (len - bi * mx).min(mx) as usize;
+    let n = check_block(b, d, V::SIZE)?;
+    if n != want {
+        return Err(corrupt(
+            b,
+            format!("array block {bi} has {n} entries, expected {want}"),
+        ));
+    }
+    vals.clear();
+    vals.extend((0..n).map(|i| {
+        let o = value_off::<V>(i);
+        V::decode(&d[o..o + V::SIZE])
+    }));
+    Ok(())
+}
+
+/// An array read entry by entry in any order, a block at a time (a copy from
+/// one array to another holds one block of each, not the arrays): each block
+/// checked as [`walk`] checks it.
+pub struct Reader<V> {
+    len: u64,
+    list: Vec<u64>,
+    at: Option<u64>,
+    vals: Vec<V>,
+}
+
+impl<V: ArrayValue> Reader<V> {
+    /// The array at `root`, which must have `len` entries.
+    pub fn new(tm: &mut TransactionManager, root: u64, len: u64) -> Result<Reader<V>> {
+        Ok(Reader {
+            len,
+            list: blocks::<V>(tm, root, len)?,
+            at: None,
+            vals: Vec::new(),
+        })
+    }
+
+    /// Entry `i` (below the length).
+    pub fn get(&mut self, tm: &mut TransactionManager, i: u64) -> Result<V> {
+        let mx = max_entries(V::SIZE) as u64;
+        let bi = i / mx;
+        if self.at != Some(bi) {
+            let Some(&b) = self.list.get(bi as usize) else {
+                return Err(PdataError::Invalid(format!(
+                    "array entry {i} is past its {} entries",
+                    self.len
+                )));
+            };
+            self.at = None;
+            load_block(tm, b, bi, self.len, &mut self.vals)?;
+            self.at = Some(bi);
+        }
+        Ok(self.vals[(i % mx) as usize])
+    }
 }
 
 #[cfg(test)]

@@ -280,6 +280,11 @@ impl SpaceMap {
         (self.counts[b as usize] != 0) != toggled
     }
 
+    /// Where the next [`SpaceMap::alloc`] starts looking (it wraps around).
+    pub fn set_cursor(&mut self, b: u64) {
+        self.cursor = b;
+    }
+
     /// Allocate a block (count 0 -> 1) that was also free at the last commit.
     pub fn alloc(&mut self) -> Result<u64> {
         let n = self.nr_blocks;

@@ -524,6 +524,20 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         report.fail("no current metadata snap".into());
         return report;
     }
+    // the snapshot's superblock is read before anything is said of the live one
+    // (1.x: a bad one is the only line, even with --super-block-only)
+    let held = if o.metadata_snap {
+        match tm.read(sb.held_root, BlockKind::Superblock) {
+            Ok(d) => Some(Superblock::decode(d)),
+            Err(e) => {
+                report.errors.push(format!("metadata snap superblock: {e}"));
+                report.fail(format!("metadata snap: {}", superblock_error(&e)));
+                return report;
+            }
+        }
+    } else {
+        None
+    };
     report.transaction_id = sb.trans_id;
     report.free_metadata_blocks = sb
         .meta_sm_root
@@ -584,18 +598,8 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         bad_io: 0,
         bad_checksum: 0,
     };
-    if o.metadata_snap {
-        let held = match c.tm.read(sb.held_root, BlockKind::Superblock) {
-            Ok(d) => Superblock::decode(d),
-            Err(e) => {
-                report.errors.push(format!("metadata snap superblock: {e}"));
-                report.fail(format!("metadata snap: {}", superblock_error(&e)));
-                return report;
-            }
-        };
-        if !devices_and_mappings(&mut c, &mut report, &held, "") {
-            return report;
-        }
+    if let Some(held) = held {
+        devices_and_mappings(&mut c, &mut report, &held, "");
         return report;
     }
     c.meta_ref(SUPERBLOCK_LOCATION);

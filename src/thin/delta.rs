@@ -18,7 +18,7 @@ pub enum Side {
 /// thin_delta's options.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeltaOptions {
-    /// `--thin1` or `--root1` (missing: an error once the metadata is read).
+    /// `--thin1` or `--root1` (missing: an error before the metadata is read).
     pub left: Option<Side>,
     /// `--thin2` or `--root2`.
     pub right: Option<Side>,
@@ -171,22 +171,26 @@ fn delta_stream(tm: &mut TransactionManager, lroot: u64, rroot: u64) -> Result<V
 }
 
 /// Compare the two sides `o` names in the metadata `tm` reads.
+/// A missing side is refused before the metadata is read, as 1.x does.
 pub fn delta(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<DeltaReport> {
+    let given = |n: u8, side: Option<Side>| {
+        side.ok_or_else(|| ThinError::Plain(format!("--thin{n} or --root{n} not specified")))
+    };
+    let sides = [given(1, o.left)?, given(2, o.right)?];
     let (sb, plan) = superblock_and_plan(tm, o.metadata_snap)?;
-    let root = |n: u8, side: Option<Side>| -> Result<(Side, u64)> {
+    let root = |n: u8, side: Side| -> Result<(Side, u64)> {
         match side {
-            Some(Side::Thin(t)) => plan
+            Side::Thin(t) => plan
                 .devices
                 .iter()
                 .find(|d| d.0 == t)
-                .map(|d| (Side::Thin(t), d.2))
+                .map(|d| (side, d.2))
                 .ok_or_else(|| ThinError::Plain(format!("Unable to find mapping tree for snap{n} ({t})"))),
-            Some(Side::Root(r)) => Ok((Side::Root(r), r)),
-            None => Err(ThinError::Plain(format!("--thin{n} or --root{n} not specified"))),
+            Side::Root(r) => Ok((side, r)),
         }
     };
-    let (left, lroot) = root(1, o.left)?;
-    let (right, rroot) = root(2, o.right)?;
+    let (left, lroot) = root(1, sides[0])?;
+    let (right, rroot) = root(2, sides[1])?;
     Ok(DeltaReport {
         time: sb.time,
         transaction: sb.trans_id,

@@ -103,6 +103,24 @@ fn check_sizes(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
 impl ThinPoolMetadata {
     /// Write a new, empty pool to `dev` (everything on it is lost).
     pub fn format(dev: Box<dyn MetadataDev>, opts: FormatOptions) -> Result<ThinPoolMetadata> {
+        Self::format_placed(dev, opts, false)
+    }
+
+    /// [`ThinPoolMetadata::format`] for a restore: the empty pool's own blocks
+    /// (space maps, empty trees) go to the end of the device, and the blocks
+    /// allocated next come from its start, one after another, as 1.x's
+    /// thin_restore lays them out. A dump names a shared subtree after its first
+    /// leaf block, so a restored pool then dumps with 1.x's names for its
+    /// `<def>`s: dump, restore, dump is a fixed point, whichever tool restores.
+    pub fn format_for_restore(dev: Box<dyn MetadataDev>, opts: FormatOptions) -> Result<ThinPoolMetadata> {
+        Self::format_placed(dev, opts, true)
+    }
+
+    fn format_placed(
+        dev: Box<dyn MetadataDev>,
+        opts: FormatOptions,
+        at_end: bool,
+    ) -> Result<ThinPoolMetadata> {
         check_data_block_size(opts.data_block_size)?;
         let cache = BlockCache::new(dev, opts.cache_blocks);
         let nr_meta = cache.nr_blocks().min(MAX_METADATA_BLOCKS);
@@ -113,6 +131,13 @@ impl ThinPoolMetadata {
         }
         let mut meta = SpaceMap::new(SmKind::Metadata, nr_meta)?;
         meta.set(SUPERBLOCK_LOCATION, 1)?;
+        if at_end {
+            // room for both space maps' bitmaps and index blocks, the empty
+            // trees, and their shadows at commit (a smaller device wraps around)
+            let per_bitmap = crate::pdata::space_map::ENTRIES_PER_BITMAP;
+            let need = 2 * (16 + nr_meta / per_bitmap + opts.nr_data_blocks / per_bitmap);
+            meta.set_cursor(nr_meta.saturating_sub(need));
+        }
         let data = SpaceMap::new(SmKind::Data, opts.nr_data_blocks)?;
         let mut tm = TransactionManager::new(cache, meta, data);
         sm_disk::create_trees(&mut tm, SmKind::Metadata)?;
@@ -151,6 +176,9 @@ impl ThinPoolMetadata {
         };
         md.sim = md.tm.cache.sim();
         md.commit()?;
+        if at_end {
+            md.tm.meta.set_cursor(SUPERBLOCK_LOCATION + 1);
+        }
         Ok(md)
     }
 

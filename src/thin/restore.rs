@@ -138,7 +138,7 @@ impl Visitor for Restorer {
             .dev
             .take()
             .ok_or_else(|| ThinError::Plain("duplicated superblock".into()))?;
-        let mut md = ThinPoolMetadata::format(
+        let mut md = ThinPoolMetadata::format_for_restore(
             dev,
             FormatOptions {
                 data_block_size: h.data_block_size,

@@ -232,6 +232,48 @@ pub(crate) fn at(line: usize, what: impl std::fmt::Display) -> ThinError {
     ThinError::Plain(format!("line {line}: {what}"))
 }
 
+/// The values of an element's attributes `keys` (each once, nothing else,
+/// plain `key="value"` or `key='value'` pairs apart by whitespace, no entity in
+/// a value), straight from its raw bytes (`BytesStart::attributes_raw`):
+/// quick-xml's attribute iterator costs a restore more than the rest of the
+/// tokenising. `None` for anything else; the caller then asks quick-xml, whose
+/// errors and decoding are the reference.
+pub(crate) fn plain_attrs<'a, const N: usize>(raw: &'a [u8], keys: [&str; N]) -> Option<[&'a [u8]; N]> {
+    let mut out: [Option<&'a [u8]>; N] = [None; N];
+    let mut s = raw;
+    loop {
+        let gap = s.iter().take_while(|c| c.is_ascii_whitespace()).count();
+        s = &s[gap..];
+        if s.is_empty() || s == b"/" {
+            break;
+        }
+        if gap == 0 {
+            return None;
+        }
+        let eq = s.iter().position(|&c| c == b'=')?;
+        let quote = *s.get(eq + 1)?;
+        if quote != b'"' && quote != b'\'' {
+            return None;
+        }
+        let rest = &s[eq + 2..];
+        let end = rest.iter().position(|&c| c == quote)?;
+        let value = &rest[..end];
+        if value.contains(&b'&') {
+            return None;
+        }
+        let slot = keys.iter().position(|k| k.as_bytes() == &s[..eq])?;
+        if out[slot].replace(value).is_some() {
+            return None;
+        }
+        s = &rest[end + 1..];
+    }
+    let mut res: [&'a [u8]; N] = [&[]; N];
+    for (r, v) in res.iter_mut().zip(out) {
+        *r = v?;
+    }
+    Some(res)
+}
+
 /// One element's attributes, decoded (entities included).
 pub(crate) struct Attrs {
     pub(crate) name: String,

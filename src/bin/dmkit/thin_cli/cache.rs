@@ -182,30 +182,33 @@ pub struct CacheMetadataSizeArgs {
 #[command(
     name = "cache_writeback",
     about = "Repair binary cache metadata, and write it to a different device or file",
-    disable_version_flag = true
+    disable_version_flag = true,
+    next_display_order = None
 )]
 pub struct CacheWritebackArgs {
-    /// Specify the size for the data cache, in megabytes
-    #[arg(long, value_name = "MB")]
-    pub buffer_size_meg: Option<u64>,
+    // the required three first, in 1.x's order: clap names them in usage
+    // lines in the order they are declared (help sorts them by name)
+    /// Specify the cache metadata device
+    #[arg(long, value_name = "FILE", required = true)]
+    pub metadata_device: Option<PathBuf>,
+    /// Specify the slow device begin cached
+    #[arg(long, value_name = "FILE", required = true)]
+    pub origin_device: Option<PathBuf>,
     /// Specify the fast device containing the data that needs to be written back
     #[arg(long, value_name = "FILE", required = true)]
     pub fast_device: Option<PathBuf>,
+    /// Specify the size for the data cache, in megabytes
+    #[arg(long, value_name = "MB")]
+    pub buffer_size_meg: Option<u64>,
     /// Specify the data offset within the fast device
     #[arg(long, value_name = "SECTORS")]
     pub fast_device_offset: Option<u64>,
     /// List any blocks that failed the writeback process
     #[arg(long)]
     pub list_failed_blocks: bool,
-    /// Specify the cache metadata device
-    #[arg(long, value_name = "FILE", required = true)]
-    pub metadata_device: Option<PathBuf>,
     /// Do not clear the dirty flags in metadata
     #[arg(long)]
     pub no_metadata_update: bool,
-    /// Specify the slow device begin cached
-    #[arg(long, value_name = "FILE", required = true)]
-    pub origin_device: Option<PathBuf>,
     /// Specify the data offset within the slow device
     #[arg(long, value_name = "SECTORS")]
     pub origin_device_offset: Option<u64>,
