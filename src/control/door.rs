@@ -55,6 +55,15 @@ fn from_registry(e: ControlError) -> Refusal {
     (errno_of(&e), e.to_string())
 }
 
+/// A refused resume or removal: `block_device`, the errno when the device's
+/// block device stood in the way.
+fn refused(x: super::Refused, block_device: Errno) -> Refusal {
+    match x {
+        super::Refused::BlockDevice(why) => refuse(block_device, why),
+        super::Refused::Registry(e) => from_registry(e),
+    }
+}
+
 /// The frame the daemon sends, unasked, on a descriptor armed by DM_DEV_ARM_POLL
 /// once an event happens: an errno no reply carries, nothing to copy, no reason.
 /// Its arrival makes the descriptor readable, so `poll()` on the program's
@@ -78,17 +87,24 @@ fn global_events(ctx: &Ctx) -> u64 {
     h.finish()
 }
 
-/// Whether the connection has a frame to read within `ms` milliseconds (or has
-/// been closed).
-fn readable(fd: i32, ms: i32) -> bool {
+/// poll() of one descriptor for `events`, waiting up to `ms` milliseconds: the
+/// events that came (0 when none did; POLLHUP and POLLERR come unasked), None
+/// when poll() failed.
+fn poll_one(fd: i32, events: i16, ms: i32) -> Option<i16> {
     let mut p = libc::pollfd {
         fd,
-        events: libc::POLLIN | libc::POLLRDHUP,
+        events,
         revents: 0,
     };
     // SAFETY: one valid pollfd for the duration of the call.
     let n = unsafe { libc::poll(&mut p, 1, ms) };
-    n != 0
+    (n >= 0).then_some(if n > 0 { p.revents } else { 0 })
+}
+
+/// Whether the connection has a frame to read within `ms` milliseconds (or has
+/// been closed, or cannot be polled: the read that follows says why).
+fn readable(fd: i32, ms: i32) -> bool {
+    poll_one(fd, libc::POLLIN | libc::POLLRDHUP, ms).is_none_or(|r| r != 0)
 }
 
 /// Serve one connection (one open descriptor of the control node) until the
@@ -155,14 +171,8 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
 /// Whether the caller of a waiting DEV_WAIT has gone (its end of the socket
 /// closed).
 fn hung_up(fd: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd for the duration of the call; no timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    poll_one(fd, libc::POLLRDHUP, 0)
+        .is_some_and(|r| r & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0)
 }
 
 /// dmkit's own request on the door (type byte 0xdc, not device-mapper's 0xfd):
@@ -416,14 +426,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
         Cmd::DevRemove => {
             let d = find(ctx, r)?;
             let deferred = r.has(dm::DEFERRED_REMOVE);
-            super::before_remove(ctx, &d.name()).map_err(|e| refuse(dm::EBUSY, e))?;
-            let removed = reg.remove(&d.name(), false, deferred).map_err(from_registry);
-            reg.reap_deferred();
-            if removed.is_err() {
-                // refused (held by another device, say): its block device again
-                super::after_resume(ctx, &d.name());
-            }
-            removed?;
+            super::remove(ctx, &d.name(), false, deferred).map_err(|x| refused(x, dm::EBUSY))?;
             if d.removed.load(Ordering::SeqCst) {
                 r.clear_flags(dm::DEFERRED_REMOVE);
             }
@@ -466,11 +469,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 reg.suspend(&name, r.has(dm::NOFLUSH_FLAG))
                     .map_err(from_registry)?;
             } else {
-                super::before_resume(ctx, &name).map_err(|e| refuse(dm::EINVAL, e))?;
-                let res = reg.resume(&name).map_err(from_registry);
-                reg.reap_deferred();
-                res?;
-                super::after_resume(ctx, &name);
+                super::resume(ctx, &name).map_err(|x| refused(x, dm::EINVAL))?;
                 r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
             }
             r.set_status(&status(ctx, &d));

@@ -193,24 +193,16 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             each(reg, &devs.names, &devs.pick, |n| done(reg.suspend(n, noflush)))
         }
         DmVerb::Resume { devs } => each(reg, &devs.names, &devs.pick, |n| {
-            before_resume(ctx, n)?;
-            let r = done(reg.resume(n));
-            // the old table may have held a device marked for deferred removal
-            reg.reap_deferred();
-            after_resume(ctx, n);
-            r
+            resume(ctx, n).map(|()| String::new()).map_err(|x| x.to_string())
         }),
         DmVerb::Remove {
             devs,
             force,
             deferred,
         } => each(reg, &devs.names, &devs.pick, |n| {
-            before_remove(ctx, n)?;
-            let r = done(reg.remove(n, force, deferred));
-            reg.reap_deferred();
-            // refused (held by another device, say): its block device again
-            after_resume(ctx, n);
-            r
+            remove(ctx, n, force, deferred)
+                .map(|()| String::new())
+                .map_err(|x| x.to_string())
         }),
         DmVerb::RemoveAll { force, deferred } => {
             before_remove_all(ctx);
@@ -397,11 +389,51 @@ fn wait(reg: &Registry, name: &str, event_nr: u64) -> Result<String, String> {
     Ok(String::new())
 }
 
+/// Why a resume or a removal was refused.
+pub(crate) enum Refused {
+    /// The device's block device stands in the way (held, or of another size).
+    BlockDevice(String),
+    /// The registry's reason.
+    Registry(crate::mapper::registry::ControlError),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::BlockDevice(why) => f.write_str(why),
+            Refused::Registry(e) => e.fmt(f),
+        }
+    }
+}
+
+/// Resume `name` (for the CLI and the door alike): devices marked for deferred
+/// removal that the old table held go, and with `serve --attach` the device's
+/// block device follows its live table.
+pub(crate) fn resume(ctx: &Ctx, name: &str) -> Result<(), Refused> {
+    before_resume(ctx, name).map_err(Refused::BlockDevice)?;
+    let r = ctx.reg.resume(name);
+    // the old table may have held a device marked for deferred removal
+    ctx.reg.reap_deferred();
+    after_resume(ctx, name);
+    r.map_err(Refused::Registry)
+}
+
+/// Remove `name` (for the CLI and the door alike), its block device first with
+/// `serve --attach`.
+pub(crate) fn remove(ctx: &Ctx, name: &str, force: bool, deferred: bool) -> Result<(), Refused> {
+    before_remove(ctx, name).map_err(Refused::BlockDevice)?;
+    let r = ctx.reg.remove(name, force, deferred);
+    ctx.reg.reap_deferred();
+    // refused (held by another device, say): its block device again
+    after_resume(ctx, name);
+    r.map_err(Refused::Registry)
+}
+
 /// A resume that would change the size of a device attached as a block device is
 /// refused: the ublk driver cannot resize a device (before Linux 6.16). With
 /// `serve --attach` only while the block device is held (mounted): otherwise it
 /// is attached again at the new size after the resume.
-pub(crate) fn before_resume(ctx: &Ctx, name: &str) -> Result<(), String> {
+fn before_resume(ctx: &Ctx, name: &str) -> Result<(), String> {
     let Ok(dev) = ctx.reg.get(name) else { return Ok(()) };
     let Some(b) = dev.block_device() else {
         return Ok(());
@@ -428,7 +460,7 @@ pub(crate) fn before_resume(ctx: &Ctx, name: &str) -> Result<(), String> {
 /// table's size and logical block size (attached, or attached again when the
 /// table changed them). A device that cannot be attached still works through
 /// the door's files; the reason is logged.
-pub(crate) fn after_resume(ctx: &Ctx, name: &str) {
+fn after_resume(ctx: &Ctx, name: &str) {
     if !ctx.auto_attach {
         return;
     }
@@ -464,7 +496,7 @@ pub(crate) fn before_remove_all(ctx: &Ctx) {
 /// With `serve --attach`, before a removal: the device's block device goes
 /// first (refused while it is held, as the kernel refuses to remove an open
 /// device). If the removal is then refused, [`after_resume`] attaches it again.
-pub(crate) fn before_remove(ctx: &Ctx, name: &str) -> Result<(), String> {
+fn before_remove(ctx: &Ctx, name: &str) -> Result<(), String> {
     if !ctx.auto_attach {
         return Ok(());
     }
