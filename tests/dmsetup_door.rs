@@ -46,14 +46,10 @@ fn dmsetup_in(d: &Daemon, args: &[&str], stdin: &str) -> Output {
 
 /// `dmkit exec -- TOOL ARGS` (dmsetup, or dmsetup under another name).
 fn tool_in(d: &Daemon, tool: &str, args: &[&str], stdin: &str) -> Output {
-    let mut c = Command::new(common::BIN)
-        .arg("--run-dir")
-        .arg(&d.run)
-        .arg("exec")
-        .arg("--")
+    let mut c = d
+        .exec()
         .arg(common::tool_path(tool))
         .args(args)
-        .env("LC_ALL", "C")
         .env_remove("DM_DEV_DIR")
         .current_dir(&d.dir.0)
         .stdin(Stdio::piped())
@@ -193,13 +189,10 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
 
     // wait: returns once the event counter passes the number given (a new uuid
     // is an event)
-    let mut w = Command::new(common::BIN)
-        .arg("--run-dir")
-        .arg(&d.run)
-        .args(["exec", "--"])
+    let mut w = d
+        .exec()
         .arg(common::tool_path("dmsetup"))
         .args(["wait", "lin", "0"])
-        .env("LC_ALL", "C")
         .env_remove("DM_DEV_DIR")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -654,14 +647,7 @@ fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
     let d = Daemon::start("doorwait");
     d.create("w", "0 8 zero");
     let exe = build_c(&d, "waiter");
-    let o = Command::new(common::BIN)
-        .arg("--run-dir")
-        .arg(&d.run)
-        .args(["exec", "--"])
-        .arg(&exe)
-        .arg("w")
-        .output()
-        .expect("run waiter");
+    let o = d.exec().arg(&exe).arg("w").output().expect("run waiter");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success(),
@@ -697,10 +683,9 @@ fn sysfs_dm_attributes_are_the_daemons_behind_the_door() {
     assert!(num.starts_with("253:"), "{ls}");
     let dir = format!("/sys/dev/block/{num}/dm");
     let cat = || -> String {
-        let o = Command::new(common::BIN)
-            .arg("--run-dir")
-            .arg(&d.run)
-            .args(["exec", "--", "cat"])
+        let o = d
+            .exec()
+            .arg("cat")
             .args(["name", "uuid", "suspended"].map(|a| format!("{dir}/{a}")))
             .output()
             .expect("cat");
@@ -725,10 +710,8 @@ fn dev_arm_poll_makes_the_control_descriptor_readable_at_an_event() {
     let d = Daemon::start("doorpoll");
     d.create("p", "0 8 zero");
     let exe = build_c(&d, "poller");
-    let mut child = Command::new(common::BIN)
-        .arg("--run-dir")
-        .arg(&d.run)
-        .args(["exec", "--"])
+    let mut child = d
+        .exec()
         .arg(&exe)
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -773,15 +756,7 @@ fn device_nodes_open_as_the_devices_files_behind_the_door() {
         "--table",
         &format!("0 2048 linear {} 0", f.display()),
     ]);
-    let sh = |script: &str| -> Output {
-        Command::new(common::BIN)
-            .arg("--run-dir")
-            .arg(&d.run)
-            .args(["exec", "--", "sh", "-c", script])
-            .env("LC_ALL", "C")
-            .output()
-            .expect("sh")
-    };
+    let sh = |script: &str| -> Output { d.exec().args(["sh", "-c", script]).output().expect("sh") };
     let o = sh("dmsetup mknodes && printf hello | dd of=$DM_DEV_DIR/mapper/x bs=1 seek=1021 conv=notrunc status=none && \
                 dd if=$DM_DEV_DIR/mapper/x bs=1 skip=1019 count=9 status=none");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

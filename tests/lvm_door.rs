@@ -45,10 +45,8 @@ struct Lvm<'a> {
 
 impl Lvm<'_> {
     fn run(&self, args: &[&str]) -> Output {
-        Command::new(common::BIN)
-            .arg("--run-dir")
-            .arg(&self.d.run)
-            .args(["exec", "--"])
+        self.d
+            .exec()
             .arg(common::tool_path("lvm"))
             .arg(args[0])
             .args(["--devices", &self.devices])
@@ -58,7 +56,6 @@ impl Lvm<'_> {
                 vec!["--config", self.config.as_str()]
             })
             .args(&args[1..])
-            .env("LC_ALL", "C")
             .env("LVM_SUPPRESS_FD_WARNINGS", "1")
             .output()
             .expect("spawn dmkit exec lvm")
@@ -290,14 +287,7 @@ fn loop_files(d: &Daemon, fill: Option<u8>) -> (Loops, Vec<(String, PathBuf)>) {
 
 /// `dmkit exec -- ARGS` must succeed; its stdout.
 fn door_ok(d: &Daemon, args: &[&str]) -> String {
-    let o = Command::new(common::BIN)
-        .arg("--run-dir")
-        .arg(&d.run)
-        .args(["exec", "--"])
-        .args(args)
-        .env("LC_ALL", "C")
-        .output()
-        .expect("spawn dmkit exec");
+    let o = d.exec().args(args).output().expect("spawn dmkit exec");
     assert!(
         o.status.success(),
         "{args:?}: {}\nstderr: {}\nstdout: {}",
@@ -772,14 +762,11 @@ fn dmeventd_grows_a_thin_pool_past_its_autoextend_threshold() {
     )
     .expect("lvm.conf");
     let run = |args: &[&str]| -> String {
-        let o = Command::new(common::BIN)
-            .arg("--run-dir")
-            .arg(&d.run)
-            .args(["exec", "--"])
+        let o = d
+            .exec()
             .arg(common::tool_path("lvm"))
             .args(args)
             .env("LVM_SYSTEM_DIR", &sys)
-            .env("LC_ALL", "C")
             .env("LVM_SUPPRESS_FD_WARNINGS", "1")
             .output()
             .expect("spawn lvm");

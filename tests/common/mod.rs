@@ -159,6 +159,17 @@ impl Daemon {
         self.cli_in(args, "")
     }
 
+    /// `dmkit --run-dir RUN exec --`, in the C locale: append the program and
+    /// its arguments (the dm ioctl door open to this daemon).
+    pub fn exec(&self) -> Command {
+        let mut c = Command::new(BIN);
+        c.arg("--run-dir")
+            .arg(&self.run)
+            .args(["exec", "--"])
+            .env("LC_ALL", "C");
+        c
+    }
+
     /// Run and require success; returns stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let o = self.cli(args);
