@@ -462,10 +462,17 @@ fn exec_without_a_daemon_says_where_it_looked() {
     );
 }
 
-/// One frame to the door: (errno, the bytes copied back).
+/// One frame to the door carrying the whole buffer: (errno, the bytes copied
+/// back).
 fn door(s: &mut UnixStream, request: u32, buf: &[u8]) -> (i32, Vec<u8>) {
+    door_part(s, request, buf.len(), buf)
+}
+
+/// One frame carrying the first bytes (`buf`) of a buffer of `len` bytes.
+fn door_part(s: &mut UnixStream, request: u32, len: usize, buf: &[u8]) -> (i32, Vec<u8>) {
     let mut f = Vec::new();
     f.extend_from_slice(&request.to_le_bytes());
+    f.extend_from_slice(&(len as u32).to_le_bytes());
     f.extend_from_slice(&(buf.len() as u32).to_le_bytes());
     f.extend_from_slice(&0u32.to_le_bytes());
     f.extend_from_slice(buf);
@@ -592,6 +599,18 @@ fn hostile_buffers_get_the_kernels_errnos_and_the_daemon_stays_up() {
     );
     assert_eq!(e, 0);
     assert_ne!(dm::reply_header(&out).flags & dm::BUFFER_FULL_FLAG, 0);
+    // the header alone of a status request's buffer (as the library carries
+    // it): the answer, no longer than the result; of a load's: EFAULT, as a
+    // buffer the kernel cannot read
+    let (e, out) = door_part(&mut s, Cmd::TableStatus.request(), 16384, &ok[..dm::HEADER_SIZE]);
+    assert_eq!(e, 0);
+    assert_eq!(out.len(), dm::reply_header(&out).data_size as usize);
+    assert_eq!(
+        dm::read_status(&out),
+        vec![(0, 64, "zero".to_string(), String::new())]
+    );
+    let (e, _) = door_part(&mut s, Cmd::TableLoad.request(), 16384, &good[..dm::HEADER_SIZE]);
+    assert_eq!(e, libc::EFAULT);
     // the same connection still answers
     let (e, out) = door(&mut s, Cmd::DevStatus.request(), &ok);
     assert_eq!((e, dm::reply_header(&out).name.as_str()), (0, "z"));
@@ -601,7 +620,20 @@ fn hostile_buffers_get_the_kernels_errnos_and_the_daemon_stays_up() {
     let mut f = Vec::new();
     f.extend_from_slice(&Cmd::TableLoad.request().to_le_bytes());
     f.extend_from_slice(&u32::MAX.to_le_bytes());
+    f.extend_from_slice(&u32::MAX.to_le_bytes());
     f.extend_from_slice(&0u32.to_le_bytes());
+    s.write_all(&f).expect("send");
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(rest.is_empty());
+    // one that claims to carry more than the buffer holds: the same
+    let mut s = UnixStream::connect(d.run.join("dm-ioctl.sock")).expect("door");
+    let mut f = Vec::new();
+    f.extend_from_slice(&Cmd::DevStatus.request().to_le_bytes());
+    f.extend_from_slice(&(dm::HEADER_SIZE as u32).to_le_bytes());
+    f.extend_from_slice(&(dm::HEADER_SIZE as u32 + 8).to_le_bytes());
+    f.extend_from_slice(&0u32.to_le_bytes());
+    f.extend_from_slice(&[0; dm::HEADER_SIZE + 8]);
     s.write_all(&f).expect("send");
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);

@@ -98,6 +98,18 @@ impl Cmd {
         (3 << 30) | ((HEADER_SIZE as u32) << 16) | (IOCTL_TYPE << 8) | self as u32
     }
 
+    /// The commands that read something the caller put after the header
+    /// (at `data_start`: a table, a new name, a message, a geometry, a target's
+    /// name). The others only write there, so the door's library carries the
+    /// header alone of their buffer, and their result is written in a buffer
+    /// grown as it needs (see [`Request::room`]).
+    pub fn reads_data(self) -> bool {
+        matches!(
+            self,
+            Cmd::TableLoad | Cmd::DevRename | Cmd::TargetMsg | Cmd::DevSetGeometry | Cmd::GetTargetVersion
+        )
+    }
+
     /// The commands whose data part the kernel does not read
     /// (`IOCTL_FLAGS_NO_PARAMS`): their buffer is the header alone.
     pub fn no_params(self) -> bool {
@@ -221,8 +233,10 @@ fn align8(x: usize) -> usize {
 }
 
 /// A request being served: the caller's buffer (at least [`HEADER_SIZE`] bytes
-/// here, zero-padded), the size the kernel would have copied in (`param_size`),
-/// and the command.
+/// here, zero-padded; all `param_size` of them for a command that
+/// [reads data](Cmd::reads_data), and grown as a result is written for the
+/// others), the size the kernel would have copied in (`param_size`), and the
+/// command.
 #[derive(Debug)]
 pub struct Request {
     pub cmd: Cmd,
@@ -239,14 +253,19 @@ pub struct Outcome {
 }
 
 /// The kernel's checks before a command runs (`ctl_ioctl`: `check_version`,
-/// `lookup_ioctl`, `copy_params`, `validate_params`). `raw` is what the caller's
-/// buffer holds (the door sends `data_size` bytes of it, or the header alone
-/// when `data_size` is out of range). Err: the errno and the buffer to copy back
-/// (the version, which the kernel writes back even when it refuses).
-pub fn decode(request: u32, mut raw: Vec<u8>) -> Result<Request, (Errno, Vec<u8>, usize)> {
+/// `lookup_ioctl`, `copy_params`, `validate_params`). `len` is the length of
+/// the caller's buffer (the door's library gives `data_size`, or the header's
+/// size when `data_size` is out of range), `raw` its first bytes as carried:
+/// all of them for a command that [reads data](Cmd::reads_data), at least the
+/// header for the others (a frame that carries less than a command reads is
+/// refused with EFAULT, as a buffer the kernel cannot read). Err: the errno and
+/// the buffer to copy back (the version, which the kernel writes back even when
+/// it refuses).
+pub fn decode(request: u32, mut raw: Vec<u8>, len: usize) -> Result<Request, (Errno, Vec<u8>, usize)> {
     if (request >> 8) & 0xff != IOCTL_TYPE {
         return Err((ENOTTY, raw, 0));
     }
+    let len = len.max(raw.len());
     if raw.len() < 12 {
         return Err((EFAULT, raw, 0));
     }
@@ -268,7 +287,7 @@ pub fn decode(request: u32, mut raw: Vec<u8>) -> Result<Request, (Errno, Vec<u8>
             param_size: 12,
         });
     }
-    if raw.len() < MIN_DATA_SIZE {
+    if raw.len() < MIN_DATA_SIZE.min(len) || len < MIN_DATA_SIZE {
         return Err((EFAULT, raw, 12));
     }
     let data_size = u32_at(&raw, OFF_DATA_SIZE);
@@ -279,13 +298,15 @@ pub fn decode(request: u32, mut raw: Vec<u8>) -> Result<Request, (Errno, Vec<u8>
         MIN_DATA_SIZE
     } else if data_size as usize > BUFFER_LIMIT {
         return Err((ENOMEM, raw, 12));
-    } else if raw.len() < data_size as usize {
+    } else if len < data_size as usize || (cmd.reads_data() && raw.len() < data_size as usize) {
         return Err((EFAULT, raw, 12));
     } else {
         data_size as usize
     };
     raw.truncate(param_size.max(MIN_DATA_SIZE));
-    raw.resize(param_size.max(HEADER_SIZE), 0);
+    if raw.len() < HEADER_SIZE {
+        raw.resize(HEADER_SIZE, 0);
+    }
     let mut r = Request {
         cmd,
         buf: raw,
@@ -413,6 +434,17 @@ impl Request {
         (DATA_START, self.param_size.saturating_sub(DATA_START))
     }
 
+    /// The buffer made at least `end` bytes long (no longer than the caller's)
+    /// before a result is written up to there: the bytes the door did not
+    /// carry read as zeros (the result's alignment padding is all that is
+    /// copied back of them).
+    fn room(&mut self, end: usize) {
+        let end = end.min(self.param_size);
+        if self.buf.len() < end {
+            self.buf.resize(end, 0);
+        }
+    }
+
     /// A string the caller put at `data_start` (rename's new name, a target
     /// version's name): EINVAL if it starts inside the header or has no NUL
     /// inside the buffer.
@@ -506,6 +538,7 @@ impl Request {
             self.add_flags(BUFFER_FULL_FLAG);
             return;
         }
+        self.room(start + needed.max(8));
         self.set_data_size((start + needed) as u32);
         put_u64(&mut self.buf, start, 0); // no devices
         let mut at = start;
@@ -545,6 +578,7 @@ impl Request {
             self.add_flags(BUFFER_FULL_FLAG);
             return;
         }
+        self.room(start + needed);
         self.set_data_size((start + needed) as u32);
         let mut at = start;
         let mut prev: Option<usize> = None;
@@ -570,6 +604,7 @@ impl Request {
             self.add_flags(BUFFER_FULL_FLAG);
             return;
         }
+        self.room(start + needed);
         put_u32(&mut self.buf, start, devs.len() as u32);
         put_u32(&mut self.buf, start + 4, 0);
         for (i, (ma, mi)) in devs.iter().enumerate() {
@@ -582,6 +617,9 @@ impl Request {
     /// counts from the first spec. Stops with BUFFER_FULL where one does not fit.
     pub fn put_status(&mut self, targets: &[(u64, u64, &str, String)]) {
         let (start, len) = self.result_space();
+        // each spec, its text, its NUL and its alignment
+        let most: usize = targets.iter().map(|t| SPEC_SIZE + t.3.len() + 8).sum();
+        self.room(start.saturating_add(most));
         let mut at = 0usize; // from `start`
         let mut used = 0usize;
         for (s, l, ty, text) in targets {
@@ -623,6 +661,7 @@ impl Request {
             return;
         }
         let (start, _) = self.result_space();
+        self.room(start + text.len() + 1);
         put_c_str(&mut self.buf, start, text.as_bytes());
         self.set_data_size((start + text.len() + 1) as u32);
     }
@@ -826,7 +865,8 @@ mod tests {
     use super::*;
 
     fn req(cmd: Cmd, b: Vec<u8>) -> Result<Request, Errno> {
-        decode(cmd.request(), b).map_err(|e| e.0)
+        let n = b.len();
+        decode(cmd.request(), b, n).map_err(|e| e.0)
     }
 
     #[test]
@@ -851,7 +891,7 @@ mod tests {
     fn version_is_written_back_even_when_refused() {
         let mut b = build(16384, "", "", 0, &[]);
         put_u32(&mut b, 0, 5);
-        let (e, out, n) = decode(Cmd::DevStatus.request(), b).expect_err("major 5");
+        let (e, out, n) = decode(Cmd::DevStatus.request(), b, 16384).expect_err("major 5");
         assert_eq!((e, n), (EINVAL, 12));
         assert_eq!(reply_header(&out).version, VERSION);
         let mut b = build(16384, "", "", 0, &[]);
@@ -862,7 +902,7 @@ mod tests {
         assert_eq!(r.out_len(), 12);
         assert_eq!(reply_header(&r.buf).version, VERSION);
         // an unknown command still gets the version
-        let (e, out, n) = decode(0xc138_fd40, build(400, "", "", 0, &[])).expect_err("cmd 0x40");
+        let (e, out, n) = decode(0xc138_fd40, build(400, "", "", 0, &[]), 400).expect_err("cmd 0x40");
         assert_eq!((e, n, reply_header(&out).version), (ENOTTY, 12, VERSION));
     }
 
@@ -1048,6 +1088,38 @@ mod tests {
         let mut r = req(Cmd::TableStatus, build(DATA_START + 60, "a", "", 0, &[])).expect("status");
         r.put_status(&t);
         assert!(r.has(BUFFER_FULL_FLAG));
+    }
+
+    #[test]
+    fn a_result_needs_only_the_header_carried_and_data_must_be() {
+        // the door's library carries the header of a status request's 16 KiB
+        let b = build(16384, "a", "", 0, &[]);
+        let mut r = decode(Cmd::TableStatus.request(), b[..HEADER_SIZE].to_vec(), 16384).expect("status");
+        assert_eq!(r.buf.len(), HEADER_SIZE);
+        r.put_status(&[(0u64, 8u64, "linear", "253:0 0".to_string())]);
+        assert_eq!(
+            read_status(&r.buf),
+            vec![(0, 8, "linear".to_string(), "253:0 0".to_string())]
+        );
+        assert_eq!(r.out_len(), DATA_START + SPEC_SIZE + 8);
+        assert!(r.buf.len() < 1024, "grown to {}", r.buf.len());
+        let mut r = decode(Cmd::ListDevices.request(), b[..HEADER_SIZE].to_vec(), 16384).expect("list");
+        r.put_name_list(&[]);
+        // none: the kernel's `dev` 0 lies past data_size, not copied back
+        assert_eq!(r.out_len(), DATA_START);
+        // still no more than the caller's buffer: a result that does not fit is
+        // BUFFER_FULL, not a longer reply
+        let b = build(330, "", "", 0, &[]);
+        let mut r = decode(Cmd::TableStatus.request(), b[..HEADER_SIZE].to_vec(), 330).expect("status");
+        r.put_status(&[(0u64, 8u64, "linear", "253:0 0".to_string())]);
+        assert!(r.has(BUFFER_FULL_FLAG) && r.buf.len() <= 330);
+        // a command that reads its data refuses a frame that left it out
+        let mut data = 5u64.to_ne_bytes().to_vec();
+        data.extend_from_slice(b"x\0");
+        let b = build(400, "a", "", 0, &data);
+        let e = decode(Cmd::TargetMsg.request(), b[..HEADER_SIZE].to_vec(), 400).expect_err("short");
+        assert_eq!(e.0, EFAULT);
+        assert!(decode(Cmd::TargetMsg.request(), b, 400).is_ok());
     }
 
     #[test]

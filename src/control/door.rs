@@ -8,9 +8,14 @@
 //! and its frames are the binary buffer the ioctl passes, not words. The
 //! library `dmkit exec` preloads (see [`crate::control::preload`]) connects here.
 //!
-//! A frame from the caller: the ioctl request number, the buffer's length, the
-//! caller's working directory's length (u32 LE each), the buffer, the directory
-//! (relative paths in a table are the caller's, as the kernel resolves them).
+//! A frame from the caller: the ioctl request number, the buffer's length, how
+//! many of its first bytes the frame carries, the caller's working directory's
+//! length (u32 LE each), those bytes, the directory (relative paths in a table
+//! are the caller's, as the kernel resolves them). A buffer is carried whole
+//! only for a command that reads what follows its header
+//! ([`Cmd::reads_data`](dm::Cmd::reads_data)); of the others (a status, a
+//! listing: libdevmapper's buffers are 16 KiB) the header alone goes, and the
+//! reply brings back the result's bytes only.
 //! The reply: the errno (0 on success; i32 LE), the number of bytes to copy
 //! back over the caller's buffer, the length of a reason (u32 LE each), those
 //! bytes, and the reason: why a request was refused, in words (the kernel's
@@ -127,21 +132,23 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
                 }
             }
         }
-        let mut h = [0u8; 12];
+        let mut h = [0u8; 16];
         match rd.read_exact(&mut h) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
         let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-        let (request, len, cwd_len) = (word(0), word(4), word(8));
-        if len as usize > dm::BUFFER_LIMIT || cwd_len > MAX_CWD {
+        let (request, len, sent, cwd_len) = (word(0), word(4), word(8), word(12));
+        if sent as usize > dm::BUFFER_LIMIT || sent > len || cwd_len > MAX_CWD {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("dm ioctl frame of {len} bytes (cwd {cwd_len}): more than the door takes"),
+                format!(
+                    "dm ioctl frame carrying {sent} bytes of {len} (cwd {cwd_len}): more than the door takes"
+                ),
             ));
         }
-        let mut buf = vec![0u8; len as usize];
+        let mut buf = vec![0u8; sent as usize];
         rd.read_exact(&mut buf)?;
         let mut cwd = vec![0u8; cwd_len as usize];
         rd.read_exact(&mut cwd)?;
@@ -149,7 +156,7 @@ pub fn serve_connection(s: &mut UnixStream, ctx: &Ctx) -> io::Result<()> {
         // the type and number bytes name the command (the size is the header's)
         let arms = request & 0xffff == Cmd::DevArmPoll.request() & 0xffff;
         let before = arms.then(|| global_events(ctx));
-        let (errno, mut out, why) = ioctl(ctx, request, buf, &cwd, &|| hung_up(fd));
+        let (errno, mut out, why) = ioctl(ctx, request, buf, len as usize, &cwd, &|| hung_up(fd));
         if errno == 0 && before.is_some() {
             armed = before;
         }
@@ -191,9 +198,7 @@ fn read_ahead(ctx: &Ctx, raw: &[u8]) -> (i32, Vec<u8>, String) {
         );
     };
     let (major, minor) = dm::decode_dev(u64::from_ne_bytes(dev));
-    let d = (major == DM_MAJOR)
-        .then(|| ctx.reg.list().into_iter().find(|d| d.minor == minor))
-        .flatten();
+    let d = (major == DM_MAJOR).then(|| ctx.reg.by_minor(minor)).flatten();
     match d {
         Some(d) => (
             0,
@@ -204,20 +209,22 @@ fn read_ahead(ctx: &Ctx, raw: &[u8]) -> (i32, Vec<u8>, String) {
     }
 }
 
-/// One ioctl: the request number and the caller's buffer in; the errno (0: the
-/// ioctl succeeded), the bytes to copy back over the buffer, and the reason of a
-/// refusal out. `gone` tells a waiting DEV_WAIT that its caller left.
+/// One ioctl: the request number, the first bytes of the caller's buffer (`raw`)
+/// and its length (`len`) in; the errno (0: the ioctl succeeded), the bytes to
+/// copy back over the buffer, and the reason of a refusal out. `gone` tells a
+/// waiting DEV_WAIT that its caller left.
 pub fn ioctl(
     ctx: &Ctx,
     request: u32,
     raw: Vec<u8>,
+    len: usize,
     cwd: &str,
     gone: &dyn Fn() -> bool,
 ) -> (i32, Vec<u8>, String) {
     if request == READ_AHEAD_REQUEST {
         return read_ahead(ctx, &raw);
     }
-    let mut r = match dm::decode(request, raw) {
+    let mut r = match dm::decode(request, raw, len) {
         Ok(r) => r,
         Err((e, mut buf, n)) => {
             wipe_from(&mut buf, n);
@@ -284,10 +291,7 @@ fn find(ctx: &Ctx, r: &mut Request) -> Result<Arc<Device>, Refusal> {
         if !name.is_empty() || dev != 0 {
             return Err(none());
         }
-        ctx.reg
-            .list()
-            .into_iter()
-            .find(|d| d.uuid().as_deref() == Some(uuid.as_str()))
+        ctx.reg.by_uuid(&uuid)
     } else if !name.is_empty() {
         if dev != 0 {
             return Err(none());
@@ -295,9 +299,7 @@ fn find(ctx: &Ctx, r: &mut Request) -> Result<Arc<Device>, Refusal> {
         ctx.reg.get(&name).ok()
     } else if dev != 0 {
         let (major, minor) = dm::decode_dev(dev);
-        (major == DM_MAJOR)
-            .then(|| ctx.reg.list().into_iter().find(|d| d.minor == minor))
-            .flatten()
+        (major == DM_MAJOR).then(|| ctx.reg.by_minor(minor)).flatten()
     } else {
         None
     };
@@ -632,7 +634,8 @@ mod tests {
     }
 
     fn call(c: &Ctx, cmd: Cmd, b: Vec<u8>) -> (i32, Vec<u8>) {
-        let (e, out, _) = ioctl(c, cmd.request(), b, "", &|| false);
+        let n = b.len();
+        let (e, out, _) = ioctl(c, cmd.request(), b, n, "", &|| false);
         (e, out)
     }
 
@@ -712,7 +715,8 @@ mod tests {
         }]);
         let mut b = dm::build(16384, "c", "", 0, &d);
         dm::set_target_count(&mut b, 1);
-        let (e, _, why) = ioctl(&c, Cmd::TableLoad.request(), b, "", &|| false);
+        let n = b.len();
+        let (e, _, why) = ioctl(&c, Cmd::TableLoad.request(), b, n, "", &|| false);
         assert_eq!(e, libc::EINVAL);
         assert!(!why.is_empty());
         // an unknown target
@@ -743,7 +747,8 @@ mod tests {
         let (e, out) = call(&c, Cmd::DevWait, b);
         assert_eq!((e, dm::reply_header(&out).event_nr), (0, 0));
         let b = dm::build(16384, "w", "", 0, &[]);
-        let (e, _, _) = ioctl(&c, Cmd::DevWait.request(), b, "", &|| true);
+        let n = b.len();
+        let (e, _, _) = ioctl(&c, Cmd::DevWait.request(), b, n, "", &|| true);
         assert_eq!(e, libc::EINTR);
     }
 }

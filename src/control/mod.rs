@@ -313,15 +313,12 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
 fn picked(reg: &Registry, names: &[String], pick: &verbs::Pick) -> Result<Vec<String>, String> {
     let mut out = names.to_vec();
     if let Some(u) = &pick.uuid {
-        let d = reg
-            .list()
-            .into_iter()
-            .find(|d| d.uuid().as_deref() == Some(u.as_str()));
+        let d = reg.by_uuid(u);
         out.push(d.ok_or_else(|| format!("uuid {u}: No such device"))?.name());
     }
     if let (Some(major), Some(minor)) = (pick.major, pick.minor) {
         let d = (major == crate::mapper::DM_MAJOR)
-            .then(|| reg.list().into_iter().find(|d| d.minor == minor))
+            .then(|| reg.by_minor(minor))
             .flatten();
         let what = format!("{major}:{minor}: No such device");
         out.push(

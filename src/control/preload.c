@@ -429,12 +429,13 @@ static int write_all(int fd, const void *p, size_t n)
 	return 0;
 }
 
-/* A request's header, buffer and directory in one system call where the
- * socket takes them at once; 0, or -1 when it failed. */
+/* A request's header (16 bytes), the carried bytes of its buffer and the
+ * directory in one system call where the socket takes them at once; 0, or -1
+ * when it failed. */
 static int send_frame(int fd, const void *head, const void *buf, size_t len, const char *cwd, size_t cwd_len)
 {
 	struct iovec iov[3] = {
-		{(void *)head, 12},
+		{(void *)head, 16},
 		{(void *)buf, len},
 		{(void *)cwd, cwd_len},
 	};
@@ -521,6 +522,29 @@ static int read_reply(int fd, int32_t rep[3], void *buf, uint32_t len, const cha
 	return 0;
 }
 
+/* The bytes of a request's buffer the frame carries: all of them for a
+ * command that reads what follows the header (dmioctl.rs Cmd::reads_data: a
+ * rename, a table load, a message, a geometry, a target version's name) and for
+ * dmkit's own requests; the header alone for the others, which only write
+ * there (libdevmapper's buffers are 16 KiB: carrying them to be filled would
+ * copy them three times more per ioctl). */
+#define HEADER_SIZE 312u
+static uint32_t carried(uint32_t request, uint32_t len)
+{
+	if (((request >> 8) & 0xff) != 0xfd)
+		return len;
+	switch (request & 0xff) {
+	case 5:  /* DEV_RENAME */
+	case 9:  /* TABLE_LOAD */
+	case 14: /* TARGET_MSG */
+	case 15: /* DEV_SET_GEOMETRY */
+	case 17: /* GET_TARGET_VERSION */
+		return len;
+	default:
+		return len < HEADER_SIZE ? len : HEADER_SIZE;
+	}
+}
+
 #define DM_DEV_WAIT_NR 8u
 #define DM_DEV_ARM_POLL_NR 16u
 #define DM_TABLE_LOAD_NR 9u
@@ -583,12 +607,12 @@ static int exchange_on(int fd, int own, uint32_t request, void *buf, uint32_t le
 	cwd[0] = 0;
 	if ((request & 0xff) == DM_TABLE_LOAD_NR && !getcwd(cwd, sizeof(cwd)))
 		cwd[0] = 0;
-	uint32_t head[3] = {request, len, (uint32_t)strlen(cwd)};
+	uint32_t head[4] = {request, len, carried(request, len), (uint32_t)strlen(cwd)};
 	int32_t rep[3] = {0, 0, 0};
 	int err = 0;
 	int waits = ((request & 0xff) == DM_DEV_WAIT_NR) && ((request >> 8) & 0xff) == 0xfd;
 	int r = 0;
-	int failed = send_frame(fd, head, buf, len, cwd, head[2]);
+	int failed = send_frame(fd, head, buf, head[2], cwd, head[3]);
 	/* the reason's bytes that came with the reply (see read_reply) */
 	const char *early = NULL;
 	uint32_t early_len = 0;
@@ -639,9 +663,10 @@ static int exchange_on(int fd, int own, uint32_t request, void *buf, uint32_t le
 	return err;
 }
 
-/* One dm ioctl through the daemon: the buffer's data_size bytes, as the
+/* One dm ioctl through the daemon, on a buffer of data_size bytes as the
  * kernel copies them (the header alone when data_size is out of range: the
- * daemon refuses it as the kernel does). */
+ * daemon refuses it as the kernel does), of which the frame carries what the
+ * command reads (carried()). */
 static int door_ioctl(int fd, unsigned long request, void *arg)
 {
 	if (((request >> 8) & 0xff) != 0xfd) {

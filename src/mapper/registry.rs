@@ -1218,6 +1218,19 @@ impl Registry {
     }
 
     /// The device with minor number `minor`.
+    /// The device whose uuid is `uuid`, from the uuid index (checked against
+    /// the device, which the index may have outlived).
+    pub fn by_uuid(&self, uuid: &str) -> Option<Arc<Device>> {
+        let d = self
+            .uuids
+            .lock()
+            .unpoisoned()
+            .get(uuid)
+            .and_then(std::sync::Weak::upgrade)?;
+        let listed = self.devices().get(&d.name()).is_some_and(|x| Arc::ptr_eq(x, &d));
+        (listed && d.uuid().as_deref() == Some(uuid)).then_some(d)
+    }
+
     pub fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
         self.devices().values().find(|d| d.minor == minor).cloned()
     }
