@@ -6,7 +6,10 @@
 #   - `dmsetup create` + `dmsetup remove` of a zero device (with --attach dmkit
 #     makes it a ublk block device, as the kernel makes a disk);
 #   - `dmsetup status` with 1,000 devices present (made without tables);
-#   - `lvcreate` + `lvremove` of a thin in a pool (LVM on a virtio disk).
+#   - `lvcreate` + `lvremove` of a thin in a pool (LVM on a virtio disk);
+#   - one DM_TABLE_STATUS ioctl with libdevmapper's 16 KiB buffer, and a bare
+#     round trip between two processes (bench/door/ioctls.c), the least a
+#     daemon's answer can cost.
 # Both sides run under the same software emulation: absolute times are the
 # emulator's, only the ratios mean something (kernel-oracle.md: no absolute
 # performance figures from the oracle).
@@ -43,6 +46,8 @@ for i in \$(seq REPS); do
 done | median | sed "s/^/BENCH \$P create+remove /"
 for i in \$(seq 1000); do dmsetup create --notable "n\$i"; done
 for i in \$(seq REPS); do t=\$(gdate +%s%N); dmsetup status > /dev/null; ms \$t; done | median | sed "s/^/BENCH \$P status-1000 /"
+for i in \$(seq REPS); do ioctls status 300; done | median | sed "s/^/BENCH \$P status-ioctl /"
+for i in \$(seq REPS); do ioctls pingpong 300; done | median | sed "s/^/BENCH \$P round-trip /"
 dmsetup remove_all
 lvm pvcreate -q /dev/vda
 lvm vgcreate -q vg /dev/vda
@@ -62,7 +67,8 @@ kill \$D; wait \$D || true
 load_dm
 sh /side.sh kernel
 GUEST
-bins="$PWD/target/release/dmkit $(command -v lvm || echo /usr/sbin/lvm) $work/gdate"
+cc -O2 -Wall -Werror -o "$work/ioctls" bench/door/ioctls.c
+bins="$PWD/target/release/dmkit $(command -v lvm || echo /usr/sbin/lvm) $work/gdate $work/ioctls"
 out=$(ORACLE_BINS="$bins" ORACLE_MODULES="drivers/block/ublk_drv.ko" ORACLE_DM_LATE=1 \
   DMKIT_ORACLE_KERNEL=6.12 DMKIT_ORACLE_TIMEOUT=1800 ORACLE_MEM=1024 \
   bash tests/oracle/run.sh "$work/guest.sh" "$work/pv.img" "$work/small.img")
@@ -70,7 +76,7 @@ echo "$out" > "${BENCH_SERIAL:-/dev/null}"
 echo "$out" | grep "^BENCH" >"$work/bench" || { echo "$out" | tail -40; exit 1; }
 echo "| operation (median of $REPS, µs in the emulated guest) | dmkit through the door | kernel dm | ratio |"
 echo "|---|---|---|---|"
-for op in create+remove status-1000 lvcreate+lvremove; do
+for op in create+remove status-1000 lvcreate+lvremove status-ioctl round-trip; do
   d=$(awk -v o="$op" '$2=="dmkit" && $3==o {print $4}' "$work/bench")
   k=$(awk -v o="$op" '$2=="kernel" && $3==o {print $4}' "$work/bench")
   echo "| $op | $d | $k | $(awk -v d="$d" -v k="$k" 'BEGIN {printf "%.2f×", d / k}') |"
