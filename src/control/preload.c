@@ -515,6 +515,9 @@ static int read_reply(int fd, int32_t rep[3], void *buf, uint32_t len, const cha
 	size_t got = have - 12;
 	size_t in_body = got < body ? got : body;
 	memcpy(buf, reply_buf + 12, in_body);
+	/* a table's status may carry a key (DM_SECURE_DATA_FLAG's wipe, done for
+	 * every reply): no copy of the answer stays behind in this buffer */
+	explicit_bzero(reply_buf + 12, in_body);
 	if (in_body < body && read_all(fd, (char *)buf + in_body, body - in_body, 0))
 		return -1;
 	*early = reply_buf + 12 + in_body;
