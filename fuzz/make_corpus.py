@@ -261,3 +261,17 @@ put("dm_ioctl", "geometry", dm(15, b"z", data=b"100 16 63 0\0"))
 put("dm_ioctl", "target_version", dm(17, b"linear"))
 put("dm_ioctl", "remove", dm(4, b"fz", flags=1 << 17))
 put("dm_ioctl", "remove_all", dm(1))
+
+
+def header_only(seed):
+    """The seed with bit 16 of its request number set: the target then carries
+    the header alone of a buffer twice as long, as the door's library does for
+    a command that reads no data."""
+    r = struct.unpack("<I", seed[:4])[0] | (1 << 16)
+    return struct.pack("<I", r) + seed[4:]
+
+
+put("dm_ioctl", "status_table_header_only", header_only(dm(12, b"pool", flags=1 << 4, size=16384)))
+put("dm_ioctl", "list_header_only", header_only(dm(2, flags=1 << 14, size=16384)))
+put("dm_ioctl", "deps_header_only", header_only(dm(11, b"thin", size=16384)))
+put("dm_ioctl", "load_header_only", header_only(dm(9, b"fz", data=spec(0, 64, b"zero", b""), count=1)))
