@@ -67,7 +67,7 @@ pub fn nr_origin_blocks(sb: &Superblock) -> Option<u64> {
 
 /// The origin blocks seen so far: a bitset as far as `limit` bits (what a
 /// cache's origin usually spans), the rare ones past it in a list.
-struct Seen {
+pub(crate) struct Seen {
     bits: Vec<u64>,
     limit: u64,
     far: Vec<u64>,
@@ -75,19 +75,22 @@ struct Seen {
 
 impl Seen {
     fn new(sb: &Superblock) -> Seen {
-        let nr = sb.cache_blocks as u64;
+        Seen::of(sb.cache_blocks as u64, nr_origin_blocks(sb))
+    }
+
+    /// For the mappings of `nr` cache blocks onto an origin of `origin`
+    /// blocks (when known).
+    pub(crate) fn of(nr: u64, origin: Option<u64>) -> Seen {
         Seen {
             bits: Vec::new(),
-            limit: nr_origin_blocks(sb)
-                .unwrap_or(u64::MAX)
-                .min((nr * 64).max(1 << 20)),
+            limit: origin.unwrap_or(u64::MAX).min((nr * 64).max(1 << 20)),
             far: Vec::new(),
         }
     }
 
     /// Whether `o` was seen before.
     #[inline]
-    fn insert(&mut self, o: u64) -> Result<bool> {
+    pub(crate) fn insert(&mut self, o: u64) -> Result<bool> {
         let w = (o / 64) as usize;
         match self.bits.get_mut(w) {
             Some(word) if o < self.limit => {
@@ -121,7 +124,7 @@ impl Seen {
     }
 
     /// The origin blocks named twice among the far ones.
-    fn far_twice(&mut self) -> Vec<u64> {
+    pub(crate) fn far_twice(&mut self) -> Vec<u64> {
         self.far.sort_unstable();
         let mut out: Vec<u64> = self
             .far

@@ -5,7 +5,7 @@
 //! `<discards>` section is read and ignored, as 1.x does. Errors name the line.
 
 use super::error::{CacheError, Result};
-use super::metadata::Mapping;
+use super::metadata::{Mapping, Seen};
 use crate::thin::xml::at;
 use quick_xml::events::{BytesStart, Event};
 use quick_xml::Reader;
@@ -352,16 +352,21 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
     if let Some(w) = md.hints.windows(2).find(|w| w[0].0 == w[1].0) {
         return Err(CacheError::Plain(format!("cache block {} has two hints", w[0].0)));
     }
-    // origin blocks alone (half the memory of pairs); the cache blocks of one
-    // found twice are looked up after
-    let mut origins: Vec<u64> = md.mappings.iter().map(|m| m.oblock).collect();
-    origins.sort_unstable();
-    if let Some(w) = origins.windows(2).find(|w| w[0] == w[1]) {
-        let mut by = md.mappings.iter().filter(|m| m.oblock == w[0]).map(|m| m.cblock);
+    // the lowest origin block named twice (a bit per origin block, as
+    // cache_check finds them); its cache blocks are looked up after
+    let mut seen = Seen::of(md.sb.nr_cache_blocks as u64, None);
+    let mut twice: Option<u64> = None;
+    for m in &md.mappings {
+        if seen.insert(m.oblock)? {
+            twice = Some(twice.map_or(m.oblock, |t| t.min(m.oblock)));
+        }
+    }
+    let far = seen.far_twice().first().copied();
+    if let Some(o) = twice.into_iter().chain(far).min() {
+        let mut by = md.mappings.iter().filter(|m| m.oblock == o).map(|m| m.cblock);
         let (a, b) = (by.next().unwrap_or(0), by.next().unwrap_or(0));
         return Err(CacheError::Plain(format!(
-            "origin block {} is mapped by cache blocks {a} and {b}",
-            w[0]
+            "origin block {o} is mapped by cache blocks {a} and {b}"
         )));
     }
     Ok(md)
