@@ -150,10 +150,14 @@ fn bad(line: usize, what: impl std::fmt::Display) -> CacheError {
 
 /// A decimal attribute value.
 fn number(key: &[u8], v: &[u8], line: usize) -> Result<u64> {
-    (!v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
+    // one pass: digits only, at least one, and no overflow
+    (!v.is_empty())
         .then(|| {
-            v.iter()
-                .try_fold(0u64, |acc, d| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
+            v.iter().try_fold(0u64, |acc, &d| {
+                d.is_ascii_digit()
+                    .then(|| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
+                    .flatten()
+            })
         })
         .flatten()
         .ok_or_else(|| {
