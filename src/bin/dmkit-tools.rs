@@ -3,8 +3,8 @@
 //! them) lead to. The same code as `dmkit`'s tools (src/bin/dmkit/thin_cli),
 //! without the daemon's: the dynamic linker loads no OpenSSL (only the
 //! daemon's NBD TLS uses it) and relocates a smaller program, so a tool starts
-//! in half the time and memory. `dmkit-tools thin|era|cache VERB ...`
-//! runs as `dmkit thin|era|cache VERB ...`.
+//! in 60% of the time and memory (1.2 vs 2.0 ms, 3.0 vs 5.2 MiB).
+//! `dmkit-tools thin|era|cache VERB ...` runs as `dmkit thin|era|cache VERB ...`.
 
 #[path = "dmkit/thin_cli/mod.rs"]
 mod thin_cli;

@@ -568,7 +568,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
 }
 
 /// The lean binary of the tools: the tools' code without the daemon's, and
-/// without OpenSSL (TLS is the daemon's), so a tool starts in half the time.
+/// without OpenSSL (TLS is the daemon's), so a tool starts in 60% of the time.
 pub const TOOLS_BIN: &str = "dmkit-tools";
 
 /// Link every tool name in `dir` to the `dmkit-tools` beside the running
