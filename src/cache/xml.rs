@@ -411,8 +411,14 @@ mod tests {
         for (body, what) in [
             ("<mappings><mapping cache_block=\"10\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "line 1: cache block 10 is beyond nr_cache_blocks (10)"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\" dirty=\"true\"/><mapping cache_block=\"2\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "origin block 1 is mapped by cache blocks 1 and 2"),
+            // past the bitset of origin blocks (in its list), and the lowest of two named twice
+            ("<mappings><mapping cache_block=\"1\" origin_block=\"5000000\" dirty=\"true\"/><mapping cache_block=\"2\" origin_block=\"5000000\" dirty=\"true\"/></mappings></superblock>", "origin block 5000000 is mapped by cache blocks 1 and 2"),
+            ("<mappings><mapping cache_block=\"1\" origin_block=\"9\" dirty=\"true\"/><mapping cache_block=\"2\" origin_block=\"9\" dirty=\"true\"/><mapping cache_block=\"3\" origin_block=\"3\" dirty=\"true\"/><mapping cache_block=\"4\" origin_block=\"3\" dirty=\"true\"/></mappings></superblock>", "origin block 3 is mapped by cache blocks 3 and 4"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\" dirty=\"true\"/><mapping cache_block=\"1\" origin_block=\"2\" dirty=\"true\"/></mappings></superblock>", "cache block 1 is mapped twice"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\" dirty=\"maybe\"/></mappings></superblock>", "dirty=\"maybe\" is not true or false"),
+            ("<mappings><mapping cache_block=\"1\" origin_block=\"18446744073709551616\" dirty=\"true\"/></mappings></superblock>", "origin_block=\"18446744073709551616\" is not a number"),
+            ("<mappings><mapping cache_block=\"1x\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "cache_block=\"1x\" is not a number"),
+            ("<mappings><mapping cache_block=\"\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "cache_block=\"\" is not a number"),
             ("<hints><hint cache_block=\"1\" data=\"AQAAAAAA\"/></hints></superblock>", "has 6 bytes, not 4"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\"/></mappings></superblock>", "missing attribute 'dirty' for tag 'mapping'"),
             ("<mappings>", "incompleted source metadata"),
