@@ -5,6 +5,9 @@
 mod common;
 
 use common::{Daemon, Scratch, BIN};
+
+/// The tools alone (src/bin/dmkit-tools.rs), where the multi-call links lead.
+const TOOLS: &str = env!("CARGO_BIN_EXE_dmkit-tools");
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -407,7 +410,10 @@ fn thin_links_are_idempotent_and_force_replaces_other_files() {
         }
         c.output().expect("links")
     };
-    let exe = std::fs::canonicalize(BIN).expect("exe");
+    // the links lead to the lean dmkit-tools beside dmkit
+    let exe = std::fs::canonicalize(TOOLS).expect("exe");
+    // one left from an install whose links led to dmkit itself: moved, no --force
+    std::os::unix::fs::symlink(BIN, bin.join("cache_dump")).expect("old link");
     let first = links(false);
     assert!(first.status.success(), "{}", text(&first.stderr));
     assert!(text(&first.stdout).contains(&format!("{}/thin_check -> ", bin.display())));
@@ -421,6 +427,7 @@ fn thin_links_are_idempotent_and_force_replaces_other_files() {
         text(&again.stdout)
     );
     assert_eq!(std::fs::canonicalize(bin.join("thin_check")).expect("link"), exe);
+    assert_eq!(std::fs::canonicalize(bin.join("cache_dump")).expect("link"), exe);
     // another file of a tool's name: refused, nothing touched, until --force
     std::fs::remove_file(bin.join("thin_dump")).expect("rm");
     std::fs::write(bin.join("thin_dump"), "#!/bin/sh\n").expect("other tool");
@@ -440,6 +447,50 @@ fn thin_links_are_idempotent_and_force_replaces_other_files() {
     let o = links(true);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(std::fs::canonicalize(bin.join("thin_dump")).expect("link"), exe);
+}
+
+#[test]
+fn the_tools_binary_runs_the_tools_without_openssl() {
+    // what the dynamic linker loads for every tool run: no OpenSSL (the
+    // daemon's NBD TLS is not in it), which dmkit itself needs
+    let needs = |bin: &str| {
+        let o = Command::new("ldd").arg(bin).output().expect("ldd");
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        text(&o.stdout).contains("libssl")
+    };
+    assert!(needs(BIN));
+    assert!(!needs(TOOLS));
+    // by a tool's name, or with the family's word, as dmkit runs them
+    let dir = Scratch::new("tools-bin");
+    let link = dir.path("cache_metadata_size");
+    std::os::unix::fs::symlink(TOOLS, &link).expect("link");
+    for mut c in [
+        Command::new(&link),
+        {
+            let mut c = Command::new(TOOLS);
+            c.args(["cache", "metadata_size"]);
+            c
+        },
+        {
+            let mut c = Command::new(BIN);
+            c.args(["cache", "metadata_size"]);
+            c
+        },
+    ] {
+        let o = c.args(["--nr-blocks", "1000000"]).output().expect("run");
+        assert_eq!(
+            (o.status.code(), text(&o.stdout), text(&o.stderr)),
+            (Some(0), "62879.50 sectors\n".to_string(), String::new())
+        );
+    }
+    let o = Command::new(TOOLS).arg("serve").output().expect("run");
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(text(&o.stdout), "");
+    assert_eq!(
+        text(&o.stderr),
+        "dmkit-tools: run it by a tool's name (thin_check, era_dump, cache_restore, ...: `dmkit thin \
+         links DIR` makes them), or as `dmkit-tools thin|era|cache VERB ...`\n"
+    );
 }
 
 #[test]

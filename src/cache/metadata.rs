@@ -26,14 +26,20 @@ pub struct Mapping {
     pub dirty: bool,
 }
 
-/// What is wrong with one entry of a mapping array.
-fn check_entry(sb: &Superblock, cblock: u64, v: u64, dirty_bit: bool) -> Option<String> {
-    let (oblock, flags) = sbm::unpack_mapping(v);
-    let known = if sb.version == 1 {
+/// The flags a mapping of this metadata's version may carry (version 2 keeps
+/// dirty in a bitset).
+fn known_flags(sb: &Superblock) -> u64 {
+    if sb.version == 1 {
         M_VALID | M_DIRTY
     } else {
         M_VALID
-    };
+    }
+}
+
+/// What is wrong with one entry of a mapping array.
+fn check_entry(sb: &Superblock, cblock: u64, v: u64, dirty_bit: bool) -> Option<String> {
+    let (oblock, flags) = sbm::unpack_mapping(v);
+    let known = known_flags(sb);
     let dirty = dirty_bit || flags & M_DIRTY != 0;
     if flags & !known != 0 {
         Some(format!(
@@ -61,7 +67,7 @@ pub fn nr_origin_blocks(sb: &Superblock) -> Option<u64> {
 
 /// The origin blocks seen so far: a bitset as far as `limit` bits (what a
 /// cache's origin usually spans), the rare ones past it in a list.
-struct Seen {
+pub(crate) struct Seen {
     bits: Vec<u64>,
     limit: u64,
     far: Vec<u64>,
@@ -69,18 +75,37 @@ struct Seen {
 
 impl Seen {
     fn new(sb: &Superblock) -> Seen {
-        let nr = sb.cache_blocks as u64;
+        Seen::of(sb.cache_blocks as u64, nr_origin_blocks(sb))
+    }
+
+    /// For the mappings of `nr` cache blocks onto an origin of `origin`
+    /// blocks (when known).
+    pub(crate) fn of(nr: u64, origin: Option<u64>) -> Seen {
         Seen {
             bits: Vec::new(),
-            limit: nr_origin_blocks(sb)
-                .unwrap_or(u64::MAX)
-                .min((nr * 64).max(1 << 20)),
+            limit: origin.unwrap_or(u64::MAX).min((nr * 64).max(1 << 20)),
             far: Vec::new(),
         }
     }
 
     /// Whether `o` was seen before.
-    fn insert(&mut self, o: u64) -> Result<bool> {
+    #[inline]
+    pub(crate) fn insert(&mut self, o: u64) -> Result<bool> {
+        let w = (o / 64) as usize;
+        match self.bits.get_mut(w) {
+            Some(word) if o < self.limit => {
+                let m = 1u64 << (o % 64);
+                let had = *word & m != 0;
+                *word |= m;
+                Ok(had)
+            }
+            _ => self.insert_growing(o),
+        }
+    }
+
+    /// [`Seen::insert`] of an origin block past the bitset as far as it is grown.
+    #[cold]
+    fn insert_growing(&mut self, o: u64) -> Result<bool> {
         if o >= self.limit {
             self.far.push(o);
             return Ok(false);
@@ -99,7 +124,7 @@ impl Seen {
     }
 
     /// The origin blocks named twice among the far ones.
-    fn far_twice(&mut self) -> Vec<u64> {
+    pub(crate) fn far_twice(&mut self) -> Vec<u64> {
         self.far.sort_unstable();
         let mut out: Vec<u64> = self
             .far
@@ -114,6 +139,7 @@ impl Seen {
 
 /// Entry `v` of cache block `c`: its mapping, None if unmapped, or what is
 /// wrong with it (its flags, its origin block past the origin's `limit`).
+#[inline]
 fn accept(
     sb: &Superblock,
     limit: Option<u64>,
@@ -124,23 +150,43 @@ fn accept(
     let bit = dirty_words
         .get((c / 64) as usize)
         .is_some_and(|w| w & (1 << (c % 64)) != 0);
+    // the common entries, with nothing to say: a mapping within the origin,
+    // or an unmapped block with no dirty bit
+    let (oblock, flags) = sbm::unpack_mapping(v);
+    if flags & !known_flags(sb) == 0 && flags & M_VALID != 0 && limit.is_none_or(|n| oblock < n) {
+        return Ok(Some(Mapping {
+            cblock: c as u32,
+            oblock,
+            dirty: bit || flags & M_DIRTY != 0,
+        }));
+    }
+    if v == 0 && !bit {
+        return Ok(None);
+    }
+    accept_rest(sb, limit, c, v, bit).map(|()| None)
+}
+
+/// [`accept`] of the entries it has something to say about: what is wrong
+/// with the entry, or nothing (an unmapped block).
+#[cold]
+fn accept_rest(
+    sb: &Superblock,
+    limit: Option<u64>,
+    c: u64,
+    v: u64,
+    bit: bool,
+) -> std::result::Result<(), String> {
     if let Some(p) = check_entry(sb, c, v, bit) {
         return Err(p);
     }
     let (oblock, flags) = sbm::unpack_mapping(v);
-    if flags & M_VALID == 0 {
-        return Ok(None);
-    }
-    if let Some(n) = limit.filter(|&n| oblock >= n) {
-        return Err(format!(
+    match limit {
+        // valid, with known flags: only its origin block can be wrong
+        Some(n) if flags & M_VALID != 0 => Err(format!(
             "cache block {c}: origin block {oblock} is beyond the end of the origin ({n} blocks)"
-        ));
+        )),
+        _ => Ok(()),
     }
-    Ok(Some(Mapping {
-        cblock: c as u32,
-        oblock,
-        dirty: bit || flags & M_DIRTY != 0,
-    }))
 }
 
 /// The dirty bitset of the metadata `sb` describes (empty in version 1).
@@ -157,10 +203,10 @@ fn dirty_words(tm: &mut TransactionManager, sb: &Superblock) -> Result<Vec<u64>>
 /// the superblock says how big it is). Returns the problems found (at most
 /// 100), and the origin blocks named by more than one cache block (`f` has
 /// seen those mappings too).
-pub(crate) fn walk_mappings(
+pub(crate) fn walk_mappings<F: FnMut(Mapping)>(
     tm: &mut TransactionManager,
     sb: &Superblock,
-    f: &mut dyn FnMut(Mapping),
+    mut f: F,
 ) -> Result<(Vec<String>, Vec<u64>)> {
     let nr = sb.cache_blocks as u64;
     let dirty_words = dirty_words(tm, sb)?;
@@ -217,7 +263,7 @@ pub fn check_mappings(
     keep: bool,
 ) -> Result<Vec<Mapping>> {
     let mut out: Vec<Mapping> = Vec::new();
-    let (mut problems, twice) = walk_mappings(tm, sb, &mut |m| {
+    let (mut problems, twice) = walk_mappings(tm, sb, |m| {
         if keep {
             out.push(m)
         }
@@ -253,7 +299,7 @@ fn refused(
         return Ok(refused);
     }
     let mut by: Vec<(u64, u32)> = Vec::new();
-    walk_mappings(tm, sb, &mut |m| {
+    walk_mappings(tm, sb, |m| {
         if twice.binary_search(&m.oblock).is_ok() {
             by.push((m.oblock, m.cblock));
         }
@@ -325,7 +371,7 @@ impl Salvage {
 
     pub fn plan(tm: &mut TransactionManager, sb: &Superblock) -> Result<Salvage> {
         let plan = |tm: &mut TransactionManager, sb: &Superblock| -> Result<(Vec<u64>, Vec<u32>)> {
-            let (mut problems, twice) = walk_mappings(tm, sb, &mut |_| {})?;
+            let (mut problems, twice) = walk_mappings(tm, sb, |_| {})?;
             let refused = refused(tm, sb, &twice, &mut problems)?;
             Ok((dirty_words(tm, sb)?, refused))
         };
@@ -633,7 +679,7 @@ impl CacheMetadata {
     pub fn select(&mut self, keep: &mut dyn FnMut(&Mapping) -> bool) -> Result<Vec<Mapping>> {
         check_mappings(&mut self.tm, &self.sb, None, false)?;
         let mut out = Vec::new();
-        walk_mappings(&mut self.tm, &self.sb, &mut |m| {
+        walk_mappings(&mut self.tm, &self.sb, |m| {
             if keep(&m) {
                 out.push(m)
             }

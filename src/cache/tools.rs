@@ -98,7 +98,7 @@ pub fn dump(dev: Box<dyn MetadataDev>, repair: bool, out: &mut dyn Write) -> Res
     w.write_all(xml::head(&head).as_bytes()).map_err(io)?;
     let mut mapped: Vec<u64> = crate::pdata::bounds::zeroed_vec(0, "cache_blocks", bitset::nr_words(nr))?;
     let mut failed: Option<std::io::Error> = None;
-    metadata::walk_mappings(&mut tm, &sb, &mut |m| {
+    metadata::walk_mappings(&mut tm, &sb, |m| {
         mapped[m.cblock as usize / 64] |= 1 << (m.cblock % 64);
         if failed.is_none() {
             failed = xml::write_mapping(&mut w, &m).err();

@@ -5,7 +5,7 @@
 //! `<discards>` section is read and ignored, as 1.x does. Errors name the line.
 
 use super::error::{CacheError, Result};
-use super::metadata::Mapping;
+use super::metadata::{Mapping, Seen};
 use crate::thin::xml::at;
 use quick_xml::events::{BytesStart, Event};
 use quick_xml::Reader;
@@ -150,10 +150,14 @@ fn bad(line: usize, what: impl std::fmt::Display) -> CacheError {
 
 /// A decimal attribute value.
 fn number(key: &[u8], v: &[u8], line: usize) -> Result<u64> {
-    (!v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
+    // one pass: digits only, at least one, and no overflow
+    (!v.is_empty())
         .then(|| {
-            v.iter()
-                .try_fold(0u64, |acc, d| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
+            v.iter().try_fold(0u64, |acc, &d| {
+                d.is_ascii_digit()
+                    .then(|| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
+                    .flatten()
+            })
         })
         .flatten()
         .ok_or_else(|| {
@@ -352,16 +356,21 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
     if let Some(w) = md.hints.windows(2).find(|w| w[0].0 == w[1].0) {
         return Err(CacheError::Plain(format!("cache block {} has two hints", w[0].0)));
     }
-    // origin blocks alone (half the memory of pairs); the cache blocks of one
-    // found twice are looked up after
-    let mut origins: Vec<u64> = md.mappings.iter().map(|m| m.oblock).collect();
-    origins.sort_unstable();
-    if let Some(w) = origins.windows(2).find(|w| w[0] == w[1]) {
-        let mut by = md.mappings.iter().filter(|m| m.oblock == w[0]).map(|m| m.cblock);
+    // the lowest origin block named twice (a bit per origin block, as
+    // cache_check finds them); its cache blocks are looked up after
+    let mut seen = Seen::of(md.sb.nr_cache_blocks as u64, None);
+    let mut twice: Option<u64> = None;
+    for m in &md.mappings {
+        if seen.insert(m.oblock)? {
+            twice = Some(twice.map_or(m.oblock, |t| t.min(m.oblock)));
+        }
+    }
+    let far = seen.far_twice().first().copied();
+    if let Some(o) = twice.into_iter().chain(far).min() {
+        let mut by = md.mappings.iter().filter(|m| m.oblock == o).map(|m| m.cblock);
         let (a, b) = (by.next().unwrap_or(0), by.next().unwrap_or(0));
         return Err(CacheError::Plain(format!(
-            "origin block {} is mapped by cache blocks {a} and {b}",
-            w[0]
+            "origin block {o} is mapped by cache blocks {a} and {b}"
         )));
     }
     Ok(md)
@@ -402,8 +411,14 @@ mod tests {
         for (body, what) in [
             ("<mappings><mapping cache_block=\"10\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "line 1: cache block 10 is beyond nr_cache_blocks (10)"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\" dirty=\"true\"/><mapping cache_block=\"2\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "origin block 1 is mapped by cache blocks 1 and 2"),
+            // past the bitset of origin blocks (in its list), and the lowest of two named twice
+            ("<mappings><mapping cache_block=\"1\" origin_block=\"5000000\" dirty=\"true\"/><mapping cache_block=\"2\" origin_block=\"5000000\" dirty=\"true\"/></mappings></superblock>", "origin block 5000000 is mapped by cache blocks 1 and 2"),
+            ("<mappings><mapping cache_block=\"1\" origin_block=\"9\" dirty=\"true\"/><mapping cache_block=\"2\" origin_block=\"9\" dirty=\"true\"/><mapping cache_block=\"3\" origin_block=\"3\" dirty=\"true\"/><mapping cache_block=\"4\" origin_block=\"3\" dirty=\"true\"/></mappings></superblock>", "origin block 3 is mapped by cache blocks 3 and 4"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\" dirty=\"true\"/><mapping cache_block=\"1\" origin_block=\"2\" dirty=\"true\"/></mappings></superblock>", "cache block 1 is mapped twice"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\" dirty=\"maybe\"/></mappings></superblock>", "dirty=\"maybe\" is not true or false"),
+            ("<mappings><mapping cache_block=\"1\" origin_block=\"18446744073709551616\" dirty=\"true\"/></mappings></superblock>", "origin_block=\"18446744073709551616\" is not a number"),
+            ("<mappings><mapping cache_block=\"1x\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "cache_block=\"1x\" is not a number"),
+            ("<mappings><mapping cache_block=\"\" origin_block=\"1\" dirty=\"true\"/></mappings></superblock>", "cache_block=\"\" is not a number"),
             ("<hints><hint cache_block=\"1\" data=\"AQAAAAAA\"/></hints></superblock>", "has 6 bytes, not 4"),
             ("<mappings><mapping cache_block=\"1\" origin_block=\"1\"/></mappings></superblock>", "missing attribute 'dirty' for tag 'mapping'"),
             ("<mappings>", "incompleted source metadata"),

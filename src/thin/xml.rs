@@ -241,6 +241,9 @@ pub(crate) fn at(line: usize, what: impl std::fmt::Display) -> ThinError {
 pub(crate) fn plain_attrs<'a, const N: usize>(raw: &'a [u8], keys: [&str; N]) -> Option<[&'a [u8]; N]> {
     let mut out: [Option<&'a [u8]>; N] = [None; N];
     let mut s = raw;
+    // the slot the next attribute fills when they come in `keys`' order (as
+    // the tools write them): one key compared instead of a search
+    let mut next = 0;
     loop {
         let gap = s.iter().take_while(|c| c.is_ascii_whitespace()).count();
         s = &s[gap..];
@@ -256,12 +259,18 @@ pub(crate) fn plain_attrs<'a, const N: usize>(raw: &'a [u8], keys: [&str; N]) ->
             return None;
         }
         let rest = &s[eq + 2..];
-        let end = rest.iter().position(|&c| c == quote)?;
-        let value = &rest[..end];
-        if value.contains(&b'&') {
+        // the closing quote, or an entity first (not plain)
+        let end = rest.iter().position(|&c| c == quote || c == b'&')?;
+        if rest[end] == b'&' {
             return None;
         }
-        let slot = keys.iter().position(|k| k.as_bytes() == &s[..eq])?;
+        let value = &rest[..end];
+        let key = &s[..eq];
+        let slot = match keys.get(next) {
+            Some(k) if k.as_bytes() == key => next,
+            _ => keys.iter().position(|k| k.as_bytes() == key)?,
+        };
+        next = slot + 1;
         if out[slot].replace(value).is_some() {
             return None;
         }

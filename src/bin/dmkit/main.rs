@@ -297,22 +297,10 @@ struct ServeArgs {
 
 fn main() {
     let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    // Called as thin_check, thin_dump, ...: that tool (multi-call, as pdata_tools).
-    if let Some(tool) = argv_os.first().and_then(|a| thin_cli::tool_named(a)) {
-        std::process::exit(thin_cli::run_tool(tool, tool, argv_os[1..].to_vec()));
-    }
-    // `dmkit thin ...` parses as the tools do (paths need not be UTF-8).
-    if let Some(i) = thin_word(&argv_os) {
-        if let Some(dir) = run_dir_before_verb(&argv_os[..i]) {
-            // the tools ask the daemon about /dev/mapper/POOL through the default
-            // run directory; single-threaded still, so the environment is ours
-            std::env::set_var("DMKIT_RUN_DIR", dir);
-        }
-        std::process::exit(match argv_os[i].to_str() {
-            Some("era") => thin_cli::era::main(argv_os[i + 1..].to_vec()),
-            Some("cache") => thin_cli::cache::main(argv_os[i + 1..].to_vec()),
-            _ => thin_cli::main(argv_os[i + 1..].to_vec()),
-        });
+    // Called as thin_check, thin_dump, ... (multi-call, as pdata_tools), or
+    // `dmkit thin|era|cache ...`: the tools, as the lean dmkit-tools runs them.
+    if let Some(code) = thin_cli::multi_call(&argv_os) {
+        std::process::exit(code);
     }
     let argv: Vec<String> = argv_os.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let cli = match Cli::try_parse_from(&argv) {
@@ -764,50 +752,10 @@ fn tell_parent(word: &str) {
     }
 }
 
-/// `--run-dir DIR` among the words before the verb.
-fn run_dir_before_verb(words: &[std::ffi::OsString]) -> Option<std::ffi::OsString> {
-    let mut it = words.iter().skip(1);
-    while let Some(a) = it.next() {
-        if a == "--run-dir" {
-            return it.next().cloned();
-        }
-        if let Some(d) = a.to_str().and_then(|a| a.strip_prefix("--run-dir=")) {
-            return Some(d.into());
-        }
-    }
-    None
-}
-
-/// The index of the verb word if it is `thin`, `era` or `cache` (only `--run-dir` comes before it).
-fn thin_word(argv: &[std::ffi::OsString]) -> Option<usize> {
-    let mut i = 1;
-    while let Some(a) = argv.get(i) {
-        let a = a.to_string_lossy();
-        if a == "--run-dir" {
-            i += 2;
-        } else if a.starts_with("--run-dir=") {
-            i += 1;
-        } else {
-            return (a == "thin" || a == "era" || a == "cache").then_some(i);
-        }
-    }
-    None
-}
-
 /// The words from the verb on: the daemon parses them again. Only `--run-dir`
 /// comes before the verb.
 fn verb_words(argv: &[String]) -> &[String] {
-    let mut i = 1;
-    while let Some(a) = argv.get(i) {
-        if a == "--run-dir" {
-            i += 2;
-        } else if a.starts_with("--run-dir=") {
-            i += 1;
-        } else {
-            break;
-        }
-    }
-    argv.get(i..).unwrap_or(&[])
+    argv.get(thin_cli::verb_index(argv)..).unwrap_or(&[])
 }
 
 fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {

