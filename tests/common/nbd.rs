@@ -20,6 +20,25 @@ pub struct Client {
     pub flags: u16,
 }
 
+/// A client leaves as a well-behaved one does: NBD_CMD_DISC, then the server's
+/// close awaited (3 s at most), so what a test does next (a removal) finds the
+/// device no longer open through it, as after a process closed a block device.
+impl Drop for Client {
+    fn drop(&mut self) {
+        let mut b = Vec::with_capacity(28);
+        b.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&DISC.to_be_bytes());
+        b.extend_from_slice(&[0u8; 20]); // handle, offset, length
+        if self.s.write_all(&b).is_err() {
+            return;
+        }
+        let _ = self.s.set_read_timeout(Some(Duration::from_secs(3)));
+        let mut sink = [0u8; 4096];
+        while matches!(self.s.read(&mut sink), Ok(n) if n > 0) {}
+    }
+}
+
 fn opt(s: &mut UnixStream, code: u32, data: &[u8]) {
     let mut b = Vec::new();
     b.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());

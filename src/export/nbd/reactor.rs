@@ -362,10 +362,13 @@ impl<'a> Reactor<'a> {
         }
         self.reg.server.connections.fetch_sub(1, Ordering::Relaxed);
         let dev = c.dev.clone();
+        // no longer open before the client sees its connection close, as a
+        // close() of a block device returns once the device is released: a
+        // client that waits for the close after NBD_CMD_DISC may remove it
+        dev.open_count.fetch_sub(1, Ordering::SeqCst);
         drop(c);
         // free slots let go of the device, so that a removal is not kept waiting
         self.sh.engine.forget_devices();
-        dev.open_count.fetch_sub(1, Ordering::SeqCst);
         if dev.deferred_remove.load(Ordering::SeqCst) {
             // a deferred removal drains the device, whose I/O may be this thread's
             let reg = self.reg.clone();
