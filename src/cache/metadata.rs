@@ -503,12 +503,7 @@ impl CacheMetadata {
     pub fn open(dev: Box<dyn MetadataDev>) -> Result<CacheMetadata> {
         let mut cache = BlockCache::new(dev, CACHE_BLOCKS);
         let sb = sbm::read(&mut cache, SUPERBLOCK_LOCATION)?;
-        let mut tm = TransactionManager::new(
-            cache,
-            SpaceMap::empty(SmKind::Metadata),
-            SpaceMap::empty(SmKind::Data),
-        );
-        tm.meta = sm_disk::load(&mut tm, SmKind::Metadata, &sb.sm_root)?;
+        let mut tm = sm_disk::open_tm(cache, &sb.sm_root)?;
         let nr = sb.cache_blocks as u64;
         array::blocks::<u64>(&mut tm, sb.mapping_root, nr)?;
         if sb.version >= 2 {

@@ -242,23 +242,15 @@ pub fn check(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
         max_bits(dev_blocks),
         "what a bitset on the metadata device can hold",
     )?;
-    let mut roots = vec![
+    let roots = [
         ("mapping root", sb.mapping_root),
         ("hint root", sb.hint_root),
         ("discard root", sb.discard_root),
+        ("dirty root", sb.dirty_root),
     ];
-    if sb.version >= 2 {
-        roots.push(("dirty root", sb.dirty_root));
-    }
-    for (field, v) in roots {
-        bounds::field(
-            block,
-            field,
-            v,
-            dev_blocks.saturating_sub(1),
-            "the metadata device's last block",
-        )?;
-    }
+    // version 1 has no dirty bitset
+    let n = if sb.version >= 2 { 4 } else { 3 };
+    bounds::roots(block, &roots[..n], dev_blocks)?;
     Ok(())
 }
 

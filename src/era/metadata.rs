@@ -96,12 +96,7 @@ impl EraMetadata {
     pub fn open(dev: Box<dyn MetadataDev>) -> Result<EraMetadata> {
         let mut cache = BlockCache::new(dev, CACHE_BLOCKS);
         let sb = sbm::read(&mut cache, SUPERBLOCK_LOCATION)?;
-        let mut tm = TransactionManager::new(
-            cache,
-            SpaceMap::empty(SmKind::Metadata),
-            SpaceMap::empty(SmKind::Data),
-        );
-        tm.meta = sm_disk::load(&mut tm, SmKind::Metadata, &sb.sm_root)?;
+        let mut tm = sm_disk::open_tm(cache, &sb.sm_root)?;
         array::blocks::<u32>(&mut tm, sb.era_array_root, sb.nr_blocks as u64)?;
         if sb.current_writeset.root != INVALID_WRITESET_ROOT {
             array::blocks::<u64>(

@@ -167,20 +167,16 @@ pub fn check_fields(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> 
         max_bits(dev_blocks),
         "2^31 - 1, and what a bitset on the metadata device can hold",
     )?;
-    for (field, v) in [
-        ("current writeset root", sb.current_writeset.root),
-        ("writeset tree root", sb.writeset_tree_root),
-        ("era array root", sb.era_array_root),
-        ("metadata snap", sb.metadata_snap),
-    ] {
-        bounds::field(
-            block,
-            field,
-            v,
-            dev_blocks.saturating_sub(1),
-            "the metadata device's last block",
-        )?;
-    }
+    bounds::roots(
+        block,
+        &[
+            ("current writeset root", sb.current_writeset.root),
+            ("writeset tree root", sb.writeset_tree_root),
+            ("era array root", sb.era_array_root),
+            ("metadata snap", sb.metadata_snap),
+        ],
+        dev_blocks,
+    )?;
     Ok(())
 }
 

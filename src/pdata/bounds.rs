@@ -22,6 +22,21 @@ pub fn field(block: u64, field: &'static str, value: u64, limit: u64, why: impl 
     Ok(value)
 }
 
+/// Block numbers a superblock (block `block`) names: each must lie on the
+/// metadata device of `dev_blocks` blocks.
+pub fn roots(block: u64, roots: &[(&'static str, u64)], dev_blocks: u64) -> Result<()> {
+    for &(name, v) in roots {
+        field(
+            block,
+            name,
+            v,
+            dev_blocks.saturating_sub(1),
+            "the metadata device's last block",
+        )?;
+    }
+    Ok(())
+}
+
 /// The most memory one in-core table sized by metadata may take: the machine's
 /// physical memory. Anything larger could only be had by overcommit and would
 /// end in the OOM killer or an abort instead of an error.

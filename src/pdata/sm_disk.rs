@@ -230,6 +230,14 @@ pub fn check_root(kind: SmKind, root: &SmRoot, sb_block: u64, dev_blocks: u64) -
     Ok(())
 }
 
+/// A transaction manager over `cache` with the metadata space map at `root`
+/// loaded (the cache's and era's metadata have no data space map).
+pub fn open_tm(cache: crate::pdata::cache::BlockCache, root: &SmRoot) -> Result<TransactionManager> {
+    let mut tm = TransactionManager::unloaded(cache);
+    tm.meta = load(&mut tm, SmKind::Metadata, root)?;
+    Ok(tm)
+}
+
 /// Decode a space map from disk into core.
 pub fn load(tm: &mut TransactionManager, kind: SmKind, root: &SmRoot) -> Result<SpaceMap> {
     check_root(kind, root, 0, tm.cache.nr_blocks())?;

@@ -20,6 +20,16 @@ pub struct TransactionManager {
 }
 
 impl TransactionManager {
+    /// Over `cache`, with empty space maps: a reader's, or one whose maps its
+    /// superblock gives next.
+    pub fn unloaded(cache: BlockCache) -> TransactionManager {
+        TransactionManager::new(
+            cache,
+            SpaceMap::empty(SmKind::Metadata),
+            SpaceMap::empty(SmKind::Data),
+        )
+    }
+
     pub fn new(cache: BlockCache, meta: SpaceMap, data: SpaceMap) -> TransactionManager {
         TransactionManager {
             cache,

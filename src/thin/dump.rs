@@ -15,7 +15,6 @@ use super::superblock::{unpack_block_time, DeviceDetails, Superblock};
 use super::xml::{self, RangeWriter, XmlDevice};
 use crate::pdata::btree::{self, node};
 use crate::pdata::cache::{BlockCache, FastMap};
-use crate::pdata::space_map::{SmKind, SpaceMap};
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{BlockKind, MetadataDev, PdataError};
 use std::fmt::Write as _;
@@ -27,11 +26,7 @@ fn io(e: std::io::Error) -> ThinError {
 
 /// A transaction manager for reading only: empty space maps.
 pub fn reader(dev: Box<dyn MetadataDev>, cache_blocks: usize) -> TransactionManager {
-    TransactionManager::new(
-        BlockCache::new(dev, cache_blocks),
-        SpaceMap::empty(SmKind::Metadata),
-        SpaceMap::empty(SmKind::Data),
-    )
+    TransactionManager::unloaded(BlockCache::new(dev, cache_blocks))
 }
 
 /// Which metadata to read: the live superblock's, or a metadata snapshot's.

@@ -185,11 +185,7 @@ impl ThinPoolMetadata {
     /// Open an existing pool.
     pub fn open(dev: Box<dyn MetadataDev>, cache_blocks: usize) -> Result<ThinPoolMetadata> {
         let cache = BlockCache::new(dev, cache_blocks);
-        let tm = TransactionManager::new(
-            cache,
-            SpaceMap::empty(SmKind::Metadata),
-            SpaceMap::empty(SmKind::Data),
-        );
+        let tm = TransactionManager::unloaded(cache);
         let mut md = ThinPoolMetadata {
             tm,
             sb: Superblock::decode(&[0u8; 4096]),
