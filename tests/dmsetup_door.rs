@@ -652,17 +652,12 @@ fn hostile_buffers_get_the_kernels_errnos_and_the_daemon_stays_up() {
 fn build_c(d: &Daemon, name: &str) -> std::path::PathBuf {
     let exe = d.dir.path(name);
     let src = format!("{}/tests/door/{name}.c", env!("CARGO_MANIFEST_DIR"));
-    let o = Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .arg("-lpthread")
-        .output()
-        .expect("cc");
-    assert!(
-        o.status.success(),
-        "building {src}: {}",
-        String::from_utf8_lossy(&o.stderr)
+    common::run(
+        Command::new("cc")
+            .args(["-O2", "-Wall", "-Werror", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .arg("-lpthread"),
     );
     exe
 }

@@ -255,17 +255,9 @@ fn write_and_find(d: &Daemon, tables: &[(String, String)], files: &[(String, Pat
 
 /// A loop device over `f`: its node.
 fn losetup(f: &std::path::Path) -> String {
-    let o = Command::new("losetup")
-        .args(["-f", "--show"])
-        .arg(f)
-        .output()
-        .expect("losetup");
-    assert!(
-        o.status.success(),
-        "losetup: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
+    common::run(Command::new("losetup").args(["-f", "--show"]).arg(f))
+        .trim()
+        .to_string()
 }
 
 /// Two loop devices over 64 MiB files of the daemon's scratch folder (filled with

@@ -287,7 +287,8 @@ pub fn decode(request: u32, mut raw: Vec<u8>, len: usize) -> Result<Request, (Er
             param_size: 12,
         });
     }
-    if raw.len() < MIN_DATA_SIZE.min(len) || len < MIN_DATA_SIZE {
+    // (`raw` is never longer than `len`)
+    if raw.len() < MIN_DATA_SIZE {
         return Err((EFAULT, raw, 12));
     }
     let data_size = u32_at(&raw, OFF_DATA_SIZE);

@@ -327,9 +327,7 @@ fn status(ctx: &super::Ctx, d: &Arc<Device>) -> dm::DevStatus {
         suspended: d.suspended.load(Ordering::SeqCst),
         deferred_remove: d.deferred_remove.load(Ordering::SeqCst),
         read_only: d.read_only(),
-        open_count: d.open_count.load(Ordering::SeqCst)
-            + d.holders.load(Ordering::SeqCst)
-            + u32::from(ctx.ublk.held(d)),
+        open_count: crate::mapper::report::open_count(d) + u32::from(ctx.ublk.held(d)),
         event_nr: d.events() as u32,
         live_targets: d.live.load().as_ref().map(|t| t.entries.len() as u32),
         inactive_targets: inactive,

@@ -1217,7 +1217,6 @@ impl Registry {
         crate::io::shared(&self.files, key, open).map(DevRef::File)
     }
 
-    /// The device with minor number `minor`.
     /// The device whose uuid is `uuid`, from the uuid index (checked against
     /// the device, which the index may have outlived).
     pub fn by_uuid(&self, uuid: &str) -> Option<Arc<Device>> {
@@ -1231,6 +1230,7 @@ impl Registry {
         (listed && d.uuid().as_deref() == Some(uuid)).then_some(d)
     }
 
+    /// The device with minor number `minor`.
     pub fn by_minor(&self, minor: u32) -> Option<Arc<Device>> {
         self.devices().values().find(|d| d.minor == minor).cloned()
     }

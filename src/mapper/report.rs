@@ -174,7 +174,8 @@ fn yes_no(b: bool, yes: &str, no: &str) -> String {
     if b { yes } else { no }.to_string()
 }
 
-fn open_count(d: &Device) -> u32 {
+/// What a device's open count reports: its openers and the tables holding it.
+pub(crate) fn open_count(d: &Device) -> u32 {
     d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst)
 }
 
