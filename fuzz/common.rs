@@ -169,7 +169,7 @@ pub fn open_on_image(
     if let Some(m) = message {
         let _ = reg.message(dev, 0, &[m.to_string()]);
     }
-    let _ = reg.table_lines(Some(dev), true, false);
+    let _ = reg.table_lines(Some(dev), true, false, false);
     let _ = reg.remove(dev, true, false);
     let _ = reg.remove(dev, false, false);
 }

@@ -402,7 +402,7 @@ struct Seg {
 /// nothing in steady state.
 struct Local {
     /// The copier's own ring (created lazily; falls back to synchronous calls by itself
-    /// when io_uring is unavailable or DMKIT_NO_URING is set).
+    /// when io_uring is unavailable or `serve --no-io-uring` turned it off).
     queue: Option<IoQueue>,
     /// The synchronous queue, for copiers made to avoid io_uring (tests of that path).
     sync_queue: Option<IoQueue>,
@@ -1089,7 +1089,7 @@ mod tests {
         assert_eq!(
             uring,
             Some(true),
-            "the copier runs on its own io_uring (unset DMKIT_NO_URING to test it)"
+            "the copier runs on its own io_uring (a test of it runs without --no-io-uring)"
         );
     }
 }

@@ -28,9 +28,83 @@ pub struct ServeOptions {
     pub restore: bool,
     /// Attach every device as a ublk block device at its resume (`--attach`).
     pub attach: bool,
+    /// Timings and switches set by `serve`'s options (never by the environment).
+    pub tuning: Tuning,
     /// Called once the sockets are listening and the devices are made (the
-    /// parent of `serve --background` waits for it).
-    pub ready: Option<Box<dyn FnOnce() + Send>>,
+    /// parent of `serve --background` waits for it), with what the user should
+    /// hear first: lines on devices of an earlier daemon (waiting to be
+    /// restored, or restored), and what the demo found.
+    pub ready: Option<Box<dyn FnOnce(&str) + Send>>,
+}
+
+/// What `serve`'s options change in the daemon's behaviour; the `test_` ones
+/// exist for tests only, and each one set is logged at start.
+#[derive(Debug)]
+pub struct Tuning {
+    pub thin_no_space_timeout: std::time::Duration,
+    pub nbd_handshake_timeout: std::time::Duration,
+    pub no_io_uring: bool,
+    pub test_thin_commit_period: Option<std::time::Duration>,
+    pub test_passdown_delay: Option<std::time::Duration>,
+    pub test_discard_delay: Option<std::time::Duration>,
+    pub test_panics: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Tuning {
+        let c = Config::default();
+        Tuning {
+            thin_no_space_timeout: c.thin_no_space_timeout,
+            nbd_handshake_timeout: std::time::Duration::from_secs(30),
+            no_io_uring: false,
+            test_thin_commit_period: None,
+            test_passdown_delay: None,
+            test_discard_delay: None,
+            test_panics: false,
+        }
+    }
+}
+
+impl Tuning {
+    /// Apply the process-wide ones and log every one that is not the default;
+    /// the registry's are returned in `config`.
+    fn apply(&self, config: &mut Config) {
+        let d = Tuning::default();
+        if self.thin_no_space_timeout != d.thin_no_space_timeout {
+            tracing::info!(
+                "thin pools out of data space queue writes for {:?}",
+                self.thin_no_space_timeout
+            );
+        }
+        config.thin_no_space_timeout = self.thin_no_space_timeout;
+        if self.nbd_handshake_timeout != d.nbd_handshake_timeout {
+            tracing::info!(
+                "NBD clients have {:?} to finish the handshake",
+                self.nbd_handshake_timeout
+            );
+        }
+        crate::export::nbd::set_handshake_timeout(self.nbd_handshake_timeout);
+        if self.no_io_uring {
+            tracing::info!("--no-io-uring: backing I/O goes through the synchronous queue");
+            crate::io::queue::disable_io_uring();
+        }
+        if let Some(t) = self.test_thin_commit_period {
+            tracing::warn!("for tests: thin pools commit every {t:?} (--test-thin-commit-period-ms)");
+            config.thin_commit_period = t;
+        }
+        if let Some(t) = self.test_passdown_delay {
+            tracing::warn!("for tests: thin discard passdown delayed by {t:?} (--test-passdown-delay-ms)");
+            config.thin_passdown_delay = t;
+        }
+        if let Some(t) = self.test_discard_delay {
+            tracing::warn!("for tests: thin discards delayed by {t:?} (--test-discard-delay-ms)");
+            config.thin_discard_delay = t;
+        }
+        if self.test_panics {
+            tracing::warn!("for tests: the __panic message is accepted (--test-panics)");
+            crate::panics::enable_test_panics();
+        }
+    }
 }
 
 /// Where the daemon records its devices (`control::state`).
@@ -115,14 +189,18 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let group = opts.group.as_deref().map(group_id).transpose()?;
     let tls = Arc::new(crate::export::nbd::tls::Tls::new(&opts.tls)?);
     std::fs::create_dir_all(&opts.run_dir).with_context(|| format!("creating {}", opts.run_dir.display()))?;
-    let reg = Arc::new(Registry::new(Config {
+    let major = choose_major(&opts.run_dir)?;
+    crate::mapper::Major::set(major);
+    let mut config = Config {
         direct_io: opts.direct_io,
         restart_logs: Some(opts.run_dir.join("uncommitted")),
         target_types: crate::targets::types(),
         copy_subjob_kb: opts.copy_subjob_kb,
         writecache_lru_writeback: opts.writecache_lru_writeback,
         ..Config::default()
-    }));
+    };
+    opts.tuning.apply(&mut config);
+    let reg = Arc::new(Registry::new(config));
     let control_path = opts.run_dir.join("control.sock");
     let nbd_path = opts.run_dir.join("nbd.sock");
     let control = bind(&control_path, group)?;
@@ -131,20 +209,40 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let door = bind(&door_path, group)?;
     let state = state_path(&opts.run_dir);
     let prev = crate::control::state::prev_path(&state);
+    // what the user hears first (serve --background prints it before its own line)
+    let mut notes = String::new();
+    if opts.attach {
+        // every device is to become a block device: without ublk none would,
+        // silently; say so now rather than at the first create
+        crate::export::ublk::available().map_err(|e| anyhow::anyhow!("serve --attach: {e}"))?;
+    }
     if !opts.restore && state.exists() {
-        // a previous daemon's devices: kept aside, not replayed
+        // a previous daemon's devices: kept aside, not replayed (a restore
+        // replaces what a user may have set up meanwhile by hand, and replays
+        // tables naming files that may have changed: it is asked for)
         let devices = recorded_devices(&state);
         if let Ok(prev) = crate::control::state::set_aside(&state) {
-            tracing::info!(
-                "the previous daemon's {devices} devices are not made again: they are recorded in {}; \
-                 stop this daemon and run `dmkit serve --restore` to make them again (it reads {} \
-                 while this daemon records no devices of its own in {})",
-                prev.display(),
-                prev.file_name()
-                    .map_or_else(Default::default, |f| f.to_string_lossy()),
-                state.display()
+            let line = format!(
+                "{devices} devices of the previous daemon are waiting, not made again (recorded in {}): \
+                 stop this daemon and run `dmkit serve --restore` to make them again",
+                prev.display()
             );
+            tracing::warn!("{line}");
+            if devices > 0 {
+                notes.push_str(&line);
+                notes.push('\n');
+            }
         }
+    } else if !opts.restore && prev.exists() && recorded_devices(&prev) > 0 {
+        let line = format!(
+            "{} devices of an earlier daemon are waiting, not made again (recorded in {}): \
+             stop this daemon and run `dmkit serve --restore` to make them again",
+            recorded_devices(&prev),
+            prev.display()
+        );
+        tracing::warn!("{line}");
+        notes.push_str(&line);
+        notes.push('\n');
     }
     let ctx = Arc::new(crate::control::Ctx {
         run_dir: Some(opts.run_dir.clone()),
@@ -170,12 +268,18 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
             for e in &errors {
                 tracing::error!("restore: {e}");
             }
-            tracing::info!(
-                "restored {ok} devices ({} attached as block devices) from {} ({} errors)",
+            let line = format!(
+                "restored {ok} devices ({} attached as block devices) from {}{}",
                 ctx.ublk.ids().len(),
                 state.display(),
-                errors.len()
+                match errors.len() {
+                    0 => String::new(),
+                    n => format!("; {n} errors, see the log"),
+                }
             );
+            tracing::info!("{line}");
+            notes.push_str(&line);
+            notes.push('\n');
         } else {
             tracing::info!(
                 "nothing to restore: neither {} nor {} exists",
@@ -262,13 +366,14 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     if let Some(dir) = &opts.demo {
         demo(&reg, dir, &nbd_path, opts.nbd_listen.as_deref())?;
     }
+    let notes = notes;
     // the pid for scripts (`kill $(cat RUN_DIR/serve.pid)`), once it answers
     let pid_path = opts.run_dir.join("serve.pid");
     if let Err(e) = std::fs::write(&pid_path, format!("{}\n", std::process::id())) {
         tracing::warn!("writing {}: {e}", pid_path.display());
     }
     if let Some(ready) = opts.ready {
-        ready();
+        ready(&notes);
     }
     notify_systemd();
     // Wait for SIGINT/SIGTERM, then make everything durable and leave.
@@ -288,6 +393,45 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let _ = std::fs::remove_file(&door_path);
     let _ = std::fs::remove_file(&pid_path);
     Ok(())
+}
+
+/// dmkit's block major for this run directory: the one its `major` file names,
+/// else one the kernel never gives out ([`crate::mapper::Major::choose`]),
+/// written there. A run directory whose devices were recorded before the file
+/// existed keeps 253, the number its tables and nodes were made with.
+fn choose_major(run_dir: &Path) -> Result<u32> {
+    use crate::mapper::Major;
+    let file = run_dir.join(Major::FILE);
+    if let Ok(text) = std::fs::read_to_string(&file) {
+        let m: u32 = text
+            .trim()
+            .parse()
+            .ok()
+            .filter(|m| (1..4096).contains(m))
+            .with_context(|| {
+                format!(
+                    "{}: not a block major number: {:?}",
+                    file.display(),
+                    crate::table::bounded(&text)
+                )
+            })?;
+        return Ok(m);
+    }
+    let state = state_path(run_dir);
+    let m = if state.exists() || crate::control::state::prev_path(&state).exists() {
+        tracing::warn!(
+            "{} records devices made with major 253, the kernel's device-mapper major: kept for them \
+             (start over in a new run directory to have dmkit's own major)",
+            state.display()
+        );
+        253
+    } else {
+        let devices = std::fs::read_to_string("/proc/devices").unwrap_or_default();
+        Major::choose(&devices).context("every block major from 260 to 511 is taken in /proc/devices")?
+    };
+    std::fs::write(&file, format!("{m}\n")).with_context(|| format!("writing {}", file.display()))?;
+    tracing::info!("dmkit's devices have block major {m} ({})", file.display());
+    Ok(m)
 }
 
 /// The number of devices a state file records (its `create` requests).
@@ -331,6 +475,7 @@ fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Resul
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir = dir.canonicalize()?;
     let (meta, data) = (dir.join("pool-meta.img"), dir.join("pool-data.img"));
+    let reopened = meta.exists() && data.exists();
     for (f, len) in [(&meta, META_BYTES), (&data, DATA_BYTES)] {
         if !f.exists() {
             std::fs::File::create(f)?.set_len(len)?;
@@ -360,10 +505,18 @@ fn demo(reg: &Registry, dir: &Path, nbd_path: &Path, tcp: Option<&str>) -> Resul
     }
     reg.create("demo-zero", Some(&format!("0 {thin_sectors} zero")), false, None)?;
     let sock = nbd_path.display();
-    println!(
-        "dmkit demo: a thin pool over sparse files in {}, a thin volume and its snapshot",
-        dir.display()
-    );
+    if reopened {
+        println!(
+            "dmkit demo: reopened the thin pool of an earlier demo in {}, its thin volume and \
+             snapshot as they were left (remove the directory to start afresh)",
+            dir.display()
+        );
+    } else {
+        println!(
+            "dmkit demo: a thin pool over sparse files in {}, a thin volume and its snapshot",
+            dir.display()
+        );
+    }
     println!();
     for name in ["demo-thin", "demo-snap", "demo-zero"] {
         println!("  nbd+unix:///{name}?socket={sock}");

@@ -97,9 +97,16 @@ pub fn poisoned(what: &str) -> ! {
     ))
 }
 
-/// `DMKIT_TEST_PANIC=1` in the daemon's environment enables the `__panic`
+static TEST_PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `serve --test-panics` (for tests only, and logged) enables the `__panic`
 /// message, which makes the device's next request panic where it is mapped
-/// (the tests of this module's rule).
+/// (the tests of this module's rule). Off, no client can make the daemon panic.
+pub fn enable_test_panics() {
+    TEST_PANICS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`enable_test_panics`] was called.
 pub fn test_panics_enabled() -> bool {
-    std::env::var_os("DMKIT_TEST_PANIC").is_some_and(|v| v == "1")
+    TEST_PANICS.load(std::sync::atomic::Ordering::Relaxed)
 }

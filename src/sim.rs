@@ -630,7 +630,12 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         format!("events of a run without a crash: {counts:?}; the crash: {kind:?} {at:?} {fates:?}; I/O error: {fail:?}")
     });
     let mut t = run_workload(o, dir, at, fail)?;
-    trace(|| format!("before the crash: {:?}", t.reg.table_lines(None, true, false)));
+    trace(|| {
+        format!(
+            "before the crash: {:?}",
+            t.reg.table_lines(None, true, false, false)
+        )
+    });
     if o.stack == Stack::Cache {
         t.count_promotions();
         if let (Some(before), Some(now)) = (t.cleaning, t.status_field("cache", 10)) {
@@ -671,7 +676,12 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         }
     }
     t.build(true)?;
-    trace(|| format!("after the crash: {:?}", t.reg.table_lines(None, true, false)));
+    trace(|| {
+        format!(
+            "after the crash: {:?}",
+            t.reg.table_lines(None, true, false, false)
+        )
+    });
     t.verify_all()?;
     t.teardown();
     if o.stack == Stack::Era {
@@ -904,7 +914,7 @@ impl Trial {
     /// Field `i` of a device's status after its target name (None when the
     /// status does not have it: a failed target).
     fn status_field(&self, name: &str, i: usize) -> Option<u64> {
-        let st = self.reg.table_lines(Some(name), true, false).ok()?;
+        let st = self.reg.table_lines(Some(name), true, false, false).ok()?;
         st.split_whitespace().nth(3 + i)?.parse().ok()
     }
 
@@ -1489,7 +1499,7 @@ impl Trial {
         if self.o.stack == Stack::Snapshot && key == 1 {
             let st = self
                 .reg
-                .table_lines(Some(&name), true, false)
+                .table_lines(Some(&name), true, false, false)
                 .map_err(|e| e.to_string())?;
             if st.contains("Invalid") {
                 // only an I/O error may invalidate it (the COW device cannot fill)

@@ -123,7 +123,15 @@ pub fn parse_table(text: &str) -> Result<Vec<TableLine>, TableError> {
         let end = start
             .checked_add(len)
             .filter(|e| *e <= MAX_SECTORS)
-            .ok_or_else(|| TableError::line(line_no, "target too large: start + length overflows"))?;
+            .ok_or_else(|| {
+                TableError::line(
+                    line_no,
+                    format!(
+                        "target too large: it would end at sector {}, past the largest device ({MAX_SECTORS} sectors, 2^54 - 1)",
+                        u128::from(start) + u128::from(len)
+                    ),
+                )
+            })?;
         next_start = end;
         lines.push(TableLine {
             line_no,
@@ -183,4 +191,37 @@ mod tests {
         assert!(e("0 18446744073709551615 zero").contains("too large"));
         assert_eq!(parse_table("\n# only\n"), Err(TableError::Empty));
     }
+}
+
+/// Input quoted in an error or a log line, bounded: whole when short, else its
+/// first and last 40 bytes (at character boundaries) and its length, so no
+/// client can make a reply or the log grow with the size of what it sent.
+pub fn bounded(text: &str) -> std::borrow::Cow<'_, str> {
+    const EDGE: usize = 40;
+    if text.len() <= 3 * EDGE {
+        return text.into();
+    }
+    let mut head = EDGE;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - EDGE;
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}...{} ({} bytes)", &text[..head], &text[tail..], text.len()).into()
+}
+
+#[cfg(test)]
+#[test]
+fn bounded_quotes_keep_both_ends_and_say_the_length() {
+    assert_eq!(bounded("short"), "short");
+    let long = format!("{}{}{}", "a".repeat(50), "b".repeat(1_000_000), "c".repeat(50));
+    let q = bounded(&long);
+    assert_eq!(
+        q,
+        format!("{}...{} (1000100 bytes)", "a".repeat(40), "c".repeat(40))
+    );
+    let wide = "é".repeat(100);
+    assert!(bounded(&wide).ends_with("(200 bytes)"));
 }

@@ -63,8 +63,8 @@ fn table_status_info_ls_for_every_target() {
         format!("0 2048 delay {a} 0 10 {b} 0 20 {b} 100 0\n")
     );
     assert_eq!(d.ok(&["status", "dl3"]), "0 2048 delay 0 0 0\n");
-    // A dmkit device in a table prints as major:minor (253:minor of "lin").
-    assert_eq!(d.ok(&["table", "stk"]), "0 4096 linear 253:0 0\n");
+    // A dmkit device in a table prints as major:minor (511:minor of "lin").
+    assert_eq!(d.ok(&["table", "stk"]), "0 4096 linear 511:0 0\n");
 
     // Listing every device prefixes lines with the name; --target filters.
     let all = d.ok(&["table"]);
@@ -77,7 +77,7 @@ fn table_status_info_ls_for_every_target() {
 
     let ls = d.ok(&["ls"]);
     assert!(
-        ls.contains("lin\t(253:0)\n") && ls.contains("str\t(253:1)\n") && ls.contains("stk\t(253:9)\n"),
+        ls.contains("lin\t(511:0)\n") && ls.contains("str\t(511:1)\n") && ls.contains("stk\t(511:9)\n"),
         "{ls}"
     );
 
@@ -86,11 +86,11 @@ fn table_status_info_ls_for_every_target() {
         info,
         "Name:              stk\nState:             ACTIVE\nRead Ahead:        256\n\
          Tables present:    LIVE\nOpen count:        0\nEvent number:      0\n\
-         Major, minor:      253, 9\nNumber of targets: 1\n\n"
+         Major, minor:      511, 9\nNumber of targets: 1\n\n"
     );
     // "lin" is held by the table of "stk": counted as open, as the kernel counts it.
     assert!(d.ok(&["info", "lin"]).contains(
-        "Open count:        1\nEvent number:      0\nMajor, minor:      253, 0\nNumber of targets: 2\n"
+        "Open count:        1\nEvent number:      0\nMajor, minor:      511, 0\nNumber of targets: 2\n"
     ));
 
     d.ok(&["suspend", "zer"]);

@@ -221,8 +221,8 @@ fn demo_over_unix_and_tcp() {
         assert!(t0.elapsed().as_secs() < 10, "demo devices did not appear");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    assert_eq!(d.ok(&["table", "demo-thin"]), "0 2097152 thin 253:0 0\n");
-    assert_eq!(d.ok(&["table", "demo-snap"]), "0 2097152 thin 253:0 1\n");
+    assert_eq!(d.ok(&["table", "demo-thin"]), "0 2097152 thin 511:0 0\n");
+    assert_eq!(d.ok(&["table", "demo-snap"]), "0 2097152 thin 511:0 1\n");
     let pool = d.ok(&["status", "demo-pool"]);
     assert!(
         pool.contains(" 0/65536 - rw discard_passdown queue_if_no_space - "),
@@ -256,7 +256,7 @@ fn demo_over_unix_and_tcp() {
 #[test]
 fn stalled_handshake_is_dropped_but_idle_clients_stay() {
     use std::io::Read;
-    let d = Daemon::start_with("idle", &[], &[("DMKIT_HANDSHAKE_TIMEOUT_MS", "300")]);
+    let d = Daemon::start_with("idle", &["--nbd-handshake-timeout-ms", "300"], &[]);
     let f = d.dir.sparse("f.img", MIB);
     d.create("lin", &format!("0 2048 linear {} 0", f.display()));
     let mut attached = common::nbd::Client::connect(&d.sock(), "lin");
@@ -282,7 +282,7 @@ fn stalled_handshake_is_dropped_but_idle_clients_stay() {
 #[test]
 fn trickled_handshake_is_dropped_at_its_deadline() {
     use std::io::{Read, Write};
-    let d = Daemon::start_with("trickle", &[], &[("DMKIT_HANDSHAKE_TIMEOUT_MS", "400")]);
+    let d = Daemon::start_with("trickle", &["--nbd-handshake-timeout-ms", "400"], &[]);
     let f = d.dir.sparse("f.img", MIB);
     d.create("lin", &format!("0 2048 linear {} 0", f.display()));
     let mut s = std::os::unix::net::UnixStream::connect(d.sock()).expect("connect");

@@ -132,17 +132,17 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
     // the tables dmkit holds are the ones dmsetup loaded
     assert_eq!(d.ok(&["table", "lin"]), format!("0 8192 linear {a} 0\n"));
     assert_eq!(d.ok(&["table", "zer"]), "0 100 zero \n");
-    assert_eq!(d.ok(&["table", "two"]), "0 64 zero \n64 64 linear 253:0 8\n");
+    assert_eq!(d.ok(&["table", "two"]), "0 64 zero \n64 64 linear 511:0 8\n");
     assert_eq!(d.info_line("zer", "UUID"), "UUID: UUID-ZER");
 
     let ls = same(&d, &["ls"]);
-    assert_eq!(ls, "lin\t(253:0)\ntwo\t(253:2)\nzer\t(253:1)\n");
+    assert_eq!(ls, "lin\t(511:0)\ntwo\t(511:2)\nzer\t(511:1)\n");
     same(&d, &["table"]);
     // listed by target type dmsetup prints `(major, minor)` (dmkit printed
     // `(major:minor)` until this test)
     assert_eq!(
         same(&d, &["ls", "--target", "zero"]),
-        "two\t(253, 2)\nzer\t(253, 1)\n"
+        "two\t(511, 2)\nzer\t(511, 1)\n"
     );
     same(&d, &["status", "--target", "linear"]);
     same(&d, &["table", "two"]);
@@ -155,18 +155,18 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
     same(&d, &["info", "-c", "-o", "name,uuid,attr,events,open,segments"]);
     same(&d, &["info", "-c", "--noheadings", "-o", "name,major,minor"]);
     // deps: a device over a dm device is the same; over a file, deliberately not
-    assert_eq!(same(&d, &["deps", "two"]), "1 dependencies\t: (253, 0)\n");
+    assert_eq!(same(&d, &["deps", "two"]), "1 dependencies\t: (511, 0)\n");
     same(&d, &["deps", "zer"]);
     assert_eq!(dmsetup(&d, &["deps", "lin"]), "1 dependencies\t: (0, 0)\n");
     assert_eq!(d.ok(&["deps", "lin"]), format!("1 dependencies\t: ({a})\n"));
     deliberate("deps of a device over a file");
     assert_eq!(
         dmsetup(&d, &["ls", "--tree"]),
-        "two (253:2)\n `-lin (253:0)\n    `- (0:0)\nzer (253:1)\n"
+        "two (511:2)\n `-lin (511:0)\n    `- (0:0)\nzer (511:1)\n"
     );
     assert_eq!(
         d.ok(&["ls", "--tree"]),
-        format!("two (253:2)\n `-lin (253:0)\n    `- ({a})\nzer (253:1)\n")
+        format!("two (511:2)\n `-lin (511:0)\n    `- ({a})\nzer (511:1)\n")
     );
     deliberate("ls --tree over a file");
 
@@ -214,7 +214,7 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
 
     // rename, and a uuid for a device without one
     assert_eq!(dmsetup(&d, &["rename", "zer", "zed"]), "");
-    assert_eq!(d.ok(&["ls"]), "lin\t(253:0)\ntwo\t(253:2)\nzed\t(253:1)\n");
+    assert_eq!(d.ok(&["ls"]), "lin\t(511:0)\ntwo\t(511:2)\nzed\t(511:1)\n");
     assert_eq!(dmsetup(&d, &["rename", "two", "--setuuid", "UUID-TWO"]), "");
     assert_eq!(d.info_line("two", "UUID"), "UUID: UUID-TWO");
     same(&d, &["info", "-c", "-o", "name,uuid,events"]);
@@ -236,7 +236,7 @@ fn dmsetup_verbs_through_the_door_match_dmkit() {
         text(&o.stderr)
     );
     assert_eq!(dmsetup(&d, &["remove", "two"]), "");
-    assert_eq!(d.ok(&["ls"]), "lin\t(253:0)\nzed\t(253:1)\n");
+    assert_eq!(d.ok(&["ls"]), "lin\t(511:0)\nzed\t(511:1)\n");
     assert_eq!(dmsetup(&d, &["remove_all"]), "");
     assert_eq!(d.ok(&["ls"]), "No devices found\n");
     // no device left in the state file either
@@ -259,7 +259,7 @@ fn a_thin_pool_message_through_the_door() {
         ),
         ""
     );
-    assert_eq!(d.ok(&["table", "thin0"]), "0 8192 thin 253:0 0\n");
+    assert_eq!(d.ok(&["table", "thin0"]), "0 8192 thin 511:0 0\n");
     same(&d, &["status", "pool"]);
     same(&d, &["table", "pool"]);
     same(&d, &["status", "thin0"]);
@@ -370,7 +370,7 @@ fn dmstats_counts_io_per_area_through_the_door() {
     assert_eq!(dmsetup(&d, &["remove", "st"]), "");
 }
 
-/// A chosen minor number (DM_PERSISTENT_DEV_FLAG: `dmsetup create -j 253 -m N`,
+/// A chosen minor number (DM_PERSISTENT_DEV_FLAG: `dmsetup create -j 511 -m N`,
 /// as LVM's `lvchange --persistent y --minor N` asks): the device gets it, a
 /// second device asking for it gets EBUSY, one out of range EINVAL, the others
 /// still get the lowest free number, and a restart gives each the same again.
@@ -380,7 +380,7 @@ fn a_chosen_minor_is_given_refused_when_taken_and_kept_across_a_restart() {
     let create = |d: &Daemon, name: &str, minor: &str| {
         dmsetup_in(
             d,
-            &["create", name, "-j", "253", "-m", minor, "--table", "0 8 zero"],
+            &["create", name, "-j", "511", "-m", minor, "--table", "0 8 zero"],
             "",
         )
     };
@@ -396,7 +396,7 @@ fn a_chosen_minor_is_given_refused_when_taken_and_kept_across_a_restart() {
     }
     d.ok(&["create", "q", "--minor", "78", "--table", "0 8 zero"]);
     d.ok(&["create", "r", "--table", "0 8 zero"]);
-    let ls = "pm\t(253:77)\nq\t(253:78)\nr\t(253:0)\n";
+    let ls = "pm\t(511:77)\nq\t(511:78)\nr\t(511:0)\n";
     assert_eq!(dmsetup(&d, &["ls"]), ls);
     let d = d.kill9_and_restore();
     assert_eq!(dmsetup(&d, &["ls"]), ls, "after a restart");
@@ -644,22 +644,8 @@ fn hostile_buffers_get_the_kernels_errnos_and_the_daemon_stays_up() {
     drop(g);
     let mut s = UnixStream::connect(d.run.join("dm-ioctl.sock")).expect("door");
     assert_eq!(door(&mut s, Cmd::DevStatus.request(), &ok).0, 0);
-    assert_eq!(d.ok(&["ls"]), "z\t(253:0)\n");
+    assert_eq!(d.ok(&["ls"]), "z\t(511:0)\n");
     assert!(!d.log().contains("panicked"), "{}", d.log());
-}
-
-/// `tests/door/NAME.c` built with the C compiler into the daemon's folder.
-fn build_c(d: &Daemon, name: &str) -> std::path::PathBuf {
-    let exe = d.dir.path(name);
-    let src = format!("{}/tests/door/{name}.c", env!("CARGO_MANIFEST_DIR"));
-    common::run(
-        Command::new("cc")
-            .args(["-O2", "-Wall", "-Werror", "-o"])
-            .arg(&exe)
-            .arg(&src)
-            .arg("-lpthread"),
-    );
-    exe
 }
 
 /// dmeventd's use of the control node: one thread waits in DM_DEV_WAIT while
@@ -673,7 +659,7 @@ fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
     common::need_all(&["cc"]);
     let d = Daemon::start("doorwait");
     d.create("w", "0 8 zero");
-    let exe = build_c(&d, "waiter");
+    let exe = common::build_c(&d, "waiter");
     let o = d.exec().arg(&exe).arg("w").output().expect("run waiter");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
@@ -694,20 +680,20 @@ fn a_waiting_thread_holds_up_no_other_and_a_signal_interrupts_it() {
     d.ok(&["remove", "w"]);
 }
 
-/// What libdevmapper and LVM read of a device in sysfs, `/sys/dev/block/253:N/dm/`
+/// What libdevmapper and LVM read of a device in sysfs, `/sys/dev/block/511:N/dm/`
 /// `name`, `uuid` and `suspended`, is the daemon's device's behind the door.
 #[test]
 fn sysfs_dm_attributes_are_the_daemons_behind_the_door() {
     let d = Daemon::start("doorsysfs");
     d.ok(&["create", "sy", "--uuid", "LVM-sysfs-test", "--table", "0 8 zero"]);
-    // `ls`: "sy\t(253:N)"
+    // `ls`: "sy\t(511:N)"
     let ls = d.ok(&["ls"]);
     let num = ls
         .trim()
         .trim_start_matches("sy\t(")
         .trim_end_matches(')')
         .to_string();
-    assert!(num.starts_with("253:"), "{ls}");
+    assert!(num.starts_with("511:"), "{ls}");
     let dir = format!("/sys/dev/block/{num}/dm");
     let cat = || -> String {
         let o = d
@@ -736,7 +722,7 @@ fn dev_arm_poll_makes_the_control_descriptor_readable_at_an_event() {
     common::need_all(&["cc"]);
     let d = Daemon::start("doorpoll");
     d.create("p", "0 8 zero");
-    let exe = build_c(&d, "poller");
+    let exe = common::build_c(&d, "poller");
     let mut child = d
         .exec()
         .arg(&exe)

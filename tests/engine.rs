@@ -415,10 +415,10 @@ fn memory_filesystem_io_verifies() {
 /// runs every operation, and the connection's readiness poll is a plain poll(2).
 #[test]
 fn memory_filesystem_io_verifies_without_io_uring() {
-    mem_io_verifies("mem-io-sync", &[("DMKIT_NO_URING", "1")]);
+    mem_io_verifies("mem-io-sync", &["--no-io-uring"]);
 }
 
-fn mem_io_verifies(tag: &str, env: &[(&str, &str)]) {
+fn mem_io_verifies(tag: &str, serve_args: &[&str]) {
     common::need("fio");
     struct Dir(std::path::PathBuf);
     impl Drop for Dir {
@@ -431,7 +431,7 @@ fn mem_io_verifies(tag: &str, env: &[(&str, &str)]) {
         std::process::id()
     )));
     std::fs::create_dir_all(&dir.0).expect("mkdir in /dev/shm");
-    let d = Daemon::start_with(tag, &[], env);
+    let d = Daemon::start_with(tag, serve_args, &[]);
     let files: Vec<_> = ["a", "b"]
         .iter()
         .map(|n| {

@@ -51,7 +51,7 @@ fn run_dir_goes_before_or_after_the_verb_and_a_missing_daemon_is_named() {
     ] {
         let o = dmkit(&args);
         assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
-        assert_eq!(text(&o.stdout), "z\t(253:0)\n", "{args:?}");
+        assert_eq!(text(&o.stdout), "z\t(511:0)\n", "{args:?}");
     }
     let nowhere = d.dir.path("nowhere");
     let o = dmkit(&["ls", "--run-dir", &nowhere.display().to_string()]);
@@ -112,7 +112,7 @@ fn several_names_per_verb_and_devices_picked_by_uuid_or_number() {
     assert_eq!(d.ok(&["status", "a", "b"]), "a: 0 8 zero \nb: 0 16 zero \n");
     assert_eq!(d.ok(&["table", "b"]), "0 16 zero \n");
     assert_eq!(d.ok(&["table", "-u", "UUID-C"]), "0 24 zero \n");
-    assert_eq!(d.ok(&["table", "-j", "253", "-m", "1"]), "0 16 zero \n");
+    assert_eq!(d.ok(&["table", "-j", "511", "-m", "1"]), "0 16 zero \n");
     assert_eq!(
         d.ok(&["info", "-c", "--noheadings", "-o", "name,open", "a", "b"]),
         "a:0\nb:0\n"
@@ -139,13 +139,13 @@ fn several_names_per_verb_and_devices_picked_by_uuid_or_number() {
     let e = d.cli(&["table", "-j", "8", "-m", "0"]);
     assert_eq!(
         text(&e.stderr),
-        "dmkit table: 8:0: No such device (dmkit's devices have major 253)\n"
+        "dmkit table: 8:0: No such device (dmkit's devices have major 511)\n"
     );
     // every name is tried; each failure is its own line
     let o = d.cli(&["remove", "a", "nosuch", "b"]);
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(text(&o.stderr), "dmkit remove: nosuch: No such device\n");
-    assert_eq!(d.ok(&["ls"]), "c\t(253:2)\n");
+    assert_eq!(d.ok(&["ls"]), "c\t(511:2)\n");
     d.ok(&["remove", "-u", "UUID-C"]);
     assert_eq!(d.ok(&["ls"]), "No devices found\n");
 }
@@ -211,7 +211,8 @@ fn remove_deferred_of_a_held_device_marks_it_until_its_user_goes() {
     d.ok(&["remove", "--deferred", "low"]);
     d.ok(&["load", "top", "--table", "0 8 zero"]);
     d.ok(&["resume", "top"]);
-    assert_eq!(d.ok(&["ls"]), "top\t(253:1)\n");
+    // minors are not given again at once: top is the fourth device made
+    assert_eq!(d.ok(&["ls"]), "top\t(511:3)\n");
 }
 
 #[test]
@@ -323,34 +324,50 @@ fn background_serve_and_the_restore_message_after_a_kill_9_are_true() {
     cli(&["create", "c", "--table", "0 8 linear /dev/mapper/a 0"]);
     kill("-9", &pid);
 
-    // a plain serve sets them aside and says how to get them back
+    // a plain serve sets them aside and says so in its first line, with how to
+    // get them back
     let o = serve_bg(&run, &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
+    let waiting = format!(
+        "3 devices of the previous daemon are waiting, not made again (recorded in {}): stop this \
+         daemon and run `dmkit serve --restore` to make them again",
+        run.join("devices.prev").display()
+    );
+    let out = text(&o.stdout);
+    assert_eq!(
+        out.lines().next(),
+        Some(format!("dmkit serve: {waiting}").as_str()),
+        "{out}"
+    );
     assert_eq!(cli(&["ls"]), "No devices found\n");
     let log = std::fs::read_to_string(run.join("serve.log")).expect("log");
-    let want = format!(
-        "the previous daemon's 3 devices are not made again: they are recorded in {}; stop this \
-         daemon and run `dmkit serve --restore` to make them again (it reads devices.prev while this \
-         daemon records no devices of its own in {})",
-        run.join("devices.prev").display(),
-        run.join("devices.state").display()
+    assert!(log.contains(&waiting), "{log}");
+    kill("-TERM", &pid_of(&run));
+    // a daemon started again without --restore says it again (they still wait)
+    let o = serve_bg(&run, &[]);
+    let again = format!(
+        "dmkit serve: 3 devices of an earlier daemon are waiting, not made again (recorded in {}): \
+         stop this daemon and run `dmkit serve --restore` to make them again",
+        run.join("devices.prev").display()
     );
-    assert!(log.contains(&want), "{log}");
+    assert_eq!(text(&o.stdout).lines().next(), Some(again.as_str()));
     kill("-TERM", &pid_of(&run));
 
     // ... and that is what it does
     let o = serve_bg(&run, &["--restore"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(cli(&["ls"]), "a\t(253:0)\nb\t(253:1)\nc\t(253:2)\n");
-    assert_eq!(cli(&["table", "c"]), "0 8 linear 253:0 0\n");
-    let log = std::fs::read_to_string(run.join("serve.log")).expect("log");
-    assert!(
-        log.contains(&format!(
-            "restored 3 devices (0 attached as block devices) from {} (0 errors)",
-            run.join("devices.state").display()
-        )),
-        "{log}"
+    assert_eq!(
+        text(&o.stdout).lines().next(),
+        Some(
+            format!(
+                "dmkit serve: restored 3 devices (0 attached as block devices) from {}",
+                run.join("devices.state").display()
+            )
+            .as_str()
+        )
     );
+    assert_eq!(cli(&["ls"]), "a\t(511:0)\nb\t(511:1)\nc\t(511:2)\n");
+    assert_eq!(cli(&["table", "c"]), "0 8 linear 511:0 0\n");
     kill("-TERM", &pid_of(&run));
     assert!(!run.join("serve.pid").exists(), "a clean exit removes serve.pid");
 }
@@ -369,7 +386,7 @@ fn a_pool_lists_its_metadata_file_as_the_kernel_does() {
     );
     assert_eq!(
         d.ok(&["ls", "--tree"]),
-        format!("thin (253:1)\n `-pool (253:0)\n    |- ({data})\n    `- ({meta})\n")
+        format!("thin (511:1)\n `-pool (511:0)\n    |- ({data})\n    `- ({meta})\n")
     );
     assert_eq!(
         d.ok(&["info", "-c", "--noheadings", "-o", "devs_used", "pool"])
@@ -533,5 +550,201 @@ fn every_verb_has_help_with_an_example() {
     assert!(
         message.contains("<SECTOR>") && message.contains("dmkit message pool 0 \"create_thin 0\""),
         "{message}"
+    );
+}
+
+/// `serve --attach` makes every device a ublk block device: where ublk cannot be
+/// used it fails at start with what to do, rather than start and make no block
+/// device without a word.
+#[test]
+fn serve_attach_without_ublk_fails_at_start() {
+    let dir = Scratch::new("attachnoublk");
+    let run = dir.path("run");
+    let o = serve_bg(&run, &["--attach"]);
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/ublk-control")
+    {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+            assert_eq!(o.status.code(), Some(1));
+            assert_eq!(
+                text(&o.stderr),
+                "dmkit serve: serve --attach: ublk is not available: /dev/ublk-control does not exist \
+                 (load the driver with `modprobe ublk_drv`; Linux 6.5 or later)\n"
+            );
+        }
+        Err(e) => panic!("/dev/ublk-control: {e}"),
+        Ok(_) => {
+            assert!(o.status.success(), "{}", text(&o.stderr));
+            kill("-TERM", &pid_of(&run));
+        }
+    }
+}
+
+/// Every refused name and length says which rule it broke and the limit.
+#[test]
+fn refusals_name_the_rule_and_the_limit() {
+    let d = Daemon::start("rules");
+    let long = "n".repeat(128);
+    for (name, why) in [
+        (
+            "control",
+            "\"control\", \".\" and \"..\" are reserved (the control node, and the directory's own entries)",
+        ),
+        (
+            "..",
+            "\"control\", \".\" and \"..\" are reserved (the control node, and the directory's own entries)",
+        ),
+        ("a/b", "a name cannot contain '/'"),
+        (long.as_str(), "a name is at most 127 bytes, and this one is 128"),
+    ] {
+        let e = d.fails(&["create", name, "--table", "0 8 zero"]);
+        assert!(
+            e.contains(&format!("invalid device name '")) && e.trim_end().ends_with(why),
+            "{name}: {e}"
+        );
+    }
+    let e = d.fails(&["create", "big", "--table", "0 9223372036854775808 zero"]);
+    assert!(
+        e.contains("target too large: it would end at sector 9223372036854775808, past the largest device (18014398509481983 sectors, 2^54 - 1)"),
+        "{e}"
+    );
+    // remove --force says what it did to a device still open
+    let back = d.dir.sparse("back", 1 << 20);
+    d.create("held", &format!("0 2048 linear {} 0", back.display()));
+    let dmkit = format!("{} --run-dir {}", BIN, d.run.display());
+    let o = d
+        .exec()
+        .args([
+            "bash",
+            "-c",
+            &format!("exec 3<>/dev/mapper/held; {dmkit} remove --force held"),
+        ])
+        .output()
+        .expect("bash");
+    assert_eq!(
+        text(&o.stderr),
+        "dmkit remove: held: Device or resource busy: open count 1; --force replaced its table with an \
+         error target, so its I/O fails until it is closed and removed\n"
+    );
+    assert_eq!(d.ok(&["table", "held"]), "0 2048 error \n");
+}
+
+/// `dmkit sim`'s summary adds up: passed and failed make the trials, and the
+/// crash points of the passed ones make the passed.
+#[test]
+fn the_simulators_summary_adds_up() {
+    let o = dmkit(&["sim", "--stack", "thin", "--trials", "6", "--ops", "40"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    let num = |after: &str| -> u64 {
+        let i = out.find(after).unwrap_or_else(|| panic!("no '{after}' in {out}"));
+        let before = out[..i].trim_end();
+        before
+            .rsplit(' ')
+            .next()
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| panic!("{after}: {out}"))
+    };
+    let (trials, passed, failed) = (num(" trials of thin"), num(" passed"), num(" failed"));
+    let (a, b, c) = (
+        num(" times at a flush inside a commit"),
+        num(" after a chosen write"),
+        num(" after the last operation"),
+    );
+    assert_eq!((trials, passed + failed, a + b + c), (6, 6, passed), "{out}");
+}
+
+/// The README's two commands, exactly as written, in a fresh clone of the
+/// repository: the demo command until it prints its URIs (and, run again, says
+/// it reopened the pool), and the test command's own first steps (its
+/// installer, fmt and the module check; the CI run itself is the rest).
+#[test]
+fn the_readmes_two_commands_work_in_a_fresh_clone() {
+    common::need_all(&["git", "cargo"]);
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).expect("README");
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with("The two commands"))
+        .expect("a section 'The two commands'");
+    let commands: Vec<&str> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("    "))
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    assert_eq!(commands, ["cargo run --release -- serve --demo", "./ci/test.sh"]);
+    let dir = Scratch::new("freshclone");
+    let clone = dir.path("clone");
+    let repo = env!("CARGO_MANIFEST_DIR");
+    let is_git = Command::new("git")
+        .args(["-C", repo, "rev-parse", "--is-inside-work-tree"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if is_git {
+        common::run(Command::new("git").args(["clone", "--quiet", repo]).arg(&clone));
+    } else {
+        // a checkout without its git history: the tree as it is, without builds
+        std::fs::create_dir_all(&clone).expect("clone dir");
+        common::run(Command::new("sh").arg("-c").arg(format!(
+            "tar -C '{repo}' --exclude=./target --exclude=./dmkit-demo -cf - . | tar -C '{}' -xf -",
+            clone.display()
+        )));
+    }
+    // its own target directory: the suite's is locked by the cargo running it;
+    // kept between runs (only the dmkit crate builds again in a warm one)
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/fresh-clone");
+    let demo = |tag: &str| -> String {
+        let mut child = Command::new("sh")
+            .args(["-c", commands[0]])
+            .current_dir(&clone)
+            .env("CARGO_TARGET_DIR", &target)
+            .env("DMKIT_RUN_DIR", dir.path("run"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("the demo command");
+        let mut out = child.stdout.take().expect("stdout");
+        let mut seen = String::new();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 4096];
+        use std::io::Read;
+        while !seen.contains("demo-zero?socket=") {
+            assert!(t0.elapsed() < Duration::from_secs(1800), "{tag}: no URIs: {seen}");
+            match out.read(&mut buf) {
+                Ok(0) | Err(_) => panic!("{tag}: the demo ended before its URIs: {seen}"),
+                Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            }
+        }
+        // Ctrl-C stops it: the daemon (cargo's child) gets SIGINT, cargo exits with it
+        let _ = Command::new("pkill")
+            .args(["-INT", "-f", "target/fresh-clone/release/dmkit serve --demo"])
+            .status();
+        let status = child.wait().expect("wait");
+        assert!(status.success(), "{tag}: the demo exited {status}");
+        seen
+    };
+    let first = demo("first run");
+    assert!(
+        first.contains("dmkit demo: a thin pool over sparse files in "),
+        "{first}"
+    );
+    for name in ["demo-thin", "demo-snap", "demo-zero"] {
+        assert!(first.contains(&format!("nbd+unix:///{name}?socket=")), "{first}");
+    }
+    let second = demo("second run");
+    assert!(
+        second.contains("dmkit demo: reopened the thin pool of an earlier demo in "),
+        "{second}"
+    );
+    // the test command's first steps
+    common::run(
+        Command::new("bash")
+            .args([
+                "-c",
+                "ci/install.sh && cargo fmt --all -- --check && python3 ci/modules.py",
+            ])
+            .current_dir(&clone),
     );
 }

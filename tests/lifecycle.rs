@@ -465,7 +465,7 @@ fn flakey_corrupt_read_byte() {
 }
 
 /// A panic while a device's request is mapped (armed by the test-only `__panic`
-/// message, which `DMKIT_TEST_PANIC=1` enables) fails that request and every
+/// message, which `serve --test-panics` enables) fails that request and every
 /// later one on the device with EIO, is logged with the thread, the device and
 /// the location, and leaves the daemon and its other devices (a linear, a thin
 /// on a pool) serving. A panic where it cannot be caught safely (the control
@@ -473,7 +473,7 @@ fn flakey_corrupt_read_byte() {
 /// is an unknown message.
 #[test]
 fn a_panicking_worker_fails_its_device_only() {
-    let mut d = Daemon::start_with("panic", &[], &[("DMKIT_TEST_PANIC", "1")]);
+    let mut d = Daemon::start_with("panic", &["--test-panics"], &[]);
     let a = file_with(&d, "a", 4, 1, MIB as usize);
     let b = file_with(&d, "b", 4, 2, MIB as usize);
     let meta = d.dir.sparse("meta", 4 * MIB);

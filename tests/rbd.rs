@@ -396,14 +396,14 @@ fn without_librbd_rbd_tables_fail_in_one_line_and_files_still_work() {
     serves_on(&d, &format!("0 2048 linear {} 0", f.display()), 9);
 }
 
-/// Without io_uring (DMKIT_NO_URING=1) the synchronous queue polls the RBD
+/// Without io_uring (`serve --no-io-uring`) the synchronous queue polls the RBD
 /// sink's eventfd with its other waits: the same I/O verifies.
 #[test]
 fn images_work_without_io_uring() {
     need_all(&["fio", "rbd"]);
     let c = cluster();
     c.create_image("nouring", 32 * MIB);
-    let d = Daemon::start_with("rbd-nouring", &[], &[("DMKIT_NO_URING", "1")]);
+    let d = Daemon::start_with("rbd-nouring", &["--no-io-uring"], &[]);
     d.create(
         "n",
         &format!("0 {} linear {} 0", 32 * MIB / 512, c.dev("nouring")),

@@ -333,7 +333,7 @@ fn wc_acked_unflushed(d: &Daemon, name: &str, mode: &str, seed: u64) -> Vec<u8> 
 /// new entries were lost, and the filesystem's blocks read back stale.
 #[test]
 fn writes_acknowledged_before_a_kill_9_are_there_after_restore() {
-    let d = Daemon::start_with("acked", &[], &[("DMKIT_THIN_COMMIT_PERIOD_MS", "3600000")]);
+    let d = Daemon::start_with("acked", &["--test-thin-commit-period-ms", "3600000"], &[]);
     let thin = thin_acked_unflushed(&d);
     let ssd = wc_acked_unflushed(&d, "wcs", "s", 40);
     let pmem = wc_acked_unflushed(&d, "wcp", "p", 50);
@@ -399,7 +399,7 @@ fn writes_acknowledged_before_a_kill_9_are_there_after_restore() {
 /// is not made, the metadata is not touched, and without the log it opens.
 #[test]
 fn a_restart_log_that_lies_is_refused_and_named() {
-    let d = Daemon::start_with("lying-log", &[], &[("DMKIT_THIN_COMMIT_PERIOD_MS", "3600000")]);
+    let d = Daemon::start_with("lying-log", &["--test-thin-commit-period-ms", "3600000"], &[]);
     thin_acked_unflushed(&d);
     let mut d = d;
     d.kill9();

@@ -272,7 +272,7 @@ mod error_states {
             Dest::Dm(self.reg.get(n).unwrap())
         }
         fn status(&self, n: &str) -> String {
-            self.reg.table_lines(Some(n), true, false).unwrap()
+            self.reg.table_lines(Some(n), true, false, false).unwrap()
         }
         /// Fail the next write to a simulated disk.
         fn fail_next_write(&self) {

@@ -252,10 +252,10 @@ fn pool_daemon(
     meta_bytes: u64,
     data_blocks: u64,
     features: &[&str],
-    env: &[(&str, &str)],
+    serve_args: &[&str],
 ) -> (Daemon, Files) {
     let f = Files::new(tag, meta_bytes, data_blocks * B);
-    let d = Daemon::start_with(tag, &[], env);
+    let d = Daemon::start_with(tag, serve_args, &[]);
     d.create("pool", &f.table(data_blocks, 0, features));
     (d, f)
 }
@@ -603,7 +603,7 @@ fn no_space_timeout_behaves_like_the_kernel() {
         4 * MIB,
         4,
         &[],
-        &[("DMKIT_NO_SPACE_TIMEOUT_SECS", "1")],
+        &["--thin-no-space-timeout", "1"],
     );
     let mut c = fill_four(&d);
     let p = pattern(14, 4096);
@@ -929,7 +929,7 @@ fn discard_shared_block_keeps_data_then_frees_after_snapshot_delete() {
 /// raise and drop its count around the passdown): a block freed by the unmap and
 /// made allocatable by a commit must not be given to a new write while the
 /// passdown can still punch it, or an acknowledged write reads back as zeroes.
-/// The passdown is made slow (DMKIT_TEST_PASSDOWN_DELAY_MS) and the pool full,
+/// The passdown is made slow (`serve --test-passdown-delay-ms`) and the pool full,
 /// so the discarded block is the only one a new write could get.
 #[test]
 fn discard_passdown_in_flight_holds_its_block() {
@@ -938,7 +938,7 @@ fn discard_passdown_in_flight_holds_its_block() {
         4 * MIB,
         4,
         &[],
-        &[("DMKIT_TEST_PASSDOWN_DELAY_MS", "1500")],
+        &["--test-passdown-delay-ms", "1500"],
     );
     let mut c = fill_four(&d);
     let old = pattern(11, 4 * B as usize);
@@ -1001,7 +1001,7 @@ fn discard_passdown_in_flight_holds_its_block() {
 /// once two such writes count in the two epochs the drains alternate between
 /// (found by the nbd_requests fuzzer in CI on 41830ba: a TRIM, then two
 /// WRITE_ZEROES over two blocks). The discards are made slow
-/// (DMKIT_TEST_DISCARD_DELAY_MS) so that the first write arrives before the
+/// (`serve --test-discard-delay-ms`) so that the first write arrives before the
 /// pool's thread starts draining, the second after its first drain began.
 #[test]
 fn writes_over_blocks_being_discarded_and_mapped_ones_complete() {
@@ -1010,7 +1010,7 @@ fn writes_over_blocks_being_discarded_and_mapped_ones_complete() {
         4 * MIB,
         16,
         &[],
-        &[("DMKIT_TEST_DISCARD_DELAY_MS", "700")],
+        &["--test-discard-delay-ms", "700"],
     );
     let mut c = fill_four(&d);
     let old = pattern(11, 4 * B as usize);

@@ -16,5 +16,5 @@ fuzz_target!(|data: &[u8]| {
     let dev = common::FIXTURE[pick as usize % common::FIXTURE.len()];
     let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
     let _ = reg.message(dev, u64::from(pick >> 4), &words);
-    let _ = reg.table_lines(Some(dev), true, false);
+    let _ = reg.table_lines(Some(dev), true, false, false);
 });

@@ -15,8 +15,8 @@ fuzz_target!(|data: &[u8]| {
     // verity tables need a read-only device, as the kernel's do
     let read_only = text.contains("verity");
     if reg.create("t", Some(text), read_only, None).is_ok() {
-        let _ = reg.table_lines(Some("t"), true, false);
-        let _ = reg.table_lines(Some("t"), false, false);
+        let _ = reg.table_lines(Some("t"), true, false, false);
+        let _ = reg.table_lines(Some("t"), false, false, true);
         let _ = reg.remove("t", true, false);
         let _ = reg.remove("t", false, false);
     }

@@ -185,7 +185,7 @@ fn hung_up(fd: i32) -> bool {
 /// dmkit's own request on the door (type byte 0xdc, not device-mapper's 0xfd):
 /// the read-ahead, in sectors, of the device whose number is the 8-byte buffer
 /// (u64, as `dev` fields carry it). The preload library answers
-/// `/sys/dev/block/253:N/bdi/read_ahead_kb` with it, where libdevmapper reads a
+/// `/sys/dev/block/MAJOR:N/bdi/read_ahead_kb` with it, where libdevmapper reads a
 /// device's read-ahead (its number may be another driver's on this kernel).
 pub const READ_AHEAD_REQUEST: u32 = 0xdc01;
 
@@ -322,7 +322,7 @@ fn status(ctx: &super::Ctx, d: &Arc<Device>) -> dm::DevStatus {
         .as_ref()
         .map(|t| t.entries.len() as u32);
     dm::DevStatus {
-        major: DM_MAJOR,
+        major: DM_MAJOR.get(),
         minor: d.minor,
         suspended: d.suspended.load(Ordering::SeqCst),
         deferred_remove: d.deferred_remove.load(Ordering::SeqCst),
@@ -384,7 +384,7 @@ fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) 
                 .map(|d| dm::ListEntry {
                     name: d.name(),
                     uuid: d.uuid(),
-                    major: DM_MAJOR,
+                    major: DM_MAJOR.get(),
                     minor: d.minor,
                     event_nr: d.events() as u32,
                 })
@@ -665,7 +665,10 @@ mod tests {
         let (e, out) = call(&c, Cmd::DevStatus, dm::build(16384, "z", "", 0, &[]));
         assert_eq!(e, 0);
         let h = dm::reply_header(&out);
-        assert_eq!((h.target_count, h.dev, h.name.as_str()), (1, 0xfd00, "z"));
+        assert_eq!(
+            (h.target_count, h.dev, h.name.as_str()),
+            (1, dm::encode_dev(crate::mapper::DM_MAJOR.get(), 0), "z")
+        );
         assert_eq!(out.len(), dm::MIN_DATA_SIZE);
         let (e, out) = call(
             &c,
@@ -679,10 +682,11 @@ mod tests {
         );
         let (e, out) = call(&c, Cmd::ListDevices, dm::build(16384, "", "", 0, &[]));
         assert_eq!(e, 0);
-        assert_eq!(dm::read_name_list(&out), vec![("z".to_string(), 0xfd00)]);
+        let dev0 = dm::encode_dev(crate::mapper::DM_MAJOR.get(), 0);
+        assert_eq!(dm::read_name_list(&out), vec![("z".to_string(), dev0)]);
         // by number
         let mut b = dm::build(16384, "", "", 0, &[]);
-        b[40..48].copy_from_slice(&0xfd00u64.to_ne_bytes());
+        b[40..48].copy_from_slice(&dev0.to_ne_bytes());
         let (e, out) = call(&c, Cmd::DevStatus, b);
         assert_eq!((e, dm::reply_header(&out).name.as_str()), (0, "z"));
         let (e, _) = call(&c, Cmd::DevRemove, dm::build(16384, "z", "", 0, &[]));

@@ -2,12 +2,15 @@
 //! again, rewritten after every change, replayed by `dmkit serve --restore`.
 //!
 //! One argument per line, a blank line after each request. Tables are what
-//! `table` prints, with dmkit devices named by path instead of by minor (a
-//! restored device may get another minor). Pools, caches and snapshots keep
+//! `table` prints, with dmkit devices named by path instead of by minor (the
+//! tables are replayed by name); each device is made again with its own minor,
+//! and the next minor to give is recorded, so a node made before a restart names
+//! the same device after it. Pools, caches and snapshots keep
 //! their own state in their metadata; the file holds only what the kernel's
 //! device-mapper would lose at a reboot: which tables are loaded, and which
-//! device is attached as which ublk block device. The file is its owner's alone
-//! (mode 0600): a dm-crypt table holds its key, as `table` prints it.
+//! device is attached as which ublk block device. No key is ever written here:
+//! a dm-crypt table is recorded with its key zeroed, and made again suspended
+//! with the key wiped, waiting for it. The file is its owner's alone (mode 0600).
 
 use super::{verbs, Ctx};
 use crate::mapper::DevRef;
@@ -85,10 +88,13 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
     if d.read_only() {
         req.push("--readonly".into());
     }
-    if d.chosen_minor {
-        req.extend(["--minor".to_string(), d.minor.to_string()]);
-    }
-    match ctx.reg.table_lines(Some(&name), false, false) {
+    // every device keeps its number: nodes made before a restart still name it
+    req.extend(["--minor".to_string(), d.minor.to_string()]);
+    // keys are never written here: a table that holds one is recorded with it
+    // zeroed, and the device is made again suspended with its key wiped, to
+    // wait for it (`message NAME START key set HEX` and `resume`, or
+    // `cryptsetup luksResume` behind the door), as after a `key wipe`
+    match ctx.reg.table_lines(Some(&name), false, false, false) {
         Ok(t) if !t.trim().is_empty() => {
             for line in t.lines() {
                 req.extend(["--table".to_string(), by_path(line)]);
@@ -97,6 +103,24 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
         _ => req.push("--notable".into()),
     }
     out.push(req);
+    let keyed: Vec<u64> = live
+        .iter()
+        .flat_map(|t| t.entries.iter())
+        .filter(|e| e.target.table_params_keyless().is_some())
+        .map(|e| e.start)
+        .collect();
+    if !keyed.is_empty() {
+        out.push(vec!["suspend".into(), name.clone()]);
+        for start in &keyed {
+            out.push(vec![
+                "message".into(),
+                name.clone(),
+                start.to_string(),
+                "key".into(),
+                "wipe".into(),
+            ]);
+        }
+    }
     // state messages set that the table does not show
     if let Some(t) = &live {
         for e in &t.entries {
@@ -105,9 +129,14 @@ fn device_requests(ctx: &Ctx, d: &Arc<Device>) -> Vec<Vec<String>> {
             }
         }
     }
-    // a table loaded and not yet resumed
-    if let Ok(t) = ctx.reg.table_lines(Some(&name), false, true) {
-        if !t.trim().is_empty() {
+    // a table loaded and not yet resumed (not one with a key: it would resume
+    // with a zeroed one; the load is lost, as a reboot loses it)
+    let inactive_keyed = inactive
+        .iter()
+        .flat_map(|t| t.entries.iter())
+        .any(|e| e.target.table_params_keyless().is_some());
+    if let Ok(t) = ctx.reg.table_lines(Some(&name), false, true, false) {
+        if !t.trim().is_empty() && !inactive_keyed {
             let mut load = vec!["load".to_string(), name.clone()];
             // its own mode, which the device takes at the resume
             if let Some(ro) = inactive.as_ref().map(|t| t.read_only) {
@@ -131,6 +160,9 @@ fn boot_id() -> String {
 }
 
 const BOOT: &str = "# boot ";
+/// Where the search for a free minor goes on from (`Registry::next_minor`);
+/// the last such line counts.
+const NEXT_MINOR: &str = "# next-minor ";
 
 fn push_requests(text: &mut String, reqs: &[Vec<String>]) {
     for req in reqs {
@@ -150,7 +182,8 @@ fn push_requests(text: &mut String, reqs: &[Vec<String>]) {
 /// where the next daemon of the same boot reads them.
 pub fn save(ctx: &Ctx, path: &Path) -> std::io::Result<u64> {
     let mut text = String::from("# dmkit's devices: `dmkit serve --restore` makes them again\n");
-    text.push_str(&format!("{BOOT}{}\n\n", boot_id()));
+    text.push_str(&format!("{BOOT}{}\n", boot_id()));
+    text.push_str(&format!("{NEXT_MINOR}{}\n\n", ctx.reg.next_minor()));
     push_requests(&mut text, &requests(ctx));
     let tmp = path.with_extension("new");
     // owner-only: tables hold dm-crypt keys, as the kernel's `table` prints them
@@ -223,7 +256,7 @@ impl Recorder {
         if names.is_empty() {
             return Ok(());
         }
-        let mut text = String::new();
+        let mut text = format!("{NEXT_MINOR}{}\n", ctx.reg.next_minor());
         for name in &names {
             match ctx.reg.get(name) {
                 Ok(d) => {
@@ -378,6 +411,10 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
         ));
         return Ok((0, errors));
     }
+    let next_minor = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(NEXT_MINOR)?.trim().parse::<u32>().ok())
+        .next_back();
     for req in parse(&text) {
         let verb = req.first().map_or("", String::as_str);
         let name = req.get(1).map_or("", String::as_str).to_string();
@@ -394,7 +431,14 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
         let r = super::Request::try_parse_from(&req)
             .map_err(|e| verbs::one_line(&e, "dmkit").unwrap_or_else(|| e.to_string()))
             .and_then(|r| super::run_verb(ctx, r.verb, ""));
+        let wipe = verb == "message" && req.iter().rev().take(2).eq(["wipe", "key"].iter());
         match (verb, r) {
+            ("message", Ok(_)) if wipe => tracing::warn!(
+                "device '{name}' is restored suspended, waiting for its dm-crypt key (never recorded): \
+                 `dmkit message {name} {} key set HEX` then `dmkit resume {name}`, or \
+                 `dmkit exec -- cryptsetup luksResume {name}`",
+                req.get(2).map_or("0", String::as_str)
+            ),
             ("create", Ok(_)) => devices += 1,
             ("create", Err(e)) => {
                 errors.push(format!("device '{name}' not restored: {e}"));
@@ -403,6 +447,9 @@ pub fn restore(ctx: &Ctx, path: &Path) -> std::io::Result<(usize, Vec<String>)> 
             (_, Ok(_)) => {}
             (_, Err(e)) => errors.push(format!("device '{name}': {verb} not replayed: {e}")),
         }
+    }
+    if let Some(n) = next_minor {
+        ctx.reg.set_next_minor(n);
     }
     if !errors.is_empty() {
         std::fs::copy(path, prev_path(path))?;
@@ -446,7 +493,10 @@ mod tests {
         assert_eq!(restore(&c, &path).expect("restore"), (1, vec![]));
         assert!(c.reg.get("z").is_ok());
         // as `table` prints it: a space after a target without arguments, as dmsetup's
-        assert_eq!(requests(&c), vec![vec!["create", "z", "--table", "0 8 zero "]]);
+        assert_eq!(
+            requests(&c),
+            vec![vec!["create", "z", "--minor", "0", "--table", "0 8 zero "]]
+        );
 
         std::fs::write(&path, format!("{BOOT}another-boot\n\n{record}")).expect("write");
         let c = ctx();

@@ -171,7 +171,7 @@ Examples:
     Status(ShowArgs),
     /// Print each target's table line
     #[command(after_help = "Examples:
-  dmkit table top                     # 0 4194304 linear 253:0 0
+  dmkit table top                     # 0 4194304 linear 511:0 0
   dmkit table top --inactive")]
     Table(ShowArgs),
     /// Print device information (the long form, or columns with -c)
@@ -210,7 +210,7 @@ Examples:
     },
     /// List the devices each device maps onto
     #[command(after_help = "Example:
-  dmkit deps top                      # 1 dependencies  : (253, 0)")]
+  dmkit deps top                      # 1 dependencies  : (511, 0)")]
     Deps {
         #[command(flatten)]
         devs: AnyDevices,
@@ -326,7 +326,7 @@ pub struct Pick {
     /// The device with this uuid
     #[arg(short = 'u', long = "uuid", value_name = "UUID")]
     pub uuid: Option<String>,
-    /// With --minor: the device with this number (dmkit's devices have major 253)
+    /// With --minor: the device with this number (dmkit's devices have major 511)
     #[arg(short = 'j', long, value_name = "MAJOR", requires = "minor")]
     pub major: Option<u32>,
     /// With --major: the device with this minor number
@@ -364,6 +364,10 @@ pub struct ShowArgs {
     /// The inactive table (loaded, not yet resumed) instead of the live one
     #[arg(long)]
     pub inactive: bool,
+    /// Print dm-crypt keys; without it they are shown as zeros of their length
+    /// (as dmsetup does)
+    #[arg(long)]
+    pub showkeys: bool,
 }
 
 /// What the daemon parses a control request with.

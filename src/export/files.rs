@@ -31,8 +31,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-/// The device-mapper block major the door reports (src/control/preload.c).
-pub const DM_MAJOR: u32 = 253;
+use crate::mapper::DM_MAJOR;
 /// The folder under the run directory.
 pub const DIR: &str = "block";
 const ROOT: u64 = 1;
@@ -119,7 +118,8 @@ fn nix_detach(dir: &Path) -> std::io::Result<()> {
 /// device's open count.
 struct Open {
     dev: Arc<Device>,
-    counted: bool,
+    /// A close of it has been seen (a flush) and its end not yet.
+    closing: bool,
 }
 
 struct Files {
@@ -136,15 +136,16 @@ impl Files {
         self.reg.by_minor(minor)
     }
 
-    /// An open stops counting.
+    /// An open ends (its release).
     fn uncount(&self, o: Open) {
-        if o.counted {
-            let _ = o
-                .dev
-                .open_count
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-            self.reg.closed(&o.dev);
+        let _ = o
+            .dev
+            .open_count
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if o.closing {
+            o.dev.close_ended();
         }
+        self.reg.closed(&o.dev);
     }
 
     /// The device an open is on (None: not open, or removed since).
@@ -276,7 +277,7 @@ impl Filesystem for Files {
             fh,
             Open {
                 dev: d,
-                counted: true,
+                closing: false,
             },
         );
         reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO);
@@ -383,10 +384,13 @@ impl Filesystem for Files {
         }
     }
 
-    /// A close: the open stops counting in the device's open count now, as a
-    /// block device's close does, rather than at the release, which FUSE sends
-    /// after close() has returned (LVM deactivates a device it has just closed).
-    /// A duplicate or inherited descriptor closed first ends the count early.
+    /// A close of a descriptor of this open: its end comes with the release
+    /// (the last close of the open file description), which FUSE sends after
+    /// `close()` has returned, while LVM asks for the open count of a device it
+    /// has just closed. So the device is told a close may be ending the open
+    /// ([`Device::settled_open_count`] waits for it a moment); the count itself
+    /// follows the release, so a child's exit or a closed duplicate does not end
+    /// an open its parent still holds.
     fn flush(
         &self,
         _req: &Request,
@@ -395,15 +399,14 @@ impl Filesystem for Files {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        let o = self.opens.lock().unpoisoned().get_mut(&fh.0).and_then(|o| {
-            let was = std::mem::replace(&mut o.counted, false);
-            was.then(|| Open {
-                dev: o.dev.clone(),
-                counted: true,
-            })
-        });
-        if let Some(o) = o {
-            self.uncount(o);
+        if let Some(o) = self.opens.lock().unpoisoned().get_mut(&fh.0) {
+            if !std::mem::replace(&mut o.closing, true) {
+                o.dev.close_started();
+            } else {
+                // another close of the same open: a new moment to wait from
+                o.dev.close_ended();
+                o.dev.close_started();
+            }
         }
         reply.ok();
     }

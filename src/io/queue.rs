@@ -133,10 +133,16 @@ pub struct IoQueue {
     sim: Option<SimRef>,
 }
 
-/// Whether io_uring can be used: not when `DMKIT_NO_URING` is set (tests of the
-/// fallback) or the kernel refuses to create a ring.
+static NO_URING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Use the synchronous queue instead of io_uring (`serve --no-io-uring`).
+pub fn disable_io_uring() {
+    NO_URING.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether io_uring is to be tried (the kernel may still refuse a ring).
 fn uring_wanted() -> bool {
-    std::env::var_os("DMKIT_NO_URING").is_none()
+    !NO_URING.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The simulated disk's view of an operation about to run (see `io::sim`).

@@ -22,8 +22,79 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The major number dmkit devices report (the usual dynamic device-mapper major).
-pub const DM_MAJOR: u32 = 253;
+/// The block major number dmkit's devices have: [`Major`], chosen when the
+/// daemon starts (see [`Major::choose`]).
+pub const DM_MAJOR: Major = Major;
+
+static CHOSEN_MAJOR: AtomicU32 = AtomicU32::new(Major::PREFERRED);
+
+/// dmkit's block major, read where it is printed or compared like a number.
+///
+/// It is not the kernel's device-mapper major (usually 253, and on some hosts
+/// zram's): a node with dmkit's number must never open a kernel device, nor a
+/// kernel node a dmkit device, so dmkit takes a major the kernel never gives
+/// out. The kernel hands out block majors dynamically from 254 down
+/// (`register_blkdev(0, ...)` searches below 255) and refuses any from 512 on;
+/// above 259 (`blkext`) no driver has a fixed one. dmkit takes the highest
+/// free one below 512, written in the run directory (`major`) so that every
+/// daemon of that directory and every program behind its door uses the same.
+#[derive(Clone, Copy, Debug)]
+pub struct Major;
+
+impl Major {
+    /// The number taken where nothing has it (every host seen so far).
+    pub const PREFERRED: u32 = 511;
+    /// Below this the kernel allocates (or has fixed) block majors.
+    const LOWEST: u32 = 260;
+    /// The run directory's file that names it.
+    pub const FILE: &'static str = "major";
+
+    /// The number.
+    pub fn get(self) -> u32 {
+        CHOSEN_MAJOR.load(Ordering::Relaxed)
+    }
+
+    /// Make `m` dmkit's major in this process (the daemon, at start).
+    pub fn set(m: u32) {
+        CHOSEN_MAJOR.store(m, Ordering::Relaxed);
+    }
+
+    /// The highest block major in [260, 511] that `/proc/devices` (its text)
+    /// does not list, or None when every one is taken.
+    pub fn choose(proc_devices: &str) -> Option<u32> {
+        let taken: std::collections::BTreeSet<u32> = proc_devices
+            .lines()
+            .skip_while(|l| !l.starts_with("Block devices:"))
+            .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+            .collect();
+        (Self::LOWEST..=Self::PREFERRED)
+            .rev()
+            .find(|m| !taken.contains(m))
+    }
+}
+
+impl std::fmt::Display for Major {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.get().fmt(f)
+    }
+}
+
+impl PartialEq<Major> for u32 {
+    fn eq(&self, _: &Major) -> bool {
+        *self == Major.get()
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn the_major_is_the_highest_free_one_the_kernel_never_gives_out() {
+    let devs = "Character devices:\n511 foo\n\nBlock devices:\n  7 loop\n253 zram\n259 blkext\n";
+    assert_eq!(Major::choose(devs), Some(511), "a character major does not count");
+    let devs = "Block devices:\n511 x\n510 y\n";
+    assert_eq!(Major::choose(devs), Some(509));
+    let all: String = (260..512).map(|m| format!("{m} d\n")).collect();
+    assert_eq!(Major::choose(&format!("Block devices:\n{all}")), None);
+}
 
 /// One line of a table: a target at `[start, start+len)`.
 pub struct TableEntry {
@@ -171,8 +242,13 @@ pub struct Device {
     drain_waiters: AtomicU32,
     drained: (Mutex<()>, std::sync::Condvar),
     pub event_nr: AtomicU32,
-    /// NBD connections attached.
+    /// Opens: NBD connections attached, device files open (one per open file
+    /// description, counted until its last close).
     pub open_count: AtomicU32,
+    /// Opens closed by a program whose end the count has not seen yet (see
+    /// [`Device::settled_open_count`]), and when the last such close came.
+    closing: AtomicU32,
+    last_close: Mutex<Option<std::time::Instant>>,
     /// Tables (of other devices) that refer to this one.
     pub holders: AtomicU32,
     /// Removed: I/O fails.
@@ -200,7 +276,50 @@ const FAULT_ARMED: u8 = 1;
 /// A worker panicked serving the device: its I/O fails with EIO until it is removed.
 const FAULT_FAILED: u8 = 2;
 
+/// How long an open count waits for the end of an open a program has just
+/// closed (see [`Device::settled_open_count`]).
+const CLOSE_SETTLE: Duration = Duration::from_millis(100);
+
 impl Device {
+    /// A close of an open that may be its last (a device file's flush): until
+    /// [`Device::close_ended`], counts read within [`CLOSE_SETTLE`] wait for it.
+    pub fn close_started(&self) {
+        *self.last_close.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        self.closing.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The open [`Device::close_started`] named has ended (or was not closed
+    /// after all: a duplicate's close).
+    pub fn close_ended(&self) {
+        let _ = self
+            .closing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// The open count, once the closes just made have reached it. A device
+    /// file's open ends at its last close, which the FUSE release reports after
+    /// `close()` has returned; a close that is not the last (a child's exit, a
+    /// duplicate) gives no release. So a count read right after a close waits
+    /// up to [`CLOSE_SETTLE`] for the release, and counts an open whose close
+    /// came longer ago as still open, which it is.
+    pub fn settled_open_count(&self) -> u32 {
+        loop {
+            let n = self.open_count.load(Ordering::SeqCst);
+            if n == 0 || self.closing.load(Ordering::SeqCst) == 0 {
+                return n;
+            }
+            let recent = self
+                .last_close
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|t| t.elapsed() < CLOSE_SETTLE);
+            if !recent {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     pub fn new(name: String, minor: u32, uuid: Option<String>, read_only: bool) -> Device {
         Device {
             name: Mutex::new(name),
@@ -218,6 +337,8 @@ impl Device {
             drained: (Mutex::new(()), std::sync::Condvar::new()),
             event_nr: AtomicU32::new(0),
             open_count: AtomicU32::new(0),
+            closing: AtomicU32::new(0),
+            last_close: Mutex::new(None),
             holders: AtomicU32::new(0),
             removed: AtomicBool::new(false),
             deferred_remove: AtomicBool::new(false),
@@ -240,7 +361,7 @@ impl Device {
     }
 
     /// Make the next request mapped through this device panic (tests of what a
-    /// panic does; the registry allows it only under `DMKIT_TEST_PANIC=1`).
+    /// panic does; the registry allows it only under `serve --test-panics`).
     pub fn arm_panic(&self) {
         let _ = self
             .fault

@@ -59,12 +59,33 @@ fn dev_err(name: &str, what: impl Into<String>) -> ControlError {
     }
 }
 
-/// A device name as the kernel takes it: 1 to 127 bytes, no '/', not "." or "..".
+/// The kernel's rules for a device name (dm-ioctl.c's check_name and the
+/// ioctl's DM_NAME_LEN): each refusal says which rule and the limit.
 fn check_name(name: &str) -> Result<(), ControlError> {
-    if name.is_empty() || name.len() > 127 || name.contains('/') || name == "." || name == ".." {
-        return Err(dev_err(name, "invalid device name"));
+    let why = if name.is_empty() {
+        Some("a name is 1 to 127 bytes, and this one is empty".to_string())
+    } else if name.len() > 127 {
+        Some(format!(
+            "a name is at most 127 bytes, and this one is {}",
+            name.len()
+        ))
+    } else if name.contains('/') {
+        Some("a name cannot contain '/'".to_string())
+    } else if matches!(name, "control" | "." | "..") {
+        Some(
+            "\"control\", \".\" and \"..\" are reserved (the control node, and the directory's own entries)"
+                .to_string(),
+        )
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(dev_err(
+            &crate::table::bounded(name),
+            format!("invalid device name '{}': {why}", crate::table::bounded(name)),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// A uuid as the kernel takes it: at most 128 bytes.
@@ -77,100 +98,78 @@ fn check_uuid(name: &str, uuid: Option<&str>) -> Result<(), ControlError> {
     }
 }
 
-/// The minors in use: the lowest free one in O(log n), as devices come and go.
+/// The minors in use, and the next to give. Unlike the kernel (the lowest free
+/// one), a number is not given again until every number above it has been
+/// given: a node left behind by a removed device (no udev takes it away here)
+/// then opens nothing rather than whatever device came next. The cursor is
+/// recorded with the devices, so a restarted daemon goes on from it.
 #[derive(Default)]
 struct Minors {
-    /// Every minor below this has been taken at some time.
-    high: u32,
-    /// The ones below `high` given back since (or skipped by a chosen minor),
-    /// as ranges: start -> end (exclusive).
-    free: BTreeMap<u32, u32>,
+    used: std::collections::BTreeSet<u32>,
+    /// Where the search for a free number starts.
+    next: u32,
 }
 
 impl Minors {
+    /// The first free number from the cursor on, wrapping at MAX_MINORS.
     fn take(&mut self) -> u32 {
-        match self.free.pop_first() {
-            Some((s, e)) => {
-                if s + 1 < e {
-                    self.free.insert(s + 1, e);
+        let free_from = |used: &std::collections::BTreeSet<u32>, from: u32| {
+            let mut m = from;
+            for &u in used.range(from..) {
+                if u != m {
+                    break;
                 }
-                s
+                m += 1;
             }
-            None => {
-                self.high += 1;
-                self.high - 1
-            }
-        }
+            (m < MAX_MINORS).then_some(m)
+        };
+        // the registry refuses a device past MAX_MINORS devices before this
+        let m = free_from(&self.used, self.next)
+            .or_else(|| free_from(&self.used, 0))
+            .unwrap_or(0);
+        self.used.insert(m);
+        self.next = (m + 1) % MAX_MINORS;
+        m
     }
 
     /// Take `minor` itself (DM_PERSISTENT_DEV_FLAG): false if a device has it.
     fn take_this(&mut self, minor: u32) -> bool {
-        if minor >= self.high {
-            if minor > self.high {
-                self.free.insert(self.high, minor);
-            }
-            self.high = minor + 1;
-            return true;
-        }
-        let Some((&s, &e)) = self.free.range(..=minor).next_back() else {
-            return false;
-        };
-        if minor >= e {
-            return false;
-        }
-        self.free.remove(&s);
-        if s < minor {
-            self.free.insert(s, minor);
-        }
-        if minor + 1 < e {
-            self.free.insert(minor + 1, e);
-        }
-        true
+        self.used.insert(minor)
     }
 
     fn give(&mut self, minor: u32) {
-        if minor >= self.high {
-            return;
-        }
-        let (mut s, mut e) = (minor, minor + 1);
-        if let Some((&ps, &pe)) = self.free.range(..minor).next_back() {
-            if pe == minor {
-                self.free.remove(&ps);
-                s = ps;
-            }
-        }
-        if let Some(ne) = self.free.remove(&e) {
-            e = ne;
-        }
-        // keep `free` to the holes below the highest minor in use
-        if e == self.high {
-            self.high = s;
-        } else {
-            self.free.insert(s, e);
+        self.used.remove(&minor);
+    }
+
+    /// Give back a number no device ever had (a create that failed): the
+    /// cursor goes back to it when it was the last one given.
+    fn untake(&mut self, minor: u32) {
+        self.used.remove(&minor);
+        if self.next == (minor + 1) % MAX_MINORS {
+            self.next = minor;
         }
     }
 }
 
 #[cfg(test)]
 #[test]
-fn minors_are_the_lowest_free_and_a_chosen_one_leaves_a_hole() {
+fn minors_are_not_given_again_until_the_numbers_wrap() {
     let mut m = Minors::default();
-    assert_eq!((m.take(), m.take()), (0, 1));
-    assert!(m.take_this(1_000_000), "far above: the gap is one range");
-    assert_eq!(m.free.len(), 1);
-    assert!(!m.take_this(1_000_000) && !m.take_this(1));
-    assert!(m.take_this(5));
-    assert_eq!((m.take(), m.take(), m.take(), m.take()), (2, 3, 4, 6));
-    m.give(3);
-    m.give(2);
-    assert_eq!(m.take(), 2);
-    m.give(1_000_000);
-    assert_eq!(m.high, 7, "the top given back: the hole below it goes too");
-    for x in [0, 2, 4, 5, 6, 1] {
-        m.give(x);
-    }
-    m.give(3);
-    assert_eq!((m.high, m.free.len()), (0, 0));
+    assert_eq!((m.take(), m.take(), m.take()), (0, 1, 2));
+    m.give(1);
+    assert_eq!(m.take(), 3, "a removed device's number is not given at once");
+    assert!(
+        m.take_this(5) && !m.take_this(5) && m.take_this(1),
+        "a chosen one, free or given back"
+    );
+    assert_eq!((m.take(), m.take()), (4, 6), "a chosen number is skipped");
+    m.next = MAX_MINORS - 1;
+    m.give(0);
+    assert_eq!(
+        (m.take(), m.take()),
+        (MAX_MINORS - 1, 0),
+        "wraps to the lowest free"
+    );
 }
 
 /// Minor numbers are below this (the kernel's MINORBITS: 20 bits).
@@ -222,15 +221,8 @@ impl Config {
     }
 }
 
-/// A test hook's number from the environment variable `var`, if set and valid.
-fn env_number(var: &str) -> Option<u64> {
-    std::env::var(var).ok().and_then(|v| v.parse().ok())
-}
-
 impl Default for Config {
-    /// The daemon's defaults; the test hooks DMKIT_THIN_COMMIT_PERIOD_MS,
-    /// DMKIT_NO_SPACE_TIMEOUT_SECS, DMKIT_TEST_PASSDOWN_DELAY_MS and
-    /// DMKIT_TEST_DISCARD_DELAY_MS override the thin pool's timings.
+    /// The daemon's defaults (`dmkit serve` changes them by its options only).
     fn default() -> Config {
         use std::time::Duration;
         Config {
@@ -238,16 +230,10 @@ impl Default for Config {
             restart_logs: None,
             copy_subjob_kb: 512,
             writecache_lru_writeback: false,
-            thin_commit_period: Duration::from_millis(
-                env_number("DMKIT_THIN_COMMIT_PERIOD_MS").unwrap_or(1000),
-            ),
-            thin_no_space_timeout: Duration::from_secs(
-                env_number("DMKIT_NO_SPACE_TIMEOUT_SECS").unwrap_or(60),
-            ),
-            thin_passdown_delay: Duration::from_millis(
-                env_number("DMKIT_TEST_PASSDOWN_DELAY_MS").unwrap_or(0),
-            ),
-            thin_discard_delay: Duration::from_millis(env_number("DMKIT_TEST_DISCARD_DELAY_MS").unwrap_or(0)),
+            thin_commit_period: Duration::from_secs(1),
+            thin_no_space_timeout: Duration::from_secs(60),
+            thin_passdown_delay: Duration::ZERO,
+            thin_discard_delay: Duration::ZERO,
             target_types: &[super::error::TYPE],
             sim: None,
         }
@@ -482,7 +468,7 @@ impl Registry {
             match built {
                 Ok(t) => dev.live.store(Some(Arc::new(t))),
                 Err(e) => {
-                    self.give_minor(minor);
+                    self.minors.lock().unpoisoned().untake(minor);
                     return Err(e);
                 }
             }
@@ -495,7 +481,7 @@ impl Registry {
         };
         if let Err(e) = clash {
             drop(devs);
-            self.give_minor(minor);
+            self.minors.lock().unpoisoned().untake(minor);
             return Err(e);
         }
         self.index_uuid(&dev);
@@ -513,6 +499,18 @@ impl Registry {
 
     fn give_minor(&self, minor: u32) {
         self.minors.lock().unpoisoned().give(minor);
+    }
+
+    /// The number the next device without a chosen one gets the search from
+    /// (recorded with the devices, so a restarted daemon does not give again
+    /// the numbers of devices removed before it).
+    pub fn next_minor(&self) -> u32 {
+        self.minors.lock().unpoisoned().next
+    }
+
+    /// Go on from a recorded [`Registry::next_minor`].
+    pub fn set_next_minor(&self, next: u32) {
+        self.minors.lock().unpoisoned().next = next % MAX_MINORS;
     }
 
     /// No device but `name` has `uuid` (the kernel refuses a duplicate with EBUSY).
@@ -684,7 +682,7 @@ impl Registry {
                 format!("Device or resource busy: attached as {b} (dmkit detach {name} first)"),
             ));
         }
-        let opens = dev.open_count.load(Ordering::SeqCst);
+        let opens = dev.settled_open_count();
         if opens > 0 && deferred {
             dev.deferred_remove.store(true, Ordering::SeqCst);
             self.deferred.store(true, Ordering::SeqCst);
@@ -693,12 +691,15 @@ impl Registry {
                 return Ok(());
             }
         } else if opens > 0 {
-            if force {
+            let done = if force {
                 self.replace_with_error(&dev);
-            }
+                "; --force replaced its table with an error target, so its I/O fails until it is closed and removed"
+            } else {
+                ""
+            };
             return Err(dev_err(
                 name,
-                format!("Device or resource busy: open count {opens}"),
+                format!("Device or resource busy: open count {opens}{done}"),
             ));
         }
         self.drop_device(&dev);
@@ -957,12 +958,14 @@ impl Registry {
     }
 
     /// `dmsetup table|status [NAME]`: `<start> <len> <type> <params>` per target.
-    /// `--inactive`: the loaded table that resume would make live.
+    /// `--inactive`: the loaded table that resume would make live. Keys are
+    /// zeroed unless `keys` (`dmsetup table --showkeys`).
     pub fn table_lines(
         &self,
         name: Option<&str>,
         status: bool,
         inactive: bool,
+        keys: bool,
     ) -> Result<String, ControlError> {
         let Some(devs) = self.selected(name)? else {
             return Ok("No devices found\n".into());
@@ -988,8 +991,12 @@ impl Registry {
             for e in &t.entries {
                 let params = if status {
                     e.target.status_params()
-                } else {
+                } else if keys {
                     e.target.table_params()
+                } else {
+                    e.target
+                        .table_params_keyless()
+                        .unwrap_or_else(|| e.target.table_params())
                 };
                 let _ = writeln!(
                     out,
@@ -1440,23 +1447,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn minors_are_the_lowest_free_ones() {
-        let mut m = Minors::default();
-        assert_eq!((0..5).map(|_| m.take()).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
-        m.give(1);
-        m.give(3);
-        assert_eq!((m.take(), m.take(), m.take()), (1, 3, 5));
-        // giving back the highest ones shrinks the range, holes included
-        for i in [5, 4, 2, 3] {
-            m.give(i);
-        }
-        assert_eq!((m.high, m.free.len()), (2, 0));
-        m.give(0);
-        m.give(1);
-        assert_eq!((m.high, m.take()), (0, 0));
-    }
-
-    #[test]
     fn a_uuid_names_one_device_until_it_is_removed() {
         let r = Registry::new(Config::default());
         r.create("a", Some("0 8 error"), false, Some("U-1".into()))
@@ -1473,6 +1463,10 @@ mod tests {
         r.set_uuid("b", "U-1").expect("free once c is gone");
         assert_eq!(r.get("b").expect("b").minor, 1, "b kept its minor");
         r.create("d", Some("0 8 error"), false, None).expect("d");
-        assert_eq!(r.get("d").expect("d").minor, 0, "the lowest free minor");
+        assert_eq!(
+            r.get("d").expect("d").minor,
+            2,
+            "a removed device's minor is not given again"
+        );
     }
 }

@@ -176,7 +176,7 @@ fn yes_no(b: bool, yes: &str, no: &str) -> String {
 
 /// What a device's open count reports: its openers and the tables holding it.
 pub(crate) fn open_count(d: &Device) -> u32 {
-    d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst)
+    d.settled_open_count() + d.holders.load(Ordering::SeqCst)
 }
 
 /// `Stat`: (L)ive table, (I)nactive table, (s)uspended, (r)ead-only or (w)ritable.

@@ -693,6 +693,12 @@ pub trait Target: Send + Sync {
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr>;
     /// `dmsetup table` parameters.
     fn table_params(&self) -> String;
+    /// The table parameters with every key in them zeroed, as `dmsetup table`
+    /// shows them without `--showkeys` and as the state file records them;
+    /// None when the table holds no key.
+    fn table_params_keyless(&self) -> Option<String> {
+        None
+    }
     /// `dmsetup status` parameters.
     fn status_params(&self) -> String {
         String::new()

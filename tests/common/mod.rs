@@ -308,6 +308,33 @@ impl Drop for Daemon {
     }
 }
 
+/// Start `cmd` with no descriptor but 0, 1 and 2: what the test harness (or the
+/// shell that ran it) left open must not be taken for a leak of the program's,
+/// which LVM reports at start.
+pub fn only_std_fds(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: close_range is async-signal-safe and touches no memory; between
+    // fork and exec the child only closes descriptors it does not use.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::close_range(3, libc::c_uint::MAX, 0);
+            Ok(())
+        })
+    }
+}
+
+/// `tests/door/NAME.c` built with the C compiler into the daemon's folder.
+pub fn build_c(d: &Daemon, name: &str) -> PathBuf {
+    let exe = d.dir.path(name);
+    let src = format!("{}/tests/door/{name}.c", env!("CARGO_MANIFEST_DIR"));
+    run(Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-lpthread"));
+    exe
+}
+
 /// Require `tool` on PATH: a test that cannot find its tool fails (the test
 /// command, ci/test.sh, installs every tool the suite uses).
 pub fn need(tool: &str) {

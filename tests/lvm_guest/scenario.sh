@@ -14,7 +14,7 @@ devices { scan = [ "/dev" ] obtain_device_list_from_udev = 0 external_device_inf
 global { use_lvmpolld = 0 thin_check_executable = "/bin/thin_check" event_activation = 0 }
 activation { udev_sync = 0 udev_rules = 0 monitoring = 1 thin_pool_autoextend_threshold = 60 thin_pool_autoextend_percent = 50 }
 CONF
-export LVM_SUPPRESS_FD_WARNINGS=1 LC_ALL=C DM_DEV_DIR=/dev
+export LC_ALL=C DM_DEV_DIR=/dev
 MIB8=8388608
 sum8() { echo 3 > /proc/sys/vm/drop_caches; head -c $MIB8 "$1" | md5sum | cut -d' ' -f1; }
 line() { tr -s ' ' | sed 's/^ //' | sort | tr '\n' ';' | tr ' ' '_'; }

@@ -13,6 +13,7 @@ use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Linux device-mapper in userspace, served over NBD.
 #[derive(Parser, Debug)]
@@ -293,6 +294,33 @@ struct ServeArgs {
     /// device, and filesystems on it mount (needs root and ublk_drv)
     #[arg(long)]
     attach: bool,
+    /// How long a thin pool out of data space queues writes before failing them
+    /// (the kernel's dm_thin_pool.no_space_timeout; 0: queue until space comes)
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    thin_no_space_timeout: u64,
+    /// How long an NBD client has to finish the handshake before it is dropped
+    #[arg(long, value_name = "MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    nbd_handshake_timeout_ms: u64,
+    /// Do backing I/O with a synchronous queue instead of io_uring (where a
+    /// seccomp policy or an old kernel refuses io_uring, this is what happens
+    /// anyway)
+    #[arg(long)]
+    no_io_uring: bool,
+    /// For tests only: how often a thin pool commits while it has changes
+    /// (the kernel's is fixed at 1 s)
+    #[arg(long, value_name = "MS", hide = true)]
+    test_thin_commit_period_ms: Option<u64>,
+    /// For tests only: delay a thin pool's discard passdown by this much
+    #[arg(long, value_name = "MS", hide = true)]
+    test_passdown_delay_ms: Option<u64>,
+    /// For tests only: delay a thin pool's discards by this much
+    #[arg(long, value_name = "MS", hide = true)]
+    test_discard_delay_ms: Option<u64>,
+    /// For tests only: accept the `__panic` message, with which any client of
+    /// the control socket or the door can make a worker panic
+    #[arg(long, hide = true)]
+    test_panics: bool,
 }
 
 fn main() {
@@ -384,6 +412,15 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 writecache_lru_writeback: a.writecache_lru_writeback,
                 restore: a.restore,
                 attach: a.attach,
+                tuning: dmkit::daemon::Tuning {
+                    thin_no_space_timeout: Duration::from_secs(a.thin_no_space_timeout),
+                    nbd_handshake_timeout: Duration::from_millis(a.nbd_handshake_timeout_ms),
+                    no_io_uring: a.no_io_uring,
+                    test_thin_commit_period: a.test_thin_commit_period_ms.map(Duration::from_millis),
+                    test_passdown_delay: a.test_passdown_delay_ms.map(Duration::from_millis),
+                    test_discard_delay: a.test_discard_delay_ms.map(Duration::from_millis),
+                    test_panics: a.test_panics,
+                },
                 ready,
             })?;
             Ok(0)
@@ -643,20 +680,22 @@ fn sim(a: SimArgs) -> Result<i32> {
     for (cmd, why) in &s.failures {
         println!("FAILED: {why}\n  replay: {cmd}");
     }
+    // every count of the breakdown is of the passed trials, and adds up to them
+    let passed = s.trials - s.failures.len() as u64;
     println!(
-        "{} trials of {} ({} crashed mid-workload: {} at a flush inside a commit, {} after a chosen write, \
-         {} after the last operation; {} hit an injected I/O error; {} metadata images checked by the \
-         reference thin_check too): {} failed; \
-         {} writes acknowledged, {} flushes, {} sectors checked after crashes{}; {:.1} s",
+        "{} trials of {}: {passed} passed, {} failed; the passed ones crashed {} times at a flush inside a \
+         commit, {} after a chosen write and {} after the last operation ({} of them in the middle of an \
+         operation), {} hit an injected I/O error, {} metadata images checked by the reference thin_check \
+         too; {} writes acknowledged, {} flushes, {} sectors checked after crashes{}; {:.1} s",
         s.trials,
         stack.name(),
-        s.crashed_mid_op,
+        s.failures.len(),
         s.at_commit_flush,
         s.at_write,
         s.at_end,
+        s.crashed_mid_op,
         s.with_io_errors,
         s.ref_checked,
-        s.failures.len(),
         s.acked_writes,
         s.flushes,
         s.sectors_checked,
@@ -716,7 +755,10 @@ fn daemonise(run_dir: &Path) -> Result<()> {
             drop(tx);
             let mut word = String::new();
             let _ = rx.read_to_string(&mut word);
-            if word == "ready" {
+            if let Some(notes) = word.strip_prefix("ready\n") {
+                for line in notes.lines() {
+                    println!("dmkit serve: {line}");
+                }
                 println!(
                     "dmkit serve: running in the background (pid {pid}); control {}, log {}",
                     run_dir.join("control.sock").display(),
@@ -739,9 +781,9 @@ fn daemonise(run_dir: &Path) -> Result<()> {
     }
 }
 
-/// The daemon's ready word for the waiting parent.
-fn background(_run_dir: &Path) -> Result<Box<dyn FnOnce() + Send>> {
-    Ok(Box::new(|| tell_parent("ready")))
+/// The daemon's ready word for the waiting parent, and the lines it prints first.
+fn background(_run_dir: &Path) -> Result<Box<dyn FnOnce(&str) + Send>> {
+    Ok(Box::new(|notes: &str| tell_parent(&format!("ready\n{notes}"))))
 }
 
 /// Send the parent of `serve --background` its word (once; no-op otherwise).

@@ -15,13 +15,17 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long a client has to finish the handshake: 30 s, or
-/// `DMKIT_HANDSHAKE_TIMEOUT_MS` (tests shorten it).
+static HANDSHAKE_TIMEOUT_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(30_000);
+
+/// Set how long a client has to finish the handshake (`serve
+/// --nbd-handshake-timeout-ms`; 30 s unless set).
+pub fn set_handshake_timeout(t: Duration) {
+    HANDSHAKE_TIMEOUT_MS.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
+}
+
+/// How long a client has to finish the handshake.
 fn handshake_timeout() -> Duration {
-    let ms = std::env::var("DMKIT_HANDSHAKE_TIMEOUT_MS")
-        .ok()
-        .and_then(|v| v.parse().ok());
-    Duration::from_millis(ms.unwrap_or(30_000))
+    Duration::from_millis(HANDSHAKE_TIMEOUT_MS.load(Ordering::Relaxed))
 }
 
 /// The handshake, with STARTTLS where `tls` offers it: what it settled and the

@@ -19,6 +19,17 @@ pub mod ctrl;
 pub mod queue;
 pub mod sys;
 
+/// Whether this host can make ublk block devices: Err with what to do when the
+/// control node cannot be opened (no driver, no permission).
+pub fn available() -> Result<(), String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(sys::CONTROL)
+        .map(drop)
+        .map_err(|e| ctrl::open_error(&e))
+}
+
 use crate::mapper::Device;
 use ctrl::Control;
 use queue::{QueueCtl, QueueSpec};
@@ -437,7 +448,7 @@ impl Frontend {
     }
 
     /// Record, in `dir`, each block device's number as a link to its dmkit
-    /// device's: `dir/MAJOR:MINOR -> 253:N`. The door's library reads it to give
+    /// device's: `dir/MAJOR:MINOR -> 511:N` (dmkit's major). The door's library reads it to give
     /// programs the device-mapper number of a node that is the ublk device (as
     /// /dev/mapper/NAME is), so libdevmapper and LVM see one device.
     pub fn set_map_dir(&self, dir: PathBuf) {
@@ -534,7 +545,7 @@ fn link(name: &str, id: u32, minor: u32) -> Option<PathBuf> {
     let ours = std::fs::read_link(&l).is_ok_and(|t| t.to_string_lossy().starts_with("../ublkb"))
         || l.symlink_metadata().is_ok_and(|m| {
             use std::os::unix::fs::{FileTypeExt, MetadataExt};
-            m.file_type().is_block_device() && m.rdev() == libc::makedev(crate::mapper::DM_MAJOR, minor)
+            m.file_type().is_block_device() && m.rdev() == libc::makedev(crate::mapper::DM_MAJOR.get(), minor)
         });
     if ours {
         let _ = std::fs::remove_file(&l);

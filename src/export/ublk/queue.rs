@@ -193,7 +193,10 @@ impl Queue {
         crate::panics::set_device(&s.dev.name());
         let engine = Engine::new(usize::from(s.depth)).map_err(|e| format!("queue {}: {e}", s.q_id))?;
         if !engine.uses_uring() {
-            return Err("ublk needs io_uring, which this system refuses (or DMKIT_NO_URING is set)".into());
+            return Err(
+                "ublk needs io_uring, which this system refuses (or `serve --no-io-uring` turned it off)"
+                    .into(),
+            );
         }
         let fd = s.cdev.as_raw_fd();
         let descs = Descs::map(fd, s.q_id, s.depth)

@@ -923,6 +923,18 @@ pub struct Crypt {
 }
 
 impl Crypt {
+
+    /// The table parameters with `key` in the key's place.
+    fn params_with_key(&self, key: &str) -> String {
+        format!(
+            "{} {key} {} {} {}{}",
+            self.cipher,
+            self.layout.iv_offset,
+            self.dev.table_name(),
+            self.offset,
+            self.opts.table()
+        )
+    }
     pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Crypt, String> {
         if args.len() < 5 {
             return Err(format!(
@@ -1078,14 +1090,12 @@ impl Target for Crypt {
                 None => "0".repeat(self.key_len * 2),
             }
         };
-        format!(
-            "{} {key} {} {} {}{}",
-            self.cipher,
-            self.layout.iv_offset,
-            self.dev.table_name(),
-            self.offset,
-            self.opts.table()
-        )
+        self.params_with_key(&key)
+    }
+
+    /// The key as zeros, its length kept (dmsetup's table without --showkeys).
+    fn table_params_keyless(&self) -> Option<String> {
+        (self.key_len > 0).then(|| self.params_with_key(&"0".repeat(self.key_len * 2)))
     }
 
     fn message(&self, words: &[String]) -> Result<String, String> {
