@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A throw-away single-node Ceph cluster on 127.0.0.1, for the RBD tests, the
-# benchmarks and the README's RBD recipe:
+# benchmarks and the manual's RBD recipe (docs/manual/ceph.md):
 #
 #   ci/ceph-cluster.sh start DIR [--parent PID]   prints DIR/ceph.conf when ready
 #   ci/ceph-cluster.sh stop DIR

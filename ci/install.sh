@@ -12,7 +12,8 @@
 # pkg-config: the openssl crate links the system's OpenSSL 3) and cryptsetup
 # (cryptsetup-bin: tests/crypt_oracle.rs formats a LUKS2 image, the guest opens it),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
-# ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra).
+# ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra); from PyPI,
+# mkdocs 1.6+ (ci/test.sh builds the manual with it, failing on dead links).
 # Then fetches the oracle's kernel. Idempotent: with everything present it only checks.
 #
 # qemu: a machine may carry a newer qemu-utils (a backport) than the distribution's
@@ -89,6 +90,14 @@ done
 for pkg in busybox-static librbd-dev libssl-dev qemu-block-extra; do
   installed "$pkg" || { echo "ci/install.sh: $pkg still missing" >&2; exit 1; }
 done
+
+# mkdocs from PyPI: 1.6 is the first whose --strict fails on a missing anchor.
+mkdocs_ok() { has mkdocs && mkdocs --version | grep -Eq 'version 1\.([6-9]|[1-9][0-9])\.'; }
+if ! mkdocs_ok; then
+  echo "installing: mkdocs (pip)"
+  python3 -m pip install --quiet 'mkdocs>=1.6,<2'
+fi
+mkdocs_ok || { echo "ci/install.sh: mkdocs 1.6 or later still missing after install" >&2; exit 1; }
 
 # The thin-provisioning-tools 1.x reference (Debian trixie's build; bookworm has 0.9),
 # unpacked beside the system without touching its apt sources: the tests run each

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need on a fresh Debian machine
 # (ci/install.sh: real NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools,
-# the kernel oracle's qemu and kernel), then runs fmt, the module structure check,
-# clippy and the whole suite.
+# the kernel oracle's qemu and kernel, mkdocs), then runs fmt, the module structure
+# check, the manual's build, clippy and the whole suite.
 # Needs the Rust toolchain; root (or sudo) for apt-get. Every test that needs a tool
 # fails without it: nothing is skipped.
 set -euo pipefail
@@ -12,7 +12,13 @@ ci/install.sh
 cargo fmt --all -- --check
 # no import cycles among modules, and no concrete target named outside src/targets
 python3 ci/modules.py
+# the manual and the design notes as a site (mkdocs.yml): a link under docs/ to a
+# missing page or anchor fails the build
+mkdocs build --strict --site-dir "$(mktemp -d)"
 cargo clippy --release --all-targets -- -D warnings
+# the fuzz crate too (not part of the workspace; stable with RUSTC_BOOTSTRAP for
+# libfuzzer-sys, as ci/fuzz.sh builds it)
+(cd fuzz && cargo fmt -- --check && RUSTC_BOOTSTRAP=1 cargo clippy --all-targets -- -D warnings)
 cargo test --release -- --test-threads=2
 # every fuzz target for a short time (fuzz/README.md)
 ci/fuzz.sh 20

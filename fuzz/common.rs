@@ -176,10 +176,7 @@ pub fn open_on_image(
 
 /// What each block of a metadata image holds, by the salt its checksum was made
 /// with (None: none of `kinds`, a free block).
-pub fn block_kinds(
-    img: &[u8],
-    kinds: &[dmkit::pdata::BlockKind],
-) -> Vec<Option<dmkit::pdata::BlockKind>> {
+pub fn block_kinds(img: &[u8], kinds: &[dmkit::pdata::BlockKind]) -> Vec<Option<dmkit::pdata::BlockKind>> {
     use dmkit::pdata::checksum::block_csum;
     img.chunks_exact(dmkit::pdata::BLOCK_SIZE)
         .map(|b| {

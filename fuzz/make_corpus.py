@@ -275,3 +275,33 @@ put("dm_ioctl", "status_table_header_only", header_only(dm(12, b"pool", flags=1 
 put("dm_ioctl", "list_header_only", header_only(dm(2, flags=1 << 14, size=16384)))
 put("dm_ioctl", "deps_header_only", header_only(dm(11, b"thin", size=16384)))
 put("dm_ioctl", "load_header_only", header_only(dm(9, b"fz", data=spec(0, 64, b"zero", b""), count=1)))
+
+# the XML readers: a byte choosing thin (0), cache (1) or era (2), then the text
+put("metadata_xml", "thin", b"\x00" + b'<superblock uuid="" time="1" transaction="2" flags="0" version="2" '
+    b'data_block_size="128" nr_data_blocks="100">\n  <device dev_id="0" mapped_blocks="2" transaction="0" '
+    b'creation_time="0" snap_time="0">\n    <range_mapping origin_begin="0" data_begin="0" length="2" time="0"/>\n'
+    b'  </device>\n</superblock>\n')
+put("metadata_xml", "cache", b"\x01" + b'<superblock uuid="" block_size="128" nr_cache_blocks="16" policy="smq" '
+    b'hint_width="4">\n  <mappings>\n    <mapping cache_block="0" origin_block="3" dirty="true"/>\n  </mappings>\n'
+    b'</superblock>\n')
+put("metadata_xml", "era", b"\x02" + b'<superblock uuid="" block_size="128" nr_blocks="64" current_era="3">\n'
+    b'  <writeset era="2" nr_bits="64">\n    <bit block="1" value="true"/>\n  </writeset>\n'
+    b'  <era_array>\n    <era block="0" era="1"/>\n  </era_array>\n</superblock>\n')
+# a verity superblock as veritysetup writes it (sha256, 4 KiB blocks, 2048 data blocks)
+sb = (b"verity\x00\x00" + struct.pack("<II", 1, 1) + bytes(16) + b"sha256".ljust(32, b"\x00")
+      + struct.pack("<IIQH", 4096, 4096, 2048, 4) + bytes(6) + b"\x01\x23\xab\xcd".ljust(256, b"\x00"))
+put("verity_superblock", "sha256", sb.ljust(512, b"\x00"))
+# a restart log: a header of another boot's (nothing), and garbage
+put("restart_log", "header", b"DMKRLOG1" + bytes(120) + bytes(48 * 4))
+put("restart_log", "short", b"DMKRLOG1")
+
+# the door's frames as its C library sends them: DM_VERSION with the header
+# alone carried, then DM_LIST_DEVICES, then a table load of a zero device
+def frame(request, buf, length=None, carried=None, cwd=b""):
+    length = len(buf) if length is None else length
+    carried = len(buf) if carried is None else carried
+    return struct.pack("<IIII", request, length, carried, len(cwd)) + buf[:carried] + cwd
+
+hdr = struct.pack("<III", 4, 0, 0) + struct.pack("<I", 16384) + struct.pack("<I", 312) + bytes(292)
+put("door_frames", "version_list", frame(0xc138fd00, hdr, 16384, 312) + frame(0xc138fd02, hdr, 16384, 312))
+put("door_frames", "garbage", b"\xfd" * 7)

@@ -9,6 +9,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// What `serve --background`'s child calls once it is ready, with the lines the
+/// user hears first.
+pub type Ready = Box<dyn FnOnce(&str) + Send>;
+
 pub struct ServeOptions {
     pub run_dir: PathBuf,
     pub nbd_listen: Option<String>,
@@ -34,7 +38,7 @@ pub struct ServeOptions {
     /// parent of `serve --background` waits for it), with what the user should
     /// hear first: lines on devices of an earlier daemon (waiting to be
     /// restored, or restored), and what the demo found.
-    pub ready: Option<Box<dyn FnOnce(&str) + Send>>,
+    pub ready: Option<Ready>,
 }
 
 /// What `serve`'s options change in the daemon's behaviour; the `test_` ones
@@ -47,7 +51,9 @@ pub struct Tuning {
     pub test_thin_commit_period: Option<std::time::Duration>,
     pub test_passdown_delay: Option<std::time::Duration>,
     pub test_discard_delay: Option<std::time::Duration>,
+    pub test_restart_log_records: Option<usize>,
     pub test_panics: bool,
+    pub test_no_memory_trim: bool,
 }
 
 impl Default for Tuning {
@@ -60,7 +66,9 @@ impl Default for Tuning {
             test_thin_commit_period: None,
             test_passdown_delay: None,
             test_discard_delay: None,
+            test_restart_log_records: None,
             test_panics: false,
+            test_no_memory_trim: false,
         }
     }
 }
@@ -99,6 +107,14 @@ impl Tuning {
         if let Some(t) = self.test_discard_delay {
             tracing::warn!("for tests: thin discards delayed by {t:?} (--test-discard-delay-ms)");
             config.thin_discard_delay = t;
+        }
+        if let Some(n) = self.test_restart_log_records {
+            tracing::warn!("for tests: restart logs hold {n} records (--test-restart-log-records)");
+            config.restart_log_records = Some(n);
+        }
+        if self.test_no_memory_trim {
+            tracing::warn!("for tests: freed memory stays in the heap (--test-no-memory-trim)");
+            crate::control::keep_freed_memory();
         }
         if self.test_panics {
             tracing::warn!("for tests: the __panic message is accepted (--test-panics)");
@@ -251,6 +267,9 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     });
     ctx.ublk
         .set_map_dir(opts.run_dir.join(crate::export::ublk::MAP_DIR));
+    if let Some(g) = group {
+        ctx.files.set_group(g);
+    }
     if opts.restore {
         if prev.exists() && recorded_devices(&state) == 0 {
             // set aside by a daemon started without --restore that made no devices
@@ -321,8 +340,25 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                     let _ = std::thread::Builder::new()
                         .name("control-conn".into())
                         .spawn(move || {
-                            if let Err(e) = crate::control::handle(&mut s, &ctx) {
-                                tracing::warn!("control request failed: {e}");
+                            match crate::control::handle(&mut s, &ctx) {
+                                // a client that left before its answer (`dmkit
+                                // table | head`), or connected only to see that a
+                                // daemon is there (a second daemon's probe)
+                                Err(e)
+                                    if matches!(
+                                        e.kind(),
+                                        std::io::ErrorKind::BrokenPipe
+                                            | std::io::ErrorKind::ConnectionReset
+                                            | std::io::ErrorKind::UnexpectedEof
+                                    ) =>
+                                {
+                                    tracing::debug!("control connection: {e}")
+                                }
+                                Err(e) => crate::lograte::client_line(
+                                    tracing::Level::WARN,
+                                    &format!("control request failed: {e}"),
+                                ),
+                                Ok(()) => {}
                             }
                         });
                 }
@@ -350,7 +386,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                                 {
                                     tracing::debug!("dm ioctl door connection: {e}")
                                 }
-                                Err(e) => tracing::warn!("dm ioctl door connection: {e}"),
+                                Err(e) => crate::lograte::client_line(
+                                    tracing::Level::WARN,
+                                    &format!("dm ioctl door connection: {e}"),
+                                ),
                                 Ok(()) => {}
                             }
                         });

@@ -1,6 +1,6 @@
 //! dmkit: Linux device-mapper in userspace (its tables, on-disk formats and dm ioctl
-//! interface), served over NBD and as ublk block devices. The module map is in the
-//! README; how to write a target, in docs/targets.md.
+//! interface), served over NBD and as ublk block devices. The module map is in
+//! docs/design/how-it-is-built.md; how to write a target, in docs/targets.md.
 pub mod cache;
 pub mod client;
 pub mod control;
@@ -10,6 +10,7 @@ pub mod era;
 pub mod export;
 pub mod extents;
 pub mod io;
+pub mod lograte;
 pub mod mapper;
 pub mod panics;
 pub mod pdata;

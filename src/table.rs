@@ -212,6 +212,32 @@ pub fn bounded(text: &str) -> std::borrow::Cow<'_, str> {
     format!("{}...{} ({} bytes)", &text[..head], &text[tail..], text.len()).into()
 }
 
+/// A whole reply or log line built from input, bounded at about 600 bytes: its
+/// first 300 and last 200 bytes and its length when longer, so an error that
+/// quotes a megabyte of a client's message stays a line.
+pub fn bounded_line(text: &str) -> std::borrow::Cow<'_, str> {
+    const HEAD: usize = 300;
+    const TAIL: usize = 200;
+    if text.len() <= HEAD + TAIL + 100 {
+        return text.into();
+    }
+    let mut head = HEAD;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - TAIL;
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!(
+        "{} ...[{} bytes left out]... {}",
+        &text[..head],
+        tail - head,
+        &text[tail..]
+    )
+    .into()
+}
+
 #[cfg(test)]
 #[test]
 fn bounded_quotes_keep_both_ends_and_say_the_length() {

@@ -151,7 +151,7 @@ fn dmkit_and_the_kernels_dm_crypt_read_each_others_images() {
     for (c, img) in ours.iter().chain(&theirs).zip(&imgs) {
         d.create(c.name, &table(c, &img.display().to_string()));
         let kernel = marker(&m, &format!("{}-table", c.name));
-        let mine = d.ok(&["table", c.name]);
+        let mine = d.ok(&["table", "--showkeys", c.name]);
         assert_eq!(
             without_device(&mine),
             without_device(kernel),

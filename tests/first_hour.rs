@@ -601,7 +601,7 @@ fn refusals_name_the_rule_and_the_limit() {
     ] {
         let e = d.fails(&["create", name, "--table", "0 8 zero"]);
         assert!(
-            e.contains(&format!("invalid device name '")) && e.trim_end().ends_with(why),
+            e.contains("invalid device name '") && e.trim_end().ends_with(why),
             "{name}: {e}"
         );
     }

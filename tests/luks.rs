@@ -144,7 +144,7 @@ fn luks_table(img: &Path, pw: &Path) -> String {
 fn round_trip(d: &Daemon, name: &str, table: &str, img: &Path, offset_bytes: u64) {
     d.create(name, table);
     assert_eq!(
-        d.ok(&["table", name]),
+        d.ok(&["table", "--showkeys", name]),
         format!("{table}\n"),
         "the daemon keeps the table"
     );
@@ -360,7 +360,7 @@ fn a_second_keyslot_and_the_passphrase_on_stdin() {
     let o = d.cli_in(&["luks", "table", i, "--name", "two"], "battery staple\n");
     assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
     assert!(o.status.success());
-    assert_eq!(d.ok(&["table", "two"]), format!("{want}\n"));
+    assert_eq!(d.ok(&["table", "--showkeys", "two"]), format!("{want}\n"));
     let o = d.cli_in(&["luks", "table", i, "--name", "two"], PW);
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(text(&o.stderr), "dmkit create: two: device already exists\n");
@@ -674,7 +674,7 @@ fn cryptsetup_open_through_the_door_loads_dmkits_table() {
     ]);
     assert_eq!((text(&o.stdout), text(&o.stderr)), (String::new(), String::new()));
     assert!(o.status.success());
-    let got = d.ok(&["table", "cs"]);
+    let got = d.ok(&["table", "--showkeys", "cs"]);
     let mut fields: Vec<&str> = got.trim_end().split(' ').collect();
     assert!(
         fields[6].starts_with("7:"),

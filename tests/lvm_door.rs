@@ -21,7 +21,7 @@ const EXPECTED_STDERR: &[(&str, &str)] = &[
     (
         ": mknod for ",
         "libdevmapper makes /dev/mapper nodes itself under DM_DISABLE_UDEV; without ublk a dmkit \
-         device has no block device and this host has no /dev/mapper (the README says so)",
+         device has no block device and this host has no /dev/mapper (docs/manual/door.md says so)",
     ),
 ];
 

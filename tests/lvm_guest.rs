@@ -7,7 +7,9 @@
 //! and a thin pool grown by dmeventd past its autoextend threshold. Then, in the
 //! same boot, dm-mod is loaded and the same script runs against the kernel's own
 //! device-mapper: the `dmsetup table` lines (device numbers aside), the `lvs`
-//! report and the data must be the same (tests/lvm_guest/scenario.sh).
+//! report and the data must be the same (tests/lvm_guest/scenario.sh). Last,
+//! the kernel's device-mapper and a dmkit daemon side by side: each lists its
+//! own devices, and behind the door the kernel's node opens the kernel's device.
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
 
@@ -35,7 +37,9 @@ fn lvm_and_dmeventd_in_a_kernel_without_device_mapper_match_the_kernels_own() {
     ]
     .join(" ");
     // where dmeventd finds it (the guest has no ld.so.cache)
-    let files = "/lib/x86_64-linux-gnu/libdevmapper-event-lvm2thin.so /lib/x86_64-linux-gnu/libdevmapper-event-lvm2snapshot.so";
+    // and Debian's dd and cat (the guest's own are busybox, static: the door
+    // does not reach them) for the side-by-side part
+    let files = "/lib/x86_64-linux-gnu/libdevmapper-event-lvm2thin.so /lib/x86_64-linux-gnu/libdevmapper-event-lvm2snapshot.so /usr/bin/dd /usr/bin/cat";
     let script = include_str!("lvm_guest/scenario.sh");
     let serial = oracle::run_env(
         &s.0,
@@ -139,4 +143,29 @@ fn lvm_and_dmeventd_in_a_kernel_without_device_mapper_match_the_kernels_own() {
             "{what}: dmkit's answer (first) differs from the kernel's"
         );
     }
+    // side by side with the kernel's device-mapper (issue 45): each side lists
+    // its own devices, and behind the door the kernel's node reads the kernel's
+    // device, dmkit's name dmkit's
+    assert_eq!(
+        get("side-kernel-ls"),
+        "kd;",
+        "plain dmsetup lists the kernel's devices"
+    );
+    assert_eq!(
+        get("side-door-ls"),
+        "dz;",
+        "dmsetup behind the door lists dmkit's"
+    );
+    assert_eq!(get("side-kd-plain"), md5_8, "the kernel's kd without the door");
+    assert_eq!(get("side-kd-door"), md5_8, "the kernel's kd behind the door");
+    assert_eq!(
+        get("side-dz-door"),
+        oracle::md5(&data[(8 * MIB) as usize..]),
+        "dmkit's dz behind the door"
+    );
+    assert_eq!(
+        get("side-dm-lines"),
+        "1 511_device-mapper;",
+        "the kernel's one device-mapper line; behind the door dmkit's in its place"
+    );
 }

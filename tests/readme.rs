@@ -1,8 +1,10 @@
-//! The README, run as a user runs it: its ```sh blocks in order, in one bash, in
-//! one scratch directory, with this build's dmkit first on PATH; then again in a
-//! fresh directory. Only the ublk block is left out where the kernel has no ublk
-//! driver (the test says so). Each block's stated results are checked: the output
-//! its comments promise, and `# equal` checksums.
+//! The README and the manual, run as a user runs them: the README's ```sh blocks,
+//! then the manual's pages' in the order docs/manual/index.md lists the pages, in
+//! one bash, in one scratch directory, with this build's dmkit first on PATH; then
+//! again in a fresh directory. Only the blocks that need ublk are left out where
+//! the kernel has no ublk driver (the test says so). Each block's stated results
+//! are checked: the output its comments promise, and `# equal` checksums. And the
+//! documents' relative links lead to files that exist.
 
 mod common;
 
@@ -11,23 +13,34 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A ```sh block of the README: the heading above it and its text.
+/// A ```sh block of the README or of a manual page: where it is, the heading
+/// above it and its text.
 struct Block {
+    file: String,
     heading: String,
     line: usize,
     text: String,
 }
 
-fn blocks(readme: &str) -> Vec<Block> {
+impl Block {
+    /// `docs/manual/thin.md:42`
+    fn at(&self) -> String {
+        format!("{}:{}", self.file, self.line)
+    }
+}
+
+/// The ```sh blocks of one document (`file`, relative to the repository).
+fn blocks(file: &str, doc: &str) -> Vec<Block> {
     let mut out = Vec::new();
     let mut heading = String::new();
     let mut cur: Option<Block> = None;
-    for (i, l) in readme.lines().enumerate() {
+    for (i, l) in doc.lines().enumerate() {
         match &mut cur {
             Some(b) if l.trim_end() == "```" => {
                 out.push(std::mem::replace(
                     b,
                     Block {
+                        file: String::new(),
                         heading: String::new(),
                         line: 0,
                         text: String::new(),
@@ -41,6 +54,7 @@ fn blocks(readme: &str) -> Vec<Block> {
             }
             None if l.trim_end() == "```sh" => {
                 cur = Some(Block {
+                    file: file.to_string(),
                     heading: heading.clone(),
                     line: i + 1,
                     text: String::new(),
@@ -51,6 +65,45 @@ fn blocks(readme: &str) -> Vec<Block> {
         }
     }
     out
+}
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The manual's pages in the order its index lists them (its links to pages
+/// beside it), each listed once; every page of docs/manual/ must be listed.
+fn manual_pages() -> Vec<String> {
+    let index = std::fs::read_to_string(repo().join("docs/manual/index.md")).expect("docs/manual/index.md");
+    let mut pages: Vec<String> = Vec::new();
+    for (_, target) in links(&index) {
+        let page = target.split('#').next().unwrap_or_default();
+        if page.ends_with(".md")
+            && !page.contains('/')
+            && page != "index.md"
+            && !pages.iter().any(|p| p == page)
+        {
+            pages.push(page.to_string());
+        }
+    }
+    let mut unlisted: Vec<String> = std::fs::read_dir(repo().join("docs/manual"))
+        .expect("docs/manual")
+        .map(|e| e.expect("docs/manual").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".md") && n != "index.md" && !pages.contains(n))
+        .collect();
+    unlisted.sort();
+    assert!(
+        unlisted.is_empty(),
+        "docs/manual/index.md lists no link to {unlisted:?}: their blocks would not run"
+    );
+    pages
+}
+
+/// The documents whose blocks run, in order: README.md, then the manual's pages.
+fn documents() -> Vec<String> {
+    std::iter::once("README.md".to_string())
+        .chain(manual_pages().into_iter().map(|p| format!("docs/manual/{p}")))
+        .collect()
 }
 
 /// Why a block is left out here, if it is.
@@ -70,17 +123,17 @@ fn promised(heading: &str) -> &'static [&'static str] {
     match heading {
         h if h.starts_with("Using it like dmsetup") => &[
             "dmkit serve: running in the background (pid ",
-            "fast\t(253:0)\ntop\t(253:1)\n",  // ls
-            "top (253:1)\n `-fast (253:0)\n", // ls --tree
-            "0 4194304 linear 253:0 0\n",     // table top
+            "fast\t(511:0)\ntop\t(511:1)\n",  // ls
+            "top (511:1)\n `-fast (511:0)\n", // ls --tree
+            "0 4194304 linear 511:0 0\n",     // table top
             " 1 AA\n",                        // status fast: both stripes alive
             "Read Ahead:        512\n",       // info top
-            "1 dependencies\t: (253, 0)\n",   // deps top
+            "1 dependencies\t: (511, 0)\n",   // deps top
         ],
         h if h.contains("The real dmsetup") => &[
             "Driver version:    4.48.0\n", // dmsetup version, through the door
-            "dlin\t(253:",                 // dmsetup ls
-            "dz\t(253:",
+            "dlin\t(511:",                 // dmsetup ls
+            "dz\t(511:",
             "0 2097152 linear ", // dmsetup table dlin
             "dlin: Created new region with 4 area(s) as region ID 0\n", // dmstats create
             "dlin                 -    0 area       3 768.00m 256.00m", // dmstats report
@@ -147,12 +200,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
         // and the extents block under the same heading
         h if h.contains("1024-segment") => &["1024\n", "seg.img flushes=", " linear 7:"],
         h if h.contains("Crash trials") => &[
-            "100 trials of thin (",
-            "100 trials of writecache (",
-            "100 trials of snapshot (",
+            "100 trials of thin: 100 passed, 0 failed;",
+            "100 trials of writecache: 100 passed, 0 failed;",
+            "100 trials of snapshot: 100 passed, 0 failed;",
             "failed, as it must",
-            "20 trials of thin (", // --kill
-            "20 trials of writecache (",
+            "20 trials of thin: 20 passed, 0 failed;", // --kill
+            "20 trials of writecache: 20 passed, 0 failed;",
         ],
         _ => &[],
     }
@@ -185,21 +238,27 @@ impl Drop for Cleanup {
     }
 }
 
-/// Run the README once in a fresh directory; the report of what was skipped.
+/// Run the README and the manual once in a fresh directory; the report of what
+/// was skipped.
 fn run_readme(tag: &str) -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).expect("README.md");
-    let blocks = blocks(&readme);
+    let docs = documents();
+    let blocks: Vec<Block> = docs
+        .iter()
+        .flat_map(|f| {
+            let doc = std::fs::read_to_string(repo().join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+            blocks(f, &doc)
+        })
+        .collect();
     assert!(
         blocks.len() >= 10,
-        "found {} sh blocks in README.md",
-        blocks.len()
+        "found {} sh blocks in {}",
+        blocks.len(),
+        docs.join(", ")
     );
     let dir = Scratch::new(tag);
     let _cleanup = Cleanup(dir.0.clone());
     // the recipes run from the repository's root, where ci/ is
-    std::os::unix::fs::symlink(Path::new(env!("CARGO_MANIFEST_DIR")).join("ci"), dir.path("ci"))
-        .expect("link ci");
+    std::os::unix::fs::symlink(repo().join("ci"), dir.path("ci")).expect("link ci");
 
     let mut script =
         String::from("set -eE -o pipefail\ntrap 'echo \"@@FAILED (exit $?): $BASH_COMMAND\"' ERR\n");
@@ -208,10 +267,7 @@ fn run_readme(tag: &str) -> Vec<String> {
         script.push_str(&format!("echo '@@BLOCK {i}'\n"));
         match skipped(b) {
             Some(why) => {
-                report.push(format!(
-                    "skipped the block at README.md:{} ({}): {why}",
-                    b.line, b.heading
-                ));
+                report.push(format!("skipped the block at {} ({}): {why}", b.at(), b.heading));
                 script.push_str("true\n");
             }
             None => script.push_str(&b.text),
@@ -241,9 +297,19 @@ fn run_readme(tag: &str) -> Vec<String> {
         .status()
         .expect("bash");
     let text = std::fs::read_to_string(&log).expect("log");
+    // the block that was running: the last marker in the log
+    let last = text
+        .rsplit("@@BLOCK ")
+        .next()
+        .and_then(|r| r.lines().next())
+        .and_then(|n| n.trim().parse::<usize>().ok())
+        .and_then(|i| blocks.get(i))
+        .map_or_else(String::new, |b| {
+            format!(" in the block at {} ({})", b.at(), b.heading)
+        });
     assert!(
         status.success() && text.contains("@@DONE"),
-        "the README stopped ({status}) after {:.0} s:\n{}",
+        "the README and the manual stopped ({status}){last} after {:.0} s:\n{}",
         t0.elapsed().as_secs_f64(),
         tail(&text, 60)
     );
@@ -268,8 +334,8 @@ fn run_readme(tag: &str) -> Vec<String> {
         for want in promised(&b.heading).iter().filter(|_| last_of_section) {
             assert!(
                 section.contains(want),
-                "README.md:{} ({}): the output lacks {want:?}:\n{}",
-                b.line,
+                "{} ({}): the output lacks {want:?}:\n{}",
+                b.at(),
                 b.heading,
                 tail(&section, 40)
             );
@@ -286,8 +352,8 @@ fn run_readme(tag: &str) -> Vec<String> {
                 .collect();
             assert!(
                 sums.len() >= 2 && sums.iter().all(|s| *s == sums[0]),
-                "README.md:{}: the md5 sums commented `# equal` differ: {sums:?}",
-                b.line
+                "{}: the md5 sums commented `# equal` differ: {sums:?}",
+                b.at()
             );
         }
     }
@@ -299,12 +365,84 @@ fn run_readme(tag: &str) -> Vec<String> {
     report
 }
 
+/// The markdown links of a document outside code, with their line numbers:
+/// inline ones, `[text](target)` and `![alt](target)`, and reference
+/// definitions, `[label]: target`.
+fn links(doc: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    // paragraphs outside fenced blocks: (first line, text)
+    let mut paragraphs: Vec<(usize, String)> = Vec::new();
+    let mut fenced = false;
+    let mut cur: Option<(usize, String)> = None;
+    for (i, l) in doc.lines().enumerate() {
+        if l.trim_start().starts_with("```") {
+            fenced = !fenced;
+            paragraphs.extend(cur.take());
+            continue;
+        }
+        if fenced || l.trim().is_empty() {
+            paragraphs.extend(cur.take());
+            continue;
+        }
+        let p = cur.get_or_insert_with(|| (i + 1, String::new()));
+        p.1.push_str(l);
+        p.1.push('\n');
+    }
+    paragraphs.extend(cur);
+    for (first, p) in paragraphs {
+        // code spans out: a run of backticks up to the next run as long
+        let mut text = String::new();
+        let mut rest = p.as_str();
+        while let Some(at) = rest.find('`') {
+            text.push_str(&rest[..at]);
+            let run = rest[at..].len() - rest[at..].trim_start_matches('`').len();
+            let after = &rest[at + run..];
+            let fence = "`".repeat(run);
+            let close = after
+                .match_indices(&fence)
+                .find(|&(j, _)| !after[..j].ends_with('`') && !after[j + run..].starts_with('`'));
+            match close {
+                Some((j, _)) => {
+                    // keep the newlines, for the line numbers
+                    text.extend(after[..j].chars().filter(|&c| c == '\n'));
+                    rest = &after[j + run..];
+                }
+                None => {
+                    text.push_str(&fence);
+                    rest = after;
+                }
+            }
+        }
+        text.push_str(rest);
+        let line_of = |at: usize| first + text[..at].matches('\n').count();
+        for (at, _) in text.match_indices("](") {
+            let target = &text[at + 2..];
+            let end = target.find([')', ' ', '\n']).unwrap_or(target.len());
+            out.push((line_of(at), target[..end].to_string()));
+        }
+        let mut offset = 0;
+        for l in text.split_inclusive('\n') {
+            let target = l
+                .trim_start()
+                .strip_prefix('[')
+                .and_then(|d| d.split_once("]:"))
+                .filter(|(label, _)| !label.contains(']'))
+                .and_then(|(_, t)| t.split_whitespace().next());
+            if let Some(t) = target {
+                out.push((line_of(offset), t.to_string()));
+            }
+            offset += l.len();
+        }
+    }
+    out
+}
+
 fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// The README top to bottom, twice: the second run in a fresh directory (a
+/// The README and the manual top to bottom, twice: the second run in a fresh directory (a
 /// recipe that leaves something behind that only its first run tolerates, or
 /// that names the first directory, fails there).
 #[test]
@@ -321,4 +459,55 @@ fn the_readme_runs_as_written_twice() {
         assert_eq!(skips, if ublk_here { 0 } else { 2 }, "{report:?}");
         assert!(report.last().is_some_and(|r| r.starts_with("ran ")), "{report:?}");
     }
+}
+
+/// Every relative link of README.md, RELIABILITY.md, BENCHMARKS.md and docs/
+/// leads to a file that exists (its #anchor aside; web links are not followed).
+/// A link that starts with `/` is read from the repository's root, as GitHub
+/// reads it. (`mkdocs build --strict` checks the anchors of links inside docs/.)
+#[test]
+fn readme_links_exist() {
+    fn markdown_under(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let p = e.expect("docs").path();
+            if p.is_dir() {
+                markdown_under(&p, out);
+            } else if p.extension().is_some_and(|x| x == "md") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files: Vec<PathBuf> = ["README.md", "RELIABILITY.md", "BENCHMARKS.md"]
+        .iter()
+        .map(|f| repo().join(f))
+        .collect();
+    markdown_under(&repo().join("docs"), &mut files);
+    let mut dead = Vec::new();
+    let mut checked = 0;
+    for f in &files {
+        let doc = std::fs::read_to_string(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let name = f.strip_prefix(repo()).unwrap_or(f).display().to_string();
+        for (line, target) in links(&doc) {
+            let target = target.trim_start_matches('<').trim_end_matches('>');
+            if target.is_empty()
+                || target.starts_with('#')
+                || ["http://", "https://", "mailto:"]
+                    .iter()
+                    .any(|s| target.starts_with(s))
+            {
+                continue;
+            }
+            let path = target.split(['#', '?']).next().unwrap_or_default();
+            let file = match path.strip_prefix('/') {
+                Some(p) => repo().join(p),
+                None => f.parent().expect("a file's directory").join(path),
+            };
+            checked += 1;
+            if !file.is_file() {
+                dead.push(format!("{name}:{line}: {target}: no such file"));
+            }
+        }
+    }
+    assert!(checked >= 20, "only {checked} links found: is the parser blind?");
+    assert!(dead.is_empty(), "dead links:\n{}", dead.join("\n"));
 }

@@ -67,7 +67,7 @@ fn tool_path(name: &str) -> PathBuf {
     tool(name)
 }
 
-/// Calls whose standard error differs from 1.x's on purpose (README, "Where dmkit
+/// Calls whose standard error differs from 1.x's on purpose (docs/manual/thin.md, "Where dmkit
 /// differs from 1.x"): (tool, metadata case) and the reason. Everywhere else
 /// dmkit's standard error is 1.x's, byte for byte.
 const DELIBERATE: &[(&str, &str, &str)] = &[

@@ -54,7 +54,11 @@ fn base(version: u32) -> &'static Base {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let version = if data.first().is_some_and(|b| b & 2 != 0) { 2 } else { 1 };
+    let version = if data.first().is_some_and(|b| b & 2 != 0) {
+        2
+    } else {
+        1
+    };
     let (img0, kinds) = base(version);
     let img = common::patched(img0, kinds, data);
     let dev = || Box::new(MemDev::from_image(img.clone()));

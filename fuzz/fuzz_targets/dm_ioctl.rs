@@ -17,7 +17,10 @@ fuzz_target!(|data: &[u8]| {
     // command), the frame carries the header alone of a buffer twice as long,
     // as the door's library carries the buffers of commands that read no data
     let (raw, len) = if request & (1 << 16) != 0 {
-        (buf.get(..dmkit::control::dmioctl::HEADER_SIZE).unwrap_or(buf), buf.len() * 2)
+        (
+            buf.get(..dmkit::control::dmioctl::HEADER_SIZE).unwrap_or(buf),
+            buf.len() * 2,
+        )
     } else {
         (buf, buf.len())
     };

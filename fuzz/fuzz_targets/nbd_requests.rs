@@ -114,18 +114,22 @@ fn handshake(rd: &mut UnixStream) -> Option<Vec<u32>> {
 fn check_replies(rd: &mut UnixStream, reqs: &[Req], structured: bool, clean: bool) {
     let Some(ids) = handshake(rd) else { return };
     let mut done = vec![false; reqs.len()];
-    loop {
-        let Some(m) = take(rd, 4) else { break };
+    while let Some(m) = take(rd, 4) {
         match be32(&m) {
             0x6744_6698 => {
                 let Some(h) = take(rd, 12) else { break };
                 let error = be32(&h);
                 let cookie = u64::from_be_bytes(h[4..12].try_into().unwrap());
-                let r = reqs.get(cookie as usize).unwrap_or_else(|| panic!("reply to unknown cookie {cookie}"));
+                let r = reqs
+                    .get(cookie as usize)
+                    .unwrap_or_else(|| panic!("reply to unknown cookie {cookie}"));
                 assert!(!done[cookie as usize], "request {cookie} answered twice");
                 done[cookie as usize] = true;
                 if r.cmd == 0 && error == 0 {
-                    assert!(!structured, "simple reply to READ {cookie} with structured replies on");
+                    assert!(
+                        !structured,
+                        "simple reply to READ {cookie} with structured replies on"
+                    );
                     if take(rd, r.len as usize).is_none() {
                         break;
                     }
@@ -139,22 +143,40 @@ fn check_replies(rd: &mut UnixStream, reqs: &[Req], structured: bool, clean: boo
                 let cookie = u64::from_be_bytes(h[4..12].try_into().unwrap());
                 let len = be32(&h[12..]) as usize;
                 assert!(len <= (32 << 20) + 8, "chunk of {len} bytes");
-                let r = *reqs.get(cookie as usize).unwrap_or_else(|| panic!("chunk for unknown cookie {cookie}"));
-                assert!(!done[cookie as usize], "chunk for request {cookie} after its DONE");
+                let r = *reqs
+                    .get(cookie as usize)
+                    .unwrap_or_else(|| panic!("chunk for unknown cookie {cookie}"));
+                assert!(
+                    !done[cookie as usize],
+                    "chunk for request {cookie} after its DONE"
+                );
                 let Some(p) = take(rd, len) else { break };
                 match typ {
-                    0 => assert!(len == 0 && flags & 1 != 0, "NONE chunk of {len} bytes, flags {flags:#x}"),
+                    0 => assert!(
+                        len == 0 && flags & 1 != 0,
+                        "NONE chunk of {len} bytes, flags {flags:#x}"
+                    ),
                     1 => {
                         assert_eq!(r.cmd, 0, "data chunk for command {}", r.cmd);
                         assert!(len >= 9, "data chunk of {len} bytes");
                         let off = u64::from_be_bytes(p[..8].try_into().unwrap());
                         let end = off + (len as u64 - 8);
-                        assert!(off >= r.offset && end <= r.offset + u64::from(r.len), "data chunk outside its read");
+                        assert!(
+                            off >= r.offset && end <= r.offset + u64::from(r.len),
+                            "data chunk outside its read"
+                        );
                     }
                     5 => {
                         assert_eq!(r.cmd, 7, "block status chunk for command {}", r.cmd);
-                        assert!(len >= 12 && (len - 4) % 8 == 0, "block status chunk of {len} bytes");
-                        assert!(ids.contains(&be32(&p)), "block status for context {} not selected", be32(&p));
+                        assert!(
+                            len >= 12 && (len - 4).is_multiple_of(8),
+                            "block status chunk of {len} bytes"
+                        );
+                        assert!(
+                            ids.contains(&be32(&p)),
+                            "block status for context {} not selected",
+                            be32(&p)
+                        );
                         let n = (len - 4) / 8;
                         for k in 0..n {
                             assert_ne!(be32(&p[4 + 8 * k..]), 0, "empty extent");

@@ -36,7 +36,12 @@ fn base() -> &'static (Vec<u8>, Vec<Option<BlockKind>>) {
         let img = dev.image();
         let kinds = common::block_kinds(
             &img,
-            &[BlockKind::Superblock, BlockKind::BtreeNode, BlockKind::Bitmap, BlockKind::Index],
+            &[
+                BlockKind::Superblock,
+                BlockKind::BtreeNode,
+                BlockKind::Bitmap,
+                BlockKind::Index,
+            ],
         );
         (img, kinds)
     })

@@ -246,8 +246,12 @@ pub fn ioctl(
             (0, r.buf, String::new())
         }
         Err((e, why)) => {
+            let why = crate::table::bounded_line(&why).into_owned();
             if e != dm::ENXIO {
-                tracing::info!("dm ioctl {:?} refused ({}): {why}", r.cmd, e.0);
+                crate::lograte::client_line(
+                    tracing::Level::INFO,
+                    &format!("dm ioctl {:?} refused ({}): {why}", r.cmd, e.0),
+                );
             }
             wipe_from(&mut r.buf, 0);
             (e.0, Vec::new(), why)
@@ -354,6 +358,8 @@ fn put_status(d: &Device, r: &mut Request) {
         .map(|e| {
             let text = if table {
                 e.target.table_params()
+            } else if r.has(dm::NOFLUSH_FLAG) {
+                e.target.status_params_noflush()
             } else {
                 e.target.status_params()
             };

@@ -84,7 +84,8 @@ pub fn handle<S: Read + Write>(s: &mut S, ctx: &Ctx) -> io::Result<()> {
     let stdin = String::from_utf8_lossy(&get(s, &mut budget)?).into_owned();
     let (ok, out, err) = match execute(ctx, &args, &stdin) {
         Ok(out) => (true, out, String::new()),
-        Err(e) => (false, String::new(), e),
+        // a refusal may quote the request: bounded, whatever its size
+        Err(e) => (false, String::new(), crate::table::bounded_line(&e).into_owned()),
     };
     let mut rep = vec![u8::from(!ok)];
     put(&mut rep, out.as_bytes());
@@ -148,12 +149,23 @@ impl Ctx {
     }
 }
 
+static NO_TRIM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Keep freed memory in the heap (`serve --test-no-memory-trim`: the
+/// benchmark's comparison).
+pub fn keep_freed_memory() {
+    NO_TRIM.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Hand the C library's free heap pages back to the system after a change: a
 /// removed table of 10^6 targets or 10^4 removed devices leave their memory in
 /// the heap's free lists, where glibc returns only what sits at the top of the
 /// heap; malloc_trim returns every free page (BENCHMARKS.md, "Memory given
 /// back"). Its cost grows with the free chunks, not the used ones.
 pub fn give_back_memory() {
+    if NO_TRIM.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     // SAFETY: malloc_trim only walks the allocator's own free lists and
     // advises the kernel about free pages; it touches no memory in use.
     unsafe {
@@ -182,14 +194,20 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             readonly,
             uuid,
             minor,
-        } => done(reg.create_in(
-            &name,
-            table(&t, notable).as_deref(),
-            readonly,
-            uuid,
-            minor,
-            t.cwd.as_deref(),
-        )),
+        } => {
+            done(reg.create_in(
+                &name,
+                table(&t, notable).as_deref(),
+                readonly,
+                uuid,
+                minor,
+                t.cwd.as_deref(),
+            ))?;
+            // create with a table is load + resume: with `serve --attach` the
+            // device becomes a block device now, as after any resume
+            after_resume(ctx, &name);
+            Ok(String::new())
+        }
         DmVerb::Load {
             name,
             table: t,

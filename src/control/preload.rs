@@ -9,7 +9,7 @@
 //! convention. LD_PRELOAD rather than a seccomp supervisor: the programs that
 //! use device-mapper (dmsetup, lvm, cryptsetup) reach it through libdevmapper,
 //! dynamically linked, and a preload answers in the caller's own process with no
-//! supervisor to keep alive; a static binary is not covered (said in the README).
+//! supervisor to keep alive; a static binary is not covered (said in docs/manual/door.md).
 //!
 //! The library is carried in the dmkit binary and written into the run
 //! directory when `exec` needs it, so a fresh machine needs nothing installed.

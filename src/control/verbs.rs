@@ -14,7 +14,7 @@ pub enum DmVerb {
         after_help = "A table line is `<start> <length> <target> <args>`, start and length in \
 512-byte sectors (2097152 sectors = 1 GiB); the lines cover the device from sector 0 without gaps. \
 `dmkit targets` lists the target types; the kernel's Documentation/admin-guide/device-mapper/ \
-describes each one's arguments, and the README's recipes use them.
+describes each one's arguments, and the manual's recipes (docs/manual/) use them.
 
 Examples:
   truncate -s 1G a.img

@@ -50,6 +50,9 @@ const LBS_XATTR: &str = "user.dmkit.logical_block_size";
 pub struct DeviceFiles {
     session: Mutex<Option<(PathBuf, fuser::BackgroundSession)>>,
     disabled: bool,
+    /// The group the daemon's sockets are shared with (`serve --group`): its
+    /// members open the device files too (mode 0660, as a disk's node).
+    group: std::sync::atomic::AtomicU32,
 }
 
 impl DeviceFiles {
@@ -59,6 +62,11 @@ impl DeviceFiles {
             disabled: true,
             ..DeviceFiles::default()
         }
+    }
+
+    /// Share the device files with group `gid` (`serve --group`).
+    pub fn set_group(&self, gid: u32) {
+        self.group.store(gid, Ordering::Relaxed);
     }
 
     /// Mount the device files under `run_dir` if they are not yet: their folder.
@@ -87,6 +95,7 @@ impl DeviceFiles {
             reg: reg.clone(),
             opens: Default::default(),
             next_fh: 1.into(),
+            group: self.group.load(Ordering::Relaxed),
         };
         let session = fuser::spawn_mount(fs, &dir, &config)
             .map_err(|e| format!("mounting the device files at {}: {e}", dir.display()))?;
@@ -128,6 +137,8 @@ struct Files {
     /// opened, whatever has the number since.
     opens: Mutex<std::collections::HashMap<u64, Open>>,
     next_fh: std::sync::atomic::AtomicU64,
+    /// The group the files belong to (0: root's alone).
+    group: u32,
 }
 
 impl Files {
@@ -163,7 +174,7 @@ impl Files {
     }
 }
 
-fn attr(ino: u64, kind: FileType, size: u64, perm: u16) -> FileAttr {
+fn attr(ino: u64, kind: FileType, size: u64, perm: u16, gid: u32) -> FileAttr {
     let t = SystemTime::UNIX_EPOCH;
     FileAttr {
         ino: INodeNo(ino),
@@ -177,20 +188,28 @@ fn attr(ino: u64, kind: FileType, size: u64, perm: u16) -> FileAttr {
         perm,
         nlink: if kind == FileType::Directory { 2 } else { 1 },
         uid: 0,
-        gid: 0,
+        gid,
         rdev: 0,
         blksize: 4096,
         flags: 0,
     }
 }
 
-fn dev_attr(d: &Device) -> FileAttr {
-    let perm = if d.read_only() { 0o400 } else { 0o600 };
+/// A device's file: the owner's alone, or its group's too where the daemon's
+/// sockets are shared with a group (`serve --group`), as a disk's node is.
+fn dev_attr(d: &Device, gid: u32) -> FileAttr {
+    let perm = match (d.read_only(), gid != 0) {
+        (true, false) => 0o400,
+        (true, true) => 0o440,
+        (false, false) => 0o600,
+        (false, true) => 0o660,
+    };
     attr(
         DEV_INO + u64::from(d.minor),
         FileType::RegularFile,
         d.size_sectors() * SECTOR,
         perm,
+        gid,
     )
 }
 
@@ -223,17 +242,17 @@ impl Filesystem for Files {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match (parent.0 == ROOT).then(|| self.by_name(name)).flatten() {
-            Some(d) => reply.entry(&TTL, &dev_attr(&d), Generation(0)),
+            Some(d) => reply.entry(&TTL, &dev_attr(&d, self.group), Generation(0)),
             None => reply.error(Errno::ENOENT),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         if ino.0 == ROOT {
-            return reply.attr(&TTL, &attr(ROOT, FileType::Directory, 0, 0o755));
+            return reply.attr(&TTL, &attr(ROOT, FileType::Directory, 0, 0o755, 0));
         }
         match self.device(ino) {
-            Some(d) => reply.attr(&TTL, &dev_attr(&d)),
+            Some(d) => reply.attr(&TTL, &dev_attr(&d, self.group)),
             None => reply.error(Errno::ENOENT),
         }
     }

@@ -45,26 +45,38 @@ impl Mapped {
         self.len == 0
     }
 
-    /// `len` bytes at byte `off`, if in bounds.
-    pub fn bytes(&self, off: usize, len: usize) -> Option<&[u8]> {
-        if off.checked_add(len)? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds of the live mapping; writers of the range are kept
-        // apart from its readers by the owner's locks.
-        Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
+    /// Whether `len` bytes at `off` lie inside the mapping.
+    fn holds(&self, off: usize, len: usize) -> bool {
+        off.checked_add(len).is_some_and(|end| end <= self.len)
     }
 
-    /// `len` bytes at byte `off` to write, if in bounds. The caller owns the
-    /// range for as long as it holds the slice (decided under its own lock).
-    #[allow(clippy::mut_from_ref)]
-    pub fn bytes_mut(&self, off: usize, len: usize) -> Option<&mut [u8]> {
-        if off.checked_add(len)? > self.len {
-            return None;
+    /// Copy `dst.len()` bytes at byte `off` out of the mapping; false (nothing
+    /// copied) when the range is not inside it.
+    ///
+    /// The mapping is shared memory another process may write too (it is a
+    /// file's page cache), so it is only ever copied in and out: no reference
+    /// into it exists, and which thread copies which range when is the owner's
+    /// business (its locks; see the users).
+    pub fn read_at(&self, off: usize, dst: &mut [u8]) -> bool {
+        if !self.holds(off, dst.len()) {
+            return false;
         }
-        // SAFETY: in bounds of the live mapping; only the range's owner of the
-        // moment writes it (the caller's contract above).
-        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) })
+        // SAFETY: the range is inside the live mapping (checked above) and `dst`
+        // is a distinct buffer of the caller's; no reference into the mapping
+        // exists to alias.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
+        true
+    }
+
+    /// Copy `src` into the mapping at byte `off`; false (nothing copied) when
+    /// the range is not inside it. See [`Mapped::read_at`].
+    pub fn write_at(&self, off: usize, src: &[u8]) -> bool {
+        if !self.holds(off, src.len()) {
+            return false;
+        }
+        // SAFETY: as in read_at, the other way.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len()) };
+        true
     }
 
     /// Write the pages holding `len` bytes at `off` to the file's device and wait.

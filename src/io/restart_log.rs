@@ -212,19 +212,20 @@ impl RestartLog {
         if self.killed() {
             return;
         }
-        let Some(h) = self.map.bytes_mut(0, HEADER) else {
-            return;
-        };
-        // a kill between these stores leaves a header that fails its checksum:
-        // nothing is replayed, as nothing was uncommitted yet
-        h[28..32].fill(0);
+        let mut h = [0u8; HEADER];
         h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
         h[8..16].copy_from_slice(&identity.to_le_bytes());
         h[16..24].copy_from_slice(&self.gen.to_le_bytes());
         h[24..28].copy_from_slice(&u32::from(self.full).to_le_bytes());
         h[32..72].copy_from_slice(&boot_id());
-        let c = csum(h, 28);
-        h[28..32].copy_from_slice(&c.to_le_bytes());
+        let c = csum(&h, 28);
+        // the checksum zeroed first and stored last: a kill in between leaves a
+        // header that fails its checksum, and nothing is replayed, as nothing
+        // was uncommitted yet
+        self.map.write_at(28, &[0; 4]);
+        self.map.write_at(0, &h[..28]);
+        self.map.write_at(32, &h[32..]);
+        self.map.write_at(28, &c.to_le_bytes());
     }
 
     /// Record a change before it is acknowledged. False once the log is full:
@@ -239,10 +240,11 @@ impl RestartLog {
             self.store_header(self.identity());
             return false;
         }
-        let Some(out) = self.map.bytes_mut(HEADER + self.len * RECORD, RECORD) else {
+        let mut out = [0u8; RECORD];
+        r.store(self.gen, &mut out);
+        if !self.map.write_at(HEADER + self.len * RECORD, &out) {
             return false;
-        };
-        r.store(self.gen, out);
+        }
         self.len += 1;
         true
     }
@@ -262,12 +264,31 @@ impl RestartLog {
 
     /// What the records follow (as `begin` named it).
     pub fn identity(&self) -> u64 {
-        self.map.bytes(8, 8).map_or(0, |b| le64(b, 0))
+        let mut b = [0u8; 8];
+        if self.map.read_at(8, &mut b) {
+            u64::from_le_bytes(b)
+        } else {
+            0
+        }
     }
 
     /// Records in this generation so far.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Records a generation holds.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Records that still fit in this generation.
+    pub fn room(&self) -> usize {
+        if self.full {
+            0
+        } else {
+            self.cap - self.len
+        }
     }
 
     pub fn is_empty(&self) -> bool {

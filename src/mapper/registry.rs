@@ -200,6 +200,10 @@ pub struct Config {
     /// Tests only: how long a thin pool's thread waits before it carries out
     /// deferred discards (zero: at once).
     pub thin_discard_delay: std::time::Duration,
+    /// Tests only: records a restart log holds per generation (None: what never
+    /// fills: twice a thin pool's data blocks, four times a writecache's blocks,
+    /// up to `io::restart_log::MAX_RECORDS`).
+    pub restart_log_records: Option<usize>,
     /// The target types tables may use (`crate::targets::types()`); the core
     /// itself knows only `error`.
     pub target_types: &'static [TargetType],
@@ -234,6 +238,7 @@ impl Default for Config {
             thin_no_space_timeout: Duration::from_secs(60),
             thin_passdown_delay: Duration::ZERO,
             thin_discard_delay: Duration::ZERO,
+            restart_log_records: None,
             target_types: &[super::error::TYPE],
             sim: None,
         }

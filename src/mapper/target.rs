@@ -703,6 +703,12 @@ pub trait Target: Send + Sync {
     fn status_params(&self) -> String {
         String::new()
     }
+    /// The same asked with DM_NOFLUSH_FLAG (LVM and dmeventd poll with it): a
+    /// target whose status commits first (a thin pool's) answers without the
+    /// commit, as the kernel's.
+    fn status_params_noflush(&self) -> String {
+        self.status_params()
+    }
     /// `dmsetup message`; Ok(response) or Err(reason).
     fn message(&self, words: &[String]) -> Result<String, String> {
         let _ = words;

@@ -111,3 +111,31 @@ dd if=/dev/zero of=/dev/vda bs=1M count=128 2>/dev/null
 dd if=/dev/zero of=/dev/vdb bs=1M count=128 2>/dev/null
 load_dm
 LVM=lvm DMSETUP=dmsetup scenario k
+
+# Side by side (issue 45): the kernel's device-mapper loaded, a kernel linear
+# device `kd` over the pattern disk's first 8 MiB, and a dmkit daemon with a
+# device `dz` over a copy of its second 8 MiB (a ublk block device). Behind the
+# door the kernel's node opens the kernel's device, dmkit's name opens dmkit's;
+# each side lists only its own devices.
+dmkit serve --run-dir /run/dmkit2 --attach > /tmp/dmkit2.log 2>&1 &
+D2=$!
+i=0; while [ ! -S /run/dmkit2/control.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+dd if=/dev/vdc of=/tmp/dz.img bs=1M count=8 skip=8 2>/dev/null
+dmsetup create kd --table "0 16384 linear /dev/vdc 0"
+dmkit --run-dir /run/dmkit2 create dz --table "0 16384 linear /tmp/dz.img 0"
+DOOR="dmkit --run-dir /run/dmkit2 exec --"
+# the guest's own tools are busybox, static: the door reaches dynamic programs
+# only, so Debian's dd and cat are brought (ORACLE_FILES) and used on both sides
+# (its block device answers once ublk has started it)
+i=0; while [ "$(/usr/bin/dd if=/dev/mapper/dz bs=4096 count=1 status=none 2>/dev/null | wc -c)" != 4096 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+ls -l /dev/mapper/ /dev/ublkb* 2>&1 || cat /tmp/dmkit2.log
+echo "ORACLE side-kernel-ls $(dmsetup ls | cut -f1 | line)"
+echo "ORACLE side-door-ls $($DOOR dmsetup ls | cut -f1 | line)"
+echo "ORACLE side-kd-plain $(/usr/bin/dd if=/dev/mapper/kd bs=1M count=8 status=none | md5sum | cut -d' ' -f1)"
+echo "ORACLE side-kd-door $($DOOR /usr/bin/dd if=/dev/mapper/kd bs=1M count=8 status=none | md5sum | cut -d' ' -f1)"
+echo "ORACLE side-dz-door $($DOOR /usr/bin/dd if=/dev/mapper/dz bs=1M count=8 status=none | md5sum | cut -d' ' -f1)"
+echo "ORACLE side-dm-lines $(/usr/bin/cat /proc/devices | grep -c device-mapper) $($DOOR /usr/bin/cat /proc/devices | grep device-mapper | line)"
+dmkit --run-dir /run/dmkit2 remove dz 2>/dev/null || dmkit --run-dir /run/dmkit2 detach dz
+dmkit --run-dir /run/dmkit2 remove dz 2>/dev/null || true
+dmsetup remove kd
+kill $D2; wait $D2 || true

@@ -317,6 +317,15 @@ struct ServeArgs {
     /// For tests only: delay a thin pool's discards by this much
     #[arg(long, value_name = "MS", hide = true)]
     test_discard_delay_ms: Option<u64>,
+    /// For tests only: the records a thin pool's or a writecache's restart log
+    /// holds (writes beyond wait for a commit)
+    #[arg(long, value_name = "N", hide = true,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    test_restart_log_records: Option<u64>,
+    /// For tests and benchmarks only: keep freed memory in the heap instead of
+    /// giving it back after each change
+    #[arg(long, hide = true)]
+    test_no_memory_trim: bool,
     /// For tests only: accept the `__panic` message, with which any client of
     /// the control socket or the door can make a worker panic
     #[arg(long, hide = true)]
@@ -419,6 +428,8 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                     test_thin_commit_period: a.test_thin_commit_period_ms.map(Duration::from_millis),
                     test_passdown_delay: a.test_passdown_delay_ms.map(Duration::from_millis),
                     test_discard_delay: a.test_discard_delay_ms.map(Duration::from_millis),
+                    test_restart_log_records: a.test_restart_log_records.map(|n| n as usize),
+                    test_no_memory_trim: a.test_no_memory_trim,
                     test_panics: a.test_panics,
                 },
                 ready,
@@ -782,7 +793,7 @@ fn daemonise(run_dir: &Path) -> Result<()> {
 }
 
 /// The daemon's ready word for the waiting parent, and the lines it prints first.
-fn background(_run_dir: &Path) -> Result<Box<dyn FnOnce(&str) + Send>> {
+fn background(_run_dir: &Path) -> Result<dmkit::daemon::Ready> {
     Ok(Box::new(|notes: &str| tell_parent(&format!("ready\n{notes}"))))
 }
 

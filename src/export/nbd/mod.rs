@@ -78,7 +78,7 @@ fn negotiate<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
         Ok(Some(n)) => n,
         Ok(None) => return None,
         Err(e) => {
-            tracing::info!("nbd {peer}: handshake ended: {e}");
+            crate::lograte::client_line(tracing::Level::INFO, &format!("nbd {peer}: handshake ended: {e}"));
             return None;
         }
     };
@@ -121,7 +121,10 @@ pub fn serve_one<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
     if let Some(c) = negotiate(s, reg, peer, tls) {
         let dev = c.neg.dev.clone();
         if let Err(e) = reactor::serve_alone(c, reg) {
-            tracing::warn!("nbd {peer}: cannot serve the connection: {e}");
+            crate::lograte::client_line(
+                tracing::Level::WARN,
+                &format!("nbd {peer}: cannot serve the connection: {e}"),
+            );
             dev.open_count.fetch_sub(1, Ordering::SeqCst);
         }
     }

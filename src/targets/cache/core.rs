@@ -187,6 +187,8 @@ pub struct Counters {
     pub policy_name: &'static str,
     pub policy_config: String,
     pub needs_check: bool,
+    /// Writes fail since a metadata update failed (the kernel's read-only mode).
+    pub read_only: bool,
 }
 
 pub struct Shared {
@@ -463,6 +465,7 @@ impl Shared {
             policy_name: core.policy.name(),
             policy_config: core.policy.emit_config(),
             needs_check,
+            read_only: self.failed.load(Ordering::SeqCst),
         }
     }
 

@@ -279,7 +279,7 @@ impl Target for Cache {
         };
         let c = self.st.counters();
         format!(
-            "{METADATA_BLOCK_SECTORS} {used}/{total} {} {}/{} {} {} {} {} {} {} {} {} 2 migration_threshold {} {} {} rw {} ",
+            "{METADATA_BLOCK_SECTORS} {used}/{total} {} {}/{} {} {} {} {} {} {} {} {} 2 migration_threshold {} {} {} {} {} ",
             self.st.bs,
             c.residency,
             c.nr_cache,
@@ -294,6 +294,8 @@ impl Target for Cache {
             self.st.migration_threshold(),
             c.policy_name,
             c.policy_config,
+            // the kernel's metadata mode: ro once writes fail
+            if c.read_only { "ro" } else { "rw" },
             if c.needs_check { "needs_check" } else { "-" },
         )
     }

@@ -231,14 +231,24 @@ impl ThinDev {
         if m.mode == Mode::ReadOnly {
             return Self::fail(ctx, bio, errno::EIO);
         }
+        if !m.reserve_log_record() {
+            // the restart log holds as many uncommitted mappings as it can: the
+            // write waits for the commit that empties it (never acknowledged
+            // unrecorded)
+            m.log_waiters.push(ctx.submit(bio));
+            self.pool.request_commit(&m);
+            return Ok(());
+        }
         let new = match self.pool.alloc(&mut m) {
             Ok(b) => b,
             Err(true) => {
+                m.release_log_record();
                 // queued until the pool grows, space comes back, the timeout, or a suspend
                 m.no_space.push(ctx.submit(bio));
                 return Ok(());
             }
             Err(false) => {
+                m.release_log_record();
                 let e = if m.features.error_if_no_space {
                     errno::ENOSPC
                 } else {
@@ -450,6 +460,7 @@ impl Cell {
     fn finish(&self, ok: bool) -> i32 {
         let mut m = self.pool.lock();
         m.forget_block(self.id, self.vblock);
+        m.release_log_record();
         let mut res = 0;
         if !ok {
             let _ = m.md.release_data_block(self.new);
@@ -464,9 +475,16 @@ impl Cell {
                 Ok(()) => {
                     m.dirty = true;
                     // before the write is acknowledged: a daemon started after
-                    // this one is killed maps it again (io::restart_log)
+                    // this one is killed maps it again (io::restart_log); room
+                    // was reserved for it, so this fails only if the log broke
                     if !m.log_mapping(self.id, self.vblock, self.new) {
+                        tracing::error!(
+                            "thin {}: block {}: its mapping could not be recorded in the restart log: the write fails",
+                            self.id,
+                            self.vblock
+                        );
                         self.pool.request_commit(&m);
+                        res = errno::EIO;
                     }
                 }
                 Err(e) => {

@@ -97,6 +97,13 @@ pub struct PoolMd {
     /// The mappings inserted since the last commit, for a daemon started after
     /// this one is killed (`io::restart_log`); none without a run directory.
     restart: Option<RestartLog>,
+    /// Records the restart log keeps room for: a mapping for each provisioning
+    /// under way (written when its data has landed, before it is acknowledged).
+    log_reserved: usize,
+    /// Writes that found no room in the restart log: they wait for the commit
+    /// that empties it (requeued after each commit, and where `no_space` is),
+    /// so no write is acknowledged unrecorded.
+    pub log_waiters: Vec<Pending>,
     /// Thins that had changes in a transaction a metadata failure aborted (the
     /// kernel's dm_thin_aborted_changes): what they wrote since the commit before
     /// is gone, so none of their flushes, nor the commit a FUA write asks for,
@@ -126,8 +133,57 @@ impl PoolMd {
         }
     }
 
+    /// Keep room in the restart log for the mapping of a provisioning about to
+    /// start; false when there is none (the write waits for a commit).
+    pub fn reserve_log_record(&mut self) -> bool {
+        match &self.restart {
+            Some(l) if l.room() <= self.log_reserved => false,
+            Some(_) => {
+                self.log_reserved += 1;
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// A provisioning's reserved record is no longer needed (it was written,
+    /// or the provisioning failed).
+    pub fn release_log_record(&mut self) {
+        if self.restart.is_some() {
+            self.log_reserved = self.log_reserved.saturating_sub(1);
+        }
+    }
+
+    /// Records that fit in the restart log besides those reserved (unbounded
+    /// without a log).
+    fn log_room(&self) -> usize {
+        self.restart
+            .as_ref()
+            .map_or(usize::MAX, |l| l.room().saturating_sub(self.log_reserved))
+    }
+
+    /// Record an unmapping (a discard) about to be acknowledged, uncommitted.
+    fn log_unmapping(&mut self, id: u64, vblock: u64, block: u64) -> bool {
+        if self.log_room() == 0 {
+            // inside a commit whose log is full: the commit makes it durable
+            // before it is acknowledged, and a failed append would mark the log
+            // overflowed, dropping the generation's other records
+            return false;
+        }
+        match &mut self.restart {
+            Some(l) => l.append(Record {
+                kind: UNMAPPED,
+                a: id,
+                b: vblock,
+                c: block,
+                d: 0,
+            }),
+            None => true,
+        }
+    }
+
     /// Record a mapping about to be acknowledged, uncommitted (`io::restart_log`).
-    /// False when the log is full: the caller asks for a commit.
+    /// False when the log is full (room was reserved for it: it is not).
     pub fn log_mapping(&mut self, id: u64, vblock: u64, block: u64) -> bool {
         let time = u64::from(self.md.time());
         // a commit between the block's allocation and its mapping committed the
@@ -406,7 +462,14 @@ impl Pool {
             Some(dir) if mode == Mode::Write => {
                 let path = RestartLog::path(dir, "thin-pool", key);
                 replay_restart_log(&mut md, data, &path, &describe(metadata))?;
-                let cap = usize::try_from(md.nr_data_blocks()).unwrap_or(usize::MAX);
+                // a generation maps each data block at most once (a block freed
+                // is not handed out again before a commit) and unmaps at most
+                // each mapped block once: twice the data blocks never waits
+                let cap = config.restart_log_records.unwrap_or_else(|| {
+                    usize::try_from(md.nr_data_blocks())
+                        .unwrap_or(usize::MAX)
+                        .saturating_mul(2)
+                });
                 let sim = match metadata {
                     Dest::File(f) => f.sim().cloned(),
                     Dest::Dm(_) => None,
@@ -445,6 +508,8 @@ impl Pool {
                 discards: Vec::new(),
                 fast: HashMap::new(),
                 restart,
+                log_reserved: 0,
+                log_waiters: Vec::new(),
                 aborted: std::collections::HashSet::new(),
                 aborts: 0,
             }),
@@ -531,13 +596,28 @@ impl Pool {
     /// period later, records them): a discard costs a drain of the I/O in flight,
     /// not a metadata commit. Pool's thread, or the control path.
     pub fn discard_now(&self) {
-        let _one = self.commit_lock.lock().unpoisoned();
-        if self.lock().discards.is_empty() {
-            return;
+        let one = self.commit_lock.lock().unpoisoned();
+        {
+            let m = self.lock();
+            if m.discards.is_empty() {
+                return;
+            }
+            if m.log_room() < m.discards.len() {
+                // no room to record the unmappings: a commit makes them durable
+                // before they are acknowledged instead
+                drop(m);
+                drop(one);
+                if let Err(e) = self.commit_now() {
+                    tracing::warn!("thin-pool {}: commit for discards: {e}", describe(&self.metadata));
+                }
+                return;
+            }
         }
         // not drained: tried again at the next commit or period
         if let Some(discards) = self.take_drained_discards() {
-            let after = self.apply_deferred(&mut self.lock(), discards);
+            let mut m = self.lock();
+            let after = self.apply_deferred(&mut m, discards);
+            drop(m);
             self.finish_deferred(after);
         }
     }
@@ -565,6 +645,10 @@ impl Pool {
             let res = match res {
                 Ok(Some(b)) => {
                     m.dirty = true;
+                    // before the discard is acknowledged (a commit after this,
+                    // if any, makes the record moot): a daemon started after this
+                    // one is killed unmaps it again. discard_now saw the room.
+                    m.log_unmapping(j.id, j.vblock, b);
                     // The data device may forget the block only if nothing else
                     // shares it, and the block is held out of allocation until the
                     // passdown has landed (PassdownHold): once a commit frees it, a
@@ -651,6 +735,8 @@ impl Pool {
             }
         };
         let done = self.commits.fetch_add(1, Ordering::SeqCst) + 1;
+        // the restart log began a new generation: writes waiting for room go again
+        let log_waiters = std::mem::take(&mut m.log_waiters);
         // Flushes this commit covers go on to the pool device (or fail with it).
         let (covered, later): (Vec<_>, Vec<_>) = std::mem::take(&mut m.flush_waiters)
             .into_iter()
@@ -664,6 +750,7 @@ impl Pool {
             .collect();
         drop(m);
         self.finish_deferred(after);
+        log_waiters.into_iter().for_each(Pending::requeue);
         for (kept, p, dest) in covered {
             if r.is_ok() && kept {
                 let bio = p.bio();
@@ -678,7 +765,12 @@ impl Pool {
     /// Send every piece waiting for data space back to be mapped again: space came,
     /// the pool changed mode, or a device is suspending.
     pub fn requeue_no_space(&self) {
-        let waiters = std::mem::take(&mut self.lock().no_space);
+        let waiters = {
+            let mut m = self.lock();
+            let mut w = std::mem::take(&mut m.no_space);
+            w.append(&mut m.log_waiters);
+            w
+        };
         for p in waiters {
             p.requeue();
         }
@@ -887,6 +979,8 @@ impl Drop for Pool {
 /// (committed as allocated and mapped by nothing).
 const MAPPED: u32 = 1;
 const MAPPED_ALLOCATED_BEFORE: u32 = 2;
+/// Thin `a`'s block `b`, mapped to data block `c`, unmapped by a discard.
+const UNMAPPED: u32 = 3;
 
 /// Map again what a killed daemon acknowledged and had not committed, when its
 /// restart log follows the metadata as committed now, and commit it. A record
@@ -950,6 +1044,15 @@ fn replay_restart_log(
             } else {
                 u32::MAX
             };
+            if r.kind == UNMAPPED {
+                match md.lookup(r.a, r.b).map_err(|e| format!("{}: {e}", at()))? {
+                    Some(m) if m.data_block == r.c => {
+                        md.remove(r.a, r.b).map_err(|e| format!("{}: {e}", at()))?;
+                        continue;
+                    }
+                    _ => return Err(format!("{}: unmapped, but the block does not map there", at())),
+                }
+            }
             match (r.kind, count) {
                 (MAPPED, 0) => md.insert_shared(r.a, r.b, r.c, time),
                 (MAPPED_ALLOCATED_BEFORE, 1) => md.insert_with_time(r.a, r.b, r.c, time),
@@ -971,7 +1074,7 @@ fn replay_restart_log(
         ));
     }
     tracing::info!(
-        "thin-pool {}: committed {n} block mappings the previous daemon had acknowledged before it was killed",
+        "thin-pool {}: committed {n} block mappings and unmappings the previous daemon had acknowledged before it was killed",
         path
     );
     Ok(())

@@ -201,10 +201,15 @@ impl Target for ThinPool {
         s
     }
     fn status_params(&self) -> String {
-        // Counts are taken after a commit, as the kernel's status does.
+        // Counts are taken after a commit, as the kernel's status does (unless
+        // asked with noflush, or suspended).
         if let Err(e) = self.pool.commit_now() {
             tracing::warn!("thin-pool status: commit failed: {e}");
         }
+        self.status_params_noflush()
+    }
+
+    fn status_params_noflush(&self) -> String {
         let m = self.pool.lock();
         let md = &m.md;
         let total_meta = md.nr_metadata_blocks();

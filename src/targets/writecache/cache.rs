@@ -212,6 +212,13 @@ struct State {
     /// parity: a commit under way keeps its entries' log while the next
     /// entries start the other (`io::restart_log`).
     restart: [Option<RestartLog>; 2],
+    /// Records each log keeps room for: two per allocation of its seq (the
+    /// entry, and its freeing within the seq), one given back when the entry is
+    /// recorded, the rest when the log begins its next generation.
+    log_reserved: [usize; 2],
+    /// A write found no room in the log of its seq: it waits for the commit
+    /// that begins a new one (never acknowledged unrecorded).
+    log_full: bool,
 }
 
 pub struct Cache {
@@ -249,6 +256,8 @@ pub struct Cache {
     weak: std::sync::Weak<Cache>,
     /// The two restart logs' paths, when kept (a cache on a file, a run directory).
     restart: Option<[std::path::PathBuf; 2]>,
+    /// Tests only: the records a restart log holds (`serve --test-restart-log-records`).
+    log_records: Option<usize>,
 }
 
 /// The cache's state, locked; a lock a panicking thread left behind ends the
@@ -345,6 +354,8 @@ impl Cache {
             low_free,
             stats: Stats::default(),
             restart: [None, None],
+            log_reserved: [0, 0],
+            log_full: false,
         };
         Ok(Arc::new_cyclic(|weak| Cache {
             weak: weak.clone(),
@@ -371,6 +382,7 @@ impl Cache {
             copier: Copier::new(0, 16),
             threads: Mutex::new(Vec::new()),
             restart,
+            log_records: config.restart_log_records,
             o,
         }))
     }
@@ -398,9 +410,7 @@ impl Cache {
         match &self.map {
             Some(_) => {
                 let off = (self.o.start_sector * SECTOR) as usize;
-                let src = self.mapped(off, buf.len()).ok_or_else(eio)?;
-                buf.copy_from_slice(src);
-                Ok(())
+                self.mapped_read(off, buf).then_some(()).ok_or_else(eio)
             }
             None => devio::read(&self.cache, self.o.start_sector, buf),
         }
@@ -411,9 +421,9 @@ impl Cache {
         match &self.map {
             Some(_) => {
                 let at = (self.o.start_sector * SECTOR) as usize + off;
-                self.mapped_mut(at, bytes.len())
-                    .ok_or_else(eio)?
-                    .copy_from_slice(bytes);
+                if !self.mapped_write(at, bytes) {
+                    return Err(eio());
+                }
                 if sync {
                     self.msync(at, bytes.len())?;
                 }
@@ -435,16 +445,16 @@ impl Cache {
         }
     }
 
-    /// `len` bytes at byte `off` of the mapping.
-    fn mapped(&self, off: usize, len: usize) -> Option<&[u8]> {
-        self.map.as_ref()?.bytes(off, len)
+    /// Copy `dst.len()` bytes at byte `off` out of the mapping (false: none,
+    /// or out of it).
+    fn mapped_read(&self, off: usize, dst: &mut [u8]) -> bool {
+        self.map.as_ref().is_some_and(|m| m.read_at(off, dst))
     }
 
-    /// The same to write: the block (or metadata range) is written only by its
-    /// owner of the moment, decided under the state lock.
-    #[allow(clippy::mut_from_ref)]
-    fn mapped_mut(&self, off: usize, len: usize) -> Option<&mut [u8]> {
-        self.map.as_ref()?.bytes_mut(off, len)
+    /// Copy `src` into the mapping at byte `off`: the block (or metadata range)
+    /// is written only by its owner of the moment, decided under the state lock.
+    fn mapped_write(&self, off: usize, src: &[u8]) -> bool {
+        self.map.as_ref().is_some_and(|m| m.write_at(off, src))
     }
 
     fn msync(&self, off: usize, len: usize) -> io::Result<()> {
@@ -621,7 +631,9 @@ impl Cache {
             }
         }
         // room for every block allocated and freed again in one generation
-        let cap = (self.n_blocks as usize).saturating_mul(4).max(4096);
+        let cap = self
+            .log_records
+            .unwrap_or_else(|| (self.n_blocks as usize).saturating_mul(4).max(4096));
         let sim = self.cache_file.as_ref().and_then(|f| f.sim().cloned());
         let mut logs = [0, 1].map(|k| RestartLog::create_on(&paths[k], cap, sim.clone()));
         let mut take = Vec::with_capacity(slots.len());
@@ -937,11 +949,10 @@ impl Cache {
                     if self.map.is_some() {
                         // copied under the lock: the block cannot be freed and reused meanwhile
                         let piece = bio.sub(s - bio.sector, bs, s);
-                        let src = self.mapped(self.block_in_map(i), bs as usize * SECTOR as usize);
+                        let at = self.block_in_map(i);
                         let dst = ctx.data_of(&piece);
-                        match src {
-                            Some(src) if dst.len() == src.len() => dst.copy_from_slice(src),
-                            _ => return Err(MapErr::Errno(errno::EIO)),
+                        if dst.len() != bs as usize * SECTOR as usize || !self.mapped_read(at, dst) {
+                            return Err(MapErr::Errno(errno::EIO));
                         }
                     }
                     self.plan_push(&mut plan, s, Some(i));
@@ -1105,6 +1116,15 @@ impl Cache {
                     st.stats.writes_around += 1;
                     None
                 }
+                None if !reserve_log_records(&mut st) => {
+                    // the restart log of this seq has no room for the entry:
+                    // the rest of the write waits for the commit that begins a
+                    // new one
+                    st.log_full = true;
+                    commit = true;
+                    wait_from = Some(s);
+                    break;
+                }
                 None => match st.free.pop() {
                     Some(i) => {
                         st.stats.writes_allocate += 1;
@@ -1114,11 +1134,13 @@ impl Cache {
                         Some(i)
                     }
                     None if !pmem && old.is_none() => {
+                        unreserve_log_records(&mut st, 2);
                         st.stats.writes_around += 1;
                         triggered = true;
                         None
                     }
                     None => {
+                        unreserve_log_records(&mut st, 2);
                         st.stats.writes_blocked_on_freelist += 1;
                         triggered = true;
                         wait_from = Some(s);
@@ -1144,9 +1166,7 @@ impl Cache {
                 if let Some(i) = step.at {
                     let piece = bio.sub(step.s - bio.sector, step.n, step.s);
                     let src = ctx.data_of(&piece);
-                    if let Some(dst) = self.mapped_mut(self.block_in_map(i), src.len()) {
-                        dst.copy_from_slice(src);
-                    }
+                    self.mapped_write(self.block_in_map(i), src);
                     for b in i..i + (step.n / bs) as u32 {
                         log_allocated(&mut st, b);
                     }
@@ -1235,7 +1255,9 @@ impl Cache {
                 st.commit_deadline = None;
                 st.commit_now = false;
             }
-            let committing = commit && !st.uncommitted.is_empty();
+            // a write waiting for room in the log needs a new seq even where
+            // nothing new is to be committed
+            let committing = commit && (!st.uncommitted.is_empty() || st.log_full);
             let overwrote = commit && std::mem::take(&mut st.overwrote_committed);
             if !committing && !overwrote && st.freeing.is_empty() && st.dirty_list.is_empty() {
                 return Ok(());
@@ -1278,7 +1300,8 @@ impl Cache {
                 st.entries[i as usize] = FREE_ENTRY;
                 st.free.push(i);
             }
-            let waiters = if freeing.is_empty() {
+            let log_was_full = committing && std::mem::take(&mut st.log_full);
+            let waiters = if freeing.is_empty() && !log_was_full {
                 Vec::new()
             } else {
                 std::mem::take(&mut st.free_waiters)
@@ -1337,6 +1360,7 @@ impl Cache {
             if let Some(l) = &mut st.restart[(s % 2) as usize] {
                 l.begin(s);
             }
+            st.log_reserved[(s % 2) as usize] = 0;
             let mut sb = Superblock::parse(&st.image);
             sb.seq_count = st.seq;
             sb.store(&mut st.image);
@@ -1794,6 +1818,26 @@ fn remove_entry(st: &mut State, i: u32) {
     st.freeing.push(i);
 }
 
+/// Keep room in the current seq's restart log for an allocation (its entry and
+/// its freeing); false when there is none (the write waits for a commit).
+fn reserve_log_records(st: &mut State) -> bool {
+    let k = (st.seq % 2) as usize;
+    match &st.restart[k] {
+        Some(l) if l.room() < st.log_reserved[k] + 2 => false,
+        Some(_) => {
+            st.log_reserved[k] += 2;
+            true
+        }
+        None => true,
+    }
+}
+
+/// Give back `n` records reserved in the current seq's log (no allocation came).
+fn unreserve_log_records(st: &mut State, n: usize) {
+    let k = (st.seq % 2) as usize;
+    st.log_reserved[k] = st.log_reserved[k].saturating_sub(n);
+}
+
 /// Entry `i`'s data has landed: record it in its seq's restart log before the
 /// write is acknowledged, once (committed entries count as recorded).
 fn log_allocated(st: &mut State, i: u32) {
@@ -1804,10 +1848,9 @@ fn log_allocated(st: &mut State, i: u32) {
         return;
     }
     st.entries[i as usize].logged = true;
-    if let Some(l) = st.restart[(e.seq % 2) as usize]
-        .as_mut()
-        .filter(|l| l.identity() == e.seq)
-    {
+    let k = (e.seq % 2) as usize;
+    st.log_reserved[k] = st.log_reserved[k].saturating_sub(1);
+    if let Some(l) = st.restart[k].as_mut().filter(|l| l.identity() == e.seq) {
         if !l.append(Record {
             kind: ALLOCATED,
             a: u64::from(i),
@@ -1815,6 +1858,8 @@ fn log_allocated(st: &mut State, i: u32) {
             c: e.seq,
             d: 0,
         }) {
+            // room was reserved at the allocation: only a broken log gets here
+            tracing::error!("writecache: entry {i} could not be recorded in the restart log");
             st.commit_now = true;
         }
     }
