@@ -212,3 +212,18 @@ pub fn patched(img0: &[u8], kinds: &[Option<dmkit::pdata::BlockKind>], data: &[u
     }
     img
 }
+
+/// Remove the devices the inputs made once there are many, so the registry
+/// (shared by every input) stays small and runs stay fast.
+pub fn trim_registry(ctx: &Ctx) {
+    let devs = ctx.reg.list();
+    if devs.len() > 64 {
+        for d in devs {
+            let name = d.name();
+            if !FIXTURE.contains(&name.as_str()) {
+                let _ = ctx.reg.remove(&name, true, false);
+            }
+        }
+        ctx.reg.reap_deferred();
+    }
+}

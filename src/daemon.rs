@@ -340,26 +340,10 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                     let _ = std::thread::Builder::new()
                         .name("control-conn".into())
                         .spawn(move || {
-                            match crate::control::handle(&mut s, &ctx) {
-                                // a client that left before its answer (`dmkit
-                                // table | head`), or connected only to see that a
-                                // daemon is there (a second daemon's probe)
-                                Err(e)
-                                    if matches!(
-                                        e.kind(),
-                                        std::io::ErrorKind::BrokenPipe
-                                            | std::io::ErrorKind::ConnectionReset
-                                            | std::io::ErrorKind::UnexpectedEof
-                                    ) =>
-                                {
-                                    tracing::debug!("control connection: {e}")
-                                }
-                                Err(e) => crate::lograte::client_line(
-                                    tracing::Level::WARN,
-                                    &format!("control request failed: {e}"),
-                                ),
-                                Ok(()) => {}
-                            }
+                            // a client that left before its answer (`dmkit table |
+                            // head`), or connected only to see that a daemon is
+                            // there (a second daemon's probe)
+                            connection_ended("control", crate::control::handle(&mut s, &ctx), true);
                         });
                 }
             })?;
@@ -375,23 +359,13 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
                     let _ = std::thread::Builder::new()
                         .name("dm-door-conn".into())
                         .spawn(move || {
-                            match crate::control::door::serve_connection(&mut s, &ctx) {
-                                // the program left before its answer (a waiter
-                                // interrupted by a signal drops its connection)
-                                Err(e)
-                                    if matches!(
-                                        e.kind(),
-                                        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
-                                    ) =>
-                                {
-                                    tracing::debug!("dm ioctl door connection: {e}")
-                                }
-                                Err(e) => crate::lograte::client_line(
-                                    tracing::Level::WARN,
-                                    &format!("dm ioctl door connection: {e}"),
-                                ),
-                                Ok(()) => {}
-                            }
+                            // the program left before its answer (a waiter
+                            // interrupted by a signal drops its connection)
+                            connection_ended(
+                                "dm ioctl door",
+                                crate::control::door::serve_connection(&mut s, &ctx),
+                                false,
+                            );
                         });
                 }
             })?;
@@ -432,6 +406,22 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let _ = std::fs::remove_file(&door_path);
     let _ = std::fs::remove_file(&pid_path);
     Ok(())
+}
+
+/// How a control or door connection ended: a client that went away (and, with
+/// `eof_too`, one that sent nothing) is no news; anything else is a line a
+/// client caused (rate-limited, `lograte`).
+fn connection_ended(what: &str, r: std::io::Result<()>, eof_too: bool) {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+    match r {
+        Ok(()) => {}
+        Err(e)
+            if matches!(e.kind(), BrokenPipe | ConnectionReset) || (eof_too && e.kind() == UnexpectedEof) =>
+        {
+            tracing::debug!("{what} connection: {e}")
+        }
+        Err(e) => crate::lograte::client_line(tracing::Level::WARN, &format!("{what} connection: {e}")),
+    }
 }
 
 /// dmkit's block major for this run directory: the one its `major` file names,

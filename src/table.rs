@@ -201,15 +201,22 @@ pub fn bounded(text: &str) -> std::borrow::Cow<'_, str> {
     if text.len() <= 3 * EDGE {
         return text.into();
     }
-    let mut head = EDGE;
-    while !text.is_char_boundary(head) {
-        head -= 1;
-    }
-    let mut tail = text.len() - EDGE;
-    while !text.is_char_boundary(tail) {
-        tail += 1;
-    }
+    let (head, tail) = ends(text, EDGE, EDGE);
     format!("{}...{} ({} bytes)", &text[..head], &text[tail..], text.len()).into()
+}
+
+/// Where the first `head` and the last `tail` bytes of `text` end and begin,
+/// moved in to character boundaries (`text` is longer than both).
+fn ends(text: &str, head: usize, tail: usize) -> (usize, usize) {
+    let mut h = head;
+    while !text.is_char_boundary(h) {
+        h -= 1;
+    }
+    let mut t = text.len() - tail;
+    while !text.is_char_boundary(t) {
+        t += 1;
+    }
+    (h, t)
 }
 
 /// A whole reply or log line built from input, bounded at about 600 bytes: its
@@ -221,14 +228,7 @@ pub fn bounded_line(text: &str) -> std::borrow::Cow<'_, str> {
     if text.len() <= HEAD + TAIL + 100 {
         return text.into();
     }
-    let mut head = HEAD;
-    while !text.is_char_boundary(head) {
-        head -= 1;
-    }
-    let mut tail = text.len() - TAIL;
-    while !text.is_char_boundary(tail) {
-        tail += 1;
-    }
+    let (head, tail) = ends(text, HEAD, TAIL);
     format!(
         "{} ...[{} bytes left out]... {}",
         &text[..head],

@@ -306,10 +306,9 @@ fn thin_acked_unflushed(d: &Daemon) -> Vec<u8> {
     want
 }
 
-/// A writecache that commits only on flush (or when its log fills), on
-/// `name`, of mode `mode`, with 2 MiB of pattern `seed` written over it and
-/// not flushed, then its first 64 KiB written again (in place: uncommitted).
-fn wc_acked_unflushed(d: &Daemon, name: &str, mode: &str, seed: u64) -> Vec<u8> {
+/// A writecache `name` of mode `mode` over 16 MiB of origin and 8 MiB of cache
+/// that commits only on flush (or when its log fills), and a client of it.
+fn wc_committing_on_flush(d: &Daemon, name: &str, mode: &str) -> Client {
     let origin = image(&d.dir, &format!("{name}-origin.img"), 16 * MIB, None);
     let cache = image(&d.dir, &format!("{name}-cache.img"), 8 * MIB, None);
     d.create(
@@ -321,7 +320,14 @@ fn wc_acked_unflushed(d: &Daemon, name: &str, mode: &str, seed: u64) -> Vec<u8> 
             cache.display()
         ),
     );
-    let mut c = Client::connect(&d.sock(), name);
+    Client::connect(&d.sock(), name)
+}
+
+/// A writecache that commits only on flush (or when its log fills), on
+/// `name`, of mode `mode`, with 2 MiB of pattern `seed` written over it and
+/// not flushed, then its first 64 KiB written again (in place: uncommitted).
+fn wc_acked_unflushed(d: &Daemon, name: &str, mode: &str, seed: u64) -> Vec<u8> {
+    let mut c = wc_committing_on_flush(d, name, mode);
     let mut want = pattern(seed, 2 * MIB as usize);
     c.write(0, &want);
     want[..65536].copy_from_slice(&pattern(seed + 10, 65536));
@@ -541,18 +547,7 @@ fn a_full_writecache_restart_log_holds_writes_back_until_a_commit() {
     let d = Daemon::start_with("wclogfull", &["--test-restart-log-records", "8"], &[]);
     let mut wants = Vec::new();
     for (name, mode, seed) in [("wcs", "s", 70u64), ("wcp", "p", 80)] {
-        let origin = image(&d.dir, &format!("{name}-origin.img"), 16 * MIB, None);
-        let cache = image(&d.dir, &format!("{name}-cache.img"), 8 * MIB, None);
-        d.create(
-            name,
-            &format!(
-                "0 {} writecache {mode} {} {} 4096 4 autocommit_blocks 1000000 autocommit_time 3600000",
-                16 * MIB / 512,
-                origin.display(),
-                cache.display()
-            ),
-        );
-        let mut c = Client::connect(&d.sock(), name);
+        let mut c = wc_committing_on_flush(&d, name, mode);
         let want = pattern(seed, 64 * 4096);
         for b in 0..64 {
             c.write(b * 4096, &want[b as usize * 4096..(b as usize + 1) * 4096]);

@@ -30,14 +30,5 @@ fuzz_target!(|data: &[u8]| {
     assert!(errno >= 0);
     // devices the inputs made: removed once there are many, so the registry
     // (shared by every input) stays small and runs stay fast
-    let devs = ctx.reg.list();
-    if devs.len() > 64 {
-        for d in devs {
-            let name = d.name();
-            if !common::FIXTURE.contains(&name.as_str()) {
-                let _ = ctx.reg.remove(&name, true, false);
-            }
-        }
-        ctx.reg.reap_deferred();
-    }
+    common::trim_registry(ctx);
 });

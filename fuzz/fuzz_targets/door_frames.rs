@@ -33,14 +33,5 @@ fuzz_target!(|data: &[u8]| {
     let _ = dmkit::control::door::serve_connection(&mut server, ctx);
     drop(server);
     let _ = peer.join();
-    let devs = ctx.reg.list();
-    if devs.len() > 64 {
-        for d in devs {
-            let name = d.name();
-            if !common::FIXTURE.contains(&name.as_str()) {
-                let _ = ctx.reg.remove(&name, true, false);
-            }
-        }
-        ctx.reg.reap_deferred();
-    }
+    common::trim_registry(ctx);
 });

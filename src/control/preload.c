@@ -413,6 +413,20 @@ static int under_dev(const char *path)
 
 static int exchange(uint32_t request, void *buf, uint32_t len, int quiet);
 
+/* DM_DEV_STATUS of the device `name` (or, with no name, of number `dev`) into
+ * `io`, quietly: 0, or the errno. */
+static int dev_status(struct dm_ioctl *io, const char *name, uint64_t dev)
+{
+	memset(io, 0, sizeof(*io));
+	io->version[0] = DM_VERSION_MAJOR;
+	io->data_size = sizeof(*io);
+	io->data_start = sizeof(*io);
+	if (name)
+		memcpy(io->name, name, strlen(name) + 1);
+	io->dev = dev;
+	return exchange((uint32_t)DM_DEV_STATUS, io, sizeof(*io), 1);
+}
+
 /* A kernel dev_t as dm_ioctl carries it (huge_encode_dev): its minor. */
 static long dm_dev_minor(uint64_t dev)
 {
@@ -461,14 +475,7 @@ static long mapper_name_minor(const char *path)
 		return -1;
 	}
 	struct dm_ioctl io;
-	memset(&io, 0, sizeof(io));
-	io.version[0] = DM_VERSION_MAJOR;
-	io.data_size = sizeof(io);
-	io.data_start = sizeof(io);
-	memcpy(io.name, name, strlen(name) + 1);
-	long m = -1;
-	if (exchange((uint32_t)DM_DEV_STATUS, &io, sizeof(io), 1) == 0)
-		m = dm_dev_minor(io.dev);
+	long m = dev_status(&io, name, 0) == 0 ? dm_dev_minor(io.dev) : -1;
 	errno = e;
 	return m;
 }
@@ -944,12 +951,7 @@ static int sysfs_dm_fd(const char *path)
 	    maj != dm_major || (strcmp(attr, "name") && strcmp(attr, "uuid") && strcmp(attr, "suspended")))
 		return -2;
 	struct dm_ioctl io;
-	memset(&io, 0, sizeof(io));
-	io.version[0] = DM_VERSION_MAJOR;
-	io.data_size = sizeof(io);
-	io.data_start = sizeof(io);
-	io.dev = makedev(maj, min);
-	if (exchange((uint32_t)DM_DEV_STATUS, &io, sizeof(io), 1)) {
+	if (dev_status(&io, NULL, makedev(maj, min))) {
 		errno = ENOENT;
 		return -1;
 	}
