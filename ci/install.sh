@@ -92,7 +92,10 @@ for pkg in busybox-static librbd-dev libssl-dev qemu-block-extra; do
 done
 
 # mkdocs from PyPI: 1.6 is the first whose --strict fails on a missing anchor.
-mkdocs_ok() { has mkdocs && mkdocs --version | grep -Eq 'version 1\.([6-9]|[1-9][0-9])\.'; }
+# Run as `python3 -m mkdocs` (ci/test.sh too): the module is there as soon as pip
+# installed it, where a `mkdocs` command may wait for a shim (pyenv) or land
+# outside PATH (~/.local/bin).
+mkdocs_ok() { python3 -m mkdocs --version 2>/dev/null | grep -Eq 'version 1\.([6-9]|[1-9][0-9])\.'; }
 if ! mkdocs_ok; then
   echo "installing: mkdocs (pip)"
   python3 -m pip install --quiet 'mkdocs>=1.6,<2'

@@ -14,7 +14,7 @@ cargo fmt --all -- --check
 python3 ci/modules.py
 # the manual and the design notes as a site (mkdocs.yml): a link under docs/ to a
 # missing page or anchor fails the build
-mkdocs build --strict --site-dir "$(mktemp -d)"
+python3 -m mkdocs build --strict --site-dir "$(mktemp -d)"
 cargo clippy --release --all-targets -- -D warnings
 # the fuzz crate too (not part of the workspace; stable with RUSTC_BOOTSTRAP for
 # libfuzzer-sys, as ci/fuzz.sh builds it)
