@@ -232,33 +232,34 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         // silently; say so now rather than at the first create
         crate::export::ublk::available().map_err(|e| anyhow::anyhow!("serve --attach: {e}"))?;
     }
+    // a previous daemon's devices, not replayed (a restore replaces what a user
+    // may have set up meanwhile by hand, and replays tables naming files that
+    // may have changed: it is asked for): kept aside, and said first
+    let waiting = |n: usize, whose: &str, at: &Path| {
+        format!(
+            "{n} devices of {whose} are waiting, not made again (recorded in {}): stop this daemon and \
+             run `dmkit serve --restore` to make them again",
+            at.display()
+        )
+    };
     if !opts.restore && state.exists() {
-        // a previous daemon's devices: kept aside, not replayed (a restore
-        // replaces what a user may have set up meanwhile by hand, and replays
-        // tables naming files that may have changed: it is asked for)
         let devices = recorded_devices(&state);
         if let Ok(prev) = crate::control::state::set_aside(&state) {
-            let line = format!(
-                "{devices} devices of the previous daemon are waiting, not made again (recorded in {}): \
-                 stop this daemon and run `dmkit serve --restore` to make them again",
-                prev.display()
-            );
+            let line = waiting(devices, "the previous daemon", &prev);
             tracing::warn!("{line}");
             if devices > 0 {
                 notes.push_str(&line);
                 notes.push('\n');
             }
         }
-    } else if !opts.restore && prev.exists() && recorded_devices(&prev) > 0 {
-        let line = format!(
-            "{} devices of an earlier daemon are waiting, not made again (recorded in {}): \
-             stop this daemon and run `dmkit serve --restore` to make them again",
-            recorded_devices(&prev),
-            prev.display()
-        );
-        tracing::warn!("{line}");
-        notes.push_str(&line);
-        notes.push('\n');
+    } else if !opts.restore && prev.exists() {
+        let devices = recorded_devices(&prev);
+        if devices > 0 {
+            let line = waiting(devices, "an earlier daemon", &prev);
+            tracing::warn!("{line}");
+            notes.push_str(&line);
+            notes.push('\n');
+        }
     }
     let ctx = Arc::new(crate::control::Ctx {
         run_dir: Some(opts.run_dir.clone()),

@@ -49,6 +49,14 @@ fn mknod_block(path: &Path, major: u32, minor: u32) {
     );
 }
 
+/// A daemon with one linear device `name` over a sparse file of `bytes`.
+fn linear_daemon(tag: &str, name: &str, bytes: u64) -> Daemon {
+    let d = Daemon::start(tag);
+    let back = d.dir.sparse("back", bytes);
+    d.create(name, &format!("0 {} linear {} 0", bytes / 512, back.display()));
+    d
+}
+
 /// A 1 MiB file of 'x' (the door must never take it for a device).
 fn plain_file(s: &Scratch) -> std::path::PathBuf {
     let p = s.path("plain");
@@ -65,9 +73,7 @@ fn plain_file(s: &Scratch) -> std::path::PathBuf {
 #[test]
 fn a_reused_descriptor_is_the_file_it_now_is() {
     common::need_all(&["cc"]);
-    let d = Daemon::start("fdreuse");
-    let back = d.dir.sparse("back", 1 << 20);
-    d.create("dlin", &format!("0 2048 linear {} 0", back.display()));
+    let d = linear_daemon("fdreuse", "dlin", 1 << 20);
     let plain = plain_file(&d.dir);
     let blocks = std::fs::metadata(&plain).expect("plain").blocks();
     let exe = common::build_c(&d, "reuse");
@@ -106,9 +112,7 @@ fn a_reused_descriptor_is_the_file_it_now_is() {
 #[test]
 fn python_and_bash_descriptors_behind_the_door() {
     common::need_all(&["python3", "bash"]);
-    let d = Daemon::start("fdpython");
-    let back = d.dir.sparse("back", 1 << 20);
-    d.create("dpy", &format!("0 2048 linear {} 0", back.display()));
+    let d = linear_daemon("fdpython", "dpy", 1 << 20);
     let plain = plain_file(&d.dir);
     let script = r#"
 import errno, fcntl, os, struct, subprocess, sys
@@ -265,9 +269,7 @@ fn kernel_nodes_pass_through_and_dmkits_nodes_are_dmkits() {
 #[test]
 fn dev_mapper_name_works_behind_the_door_for_any_device() {
     common::need_all(&["mkfs.ext4", "e2fsck"]);
-    let d = Daemon::start("mappername");
-    let back = d.dir.sparse("back", 64 << 20);
-    d.create("mkx", &format!("0 131072 linear {} 0", back.display()));
+    let d = linear_daemon("mappername", "mkx", 64 << 20);
     assert!(!Path::new("/dev/mapper/mkx").exists());
     common::run(d.exec().args(["mkfs.ext4", "-q", "-F", "/dev/mapper/mkx"]));
     common::run(d.exec().args(["e2fsck", "-fn", "/dev/mapper/mkx"]));
@@ -292,9 +294,7 @@ fn dev_mapper_name_works_behind_the_door_for_any_device() {
 /// `remove` says the device is in use; after the shell's own close it goes.
 #[test]
 fn a_childs_exit_does_not_end_its_parents_open() {
-    let d = Daemon::start("childexit");
-    let back = d.dir.sparse("back", 1 << 20);
-    d.create("held", &format!("0 2048 linear {} 0", back.display()));
+    let d = linear_daemon("childexit", "held", 1 << 20);
     let dmkit = format!("{} --run-dir {}", common::BIN, d.run.display());
     let script = format!(
         "exec 3<>/dev/mapper/held; /bin/true; x=$(cat /dev/null); exec 4<&3; exec 4<&-; \

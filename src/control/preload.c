@@ -229,8 +229,9 @@ static int is_control(const char *path)
 }
 
 /* Descriptor `fd` is a socket of this library's of `kind` (checked by its
- * inode; an entry that no longer matches is forgotten). */
-static int checked_kind(int fd, int kind)
+ * inode; an entry that no longer matches is forgotten). `seen`: its fstat, if
+ * the caller has just taken it (else it is taken here). */
+static int known_socket(int fd, int kind, const struct stat *seen)
 {
 	if (fd < 0 || fd >= MAX_FD)
 		return 0;
@@ -240,13 +241,20 @@ static int checked_kind(int fd, int kind)
 	uint64_t ino = atomic_load(&fd_ino[fd]);
 	struct stat st;
 	int e = errno;
-	int same = get_fstat()(fd, &st) == 0 && S_ISSOCK(st.st_mode) && (uint64_t)st.st_ino == ino;
+	if (!seen && get_fstat()(fd, &st) == 0)
+		seen = &st;
+	int same = seen && S_ISSOCK(seen->st_mode) && (uint64_t)seen->st_ino == ino;
 	errno = e;
 	if (!same) {
 		atomic_compare_exchange_strong(&fd_kind[fd], &k, 0);
 		return 0;
 	}
 	return 1;
+}
+
+static int checked_kind(int fd, int kind)
+{
+	return known_socket(fd, kind, NULL);
 }
 
 static int is_ours(int fd)
@@ -1080,7 +1088,7 @@ int ioctl(int fd, unsigned long request, ...)
 	va_start(ap, request);
 	void *arg = va_arg(ap, void *);
 	va_end(ap);
-	if (((request >> 8) & 0xff) == 0xfd && is_ours(fd))
+	if (is_ours(fd))
 		return door_ioctl(fd, request, arg);
 	if (blk_request(request)) {
 		struct stat st;
@@ -1213,7 +1221,7 @@ static int fd_stat(int fd, int rc, struct stat *st)
 {
 	if (rc != 0)
 		return rc;
-	if (S_ISSOCK(st->st_mode) && is_ours(fd)) {
+	if (known_socket(fd, CONTROL, st)) {
 		control_stat(st);
 		return 0;
 	}
@@ -1225,7 +1233,7 @@ static int fd_stat(int fd, int rc, struct stat *st)
 	return dm_number(rc, st);
 }
 
-#define PATH_STAT(real, st_type)                               \
+#define PATH_STAT(real)                               \
 	if (is_control(path)) {                                    \
 		control_stat((struct stat *)st);                       \
 		return 0;                                              \
@@ -1235,22 +1243,22 @@ static int fd_stat(int fd, int rc, struct stat *st)
 
 int stat(const char *path, struct stat *st)
 {
-	PATH_STAT(get_stat()(path, st), struct stat)
+	PATH_STAT(get_stat()(path, st))
 }
 
 int stat64(const char *path, struct stat64 *st)
 {
-	PATH_STAT(get_stat64()(path, st), struct stat64)
+	PATH_STAT(get_stat64()(path, st))
 }
 
 int lstat(const char *path, struct stat *st)
 {
-	PATH_STAT(get_lstat()(path, st), struct stat)
+	PATH_STAT(get_lstat()(path, st))
 }
 
 int lstat64(const char *path, struct stat64 *st)
 {
-	PATH_STAT(get_lstat64()(path, st), struct stat64)
+	PATH_STAT(get_lstat64()(path, st))
 }
 
 int fstat(int fd, struct stat *st)
@@ -1306,8 +1314,8 @@ int fstatat64(int dirfd, const char *path, struct stat64 *st, int flags)
 int unlink(const char *path)
 {
 	int rc = get_unlink()(path);
-	if (rc != 0 && errno == ENOENT && first_char(path) == '/' && !strncmp(path, "/dev/mapper/", 12) &&
-	    mapper_name_minor(path) >= 0)
+	/* (ENOENT: the path was read, so it is not null) */
+	if (rc != 0 && errno == ENOENT && !strncmp(path, "/dev/mapper/", 12) && mapper_name_minor(path) >= 0)
 		return 0;
 	return rc;
 }
@@ -1315,10 +1323,22 @@ int unlink(const char *path)
 int rename(const char *from, const char *to)
 {
 	int rc = get_rename()(from, to);
-	if (rc != 0 && errno == ENOENT && first_char(from) == '/' && first_char(to) == '/' &&
-	    !strncmp(from, "/dev/mapper/", 12) && !strncmp(to, "/dev/mapper/", 12) && mapper_name_minor(to) >= 0)
+	if (rc != 0 && errno == ENOENT && !strncmp(from, "/dev/mapper/", 12) && !strncmp(to, "/dev/mapper/", 12) &&
+	    mapper_name_minor(to) >= 0)
 		return 0;
 	return rc;
+}
+
+/* `st`'s answers in `stx` (what the stat calls change: type, number, size). */
+static void stx_from_stat(struct statx *stx, const struct stat *st)
+{
+	stx->stx_mode = (uint16_t)st->st_mode;
+	stx->stx_ino = (uint64_t)st->st_ino;
+	stx->stx_rdev_major = major(st->st_rdev);
+	stx->stx_rdev_minor = minor(st->st_rdev);
+	stx->stx_size = (uint64_t)st->st_size;
+	stx->stx_blocks = (uint64_t)st->st_blocks;
+	stx->stx_blksize = (uint32_t)st->st_blksize;
 }
 
 /* statx (coreutils' stat and ls): the same answers as the stat calls, in its
@@ -1327,13 +1347,16 @@ int statx(int dirfd, const char *path, int flags, unsigned int mask, struct stat
 {
 	int c = first_char(path);
 	struct stat st;
-	int have = 0;
 	if (c == '/' && is_control(path)) {
 		control_stat(&st);
-		have = 1;
+		memset(stx, 0, sizeof(*stx));
+		stx->stx_mask = STATX_BASIC_STATS;
+		stx->stx_nlink = 1;
+		stx_from_stat(stx, &st);
+		return 0;
 	}
-	int rc = have ? 0 : get_statx()(dirfd, path, flags, mask, stx);
-	if (!have && rc == 0 && (c == 0 || c == '/') && (S_ISREG(stx->stx_mode) || S_ISSOCK(stx->stx_mode) || S_ISBLK(stx->stx_mode))) {
+	int rc = get_statx()(dirfd, path, flags, mask, stx);
+	if (rc == 0 && (c == '/' || (c == 0 && (flags & AT_EMPTY_PATH)))) {
 		/* what the stat calls would say of it, from the same fields */
 		memset(&st, 0, sizeof(st));
 		st.st_mode = stx->stx_mode;
@@ -1344,33 +1367,18 @@ int statx(int dirfd, const char *path, int flags, unsigned int mask, struct stat
 		st.st_blocks = (blkcnt_t)stx->stx_blocks;
 		st.st_blksize = (blksize_t)stx->stx_blksize;
 		struct stat before = st;
-		if (c == 0 && (flags & AT_EMPTY_PATH))
+		if (c == 0)
 			fd_stat(dirfd, 0, &st);
 		else
 			dm_number(0, &st);
-		have = memcmp(&st, &before, sizeof(st)) != 0;
-	} else if (!have && rc != 0 && c == '/' && errno == ENOENT && path_stat(path, -1, &st) == 0) {
-		have = 1;
+		if (memcmp(&st, &before, sizeof(st)) != 0)
+			stx_from_stat(stx, &st);
+	} else if (rc != 0 && c == '/' && errno == ENOENT && path_stat(path, -1, &st) == 0) {
 		memset(stx, 0, sizeof(*stx));
 		stx->stx_mask = STATX_BASIC_STATS;
 		stx->stx_nlink = 1;
-		stx->stx_dev_major = 0;
-		stx->stx_dev_minor = 5;
+		stx_from_stat(stx, &st);
 		rc = 0;
-	}
-	if (have) {
-		if (is_control(path) && c == '/') {
-			memset(stx, 0, sizeof(*stx));
-			stx->stx_mask = STATX_BASIC_STATS;
-			stx->stx_nlink = 1;
-		}
-		stx->stx_mode = (uint16_t)st.st_mode;
-		stx->stx_ino = (uint64_t)st.st_ino;
-		stx->stx_rdev_major = major(st.st_rdev);
-		stx->stx_rdev_minor = minor(st.st_rdev);
-		stx->stx_size = (uint64_t)st.st_size;
-		stx->stx_blocks = (uint64_t)st.st_blocks;
-		stx->stx_blksize = (uint32_t)st.st_blksize;
 	}
 	return rc;
 }
@@ -1378,22 +1386,22 @@ int statx(int dirfd, const char *path, int flags, unsigned int mask, struct stat
 /* The entries binaries built against glibc before 2.33 call. */
 int __xstat(int ver, const char *path, struct stat *st)
 {
-	PATH_STAT(get___xstat()(ver, path, st), struct stat)
+	PATH_STAT(get___xstat()(ver, path, st))
 }
 
 int __xstat64(int ver, const char *path, struct stat64 *st)
 {
-	PATH_STAT(get___xstat64()(ver, path, st), struct stat64)
+	PATH_STAT(get___xstat64()(ver, path, st))
 }
 
 int __lxstat(int ver, const char *path, struct stat *st)
 {
-	PATH_STAT(get___lxstat()(ver, path, st), struct stat)
+	PATH_STAT(get___lxstat()(ver, path, st))
 }
 
 int __lxstat64(int ver, const char *path, struct stat64 *st)
 {
-	PATH_STAT(get___lxstat64()(ver, path, st), struct stat64)
+	PATH_STAT(get___lxstat64()(ver, path, st))
 }
 
 int __fxstat(int ver, int fd, struct stat *st)

@@ -419,13 +419,8 @@ impl Filesystem for Files {
         reply: ReplyEmpty,
     ) {
         if let Some(o) = self.opens.lock().unpoisoned().get_mut(&fh.0) {
-            if !std::mem::replace(&mut o.closing, true) {
-                o.dev.close_started();
-            } else {
-                // another close of the same open: a new moment to wait from
-                o.dev.close_ended();
-                o.dev.close_started();
-            }
+            let first = !std::mem::replace(&mut o.closing, true);
+            o.dev.close_started(first);
         }
         reply.ok();
     }

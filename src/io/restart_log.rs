@@ -277,11 +277,6 @@ impl RestartLog {
         self.len
     }
 
-    /// Records a generation holds.
-    pub fn capacity(&self) -> usize {
-        self.cap
-    }
-
     /// Records that still fit in this generation.
     pub fn room(&self) -> usize {
         if self.full {

@@ -262,9 +262,6 @@ pub struct Device {
     /// dm statistics regions (`@stats_*` messages): counted where requests to
     /// this device start and end.
     pub stats: stats::Stats,
-    /// Its minor number was asked for (DM_PERSISTENT_DEV_FLAG, `create --minor`):
-    /// a restart gives it the same one.
-    pub chosen_minor: bool,
     /// `FAULT_*`: a worker panicked serving it (its I/O fails, see
     /// `crate::panics`), or a test armed a panic.
     fault: AtomicU8,
@@ -283,9 +280,12 @@ const CLOSE_SETTLE: Duration = Duration::from_millis(100);
 impl Device {
     /// A close of an open that may be its last (a device file's flush): until
     /// [`Device::close_ended`], counts read within [`CLOSE_SETTLE`] wait for it.
-    pub fn close_started(&self) {
+    /// `first`: the open's first close (a later one only moves the moment).
+    pub fn close_started(&self, first: bool) {
         *self.last_close.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
-        self.closing.fetch_add(1, Ordering::SeqCst);
+        if first {
+            self.closing.fetch_add(1, Ordering::SeqCst);
+        }
     }
 
     /// The open [`Device::close_started`] named has ended (or was not closed
@@ -345,7 +345,6 @@ impl Device {
             control: Mutex::new(()),
             block_device: Mutex::new(None),
             stats: stats::Stats::default(),
-            chosen_minor: false,
             fault: AtomicU8::new(FAULT_NONE),
         }
     }

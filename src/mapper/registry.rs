@@ -80,10 +80,10 @@ fn check_name(name: &str) -> Result<(), ControlError> {
         None
     };
     match why {
-        Some(why) => Err(dev_err(
-            &crate::table::bounded(name),
-            format!("invalid device name '{}': {why}", crate::table::bounded(name)),
-        )),
+        Some(why) => {
+            let quoted = crate::table::bounded(name);
+            Err(dev_err(&quoted, format!("invalid device name '{quoted}': {why}")))
+        }
         None => Ok(()),
     }
 }
@@ -448,8 +448,8 @@ impl Registry {
             }
             self.uuid_free(name, uuid.as_deref())?;
         }
-        let (minor, chosen) = match minor {
-            Some(m) if self.minors.lock().unpoisoned().take_this(m) => (m, true),
+        let minor = match minor {
+            Some(m) if self.minors.lock().unpoisoned().take_this(m) => m,
             Some(m) => {
                 return Err(ControlError::Errno {
                     name: name.to_string(),
@@ -457,11 +457,9 @@ impl Registry {
                     what: format!("Device or resource busy: minor number {m} is in use"),
                 })
             }
-            None => (self.take_minor(), false),
+            None => self.take_minor(),
         };
-        let mut dev = Device::new(name.to_string(), minor, uuid.clone(), read_only);
-        dev.chosen_minor = chosen;
-        let dev = Arc::new(dev);
+        let dev = Arc::new(Device::new(name.to_string(), minor, uuid.clone(), read_only));
         // Build the table before the device is visible, so a failed create leaves
         // nothing, its minor included.
         if let Some(table) = table {

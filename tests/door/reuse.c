@@ -79,6 +79,18 @@ static int open_file(void)
 	return fd;
 }
 
+/* The ordinary file opened again must get number `n`, just ended as `what`
+ * had it, and be the ordinary file there. */
+static void file_on_number(int n, const char *what)
+{
+	int f = open_file();
+	if (f != n)
+		fail(what, "the file did not get the number just ended");
+	is_plain_file(f, what);
+	close(f);
+	ok(what);
+}
+
 static void is_device(int fd, const char *what)
 {
 	struct stat st;
@@ -130,16 +142,11 @@ int main(int argc, char **argv)
 
 	/* close_range, then the number again for the file */
 	close_range((unsigned)d, (unsigned)d, 0);
-	int f = open_file();
-	if (f != d)
-		fail("close_range", "the file did not get the device's number");
-	is_plain_file(f, "close_range");
-	close(f);
-	ok("close_range");
+	file_on_number(d, "close_range");
 
 	/* dup2 of the file over a device's number */
 	d = open_dev();
-	f = open_file();
+	int f = open_file();
 	if (dup2(f, d) != d)
 		fail("dup2", "dup2");
 	is_plain_file(d, "dup2");
@@ -153,12 +160,7 @@ int main(int argc, char **argv)
 		fail("fclose", "fopen");
 	int n = fileno(s);
 	fclose(s);
-	f = open_file();
-	if (f != n)
-		fail("fclose", "the file did not get the stream's number");
-	is_plain_file(f, "fclose");
-	close(f);
-	ok("fclose");
+	file_on_number(n, "fclose");
 
 	/* a device's duplicates are the device */
 	d = open_dev();

@@ -136,14 +136,13 @@ impl PoolMd {
     /// Keep room in the restart log for the mapping of a provisioning about to
     /// start; false when there is none (the write waits for a commit).
     pub fn reserve_log_record(&mut self) -> bool {
-        match &self.restart {
-            Some(l) if l.room() <= self.log_reserved => false,
-            Some(_) => {
-                self.log_reserved += 1;
-                true
-            }
-            None => true,
+        if self.log_room() == 0 {
+            return false;
         }
+        if self.restart.is_some() {
+            self.log_reserved += 1;
+        }
+        true
     }
 
     /// A provisioning's reserved record is no longer needed (it was written,
