@@ -128,7 +128,6 @@ DOOR="dmkit --run-dir /run/dmkit2 exec --"
 # only, so Debian's dd and cat are brought (ORACLE_FILES) and used on both sides
 # (its block device answers once ublk has started it)
 i=0; while [ "$(/usr/bin/dd if=/dev/mapper/dz bs=4096 count=1 status=none 2>/dev/null | wc -c)" != 4096 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
-ls -l /dev/mapper/ /dev/ublkb* 2>&1 || cat /tmp/dmkit2.log
 echo "ORACLE side-kernel-ls $(dmsetup ls | cut -f1 | line)"
 echo "ORACLE side-door-ls $($DOOR dmsetup ls | cut -f1 | line)"
 echo "ORACLE side-kd-plain $(/usr/bin/dd if=/dev/mapper/kd bs=1M count=8 status=none | md5sum | cut -d' ' -f1)"

@@ -633,6 +633,9 @@ impl Cache {
         // room for every block allocated and freed again in one generation
         let cap = self
             .log_records
+            // an allocation reserves two records: a smaller log would never
+            // have room, and its writes would wait for ever
+            .map(|n| n.max(2))
             .unwrap_or_else(|| (self.n_blocks as usize).saturating_mul(4).max(4096));
         let sim = self.cache_file.as_ref().and_then(|f| f.sim().cloned());
         let mut logs = [0, 1].map(|k| RestartLog::create_on(&paths[k], cap, sim.clone()));
