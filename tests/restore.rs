@@ -8,11 +8,12 @@
 mod common;
 
 use common::fs::{cmd, run_t};
-use common::nbd::{Client, FLUSH, TRIM};
+use common::nbd::{Client, FLUSH, TRIM, WRITE};
 use common::{assert_same, image, pattern, read_all, Daemon};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
+const EIO: u32 = 5;
 
 /// `path` as a table line carries it.
 fn esc(path: &std::path::Path) -> String {
@@ -565,4 +566,40 @@ fn a_full_writecache_restart_log_holds_writes_back_until_a_commit() {
             &format!("{name}: every acknowledged write"),
         );
     }
+}
+
+/// A thin pool's restart log truncated under the daemon (issue 45): a write
+/// that needs a record fails with EIO instead of being acknowledged unrecorded
+/// (and instead of a SIGBUS ending the daemon); written blocks still read back,
+/// and a flush commits.
+#[test]
+fn a_restart_log_truncated_under_the_daemon_fails_new_mappings_not_the_daemon() {
+    let mut d = Daemon::start_with("shrunk-log", &["--test-thin-commit-period-ms", "3600000"], &[]);
+    let want = thin_acked_unflushed(&d);
+    let logs: Vec<_> = std::fs::read_dir(d.run.join("uncommitted"))
+        .expect("the restart logs")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("thin-pool-"))
+        })
+        .collect();
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&logs[0])
+        .and_then(|f| f.set_len(0))
+        .expect("truncate the log");
+    let mut c = Client::connect(&d.sock(), "thin");
+    // a block never written: it needs a new mapping, so a record
+    assert_eq!(c.call(WRITE, 0, 16 * MIB, 4096, &[9; 4096]), EIO, "a new mapping");
+    assert!(d.alive(), "the daemon survived");
+    assert!(
+        d.log().contains("could not be recorded in the restart log"),
+        "the log says why: {}",
+        d.log()
+    );
+    assert_eq!(c.read(0, 9 * MIB as usize), want, "what was written reads back");
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0, "a flush commits");
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::fs::{check_files, cmd, must, write_files, Attach, FileSet, FS_TOOLS};
-use common::nbd::{Client, FLUSH, WRITE};
+use common::nbd::{Client, FLUSH, READ, WRITE};
 use common::{
     accept, assert_same, need, need_all, pattern, read_all, read_at, run, settle, write_until_killed, Daemon,
     Rng, Scratch,
@@ -651,4 +651,45 @@ fn ssd_sigkill_under_load() {
 #[test]
 fn pmem_sigkill_under_load() {
     sigkill_under_load("p", "wc-kill-load-p");
+}
+
+/// A pmem cache file truncated by another process under the daemon (issue 45):
+/// the device's I/O fails with EIO and it enters the error state (status's
+/// first field), while the daemon and its other devices go on; the kernel
+/// would report a pmem media error the same way.
+#[test]
+fn pmem_cache_file_truncated_under_the_daemon_fails_its_io_only() {
+    let mut d = Daemon::start("wc-shrunk");
+    let s = &d.dir;
+    let origin = s.sparse("origin", 8 * MIB);
+    let cache = s.sparse("cache", 4 * MIB);
+    d.create("wc", &table("p", &origin, &cache, 8 * MIB / 512, ""));
+    let other = s.sparse("other", MIB);
+    d.create("other", &format!("0 {} linear {} 0", MIB / 512, other.display()));
+    let mut c = Client::connect(&d.sock(), "wc");
+    assert_eq!(c.call(WRITE, 0, 0, 65536, &pattern(1, 65536)), 0);
+    assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
+    assert_eq!(c.read(0, 65536), pattern(1, 65536));
+    assert_eq!(status(&d, "wc")[0], 0, "not in the error state yet");
+
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&cache)
+        .and_then(|f| f.set_len(4096))
+        .expect("truncate the cache file");
+    assert_eq!(c.call(READ, 0, 0, 4096, &[]), EIO, "a cached block's read");
+    assert_eq!(c.call(WRITE, 0, 8192, 4096, &[3; 4096]), EIO, "a write");
+    assert!(d.alive(), "the daemon survived the truncation");
+    assert_eq!(status(&d, "wc")[0], 1, "the cache is in the error state");
+    assert!(
+        d.log().contains("a mapped file shrank under the daemon"),
+        "the log says why: {}",
+        d.log()
+    );
+    let mut o = Client::connect(&d.sock(), "other");
+    assert_eq!(o.call(WRITE, 0, 0, 4096, &[5; 4096]), 0);
+    assert_eq!(o.read(0, 4096), vec![5u8; 4096], "another device goes on");
+    // and the broken device can be taken down
+    drop(c);
+    d.ok(&["remove", "--force", "wc"]);
 }

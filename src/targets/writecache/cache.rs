@@ -670,9 +670,10 @@ impl Cache {
             }
         }
         st.restart = logs.map(Result::ok);
-        // what was taken back is logged again, in case this daemon dies too
+        // what was taken back is logged again, in case this daemon dies too (a
+        // log that breaks meanwhile asks for the commit that makes it moot)
         for i in st.uncommitted.clone() {
-            log_allocated(st, i);
+            let _ = log_allocated(st, i);
         }
         Ok(replayed)
     }
@@ -955,6 +956,9 @@ impl Cache {
                         let at = self.block_in_map(i);
                         let dst = ctx.data_of(&piece);
                         if dst.len() != bs as usize * SECTOR as usize || !self.mapped_read(at, dst) {
+                            // the cache file shrank under us (`io::mapped`): as
+                            // the kernel's pmem read error, the error state
+                            self.fail(&mut st);
                             return Err(MapErr::Errno(errno::EIO));
                         }
                     }
@@ -1067,7 +1071,10 @@ impl Cache {
                             // point another sector's old data at this one).
                             c.fail(&mut lock(&c.st));
                         }
-                        c.write_done(i, blocks, ok);
+                        let recorded = c.write_done(i, blocks, ok);
+                        c.leave(e);
+                        // a block that could not be recorded is not acknowledged
+                        return if recorded { 0 } else { errno::EIO };
                     }
                     c.leave(e);
                 }
@@ -1169,9 +1176,16 @@ impl Cache {
                 if let Some(i) = step.at {
                     let piece = bio.sub(step.s - bio.sector, step.n, step.s);
                     let src = ctx.data_of(&piece);
-                    self.mapped_write(self.block_in_map(i), src);
+                    if !self.mapped_write(self.block_in_map(i), src) {
+                        // the cache file shrank under us (`io::mapped`): the
+                        // error state, and this write fails unacknowledged
+                        self.fail(&mut st);
+                        return Err(MapErr::Errno(errno::EIO));
+                    }
                     for b in i..i + (step.n / bs) as u32 {
-                        log_allocated(&mut st, b);
+                        if !log_allocated(&mut st, b) {
+                            return Err(MapErr::Errno(errno::EIO));
+                        }
                     }
                 }
             }
@@ -1210,9 +1224,11 @@ impl Cache {
         set_meta(st, i, sector, seq);
     }
 
-    fn write_done(&self, first: u32, blocks: u32, ok: bool) {
+    /// A write to cache blocks `first..first + blocks` ended; false when one of
+    /// them could not be recorded in the restart log (the write then fails).
+    fn write_done(&self, first: u32, blocks: u32, ok: bool) -> bool {
         let mut st = lock(&self.st);
-        let mut wake = false;
+        let (mut wake, mut recorded) = (false, true);
         for i in first..first + blocks {
             if let Some(e) = st.entries.get_mut(i as usize) {
                 e.writes = e.writes.saturating_sub(1);
@@ -1220,7 +1236,7 @@ impl Cache {
             }
             if ok {
                 // landed, about to be acknowledged
-                log_allocated(&mut st, i);
+                recorded &= log_allocated(&mut st, i);
             }
         }
         let w = if wake && !st.read_waiters.is_empty() {
@@ -1230,6 +1246,7 @@ impl Cache {
         };
         drop(st);
         w.into_iter().for_each(Pending::requeue);
+        recorded
     }
 
     fn arc(&self) -> Option<Arc<Cache>> {
@@ -1842,13 +1859,15 @@ fn unreserve_log_records(st: &mut State, n: usize) {
 }
 
 /// Entry `i`'s data has landed: record it in its seq's restart log before the
-/// write is acknowledged, once (committed entries count as recorded).
-fn log_allocated(st: &mut State, i: u32) {
+/// write is acknowledged, once (committed entries count as recorded). False
+/// when the log is broken (a file truncated under the daemon): the write must
+/// fail, and a commit is asked for.
+fn log_allocated(st: &mut State, i: u32) -> bool {
     let Some(e) = st.entries.get(i as usize).copied() else {
-        return;
+        return true;
     };
     if e.logged || e.sector == FREE {
-        return;
+        return true;
     }
     st.entries[i as usize].logged = true;
     let k = (e.seq % 2) as usize;
@@ -1862,10 +1881,12 @@ fn log_allocated(st: &mut State, i: u32) {
             d: 0,
         }) {
             // room was reserved at the allocation: only a broken log gets here
-            tracing::error!("writecache: entry {i} could not be recorded in the restart log");
+            tracing::error!("writecache: entry {i} could not be recorded in the restart log: the write fails");
             st.commit_now = true;
+            return false;
         }
     }
+    true
 }
 
 fn lru_push_head(st: &mut State, i: u32) {
