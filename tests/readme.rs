@@ -217,6 +217,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
         ],
         // and the extents block under the same heading
         h if h.contains("1024-segment") => &["1024\n", "seg.img flushes=", " linear 7:"],
+        h if h.starts_with("Recording every write") => &[
+            "replayed 4 entries: 1 writes, 0 discards, 2 flushes, 1 marks\n",
+            "read 65536/65536 bytes at offset 0\n",
+            " mark sector 0 count 0 before\n",
+            " mark sector 0 count 0 dm-log-writes-end\n",
+        ],
         h if h.contains("Crash trials") => &[
             "100 trials of thin: 100 passed, 0 failed;",
             "100 trials of writecache: 100 passed, 0 failed;",
@@ -249,9 +255,11 @@ impl Drop for Cleanup {
             let ci = Path::new(env!("CARGO_MANIFEST_DIR")).join("ci/ceph-cluster.sh");
             let _ = Command::new(ci).arg("stop").arg(d.join("ceph")).status();
         }
-        if let Ok(pid) = std::fs::read_to_string(d.join("run/serve.pid")) {
-            let _ = Command::new("kill").arg(pid.trim()).status();
-            std::thread::sleep(Duration::from_millis(500));
+        for run in ["run", "lw-run"] {
+            if let Ok(pid) = std::fs::read_to_string(d.join(run).join("serve.pid")) {
+                let _ = Command::new("kill").arg(pid.trim()).status();
+                std::thread::sleep(Duration::from_millis(500));
+            }
         }
     }
 }

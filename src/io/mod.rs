@@ -138,6 +138,10 @@ pub struct Leaf {
     pub origin: (u16, u32, u16),
     /// Run once this leaf's I/O has finished.
     pub end_io: Option<EndIo>,
+    /// What `end_io` changes must be made durable by a flush after a FUA
+    /// request (dm-thin's mappings); false for hooks that only note a
+    /// completion (log-writes').
+    pub hook_needs_flush: bool,
 }
 
 /// Merge runs of plain reads or writes that continue each other in the same file
@@ -193,6 +197,7 @@ impl Leaf {
             done: 0,
             origin: (0, 0, 0),
             end_io: None,
+            hook_needs_flush: false,
         }
     }
 }

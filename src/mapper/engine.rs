@@ -82,6 +82,8 @@ pub(crate) struct Piece {
     pub(crate) bio: Bio,
     /// The hook of a piece above that this one belongs to.
     pub(crate) end_io: Option<EndIo>,
+    /// That hook needs a FUA request's flush after it (`Leaf::hook_needs_flush`).
+    pub(crate) hook_needs_flush: bool,
     /// The owned buffer the piece's data is in (None: the request's).
     pub(crate) owned: Option<u32>,
 }
@@ -761,7 +763,7 @@ impl Engine {
                     guarded(q.dev.as_deref(), &mut q.error, || {
                         h(e == 0, &mut []);
                     });
-                    q.hooked = true;
+                    q.hooked |= m.hook_needs_flush;
                 }
                 if e != 0 && q.error == 0 {
                     q.error = e;
@@ -908,7 +910,7 @@ impl Engine {
                     guarded(q.dev.as_deref(), &mut q.error, || {
                         e = apply_end_io(&h, ok, l, data)
                     });
-                    q.hooked = true;
+                    q.hooked |= l.hook_needs_flush;
                     if e != 0 && q.error == 0 {
                         q.error = e;
                     }
@@ -1019,7 +1021,7 @@ impl Engine {
             guarded(q.dev.as_deref(), &mut q.error, || {
                 e = apply_end_io(&h, ok, l, data)
             });
-            q.hooked = true;
+            q.hooked |= l.hook_needs_flush;
             if e != 0 && q.error == 0 {
                 q.error = e;
             }
@@ -1039,6 +1041,9 @@ impl Engine {
         if (q.then_flush || (q.hooked && q.fua)) && q.error == 0 {
             q.then_flush = false;
             q.hooked = false;
+            // once: the flush's own hooks (a target that records flushes, as
+            // log-writes does) must not call for another
+            q.fua = false;
             // FUA on a discard / write-zeroes, or on a write whose target changed
             // metadata: flush what it touched.
             q.leaves.clear();

@@ -271,6 +271,9 @@ struct Join {
     left: AtomicUsize,
     failed: AtomicBool,
     hook: EndIo,
+    /// This hook or one it belongs to changes what a FUA request's flush after
+    /// must make durable ([`MapCtx::remap_noting`] hooks do not).
+    needs_flush: bool,
 }
 
 impl Join {
@@ -558,15 +561,36 @@ impl<'a> MapCtx<'a> {
     }
 
     /// Run `end_io` once every leaf and piece `bio`'s mapping onto `dev` produces
-    /// is done: dm-thin maps a new block once the write to it has landed.
+    /// is done: dm-thin maps a new block once the write to it has landed. What
+    /// the hook changes is made durable as the request's: a FUA request whose
+    /// hooks ran ends with a flush down the device.
     pub fn remap_with(&mut self, dev: &DevRef, bio: Bio, tag: u16, end_io: EndIo) -> Result<(), MapErr> {
         self.joined(end_io, |ctx| ctx.remap(dev, bio, tag))
+    }
+
+    /// As [`remap_with`](Self::remap_with), for a hook that only notes the
+    /// completion and changes nothing a flush must make durable (log-writes
+    /// records it in memory): a FUA request ends without a flush for it.
+    pub fn remap_noting(&mut self, dev: &DevRef, bio: Bio, tag: u16, end_io: EndIo) -> Result<(), MapErr> {
+        self.joined_as(end_io, false, |ctx| ctx.remap(dev, bio, tag))
     }
 
     /// Run `f` with every leaf and piece it produces joined to `hook`; a hook
     /// already collecting (an outer one) waits for this one too.
     fn joined(&mut self, hook: EndIo, f: impl FnOnce(&mut Self) -> Result<(), MapErr>) -> Result<(), MapErr> {
+        self.joined_as(hook, true, f)
+    }
+
+    /// [`joined`](Self::joined), saying whether `hook` needs a FUA request's
+    /// flush after it.
+    fn joined_as(
+        &mut self,
+        hook: EndIo,
+        needs_flush: bool,
+        f: impl FnOnce(&mut Self) -> Result<(), MapErr>,
+    ) -> Result<(), MapErr> {
         let outer = self.join.take();
+        let needs_flush = needs_flush || outer.as_ref().is_some_and(|o| o.needs_flush);
         let hook = match &outer {
             Some(o) => {
                 let up = o.child();
@@ -586,6 +610,7 @@ impl<'a> MapCtx<'a> {
             left: AtomicUsize::new(1),
             failed: AtomicBool::new(false),
             hook,
+            needs_flush,
         });
         self.join = Some(j.clone());
         let r = f(self);
@@ -624,6 +649,7 @@ impl<'a> MapCtx<'a> {
             Op::WriteZeroes => LeafKind::WriteZeroes { punch: bio.punch },
         };
         let end_io = self.join.as_ref().map(|j| j.child());
+        let hook_needs_flush = self.join.as_ref().is_some_and(|j| j.needs_flush);
         self.leaves.push(Leaf {
             kind,
             file: Some(handle),
@@ -635,6 +661,7 @@ impl<'a> MapCtx<'a> {
             done: 0,
             origin: (self.origin.0, self.origin.1, tag),
             end_io,
+            hook_needs_flush,
         });
     }
 
@@ -643,6 +670,7 @@ impl<'a> MapCtx<'a> {
     pub fn submit(&mut self, bio: Bio) -> Pending {
         self.submitted += 1;
         let end_io = self.join.as_ref().map(|j| j.child());
+        let hook_needs_flush = self.join.as_ref().is_some_and(|j| j.needs_flush);
         let piece = Piece {
             owned: self.cur,
             slot: self.slot,
@@ -651,6 +679,7 @@ impl<'a> MapCtx<'a> {
             target_start: self.target_start,
             bio,
             end_io,
+            hook_needs_flush,
         };
         Pending::new(self.inbox.clone(), piece)
     }
@@ -661,6 +690,7 @@ impl<'a> MapCtx<'a> {
         l.origin = (self.origin.0, self.origin.1, 0);
         l.owned = self.cur;
         l.end_io = self.join.as_ref().map(|j| j.child());
+        l.hook_needs_flush = self.join.as_ref().is_some_and(|j| j.needs_flush);
         self.leaves.push(l);
     }
 

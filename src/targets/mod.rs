@@ -33,5 +33,6 @@ targets! {
     cache => cache::TYPE;
     crypt => crypt::TYPE;
     verity => verity::TYPE;
+    log_writes => log_writes::TYPE;
     xor => xor::TYPE;
 }

@@ -72,6 +72,48 @@ enum Cmd {
     /// tear unflushed writes, a crash, then the stack reopened and checked. A
     /// failing trial prints the command that replays it
     Sim(SimArgs),
+    /// Replay a log-writes log (the kernel's format: written by a `log-writes`
+    /// table, the kernel's dm-log-writes or QEMU's blklogwrites) onto TARGET,
+    /// a file or block device, entry by entry: to its end, or through a mark,
+    /// the first N entries or the N-th flush
+    #[command(after_help = "Examples:
+  dmkit replay log.img replay.img --until mark:before-upgrade
+  dmkit replay log.img replay.img --until flush:3     # as the device was after its 3rd flush
+  dmkit replay log.img --list                         # what the log holds, one line per entry")]
+    Replay {
+        /// The log device or file
+        log: PathBuf,
+        /// The file or block device to write the replay onto (not with --list alone)
+        target: Option<PathBuf>,
+        /// Where to stop: mark:NAME, entry:N (the first N entries) or flush:N
+        #[arg(long, value_name = "WHERE")]
+        until: Option<String>,
+        /// Print each entry replayed: its number, flags, sector and count in
+        /// the log's blocks, and a mark's text
+        #[arg(long)]
+        list: bool,
+        /// After the stop, these entries too (numbers, comma-separated): the
+        /// crash state --crash-states names
+        #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+        with_entries: Vec<u64>,
+        /// Check every state a crash could have left instead: for each flush
+        /// epoch, the device at the flush before it plus any subset of the
+        /// epoch's writes and any prefix of its FUA writes, built on TARGET
+        /// (the device before the log began) and judged by --check
+        #[arg(long, requires = "check")]
+        crash_states: bool,
+        /// The judge of a crash state: a shell command, `{}` replaced by
+        /// TARGET's path; exit 0 accepts the state (e.g. 'fsck.ext4 -fn {}')
+        #[arg(long, value_name = "COMMAND")]
+        check: Option<String>,
+        /// States tried per epoch, at most: all of them when there are no more,
+        /// else this many chosen with --seed
+        #[arg(long, default_value_t = 1024)]
+        max_states: u64,
+        /// The seed that chooses states when an epoch has too many
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Run PROGRAM with device-mapper's door open to this run directory's
     /// daemon: its /dev/mapper/control reaches dmkit, so the real dmsetup (and
     /// other programs built on libdevmapper) drive dmkit's devices unmodified
@@ -456,6 +498,20 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         }
         Cmd::Progress { name } => follow(&run_dir.join("control.sock"), &name),
         Cmd::Sim(a) => sim(a),
+        Cmd::Replay {
+            log,
+            target,
+            until,
+            list,
+            with_entries,
+            crash_states,
+            check,
+            max_states,
+            seed,
+        } => match (crash_states, check) {
+            (true, Some(check)) => replay_crash_states(&log, target.as_deref(), &check, seed, max_states),
+            _ => replay(&log, target.as_deref(), until.as_deref(), &with_entries, list),
+        },
         Cmd::Exec { program } => exec(&run_dir, &program),
         Cmd::Luks(cmd) => Ok(luks(&run_dir, cmd)),
         Cmd::Verity(cmd) => Ok(verity(&run_dir, cmd)),
@@ -665,6 +721,84 @@ fn device_files(run_dir: &Path) -> std::result::Result<std::path::PathBuf, Strin
         Ok((false, _, err)) => Err(err.trim_end().to_string()),
         Err(e) => Err(format!("asking the daemon for its device files: {e}")),
     }
+}
+
+fn replay_crash_states(
+    log: &std::path::Path,
+    target: Option<&std::path::Path>,
+    check: &str,
+    seed: u64,
+    max_states: u64,
+) -> Result<i32> {
+    let target = target.ok_or_else(|| {
+        anyhow::anyhow!(
+            "replay --crash-states: name a TARGET holding the device as it was before the log began"
+        )
+    })?;
+    let c = dmkit::targets::log_writes::replay::crash_states(log, target, check, seed, max_states)
+        .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
+    let sampled = if c.sampled > 0 {
+        format!(" ({} of them sampled with --seed {seed})", c.sampled)
+    } else {
+        String::new()
+    };
+    match c.failed {
+        Some(f) => {
+            println!("{f}");
+            println!(
+                "checked {} crash states in {} epochs{sampled}: one refused",
+                c.states, c.epochs
+            );
+            Ok(1)
+        }
+        None => {
+            println!(
+                "checked {} crash states in {} epochs{sampled}: all accepted",
+                c.states, c.epochs
+            );
+            Ok(0)
+        }
+    }
+}
+
+fn replay(
+    log: &std::path::Path,
+    target: Option<&std::path::Path>,
+    until: Option<&str>,
+    with: &[u64],
+    list: bool,
+) -> Result<i32> {
+    use dmkit::targets::log_writes::replay::{replay, Until};
+    if target.is_none() && !list {
+        anyhow::bail!("replay: name a TARGET to replay onto, or --list to only list the entries");
+    }
+    let until = until
+        .map_or(Ok(Until::End), Until::parse)
+        .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let r = replay(
+        log,
+        target,
+        &until,
+        with,
+        list.then_some(&mut out as &mut dyn std::io::Write),
+    )
+    .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
+    drop(out);
+    if !r.reached {
+        anyhow::bail!(
+            "replay: the log ended after {} entries without reaching {until}",
+            r.entries
+        );
+    }
+    if target.is_some() {
+        eprintln!(
+            "replayed {} entries: {} writes, {} discards, {} flushes, {} marks",
+            r.entries, r.writes, r.discards, r.flushes, r.marks
+        );
+    }
+    Ok(0)
 }
 
 fn sim(a: SimArgs) -> Result<i32> {

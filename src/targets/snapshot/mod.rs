@@ -515,10 +515,16 @@ impl Core {
         st.finished.insert(seq, (chunk, ok, copy));
         st.copies = st.copies.saturating_sub(1);
         let mut release: Vec<Pending> = std::mem::take(&mut st.throttled);
-        // Area writes the commits asked for, in order; and whether the entries
-        // appended so far are committed once they are done (at once, transient).
+        // Area writes the commits asked for, in order; and how many of the
+        // entries appended so far (`st.unwritten`) an area written here holds:
+        // an area is written when it fills or when nothing else is pending, so
+        // a write holds every entry appended before it. Entries appended after
+        // the last write (to the next area, others still pending) wait for the
+        // commit that writes them: releasing them with the rest let an origin
+        // write go ahead of its chunk's exception on disk, and a crash then
+        // lost the exception (the sim's snapshot seed 24).
         let mut writes = Vec::new();
-        let mut committed = false;
+        let mut covered = 0usize;
         loop {
             let next = st.done_seq;
             let Some((chunk, ok, copy)) = st.finished.remove(&next) else {
@@ -538,7 +544,9 @@ impl Core {
                 }
                 if let Store::Persistent(p) = &mut st.store {
                     let io = p.abandon();
-                    committed |= io.area.is_some();
+                    if io.area.is_some() {
+                        covered = st.unwritten.len();
+                    }
                     writes.push(io);
                 }
                 if let Some(pe) = st.pending.remove(&chunk) {
@@ -551,14 +559,15 @@ impl Core {
             }
             let new = st.pending.get(&chunk).map_or(0, |pe| pe.new);
             st.unwritten.push(chunk);
-            match &mut st.store {
-                Store::Persistent(p) => {
-                    let io = p.commit(chunk, new);
-                    committed |= io.area.is_some();
-                    writes.push(io);
-                }
-                Store::Transient(_) => committed = true,
+            let io = match &mut st.store {
+                Store::Persistent(p) => Some(p.commit(chunk, new)),
+                Store::Transient(_) => None,
+            };
+            // a transient store commits at once
+            if io.as_ref().is_none_or(|io| io.area.is_some()) {
+                covered = st.unwritten.len();
             }
+            writes.extend(io);
         }
         // The store lock (`io`) keeps other commits behind these writes.
         let mut written = true;
@@ -571,8 +580,10 @@ impl Core {
                 written = false;
             }
         }
-        if committed {
-            for chunk in std::mem::take(&mut st.unwritten) {
+        if covered > 0 {
+            let keep = covered.min(st.unwritten.len());
+            let rest = st.unwritten.split_off(keep);
+            for chunk in std::mem::replace(&mut st.unwritten, rest) {
                 let Some(pe) = st.pending.remove(&chunk) else {
                     continue;
                 };
@@ -1003,4 +1014,63 @@ pub(crate) fn map_origin_write(
         return Ok(());
     }
     ctx.remap(origin, bio, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::io::BackingFile;
+
+    /// Exceptions completing out of order across an area boundary (the sim's
+    /// snapshot seed 24): the copy that fills area 0 finishes after the first
+    /// copy of area 1; area 0 is written, area 1 is not yet (an exception is
+    /// still pending), so the area-1 exception must not be complete (its
+    /// origin write would go ahead of it on disk) until the commit that writes
+    /// area 1. Fails before the fix: everything finished in the call was
+    /// released once area 0 was written.
+    #[test]
+    fn an_exception_is_complete_only_once_its_area_is_written() {
+        let dir = std::env::temp_dir().join(format!("dmkit-snap-areas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = |name: &str, len: u64| {
+            let p = dir.join(name);
+            std::fs::write(&p, vec![0u8; len as usize]).expect("file");
+            Arc::new(BackingFile::open(&p, false, false).expect("open"))
+        };
+        let (origin, cow) = (file("origin", 1 << 20), file("cow", 1 << 20));
+        let key = dev_key(&DevRef::File(cow.clone()));
+        let (origin, cow) = (Dest::File(origin), Dest::File(cow));
+        // 2-sector chunks: 64 exceptions per metadata area
+        let opened = open_store(&cow, true, 2, 512).expect("store");
+        let copier = Arc::new(crate::copier::Copier::new(64 << 10, 4));
+        let core = Core::new(origin, cow, key, 2048, opened, false, copier);
+        let per_area = 64;
+        {
+            let mut st = lock(&core.st);
+            for c in 0..per_area + 2 {
+                core.allocate(&mut st, c).expect("a COW chunk");
+            }
+        }
+        for c in 0..per_area - 1 {
+            core.finish(c, true, false);
+        }
+        assert!(lock(&core.st).complete.is_empty(), "nothing written yet, nothing complete");
+        // the first exception of area 1 finishes before the one that fills area 0
+        core.finish(per_area, true, false);
+        core.finish(per_area - 1, true, false);
+        {
+            let st = lock(&core.st);
+            assert_eq!(st.complete.len() as u64, per_area, "area 0 is written: its exceptions are complete");
+            assert!(
+                !st.complete.contains_key(&per_area),
+                "origin chunk {per_area}'s exception is in area 1, not yet written"
+            );
+        }
+        // the last one: nothing pending, area 1 is written
+        core.finish(per_area + 1, true, false);
+        let st = lock(&core.st);
+        assert!(st.complete.contains_key(&per_area) && st.complete.contains_key(&(per_area + 1)));
+        drop(st);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
