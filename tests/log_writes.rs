@@ -157,7 +157,7 @@ fn the_log_follows_the_kernels_order_and_replays_to_each_point() {
     );
     drop(cl);
     let final_data = std::fs::read(&data).expect("data");
-    d.ok(&["remove", "lw"]);
+    d.remove_closed("lw");
 
     let got = entries(&std::fs::read(&log).expect("log"));
     let want = vec![
@@ -280,7 +280,7 @@ fn a_full_log_device_stops_logging_not_writes() {
         d.log()
     );
     drop(cl);
-    d.ok(&["remove", "lw"]);
+    d.remove_closed("lw");
     let tiny = s.sparse("tiny.img", 512);
     let e = d.fails(&[
         "create",
@@ -507,7 +507,7 @@ fn crash_states_find_a_commit_record_written_before_its_data_was_flushed() {
         assert_eq!(c.call(WRITE, 0, 0, 512, &record), 0);
         assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0);
         drop(c);
-        d.ok(&["remove", name]);
+        d.remove_closed(name);
         log
     };
     let states = |log: &Path, extra: &[&str]| {
@@ -577,7 +577,7 @@ fn crash_states_find_a_commit_record_written_before_its_data_was_flushed() {
         assert_eq!(c.call(WRITE, 0, 131072 + i * 4096, 4096, &pattern(i, 4096)), 0);
     }
     drop(c);
-    d.ok(&["remove", "many"]);
+    d.remove_closed("many");
     let (code, out) = states(&log, &["--max-states", "64", "--seed", "7"]);
     assert_eq!(code, Some(0), "{out}");
     assert_eq!(

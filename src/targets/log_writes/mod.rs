@@ -31,6 +31,7 @@ use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Targ
 use crate::sync::Unpoison;
 use format::{Entry, Super, DISCARD, END_MARK, FLUSH, FUA, MARK};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// The `log-writes` target type.
@@ -42,13 +43,17 @@ pub const TYPE: TargetType = TargetType {
 };
 
 /// What one entry records: flags, where (in blocks of `sectorsize`), and a
-/// write's data or a mark's text.
+/// write's entry block and data (the block left for the logger to fill, so the
+/// entry and its data go to the log in one write, copied once) or a mark's text.
 struct Block {
     flags: u64,
     sector: u64,
     nr: u64,
     data: Vec<u8>,
 }
+
+/// The bytes the logger gathers into one write of the log, about.
+const BATCH: usize = 1 << 20;
 
 /// The data of completed writes a device holds for its log (not yet taken by
 /// a flush, or not yet written to the log), at most: a client that never
@@ -71,13 +76,15 @@ struct State {
     end_sector: u64,
     logged: u64,
     enabled: bool,
-    /// The logger is writing an entry.
-    busy: bool,
     stop: bool,
+    /// The logger waits for work (a notify is a system call: only then).
+    idle: bool,
 }
 
 struct Inner {
     st: Mutex<State>,
+    /// `st.enabled`, read without the lock on the I/O path.
+    on: AtomicBool,
     wake: Condvar,
     log: Dest,
     sectorsize: u32,
@@ -96,6 +103,7 @@ impl Inner {
                 "log-writes: more than {MAX_HELD} bytes of writes wait for a flush or for the log device: logging stops"
             );
             st.enabled = false;
+            self.on.store(false, Ordering::Relaxed);
             st.unflushed = Vec::new();
             st.logging.clear();
             st.held = 0;
@@ -103,57 +111,93 @@ impl Inner {
         }
         if b.flags & FUA != 0 {
             st.logging.push_back(b);
-            self.wake.notify_all();
+            self.wake_logger(&mut st);
         } else {
             st.unflushed.push(b);
         }
     }
 
+    /// Work was queued: wake the logger if it waits.
+    fn wake_logger(&self, st: &mut State) {
+        if st.idle {
+            st.idle = false;
+            self.wake.notify_one();
+        }
+    }
+
     /// The logger thread: writes entries in order until told to stop with
-    /// nothing left.
+    /// nothing left. What is queued goes in one write of consecutive entries
+    /// (at most [`BATCH`] bytes: a system call costs more than the copy), then
+    /// the super if an entry of it was a FUA write or a mark: the super is
+    /// written after the entries it counts, as the kernel's.
     fn logger(&self) {
         let ss = u64::from(self.sectorsize);
+        let mut out: Vec<u8> = Vec::new();
+        let mut batch: Vec<Block> = Vec::new();
         loop {
             let mut st = self.st.lock().unpoisoned();
-            st.busy = false;
-            self.wake.notify_all();
-            let b = loop {
-                if let Some(b) = st.logging.pop_front() {
-                    st.held = st.held.saturating_sub(b.data.len());
-                    break b;
-                }
+            while st.logging.is_empty() {
                 if st.stop {
                     return;
                 }
+                st.idle = true;
                 st = self.wake.wait(st).unpoisoned();
-            };
-            if !st.enabled {
-                continue;
+                st.idle = false;
             }
-            let at = st.next_sector;
-            if b.flags & DISCARD == 0 {
-                st.next_sector += b.nr * ss / SECTOR;
+            // taken under the lock with their places; copied out of it
+            let (first, mut super_after, mut bytes) = (st.next_sector, false, 0usize);
+            while let Some(b) = st.logging.pop_front() {
+                st.held = st.held.saturating_sub(b.data.len());
+                if !st.enabled {
+                    continue;
+                }
+                if b.flags & DISCARD == 0 {
+                    st.next_sector += b.nr * ss / SECTOR;
+                }
+                st.next_sector += ss / SECTOR;
+                if st.next_sector >= st.end_sector {
+                    tracing::error!("log-writes: the log device is full: logging stops");
+                    st.enabled = false;
+                    self.on.store(false, Ordering::Relaxed);
+                    continue;
+                }
+                st.logged += 1;
+                super_after |= b.flags & (FUA | MARK) != 0;
+                bytes += b.data.len().max(ss as usize);
+                batch.push(b);
+                if bytes >= BATCH {
+                    break;
+                }
             }
-            st.next_sector += ss / SECTOR;
-            if st.next_sector >= st.end_sector {
-                tracing::error!("log-writes: the log device is full: logging stops");
-                st.enabled = false;
-                continue;
-            }
-            st.logged += 1;
             let logged = st.logged;
-            st.busy = true;
             drop(st);
-            if let Err(e) = self.write_entry(&b, at, logged) {
+            if batch.is_empty() {
+                continue;
+            }
+            out.clear();
+            for mut b in batch.drain(..) {
+                self.encode(&mut b, &mut out);
+            }
+            let r = devio::write(&self.log, first, &out, false).and_then(|()| {
+                if super_after {
+                    self.write_super(logged)
+                } else {
+                    Ok(())
+                }
+            });
+            if let Err(e) = r {
                 tracing::error!("log-writes: writing the log failed: {e}: logging stops");
                 self.st.lock().unpoisoned().enabled = false;
+                self.on.store(false, Ordering::Relaxed);
+            }
+            if out.capacity() > 2 * BATCH {
+                out = Vec::new();
             }
         }
     }
 
-    /// Entry `b` at sector `at` of the log (its data after it), then the super
-    /// if it is a FUA write or a mark.
-    fn write_entry(&self, b: &Block, at: u64, logged: u64) -> std::io::Result<()> {
+    /// Entry `b`'s block (a write's data after it) appended to `out`.
+    fn encode(&self, b: &mut Block, out: &mut Vec<u8>) {
         let ss = self.sectorsize;
         let mark = b.flags & MARK != 0;
         let e = Entry {
@@ -163,19 +207,14 @@ impl Inner {
             // a mark's text length; a write's data is not counted here
             data_len: if mark { b.data.len() as u64 } else { 0 },
         };
-        let mut out = e.encode(if mark { &b.data } else { &[] }, ss);
-        if !mark {
+        let head = e.encode(if mark { &b.data } else { &[] }, ss);
+        if !mark && b.nr > 0 && b.data.len() == ss as usize * (1 + b.nr as usize) {
+            // a write: its entry block goes in the room left before its data
+            b.data[..ss as usize].copy_from_slice(&head);
             out.extend_from_slice(&b.data);
-            if b.flags & DISCARD == 0 {
-                // a write's data fills whole blocks
-                out.resize(ss as usize * (1 + b.nr as usize), 0);
-            }
+        } else {
+            out.extend_from_slice(&head);
         }
-        devio::write(&self.log, at, &out, false)?;
-        if b.flags & (FUA | MARK) != 0 {
-            self.write_super(logged)?;
-        }
-        Ok(())
     }
 
     fn write_super(&self, nr_entries: u64) -> std::io::Result<()> {
@@ -198,7 +237,7 @@ impl Inner {
             nr: 0,
             data,
         });
-        self.wake.notify_all();
+        self.wake_logger(&mut st);
     }
 }
 
@@ -238,6 +277,7 @@ impl LogWrites {
                 enabled: true,
                 ..State::default()
             }),
+            on: AtomicBool::new(true),
             wake: Condvar::new(),
             log: log.dest(),
             sectorsize,
@@ -260,7 +300,7 @@ impl LogWrites {
     }
 
     fn enabled(&self) -> bool {
-        self.inner.st.lock().unpoisoned().enabled
+        self.inner.on.load(Ordering::Relaxed)
     }
 
     /// Record `b` once the I/O `bio` on the device has completed well.
@@ -310,17 +350,22 @@ impl Target for LogWrites {
             Op::Read => ctx.remap(&self.dev, bio, 0),
             _ if !self.enabled() => ctx.remap(&self.dev, bio, 0),
             Op::Write | Op::WriteZeroes if bio.nr_sectors == 0 => ctx.remap(&self.dev, bio, 0),
-            Op::Write => {
-                // copied now: the request's buffer is the client's until the log has it
-                let data = ctx.data_of(&bio).to_vec();
+            Op::Write | Op::WriteZeroes => {
+                // copied now (the request's buffer is the client's until the log
+                // has it), after room for the entry's block; write-zeroes is
+                // recorded as the write of zeroes it is
+                let ss = self.inner.sectorsize as usize;
+                let mut data = vec![0u8; ss + bio.bytes() as usize];
+                if bio.op == Op::Write {
+                    let src = ctx.data_of(&bio);
+                    if src.len() != data.len() - ss {
+                        // the engine bounds every piece by its request: not reached
+                        return Err(MapErr::Errno(crate::io::errno::EIO));
+                    }
+                    data[ss..].copy_from_slice(src);
+                }
                 let flags = if bio.fua { FUA } else { 0 };
                 self.remap_recorded(bio, block(flags, data), ctx)
-            }
-            Op::WriteZeroes => {
-                // recorded as the write of zeroes it is
-                let flags = if bio.fua { FUA } else { 0 };
-                let zeroes = vec![0u8; bio.bytes() as usize];
-                self.remap_recorded(bio, block(flags, zeroes), ctx)
             }
             Op::Discard if self.dev_discards => self.remap_recorded(bio, block(DISCARD, Vec::new()), ctx),
             Op::Discard => {
@@ -346,7 +391,7 @@ impl Target for LogWrites {
                             nr: 0,
                             data: Vec::new(),
                         });
-                        inner.wake.notify_all();
+                        inner.wake_logger(&mut st);
                     } else if st.enabled {
                         // not flushed after all: back before what completed since
                         let later = std::mem::replace(&mut st.unflushed, taken);
