@@ -48,7 +48,7 @@ pub fn registry() -> &'static Registry {
 }
 
 /// The devices [`registry`] makes (a target may remove the others it finds).
-pub const FIXTURE: &[&str] = &["z", "lin", "pool", "thin", "wc", "cr"];
+pub const FIXTURE: &[&str] = &["z", "lin", "pool", "thin", "wc", "cr", "lw"];
 
 /// The control requests' context over [`registry`] (no state file).
 pub fn ctx() -> &'static Ctx {
@@ -102,6 +102,14 @@ fn make_registry() -> Registry {
                 "0 8192 crypt aes-xts-plain64 {} 0 {} 0",
                 "0123456789abcdef".repeat(4),
                 file("crypt", 4 << 20)
+            ),
+        );
+        mk(
+            "lw",
+            format!(
+                "0 8192 log-writes {} {}",
+                file("lwdata", 4 << 20),
+                file("lwlog", 1 << 20)
             ),
         );
         reg

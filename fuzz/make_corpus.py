@@ -97,6 +97,7 @@ for n, t in {
     "crypt_null": f"0 1024 crypt cipher_null-ecb - 0 {D}lin 0",
     "verity": f"0 1024 verity 1 {D}lin {D}cache 4096 4096 128 1 sha256 {'ab' * 32} 00ff 2 ignore_zero_blocks check_at_most_once",
     "verity_v0_sha1": f"0 1024 verity 0 /dev/mapper/lin {D}cow 512 1024 1024 0 sha1 {'01' * 20} - 1 ignore_corruption",
+    "log_writes": f"0 1024 log-writes {D}lin {D}cow",
 }.items():
     put("table", n, t.encode())
 
@@ -117,6 +118,8 @@ for n, (pick, m) in {
     "thin_delta": (2, "thin_delta --thin1 0 --root2 5 --verbose"),
     "crypt_key_wipe": (5, "key wipe"),
     "crypt_key_set": (5, "key set " + "00" * 32),
+    "lw_mark": (6, "mark m1"),
+    "lw_bad": (6, "mark"),
 }.items():
     put("message", n, bytes([pick]) + m.encode())
 
