@@ -1287,3 +1287,54 @@ fn requests_held_back_by_back_pressure_are_answered_after_a_half_close() {
         );
     }
 }
+
+/// A client that fails its handshake over and over cannot make the log grow
+/// faster than its bound (issue 45): at most 20 such lines a second are
+/// written, each after the first left out says how many were, and the lines
+/// written and those left out add up to the handshakes that failed.
+#[test]
+fn failed_handshakes_are_logged_at_a_bounded_rate() {
+    use std::io::{Read, Write};
+    let d = Daemon::start("lograte");
+    let bad = |d: &Daemon| {
+        let mut s = std::os::unix::net::UnixStream::connect(d.sock()).expect("connect");
+        let mut greeting = [0u8; 18];
+        s.read_exact(&mut greeting).expect("greeting");
+        // client flags with unknown bits: the server ends the handshake
+        s.write_all(&[0xff; 4]).expect("flags");
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    };
+    let n = 300;
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        bad(&d);
+    }
+    let spent = t0.elapsed().as_secs() + 1;
+    // past the second: one more, which says how many were left out before it
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    bad(&d);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let log = d.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("handshake ended: client flags carry unknown bits"))
+        .collect();
+    let left_out: u64 = lines
+        .iter()
+        .filter_map(|l| l.split_once(" (").map(|x| x.1))
+        .filter_map(|r| r.strip_suffix(" lines like it left out of the log before this one)"))
+        .map(|c| c.parse::<u64>().expect("a count"))
+        .sum();
+    assert!(
+        lines.len() as u64 <= 20 * (spent + 1) + 1,
+        "{} lines in {spent} s",
+        lines.len()
+    );
+    assert!(left_out > 0, "some were left out: {}", lines.len());
+    assert_eq!(
+        lines.len() as u64 + left_out,
+        n + 1,
+        "written and left out add up"
+    );
+}
