@@ -265,6 +265,21 @@ fn restored(d: &Daemon) -> String {
     d.log()
 }
 
+/// The one thin-pool restart log in `d`'s run directory.
+fn thin_pool_restart_log(d: &Daemon) -> std::path::PathBuf {
+    let logs: Vec<_> = std::fs::read_dir(d.run.join("uncommitted"))
+        .expect("the restart logs")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("thin-pool-"))
+        })
+        .collect();
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    logs.into_iter().next().expect("one log")
+}
+
 /// `pool` on `meta.img` and `data.img`, and thin 0 (made first when `new`) as
 /// `thin`.
 fn pool_and_thin(d: &Daemon, new: bool) {
@@ -413,24 +428,15 @@ fn a_restart_log_that_lies_is_refused_and_named() {
     thin_acked_unflushed(&d);
     let mut d = d;
     d.kill9();
-    let logs: Vec<_> = std::fs::read_dir(d.run.join("uncommitted"))
-        .expect("the restart logs")
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("thin-pool-"))
-        })
-        .collect();
-    assert_eq!(logs.len(), 1, "{logs:?}");
-    let mut bytes = std::fs::read(&logs[0]).expect("log");
+    let log_file = thin_pool_restart_log(&d);
+    let mut bytes = std::fs::read(&log_file).expect("log");
     // record 0 (at 128, 48 bytes): its data block (word c, at 32) becomes 0,
     // mapped since the flush; the checksum (at 12) sealed again
     let r = &mut bytes[128..176];
     r[32..40].copy_from_slice(&0u64.to_le_bytes());
     let c = crc32c::crc32c_append(crc32c::crc32c(&r[..12]), &r[16..]);
     r[12..16].copy_from_slice(&c.to_le_bytes());
-    std::fs::write(&logs[0], &bytes).expect("write log");
+    std::fs::write(&log_file, &bytes).expect("write log");
     let meta_before = std::fs::read(d.dir.path("meta.img")).expect("meta");
     let d = d.kill9_and_restore();
     let log = restored(&d);
@@ -440,12 +446,12 @@ fn a_restart_log_that_lies_is_refused_and_named() {
         .unwrap_or_else(|| panic!("no error for the pool:\n{log}"));
     assert!(line.contains("restart log record 0"), "{line}");
     assert!(line.contains("data block is out of range or in use"), "{line}");
-    assert!(line.contains(&format!("remove {}", logs[0].display())), "{line}");
+    assert!(line.contains(&format!("remove {}", log_file.display())), "{line}");
     assert!(
         std::fs::read(d.dir.path("meta.img")).expect("meta") == meta_before,
         "metadata untouched"
     );
-    std::fs::remove_file(&logs[0]).expect("remove the log");
+    std::fs::remove_file(&log_file).expect("remove the log");
     pool_and_thin(&d, false);
     // without the log: what was flushed (pattern 1), not the unflushed MiB
     let mut c = Client::connect(&d.sock(), "thin");
@@ -576,19 +582,10 @@ fn a_full_writecache_restart_log_holds_writes_back_until_a_commit() {
 fn a_restart_log_truncated_under_the_daemon_fails_new_mappings_not_the_daemon() {
     let mut d = Daemon::start_with("shrunk-log", &["--test-thin-commit-period-ms", "3600000"], &[]);
     let want = thin_acked_unflushed(&d);
-    let logs: Vec<_> = std::fs::read_dir(d.run.join("uncommitted"))
-        .expect("the restart logs")
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("thin-pool-"))
-        })
-        .collect();
-    assert_eq!(logs.len(), 1, "{logs:?}");
+    let log_file = thin_pool_restart_log(&d);
     std::fs::OpenOptions::new()
         .write(true)
-        .open(&logs[0])
+        .open(&log_file)
         .and_then(|f| f.set_len(0))
         .expect("truncate the log");
     let mut c = Client::connect(&d.sock(), "thin");
