@@ -109,8 +109,15 @@ pub enum LeafKind {
 /// written; flakey corrupts read data here. A leaf that is dropped without being
 /// issued (its request is requeued) runs it with `false`, so a target can undo.
 /// Returns 0, or an errno that fails the request although its I/O succeeded
-/// (dm-thin: the pool failed before the new block could be mapped).
+/// (dm-thin: the pool failed before the new block could be mapped), or
+/// [`REMAP`].
 pub type EndIo = std::sync::Arc<dyn Fn(bool, &mut [u8]) -> i32 + Send + Sync>;
+
+/// What an end-of-I/O hook returns to have its request mapped again from the
+/// top once everything under way for it is done, instead of completing (raid1:
+/// a read from a leg that failed goes to another leg; a write that lost a leg
+/// waits for the superblock that records the loss). Not an errno: negative.
+pub const REMAP: i32 = -1;
 
 /// One unit of work on a backing file (or a completion without one).
 #[derive(Clone)]
@@ -142,6 +149,10 @@ pub struct Leaf {
     /// request (dm-thin's mappings); false for hooks that only note a
     /// completion (log-writes').
     pub hook_needs_flush: bool,
+    /// A failure of this leaf only reaches its `end_io`, which decides the
+    /// request's outcome: it does not fail the request (a raid1 leg's,
+    /// `MapCtx::remap_tolerant`).
+    pub tolerant: bool,
 }
 
 /// Merge runs of plain reads or writes that continue each other in the same file
@@ -198,6 +209,7 @@ impl Leaf {
             origin: (0, 0, 0),
             end_io: None,
             hook_needs_flush: false,
+            tolerant: false,
         }
     }
 }

@@ -21,7 +21,7 @@ use super::target::{apply_end_io, Owned};
 use super::{map_bio, release, Device, Hold};
 use super::{Bio, MapCtx, MapErr};
 use crate::io::queue::{IoQueue, Sqe};
-use crate::io::{errno, AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op};
+use crate::io::{errno, AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, REMAP};
 use crate::sync::Unpoison;
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -84,6 +84,8 @@ pub(crate) struct Piece {
     pub(crate) end_io: Option<EndIo>,
     /// That hook needs a FUA request's flush after it (`Leaf::hook_needs_flush`).
     pub(crate) hook_needs_flush: bool,
+    /// Its failure only reaches that hook (`Leaf::tolerant`).
+    pub(crate) tolerant: bool,
     /// The owned buffer the piece's data is in (None: the request's).
     pub(crate) owned: Option<u32>,
 }
@@ -760,12 +762,14 @@ impl Engine {
         match resume {
             Resume::Done(e) => {
                 if let Some(h) = m.end_io {
+                    let mut he = 0;
                     guarded(q.dev.as_deref(), &mut q.error, || {
-                        h(e == 0, &mut []);
+                        he = h(e == 0, &mut []);
                     });
                     q.hooked |= m.hook_needs_flush;
+                    hook_answer(&mut q.error, &mut q.requeue, he);
                 }
-                if e != 0 && q.error == 0 {
+                if e != 0 && q.error == 0 && !m.tolerant {
                     q.error = e;
                 }
             }
@@ -896,7 +900,7 @@ impl Engine {
                         true
                     }
                     LeafKind::Fail(e) => {
-                        if q.error == 0 {
+                        if q.error == 0 && !l.tolerant {
                             q.error = e;
                         }
                         false
@@ -911,9 +915,7 @@ impl Engine {
                         e = apply_end_io(&h, ok, l, data)
                     });
                     q.hooked |= l.hook_needs_flush;
-                    if e != 0 && q.error == 0 {
-                        q.error = e;
-                    }
+                    hook_answer(&mut q.error, &mut q.requeue, e);
                 }
                 return;
             }
@@ -971,6 +973,9 @@ impl Engine {
         let n = q.bytes();
         let l = &mut q.leaves[i];
         let zeroes = matches!(l.kind, LeafKind::WriteZeroes { .. });
+        // A failed leaf fails the request, unless it is tolerant: then only its
+        // hook learns it. `failed`: a tolerant write that wrote nothing.
+        let mut failed = false;
         if res < 0 {
             let e = -res;
             if zeroes && matches!(e, libc::EOPNOTSUPP | libc::EINVAL | libc::ENODEV) {
@@ -983,7 +988,7 @@ impl Engine {
                     self.issue_zero_write(r, i);
                     return;
                 }
-            } else {
+            } else if !l.tolerant {
                 if q.error == 0 {
                     q.error = e;
                 }
@@ -998,13 +1003,15 @@ impl Engine {
                         d.fill(0);
                     }
                     l.done = l.len;
+                } else if l.tolerant {
+                    failed = true;
                 } else if q.error == 0 {
                     q.error = errno::EIO;
                 }
             } else {
                 l.done += res as u64;
             }
-            if l.done < l.len && q.error == 0 {
+            if l.done < l.len && q.error == 0 && !failed {
                 if l.kind == LeafKind::ZeroWrite {
                     self.issue_zero_write(r, i);
                 } else {
@@ -1022,9 +1029,7 @@ impl Engine {
                 e = apply_end_io(&h, ok, l, data)
             });
             q.hooked |= l.hook_needs_flush;
-            if e != 0 && q.error == 0 {
-                q.error = e;
-            }
+            hook_answer(&mut q.error, &mut q.requeue, e);
         }
         self.settle(r);
     }
@@ -1108,9 +1113,7 @@ impl Engine {
                     .unwrap_or_default();
                 let mut e = 0;
                 guarded(q.dev.as_deref(), &mut q.error, || e = h(ok, own, client));
-                if e != 0 && q.error == 0 {
-                    q.error = e;
-                }
+                hook_answer(&mut q.error, &mut q.requeue, e);
             }
             self.owned_pool.push(o.buf);
         }
@@ -1141,6 +1144,16 @@ const FLUSH: Bio = Bio {
     fua: false,
     punch: false,
 };
+
+/// What a hook answered: an errno fails the request (the first one counts),
+/// [`REMAP`] has it mapped again once everything under way for it is done.
+fn hook_answer(error: &mut i32, requeue: &mut bool, e: i32) {
+    if e == REMAP {
+        *requeue = true;
+    } else if e != 0 && *error == 0 {
+        *error = e;
+    }
+}
 
 /// Run a target's end-of-I/O hook: a panic in it fails the request (`error`)
 /// and the device, as one in the map path does.

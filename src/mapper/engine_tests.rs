@@ -2,12 +2,15 @@
 //! device on its path is suspended and mapped again after the resume, data in
 //! buffers a target owns, every end-of-I/O hook told whether its I/O
 //! happened, and a request whose only unfinished piece waits in a target
-//! holding no device below its own.
+//! holding no device below its own, and a mirror whose failed leg fails only
+//! into its hook (`remap_tolerant`) and whose read goes again to the other leg
+//! (`REMAP`).
 
 use super::*;
 use crate::mapper::registry::{Config, Registry};
 use crate::mapper::{arg_dev, arg_u64, DevRef, Resolver, Target, TargetType};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// What each mock device's hooks saw, by the log id in its table: (op, sector, ok).
@@ -177,7 +180,79 @@ impl Target for Wait {
     }
 }
 
-const TYPES: &[TargetType] = &[SPLIT, INVERT, WAIT, crate::mapper::error::TYPE];
+/// `mirror <dev a> <dev b>`: writes go to both legs, tolerantly, and succeed
+/// if one did; a read goes to the first leg not known dead, and one that fails
+/// marks its leg dead and has the request mapped again.
+struct Mirror {
+    legs: [DevRef; 2],
+    dead: Arc<[AtomicBool; 2]>,
+}
+
+const MIRROR: TargetType = TargetType {
+    name: "mirror",
+    version: [1, 0, 0],
+    new: |args, len, r: &dyn Resolver| {
+        Ok(Box::new(Mirror {
+            legs: [arg_dev(args, 0, 0, len, r)?, arg_dev(args, 1, 0, len, r)?],
+            dead: Arc::new([AtomicBool::new(false), AtomicBool::new(false)]),
+        }))
+    },
+    sync: None,
+};
+
+impl Target for Mirror {
+    fn type_name(&self) -> &'static str {
+        "mirror"
+    }
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        if bio.op == Op::Read {
+            let Some(i) = (0..2).find(|&i| !self.dead[i].load(Ordering::SeqCst)) else {
+                return Err(MapErr::Errno(errno::EIO));
+            };
+            let dead = self.dead.clone();
+            return ctx.remap_tolerant(
+                &self.legs[i],
+                bio,
+                0,
+                Arc::new(move |ok, _: &mut [u8]| {
+                    if ok {
+                        return 0;
+                    }
+                    dead[i].store(true, Ordering::SeqCst);
+                    crate::io::REMAP
+                }),
+            );
+        }
+        let good = Arc::new(AtomicUsize::new(0));
+        let left = Arc::new(AtomicUsize::new(2));
+        for leg in &self.legs {
+            let (good, left) = (good.clone(), left.clone());
+            ctx.remap_tolerant(
+                leg,
+                bio,
+                0,
+                Arc::new(move |ok, _: &mut [u8]| {
+                    if ok {
+                        good.fetch_add(1, Ordering::SeqCst);
+                    }
+                    if left.fetch_sub(1, Ordering::SeqCst) == 1 && good.load(Ordering::SeqCst) == 0 {
+                        return errno::EIO;
+                    }
+                    0
+                }),
+            )?;
+        }
+        Ok(())
+    }
+    fn table_params(&self) -> String {
+        format!("{} {}", self.legs[0].table_name(), self.legs[1].table_name())
+    }
+    fn devices(&self) -> Vec<&DevRef> {
+        self.legs.iter().collect()
+    }
+}
+
+const TYPES: &[TargetType] = &[SPLIT, INVERT, WAIT, MIRROR, crate::mapper::error::TYPE];
 
 /// A registry knowing the mock targets, and a 1 MiB file of zeroes under it.
 fn setup(name: &str) -> (Registry, std::path::PathBuf) {
@@ -402,6 +477,56 @@ fn a_request_with_only_a_waiting_piece_left_holds_no_lower_device() {
     let on_disk = std::fs::read(&path).expect("read back");
     assert_eq!(&on_disk[128 * 512..128 * 512 + data.len()], &data[..]);
     e.forget_devices();
+    e.shut_down();
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn a_mirror_survives_a_failed_leg_and_reads_again_from_the_other() {
+    let (reg, path) = setup("mirror");
+    reg.create("dead", Some("0 2048 error"), false, None)
+        .expect("error device");
+    reg.create(
+        "m",
+        Some(&format!("0 2048 mirror /dev/mapper/dead {}", path.display())),
+        false,
+        None,
+    )
+    .expect("create");
+    reg.create(
+        "both",
+        Some("0 2048 mirror /dev/mapper/dead /dev/mapper/dead"),
+        false,
+        None,
+    )
+    .expect("create");
+    let (m, both) = (reg.get("m").expect("m"), reg.get("both").expect("both"));
+    let mut e = Engine::new(1).expect("engine");
+    let data = pattern(8192, 3);
+    // the write fails on the dead leg only: the request succeeds
+    let r = fill(&mut e, Op::Write, 8, 16, Some(&data));
+    e.start(r, &m);
+    assert_eq!(wait(&mut e, r, 1000), Some(0));
+    e.free(r);
+    assert_eq!(
+        &std::fs::read(&path).expect("read back")[8 * 512..8 * 512 + 8192],
+        &data[..]
+    );
+    // the read goes to the dead leg first, fails there, and is mapped again
+    let r = fill(&mut e, Op::Read, 8, 16, None);
+    e.start(r, &m);
+    assert_eq!(wait(&mut e, r, 1000), Some(0));
+    assert_eq!(&e.request(r).buf.as_slice()[..8192], &data[..]);
+    e.free(r);
+    // with both legs dead, the write and the read fail
+    let r = fill(&mut e, Op::Write, 0, 8, Some(&[1; 4096]));
+    e.start(r, &both);
+    assert_eq!(wait(&mut e, r, 1000), Some(errno::EIO));
+    e.free(r);
+    let r = fill(&mut e, Op::Read, 0, 8, None);
+    e.start(r, &both);
+    assert_eq!(wait(&mut e, r, 1000), Some(errno::EIO));
+    e.free(r);
     e.shut_down();
     let _ = std::fs::remove_file(path);
 }

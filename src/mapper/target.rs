@@ -274,6 +274,8 @@ struct Join {
     /// This hook or one it belongs to changes what a FUA request's flush after
     /// must make durable ([`MapCtx::remap_noting`] hooks do not).
     needs_flush: bool,
+    /// The I/O under it fails only into `hook` ([`MapCtx::remap_tolerant`]).
+    tolerant: bool,
 }
 
 impl Join {
@@ -572,31 +574,46 @@ impl<'a> MapCtx<'a> {
     /// completion and changes nothing a flush must make durable (log-writes
     /// records it in memory): a FUA request ends without a flush for it.
     pub fn remap_noting(&mut self, dev: &DevRef, bio: Bio, tag: u16, end_io: EndIo) -> Result<(), MapErr> {
-        self.joined_as(end_io, false, |ctx| ctx.remap(dev, bio, tag))
+        self.joined_as(end_io, false, false, |ctx| ctx.remap(dev, bio, tag))
+    }
+
+    /// As [`remap_noting`](Self::remap_noting), where a failure of the I/O it
+    /// produces does not fail the request: only `end_io` learns it (`false`),
+    /// and its answer decides: 0 (the request goes on as if that I/O had
+    /// succeeded: a mirror's other leg has the data), an errno, or
+    /// [`crate::io::REMAP`] (map the request again). raid1 sends each leg's
+    /// copy of a write and each read this way. An errno a hook of a device
+    /// below returns still fails the request.
+    pub fn remap_tolerant(&mut self, dev: &DevRef, bio: Bio, tag: u16, end_io: EndIo) -> Result<(), MapErr> {
+        self.joined_as(end_io, false, true, |ctx| ctx.remap(dev, bio, tag))
     }
 
     /// Run `f` with every leaf and piece it produces joined to `hook`; a hook
     /// already collecting (an outer one) waits for this one too.
     fn joined(&mut self, hook: EndIo, f: impl FnOnce(&mut Self) -> Result<(), MapErr>) -> Result<(), MapErr> {
-        self.joined_as(hook, true, f)
+        self.joined_as(hook, true, false, f)
     }
 
     /// [`joined`](Self::joined), saying whether `hook` needs a FUA request's
-    /// flush after it.
+    /// flush after it, and whether a failure under it fails only into it.
     fn joined_as(
         &mut self,
         hook: EndIo,
         needs_flush: bool,
+        tolerant: bool,
         f: impl FnOnce(&mut Self) -> Result<(), MapErr>,
     ) -> Result<(), MapErr> {
         let outer = self.join.take();
         let needs_flush = needs_flush || outer.as_ref().is_some_and(|o| o.needs_flush);
+        let own_verdict = tolerant;
+        let tolerant = tolerant || outer.as_ref().is_some_and(|o| o.tolerant);
         let hook = match &outer {
             Some(o) => {
                 let up = o.child();
                 Arc::new(move |ok, d: &mut [u8]| {
                     let e = hook(ok, d);
-                    let up_e = up(ok && e == 0, &mut []);
+                    // a tolerant hook's answer replaces the outcome of the I/O under it
+                    let up_e = up((ok || own_verdict) && e == 0, &mut []);
                     if e != 0 {
                         e
                     } else {
@@ -611,6 +628,7 @@ impl<'a> MapCtx<'a> {
             failed: AtomicBool::new(false),
             hook,
             needs_flush,
+            tolerant,
         });
         self.join = Some(j.clone());
         let r = f(self);
@@ -650,6 +668,7 @@ impl<'a> MapCtx<'a> {
         };
         let end_io = self.join.as_ref().map(|j| j.child());
         let hook_needs_flush = self.join.as_ref().is_some_and(|j| j.needs_flush);
+        let tolerant = self.join.as_ref().is_some_and(|j| j.tolerant);
         self.leaves.push(Leaf {
             kind,
             file: Some(handle),
@@ -662,6 +681,7 @@ impl<'a> MapCtx<'a> {
             origin: (self.origin.0, self.origin.1, tag),
             end_io,
             hook_needs_flush,
+            tolerant,
         });
     }
 
@@ -671,6 +691,7 @@ impl<'a> MapCtx<'a> {
         self.submitted += 1;
         let end_io = self.join.as_ref().map(|j| j.child());
         let hook_needs_flush = self.join.as_ref().is_some_and(|j| j.needs_flush);
+        let tolerant = self.join.as_ref().is_some_and(|j| j.tolerant);
         let piece = Piece {
             owned: self.cur,
             slot: self.slot,
@@ -680,6 +701,7 @@ impl<'a> MapCtx<'a> {
             bio,
             end_io,
             hook_needs_flush,
+            tolerant,
         };
         Pending::new(self.inbox.clone(), piece)
     }
@@ -691,6 +713,7 @@ impl<'a> MapCtx<'a> {
         l.owned = self.cur;
         l.end_io = self.join.as_ref().map(|j| j.child());
         l.hook_needs_flush = self.join.as_ref().is_some_and(|j| j.needs_flush);
+        l.tolerant = self.join.as_ref().is_some_and(|j| j.tolerant);
         self.leaves.push(l);
     }
 
