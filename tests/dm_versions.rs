@@ -21,15 +21,17 @@ fn target_versions_are_linux_6_12s() {
     let script = "dmsetup targets | while read n v; do echo \"ORACLE target-$n $v\"; done\n\
                   echo \"ORACLE driver $(dmsetup version | sed -n 's/^Driver version: *//p')\"\n";
     // the targets dm-mod does not carry itself
-    let modules =
+    let modules = format!(
         "drivers/md/dm-flakey.ko drivers/md/dm-delay.ko drivers/md/dm-zero.ko drivers/md/dm-crypt.ko \
          lib/reed_solomon/reed_solomon.ko drivers/md/dm-verity.ko drivers/md/dm-era.ko \
-         drivers/md/dm-cache.ko drivers/md/dm-cache-smq.ko drivers/md/dm-log-writes.ko";
+         drivers/md/dm-cache.ko drivers/md/dm-cache-smq.ko drivers/md/dm-log-writes.ko {}",
+        oracle::RAID_MODULES
+    );
     let serial = oracle::run_env(
         &s.0,
         script,
         &[],
-        &[("ORACLE_MODULES", modules), ("DMKIT_ORACLE_KERNEL", "6.12")],
+        &[("ORACLE_MODULES", &modules), ("DMKIT_ORACLE_KERNEL", "6.12")],
     );
     let m = oracle::markers(&serial);
     let kernel: Vec<(String, String)> = m

@@ -34,5 +34,6 @@ targets! {
     crypt => crypt::TYPE;
     verity => verity::TYPE;
     log_writes => log_writes::TYPE;
+    raid => raid::TYPE;
     xor => xor::TYPE;
 }

@@ -40,6 +40,13 @@ start() {
 pub const EXT4_UBLK_MODULES: &str =
     "lib/crc16.ko fs/mbcache.ko fs/jbd2/jbd2.ko fs/ext4/ext4.ko drivers/block/ublk_drv.ko";
 
+/// The modules (`ORACLE_MODULES`) for the kernel's dm-raid in the 6.12 guest,
+/// each after those it needs.
+pub const RAID_MODULES: &str = "crypto/xor.ko lib/raid6/raid6_pq.ko crypto/async_tx/async_tx.ko \
+     crypto/async_tx/async_memcpy.ko crypto/async_tx/async_xor.ko crypto/async_tx/async_pq.ko \
+     crypto/async_tx/async_raid6_recov.ko drivers/md/md-mod.ko drivers/md/raid456.ko drivers/md/raid1.ko \
+     drivers/md/dm-raid.ko";
+
 /// Boot the kernel with `script` (written into `dir`) and the disks; the serial
 /// output.
 pub fn run(dir: &Path, script: &str, disks: &[&Path]) -> String {

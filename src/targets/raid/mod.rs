@@ -1,0 +1,1365 @@
+//! `raid raid1 <#params> <chunk> [options] <#legs> <meta> <data> ...`: the
+//! kernel's dm-raid (v1.15.1) for raid1, with its metadata in the kernel's
+//! format ([`format`]; docs/design/dm-raid.md has the rules this follows).
+//!
+//! - Every write goes to each leg that has not failed, tolerantly
+//!   (`MapCtx::remap_tolerant`): it succeeds if a leg took it. A leg whose write
+//!   fails is marked failed, and the write waits, mapped again, until the
+//!   superblocks that record the loss are on the other legs' metadata (as md
+//!   holds it), so a crash can never bring back the stale leg as a good one.
+//! - Before a region (`region_size`) is written, its bit is set in the
+//!   write-intent bitmap on every leg's metadata device; bits of regions left
+//!   idle for two daemon periods are cleared, on an array with every leg in
+//!   sync. After a crash the set bits name what may differ between the legs:
+//!   those regions are copied again (the kernel leaves them on a healthy
+//!   array; copying is safe and compatible). A leg that failed and comes back
+//!   (a new table) gets the regions written meanwhile, and a leg marked
+//!   `rebuild` everything.
+//! - A read goes to one leg in sync (regions spread over the legs by position);
+//!   a read that fails marks its leg failed and goes to another.
+//! - The copying (resync, recover, check, repair) runs on the target's own
+//!   thread one region at a time; writes to that region wait for it.
+//!
+//! Not done (refused with a message saying so): raid levels other than 1,
+//! `delta_disks` (reshape), `data_offset` other than 0. `write_mostly` legs
+//! are read only when no other leg can be; `max_write_behind` is recorded and
+//! not used (writes to them are not acknowledged early); recovery rates are
+//! recorded and not applied.
+
+pub mod format;
+
+use crate::io::{errno, EndIo, Op, REMAP, SECTOR};
+use crate::mapper::devio;
+use crate::mapper::engine::Pending;
+use crate::mapper::{Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
+use crate::sync::Unpoison;
+use format::{BitmapSuper, Super, BITMAP_OFFSET, BITMAP_SB_BYTES, HZ, MAX_CHUNKS, MAX_SECTOR};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The `raid` target type.
+pub const TYPE: TargetType = TargetType {
+    name: "raid",
+    version: [1, 15, 1],
+    new: |args, len, r| Ok(Box::new(Raid::new(args, len, r)?)),
+    sync: None,
+};
+
+/// md's limit of legs.
+const MAX_LEGS: usize = 253;
+/// The default region: 4 MiB.
+const DEFAULT_REGION: u64 = 8192;
+/// The default daemon period: 5 s, in jiffies.
+const DEFAULT_SLEEP: u64 = 5 * HZ;
+
+/// The raid levels the kernel knows, for its error on an unknown one.
+const KNOWN_LEVELS: &[&str] = &[
+    "raid0", "raid1", "raid10", "raid4", "raid5", "raid5_n", "raid5_ls", "raid5_rs", "raid5_la",
+    "raid5_ra", "raid6", "raid6_zr", "raid6_nr", "raid6_nc", "raid6_n_6", "raid6_ls_6", "raid6_rs_6",
+    "raid6_la_6", "raid6_ra_6",
+];
+
+struct Leg {
+    meta: Option<DevRef>,
+    data: Option<DevRef>,
+}
+
+/// What the table said, kept to print it back in the kernel's order.
+#[derive(Default, Clone)]
+struct Options {
+    sync: bool,
+    nosync: bool,
+    rebuild: Vec<usize>,
+    daemon_sleep: Option<u64>,
+    min_recovery_rate: Option<u64>,
+    max_recovery_rate: Option<u64>,
+    write_mostly: Vec<usize>,
+    max_write_behind: Option<u64>,
+    region_size: Option<u64>,
+    data_offset: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    Idle,
+    Resync,
+    Recover,
+    Check,
+    Repair,
+}
+
+impl Action {
+    fn name(self) -> &'static str {
+        match self {
+            Action::Idle => "idle",
+            Action::Resync => "resync",
+            Action::Recover => "recover",
+            Action::Check => "check",
+            Action::Repair => "repair",
+        }
+    }
+}
+
+struct State {
+    faulty: Vec<bool>,
+    in_sync: Vec<bool>,
+    events: u64,
+    events_cleared: u64,
+    /// The array's resync point (md's recovery_cp): MAX_SECTOR once in sync.
+    resync_offset: u64,
+    /// Regions the bitmap has set on disk.
+    on_disk: Vec<bool>,
+    /// Writes under way per region.
+    writes: Vec<u32>,
+    /// Daemon passes since each region was last written.
+    idle_passes: Vec<u8>,
+    /// Regions to copy to the legs that are not in sync (or, on an array
+    /// whose legs are, between all legs: written when a crash came).
+    needed: Vec<bool>,
+    /// Regions whose bit a write waits for.
+    wanted: Vec<bool>,
+    want_bits: bool,
+    /// Bitmap bytes (of the bits) whose page must be written.
+    dirty_pages: Vec<bool>,
+    /// The superblocks must be written before waiting writes go on (a leg failed).
+    sb_dirty: bool,
+    /// Requests waiting for the bitmap, the superblocks or a region's copy.
+    waiting: Vec<Pending>,
+    /// The region being copied: writes to it wait.
+    busy: Option<u64>,
+    action: Action,
+    /// Progress of the current or last copy, in sectors.
+    progress: u64,
+    /// Where the copy resumes: the next region.
+    cursor: u64,
+    /// A full copy of the legs not in sync, rather than their needed regions.
+    fullsync: bool,
+    mismatches: u64,
+    /// Before the first resume, and while suspended: no copying, messages busy.
+    frozen: bool,
+    stop: bool,
+    /// The copy covers every region (not only the `needed` ones).
+    all_regions: bool,
+    /// The table was resumed once: metadata may be written.
+    started: bool,
+}
+
+struct Inner {
+    legs: Vec<Leg>,
+    len: u64,
+    /// Region size in sectors.
+    region: u64,
+    regions: u64,
+    daemon_sleep_s: u32,
+    write_behind: u32,
+    write_mostly: Vec<bool>,
+    st: Mutex<State>,
+    wake: Condvar,
+    drained: Condvar,
+    events: AtomicU64,
+}
+
+pub struct Raid {
+    inner: Arc<Inner>,
+    opts: Options,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+fn bad(msg: &str) -> String {
+    msg.to_string()
+}
+
+fn int_arg(v: &str, err: &str) -> Result<i64, String> {
+    v.parse::<i64>().map_err(|_| bad(err))
+}
+
+impl Raid {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Raid, String> {
+        let Some(level) = args.first() else {
+            return Err(bad("No arguments"));
+        };
+        let level = level.to_ascii_lowercase();
+        if !KNOWN_LEVELS.contains(&level.as_str()) {
+            return Err(bad("Unrecognised raid_type"));
+        }
+        if level != "raid1" {
+            return Err(format!(
+                "raid type {level} is not supported by dmkit yet (raid1 only)"
+            ));
+        }
+        let nparams = args
+            .get(1)
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n >= 1 && n <= args.len() - 2)
+            .ok_or_else(|| bad("Cannot understand number of raid parameters"))?;
+        let params = &args[2..2 + nparams];
+        let rest = &args[2 + nparams..];
+        let nlegs = rest
+            .first()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n >= 1 && n <= (rest.len() - 1) / 2)
+            .ok_or_else(|| bad("Cannot understand number of raid devices parameters"))?;
+        if nlegs > MAX_LEGS {
+            return Err(bad("Invalid number of supplied raid devices"));
+        }
+        let opts = parse_options(params, nlegs, len)?;
+        let region = opts.region_size.unwrap_or_else(|| default_region(len));
+        let mut legs = Vec::with_capacity(nlegs);
+        for i in 0..nlegs {
+            let (m, d) = (&rest[1 + 2 * i], &rest[2 + 2 * i]);
+            let meta = if m == "-" {
+                None
+            } else {
+                Some(r.open(m).map_err(|e| format!("RAID metadata device lookup failure: '{m}': {e}"))?)
+            };
+            let data = if d == "-" {
+                if opts.rebuild.contains(&i) {
+                    return Err(bad("Drive designated for rebuild not specified"));
+                }
+                if meta.is_some() {
+                    return Err(bad("No data device supplied with metadata device"));
+                }
+                None
+            } else {
+                let dev = r.open(d).map_err(|e| format!("RAID device lookup failure: '{d}': {e}"))?;
+                if dev.size_sectors() < len {
+                    return Err(format!(
+                        "Component device(s) too small: '{d}' has {} sectors, the array {len}",
+                        dev.size_sectors()
+                    ));
+                }
+                Some(dev)
+            };
+            legs.push(Leg { meta, data });
+        }
+        if legs.iter().any(|l| l.meta.is_none() && l.data.is_some()) && legs.iter().any(|l| l.meta.is_some()) {
+            return Err(
+                "a leg with a data device and no metadata device beside legs with one is not supported by dmkit (md would put its bitmap on the data device)"
+                    .into(),
+            );
+        }
+        let regions = len.div_ceil(region);
+        let need = BITMAP_OFFSET + format::bitmap_bytes(regions);
+        for (i, l) in legs.iter().enumerate() {
+            if let Some(m) = &l.meta {
+                if m.size_sectors() * SECTOR < need {
+                    return Err(format!(
+                        "metadata device of leg {i} too small: {} bytes, the superblock and bitmap of {regions} regions need {need}",
+                        m.size_sectors() * SECTOR
+                    ));
+                }
+            }
+        }
+        let daemon_jiffies = match opts.daemon_sleep {
+            Some(0) | None => DEFAULT_SLEEP,
+            Some(j) => j,
+        };
+        let inner = Inner {
+            write_mostly: (0..nlegs).map(|i| opts.write_mostly.contains(&i)).collect(),
+            legs,
+            len,
+            region,
+            regions,
+            daemon_sleep_s: (daemon_jiffies / HZ) as u32,
+            write_behind: opts.max_write_behind.map_or(0, |w| (w / 2).min(8191) as u32),
+            st: Mutex::new(State {
+                faulty: vec![false; nlegs],
+                in_sync: vec![true; nlegs],
+                events: 0,
+                events_cleared: 0,
+                resync_offset: MAX_SECTOR,
+                on_disk: vec![false; regions as usize],
+                writes: vec![0; regions as usize],
+                idle_passes: vec![0; regions as usize],
+                needed: vec![false; regions as usize],
+                wanted: vec![false; regions as usize],
+                want_bits: false,
+                dirty_pages: Vec::new(),
+                sb_dirty: false,
+                waiting: Vec::new(),
+                busy: None,
+                action: Action::Idle,
+                progress: 0,
+                cursor: 0,
+                fullsync: false,
+                mismatches: 0,
+                frozen: true,
+                stop: false,
+                all_regions: false,
+                started: false,
+            }),
+            wake: Condvar::new(),
+            drained: Condvar::new(),
+            events: AtomicU64::new(0),
+        };
+        let inner = Arc::new(inner);
+        inner.assemble(&opts)?;
+        let weak = Arc::downgrade(&inner);
+        let worker = std::thread::Builder::new()
+            .name("raid1".into())
+            .spawn(move || worker(weak))
+            .map_err(|e| format!("starting the raid thread: {e}"))?;
+        Ok(Raid {
+            inner,
+            opts,
+            worker: Some(worker),
+        })
+    }
+}
+
+/// The kernel's default region: 4 MiB, or more so the bitmap has at most 2^21 bits.
+fn default_region(len: u64) -> u64 {
+    let min = len / MAX_CHUNKS;
+    if min > DEFAULT_REGION {
+        min.next_power_of_two()
+    } else {
+        DEFAULT_REGION
+    }
+}
+
+fn parse_options(p: &[String], nlegs: usize, len: u64) -> Result<Options, String> {
+    let mut o = Options::default();
+    if p[0].parse::<i32>().is_err() {
+        return Err(bad("Bad numerical argument given for chunk_size"));
+    }
+    let mut i = 1;
+    let mut write_mostly_count = 0;
+    while i < p.len() {
+        let key = p[i].to_ascii_lowercase();
+        i += 1;
+        let mut value = || -> Result<i64, String> {
+            let v = p.get(i).ok_or_else(|| bad("Wrong number of raid parameters given"))?;
+            i += 1;
+            int_arg(v, "Bad numerical argument given in raid params")
+        };
+        let once = |set: bool, what: &str| -> Result<(), String> {
+            if set {
+                Err(format!("Only one {what} argument pair allowed"))
+            } else {
+                Ok(())
+            }
+        };
+        let nonneg = |v: i64, msg: &str| -> Result<u64, String> { u64::try_from(v).map_err(|_| bad(msg)) };
+        match key.as_str() {
+            "sync" => {
+                if o.sync {
+                    return Err(bad("Only one 'sync' argument allowed"));
+                }
+                o.sync = true;
+            }
+            "nosync" => {
+                if o.nosync {
+                    return Err(bad("Only one 'nosync' argument allowed"));
+                }
+                o.nosync = true;
+            }
+            "rebuild" => {
+                let v = value()?;
+                let idx = usize::try_from(v)
+                    .ok()
+                    .filter(|&x| x < nlegs)
+                    .ok_or_else(|| bad("Invalid rebuild index given"))?;
+                if o.rebuild.contains(&idx) {
+                    return Err(bad("rebuild for this index already given"));
+                }
+                o.rebuild.push(idx);
+            }
+            "write_mostly" => {
+                let v = value()?;
+                let idx = usize::try_from(v)
+                    .ok()
+                    .filter(|&x| x < nlegs)
+                    .ok_or_else(|| bad("Invalid write_mostly index given"))?;
+                write_mostly_count += 1;
+                if !o.write_mostly.contains(&idx) {
+                    o.write_mostly.push(idx);
+                }
+            }
+            "max_write_behind" => {
+                let v = value()?;
+                once(o.max_write_behind.is_some(), "max_write_behind")?;
+                o.max_write_behind = Some(nonneg(v, "Max write-behind limit out of range")?);
+            }
+            "daemon_sleep" => {
+                let v = value()?;
+                once(o.daemon_sleep.is_some(), "daemon_sleep")?;
+                o.daemon_sleep = Some(nonneg(v, "daemon sleep period out of range")?);
+            }
+            "min_recovery_rate" => {
+                let v = value()?;
+                once(o.min_recovery_rate.is_some(), "min_recovery_rate")?;
+                o.min_recovery_rate = Some(nonneg(v, "min_recovery_rate out of range")?);
+            }
+            "max_recovery_rate" => {
+                let v = value()?;
+                once(o.max_recovery_rate.is_some(), "max_recovery_rate")?;
+                o.max_recovery_rate = Some(nonneg(v, "max_recovery_rate out of range")?);
+            }
+            "region_size" => {
+                let v = value()?;
+                once(o.region_size.is_some(), "region_size")?;
+                o.region_size = Some(nonneg(v, "Bad numerical argument given in raid params")?);
+            }
+            "data_offset" => {
+                let v = value()?;
+                once(o.data_offset.is_some(), "data_offset")?;
+                if v < 0 || (v != 0 && (v < 32 || v % 8 != 0)) {
+                    return Err(bad("Bogus data_offset value"));
+                }
+                if v != 0 {
+                    return Err("data_offset other than 0 is not supported by dmkit".into());
+                }
+                o.data_offset = Some(0);
+            }
+            "delta_disks" => {
+                value()?;
+                return Err("delta_disks (reshaping) is not supported by dmkit".into());
+            }
+            "stripe_cache" => {
+                value()?;
+                return Err(bad("Inappropriate argument: stripe_cache"));
+            }
+            "raid10_copies" | "raid10_use_near_sets" => {
+                if key == "raid10_copies" {
+                    value()?;
+                }
+                return Err(bad("Invalid flags combination"));
+            }
+            "raid10_format" => return Err(bad("'raid10_format' is an invalid parameter for this RAID type")),
+            "journal_dev" => return Err(bad("'journal_dev' is an invalid parameter for this RAID type")),
+            "journal_mode" => return Err(bad("raid4/5/6 'journal_mode' is invalid without 'journal_dev'")),
+            _ => return Err(format!("Unable to parse RAID parameter: {}", p[i - 1])),
+        }
+    }
+    if o.sync && o.nosync {
+        return Err(bad("sync and nosync are mutually exclusive"));
+    }
+    if !o.rebuild.is_empty() && (o.sync || o.nosync) {
+        return Err(bad("sync/nosync and rebuild are mutually exclusive"));
+    }
+    if write_mostly_count >= nlegs {
+        return Err(bad("Can't set all raid1 devices to write_mostly"));
+    }
+    if let (Some(min), Some(max)) = (o.min_recovery_rate, o.max_recovery_rate) {
+        if max != 0 && min > max {
+            return Err(bad("Bogus recovery rates"));
+        }
+    }
+    if let Some(rs) = o.region_size.filter(|&r| r != 0) {
+        if rs > len {
+            return Err(bad("Supplied region size is too large"));
+        }
+        if rs < len / MAX_CHUNKS {
+            return Err(bad("Supplied region size is too small"));
+        }
+        if !rs.is_power_of_two() {
+            return Err(bad("Region size is not a power of 2"));
+        }
+    } else if o.region_size == Some(0) {
+        o.region_size = None;
+    }
+    Ok(o)
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unpoisoned()
+    }
+
+    fn nlegs(&self) -> usize {
+        self.legs.len()
+    }
+
+    /// Read the superblocks and the bitmap, and decide each leg's state and what
+    /// must be copied (the kernel's analyse_superblocks and bitmap load).
+    fn assemble(&self, o: &Options) -> Result<(), String> {
+        let n = self.nlegs();
+        let mut st = self.lock();
+        if self.legs.iter().all(|l| l.meta.is_none()) {
+            // no metadata: no bitmap; a full resync unless nosync
+            st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
+            for (i, l) in self.legs.iter().enumerate() {
+                st.faulty[i] = l.data.is_none();
+            }
+            st.on_disk.fill(true);
+            if !o.nosync {
+                st.action = Action::Resync;
+                st.all_regions = true;
+            }
+            return Ok(());
+        }
+        let mut supers: Vec<Option<Super>> = vec![None; n];
+        if !o.sync {
+            for (i, l) in self.legs.iter().enumerate() {
+                let Some(m) = &l.meta else { continue };
+                let mut b = [0u8; 512];
+                match devio::read(&m.dest(), 0, &mut b) {
+                    Ok(()) => supers[i] = Super::decode(&b),
+                    Err(e) => {
+                        tracing::error!("raid1: failed to read superblock of device at position {i}: {e}");
+                        st.faulty[i] = true;
+                    }
+                }
+            }
+        }
+        for &i in &o.rebuild {
+            supers[i] = None;
+        }
+        let fresh = (0..n)
+            .filter(|&i| supers[i].is_some())
+            .fold(None, |best: Option<usize>, i| match best {
+                Some(b) if supers[b].as_ref().map(|s| s.events) >= supers[i].as_ref().map(|s| s.events) => Some(b),
+                _ => Some(i),
+            });
+        let new_legs: Vec<usize> = (0..n)
+            .filter(|&i| supers[i].is_none() && self.legs[i].meta.is_some() && !st.faulty[i])
+            .collect();
+        let Some(f) = fresh else {
+            // a new array: every leg new
+            tracing::info!("raid1: superblocks created for new raid set");
+            st.events = 1;
+            st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
+            for (i, l) in self.legs.iter().enumerate() {
+                st.faulty[i] |= l.data.is_none();
+            }
+            // md's new bitmap is stale: every bit set, written at resume
+            st.on_disk.fill(true);
+            st.dirty_pages = vec![true; self.pages()];
+            st.sb_dirty = true;
+            if !o.nosync {
+                st.action = Action::Resync;
+                st.all_regions = true;
+            }
+            return Ok(());
+        };
+        let Some(fs) = supers[f].clone() else {
+            return Err("Unable to assemble array: Invalid superblocks".into());
+        };
+        if fs.compat > 1 {
+            return Err("Unable to assemble array: Unknown flag(s) in compatible feature flags".into());
+        }
+        if fs.incompat != 0 {
+            return Err("Unable to assemble array: No incompatible feature flags supported yet".into());
+        }
+        if fs.level != 1 {
+            return Err(format!(
+                "takeover not possible: the metadata is of raid level {}, the table raid1 (dmkit takes over no level)",
+                fs.level
+            ));
+        }
+        if fs.num_devices as usize != n && o.rebuild.len() != new_legs.len() {
+            return Err(format!(
+                "Unable to assemble array: Invalid superblocks (the metadata has {} legs, the table {n}, without 'rebuild' for the new ones)",
+                fs.num_devices
+            ));
+        }
+        let rebuilds: Vec<usize> = new_legs.iter().copied().filter(|i| o.rebuild.contains(i)).collect();
+        if !new_legs.is_empty() && rebuilds.len() != new_legs.len() {
+            return Err(
+                "Unable to assemble array: Invalid superblocks (New device injected into existing raid set without 'delta_disks' or 'rebuild' parameter specified)"
+                    .into(),
+            );
+        }
+        st.events = fs.events.max(1);
+        st.resync_offset = if o.nosync { MAX_SECTOR } else { fs.array_resync_offset };
+        for (i, sup) in supers.iter().enumerate() {
+            if self.legs[i].data.is_none() {
+                st.faulty[i] = true;
+                continue;
+            }
+            if st.faulty[i] {
+                continue;
+            }
+            if o.rebuild.contains(&i) || sup.is_none() {
+                st.in_sync[i] = false;
+                st.fullsync = true;
+            } else if fs.has_failed(i) {
+                // a leg that failed comes back: the regions written meanwhile
+                st.in_sync[i] = false;
+            } else if sup.as_ref().is_some_and(|s| s.disk_recovery_offset != MAX_SECTOR) {
+                st.in_sync[i] = false;
+                st.fullsync = true;
+            }
+        }
+        if (0..n).all(|i| st.faulty[i] || !st.in_sync[i]) {
+            return Err("Insufficient redundancy to activate array".into());
+        }
+        // the bitmap, from the freshest leg's metadata
+        let Some(m) = self.legs[f].meta.as_ref() else {
+            return Err("Unable to assemble array: Invalid superblocks".into());
+        };
+        let mut bytes = vec![0u8; self.pages() * 4096];
+        devio::read(&m.dest(), BITMAP_OFFSET / SECTOR, &mut bytes)
+            .map_err(|e| format!("Failed to run raid array: reading the bitmap of leg {f}: {e}"))?;
+        let bs = BitmapSuper::decode(&bytes)
+            .map_err(|why| format!("Failed to run raid array: invalid bitmap file superblock: {why}"))?;
+        if u64::from(bs.chunksize) != self.region * SECTOR {
+            return Err(format!(
+                "the bitmap's region size ({} sectors) differs from the table's ({}): dmkit does not resize a bitmap",
+                bs.chunksize / 512,
+                self.region
+            ));
+        }
+        let stale = bs.state & format::BITMAP_STALE != 0 || bs.events < st.events;
+        st.events_cleared = bs.events_cleared;
+        for r in 0..self.regions as usize {
+            let bit = stale || bytes[BITMAP_SB_BYTES + r / 8] & (1 << (r % 8)) != 0;
+            st.on_disk[r] = bit;
+            // what may differ between the legs: copied again
+            st.needed[r] = bit;
+        }
+        if stale {
+            st.dirty_pages = vec![true; self.pages()];
+        }
+        st.sb_dirty = true;
+        if st.resync_offset != MAX_SECTOR {
+            st.action = Action::Resync;
+            st.all_regions = true;
+            st.cursor = st.resync_offset / self.region;
+        } else if st.in_sync.iter().zip(&st.faulty).any(|(&s, &fa)| !s && !fa) {
+            st.action = Action::Recover;
+            st.all_regions = st.fullsync;
+        } else if st.needed.iter().any(|&x| x) {
+            // written when the last daemon stopped: the legs may differ there
+            st.action = Action::Resync;
+        }
+        Ok(())
+    }
+
+    /// The bits as they are on disk now (on the first leg whose metadata reads),
+    /// for an array whose bitmap was read when the table was made; what this
+    /// table means to write (a new bitmap) is kept.
+    fn reload_bits(&self) {
+        let mut st = self.lock();
+        if st.dirty_pages.iter().any(|&d| d) {
+            return;
+        }
+        let Some(m) = (0..self.nlegs()).find(|&i| !st.faulty[i]).and_then(|i| self.legs[i].meta.as_ref()) else {
+            return;
+        };
+        let mut bytes = vec![0u8; self.pages() * 4096];
+        if devio::read(&m.dest(), BITMAP_OFFSET / SECTOR, &mut bytes).is_err() {
+            return;
+        }
+        for r in 0..self.regions as usize {
+            let bit = bytes[BITMAP_SB_BYTES + r / 8] & (1 << (r % 8)) != 0;
+            st.on_disk[r] = bit;
+        }
+    }
+
+    /// Bitmap pages (4 KiB) including the superblock's.
+    fn pages(&self) -> usize {
+        format::bitmap_bytes(self.regions).div_ceil(4096) as usize
+    }
+
+    fn degraded(st: &State) -> bool {
+        st.faulty.iter().zip(&st.in_sync).any(|(&f, &s)| f || !s)
+    }
+
+    /// Legs a write goes to.
+    fn write_legs(&self, st: &State) -> Vec<usize> {
+        (0..self.nlegs())
+            .filter(|&i| !st.faulty[i] && self.legs[i].data.is_some())
+            .collect()
+    }
+
+    /// A leg failed: mark it, unless it is the last one in sync (md keeps that
+    /// one, and the I/O fails instead). True if it was marked.
+    fn fail_leg(&self, st: &mut State, i: usize) -> bool {
+        if st.faulty[i] {
+            return true;
+        }
+        let others = (0..self.nlegs()).any(|j| j != i && !st.faulty[j] && st.in_sync[j]);
+        if !others && st.in_sync[i] {
+            return false;
+        }
+        tracing::error!(
+            "raid1: disk failure on leg {i}, disabling device; operation continuing on {} devices",
+            self.write_legs(st).len().saturating_sub(1)
+        );
+        st.faulty[i] = true;
+        st.sb_dirty = true;
+        self.events.fetch_add(1, Ordering::SeqCst);
+        self.wake.notify_all();
+        true
+    }
+
+    /// The regions `bio` covers.
+    fn regions_of(&self, bio: &Bio) -> std::ops::Range<u64> {
+        let end = (bio.sector + bio.nr_sectors.max(1)).min(self.len);
+        (bio.sector / self.region)..end.div_ceil(self.region).max(bio.sector / self.region + 1)
+    }
+
+    /// A write (or discard, or zeroing) whose regions are all marked goes to the
+    /// legs; otherwise it waits for the bitmap (or the superblocks, or a copy).
+    fn map_write(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let regions = self.regions_of(&bio);
+        let mut st = self.lock();
+        let mut ready = !st.sb_dirty;
+        for r in regions.clone() {
+            let r = r as usize;
+            if st.busy == Some(r as u64) {
+                ready = false;
+            }
+            if !st.on_disk[r] {
+                st.wanted[r] = true;
+                st.want_bits = true;
+                ready = false;
+            }
+        }
+        if !ready {
+            st.waiting.push(ctx.submit(bio));
+            drop(st);
+            self.wake.notify_all();
+            return Ok(());
+        }
+        for r in regions.clone() {
+            st.writes[r as usize] += 1;
+            st.idle_passes[r as usize] = 0;
+        }
+        let legs = self.write_legs(&st);
+        drop(st);
+        let w = Arc::new(WriteDone {
+            left: AtomicUsize::new(legs.len()),
+            good: AtomicUsize::new(0),
+            failed: Mutex::new(Vec::new()),
+        });
+        for &i in &legs {
+            let (me, w, regions) = (self.clone(), w.clone(), regions.clone());
+            let hook: EndIo = Arc::new(move |ok, _: &mut [u8]| {
+                if ok {
+                    w.good.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    w.failed.lock().unpoisoned().push(i);
+                }
+                if w.left.fetch_sub(1, Ordering::SeqCst) != 1 {
+                    return 0;
+                }
+                me.end_write(regions.clone(), &w)
+            });
+            if let Some(d) = &self.legs[i].data {
+                ctx.remap_tolerant(d, bio, i as u16, hook)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every leg's part of a write is done: 0, EIO (no leg took it), or REMAP
+    /// (a leg failed: the write goes again once the superblocks say so).
+    fn end_write(&self, regions: std::ops::Range<u64>, w: &WriteDone) -> i32 {
+        let mut st = self.lock();
+        let degraded = Self::degraded(&st);
+        for r in regions {
+            let r = r as usize;
+            st.writes[r] = st.writes[r].saturating_sub(1);
+            if degraded {
+                st.needed[r] = true;
+            }
+            if st.busy == Some(r as u64) && st.writes[r] == 0 {
+                self.drained.notify_all();
+            }
+        }
+        let failed = std::mem::take(&mut *w.failed.lock().unpoisoned());
+        if failed.is_empty() {
+            return 0;
+        }
+        let mut kept = false;
+        for i in failed {
+            kept |= !self.fail_leg(&mut st, i);
+        }
+        if w.good.load(Ordering::SeqCst) == 0 || kept {
+            return errno::EIO;
+        }
+        REMAP
+    }
+
+    fn map_read(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let st = self.lock();
+        let end = bio.sector + bio.nr_sectors;
+        let usable: Vec<usize> = (0..self.nlegs())
+            .filter(|&i| !st.faulty[i] && st.in_sync[i] && self.legs[i].data.is_some())
+            .collect();
+        let plain: Vec<usize> = usable.iter().copied().filter(|&i| !self.write_mostly[i]).collect();
+        let pick = if st.resync_offset < end || plain.is_empty() {
+            usable.first().copied()
+        } else {
+            // spread by region over the legs
+            plain.get(((bio.sector / self.region) as usize) % plain.len()).copied()
+        };
+        drop(st);
+        let Some(i) = pick else {
+            return Err(MapErr::Errno(errno::EIO));
+        };
+        let Some(d) = &self.legs[i].data else {
+            return Err(MapErr::Errno(errno::EIO));
+        };
+        let me = self.clone();
+        ctx.remap_tolerant(
+            d,
+            bio,
+            i as u16,
+            Arc::new(move |ok, _: &mut [u8]| {
+                if ok {
+                    return 0;
+                }
+                let mut st = me.lock();
+                if me.fail_leg(&mut st, i) {
+                    // read again, from another leg
+                    tracing::error!("raid1: read error on leg {i}; redirecting sector {} to another mirror", bio.sector);
+                    REMAP
+                } else {
+                    errno::EIO
+                }
+            }),
+        )
+    }
+
+    /// A flush goes to every leg's data device that has not failed.
+    fn map_flush(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let legs = self.write_legs(&self.lock());
+        let w = Arc::new(WriteDone {
+            left: AtomicUsize::new(legs.len()),
+            good: AtomicUsize::new(0),
+            failed: Mutex::new(Vec::new()),
+        });
+        for &i in &legs {
+            let (me, w) = (self.clone(), w.clone());
+            let hook: EndIo = Arc::new(move |ok, _: &mut [u8]| {
+                if ok {
+                    w.good.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    w.failed.lock().unpoisoned().push(i);
+                }
+                if w.left.fetch_sub(1, Ordering::SeqCst) != 1 {
+                    return 0;
+                }
+                me.end_write(0..0, &w)
+            });
+            if let Some(d) = &self.legs[i].data {
+                ctx.remap_tolerant(d, bio, i as u16, hook)?;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- metadata ----
+
+    /// Write the bitmap pages marked dirty and the superblocks to every leg
+    /// with metadata that has not failed, each made durable; a leg whose
+    /// metadata write fails is failed (and the superblocks written again).
+    fn write_metadata(&self) {
+        for _round in 0..MAX_LEGS {
+            let mut st = self.lock();
+            let pages = std::mem::take(&mut st.dirty_pages);
+            let mut image = vec![0u8; self.pages() * 4096];
+            BitmapSuper {
+                version: 4,
+                events: st.events,
+                events_cleared: st.events_cleared,
+                sync_size: self.len,
+                state: 0,
+                chunksize: (self.region * SECTOR) as u32,
+                daemon_sleep: self.daemon_sleep_s.max(1),
+                write_behind: self.write_behind,
+            }
+            .encode(&mut image);
+            for (r, &b) in st.on_disk.iter().enumerate() {
+                if b {
+                    image[BITMAP_SB_BYTES + r / 8] |= 1 << (r % 8);
+                }
+            }
+            let mut failed = [0u64; 4];
+            for (i, &f) in st.faulty.iter().enumerate() {
+                if f {
+                    failed[i / 64] |= 1 << (i % 64);
+                }
+            }
+            let supers: Vec<(usize, [u8; 512])> = (0..self.nlegs())
+                .filter(|&i| !st.faulty[i] && self.legs[i].meta.is_some())
+                .map(|i| {
+                    let mut s = Super::raid1(self.nlegs() as u32, i as u32, self.len);
+                    s.events = st.events;
+                    s.failed = failed;
+                    s.array_resync_offset = st.resync_offset;
+                    s.disk_recovery_offset = if st.in_sync[i] {
+                        MAX_SECTOR
+                    } else if st.action == Action::Recover && st.fullsync {
+                        st.cursor * self.region
+                    } else {
+                        0
+                    };
+                    let mut b = [0u8; 512];
+                    s.encode(&mut b);
+                    (i, b)
+                })
+                .collect();
+            drop(st);
+            let mut bad = Vec::new();
+            for (i, sb) in &supers {
+                let Some(m) = &self.legs[*i].meta else { continue };
+                let dest = m.dest();
+                // the bitmap superblock and the dirty pages, then the superblock
+                let mut ok = devio::write(&dest, BITMAP_OFFSET / SECTOR, &image[..4096], false).is_ok();
+                for (p, _) in pages.iter().enumerate().filter(|(p, &d)| d && *p > 0) {
+                    let at = p * 4096;
+                    ok &= devio::write(&dest, (BITMAP_OFFSET + at as u64) / SECTOR, &image[at..at + 4096], false)
+                        .is_ok();
+                }
+                ok = ok && devio::flush(&dest).is_ok() && devio::write(&dest, 0, sb, true).is_ok();
+                if !ok {
+                    bad.push(*i);
+                }
+            }
+            let mut st = self.lock();
+            if bad.is_empty() {
+                return;
+            }
+            for i in bad {
+                tracing::error!("raid1: metadata write failed on leg {i}");
+                self.fail_leg(&mut st, i);
+            }
+            st.events += 1;
+            st.dirty_pages = vec![true; self.pages()];
+        }
+    }
+
+    /// Requests waiting for metadata or a copy are mapped again.
+    fn release_waiting(&self, st: &mut State) {
+        for p in std::mem::take(&mut st.waiting) {
+            p.requeue();
+        }
+    }
+
+    // ---- copying ----
+
+    /// The legs a copy of the current action writes to.
+    fn copy_targets(&self, st: &State) -> Vec<usize> {
+        (0..self.nlegs())
+            .filter(|&i| !st.faulty[i] && self.legs[i].data.is_some())
+            .filter(|&i| matches!(st.action, Action::Resync | Action::Check | Action::Repair) || !st.in_sync[i])
+            .collect()
+    }
+
+    /// Copy (or compare) region `r`; Err: a leg failed (marked) or nothing to read from.
+    fn copy_region(&self, r: u64, action: Action, targets: &[usize], source: usize) -> Result<(), ()> {
+        let start = r * self.region;
+        let n = self.region.min(self.len - start);
+        let mut buf = vec![0u8; (n * SECTOR) as usize];
+        let Some(src) = &self.legs[source].data else { return Err(()) };
+        if devio::read(&src.dest(), start, &mut buf).is_err() {
+            let mut st = self.lock();
+            self.fail_leg(&mut st, source);
+            return Err(());
+        }
+        let mut other = vec![0u8; buf.len()];
+        for &t in targets {
+            if t == source {
+                continue;
+            }
+            let Some(d) = &self.legs[t].data else { continue };
+            let dest = d.dest();
+            if matches!(action, Action::Check | Action::Repair) {
+                if devio::read(&dest, start, &mut other).is_err() {
+                    let mut st = self.lock();
+                    self.fail_leg(&mut st, t);
+                    return Err(());
+                }
+                if other == buf {
+                    continue;
+                }
+                self.lock().mismatches += n;
+                if action == Action::Check {
+                    continue;
+                }
+            }
+            if devio::write(&dest, start, &buf, false).is_err() {
+                let mut st = self.lock();
+                self.fail_leg(&mut st, t);
+                return Err(());
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of the current copy: the next region it needs. False once
+    /// there is none (the action is over).
+    fn copy_step(&self) -> bool {
+        let mut st = self.lock();
+        let action = st.action;
+        if action == Action::Idle || st.frozen || st.stop {
+            return false;
+        }
+        let targets = self.copy_targets(&st);
+        let source = (0..self.nlegs()).find(|&i| !st.faulty[i] && st.in_sync[i] && self.legs[i].data.is_some());
+        let Some(source) = source else {
+            st.action = Action::Idle;
+            return false;
+        };
+        let all = st.all_regions;
+        let mut r = st.cursor;
+        while r < self.regions && !all && !st.needed[r as usize] {
+            r += 1;
+        }
+        if r >= self.regions || targets.iter().all(|&t| t == source) {
+            self.finish_action(&mut st);
+            return false;
+        }
+        st.busy = Some(r);
+        while st.writes[r as usize] > 0 && !st.stop {
+            st = self.drained.wait_timeout(st, Duration::from_millis(50)).unpoisoned().0;
+        }
+        drop(st);
+        let res = self.copy_region(r, action, &targets, source);
+        let mut st = self.lock();
+        st.busy = None;
+        if res.is_ok() {
+            if !Self::degraded(&st) || action != Action::Recover {
+                st.needed[r as usize] = false;
+            }
+            st.cursor = r + 1;
+            st.progress = ((r + 1) * self.region).min(self.len);
+            if action == Action::Resync && st.resync_offset != MAX_SECTOR {
+                st.resync_offset = st.progress;
+            }
+        }
+        self.release_waiting(&mut st);
+        true
+    }
+
+    /// The copy reached the end.
+    fn finish_action(&self, st: &mut State) {
+        match st.action {
+            Action::Resync => {
+                st.resync_offset = MAX_SECTOR;
+                st.needed.fill(false);
+            }
+            Action::Recover => {
+                for i in 0..self.nlegs() {
+                    if !st.faulty[i] && self.legs[i].data.is_some() {
+                        st.in_sync[i] = true;
+                    }
+                }
+                st.fullsync = false;
+                st.needed.fill(false);
+            }
+            _ => {}
+        }
+        st.progress = self.len;
+        st.action = Action::Idle;
+        st.cursor = 0;
+        st.events += 1;
+        st.sb_dirty = true;
+        self.events.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The daemon's pass: regions idle for two passes lose their bit, on an
+    /// array whose legs are all in sync and with no copy under way.
+    fn clear_idle_bits(&self) {
+        let mut st = self.lock();
+        if Self::degraded(&st) || st.action != Action::Idle || st.frozen || self.legs.iter().all(|l| l.meta.is_none()) {
+            return;
+        }
+        let mut changed = false;
+        for r in 0..self.regions as usize {
+            if st.on_disk[r] && st.writes[r] == 0 && !st.wanted[r] {
+                st.idle_passes[r] = st.idle_passes[r].saturating_add(1);
+                if st.idle_passes[r] >= 2 {
+                    st.on_disk[r] = false;
+                    let page = (BITMAP_SB_BYTES + r / 8) / 4096;
+                    if st.dirty_pages.len() < self.pages() {
+                        st.dirty_pages.resize(self.pages(), false);
+                    }
+                    st.dirty_pages[page] = true;
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            st.events_cleared = st.events;
+            drop(st);
+            self.write_metadata();
+        }
+    }
+
+    /// Set the bits writes wait for, write them, and let the writes go.
+    fn set_wanted_bits(&self) {
+        let mut st = self.lock();
+        if !st.want_bits && !st.sb_dirty {
+            return;
+        }
+        st.want_bits = false;
+        if st.dirty_pages.len() < self.pages() {
+            st.dirty_pages.resize(self.pages(), false);
+        }
+        for r in 0..self.regions as usize {
+            if std::mem::take(&mut st.wanted[r]) && !st.on_disk[r] {
+                st.on_disk[r] = true;
+                st.idle_passes[r] = 0;
+                let page = (BITMAP_SB_BYTES + r / 8) / 4096;
+                st.dirty_pages[page] = true;
+            }
+        }
+        if st.sb_dirty {
+            st.events += 1;
+        }
+        st.sb_dirty = false;
+        drop(st);
+        self.write_metadata();
+        let mut st = self.lock();
+        self.release_waiting(&mut st);
+    }
+}
+
+struct WriteDone {
+    left: AtomicUsize,
+    good: AtomicUsize,
+    failed: Mutex<Vec<usize>>,
+}
+
+/// The target's thread: metadata the writes wait for first, then one region of
+/// copying at a time, and the daemon pass every period.
+fn worker(weak: std::sync::Weak<Inner>) {
+    let mut last_pass = Instant::now();
+    loop {
+        let Some(me) = weak.upgrade() else { return };
+        {
+            let st = me.lock();
+            if st.stop {
+                return;
+            }
+            // metadata waited for goes out even while suspending (the writes
+            // waiting for it must drain); nothing before the first resume
+            let busy = st.started && (st.want_bits || st.sb_dirty || (st.action != Action::Idle && !st.frozen));
+            if !busy {
+                let _ = me.wake.wait_timeout(st, Duration::from_millis(500));
+                continue;
+            }
+        }
+        me.set_wanted_bits();
+        if me.copy_step() {
+            continue;
+        }
+        let period = Duration::from_secs(u64::from(me.daemon_sleep_s.max(1)));
+        if last_pass.elapsed() >= period {
+            last_pass = Instant::now();
+            me.clear_idle_bits();
+        }
+    }
+}
+
+impl Drop for Raid {
+    fn drop(&mut self) {
+        {
+            let mut st = self.inner.lock();
+            st.stop = true;
+            self.inner.release_waiting(&mut st);
+        }
+        self.inner.wake.notify_all();
+        self.inner.drained.notify_all();
+        if let Some(t) = self.worker.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn dev_name(d: &Option<DevRef>) -> String {
+    d.as_ref().map_or_else(|| "-".into(), |d| d.table_name())
+}
+
+impl Target for Raid {
+    fn type_name(&self) -> &'static str {
+        "raid"
+    }
+
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        match bio.op {
+            Op::Read => self.inner.map_read(bio, ctx),
+            Op::Flush => self.inner.map_flush(bio, ctx),
+            Op::Write | Op::Discard | Op::WriteZeroes => self.inner.map_write(bio, ctx),
+        }
+    }
+
+    fn table_params(&self) -> String {
+        let o = &self.opts;
+        let mut p: Vec<String> = vec!["0".into()];
+        if o.sync {
+            p.push("sync".into());
+        }
+        if o.nosync {
+            p.push("nosync".into());
+        }
+        let mut rebuild = o.rebuild.clone();
+        rebuild.sort_unstable();
+        for i in rebuild {
+            p.extend(["rebuild".into(), i.to_string()]);
+        }
+        if o.daemon_sleep.is_some() {
+            p.extend([
+                "daemon_sleep".into(),
+                (u64::from(self.inner.daemon_sleep_s.max(1)) * HZ).to_string(),
+            ]);
+        }
+        if let Some(v) = o.min_recovery_rate {
+            p.extend(["min_recovery_rate".into(), v.to_string()]);
+        }
+        if let Some(v) = o.max_recovery_rate {
+            p.extend(["max_recovery_rate".into(), v.to_string()]);
+        }
+        let mut wm = o.write_mostly.clone();
+        wm.sort_unstable();
+        for i in wm {
+            p.extend(["write_mostly".into(), i.to_string()]);
+        }
+        if o.max_write_behind.is_some() {
+            p.extend(["max_write_behind".into(), self.inner.write_behind.to_string()]);
+        }
+        if o.region_size.is_some() {
+            p.extend(["region_size".into(), self.inner.region.to_string()]);
+        }
+        if let Some(v) = o.data_offset {
+            p.extend(["data_offset".into(), v.to_string()]);
+        }
+        let mut s = format!("raid1 {} {} {}", p.len(), p.join(" "), self.inner.nlegs());
+        for l in &self.inner.legs {
+            s.push_str(&format!(" {} {}", dev_name(&l.meta), dev_name(&l.data)));
+        }
+        s
+    }
+
+    fn status_params(&self) -> String {
+        let me = &self.inner;
+        let st = me.lock();
+        let action = if st.frozen && st.action != Action::Idle {
+            "frozen"
+        } else {
+            st.action.name()
+        };
+        let resyncing = matches!(st.action, Action::Resync) || (st.frozen && st.action != Action::Idle);
+        let check = matches!(st.action, Action::Check | Action::Repair);
+        let mut health = String::with_capacity(me.nlegs());
+        for i in 0..me.nlegs() {
+            health.push(if me.legs[i].data.is_none() {
+                '-'
+            } else if st.faulty[i] {
+                'D'
+            } else if !check && (resyncing || !st.in_sync[i]) {
+                'a'
+            } else {
+                'A'
+            });
+        }
+        let synced = if st.action == Action::Idle {
+            if st.resync_offset == MAX_SECTOR {
+                me.len
+            } else {
+                st.resync_offset.min(me.len)
+            }
+        } else {
+            st.progress.min(me.len)
+        };
+        format!(
+            "raid1 {} {health} {synced}/{} {action} {} 0 -",
+            me.nlegs(),
+            me.len,
+            st.mismatches
+        )
+    }
+
+    fn message(&self, words: &[String]) -> Result<String, String> {
+        let me = &self.inner;
+        let mut st = me.lock();
+        if st.frozen {
+            return Err("raid set is suspended: device or resource busy".into());
+        }
+        let w = words.first().map(|w| w.to_ascii_lowercase()).unwrap_or_default();
+        if w == "frozen" || w == "idle" {
+            // stops the copy under way; the kernel then answers EINVAL (docs/design/dm-raid.md §8)
+            if matches!(st.action, Action::Check | Action::Repair) {
+                st.action = Action::Idle;
+                st.cursor = 0;
+            }
+            return Err(format!("raid message '{w}': invalid argument (the copy under way, if any, stopped)"));
+        }
+        if st.action != Action::Idle {
+            return Err(format!(
+                "raid set is busy with {}: device or resource busy",
+                st.action.name()
+            ));
+        }
+        match w.as_str() {
+            "resync" => {
+                if st.resync_offset != MAX_SECTOR {
+                    st.action = Action::Resync;
+                    st.all_regions = true;
+                }
+            }
+            "recover" => {
+                if st.in_sync.iter().zip(&st.faulty).any(|(&s, &f)| !s && !f) {
+                    st.action = Action::Recover;
+                    st.all_regions = st.fullsync;
+                }
+            }
+            "check" | "repair" => {
+                st.action = if w == "check" { Action::Check } else { Action::Repair };
+                st.all_regions = true;
+                st.mismatches = 0;
+                st.cursor = 0;
+                st.progress = 0;
+            }
+            _ => return Err(format!("raid message '{w}': invalid argument")),
+        }
+        drop(st);
+        me.wake.notify_all();
+        Ok(String::new())
+    }
+
+    fn devices(&self) -> Vec<&DevRef> {
+        self.inner.legs.iter().filter_map(|l| l.data.as_ref()).collect()
+    }
+
+    fn held_devices(&self) -> Vec<&DevRef> {
+        let mut v = Vec::new();
+        for l in &self.inner.legs {
+            v.extend(l.meta.iter());
+            v.extend(l.data.iter());
+        }
+        v
+    }
+
+    fn max_io_len(&self) -> u64 {
+        self.inner.region
+    }
+
+    fn limits(&self) -> Limits {
+        Limits::stacked(&self.devices())
+    }
+
+    fn presuspend(&self) {
+        self.inner.lock().frozen = true;
+    }
+
+    fn postsuspend(&self) {
+        // what the writes set and the copy reached, on disk before the table goes
+        {
+            let mut st = self.inner.lock();
+            st.sb_dirty = true;
+        }
+        self.inner.set_wanted_bits();
+    }
+
+    fn resume(&self) {
+        let first = !std::mem::replace(&mut self.inner.lock().started, true);
+        if first {
+            // the table this one replaces may have set or cleared bits since
+            // this one read them
+            self.inner.reload_bits();
+        }
+        self.inner.lock().frozen = false;
+        self.inner.wake.notify_all();
+    }
+
+    fn events(&self) -> u64 {
+        self.inner.events.load(Ordering::SeqCst)
+    }
+}
