@@ -1113,3 +1113,93 @@ fn lvm_cache_attach_and_split_through_the_door() {
         "is not cached",
     );
 }
+
+/// The status of dmkit device `name` once its raid sync action is `idle`.
+fn raid_idle(d: &Daemon, name: &str) -> String {
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = d.ok(&["status", name]);
+        if s.contains(" idle ") {
+            return s.trim().to_string();
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "{name} not idle: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// `lvcreate --type raid1 -m1` through the door: LVM's rmeta and rimage
+/// subvolumes and the raid table over them are dmkit devices, the array syncs
+/// and LVM reads its progress from dmkit's status (`sync_percent` 100.00), a
+/// write lands on both legs where LVM's tables put them, `--syncaction check`
+/// reaches the target as a message and LVM reads its mismatch count, and the
+/// data survives `vgchange -an` / `-ay`.
+#[test]
+fn lvm_raid1_through_the_door() {
+    common::need_all(&["losetup", "lvm"]);
+    let d = Daemon::start("lvm-raid");
+    let (loops, files) = loop_files(&d, None);
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
+    };
+    let vg = new_vg(&lvm, &loops, "dmkitraid");
+    lvm.ok(&[
+        "lvcreate", "-y", "--type", "raid1", "-m1", "-L", "16M", "-n", "mir", &vg,
+    ]);
+    let top = format!("{vg}-mir");
+    let tables = dmkit_tables(&d);
+    let raid = &tables.iter().find(|(n, _)| *n == top).expect("the raid LV").1;
+    assert!(raid.contains(" raid raid1 "), "{top}: {raid}");
+    for sub in ["mir_rmeta_0", "mir_rmeta_1", "mir_rimage_0", "mir_rimage_1"] {
+        let n = format!("{vg}-{sub}");
+        let t = &tables.iter().find(|(x, _)| *x == n).expect("a sub-LV").1;
+        assert!(t.contains(" linear "), "{n}: {t}");
+    }
+    assert_eq!(
+        raid_idle(&d, &top),
+        format!("0 32768 raid raid1 2 AA 32768/32768 idle 0 0 -")
+    );
+    let pct = lvm.ok(&["lvs", "--noheadings", "-o", "sync_percent", &format!("{vg}/mir")]);
+    assert_eq!(pct.trim(), "100.00", "LVM reads the sync from dmkit's status");
+    let data = pattern(31, 256 * 1024);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(MIB, &data);
+    assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+    drop(c);
+    for leg in ["mir_rimage_0", "mir_rimage_1"] {
+        let n = format!("{vg}-{leg}");
+        let t = &tables.iter().find(|(x, _)| *x == n).expect("rimage").1;
+        let w: Vec<&str> = t.split_whitespace().collect();
+        let got = on_loop(
+            &files,
+            &loop_of(&files, w[3]),
+            w[4].parse::<u64>().expect("offset") + MIB / 512,
+            data.len(),
+        );
+        assert!(got == data, "{n}: the write is on this leg where LVM put it");
+    }
+    d.wait_open_count(&top, 0);
+    lvm.ok(&["lvchange", "--syncaction", "check", &format!("{vg}/mir")]);
+    raid_idle(&d, &top);
+    let mm = lvm.ok(&[
+        "lvs",
+        "--noheadings",
+        "-o",
+        "raid_mismatch_count",
+        &format!("{vg}/mir"),
+    ]);
+    assert_eq!(mm.trim(), "0", "LVM reads the check's mismatch count");
+    lvm.ok(&["vgchange", "-an", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
+    lvm.ok(&["vgchange", "-ay", &vg]);
+    raid_idle(&d, &top);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    assert!(c.read(MIB, data.len()) == data, "the data after vgchange -an/-ay");
+    drop(c);
+    d.wait_open_count(&top, 0);
+    remove_vg(&lvm, &loops, &vg);
+}

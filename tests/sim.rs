@@ -113,6 +113,14 @@ fn writecache_crash_trials() {
     run(Stack::Writecache, 0, 300, true);
 }
 
+/// raid1 of two legs: the write-intent bitmap set before each region's first
+/// write, idle bits cleared, reloads writing the metadata at the suspend, and
+/// after the crash the regions whose bits are set copied from the first leg.
+#[test]
+fn raid_crash_trials() {
+    run(Stack::Raid, 0, 300, true);
+}
+
 #[test]
 fn snapshot_crash_trials() {
     run(Stack::Snapshot, 0, 300, true);

@@ -237,7 +237,8 @@ enum LuksCmd {
 #[derive(clap::Args, Debug)]
 struct SimArgs {
     /// The stack: thin (thin-pool, thins, snapshots), writecache, snapshot,
-    /// cache (writeback smq, switched to cleaner and back), era
+    /// cache (writeback smq, switched to cleaner and back), era, raid (raid1
+    /// of two legs, reloaded now and then)
     #[arg(long, default_value = "thin")]
     stack: String,
     /// The first trial's seed
@@ -803,9 +804,17 @@ fn replay(
 
 fn sim(a: SimArgs) -> Result<i32> {
     use dmkit::sim;
+    if std::env::var_os("DMKIT_SIM_TRACE").is_some() {
+        // the targets' own log lines between the simulator's
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .init();
+    }
     let stack = sim::Stack::parse(&a.stack).ok_or_else(|| {
         anyhow::anyhow!(
-            "--stack {}: one of thin, writecache, snapshot, cache, era",
+            "--stack {}: one of thin, writecache, snapshot, cache, era, raid",
             a.stack
         )
     })?;

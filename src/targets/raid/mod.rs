@@ -119,6 +119,12 @@ struct State {
     needed: Vec<bool>,
     /// Regions whose bit a write waits for.
     wanted: Vec<bool>,
+    /// Bits were cleared in memory, or a copy finished: the next metadata
+    /// write flushes the data legs first (what it records must be durable).
+    clearing: bool,
+    /// Regions whose bit is being written: set in the bitmap written now, not
+    /// yet in `on_disk` (a write to them waits until it is durable).
+    setting: Vec<bool>,
     want_bits: bool,
     /// Bitmap bytes (of the bits) whose page must be written.
     dirty_pages: Vec<bool>,
@@ -152,6 +158,11 @@ struct Inner {
     region: u64,
     regions: u64,
     daemon_sleep_s: u32,
+    /// The daemon's period as the table gives it (jiffies of 4 ms; md's unit):
+    /// the bitmap stores whole seconds, at least 1.
+    daemon_period: Duration,
+    /// One metadata writer at a time (the thread, a suspend).
+    writing: Mutex<()>,
     write_behind: u32,
     write_mostly: Vec<bool>,
     st: Mutex<State>,
@@ -262,6 +273,8 @@ impl Raid {
             region,
             regions,
             daemon_sleep_s: (daemon_jiffies / HZ) as u32,
+            daemon_period: Duration::from_millis(daemon_jiffies * 1000 / HZ),
+            writing: Mutex::new(()),
             write_behind: opts.max_write_behind.map_or(0, |w| (w / 2).min(8191) as u32),
             st: Mutex::new(State {
                 faulty: vec![false; nlegs],
@@ -274,6 +287,8 @@ impl Raid {
                 idle_passes: vec![0; regions as usize],
                 needed: vec![false; regions as usize],
                 wanted: vec![false; regions as usize],
+                setting: vec![false; regions as usize],
+                clearing: false,
                 want_bits: false,
                 dirty_pages: Vec::new(),
                 sb_dirty: false,
@@ -476,6 +491,24 @@ impl Inner {
     fn assemble(&self, o: &Options) -> Result<(), String> {
         let n = self.nlegs();
         let mut st = self.lock();
+        // from scratch: run when the table is made (to refuse bad metadata at
+        // once) and again at its first resume, since the table it replaces may
+        // have changed the metadata meanwhile (failed a leg, set bits)
+        let regions = self.regions as usize;
+        st.faulty = vec![false; n];
+        st.in_sync = vec![true; n];
+        st.events = 0;
+        st.events_cleared = 0;
+        st.resync_offset = MAX_SECTOR;
+        st.on_disk = vec![false; regions];
+        st.needed = vec![false; regions];
+        st.dirty_pages = Vec::new();
+        st.sb_dirty = false;
+        st.action = Action::Idle;
+        st.cursor = 0;
+        st.progress = 0;
+        st.fullsync = false;
+        st.all_regions = false;
         if self.legs.iter().all(|l| l.meta.is_none()) {
             // no metadata: no bitmap; a full resync unless nosync
             st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
@@ -613,6 +646,14 @@ impl Inner {
             st.dirty_pages = vec![true; self.pages()];
         }
         st.sb_dirty = true;
+        tracing::info!(
+            "raid1: assembled from leg {f}'s superblock (events {}): failed {:?}, in sync {:?}, resync offset {:x}, {} regions marked",
+            fs.events,
+            st.faulty,
+            st.in_sync,
+            st.resync_offset,
+            st.needed.iter().filter(|&&x| x).count()
+        );
         if st.resync_offset != MAX_SECTOR {
             st.action = Action::Resync;
             st.all_regions = true;
@@ -625,27 +666,6 @@ impl Inner {
             st.action = Action::Resync;
         }
         Ok(())
-    }
-
-    /// The bits as they are on disk now (on the first leg whose metadata reads),
-    /// for an array whose bitmap was read when the table was made; what this
-    /// table means to write (a new bitmap) is kept.
-    fn reload_bits(&self) {
-        let mut st = self.lock();
-        if st.dirty_pages.iter().any(|&d| d) {
-            return;
-        }
-        let Some(m) = (0..self.nlegs()).find(|&i| !st.faulty[i]).and_then(|i| self.legs[i].meta.as_ref()) else {
-            return;
-        };
-        let mut bytes = vec![0u8; self.pages() * 4096];
-        if devio::read(&m.dest(), BITMAP_OFFSET / SECTOR, &mut bytes).is_err() {
-            return;
-        }
-        for r in 0..self.regions as usize {
-            let bit = bytes[BITMAP_SB_BYTES + r / 8] & (1 << (r % 8)) != 0;
-            st.on_disk[r] = bit;
-        }
     }
 
     /// Bitmap pages (4 KiB) including the superblock's.
@@ -781,7 +801,11 @@ impl Inner {
             .filter(|&i| !st.faulty[i] && st.in_sync[i] && self.legs[i].data.is_some())
             .collect();
         let plain: Vec<usize> = usable.iter().copied().filter(|&i| !self.write_mostly[i]).collect();
-        let pick = if st.resync_offset < end || plain.is_empty() {
+        // where the legs may still differ (a resync ahead, or a region written
+        // when a crash came and not yet copied), always the same leg
+        let unsettled = st.resync_offset < end
+            || (st.action == Action::Resync && self.regions_of(&bio).any(|r| st.needed[r as usize]));
+        let pick = if unsettled || plain.is_empty() {
             usable.first().copied()
         } else {
             // spread by region over the legs
@@ -817,7 +841,16 @@ impl Inner {
 
     /// A flush goes to every leg's data device that has not failed.
     fn map_flush(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let legs = self.write_legs(&self.lock());
+        let mut st = self.lock();
+        if st.sb_dirty {
+            // a leg failed: the flush completes once the superblocks say so
+            st.waiting.push(ctx.submit(bio));
+            drop(st);
+            self.wake.notify_all();
+            return Ok(());
+        }
+        let legs = self.write_legs(&st);
+        drop(st);
         let w = Arc::new(WriteDone {
             left: AtomicUsize::new(legs.len()),
             good: AtomicUsize::new(0),
@@ -848,7 +881,29 @@ impl Inner {
     /// Write the bitmap pages marked dirty and the superblocks to every leg
     /// with metadata that has not failed, each made durable; a leg whose
     /// metadata write fails is failed (and the superblocks written again).
-    fn write_metadata(&self) {
+    /// `clearing`: bits are cleared or a copy's progress recorded, so the data
+    /// legs are flushed first (a completed write may still be in a leg's cache:
+    /// a crash could keep it on one leg and not the other, and the cleared bit,
+    /// or the leg called in sync, would hide that).
+    fn write_metadata(&self, clearing: bool) {
+        // the crash simulator may place a crash anywhere in here
+        let sim = self.legs.iter().find_map(|l| match &l.meta {
+            Some(DevRef::File(f)) => f.sim().cloned(),
+            _ => None,
+        });
+        let _window = crate::io::sim::commit_window(sim.as_ref());
+        if clearing {
+            let legs = self.write_legs(&self.lock());
+            let mut st = None;
+            for i in legs {
+                if let Some(d) = &self.legs[i].data {
+                    if devio::flush(&d.dest()).is_err() {
+                        let g = st.get_or_insert_with(|| self.lock());
+                        self.fail_leg(g, i);
+                    }
+                }
+            }
+        }
         for _round in 0..MAX_LEGS {
             let mut st = self.lock();
             let pages = std::mem::take(&mut st.dirty_pages);
@@ -864,8 +919,8 @@ impl Inner {
                 write_behind: self.write_behind,
             }
             .encode(&mut image);
-            for (r, &b) in st.on_disk.iter().enumerate() {
-                if b {
+            for (r, (&b, &s)) in st.on_disk.iter().zip(&st.setting).enumerate() {
+                if b || s {
                     image[BITMAP_SB_BYTES + r / 8] |= 1 << (r % 8);
                 }
             }
@@ -1013,6 +1068,7 @@ impl Inner {
         let res = self.copy_region(r, action, &targets, source);
         let mut st = self.lock();
         st.busy = None;
+        self.drained.notify_all();
         if res.is_ok() {
             if !Self::degraded(&st) || action != Action::Recover {
                 st.needed[r as usize] = false;
@@ -1029,10 +1085,14 @@ impl Inner {
 
     /// The copy reached the end.
     fn finish_action(&self, st: &mut State) {
+        tracing::info!("raid1: {} done", st.action.name());
         match st.action {
             Action::Resync => {
                 st.resync_offset = MAX_SECTOR;
-                st.needed.fill(false);
+                // a leg that failed meanwhile still needs what was written
+                if !Self::degraded(st) {
+                    st.needed.fill(false);
+                }
             }
             Action::Recover => {
                 for i in 0..self.nlegs() {
@@ -1050,12 +1110,15 @@ impl Inner {
         st.cursor = 0;
         st.events += 1;
         st.sb_dirty = true;
+        // the legs it copied to are called in sync once their copies are durable
+        st.clearing = true;
         self.events.fetch_add(1, Ordering::SeqCst);
     }
 
     /// The daemon's pass: regions idle for two passes lose their bit, on an
     /// array whose legs are all in sync and with no copy under way.
     fn clear_idle_bits(&self) {
+        let _one = self.writing.lock().unpoisoned();
         let mut st = self.lock();
         if Self::degraded(&st) || st.action != Action::Idle || st.frozen || self.legs.iter().all(|l| l.meta.is_none()) {
             return;
@@ -1078,12 +1141,16 @@ impl Inner {
         if changed {
             st.events_cleared = st.events;
             drop(st);
-            self.write_metadata();
+            self.write_metadata(true);
+            // writes that came meanwhile for a cleared region wait for a set
+            self.wake.notify_all();
         }
     }
 
-    /// Set the bits writes wait for, write them, and let the writes go.
+    /// Set the bits writes wait for, write them, and let the writes go: a
+    /// region counts as marked only once its bit is durable.
     fn set_wanted_bits(&self) {
+        let _one = self.writing.lock().unpoisoned();
         let mut st = self.lock();
         if !st.want_bits && !st.sb_dirty {
             return;
@@ -1092,21 +1159,29 @@ impl Inner {
         if st.dirty_pages.len() < self.pages() {
             st.dirty_pages.resize(self.pages(), false);
         }
+        let mut newly = Vec::new();
         for r in 0..self.regions as usize {
             if std::mem::take(&mut st.wanted[r]) && !st.on_disk[r] {
-                st.on_disk[r] = true;
+                st.setting[r] = true;
                 st.idle_passes[r] = 0;
                 let page = (BITMAP_SB_BYTES + r / 8) / 4096;
                 st.dirty_pages[page] = true;
+                newly.push(r);
             }
         }
         if st.sb_dirty {
             st.events += 1;
         }
         st.sb_dirty = false;
+        // a copy under way records its progress: what it copied must be durable
+        let clearing = std::mem::take(&mut st.clearing) || st.action != Action::Idle;
         drop(st);
-        self.write_metadata();
+        self.write_metadata(clearing);
         let mut st = self.lock();
+        for r in newly {
+            st.setting[r] = false;
+            st.on_disk[r] = true;
+        }
         self.release_waiting(&mut st);
     }
 }
@@ -1130,9 +1205,13 @@ fn worker(weak: std::sync::Weak<Inner>) {
             }
             // metadata waited for goes out even while suspending (the writes
             // waiting for it must drain); nothing before the first resume
-            let busy = st.started && (st.want_bits || st.sb_dirty || (st.action != Action::Idle && !st.frozen));
+            let started = st.started;
+            let busy = started && (st.want_bits || st.sb_dirty || (st.action != Action::Idle && !st.frozen));
             if !busy {
-                let _ = me.wake.wait_timeout(st, Duration::from_millis(500));
+                let nap = me.daemon_period.clamp(Duration::from_millis(1), Duration::from_millis(500));
+                drop(me.wake.wait_timeout(st, nap));
+            }
+            if !started {
                 continue;
             }
         }
@@ -1140,7 +1219,7 @@ fn worker(weak: std::sync::Weak<Inner>) {
         if me.copy_step() {
             continue;
         }
-        let period = Duration::from_secs(u64::from(me.daemon_sleep_s.max(1)));
+        let period = me.daemon_period;
         if last_pass.elapsed() >= period {
             last_pass = Instant::now();
             me.clear_idle_bits();
@@ -1340,20 +1419,41 @@ impl Target for Raid {
     }
 
     fn postsuspend(&self) {
-        // what the writes set and the copy reached, on disk before the table goes
+        let me = &self.inner;
         {
-            let mut st = self.inner.lock();
+            let mut st = me.lock();
+            // a copy under way finishes first (frozen: no other starts), or it
+            // could write a region's old bytes after the next table's writes
+            while st.busy.is_some() {
+                st = me.drained.wait_timeout(st, Duration::from_millis(10)).unpoisoned().0;
+            }
+            // drained and in sync: every bit cleared, as md flushes its bitmap
+            // at a suspend, so a bit found set at the next load means a crash
+            if !Inner::degraded(&st) && st.action == Action::Idle && st.writes.iter().all(|&w| w == 0) {
+                st.on_disk.fill(false);
+                st.dirty_pages = vec![true; me.pages()];
+                st.clearing = true;
+            }
             st.sb_dirty = true;
         }
-        self.inner.set_wanted_bits();
+        // what the writes set and the copy reached, on disk before the table goes
+        me.set_wanted_bits();
+    }
+
+    fn preresume(&self) -> Result<(), String> {
+        if self.inner.lock().started {
+            return Ok(());
+        }
+        self.inner.assemble(&self.opts)
     }
 
     fn resume(&self) {
         let first = !std::mem::replace(&mut self.inner.lock().started, true);
         if first {
-            // the table this one replaces may have set or cleared bits since
-            // this one read them
-            self.inner.reload_bits();
+            // the superblocks (a new array's first) are on disk before the
+            // resume returns, as the kernel writes them at preresume: a crash
+            // cannot leave one leg with a superblock and another without
+            self.inner.set_wanted_bits();
         }
         self.inner.lock().frozen = false;
         self.inner.wake.notify_all();
