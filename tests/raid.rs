@@ -351,6 +351,18 @@ fn metadata_that_lies_is_refused_with_what_is_wrong() {
         true,
         "No incompatible feature flags supported yet",
     );
+    // an events counter at its end (found by the raid_metadata fuzzer: the
+    // next superblock write overflowed) is taken, and stays there
+    for (i, (m, _)) in l.iter().enumerate() {
+        let mut b = good[i].clone();
+        b[0x10..0x18].fill(0xff);
+        b[4096 + 24..4096 + 32].fill(0xff);
+        std::fs::write(m, b).expect("meta");
+    }
+    d.create("r", &t);
+    idle_status(&d, "r");
+    d.ok(&["remove", "r"]);
+    assert_eq!(u64_at(&sb(&l[0].0), 0x10), u64::MAX, "events stay at their end");
     // leg 1's superblock gone, no rebuild asked: a new device injected
     try_with(&|b| b[..512].fill(0), false, "New device injected");
     // with `rebuild 1` it is taken, and leg 1 copied in full

@@ -974,7 +974,7 @@ impl Inner {
                 tracing::error!("raid1: metadata write failed on leg {i}");
                 self.fail_leg(&mut st, i);
             }
-            st.events += 1;
+            st.events = st.events.saturating_add(1);
             st.dirty_pages = vec![true; self.pages()];
         }
     }
@@ -1108,7 +1108,7 @@ impl Inner {
         st.progress = self.len;
         st.action = Action::Idle;
         st.cursor = 0;
-        st.events += 1;
+        st.events = st.events.saturating_add(1);
         st.sb_dirty = true;
         // the legs it copied to are called in sync once their copies are durable
         st.clearing = true;
@@ -1170,7 +1170,7 @@ impl Inner {
             }
         }
         if st.sb_dirty {
-            st.events += 1;
+            st.events = st.events.saturating_add(1);
         }
         st.sb_dirty = false;
         // a copy under way records its progress: what it copied must be durable
