@@ -156,7 +156,6 @@ pub fn open_on_image(
     table: &dyn Fn(&str) -> String,
     message: Option<&str>,
 ) {
-    let reg = registry();
     let path = dir().join(name);
     let mut img = vec![0u8; bytes];
     let n = data.len().min(img.len());
@@ -164,10 +163,14 @@ pub fn open_on_image(
     if std::fs::write(&path, &img).is_err() {
         return;
     }
-    if reg
-        .create(dev, Some(&table(&path.display().to_string())), false, None)
-        .is_err()
-    {
+    exercise(dev, &table(&path.display().to_string()), message);
+}
+
+/// Create device `dev` from `table`, read its first 256 KiB, send it `message`
+/// if any, take its status, and remove it.
+pub fn exercise(dev: &str, table: &str, message: Option<&str>) {
+    let reg = registry();
+    if reg.create(dev, Some(table), false, None).is_err() {
         return;
     }
     if let Ok(d) = reg.get(dev) {

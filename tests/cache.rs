@@ -340,9 +340,7 @@ fn a_hot_set_is_promoted_and_a_restart_keeps_it() {
 
 /// Switch `c` to `table` as LVM does: load, suspend, resume.
 fn switch(d: &Daemon, t: &str) {
-    d.ok(&["load", "c", "--table", t]);
-    d.ok(&["suspend", "c"]);
-    d.ok(&["resume", "c"]);
+    d.reload("c", t);
 }
 
 /// Wait (at most 30 s) until the cache has no dirty block.

@@ -382,9 +382,7 @@ fn capabilities_of_a_stack_appear_in_nbdinfo() {
     let mut c = Client::connect(&d.sock(), "t");
     c.write(0, &pattern(2, 4096));
     // the pool goes read-only: the thin stays a writable export, as in the kernel
-    d.ok(&["load", "pool", "--table", &pool(" 1 read_only")]);
-    d.ok(&["suspend", "pool"]);
-    d.ok(&["resume", "pool"]);
+    d.reload("pool", &pool(" 1 read_only"));
     let out = info("t");
     assert!(
         has(&out, "is_read_only: false"),

@@ -496,9 +496,7 @@ fn suspend_resume_and_a_table_swap_start_new_eras_and_keep_the_marks() {
     assert_eq!(status(&d, "e").2, 2);
     write_blocks(&mut c, &[11], 2);
     // a new table on the same metadata takes over what the old one committed
-    d.ok(&["load", "e", "--table", &table]);
-    d.ok(&["suspend", "e"]);
-    d.ok(&["resume", "e"]);
+    d.reload("e", &table);
     assert_eq!(status(&d, "e").2, 3);
     write_blocks(&mut c, &[12], 3);
     message(&d, "e", &["take_metadata_snap"]);

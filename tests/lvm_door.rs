@@ -1114,22 +1114,6 @@ fn lvm_cache_attach_and_split_through_the_door() {
     );
 }
 
-/// The status of dmkit device `name` once its raid sync action is `idle`.
-fn raid_idle(d: &Daemon, name: &str) -> String {
-    let t0 = std::time::Instant::now();
-    loop {
-        let s = d.ok(&["status", name]);
-        if s.contains(" idle ") {
-            return s.trim().to_string();
-        }
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(60),
-            "{name} not idle: {s}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-}
-
 /// `lvcreate --type raid1 -m1` through the door: LVM's rmeta and rimage
 /// subvolumes and the raid table over them are dmkit devices, the array syncs
 /// and LVM reads its progress from dmkit's status (`sync_percent` 100.00), a
@@ -1160,7 +1144,7 @@ fn lvm_raid1_through_the_door() {
         assert!(t.contains(" linear "), "{n}: {t}");
     }
     assert_eq!(
-        raid_idle(&d, &top),
+        d.wait_status(&top, " idle ", std::time::Duration::from_secs(60)),
         format!("0 32768 raid raid1 2 AA 32768/32768 idle 0 0 -")
     );
     let pct = lvm.ok(&["lvs", "--noheadings", "-o", "sync_percent", &format!("{vg}/mir")]);
@@ -1184,7 +1168,7 @@ fn lvm_raid1_through_the_door() {
     }
     d.wait_open_count(&top, 0);
     lvm.ok(&["lvchange", "--syncaction", "check", &format!("{vg}/mir")]);
-    raid_idle(&d, &top);
+    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
     let mm = lvm.ok(&[
         "lvs",
         "--noheadings",
@@ -1196,7 +1180,7 @@ fn lvm_raid1_through_the_door() {
     lvm.ok(&["vgchange", "-an", &vg]);
     assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
     lvm.ok(&["vgchange", "-ay", &vg]);
-    raid_idle(&d, &top);
+    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
     let mut c = nbd::Client::connect(&d.sock(), &top);
     assert!(c.read(MIB, data.len()) == data, "the data after vgchange -an/-ay");
     drop(c);

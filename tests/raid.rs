@@ -13,7 +13,7 @@ mod common;
 use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 /// The array: 8 MiB, regions of 64 KiB (128 sectors), 128 of them.
@@ -65,19 +65,6 @@ fn names(l: &[(PathBuf, PathBuf)]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The status once its sync action is `idle` (within 30 s).
-fn idle_status(d: &Daemon, name: &str) -> String {
-    let t0 = Instant::now();
-    loop {
-        let s = d.ok(&["status", name]);
-        if s.contains(" idle ") {
-            return s.trim().to_string();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "{name} not idle: {s}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn sb(meta: &Path) -> Vec<u8> {
     std::fs::read(meta).expect("meta")[..8192].to_vec()
 }
@@ -89,7 +76,7 @@ fn a_new_raid1_copies_its_first_leg_then_mirrors_every_write_with_the_kernels_me
     let t = table(&["region_size", "128"], &names(&l));
     d.create("r", &t);
     assert_eq!(
-        idle_status(&d, "r"),
+        d.wait_status("r", " idle ", Duration::from_secs(30)),
         format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle 0 0 -")
     );
     assert_eq!(
@@ -160,10 +147,8 @@ fn a_failed_leg_is_marked_d_and_recorded_the_io_goes_on_and_the_leg_comes_back()
     n[1].1 = "/dev/mapper/leg1".into();
     let t = table(&["region_size", "128"], &n);
     d.create("r", &t);
-    idle_status(&d, "r");
-    d.ok(&["load", "leg1", "--table", &format!("0 {SECTORS} error")]);
-    d.ok(&["suspend", "leg1"]);
-    d.ok(&["resume", "leg1"]);
+    d.wait_status("r", " idle ", Duration::from_secs(30));
+    d.reload("leg1", &format!("0 {SECTORS} error"));
     let mut c = Client::connect(&d.sock(), "r");
     c.write(MIB, &pattern(11, 8192));
     assert_eq!(c.call(FLUSH, 0, 0, 0, &[]), 0, "flush");
@@ -179,14 +164,10 @@ fn a_failed_leg_is_marked_d_and_recorded_the_io_goes_on_and_the_leg_comes_back()
     drop(c);
     d.wait_open_count("r", 0);
     // the leg comes back: a new table (as `lvchange --refresh` makes)
-    d.ok(&["load", "leg1", "--table", &lin1]);
-    d.ok(&["suspend", "leg1"]);
-    d.ok(&["resume", "leg1"]);
-    d.ok(&["load", "r", "--table", &t]);
-    d.ok(&["suspend", "r"]);
-    d.ok(&["resume", "r"]);
+    d.reload("leg1", &lin1);
+    d.reload("r", &t);
     assert_eq!(
-        idle_status(&d, "r"),
+        d.wait_status("r", " idle ", Duration::from_secs(30)),
         format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle 0 0 -")
     );
     assert!(
@@ -207,10 +188,8 @@ fn a_read_that_fails_goes_to_the_other_leg() {
     let mut n = names(&l);
     n[0].1 = "/dev/mapper/leg0".into();
     d.create("r", &table(&["region_size", "128"], &n));
-    idle_status(&d, "r");
-    d.ok(&["load", "leg0", "--table", &format!("0 {SECTORS} error")]);
-    d.ok(&["suspend", "leg0"]);
-    d.ok(&["resume", "leg0"]);
+    d.wait_status("r", " idle ", Duration::from_secs(30));
+    d.reload("leg0", &format!("0 {SECTORS} error"));
     let mut c = Client::connect(&d.sock(), "r");
     let want = pattern(7, (SECTORS * 512) as usize);
     for i in 0..8u64 {
@@ -234,11 +213,11 @@ fn check_counts_mismatches_and_repair_mends_them() {
     d.create("r", &table(&["region_size", "128", "nosync"], &names(&l)));
     // nosync: leg 1 still holds zeroes where leg 0 has the pattern
     assert_eq!(
-        idle_status(&d, "r"),
+        d.wait_status("r", " idle ", Duration::from_secs(30)),
         format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle 0 0 -")
     );
     d.ok(&["message", "r", "0", "check"]);
-    let s = idle_status(&d, "r");
+    let s = d.wait_status("r", " idle ", Duration::from_secs(30));
     assert_eq!(
         s,
         format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle {SECTORS} 0 -")
@@ -248,13 +227,13 @@ fn check_counts_mismatches_and_repair_mends_them() {
         "check writes nothing"
     );
     d.ok(&["message", "r", "0", "repair"]);
-    idle_status(&d, "r");
+    d.wait_status("r", " idle ", Duration::from_secs(30));
     assert!(
         std::fs::read(&l[1].1).expect("leg 1") == std::fs::read(&l[0].1).expect("leg 0"),
         "repair made the legs equal"
     );
     d.ok(&["message", "r", "0", "check"]);
-    let s = idle_status(&d, "r");
+    let s = d.wait_status("r", " idle ", Duration::from_secs(30));
     assert!(s.ends_with(" idle 0 0 -"), "no mismatch after the repair: {s}");
     let e = d.fails(&["message", "r", "0", "frobnicate"]);
     assert!(e.contains("invalid argument"), "{e}");
@@ -320,7 +299,7 @@ fn metadata_that_lies_is_refused_with_what_is_wrong() {
     let l = legs(&d, 2);
     let t = table(&["region_size", "128", "nosync"], &names(&l));
     d.create("r", &t);
-    idle_status(&d, "r");
+    d.wait_status("r", " idle ", Duration::from_secs(30));
     d.ok(&["remove", "r"]);
     let good: Vec<Vec<u8>> = l.iter().map(|(m, _)| std::fs::read(m).expect("meta")).collect();
     let try_with = |edit: &dyn Fn(&mut Vec<u8>), both: bool, want: &str| {
@@ -360,7 +339,7 @@ fn metadata_that_lies_is_refused_with_what_is_wrong() {
         std::fs::write(m, b).expect("meta");
     }
     d.create("r", &t);
-    idle_status(&d, "r");
+    d.wait_status("r", " idle ", Duration::from_secs(30));
     d.ok(&["remove", "r"]);
     assert_eq!(u64_at(&sb(&l[0].0), 0x10), u64::MAX, "events stay at their end");
     // leg 1's superblock gone, no rebuild asked: a new device injected
@@ -372,7 +351,7 @@ fn metadata_that_lies_is_refused_with_what_is_wrong() {
     std::fs::write(&l[1].0, vec![0u8; MIB as usize]).expect("meta 1 wiped");
     d.create("r", &table(&["region_size", "128", "rebuild", "1"], &names(&l)));
     assert_eq!(
-        idle_status(&d, "r"),
+        d.wait_status("r", " idle ", Duration::from_secs(30)),
         format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle 0 0 -")
     );
     assert!(

@@ -8,22 +8,10 @@ mod oracle;
 
 use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 const SECTORS: u64 = 16384;
-
-fn idle_status(d: &Daemon, name: &str) -> String {
-    let t0 = Instant::now();
-    loop {
-        let s = d.ok(&["status", name]);
-        if s.contains(" idle ") {
-            return s.trim().to_string();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "{name} not idle: {s}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[test]
 fn the_kernels_dm_raid_and_dmkit_open_each_others_raid1() {
@@ -57,7 +45,7 @@ fn the_kernels_dm_raid_and_dmkit_open_each_others_raid1() {
         let d = Daemon::start("raid-guest-d");
         d.create("r", &table(&disks[4..8]));
         assert_eq!(
-            idle_status(&d, "r"),
+            d.wait_status("r", " idle ", Duration::from_secs(30)),
             format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle 0 0 -")
         );
         let mut c = Client::connect(&d.sock(), "r");
@@ -132,7 +120,7 @@ sync
     let d = Daemon::start("raid-guest-k");
     d.create("k", &table(&disks[0..4]));
     assert_eq!(
-        idle_status(&d, "k"),
+        d.wait_status("k", " idle ", Duration::from_secs(30)),
         format!("0 {SECTORS} raid raid1 2 AA {SECTORS}/{SECTORS} idle 0 0 -"),
         "dmkit assembles the kernel's array in sync"
     );

@@ -702,9 +702,7 @@ fn discards_and_exception_hand_over() {
         // hand-over: the same table reloaded takes the exceptions over
         drop(sn);
         let before = status(&d, &name);
-        d.ok(&["load", &name, "--table", &table]);
-        d.ok(&["suspend", &name]);
-        d.ok(&["resume", &name]);
+        d.reload(&name, &table);
         assert_eq!(status(&d, &name), before, "status after the hand-over");
         let mut sn = Client::connect(&d.sock(), &name);
         assert_same(&read_all(&mut sn, SIZE), &model, "snapshot after the hand-over");

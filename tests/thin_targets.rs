@@ -1247,9 +1247,7 @@ fn metadata_device_grows_on_reload() {
         .set_len(MIB)
         .unwrap();
     let t = f.table(64, 0, &[]);
-    d.ok(&["load", "pool", "--table", &t]);
-    d.ok(&["suspend", "pool"]);
-    d.ok(&["resume", "pool"]);
+    d.reload("pool", &t);
     let st = pool_status(&d);
     assert_eq!((st.total_meta, st.mode.as_str()), (256, "rw"), "{st:?}");
     assert_eq!(status(&d, "pool")[8], "64", "metadata low watermark = blocks / 4");
@@ -1449,9 +1447,7 @@ fn assert_read_only(d: &Daemon, c: &mut Client) {
 }
 
 fn reload(d: &Daemon, table: &str) {
-    d.ok(&["load", "pool", "--table", table]);
-    d.ok(&["suspend", "pool"]);
-    d.ok(&["resume", "pool"]);
+    d.reload("pool", table);
 }
 
 #[test]

@@ -9,7 +9,6 @@ mod common;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let reg = common::registry();
     let mut metas = Vec::new();
     for (i, part) in [data.get(..8192).unwrap_or(data), data.get(8192..).unwrap_or(&[])]
         .iter()
@@ -32,15 +31,5 @@ fuzz_target!(|data: &[u8]| {
         "0 2048 raid raid1 3 0 region_size 128 2 {} {d0} {} {d1}",
         metas[0], metas[1]
     );
-    if reg.create("rd", Some(&table), false, None).is_err() {
-        return;
-    }
-    if let Ok(d) = reg.get("rd") {
-        let mut b = vec![0u8; 64 << 10];
-        let _ = dmkit::mapper::devio::read(&dmkit::mapper::engine::Dest::Dm(d), 0, &mut b);
-    }
-    let _ = reg.message("rd", 0, &["check".to_string()]);
-    let _ = reg.table_lines(Some("rd"), true, false, false);
-    let _ = reg.remove("rd", true, false);
-    let _ = reg.remove("rd", false, false);
+    common::exercise("rd", &table, Some("check"));
 });

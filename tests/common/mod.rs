@@ -228,6 +228,27 @@ impl Daemon {
         );
     }
 
+    /// Replace `name`'s table with `table` and make it live, as dmsetup's
+    /// reload does it: load, suspend, resume.
+    pub fn reload(&self, name: &str, table: &str) {
+        self.ok(&["load", name, "--table", table]);
+        self.ok(&["suspend", name]);
+        self.ok(&["resume", name]);
+    }
+
+    /// `name`'s status line once it contains `part` (within `within`).
+    pub fn wait_status(&self, name: &str, part: &str, within: Duration) -> String {
+        let t0 = Instant::now();
+        loop {
+            let s = self.ok(&["status", name]);
+            if s.contains(part) {
+                return s.trim().to_string();
+            }
+            assert!(t0.elapsed() < within, "{name}'s status has no '{part}': {s}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Start merging snapshot `snap` into `origin` as lvconvert --merge does:
     /// both suspended, the origin's table replaced by `merge_table`, the origin
     /// resumed (`snap` stays suspended).

@@ -4,6 +4,8 @@
 //! then one bit per region, least significant first). Little-endian; neither
 //! superblock has a checksum.
 
+use crate::pdata::{le32, le64, put32, put64};
+
 /// "DmRd".
 pub const SB_MAGIC: u32 = 0x6452_6d44;
 /// "bitm".
@@ -48,26 +50,6 @@ pub struct Super {
     pub incompat: u32,
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    let mut w = [0u8; 4];
-    w.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(w)
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
-}
-
-fn put32(b: &mut [u8], at: usize, v: u32) {
-    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-}
-
-fn put64(b: &mut [u8], at: usize, v: u64) {
-    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
-}
-
 impl Super {
     /// A raid1 leg's superblock for an array of `n` legs and `sectors` sectors.
     pub fn raid1(n: u32, position: u32, sectors: u64) -> Super {
@@ -96,31 +78,31 @@ impl Super {
     /// The superblock in `b` (a sector at least), or None without the magic
     /// (a new leg). Only the first 64 failed legs count before v1.9.0.
     pub fn decode(b: &[u8]) -> Option<Super> {
-        if b.len() < SB_BYTES || u32_at(b, 0) != SB_MAGIC {
+        if b.len() < SB_BYTES || le32(b, 0) != SB_MAGIC {
             return None;
         }
-        let compat = u32_at(b, 4);
+        let compat = le32(b, 4);
         let v190 = compat & SUPPORTS_V190 != 0;
-        let ext = |i: usize| if v190 { u64_at(b, 0x78 + 8 * i) } else { 0 };
+        let ext = |i: usize| if v190 { le64(b, 0x78 + 8 * i) } else { 0 };
         Some(Super {
             compat,
-            num_devices: u32_at(b, 8),
-            array_position: u32_at(b, 0x0c),
-            events: u64_at(b, 0x10),
-            failed: [u64_at(b, 0x18), ext(0), ext(1), ext(2)],
-            disk_recovery_offset: u64_at(b, 0x20),
-            array_resync_offset: u64_at(b, 0x28),
-            level: u32_at(b, 0x30),
-            layout: u32_at(b, 0x34),
-            stripe_sectors: u32_at(b, 0x38),
-            flags: if v190 { u32_at(b, 0x3c) } else { 0 },
-            reshape_position: if v190 { u64_at(b, 0x40) } else { MAX_SECTOR },
-            new_level: if v190 { u32_at(b, 0x48) } else { u32_at(b, 0x30) },
-            delta_disks: if v190 { u32_at(b, 0x54) as i32 } else { 0 },
-            array_sectors: if v190 { u64_at(b, 0x58) } else { 0 },
-            data_offset: if v190 { u64_at(b, 0x60) } else { 0 },
-            sectors: if v190 { u64_at(b, 0x70) } else { 0 },
-            incompat: u32_at(b, 0x90),
+            num_devices: le32(b, 8),
+            array_position: le32(b, 0x0c),
+            events: le64(b, 0x10),
+            failed: [le64(b, 0x18), ext(0), ext(1), ext(2)],
+            disk_recovery_offset: le64(b, 0x20),
+            array_resync_offset: le64(b, 0x28),
+            level: le32(b, 0x30),
+            layout: le32(b, 0x34),
+            stripe_sectors: le32(b, 0x38),
+            flags: if v190 { le32(b, 0x3c) } else { 0 },
+            reshape_position: if v190 { le64(b, 0x40) } else { MAX_SECTOR },
+            new_level: if v190 { le32(b, 0x48) } else { le32(b, 0x30) },
+            delta_disks: if v190 { le32(b, 0x54) as i32 } else { 0 },
+            array_sectors: if v190 { le64(b, 0x58) } else { 0 },
+            data_offset: if v190 { le64(b, 0x60) } else { 0 },
+            sectors: if v190 { le64(b, 0x70) } else { 0 },
+            incompat: le32(b, 0x90),
         })
     }
 
@@ -182,18 +164,18 @@ impl BitmapSuper {
     /// The bitmap superblock in `b` (256 bytes at least), checked as md checks
     /// it when the array starts: Err names the rule, in md's words.
     pub fn decode(b: &[u8]) -> Result<BitmapSuper, &'static str> {
-        if b.len() < BITMAP_SB_BYTES || u32_at(b, 0) != BITMAP_MAGIC {
+        if b.len() < BITMAP_SB_BYTES || le32(b, 0) != BITMAP_MAGIC {
             return Err("bad magic");
         }
         let s = BitmapSuper {
-            version: u32_at(b, 4),
-            events: u64_at(b, 24),
-            events_cleared: u64_at(b, 32),
-            sync_size: u64_at(b, 40),
-            state: u32_at(b, 48),
-            chunksize: u32_at(b, 52),
-            daemon_sleep: u32_at(b, 56),
-            write_behind: u32_at(b, 60),
+            version: le32(b, 4),
+            events: le64(b, 24),
+            events_cleared: le64(b, 32),
+            sync_size: le64(b, 40),
+            state: le32(b, 48),
+            chunksize: le32(b, 52),
+            daemon_sleep: le32(b, 56),
+            write_behind: le32(b, 60),
         };
         if !(3..=4).contains(&s.version) {
             // 5 is md-cluster's, which dm-raid never writes
@@ -251,8 +233,8 @@ mod tests {
         let mut b = [0u8; 512];
         s.encode(&mut b);
         assert_eq!(&b[0..4], b"DmRd");
-        assert_eq!(u64_at(&b, 0x10), 7);
-        assert_eq!(u64_at(&b, 0x58), 2048);
+        assert_eq!(le64(&b, 0x10), 7);
+        assert_eq!(le64(&b, 0x58), 2048);
         assert!(b[SB_BYTES..].iter().all(|&x| x == 0));
         let d = Super::decode(&b).expect("decodes");
         assert_eq!(d, s);

@@ -31,7 +31,7 @@ pub mod format;
 use crate::io::{errno, EndIo, Op, REMAP, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::Pending;
-use crate::mapper::{Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
+use crate::mapper::{Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType};
 use crate::sync::Unpoison;
 use format::{BitmapSuper, Super, BITMAP_OFFSET, BITMAP_SB_BYTES, HZ, MAX_CHUNKS, MAX_SECTOR};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -391,30 +391,19 @@ fn parse_options(p: &[String], nlegs: usize, len: u64) -> Result<Options, String
                     o.write_mostly.push(idx);
                 }
             }
-            "max_write_behind" => {
+            // a number, once, not negative: where it goes, and the kernel's
+            // words for a negative one
+            "max_write_behind" | "daemon_sleep" | "min_recovery_rate" | "max_recovery_rate" | "region_size" => {
+                let (slot, negative) = match key.as_str() {
+                    "max_write_behind" => (&mut o.max_write_behind, "Max write-behind limit out of range"),
+                    "daemon_sleep" => (&mut o.daemon_sleep, "daemon sleep period out of range"),
+                    "min_recovery_rate" => (&mut o.min_recovery_rate, "min_recovery_rate out of range"),
+                    "max_recovery_rate" => (&mut o.max_recovery_rate, "max_recovery_rate out of range"),
+                    _ => (&mut o.region_size, "Bad numerical argument given in raid params"),
+                };
                 let v = value()?;
-                once(o.max_write_behind.is_some(), "max_write_behind")?;
-                o.max_write_behind = Some(nonneg(v, "Max write-behind limit out of range")?);
-            }
-            "daemon_sleep" => {
-                let v = value()?;
-                once(o.daemon_sleep.is_some(), "daemon_sleep")?;
-                o.daemon_sleep = Some(nonneg(v, "daemon sleep period out of range")?);
-            }
-            "min_recovery_rate" => {
-                let v = value()?;
-                once(o.min_recovery_rate.is_some(), "min_recovery_rate")?;
-                o.min_recovery_rate = Some(nonneg(v, "min_recovery_rate out of range")?);
-            }
-            "max_recovery_rate" => {
-                let v = value()?;
-                once(o.max_recovery_rate.is_some(), "max_recovery_rate")?;
-                o.max_recovery_rate = Some(nonneg(v, "max_recovery_rate out of range")?);
-            }
-            "region_size" => {
-                let v = value()?;
-                once(o.region_size.is_some(), "region_size")?;
-                o.region_size = Some(nonneg(v, "Bad numerical argument given in raid params")?);
+                once(slot.is_some(), &key)?;
+                *slot = Some(nonneg(v, negative)?);
             }
             "data_offset" => {
                 let v = value()?;
@@ -711,10 +700,10 @@ impl Inner {
         (bio.sector / self.region)..end.div_ceil(self.region).max(bio.sector / self.region + 1)
     }
 
-    /// A write (or discard, or zeroing) whose regions are all marked goes to the
-    /// legs; otherwise it waits for the bitmap (or the superblocks, or a copy).
-    fn map_write(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let regions = self.regions_of(&bio);
+    /// A write (or discard, or zeroing) over `regions`, or a flush (none),
+    /// goes to every leg that has not failed once its regions are marked;
+    /// until then it waits for the bitmap (or the superblocks, or a copy).
+    fn map_mirrored(self: &Arc<Self>, bio: Bio, regions: std::ops::Range<u64>, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let mut st = self.lock();
         let mut ready = !st.sb_dirty;
         for r in regions.clone() {
@@ -837,43 +826,6 @@ impl Inner {
                 }
             }),
         )
-    }
-
-    /// A flush goes to every leg's data device that has not failed.
-    fn map_flush(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let mut st = self.lock();
-        if st.sb_dirty {
-            // a leg failed: the flush completes once the superblocks say so
-            st.waiting.push(ctx.submit(bio));
-            drop(st);
-            self.wake.notify_all();
-            return Ok(());
-        }
-        let legs = self.write_legs(&st);
-        drop(st);
-        let w = Arc::new(WriteDone {
-            left: AtomicUsize::new(legs.len()),
-            good: AtomicUsize::new(0),
-            failed: Mutex::new(Vec::new()),
-        });
-        for &i in &legs {
-            let (me, w) = (self.clone(), w.clone());
-            let hook: EndIo = Arc::new(move |ok, _: &mut [u8]| {
-                if ok {
-                    w.good.fetch_add(1, Ordering::SeqCst);
-                } else {
-                    w.failed.lock().unpoisoned().push(i);
-                }
-                if w.left.fetch_sub(1, Ordering::SeqCst) != 1 {
-                    return 0;
-                }
-                me.end_write(0..0, &w)
-            });
-            if let Some(d) = &self.legs[i].data {
-                ctx.remap_tolerant(d, bio, i as u16, hook)?;
-            }
-        }
-        Ok(())
     }
 
     // ---- metadata ----
@@ -1254,8 +1206,12 @@ impl Target for Raid {
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         match bio.op {
             Op::Read => self.inner.map_read(bio, ctx),
-            Op::Flush => self.inner.map_flush(bio, ctx),
-            Op::Write | Op::Discard | Op::WriteZeroes => self.inner.map_write(bio, ctx),
+            // a flush waits for the superblocks alone, and goes to every leg
+            Op::Flush => self.inner.map_mirrored(bio, 0..0, ctx),
+            Op::Write | Op::Discard | Op::WriteZeroes => {
+                let regions = self.inner.regions_of(&bio);
+                self.inner.map_mirrored(bio, regions, ctx)
+            }
         }
     }
 
@@ -1408,10 +1364,6 @@ impl Target for Raid {
 
     fn max_io_len(&self) -> u64 {
         self.inner.region
-    }
-
-    fn limits(&self) -> Limits {
-        Limits::stacked(&self.devices())
     }
 
     fn presuspend(&self) {
