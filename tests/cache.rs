@@ -245,7 +245,7 @@ fn mode_model(features: &str, tag: &str) {
         assert_eq!(st2[6], 0, "passthrough promotes nothing");
         assert_same(&read_all(&mut c, ORIGIN), &model, "passthrough");
         drop(c);
-        d.ok(&["remove", "c"]);
+        d.remove_closed("c");
         assert_same(
             &std::fs::read(&f.origin).unwrap(),
             &model,
@@ -305,7 +305,7 @@ fn a_hot_set_is_promoted_and_a_restart_keeps_it() {
     assert!(ratio >= 0.95, "hot set read hit ratio {ratio}");
     let used = counters(&status(&d, "c"))[0];
     drop(c);
-    d.ok(&["remove", "c"]);
+    d.remove_closed("c");
     let dump = reference_reads(&f.meta);
     // new promotions sit at the top level: their hint says so
     assert!(
@@ -397,7 +397,7 @@ fn cleaner_writes_everything_back_and_the_cache_retires_to_linear() {
         "the retired cache's linear device",
     );
     drop(c);
-    d.ok(&["remove", "c"]);
+    d.remove_closed("c");
     let dump = reference_reads(&f.meta);
     assert!(!dump.contains("dirty=\"true\""), "clean after the cleaner");
     assert!(dump.contains("policy=\"cleaner\""), "{}", &dump[..200]);
@@ -673,7 +673,7 @@ fn sigkill_under_a_write_load_loses_no_flushed_write() {
         let got = read_all(&mut c, nb as u64 * BS);
         accept(&got, &mut state[0], &allowed[0], BS, &format!("round {round}"));
         drop(c);
-        d.ok(&["remove", "c"]);
+        d.remove_closed("c");
         reference_reads(&f.meta);
     }
     // and the cleaner makes the origin what the cache showed

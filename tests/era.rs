@@ -194,7 +194,7 @@ fn eras_dump_invalidate_and_the_reference() {
 
     // removed: the current era is archived; the eras are in the array or the writesets
     drop(c);
-    d.ok(&["remove", "e"]);
+    d.remove_closed("e");
     let (dump, logical) = dumps_agree(&meta);
     assert!(
         dump.starts_with("<superblock uuid=\"\" block_size=\"128\" nr_blocks=\"1024\" current_era=\"3\">\n")
@@ -275,7 +275,7 @@ fn the_reference_restore_opens_and_dmkit_restore_reads_back() {
     let mut c = Client::connect(&d.sock(), "e");
     write_blocks(&mut c, &[500], 8);
     drop(c);
-    d.ok(&["remove", "e"]);
+    d.remove_closed("e");
     checks_pass(&meta);
     let (_, logical) = dumps_agree(&meta);
     let eras = eras_of(&logical);
@@ -511,7 +511,7 @@ fn suspend_resume_and_a_table_swap_start_new_eras_and_keep_the_marks() {
     );
     checks_pass(&copy);
     drop(c);
-    d.ok(&["remove", "e"]);
+    d.remove_closed("e");
     let eras = eras_of(&dumps_agree(&meta).1);
     assert_eq!((eras[10], eras[11], eras[12], eras[13]), (1, 2, 3, 0));
 }
@@ -619,7 +619,7 @@ fn era_over_dmkit_devices() {
     write_blocks(&mut c, &ERA2, 2);
     assert_eq!(c.read(6 * BLOCK + 4096, 8192), pattern(2 + 6, 8192));
     drop(c);
-    d.ok(&["remove", "e"]);
+    d.remove_closed("e");
     d.ok(&["remove", "m", "o"]);
     // the era's writes are on the origin's file, its record on the metadata's
     assert_eq!(

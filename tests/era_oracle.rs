@@ -87,7 +87,7 @@ fn the_kernel_and_dmkit_open_each_others_era_metadata() {
             c.write(b * BLOCK, &pattern(b, 4096));
         }
         drop(c);
-        d.ok(&["remove", "e"]);
+        d.remove_closed("e");
     }
 
     // the kernel opens it (era 3 from its resume) and writes; and formats meta2,
