@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod era;
 pub mod export;
 pub mod extents;
+pub mod gf256;
 pub mod io;
 pub mod lograte;
 pub mod mapper;

@@ -261,10 +261,15 @@ fn losetup(f: &std::path::Path) -> String {
 /// Two loop devices over 64 MiB files of the daemon's scratch folder (filled with
 /// `fill` when given), each with its file.
 fn loop_files(d: &Daemon, fill: Option<u8>) -> (Loops, Vec<(String, PathBuf)>) {
+    loop_files_n(d, fill, 2)
+}
+
+/// `n` loop devices over files of 64 MiB (filled with `fill`, or sparse).
+fn loop_files_n(d: &Daemon, fill: Option<u8>, n: usize) -> (Loops, Vec<(String, PathBuf)>) {
     let mut files = Vec::new();
     let mut loops = Loops(Vec::new());
-    for n in ["pv0", "pv1"] {
-        let f = d.dir.sparse(n, 64 * MIB);
+    for n in (0..n).map(|i| format!("pv{i}")) {
+        let f = d.dir.sparse(&n, 64 * MIB);
         if let Some(b) = fill {
             std::fs::write(&f, vec![b; (64 * MIB) as usize]).expect("fill the loop file");
         }
@@ -1120,6 +1125,16 @@ fn lvm_cache_attach_and_split_through_the_door() {
 /// write lands on both legs where LVM's tables put them, `--syncaction check`
 /// reaches the target as a message and LVM reads its mismatch count, and the
 /// data survives `vgchange -an` / `-ay`.
+/// `lvchange --syncaction check` on raid LV `lv` (device `top`): LVM reads a
+/// mismatch count of 0 from dmkit's status once it is idle.
+fn check_finds_nothing(lvm: &Lvm, lv: &str, top: &str) {
+    lvm.ok(&["lvchange", "--syncaction", "check", lv]);
+    lvm.d
+        .wait_status(top, " idle ", std::time::Duration::from_secs(60));
+    let mm = lvm.ok(&["lvs", "--noheadings", "-o", "raid_mismatch_count", lv]);
+    assert_eq!(mm.trim(), "0", "{top}: LVM reads the check's mismatch count");
+}
+
 #[test]
 fn lvm_raid1_through_the_door() {
     common::need_all(&["losetup", "lvm"]);
@@ -1167,16 +1182,7 @@ fn lvm_raid1_through_the_door() {
         assert!(got == data, "{n}: the write is on this leg where LVM put it");
     }
     d.wait_open_count(&top, 0);
-    lvm.ok(&["lvchange", "--syncaction", "check", &format!("{vg}/mir")]);
-    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
-    let mm = lvm.ok(&[
-        "lvs",
-        "--noheadings",
-        "-o",
-        "raid_mismatch_count",
-        &format!("{vg}/mir"),
-    ]);
-    assert_eq!(mm.trim(), "0", "LVM reads the check's mismatch count");
+    check_finds_nothing(&lvm, &format!("{vg}/mir"), &top);
     lvm.ok(&["vgchange", "-an", &vg]);
     assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
     lvm.ok(&["vgchange", "-ay", &vg]);
@@ -1185,5 +1191,81 @@ fn lvm_raid1_through_the_door() {
     assert!(c.read(MIB, data.len()) == data, "the data after vgchange -an/-ay");
     drop(c);
     d.wait_open_count(&top, 0);
+    remove_vg(&lvm, &loops, &vg);
+}
+
+#[test]
+fn lvm_raid5_raid6_raid10_and_raid0_through_the_door() {
+    common::need_all(&["losetup", "lvm"]);
+    let d = Daemon::start("lvm-raid-levels");
+    let (loops, _files) = loop_files_n(&d, None, 5);
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
+    };
+    let vg = new_vg(&lvm, &loops, "dmkitlevels");
+    // LVM's type, its arguments, the kernel type LVM's table names, legs
+    let cases: [(&str, &[&str], &str, usize); 4] = [
+        ("r5", &["--type", "raid5", "-i", "2"], "raid5_ls", 3),
+        ("r6", &["--type", "raid6", "-i", "3"], "raid6_zr", 5),
+        ("r10", &["--type", "raid10", "-i", "2", "-m", "1"], "raid10", 4),
+        ("r0", &["--type", "raid0", "-i", "2"], "raid0", 2),
+    ];
+    let data = pattern(33, 512 * 1024);
+    for (name, args, ty, legs) in cases {
+        let mut a = vec!["lvcreate", "-y"];
+        a.extend(args);
+        a.extend(["-L", "12M", "-n", name, &vg]);
+        lvm.ok(&a);
+        let top = format!("{vg}-{name}");
+        let tables = dmkit_tables(&d);
+        let raid = &tables.iter().find(|(n, _)| *n == top).expect("the raid LV").1;
+        assert!(raid.contains(&format!(" raid {ty} ")), "{top}: {raid}");
+        let w: Vec<&str> = raid.split_whitespace().collect();
+        let len: u64 = w[1].parse().expect("the LV's length");
+        let status = d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+        let health: String = "A".repeat(legs);
+        assert!(
+            status.starts_with(&format!("0 {len} raid {ty} {legs} {health} "))
+                && status.ends_with(" idle 0 0 -"),
+            "{top}: {status}"
+        );
+        let pct = lvm.ok(&[
+            "lvs",
+            "--noheadings",
+            "-o",
+            "sync_percent",
+            &format!("{vg}/{name}"),
+        ]);
+        let want = if ty == "raid0" { "" } else { "100.00" };
+        assert_eq!(pct.trim(), want, "{top}: LVM reads the sync from dmkit's status");
+        let mut c = nbd::Client::connect(&d.sock(), &top);
+        c.write(MIB + 4096, &data);
+        assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+        assert!(
+            c.read(MIB + 4096, data.len()) == data,
+            "{top}: the write reads back"
+        );
+        drop(c);
+        d.wait_open_count(&top, 0);
+        if ty != "raid0" {
+            check_finds_nothing(&lvm, &format!("{vg}/{name}"), &top);
+        }
+    }
+    lvm.ok(&["vgchange", "-an", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
+    lvm.ok(&["vgchange", "-ay", &vg]);
+    for (name, _, _, _) in cases {
+        let top = format!("{vg}-{name}");
+        d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+        let mut c = nbd::Client::connect(&d.sock(), &top);
+        assert!(
+            c.read(MIB + 4096, data.len()) == data,
+            "{top}: the data after vgchange -an/-ay"
+        );
+        drop(c);
+        d.wait_open_count(&top, 0);
+    }
     remove_vg(&lvm, &loops, &vg);
 }

@@ -256,7 +256,7 @@ fn bad_raid_tables_are_refused_with_the_kernels_words() {
                 "0 {SECTORS} raid raid5_ls 1 0 2 {} {} {} {}",
                 n[0].0, n[0].1, n[1].0, n[1].1
             ),
-            "not supported by dmkit yet (raid1 only)",
+            "Chunk size must be a power of 2",
         ),
         (
             table(&["sync", "nosync"], &n),

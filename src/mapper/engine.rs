@@ -69,6 +69,9 @@ enum Resume {
     /// Map the piece again from its target (the condition that held it has passed,
     /// or its device is suspending: the kernel's DM_MAPIO_REQUEUE).
     Requeue,
+    /// Done, a read whose bytes the target made (a raid5 leg rebuilt from the
+    /// others): they go into the piece's data first.
+    Data(Vec<u8>),
 }
 
 /// Which piece of which request a target took, and where it was mapped.
@@ -181,6 +184,12 @@ impl Pending {
     /// provisioned, space was added), or its device is suspending.
     pub fn requeue(self) {
         self.send(Resume::Requeue);
+    }
+
+    /// The piece, a read, is done with `bytes` as its data (as many as it
+    /// covers; fewer fail it with EIO).
+    pub fn done_with(self, bytes: Vec<u8>) {
+        self.send(Resume::Data(bytes));
     }
 }
 
@@ -760,7 +769,12 @@ impl Engine {
         let q = &mut self.reqs[r];
         q.waits -= 1;
         match resume {
-            Resume::Done(e) => {
+            Resume::Done(_) | Resume::Data(_) => {
+                let e = match resume {
+                    Resume::Data(bytes) => fill_piece(q, &m, &bytes),
+                    Resume::Done(e) => e,
+                    _ => errno::EIO,
+                };
                 if let Some(h) = m.end_io {
                     let mut he = 0;
                     guarded(q.dev.as_deref(), &mut q.error, || {
@@ -1146,6 +1160,25 @@ const FLUSH: Bio = Bio {
 };
 
 /// What a hook answered: an errno fails the request (the first one counts),
+/// Copy `bytes`, a read's data a target made, into the part of `q`'s data
+/// (or of the owned buffer it was mapped into) piece `m` covers: 0, or EIO if
+/// they are fewer or the piece lies outside.
+fn fill_piece(q: &mut Request, m: &Piece, bytes: &[u8]) -> i32 {
+    let n = if q.op.has_data() { q.bytes() } else { 0 };
+    let all = match m.owned.and_then(|b| q.owned.get_mut(b as usize)) {
+        Some(o) => &mut o.buf.as_mut_slice()[..o.len],
+        None => &mut q.buf.as_mut_slice()[..n],
+    };
+    let (a, len) = (m.bio.buf_off, m.bio.bytes() as usize);
+    match (all.get_mut(a..a + len), bytes.get(..len)) {
+        (Some(dst), Some(src)) => {
+            dst.copy_from_slice(src);
+            0
+        }
+        _ => errno::EIO,
+    }
+}
+
 /// [`REMAP`] has it mapped again once everything under way for it is done.
 fn hook_answer(error: &mut i32, requeue: &mut bool, e: i32) {
     if e == REMAP {

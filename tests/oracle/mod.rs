@@ -45,7 +45,7 @@ pub const EXT4_UBLK_MODULES: &str =
 pub const RAID_MODULES: &str = "crypto/xor.ko lib/raid6/raid6_pq.ko crypto/async_tx/async_tx.ko \
      crypto/async_tx/async_memcpy.ko crypto/async_tx/async_xor.ko crypto/async_tx/async_pq.ko \
      crypto/async_tx/async_raid6_recov.ko drivers/md/md-mod.ko drivers/md/raid456.ko drivers/md/raid1.ko \
-     drivers/md/dm-raid.ko";
+     drivers/md/raid0.ko drivers/md/raid10.ko drivers/md/dm-raid.ko";
 
 /// Boot the kernel with `script` (written into `dir`) and the disks; the serial
 /// output.

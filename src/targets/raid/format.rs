@@ -51,8 +51,10 @@ pub struct Super {
 }
 
 impl Super {
-    /// A raid1 leg's superblock for an array of `n` legs and `sectors` sectors.
-    pub fn raid1(n: u32, position: u32, sectors: u64) -> Super {
+    /// Leg `position`'s superblock in an array of `n` legs at md `level`,
+    /// `layout` and `stripe_sectors` (the chunk), of `array` sectors using
+    /// `sectors` of each leg.
+    pub fn new(level: u32, layout: u32, stripe_sectors: u32, n: u32, position: u32, array: u64, sectors: u64) -> Super {
         Super {
             compat: SUPPORTS_V190,
             num_devices: n,
@@ -61,14 +63,14 @@ impl Super {
             failed: [0; 4],
             disk_recovery_offset: MAX_SECTOR,
             array_resync_offset: MAX_SECTOR,
-            level: 1,
-            layout: 0,
-            stripe_sectors: 0,
+            level,
+            layout,
+            stripe_sectors,
             flags: 0,
             reshape_position: MAX_SECTOR,
-            new_level: 1,
+            new_level: level,
             delta_disks: 0,
-            array_sectors: sectors,
+            array_sectors: array,
             data_offset: 0,
             sectors,
             incompat: 0,
@@ -225,7 +227,7 @@ mod tests {
 
     #[test]
     fn a_superblock_round_trips_at_the_kernels_offsets() {
-        let mut s = Super::raid1(2, 1, 2048);
+        let mut s = Super::new(1, 0, 0, 2, 1, 2048, 2048);
         s.events = 7;
         s.failed[0] = 1;
         s.failed[2] = 1 << 3;

@@ -1,32 +1,51 @@
-//! `raid raid1 <#params> <chunk> [options] <#legs> <meta> <data> ...`: the
-//! kernel's dm-raid (v1.15.1) for raid1, with its metadata in the kernel's
-//! format ([`format`]; docs/design/dm-raid.md has the rules this follows).
+//! `raid <type> <#params> <chunk> [options] <#legs> <meta> <data> ...`: the
+//! kernel's dm-raid (v1.15.1) for raid0, raid1, raid10 (near, far, offset),
+//! raid4, raid5 (every layout) and raid6 (every layout dm-raid names), with
+//! its metadata in the kernel's format ([`format`]) and md's placement of
+//! chunks on the legs ([`layout`]); docs/design/dm-raid.md and
+//! dm-raid-levels.md have the rules this follows.
 //!
-//! - Every write goes to each leg that has not failed, tolerantly
-//!   (`MapCtx::remap_tolerant`): it succeeds if a leg took it. A leg whose write
-//!   fails is marked failed, and the write waits, mapped again, until the
-//!   superblocks that record the loss are on the other legs' metadata (as md
-//!   holds it), so a crash can never bring back the stale leg as a good one.
-//! - Before a region (`region_size`) is written, its bit is set in the
+//! - A write goes to each copy on a leg that has not failed (raid1, raid10),
+//!   tolerantly (`MapCtx::remap_tolerant`): it succeeds if a leg took it. A
+//!   leg whose write fails is marked failed, and the write waits, mapped
+//!   again, until the superblocks that record the loss are on the other legs'
+//!   metadata (as md holds it), so a crash can never bring back the stale leg
+//!   as a good one.
+//! - raid4/5/6 writes, and reads whose leg is missing, go to the target's
+//!   thread ([`Job`]), one at a time, so a stripe row is never read while it
+//!   is half written: a write to a row whose legs all hold it reads the old
+//!   block and parities and writes the block with P (and Q) changed by the
+//!   difference; otherwise the row is read (the missing blocks rebuilt,
+//!   [`parity::rebuild`]) and written whole. Reads of a leg that holds its
+//!   block go straight to it.
+//! - Before a region (`region_size`; of the array's sectors for raid1 and
+//!   raid10, of each leg's for raid4/5/6) is written, its bit is set in the
 //!   write-intent bitmap on every leg's metadata device; bits of regions left
 //!   idle for two daemon periods are cleared, on an array with every leg in
 //!   sync. After a crash the set bits name what may differ between the legs:
-//!   those regions are copied again (the kernel leaves them on a healthy
-//!   array; copying is safe and compatible). A leg that failed and comes back
-//!   (a new table) gets the regions written meanwhile, and a leg marked
-//!   `rebuild` everything.
-//! - A read goes to one leg in sync (regions spread over the legs by position);
-//!   a read that fails marks its leg failed and goes to another.
+//!   those regions are copied again (raid1, raid10) or their parity computed
+//!   again (raid4/5/6) — the kernel leaves them; doing it is safe and
+//!   compatible, and closes raid5's write hole for the regions written. A
+//!   leg that failed and comes back (a new table) gets the regions written
+//!   meanwhile, and a leg marked `rebuild` everything.
 //! - The copying (resync, recover, check, repair) runs on the target's own
 //!   thread one region at a time; writes to that region wait for it.
+//! - raid0 has no bitmap and no copies: reads and writes go to their chunk's
+//!   leg; it takes no messages.
 //!
-//! Not done (refused with a message saying so): raid levels other than 1,
-//! `delta_disks` (reshape), `data_offset` other than 0. `write_mostly` legs
-//! are read only when no other leg can be; `max_write_behind` is recorded and
-//! not used (writes to them are not acknowledged early); recovery rates are
-//! recorded and not applied.
+//! Not done (refused with a message saying so): `delta_disks` (reshape),
+//! `data_offset` other than 0, `journal_dev`, a table whose level, layout or
+//! chunk differs from the superblocks' (the kernel would take the
+//! superblocks'), a length md would round down. raid4/5/6 and raid10 take no
+//! discards (dropped, as dm-raid does not offer them for raid4/5/6) and write
+//! zeroes by writing. `write_mostly` legs are read only when no other leg can
+//! be; `max_write_behind` is recorded and not used (writes to them are not
+//! acknowledged early); recovery rates and `stripe_cache` are recorded and
+//! not applied.
 
 pub mod format;
+pub mod layout;
+pub mod parity;
 
 use crate::io::{errno, EndIo, Op, REMAP, SECTOR};
 use crate::mapper::devio;
@@ -34,6 +53,8 @@ use crate::mapper::engine::Pending;
 use crate::mapper::{Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType};
 use crate::sync::Unpoison;
 use format::{BitmapSuper, Super, BITMAP_OFFSET, BITMAP_SB_BYTES, HZ, MAX_CHUNKS, MAX_SECTOR};
+use layout::{Geometry, Level};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -55,9 +76,9 @@ const DEFAULT_SLEEP: u64 = 5 * HZ;
 
 /// The raid levels the kernel knows, for its error on an unknown one.
 const KNOWN_LEVELS: &[&str] = &[
-    "raid0", "raid1", "raid10", "raid4", "raid5", "raid5_n", "raid5_ls", "raid5_rs", "raid5_la",
-    "raid5_ra", "raid6", "raid6_zr", "raid6_nr", "raid6_nc", "raid6_n_6", "raid6_ls_6", "raid6_rs_6",
-    "raid6_la_6", "raid6_ra_6",
+    "raid0", "raid1", "raid10", "raid10_near", "raid10_far", "raid10_offset", "raid4", "raid5_n", "raid5_la",
+    "raid5_ra", "raid5_ls", "raid5_rs", "raid6_zr", "raid6_nr", "raid6_nc", "raid6_n_6", "raid6_la_6", "raid6_ra_6",
+    "raid6_ls_6", "raid6_rs_6",
 ];
 
 struct Leg {
@@ -78,6 +99,10 @@ struct Options {
     max_write_behind: Option<u64>,
     region_size: Option<u64>,
     data_offset: Option<u64>,
+    raid10_copies: Option<u64>,
+    raid10_format: Option<String>,
+    raid10_use_near_sets: bool,
+    stripe_cache: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,11 +174,36 @@ struct State {
     all_regions: bool,
     /// The table was resumed once: metadata may be written.
     started: bool,
+    /// raid4/5/6 writes and rebuilt reads, for the target's thread.
+    jobs: VecDeque<Job>,
+}
+
+/// A stripe row's blocks at one leg sector: the data blocks, P, and Q.
+type RowBlocks = (Vec<Vec<u8>>, Vec<u8>, Option<Vec<u8>>);
+
+/// Work a raid4/5/6 request leaves to the target's thread.
+enum Job {
+    /// A write (or zeroing) inside one chunk, its data taken from the request,
+    /// over `regions` (counted in `writes`).
+    Write {
+        pending: Pending,
+        bio: Bio,
+        data: Vec<u8>,
+        regions: std::ops::Range<u64>,
+    },
+    /// A read whose leg is missing: rebuilt from the others.
+    Read { pending: Pending, bio: Bio },
 }
 
 struct Inner {
     legs: Vec<Leg>,
     len: u64,
+    /// The raid type as the table names it, and md's geometry.
+    type_name: String,
+    geo: Geometry,
+    /// The sectors the bitmap and the copies cover: the array's for raid1 and
+    /// raid10, each leg's for raid4/5/6 (md's resync_max_sectors).
+    span: u64,
     /// Region size in sectors.
     region: u64,
     regions: u64,
@@ -187,18 +237,14 @@ fn int_arg(v: &str, err: &str) -> Result<i64, String> {
 
 impl Raid {
     pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Raid, String> {
-        let Some(level) = args.first() else {
+        let Some(type_name) = args.first() else {
             return Err(bad("No arguments"));
         };
-        let level = level.to_ascii_lowercase();
-        if !KNOWN_LEVELS.contains(&level.as_str()) {
+        let type_name = type_name.to_ascii_lowercase();
+        if !KNOWN_LEVELS.contains(&type_name.as_str()) {
             return Err(bad("Unrecognised raid_type"));
         }
-        if level != "raid1" {
-            return Err(format!(
-                "raid type {level} is not supported by dmkit yet (raid1 only)"
-            ));
-        }
+        let level = layout::parse_type(&type_name).ok_or_else(|| bad("Unrecognised raid_type"))?;
         let nparams = args
             .get(1)
             .and_then(|v| v.parse::<usize>().ok())
@@ -214,7 +260,45 @@ impl Raid {
         if nlegs > MAX_LEGS {
             return Err(bad("Invalid number of supplied raid devices"));
         }
-        let opts = parse_options(params, nlegs, len)?;
+        let opts = parse_options(params, level, nlegs, len)?;
+        let min_legs = match level {
+            Level::Parity { parities: 2, .. } => 4,
+            _ => 2,
+        };
+        if nlegs <= level.parities() as usize {
+            return Err(bad("Insufficient number of devices"));
+        }
+        if nlegs < min_legs && matches!(level, Level::Parity { .. }) {
+            return Err(format!(
+                "Failed to run raid array: not enough configured devices ({nlegs}, minimum {min_legs})"
+            ));
+        }
+        let chunk = params[0].parse::<u64>().unwrap_or(0);
+        let level = match level {
+            Level::Raid10(_) => Level::Raid10(raid10_layout(&opts)?),
+            l => l,
+        };
+        let geo = if level == Level::Raid1 {
+            Geometry::new(level, nlegs, 0, len)?
+        } else {
+            if chunk < 8 || !chunk.is_power_of_two() {
+                return Err(bad(if chunk.is_power_of_two() {
+                    "Chunk size value is too small"
+                } else {
+                    "Chunk size must be a power of 2"
+                }));
+            }
+            Geometry::new(level, nlegs, chunk, len)?
+        };
+        let span = match level {
+            Level::Parity { .. } => geo.dev_sectors,
+            _ => len,
+        };
+        if let Some(rs) = opts.region_size {
+            if level != Level::Raid1 && rs < chunk {
+                return Err(bad("Region size is smaller than the chunk size"));
+            }
+        }
         let region = opts.region_size.unwrap_or_else(|| default_region(len));
         let mut legs = Vec::with_capacity(nlegs);
         for i in 0..nlegs {
@@ -234,10 +318,11 @@ impl Raid {
                 None
             } else {
                 let dev = r.open(d).map_err(|e| format!("RAID device lookup failure: '{d}': {e}"))?;
-                if dev.size_sectors() < len {
+                if dev.size_sectors() < geo.dev_sectors {
                     return Err(format!(
-                        "Component device(s) too small: '{d}' has {} sectors, the array {len}",
-                        dev.size_sectors()
+                        "Component device(s) too small: '{d}' has {} sectors, the array needs {} of each",
+                        dev.size_sectors(),
+                        geo.dev_sectors
                     ));
                 }
                 Some(dev)
@@ -250,8 +335,13 @@ impl Raid {
                     .into(),
             );
         }
-        let regions = len.div_ceil(region);
-        let need = BITMAP_OFFSET + format::bitmap_bytes(regions);
+        let regions = span.div_ceil(region);
+        // raid0 has no bitmap: its metadata is the superblock alone
+        let need = if level == Level::Raid0 {
+            512
+        } else {
+            BITMAP_OFFSET + format::bitmap_bytes(regions)
+        };
         for (i, l) in legs.iter().enumerate() {
             if let Some(m) = &l.meta {
                 if m.size_sectors() * SECTOR < need {
@@ -270,6 +360,9 @@ impl Raid {
             write_mostly: (0..nlegs).map(|i| opts.write_mostly.contains(&i)).collect(),
             legs,
             len,
+            type_name,
+            geo,
+            span,
             region,
             regions,
             daemon_sleep_s: (daemon_jiffies / HZ) as u32,
@@ -303,6 +396,7 @@ impl Raid {
                 stop: false,
                 all_regions: false,
                 started: false,
+                jobs: VecDeque::new(),
             }),
             wake: Condvar::new(),
             drained: Condvar::new(),
@@ -312,7 +406,7 @@ impl Raid {
         inner.assemble(&opts)?;
         let weak = Arc::downgrade(&inner);
         let worker = std::thread::Builder::new()
-            .name("raid1".into())
+            .name("raid".into())
             .spawn(move || worker(weak))
             .map_err(|e| format!("starting the raid thread: {e}"))?;
         Ok(Raid {
@@ -333,7 +427,20 @@ fn default_region(len: u64) -> u64 {
     }
 }
 
-fn parse_options(p: &[String], nlegs: usize, len: u64) -> Result<Options, String> {
+/// md's raid10 layout from the table's `raid10_copies`, `raid10_format` and
+/// `raid10_use_near_sets` (dm-raid's raid10_format_to_md_layout).
+fn raid10_layout(o: &Options) -> Result<u32, String> {
+    let copies = o.raid10_copies.unwrap_or(2) as u32;
+    let far_sets = if o.raid10_use_near_sets { 0 } else { layout::RAID10_USE_FAR_SETS };
+    Ok(match o.raid10_format.as_deref().unwrap_or("near") {
+        "near" => copies | (1 << 8),
+        "far" => 1 | (copies << 8) | far_sets,
+        "offset" => 1 | (copies << 8) | layout::RAID10_OFFSET | far_sets,
+        _ => return Err(bad("Invalid 'raid10_format' value given")),
+    })
+}
+
+fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<Options, String> {
     let mut o = Options::default();
     if p[0].parse::<i32>().is_err() {
         return Err(bad("Bad numerical argument given for chunk_size"));
@@ -421,14 +528,37 @@ fn parse_options(p: &[String], nlegs: usize, len: u64) -> Result<Options, String
                 return Err("delta_disks (reshaping) is not supported by dmkit".into());
             }
             "stripe_cache" => {
-                value()?;
-                return Err(bad("Inappropriate argument: stripe_cache"));
+                let v = value()?;
+                if !matches!(level, Level::Parity { .. }) {
+                    return Err(bad("Inappropriate argument: stripe_cache"));
+                }
+                once(o.stripe_cache.is_some(), "stripe_cache")?;
+                o.stripe_cache = Some(nonneg(v, "Bad stripe_cache size")?);
             }
-            "raid10_copies" | "raid10_use_near_sets" => {
+            "raid10_copies" | "raid10_use_near_sets" if !matches!(level, Level::Raid10(_)) => {
                 if key == "raid10_copies" {
                     value()?;
                 }
                 return Err(bad("Invalid flags combination"));
+            }
+            "raid10_copies" => {
+                let v = value()?;
+                once(o.raid10_copies.is_some(), "raid10_copies")?;
+                if v < 2 {
+                    return Err(bad("Bad value for 'raid10_copies'"));
+                }
+                o.raid10_copies = Some(v as u64);
+            }
+            "raid10_use_near_sets" => o.raid10_use_near_sets = true,
+            "raid10_format" if matches!(level, Level::Raid10(_)) => {
+                let v = p.get(i).ok_or_else(|| bad("Wrong number of raid parameters given"))?;
+                i += 1;
+                once(o.raid10_format.is_some(), "raid10_format")?;
+                let v = v.to_ascii_lowercase();
+                if !matches!(v.as_str(), "near" | "far" | "offset") {
+                    return Err(bad("Invalid 'raid10_format' value given"));
+                }
+                o.raid10_format = Some(v);
             }
             "raid10_format" => return Err(bad("'raid10_format' is an invalid parameter for this RAID type")),
             "journal_dev" => return Err(bad("'journal_dev' is an invalid parameter for this RAID type")),
@@ -441,6 +571,24 @@ fn parse_options(p: &[String], nlegs: usize, len: u64) -> Result<Options, String
     }
     if !o.rebuild.is_empty() && (o.sync || o.nosync) {
         return Err(bad("sync/nosync and rebuild are mutually exclusive"));
+    }
+    if level != Level::Raid1 && (write_mostly_count > 0 || o.max_write_behind.is_some()) {
+        return Err(bad("write_mostly and max_write_behind are only valid for raid1"));
+    }
+    // what each level takes (dm-raid's flag check, after the options' own)
+    let raid0_extra = o.sync
+        || o.nosync
+        || !o.rebuild.is_empty()
+        || o.region_size.is_some()
+        || o.daemon_sleep.is_some()
+        || o.min_recovery_rate.is_some()
+        || o.max_recovery_rate.is_some();
+    let raid6_nosync = matches!(level, Level::Parity { parities: 2, .. }) && o.nosync;
+    if (level == Level::Raid0 && raid0_extra) || raid6_nosync {
+        return Err(bad("Invalid flags combination"));
+    }
+    if o.raid10_use_near_sets && o.raid10_format.as_deref().is_none_or(|f| f == "near") {
+        return Err(bad("RAID10 format 'near' and 'raid10_use_near_sets' are incompatible"));
     }
     if write_mostly_count >= nlegs {
         return Err(bad("Can't set all raid1 devices to write_mostly"));
@@ -478,6 +626,23 @@ impl Inner {
     /// Read the superblocks and the bitmap, and decide each leg's state and what
     /// must be copied (the kernel's analyse_superblocks and bitmap load).
     fn assemble(&self, o: &Options) -> Result<(), String> {
+        self.assemble_legs(o)?;
+        let mut st = self.lock();
+        if self.geo.level == Level::Raid0 {
+            // no redundancy: nothing to copy, no bitmap to wait for
+            st.on_disk.fill(true);
+            st.needed.fill(false);
+            st.action = Action::Idle;
+            st.resync_offset = MAX_SECTOR;
+            st.dirty_pages = Vec::new();
+            if !self.can_run(|i| !st.faulty[i]) {
+                return Err("Insufficient redundancy to activate array".into());
+            }
+        }
+        Ok(())
+    }
+
+    fn assemble_legs(&self, o: &Options) -> Result<(), String> {
         let n = self.nlegs();
         let mut st = self.lock();
         // from scratch: run when the table is made (to refuse bad metadata at
@@ -519,7 +684,7 @@ impl Inner {
                 match devio::read(&m.dest(), 0, &mut b) {
                     Ok(()) => supers[i] = Super::decode(&b),
                     Err(e) => {
-                        tracing::error!("raid1: failed to read superblock of device at position {i}: {e}");
+                        tracing::error!("raid: failed to read superblock of device at position {i}: {e}");
                         st.faulty[i] = true;
                     }
                 }
@@ -539,7 +704,7 @@ impl Inner {
             .collect();
         let Some(f) = fresh else {
             // a new array: every leg new
-            tracing::info!("raid1: superblocks created for new raid set");
+            tracing::info!("raid: superblocks created for new raid set");
             st.events = 1;
             st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
             for (i, l) in self.legs.iter().enumerate() {
@@ -564,10 +729,20 @@ impl Inner {
         if fs.incompat != 0 {
             return Err("Unable to assemble array: No incompatible feature flags supported yet".into());
         }
-        if fs.level != 1 {
+        let g = &self.geo;
+        if fs.level != g.level.md_level() {
             return Err(format!(
-                "takeover not possible: the metadata is of raid level {}, the table raid1 (dmkit takes over no level)",
-                fs.level
+                "takeover not possible: the metadata is of raid level {}, the table {} (dmkit takes over no level)",
+                fs.level, self.type_name
+            ));
+        }
+        if fs.layout != g.level.md_layout() || u64::from(fs.stripe_sectors) != g.chunk {
+            return Err(format!(
+                "Reshape not supported: the metadata has layout {:#x} and chunk {}, the table {:#x} and {} (dmkit does not reshape)",
+                fs.layout,
+                fs.stripe_sectors,
+                g.level.md_layout(),
+                g.chunk
             ));
         }
         if fs.num_devices as usize != n && o.rebuild.len() != new_legs.len() {
@@ -604,8 +779,14 @@ impl Inner {
                 st.fullsync = true;
             }
         }
-        if (0..n).all(|i| st.faulty[i] || !st.in_sync[i]) {
+        if !self.can_run(|i| !st.faulty[i] && st.in_sync[i]) {
             return Err("Insufficient redundancy to activate array".into());
+        }
+        if self.geo.level == Level::Raid0 {
+            // no bitmap, nothing to copy
+            st.on_disk.fill(true);
+            st.sb_dirty = true;
+            return Ok(());
         }
         // the bitmap, from the freshest leg's metadata
         let Some(m) = self.legs[f].meta.as_ref() else {
@@ -636,7 +817,7 @@ impl Inner {
         }
         st.sb_dirty = true;
         tracing::info!(
-            "raid1: assembled from leg {f}'s superblock (events {}): failed {:?}, in sync {:?}, resync offset {:x}, {} regions marked",
+            "raid: assembled from leg {f}'s superblock (events {}): failed {:?}, in sync {:?}, resync offset {:x}, {} regions marked",
             fs.events,
             st.faulty,
             st.in_sync,
@@ -679,12 +860,12 @@ impl Inner {
         if st.faulty[i] {
             return true;
         }
-        let others = (0..self.nlegs()).any(|j| j != i && !st.faulty[j] && st.in_sync[j]);
-        if !others && st.in_sync[i] {
+        // md keeps a leg whose loss would stop the array (the I/O fails instead)
+        if st.in_sync[i] && !self.can_run(|j| j != i && self.good(st, j)) {
             return false;
         }
         tracing::error!(
-            "raid1: disk failure on leg {i}, disabling device; operation continuing on {} devices",
+            "raid: disk failure on leg {i}, disabling device; operation continuing on {} devices",
             self.write_legs(st).len().saturating_sub(1)
         );
         st.faulty[i] = true;
@@ -694,19 +875,59 @@ impl Inner {
         true
     }
 
-    /// The regions `bio` covers.
-    fn regions_of(&self, bio: &Bio) -> std::ops::Range<u64> {
-        let end = (bio.sector + bio.nr_sectors.max(1)).min(self.len);
-        (bio.sector / self.region)..end.div_ceil(self.region).max(bio.sector / self.region + 1)
+    /// The regions sectors `start..end` of the span (the bitmap's sectors) cover.
+    fn regions_in(&self, start: u64, end: u64) -> std::ops::Range<u64> {
+        let end = end.max(start + 1).min(self.span);
+        (start / self.region)..end.div_ceil(self.region).max(start / self.region + 1)
     }
 
-    /// A write (or discard, or zeroing) over `regions`, or a flush (none),
-    /// goes to every leg that has not failed once its regions are marked;
-    /// until then it waits for the bitmap (or the superblocks, or a copy).
-    fn map_mirrored(self: &Arc<Self>, bio: Bio, regions: std::ops::Range<u64>, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        let mut st = self.lock();
+    /// The regions `bio` covers: of the array's sectors for raid1 and raid10,
+    /// of each leg's for raid4/5/6 (the rows from its first sector to its last).
+    fn regions_of(&self, bio: &Bio) -> std::ops::Range<u64> {
+        let end = bio.sector + bio.nr_sectors.max(1);
+        match self.geo.level {
+            Level::Parity { .. } => {
+                let (_, _, first) = self.geo.parity_block(bio.sector);
+                let (_, _, last) = self.geo.parity_block(end - 1);
+                self.regions_in(first, last + 1)
+            }
+            _ => self.regions_in(bio.sector, end),
+        }
+    }
+
+    /// Whether a leg is there and holds what it should.
+    fn good(&self, st: &State, i: usize) -> bool {
+        !st.faulty[i] && st.in_sync[i] && self.legs[i].data.is_some()
+    }
+
+    /// Whether the array can run with the legs `good` says hold their data:
+    /// one leg for raid1, all for raid0, all but the parities for raid4/5/6,
+    /// one copy of every chunk for raid10.
+    fn can_run(&self, good: impl Fn(usize) -> bool) -> bool {
+        let n = self.nlegs();
+        match self.geo.level {
+            Level::Raid1 => (0..n).any(good),
+            Level::Raid0 => (0..n).all(good),
+            Level::Parity { parities, .. } => (0..n).filter(|&i| !good(i)).count() <= parities as usize,
+            Level::Raid10(_) => (0..(n * self.geo.copies_count()) as u64)
+                .all(|k| self.geo.copies(k * self.geo.chunk).iter().any(|&(l, _)| good(l))),
+        }
+    }
+
+    /// Where the copies of sector `s` lie (raid1: every leg, there; raid10:
+    /// md's copies): (leg, leg sector).
+    fn copies_of(&self, s: u64) -> Vec<(usize, u64)> {
+        match self.geo.level {
+            Level::Raid10(_) => self.geo.copies(s),
+            _ => (0..self.nlegs()).map(|i| (i, s)).collect(),
+        }
+    }
+
+    /// The regions of `bio` are marked (or a write waits): false if it must
+    /// wait, its bits asked for.
+    fn admit(&self, st: &mut State, regions: std::ops::Range<u64>) -> bool {
         let mut ready = !st.sb_dirty;
-        for r in regions.clone() {
+        for r in regions {
             let r = r as usize;
             if st.busy == Some(r as u64) {
                 ready = false;
@@ -717,7 +938,15 @@ impl Inner {
                 ready = false;
             }
         }
-        if !ready {
+        ready
+    }
+
+    /// A write (or discard, or zeroing) over `regions`, or a flush (none),
+    /// goes to every leg that has not failed once its regions are marked;
+    /// until then it waits for the bitmap (or the superblocks, or a copy).
+    fn map_mirrored(self: &Arc<Self>, bio: Bio, regions: std::ops::Range<u64>, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let mut st = self.lock();
+        if !self.admit(&mut st, regions.clone()) {
             st.waiting.push(ctx.submit(bio));
             drop(st);
             self.wake.notify_all();
@@ -727,14 +956,23 @@ impl Inner {
             st.writes[r as usize] += 1;
             st.idle_passes[r as usize] = 0;
         }
-        let legs = self.write_legs(&st);
+        // every leg for a flush and raid1; each copy's place for raid10
+        let legs: Vec<(usize, Bio)> = if bio.op == Op::Flush || self.geo.level == Level::Raid1 {
+            self.write_legs(&st).into_iter().map(|i| (i, bio)).collect()
+        } else {
+            self.copies_of(bio.sector)
+                .into_iter()
+                .filter(|&(i, _)| !st.faulty[i] && self.legs[i].data.is_some())
+                .map(|(i, at)| (i, Bio { sector: at, ..bio }))
+                .collect()
+        };
         drop(st);
         let w = Arc::new(WriteDone {
             left: AtomicUsize::new(legs.len()),
             good: AtomicUsize::new(0),
             failed: Mutex::new(Vec::new()),
         });
-        for &i in &legs {
+        for &(i, leg_bio) in &legs {
             let (me, w, regions) = (self.clone(), w.clone(), regions.clone());
             let hook: EndIo = Arc::new(move |ok, _: &mut [u8]| {
                 if ok {
@@ -748,7 +986,7 @@ impl Inner {
                 me.end_write(regions.clone(), &w)
             });
             if let Some(d) = &self.legs[i].data {
-                ctx.remap_tolerant(d, bio, i as u16, hook)?;
+                ctx.remap_tolerant(d, leg_bio, i as u16, hook)?;
             }
         }
         Ok(())
@@ -758,17 +996,7 @@ impl Inner {
     /// (a leg failed: the write goes again once the superblocks say so).
     fn end_write(&self, regions: std::ops::Range<u64>, w: &WriteDone) -> i32 {
         let mut st = self.lock();
-        let degraded = Self::degraded(&st);
-        for r in regions {
-            let r = r as usize;
-            st.writes[r] = st.writes[r].saturating_sub(1);
-            if degraded {
-                st.needed[r] = true;
-            }
-            if st.busy == Some(r as u64) && st.writes[r] == 0 {
-                self.drained.notify_all();
-            }
-        }
+        self.written(&mut st, regions);
         let failed = std::mem::take(&mut *w.failed.lock().unpoisoned());
         if failed.is_empty() {
             return 0;
@@ -786,10 +1014,12 @@ impl Inner {
     fn map_read(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let st = self.lock();
         let end = bio.sector + bio.nr_sectors;
-        let usable: Vec<usize> = (0..self.nlegs())
-            .filter(|&i| !st.faulty[i] && st.in_sync[i] && self.legs[i].data.is_some())
+        let usable: Vec<(usize, u64)> = self
+            .copies_of(bio.sector)
+            .into_iter()
+            .filter(|&(i, _)| self.good(&st, i))
             .collect();
-        let plain: Vec<usize> = usable.iter().copied().filter(|&i| !self.write_mostly[i]).collect();
+        let plain: Vec<(usize, u64)> = usable.iter().copied().filter(|&(i, _)| !self.write_mostly[i]).collect();
         // where the legs may still differ (a resync ahead, or a region written
         // when a crash came and not yet copied), always the same leg
         let unsettled = st.resync_offset < end
@@ -801,9 +1031,15 @@ impl Inner {
             plain.get(((bio.sector / self.region) as usize) % plain.len()).copied()
         };
         drop(st);
-        let Some(i) = pick else {
+        let Some((i, at)) = pick else {
             return Err(MapErr::Errno(errno::EIO));
         };
+        self.read_leg_tolerant(i, Bio { sector: at, ..bio }, ctx)
+    }
+
+    /// Read `bio` (at its leg sector) from leg `i`; failing, the leg is marked
+    /// failed and the read mapped again (from another leg, or rebuilt).
+    fn read_leg_tolerant(self: &Arc<Self>, i: usize, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let Some(d) = &self.legs[i].data else {
             return Err(MapErr::Errno(errno::EIO));
         };
@@ -818,14 +1054,356 @@ impl Inner {
                 }
                 let mut st = me.lock();
                 if me.fail_leg(&mut st, i) {
-                    // read again, from another leg
-                    tracing::error!("raid1: read error on leg {i}; redirecting sector {} to another mirror", bio.sector);
+                    tracing::error!("raid: read error on leg {i} at its sector {}; read again without it", bio.sector);
                     REMAP
                 } else {
                     errno::EIO
                 }
             }),
         )
+    }
+
+    /// A write (or zeroing) for the target's thread, once its regions are
+    /// marked (until then it waits, its bits asked for).
+    fn queue_write(self: &Arc<Self>, mut st: MutexGuard<'_, State>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let regions = self.regions_of(&bio);
+        if !self.admit(&mut st, regions.clone()) {
+            st.waiting.push(ctx.submit(bio));
+        } else {
+            for r in regions.clone() {
+                st.writes[r as usize] += 1;
+                st.idle_passes[r as usize] = 0;
+            }
+            let data = if bio.op == Op::Write {
+                ctx.data_of(&bio).to_vec()
+            } else {
+                Vec::new()
+            };
+            st.jobs.push_back(Job::Write {
+                pending: ctx.submit(bio),
+                bio,
+                data,
+                regions,
+            });
+        }
+        drop(st);
+        self.wake.notify_all();
+        Ok(())
+    }
+
+    /// A write over `regions` ended: they are no longer being written, and
+    /// on a degraded array they need copying to the legs that missed it.
+    fn written(&self, st: &mut State, regions: std::ops::Range<u64>) {
+        let degraded = Self::degraded(st);
+        for r in regions {
+            let r = r as usize;
+            st.writes[r] = st.writes[r].saturating_sub(1);
+            if degraded {
+                st.needed[r] = true;
+            }
+            if st.busy == Some(r as u64) && st.writes[r] == 0 {
+                self.drained.notify_all();
+            }
+        }
+    }
+
+    /// raid0: each chunk's part on its leg (a read or write lies in one
+    /// chunk; discards and zeroing are cut per leg, as striped does).
+    fn map_raid0(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let n = self.nlegs() as u64;
+        let chunk = self.geo.chunk;
+        let dev = |i: usize| self.legs[i].data.as_ref().ok_or(MapErr::Errno(errno::EIO));
+        match bio.op {
+            Op::Flush => {
+                for i in 0..self.nlegs() {
+                    ctx.remap(dev(i)?, Bio { sector: 0, ..bio }, i as u16)?;
+                }
+            }
+            Op::Read | Op::Write => {
+                let (i, at) = self.geo.striped(bio.sector);
+                ctx.remap(dev(i)?, Bio { sector: at, ..bio }, i as u16)?;
+            }
+            Op::Discard | Op::WriteZeroes => {
+                let (start, end) = (bio.sector, bio.sector + bio.nr_sectors);
+                // the first leg sector of leg i at or after array sector s
+                let bound = |s: u64, i: u64| {
+                    let (c, row) = (s / chunk, s / chunk / n);
+                    match (c % n).cmp(&i) {
+                        std::cmp::Ordering::Greater => (row + 1) * chunk,
+                        std::cmp::Ordering::Less => row * chunk,
+                        std::cmp::Ordering::Equal => row * chunk + s % chunk,
+                    }
+                };
+                for i in 0..n {
+                    let (lo, hi) = (bound(start, i), bound(end, i));
+                    if hi > lo {
+                        let b = Bio {
+                            sector: lo,
+                            nr_sectors: hi - lo,
+                            ..bio
+                        };
+                        ctx.remap(dev(i as usize)?, b, i as u16)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// raid4/5/6: a read from its data block's leg when that leg holds it
+    /// (failing, it is marked and the read goes again); a read whose leg does
+    /// not, and every write, to the target's thread.
+    fn map_parity(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let mut st = self.lock();
+        match bio.op {
+            Op::Flush => {
+                drop(st);
+                self.map_mirrored(bio, 0..0, ctx)
+            }
+            // md's raid4/5/6 take no discards unless told the legs zero them
+            // safely (dm-raid does not): nothing to do
+            Op::Discard => {
+                ctx.complete(bio, crate::io::LeafKind::Drop);
+                Ok(())
+            }
+            Op::Read => {
+                let (row, di, at) = self.geo.parity_block(bio.sector);
+                let leg = row.data[di];
+                if !self.good(&st, leg) {
+                    st.jobs.push_back(Job::Read {
+                        pending: ctx.submit(bio),
+                        bio,
+                    });
+                    drop(st);
+                    self.wake.notify_all();
+                    return Ok(());
+                }
+                drop(st);
+                self.read_leg_tolerant(leg, Bio { sector: at, ..bio }, ctx)
+            }
+            Op::Write | Op::WriteZeroes => self.queue_write(st, bio, ctx),
+        }
+    }
+
+    /// raid10 zeroing: chunk by chunk on the target's thread, like a write.
+    fn map_raid10_zeroes(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        self.queue_write(self.lock(), bio, ctx)
+    }
+
+    // ---- the target's thread: raid4/5/6 stripes ----
+
+    /// Read `n` sectors at leg sector `at` of leg `i`; a failure fails the leg.
+    fn read_leg(&self, i: usize, at: u64, buf: &mut [u8]) -> bool {
+        let Some(d) = &self.legs[i].data else { return false };
+        if devio::read(&d.dest(), at, buf).is_ok() {
+            return true;
+        }
+        let mut st = self.lock();
+        self.fail_leg(&mut st, i);
+        false
+    }
+
+    /// Write to leg `i` (if it has not failed); a failure fails the leg.
+    /// False if the leg could not be failed (the array would stop).
+    fn write_leg(&self, i: usize, at: u64, buf: &[u8], fua: bool) -> bool {
+        let Some(d) = &self.legs[i].data else { return true };
+        if self.lock().faulty[i] {
+            return true;
+        }
+        if devio::write(&d.dest(), at, buf, fua).is_ok() {
+            return true;
+        }
+        let mut st = self.lock();
+        self.fail_leg(&mut st, i)
+    }
+
+    /// The blocks of `row` at leg sector `at`, `len` bytes each: the data
+    /// blocks, P and Q, each read from a leg that holds it or rebuilt from the
+    /// others. None if too many legs are missing.
+    fn read_row(&self, row: &layout::Row, at: u64, len: usize) -> Option<RowBlocks> {
+        for _attempt in 0..=self.nlegs() {
+            let good: Vec<bool> = {
+                let st = self.lock();
+                (0..self.nlegs()).map(|i| self.good(&st, i)).collect()
+            };
+            let mut data = vec![vec![0u8; len]; row.data.len()];
+            let mut p = vec![0u8; len];
+            let mut q = row.q.map(|_| vec![0u8; len]);
+            let mut missing = Vec::new();
+            let mut failed = false;
+            for (k, &leg) in row.data.iter().enumerate() {
+                if !good[leg] {
+                    missing.push(k);
+                } else if !self.read_leg(leg, at, &mut data[k]) {
+                    failed = true;
+                }
+            }
+            let nd = row.data.len();
+            if !good[row.p] {
+                missing.push(nd);
+            } else if !self.read_leg(row.p, at, &mut p) {
+                failed = true;
+            }
+            if let (Some(qd), Some(qb)) = (row.q, q.as_mut()) {
+                if !good[qd] {
+                    missing.push(nd + 1);
+                } else if !self.read_leg(qd, at, qb) {
+                    failed = true;
+                }
+            }
+            if failed {
+                // a leg failed as it was read: again, without it
+                continue;
+            }
+            if missing.is_empty() {
+                return Some((data, p, q));
+            }
+            if !parity::rebuild(&mut data, &row.coef, &mut p, q.as_deref_mut(), &missing) {
+                return None;
+            }
+            return Some((data, p, q));
+        }
+        None
+    }
+
+    /// Write `new` (None: zeroes) as data block `di` of `row` at leg sector
+    /// `at`, with P and Q to match. 0 or an errno.
+    fn write_block(&self, row: &layout::Row, di: usize, at: u64, new: Option<&[u8]>, len: usize, fua: bool) -> i32 {
+        let zeroes;
+        let new = match new {
+            Some(b) => b,
+            None => {
+                zeroes = vec![0u8; len];
+                &zeroes
+            }
+        };
+        let all_good = {
+            let st = self.lock();
+            row.data.iter().chain(std::iter::once(&row.p)).chain(row.q.iter()).all(|&i| self.good(&st, i))
+        };
+        let (p, q) = if all_good {
+            // read-modify-write: P ^= old ^ new, Q ^= g^k (old ^ new)
+            let mut old = vec![0u8; len];
+            let mut p = vec![0u8; len];
+            let mut q = row.q.map(|_| vec![0u8; len]);
+            let ok = self.read_leg(row.data[di], at, &mut old)
+                && self.read_leg(row.p, at, &mut p)
+                && match (row.q, q.as_mut()) {
+                    (Some(qd), Some(qb)) => self.read_leg(qd, at, qb),
+                    _ => true,
+                };
+            if !ok {
+                return self.write_block(row, di, at, Some(new), len, fua);
+            }
+            parity::xor_into(&mut old, new);
+            parity::xor_into(&mut p, &old);
+            if let Some(q) = q.as_mut() {
+                parity::mul_xor_into(q, parity::pow2(row.coef[di]), &old);
+            }
+            (p, q)
+        } else {
+            // reconstruct-write: the whole row, rebuilt where a leg is missing
+            let Some((mut data, mut p, mut q)) = self.read_row(row, at, len) else {
+                return errno::EIO;
+            };
+            data[di].copy_from_slice(new);
+            let refs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+            parity::syndromes(&refs, &row.coef, &mut p, q.as_deref_mut());
+            (p, q)
+        };
+        let mut ok = self.write_leg(row.data[di], at, new, fua) && self.write_leg(row.p, at, &p, fua);
+        if let (Some(qd), Some(qb)) = (row.q, q.as_ref()) {
+            ok &= self.write_leg(qd, at, qb, fua);
+        }
+        let st = self.lock();
+        if !ok || !self.can_run(|i| self.good(&st, i)) {
+            return errno::EIO;
+        }
+        0
+    }
+
+    /// Do a job: a raid4/5/6 write or rebuilt read, a raid10 zeroing.
+    fn run_job(&self, job: Job) {
+        let chunk = self.geo.chunk;
+        match job {
+            Job::Read { pending, bio } => {
+                let mut out = vec![0u8; bio.bytes() as usize];
+                let mut done = 0;
+                while done < bio.nr_sectors {
+                    let s = bio.sector + done;
+                    let n = (chunk - s % chunk).min(bio.nr_sectors - done);
+                    let (row, di, at) = self.geo.parity_block(s);
+                    let Some((data, _, _)) = self.read_row(&row, at, (n * SECTOR) as usize) else {
+                        pending.fail(errno::EIO);
+                        return;
+                    };
+                    let o = (done * SECTOR) as usize;
+                    out[o..o + data[di].len()].copy_from_slice(&data[di]);
+                    done += n;
+                }
+                pending.done_with(out);
+            }
+            Job::Write {
+                pending,
+                bio,
+                data,
+                regions,
+            } => {
+                let mut e = 0;
+                let mut done = 0;
+                while done < bio.nr_sectors && e == 0 {
+                    let s = bio.sector + done;
+                    let n = (chunk - s % chunk).min(bio.nr_sectors - done);
+                    let len = (n * SECTOR) as usize;
+                    let o = (done * SECTOR) as usize;
+                    let new = data.get(o..o + len);
+                    e = match self.geo.level {
+                        Level::Raid10(_) => {
+                            let zero = vec![0u8; len];
+                            let buf = new.unwrap_or(&zero);
+                            let mut wrote = false;
+                            for (i, at) in self.geo.copies(s) {
+                                wrote |= !self.lock().faulty[i] && self.write_leg(i, at, buf, bio.fua) && !self.lock().faulty[i];
+                            }
+                            if wrote {
+                                0
+                            } else {
+                                errno::EIO
+                            }
+                        }
+                        _ => {
+                            let (row, di, at) = self.geo.parity_block(s);
+                            self.write_block(&row, di, at, new, len, bio.fua)
+                        }
+                    };
+                    done += n;
+                }
+                let sb_dirty = {
+                    let mut st = self.lock();
+                    self.written(&mut st, regions);
+                    st.sb_dirty
+                };
+                // a leg failed: the superblocks saying so are on disk first
+                if sb_dirty {
+                    self.set_wanted_bits();
+                }
+                if e == 0 {
+                    pending.done();
+                } else {
+                    pending.fail(e);
+                }
+            }
+        }
+    }
+
+    /// Run the jobs queued now; true if there were any.
+    fn run_jobs(&self) -> bool {
+        let jobs = std::mem::take(&mut self.lock().jobs);
+        let any = !jobs.is_empty();
+        for j in jobs {
+            self.run_job(j);
+        }
+        any
     }
 
     // ---- metadata ----
@@ -864,7 +1442,7 @@ impl Inner {
                 version: 4,
                 events: st.events,
                 events_cleared: st.events_cleared,
-                sync_size: self.len,
+                sync_size: self.span,
                 state: 0,
                 chunksize: (self.region * SECTOR) as u32,
                 daemon_sleep: self.daemon_sleep_s.max(1),
@@ -885,7 +1463,16 @@ impl Inner {
             let supers: Vec<(usize, [u8; 512])> = (0..self.nlegs())
                 .filter(|&i| !st.faulty[i] && self.legs[i].meta.is_some())
                 .map(|i| {
-                    let mut s = Super::raid1(self.nlegs() as u32, i as u32, self.len);
+                    let g = &self.geo;
+                    let mut s = Super::new(
+                        g.level.md_level(),
+                        g.level.md_layout(),
+                        g.chunk as u32,
+                        self.nlegs() as u32,
+                        i as u32,
+                        self.len,
+                        g.dev_sectors,
+                    );
                     s.events = st.events;
                     s.failed = failed;
                     s.array_resync_offset = st.resync_offset;
@@ -907,8 +1494,9 @@ impl Inner {
                 let Some(m) = &self.legs[*i].meta else { continue };
                 let dest = m.dest();
                 // the bitmap superblock and the dirty pages, then the superblock
-                let mut ok = devio::write(&dest, BITMAP_OFFSET / SECTOR, &image[..4096], false).is_ok();
-                for (p, _) in pages.iter().enumerate().filter(|(p, &d)| d && *p > 0) {
+                let bitmap = self.geo.level != Level::Raid0;
+                let mut ok = !bitmap || devio::write(&dest, BITMAP_OFFSET / SECTOR, &image[..4096], false).is_ok();
+                for (p, _) in pages.iter().enumerate().filter(|(p, &d)| bitmap && d && *p > 0) {
                     let at = p * 4096;
                     ok &= devio::write(&dest, (BITMAP_OFFSET + at as u64) / SECTOR, &image[at..at + 4096], false)
                         .is_ok();
@@ -923,7 +1511,7 @@ impl Inner {
                 return;
             }
             for i in bad {
-                tracing::error!("raid1: metadata write failed on leg {i}");
+                tracing::error!("raid: metadata write failed on leg {i}");
                 self.fail_leg(&mut st, i);
             }
             st.events = st.events.saturating_add(1);
@@ -948,28 +1536,47 @@ impl Inner {
             .collect()
     }
 
-    /// Copy (or compare) region `r`; Err: a leg failed (marked) or nothing to read from.
-    fn copy_region(&self, r: u64, action: Action, targets: &[usize], source: usize) -> Result<(), ()> {
+    /// Copy (or compare) region `r` to the legs `targets`; Err: a leg failed
+    /// (marked) or nothing to read from.
+    fn copy_region(&self, r: u64, action: Action, targets: &[usize]) -> Result<(), ()> {
         let start = r * self.region;
-        let n = self.region.min(self.len - start);
+        let end = (start + self.region).min(self.span);
+        let mut s = start;
+        while s < end {
+            // raid1 copies the region at once; the others a chunk (a row) at a time
+            let n = match self.geo.level {
+                Level::Raid1 => end - s,
+                _ => (self.geo.chunk - s % self.geo.chunk).min(end - s),
+            };
+            match self.geo.level {
+                Level::Parity { .. } => self.copy_row(s, n, action, targets)?,
+                _ => self.copy_piece(&self.copies_of(s), n, action, targets)?,
+            }
+            s += n;
+        }
+        Ok(())
+    }
+
+    /// raid1 and raid10: `n` sectors of one chunk's `copies`, from the first
+    /// that holds its data to the others on `targets` (compared first for a
+    /// check or repair).
+    fn copy_piece(&self, copies: &[(usize, u64)], n: u64, action: Action, targets: &[usize]) -> Result<(), ()> {
+        let source = {
+            let st = self.lock();
+            copies.iter().copied().find(|&(i, _)| self.good(&st, i))
+        };
+        let Some((src, src_at)) = source else { return Err(()) };
         let mut buf = vec![0u8; (n * SECTOR) as usize];
-        let Some(src) = &self.legs[source].data else { return Err(()) };
-        if devio::read(&src.dest(), start, &mut buf).is_err() {
-            let mut st = self.lock();
-            self.fail_leg(&mut st, source);
+        if !self.read_leg(src, src_at, &mut buf) {
             return Err(());
         }
         let mut other = vec![0u8; buf.len()];
-        for &t in targets {
-            if t == source {
+        for &(t, at) in copies {
+            if t == src || !targets.contains(&t) {
                 continue;
             }
-            let Some(d) = &self.legs[t].data else { continue };
-            let dest = d.dest();
             if matches!(action, Action::Check | Action::Repair) {
-                if devio::read(&dest, start, &mut other).is_err() {
-                    let mut st = self.lock();
-                    self.fail_leg(&mut st, t);
+                if !self.read_leg(t, at, &mut other) {
                     return Err(());
                 }
                 if other == buf {
@@ -980,11 +1587,62 @@ impl Inner {
                     continue;
                 }
             }
-            if devio::write(&dest, start, &buf, false).is_err() {
+            let Some(d) = &self.legs[t].data else { continue };
+            if devio::write(&d.dest(), at, &buf, false).is_err() {
                 let mut st = self.lock();
                 self.fail_leg(&mut st, t);
                 return Err(());
             }
+        }
+        Ok(())
+    }
+
+    /// raid4/5/6: the row at leg sector `at`, `n` sectors: a resync or repair
+    /// writes its parity again (a check compares it, counting mismatched 4 KiB
+    /// pages as md does, 8 sectors each), a recovery rebuilds the blocks of
+    /// the legs `targets` that are not in sync.
+    fn copy_row(&self, at: u64, n: u64, action: Action, targets: &[usize]) -> Result<(), ()> {
+        let row = self.geo.row_at(at);
+        let len = (n * SECTOR) as usize;
+        let Some((data, p, q)) = self.read_row(&row, at, len) else { return Err(()) };
+        let mut want_p = vec![0u8; len];
+        let mut want_q = row.q.map(|_| vec![0u8; len]);
+        let refs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+        parity::syndromes(&refs, &row.coef, &mut want_p, want_q.as_deref_mut());
+        if matches!(action, Action::Check | Action::Repair) {
+            // each 4 KiB row whose P or Q is wrong counts once
+            let pages = (0..len.div_ceil(4096))
+                .filter(|&k| {
+                    let r = k * 4096..((k + 1) * 4096).min(len);
+                    p[r.clone()] != want_p[r.clone()]
+                        || matches!((&q, &want_q), (Some(q), Some(wq)) if q[r.clone()] != wq[r.clone()])
+                })
+                .count();
+            self.lock().mismatches += pages as u64 * 8;
+            if action == Action::Check || pages == 0 {
+                return Ok(());
+            }
+        }
+        let write = |leg: usize, buf: &[u8]| -> Result<(), ()> {
+            let Some(d) = &self.legs[leg].data else { return Ok(()) };
+            if !targets.contains(&leg) || self.lock().faulty[leg] {
+                return Ok(());
+            }
+            if devio::write(&d.dest(), at, buf, false).is_err() {
+                let mut st = self.lock();
+                self.fail_leg(&mut st, leg);
+                return Err(());
+            }
+            Ok(())
+        };
+        if action == Action::Recover {
+            for (k, &leg) in row.data.iter().enumerate() {
+                write(leg, &data[k])?;
+            }
+        }
+        write(row.p, &want_p)?;
+        if let (Some(qd), Some(wq)) = (row.q, &want_q) {
+            write(qd, wq)?;
         }
         Ok(())
     }
@@ -998,17 +1656,27 @@ impl Inner {
             return false;
         }
         let targets = self.copy_targets(&st);
-        let source = (0..self.nlegs()).find(|&i| !st.faulty[i] && st.in_sync[i] && self.legs[i].data.is_some());
-        let Some(source) = source else {
-            st.action = Action::Idle;
+        // a resync needs every leg (md skips it on a degraded array); a
+        // recovery an array that can run
+        let runnable = self.can_run(|i| self.good(&st, i));
+        if !runnable || (action == Action::Resync && Self::degraded(&st) && self.geo.level != Level::Raid1) {
+            if !runnable {
+                st.action = Action::Idle;
+            } else {
+                self.finish_action(&mut st);
+            }
             return false;
-        };
+        }
         let all = st.all_regions;
         let mut r = st.cursor;
         while r < self.regions && !all && !st.needed[r as usize] {
             r += 1;
         }
-        if r >= self.regions || targets.iter().all(|&t| t == source) {
+        let single = self.geo.level == Level::Raid1 && {
+            let source = (0..self.nlegs()).find(|&i| self.good(&st, i));
+            targets.iter().all(|&t| Some(t) == source)
+        };
+        if r >= self.regions || single || targets.is_empty() {
             self.finish_action(&mut st);
             return false;
         }
@@ -1017,7 +1685,7 @@ impl Inner {
             st = self.drained.wait_timeout(st, Duration::from_millis(50)).unpoisoned().0;
         }
         drop(st);
-        let res = self.copy_region(r, action, &targets, source);
+        let res = self.copy_region(r, action, &targets);
         let mut st = self.lock();
         st.busy = None;
         self.drained.notify_all();
@@ -1026,7 +1694,7 @@ impl Inner {
                 st.needed[r as usize] = false;
             }
             st.cursor = r + 1;
-            st.progress = ((r + 1) * self.region).min(self.len);
+            st.progress = ((r + 1) * self.region).min(self.span);
             if action == Action::Resync && st.resync_offset != MAX_SECTOR {
                 st.resync_offset = st.progress;
             }
@@ -1037,7 +1705,7 @@ impl Inner {
 
     /// The copy reached the end.
     fn finish_action(&self, st: &mut State) {
-        tracing::info!("raid1: {} done", st.action.name());
+        tracing::info!("raid: {} done", st.action.name());
         match st.action {
             Action::Resync => {
                 st.resync_offset = MAX_SECTOR;
@@ -1057,7 +1725,7 @@ impl Inner {
             }
             _ => {}
         }
-        st.progress = self.len;
+        st.progress = self.span;
         st.action = Action::Idle;
         st.cursor = 0;
         st.events = st.events.saturating_add(1);
@@ -1158,7 +1826,8 @@ fn worker(weak: std::sync::Weak<Inner>) {
             // metadata waited for goes out even while suspending (the writes
             // waiting for it must drain); nothing before the first resume
             let started = st.started;
-            let busy = started && (st.want_bits || st.sb_dirty || (st.action != Action::Idle && !st.frozen));
+            let busy = started
+                && (st.want_bits || st.sb_dirty || !st.jobs.is_empty() || (st.action != Action::Idle && !st.frozen));
             if !busy {
                 let nap = me.daemon_period.clamp(Duration::from_millis(1), Duration::from_millis(500));
                 drop(me.wake.wait_timeout(st, nap));
@@ -1168,6 +1837,9 @@ fn worker(weak: std::sync::Weak<Inner>) {
             }
         }
         me.set_wanted_bits();
+        if me.run_jobs() {
+            continue;
+        }
         if me.copy_step() {
             continue;
         }
@@ -1204,6 +1876,16 @@ impl Target for Raid {
     }
 
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        match self.inner.geo.level {
+            Level::Raid0 => return self.inner.map_raid0(bio, ctx),
+            Level::Parity { .. } => return self.inner.map_parity(bio, ctx),
+            Level::Raid10(_) if bio.op == Op::Discard => {
+                ctx.complete(bio, crate::io::LeafKind::Drop);
+                return Ok(());
+            }
+            Level::Raid10(_) if bio.op == Op::WriteZeroes => return self.inner.map_raid10_zeroes(bio, ctx),
+            _ => {}
+        }
         match bio.op {
             Op::Read => self.inner.map_read(bio, ctx),
             // a flush waits for the superblocks alone, and goes to every leg
@@ -1217,7 +1899,7 @@ impl Target for Raid {
 
     fn table_params(&self) -> String {
         let o = &self.opts;
-        let mut p: Vec<String> = vec!["0".into()];
+        let mut p: Vec<String> = vec![self.inner.geo.chunk.to_string()];
         if o.sync {
             p.push("sync".into());
         }
@@ -1252,10 +1934,28 @@ impl Target for Raid {
         if o.region_size.is_some() {
             p.extend(["region_size".into(), self.inner.region.to_string()]);
         }
+        if let Some(v) = o.stripe_cache {
+            p.extend(["stripe_cache".into(), v.to_string()]);
+        }
+        if let Some(v) = o.raid10_copies {
+            p.extend(["raid10_copies".into(), v.to_string()]);
+        }
+        if let Some(v) = &o.raid10_format {
+            p.extend(["raid10_format".into(), v.clone()]);
+        }
+        if o.raid10_use_near_sets {
+            p.push("raid10_use_near_sets".into());
+        }
         if let Some(v) = o.data_offset {
             p.extend(["data_offset".into(), v.to_string()]);
         }
-        let mut s = format!("raid1 {} {} {}", p.len(), p.join(" "), self.inner.nlegs());
+        let mut s = format!(
+            "{} {} {} {}",
+            self.inner.type_name,
+            p.len(),
+            p.join(" "),
+            self.inner.nlegs()
+        );
         for l in &self.inner.legs {
             s.push_str(&format!(" {} {}", dev_name(&l.meta), dev_name(&l.data)));
         }
@@ -1286,23 +1986,32 @@ impl Target for Raid {
         }
         let synced = if st.action == Action::Idle {
             if st.resync_offset == MAX_SECTOR {
-                me.len
+                me.span
             } else {
-                st.resync_offset.min(me.len)
+                st.resync_offset.min(me.span)
             }
         } else {
-            st.progress.min(me.len)
+            st.progress.min(me.span)
+        };
+        // raid0: always in sync, over each leg's sectors
+        let (synced, total) = if me.geo.level == Level::Raid0 {
+            (me.geo.dev_sectors, me.geo.dev_sectors)
+        } else {
+            (synced, me.span)
         };
         format!(
-            "raid1 {} {health} {synced}/{} {action} {} 0 -",
+            "{} {} {health} {synced}/{total} {action} {} 0 -",
+            layout::status_name(me.geo.level),
             me.nlegs(),
-            me.len,
             st.mismatches
         )
     }
 
     fn message(&self, words: &[String]) -> Result<String, String> {
         let me = &self.inner;
+        if me.geo.level == Level::Raid0 {
+            return Err("raid0 takes no messages: invalid argument".into());
+        }
         let mut st = me.lock();
         if st.frozen {
             return Err("raid set is suspended: device or resource busy".into());
@@ -1363,7 +2072,29 @@ impl Target for Raid {
     }
 
     fn max_io_len(&self) -> u64 {
-        self.inner.region
+        match self.inner.geo.level {
+            Level::Raid1 => self.inner.region,
+            _ => self.inner.geo.chunk,
+        }
+    }
+
+    fn limits(&self) -> crate::mapper::Limits {
+        let mut l = crate::mapper::Limits::stacked(&self.devices());
+        if !matches!(self.inner.geo.level, Level::Raid0 | Level::Raid1) {
+            // discards are dropped and zeroing is written (see map)
+            l.discard = false;
+            l.write_zeroes = false;
+        }
+        if self.inner.geo.level != Level::Raid1 {
+            let data = match self.inner.geo.level {
+                Level::Parity { parities, .. } => self.inner.nlegs() - parities as usize,
+                // as dm-raid's io_hints: every leg, copies or not
+                _ => self.inner.nlegs(),
+            };
+            l.io_min = self.inner.geo.chunk * SECTOR;
+            l.io_opt = self.inner.geo.chunk * SECTOR * data.max(1) as u64;
+        }
+        l
     }
 
     fn presuspend(&self) {

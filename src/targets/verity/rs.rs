@@ -17,49 +17,7 @@
 /// The codeword length.
 pub const N: usize = 255;
 
-struct Gf {
-    exp: [u8; 512],
-    log: [u8; 256],
-}
-
-const fn tables() -> Gf {
-    let mut exp = [0u8; 512];
-    let mut log = [0u8; 256];
-    let mut x: u16 = 1;
-    let mut i = 0;
-    while i < 255 {
-        exp[i] = x as u8;
-        exp[i + 255] = x as u8;
-        log[x as usize] = i as u8;
-        x <<= 1;
-        if x & 0x100 != 0 {
-            x ^= 0x11d;
-        }
-        i += 1;
-    }
-    exp[510] = exp[255];
-    Gf { exp, log }
-}
-
-static GF: Gf = tables();
-
-fn mul(a: u8, b: u8) -> u8 {
-    if a == 0 || b == 0 {
-        0
-    } else {
-        GF.exp[GF.log[a as usize] as usize + GF.log[b as usize] as usize]
-    }
-}
-
-fn inv(a: u8) -> u8 {
-    // a != 0 (callers check)
-    GF.exp[255 - GF.log[a as usize] as usize]
-}
-
-/// α^e.
-fn pow_a(e: usize) -> u8 {
-    GF.exp[e % 255]
-}
+use crate::gf256::{inv, mul, pow2 as pow_a};
 
 /// Evaluate `p` (coefficient i of x^i) at `x`.
 fn eval(p: &[u8], x: u8) -> u8 {
