@@ -70,6 +70,12 @@ fn scribble(cl: &mut Client, model: &mut [u8], rng: &mut Rng, n: usize) {
         cl.write(off, &data);
         model[off as usize..(off + len) as usize].copy_from_slice(&data);
     }
+    // two whole rows (raid4/5/6 write them without reading), at a row's start
+    let width = model.len() as u64 / (LEG * 512) * CHUNK * 512;
+    let off = rng.below(size / width - 2) * width;
+    let data = pattern(rng.next(), 2 * width as usize);
+    cl.write(off, &data);
+    model[off as usize..(off + 2 * width) as usize].copy_from_slice(&data);
     // and a zeroing across chunks
     let off = rng.below(size / 512 - 3 * CHUNK) * 512;
     let len = 2 * CHUNK * 512 + 4096;

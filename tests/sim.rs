@@ -28,7 +28,7 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
     eprintln!(
         "{}{}: {} trials, {} crashed mid-workload ({} at a flush inside a commit, {} after a chosen write, {} at the end), \
          {} with an I/O error, {} writes acknowledged, {} sectors checked, {} metadata images agreed on by the reference thin_check, \
-         {} blocks promoted, {} written back by the cleaner, {} era marks checked",
+         {} blocks promoted, {} written back by the cleaner, {} era marks checked, {} sectors left unchecked to the write hole",
         stack.name(),
         if kill { " (killed)" } else { "" },
         s.trials,
@@ -42,7 +42,8 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
         s.ref_checked,
         s.promotions,
         s.writebacks,
-        s.era_blocks_checked
+        s.era_blocks_checked,
+        s.write_hole_sectors
     );
     let report: Vec<String> = s
         .failures
@@ -95,6 +96,17 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
         ),
         _ => assert_eq!((s.promotions, s.writebacks, s.era_blocks_checked), (0, 0, 0)),
     }
+    // raid5's write hole, where a crash came while degraded: a few rows only
+    if stack == Stack::Raid5 {
+        assert!(
+            s.write_hole_sectors * 20 < s.sectors_checked,
+            "{} sectors unchecked to the write hole, {} checked",
+            s.write_hole_sectors,
+            s.sectors_checked
+        );
+    } else {
+        assert_eq!(s.write_hole_sectors, 0);
+    }
     if io_errors {
         assert!(
             s.with_io_errors > trials / 20,
@@ -119,6 +131,16 @@ fn writecache_crash_trials() {
 #[test]
 fn raid_crash_trials() {
     run(Stack::Raid, 0, 300, true);
+}
+
+/// raid5 (left symmetric, 3 legs, chunks of 8 KiB): parity by read-modify-write
+/// or reconstruct-write, bits set before each write, and after the crash the
+/// parity of the regions whose bits are set computed again, so every leg XORs
+/// to zero; where an injected error left the array degraded at the crash, the
+/// rows a write was landing on are md's write hole and are not checked.
+#[test]
+fn raid5_crash_trials() {
+    run(Stack::Raid5, 0, 300, true);
 }
 
 #[test]

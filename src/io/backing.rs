@@ -469,6 +469,57 @@ impl BackingFile {
         Ok(())
     }
 
+    /// The O_DIRECT descriptor for `len` bytes at `off`, if the file has one
+    /// and both are aligned to it (memory is not: see the callers).
+    fn direct_for(&self, off: u64, len: usize) -> Option<&File> {
+        let mask = u64::from(self.dio_align.max(1)) - 1;
+        match &self.backend {
+            Backend::File { direct: Some(d), .. } if (off | len as u64) & mask == 0 => Some(d),
+            _ => None,
+        }
+    }
+
+    /// As [`read_at`](Self::read_at), but through O_DIRECT where the offset and
+    /// length allow it (by way of an aligned bounce buffer when `buf` is not):
+    /// for data a target reads synchronously beside its direct I/O (raid's
+    /// stripes), so it neither fills the page cache nor waits behind it.
+    pub fn read_direct_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some(d) = self.direct_for(off, buf.len()) else {
+            return self.read_at(buf, off);
+        };
+        if (buf.as_ptr() as usize) & (super::buf::BUF_ALIGN - 1) == 0 {
+            return d.read_exact_at(buf, off);
+        }
+        let mut b = super::buf::AlignedBuf::new(buf.len());
+        d.read_exact_at(&mut b.as_mut_slice()[..buf.len()], off)?;
+        buf.copy_from_slice(&b.as_slice()[..buf.len()]);
+        Ok(())
+    }
+
+    /// As [`write_at`](Self::write_at), through O_DIRECT where the offset and
+    /// length allow it (see [`read_direct_at`](Self::read_direct_at)).
+    pub fn write_direct_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some(d) = self.direct_for(off, buf.len()) else {
+            return self.write_at(buf, off, fua);
+        };
+        if fua {
+            self.fua_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if (buf.as_ptr() as usize) & (super::buf::BUF_ALIGN - 1) == 0 {
+            d.write_all_at(buf, off)?;
+        } else {
+            let mut b = super::buf::AlignedBuf::new(buf.len());
+            b.as_mut_slice()[..buf.len()].copy_from_slice(buf);
+            d.write_all_at(&b.as_slice()[..buf.len()], off)?;
+        }
+        if fua {
+            d.sync_data()?;
+        }
+        Ok(())
+    }
+
     /// Discard a range, synchronously (a file gets a hole).
     pub fn discard_at(&self, off: u64, len: u64) -> io::Result<()> {
         match &self.backend {

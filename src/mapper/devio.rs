@@ -53,6 +53,23 @@ pub fn write(dest: &Dest, sector: u64, buf: &[u8], fua: bool) -> io::Result<()> 
     }
 }
 
+/// [`read`], but a file's data through O_DIRECT where it is aligned
+/// (`BackingFile::read_direct_at`): data read beside the engine's direct I/O.
+pub fn read_data(dest: &Dest, sector: u64, buf: &mut [u8]) -> io::Result<()> {
+    match dest {
+        Dest::File(f) => f.read_direct_at(buf, sector * SECTOR),
+        Dest::Dm(_) => read(dest, sector, buf),
+    }
+}
+
+/// [`write`], but a file's data through O_DIRECT where it is aligned.
+pub fn write_data(dest: &Dest, sector: u64, buf: &[u8], fua: bool) -> io::Result<()> {
+    match dest {
+        Dest::File(f) => f.write_direct_at(buf, sector * SECTOR, fua),
+        Dest::Dm(_) => write(dest, sector, buf, fua),
+    }
+}
+
 /// Make everything written to `dest` durable (an empty REQ_PREFLUSH).
 pub fn flush(dest: &Dest) -> io::Result<()> {
     match dest {

@@ -238,7 +238,7 @@ enum LuksCmd {
 struct SimArgs {
     /// The stack: thin (thin-pool, thins, snapshots), writecache, snapshot,
     /// cache (writeback smq, switched to cleaner and back), era, raid (raid1
-    /// of two legs, reloaded now and then)
+    /// of two legs, reloaded now and then), raid5 (three legs, likewise)
     #[arg(long, default_value = "thin")]
     stack: String,
     /// The first trial's seed
@@ -814,7 +814,7 @@ fn sim(a: SimArgs) -> Result<i32> {
     }
     let stack = sim::Stack::parse(&a.stack).ok_or_else(|| {
         anyhow::anyhow!(
-            "--stack {}: one of thin, writecache, snapshot, cache, era, raid",
+            "--stack {}: one of thin, writecache, snapshot, cache, era, raid, raid5",
             a.stack
         )
     })?;
@@ -859,6 +859,10 @@ fn sim(a: SimArgs) -> Result<i32> {
                 s.promotions, s.writebacks
             ),
             sim::Stack::Era => format!("; {} era marks checked", s.era_blocks_checked),
+            sim::Stack::Raid5 => format!(
+                "; {} sectors not checked in rows a crash while degraded may have torn (the write hole)",
+                s.write_hole_sectors
+            ),
             _ => String::new(),
         },
         t.elapsed().as_secs_f64()

@@ -218,6 +218,10 @@ struct Inner {
     st: Mutex<State>,
     wake: Condvar,
     drained: Condvar,
+    /// raid4/5/6: rows whole-row writes are writing on threads of their own
+    /// (`run_jobs`); `landed` is signalled as each ends.
+    flying: Mutex<Vec<u64>>,
+    landed: Condvar,
     events: AtomicU64,
 }
 
@@ -400,6 +404,8 @@ impl Raid {
             }),
             wake: Condvar::new(),
             drained: Condvar::new(),
+            flying: Mutex::new(Vec::new()),
+            landed: Condvar::new(),
             events: AtomicU64::new(0),
         };
         let inner = Arc::new(inner);
@@ -1167,9 +1173,18 @@ impl Inner {
                 Ok(())
             }
             Op::Read => {
-                let (row, di, at) = self.geo.parity_block(bio.sector);
-                let leg = row.data[di];
-                if !self.good(&st, leg) {
+                // a row at most (max_io_len): each chunk's part from its leg
+                let chunk = self.geo.chunk;
+                let mut pieces = Vec::with_capacity(4);
+                let mut done = 0;
+                while done < bio.nr_sectors {
+                    let s = bio.sector + done;
+                    let n = (chunk - s % chunk).min(bio.nr_sectors - done);
+                    let (row, di, at) = self.geo.parity_block(s);
+                    pieces.push((row.data[di], bio.sub(done, n, at)));
+                    done += n;
+                }
+                if pieces.iter().any(|&(leg, _)| !self.good(&st, leg)) {
                     st.jobs.push_back(Job::Read {
                         pending: ctx.submit(bio),
                         bio,
@@ -1179,7 +1194,10 @@ impl Inner {
                     return Ok(());
                 }
                 drop(st);
-                self.read_leg_tolerant(leg, Bio { sector: at, ..bio }, ctx)
+                for (leg, b) in pieces {
+                    self.read_leg_tolerant(leg, b, ctx)?;
+                }
+                Ok(())
             }
             Op::Write | Op::WriteZeroes => self.queue_write(st, bio, ctx),
         }
@@ -1195,7 +1213,7 @@ impl Inner {
     /// Read `n` sectors at leg sector `at` of leg `i`; a failure fails the leg.
     fn read_leg(&self, i: usize, at: u64, buf: &mut [u8]) -> bool {
         let Some(d) = &self.legs[i].data else { return false };
-        if devio::read(&d.dest(), at, buf).is_ok() {
+        if devio::read_data(&d.dest(), at, buf).is_ok() {
             return true;
         }
         let mut st = self.lock();
@@ -1210,7 +1228,7 @@ impl Inner {
         if self.lock().faulty[i] {
             return true;
         }
-        if devio::write(&d.dest(), at, buf, fua).is_ok() {
+        if devio::write_data(&d.dest(), at, buf, fua).is_ok() {
             return true;
         }
         let mut st = self.lock();
@@ -1322,6 +1340,45 @@ impl Inner {
         0
     }
 
+    /// raid4/5/6: a write of a whole row (its data blocks, each a full chunk)
+    /// is written with its parity computed from it, every leg at once; None
+    /// if `bio` is not one.
+    fn write_full_row(&self, bio: &Bio, data: &[u8]) -> Option<i32> {
+        let Level::Parity { parities, .. } = self.geo.level else {
+            return None;
+        };
+        let chunk = self.geo.chunk;
+        let width = chunk * (self.nlegs() - parities as usize) as u64;
+        if !bio.sector.is_multiple_of(width) || bio.nr_sectors != width || data.len() as u64 != width * SECTOR {
+            return None;
+        }
+        let (row, _, at) = self.geo.parity_block(bio.sector);
+        let len = (chunk * SECTOR) as usize;
+        let blocks: Vec<&[u8]> = data.chunks(len).collect();
+        let mut p = vec![0u8; len];
+        let mut q = row.q.map(|_| vec![0u8; len]);
+        parity::syndromes(&blocks, &row.coef, &mut p, q.as_deref_mut());
+        let mut writes: Vec<(usize, &[u8])> = row.data.iter().copied().zip(blocks.iter().copied()).collect();
+        writes.push((row.p, &p));
+        if let (Some(qd), Some(qb)) = (row.q, q.as_deref()) {
+            writes.push((qd, qb));
+        }
+        // every leg's write at once: the row goes at the legs' combined speed
+        let ok = std::thread::scope(|sc| {
+            let hs: Vec<_> = writes
+                .iter()
+                .map(|&(leg, buf)| sc.spawn(move || self.write_leg(leg, at, buf, bio.fua)))
+                .collect();
+            hs.into_iter().all(|h| h.join().unwrap_or(false))
+        });
+        let st = self.lock();
+        Some(if ok && self.can_run(|i| self.good(&st, i)) {
+            0
+        } else {
+            errno::EIO
+        })
+    }
+
     /// Do a job: a raid4/5/6 write or rebuilt read, a raid10 zeroing.
     fn run_job(&self, job: Job) {
         let chunk = self.geo.chunk;
@@ -1351,6 +1408,10 @@ impl Inner {
             } => {
                 let mut e = 0;
                 let mut done = 0;
+                if let Some(code) = self.write_full_row(&bio, &data) {
+                    e = code;
+                    done = bio.nr_sectors;
+                }
                 while done < bio.nr_sectors && e == 0 {
                     let s = bio.sector + done;
                     let n = (chunk - s % chunk).min(bio.nr_sectors - done);
@@ -1396,12 +1457,61 @@ impl Inner {
         }
     }
 
-    /// Run the jobs queued now; true if there were any.
-    fn run_jobs(&self) -> bool {
-        let jobs = std::mem::take(&mut self.lock().jobs);
+    /// The row a job writes whole, if it does.
+    fn full_row_of(&self, job: &Job) -> Option<u64> {
+        let Job::Write { bio, data, .. } = job else { return None };
+        let Level::Parity { parities, .. } = self.geo.level else {
+            return None;
+        };
+        let width = self.geo.chunk * (self.nlegs() - parities as usize) as u64;
+        (bio.sector % width == 0 && bio.nr_sectors == width && data.len() as u64 == width * SECTOR)
+            .then_some(bio.sector / width)
+    }
+
+    /// Wait until no whole-row write is under way on `row` (any row: None).
+    fn wait_landed(&self, row: Option<u64>) {
+        let mut f = self.flying.lock().unpoisoned();
+        while row.map_or(!f.is_empty(), |r| f.contains(&r)) {
+            f = self.landed.wait(f).unpoisoned();
+        }
+    }
+
+    /// Run the jobs queued now, in order, except that a whole-row write goes
+    /// on a thread of its own, so a sequential writer's rows are written at
+    /// once: a job after it waits for it only if it writes the same row, and
+    /// any other job (a partial row's read-modify-write, a rebuilt read)
+    /// waits for every row under way. True if there were any.
+    fn run_jobs(self: &Arc<Self>) -> bool {
+        let jobs: VecDeque<Job> = std::mem::take(&mut self.lock().jobs);
         let any = !jobs.is_empty();
         for j in jobs {
-            self.run_job(j);
+            let Some(row) = self.full_row_of(&j) else {
+                self.wait_landed(None);
+                self.run_job(j);
+                continue;
+            };
+            self.wait_landed(Some(row));
+            self.flying.lock().unpoisoned().push(row);
+            let me = self.clone();
+            let land = move |me: &Inner| {
+                me.flying.lock().unpoisoned().retain(|&r| r != row);
+                me.landed.notify_all();
+            };
+            let job = Arc::new(Mutex::new(Some(j)));
+            let theirs = job.clone();
+            let spawned = std::thread::Builder::new().name("raid-row".into()).spawn(move || {
+                if let Some(j) = theirs.lock().unpoisoned().take() {
+                    me.run_job(j);
+                }
+                land(&me);
+            });
+            if spawned.is_err() {
+                // no thread: here, in order
+                if let Some(j) = job.lock().unpoisoned().take() {
+                    self.run_job(j);
+                }
+                self.flying.lock().unpoisoned().retain(|&r| r != row);
+            }
         }
         any
     }
@@ -1460,7 +1570,14 @@ impl Inner {
                     failed[i / 64] |= 1 << (i % 64);
                 }
             }
-            let supers: Vec<(usize, [u8; 512])> = (0..self.nlegs())
+            // a leg not in sync first, each leg's write durable before the
+            // next: the others stop calling it failed only once its own
+            // superblock says it is being recovered, so a crash between them
+            // cannot bring it back as in sync with what it missed
+            let mut order: Vec<usize> = (0..self.nlegs()).collect();
+            order.sort_by_key(|&i| st.in_sync[i]);
+            let supers: Vec<(usize, [u8; 512])> = order
+                .into_iter()
                 .filter(|&i| !st.faulty[i] && self.legs[i].meta.is_some())
                 .map(|i| {
                     let g = &self.geo;
@@ -1588,7 +1705,7 @@ impl Inner {
                 }
             }
             let Some(d) = &self.legs[t].data else { continue };
-            if devio::write(&d.dest(), at, &buf, false).is_err() {
+            if devio::write_data(&d.dest(), at, &buf, false).is_err() {
                 let mut st = self.lock();
                 self.fail_leg(&mut st, t);
                 return Err(());
@@ -1628,7 +1745,7 @@ impl Inner {
             if !targets.contains(&leg) || self.lock().faulty[leg] {
                 return Ok(());
             }
-            if devio::write(&d.dest(), at, buf, false).is_err() {
+            if devio::write_data(&d.dest(), at, buf, false).is_err() {
                 let mut st = self.lock();
                 self.fail_leg(&mut st, leg);
                 return Err(());
@@ -1649,7 +1766,9 @@ impl Inner {
 
     /// One step of the current copy: the next region it needs. False once
     /// there is none (the action is over).
-    fn copy_step(&self) -> bool {
+    fn copy_step(self: &Arc<Self>) -> bool {
+        // a row being written whole is not read for a copy before it lands
+        self.wait_landed(None);
         let mut st = self.lock();
         let action = st.action;
         if action == Action::Idle || st.frozen || st.stop {
@@ -1682,6 +1801,14 @@ impl Inner {
         }
         st.busy = Some(r);
         while st.writes[r as usize] > 0 && !st.stop {
+            if !st.jobs.is_empty() {
+                // writes this thread is to do (raid4/5/6, raid10 zeroing):
+                // done here, or the region would wait for itself
+                drop(st);
+                self.run_jobs();
+                st = self.lock();
+                continue;
+            }
             st = self.drained.wait_timeout(st, Duration::from_millis(50)).unpoisoned().0;
         }
         drop(st);
@@ -2072,9 +2199,13 @@ impl Target for Raid {
     }
 
     fn max_io_len(&self) -> u64 {
-        match self.inner.geo.level {
+        let g = &self.inner.geo;
+        match g.level {
             Level::Raid1 => self.inner.region,
-            _ => self.inner.geo.chunk,
+            // a whole row, so a large write reaches the target's thread as
+            // full rows, written without reading
+            Level::Parity { parities, .. } => g.chunk * (self.inner.nlegs() - parities as usize) as u64,
+            _ => g.chunk,
         }
     }
 
