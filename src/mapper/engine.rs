@@ -58,8 +58,10 @@ pub enum Dest {
 
 /// How a target finishes a piece it took ([`Pending`]).
 enum Resume {
-    /// Done: 0 or an errno.
-    Done(i32),
+    /// Done: 0 or an errno, and for a read whose bytes the target made (a
+    /// raid5 leg rebuilt from the others) those bytes, put into the piece's
+    /// data first.
+    Done(i32, Option<Vec<u8>>),
     /// Send `bio` (in `dest`'s sectors) on now, running `end_io` once it is done.
     Remap {
         dest: Dest,
@@ -69,9 +71,6 @@ enum Resume {
     /// Map the piece again from its target (the condition that held it has passed,
     /// or its device is suspending: the kernel's DM_MAPIO_REQUEUE).
     Requeue,
-    /// Done, a read whose bytes the target made (a raid5 leg rebuilt from the
-    /// others): they go into the piece's data first.
-    Data(Vec<u8>),
 }
 
 /// Which piece of which request a target took, and where it was mapped.
@@ -166,12 +165,12 @@ impl Pending {
 
     /// The piece is done.
     pub fn done(self) {
-        self.send(Resume::Done(0));
+        self.send(Resume::Done(0, None));
     }
 
     /// The piece failed with `errno`.
     pub fn fail(self, errno: i32) {
-        self.send(Resume::Done(errno));
+        self.send(Resume::Done(errno, None));
     }
 
     /// Send the piece on as `bio` (in `dest`'s sectors); `end_io` runs once that
@@ -189,13 +188,13 @@ impl Pending {
     /// The piece, a read, is done with `bytes` as its data (as many as it
     /// covers; fewer fail it with EIO).
     pub fn done_with(self, bytes: Vec<u8>) {
-        self.send(Resume::Data(bytes));
+        self.send(Resume::Done(0, Some(bytes)));
     }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        self.post(Resume::Done(errno::EIO));
+        self.post(Resume::Done(errno::EIO, None));
     }
 }
 
@@ -769,11 +768,10 @@ impl Engine {
         let q = &mut self.reqs[r];
         q.waits -= 1;
         match resume {
-            Resume::Done(_) | Resume::Data(_) => {
-                let e = match resume {
-                    Resume::Data(bytes) => fill_piece(q, &m, &bytes),
-                    Resume::Done(e) => e,
-                    _ => errno::EIO,
+            Resume::Done(e, bytes) => {
+                let e = match bytes {
+                    Some(b) if e == 0 => fill_piece(q, &m, &b),
+                    _ => e,
                 };
                 if let Some(h) = m.end_io {
                     let mut he = 0;
@@ -1159,18 +1157,13 @@ const FLUSH: Bio = Bio {
     punch: false,
 };
 
-/// What a hook answered: an errno fails the request (the first one counts),
 /// Copy `bytes`, a read's data a target made, into the part of `q`'s data
 /// (or of the owned buffer it was mapped into) piece `m` covers: 0, or EIO if
 /// they are fewer or the piece lies outside.
 fn fill_piece(q: &mut Request, m: &Piece, bytes: &[u8]) -> i32 {
     let n = if q.op.has_data() { q.bytes() } else { 0 };
-    let all = match m.owned.and_then(|b| q.owned.get_mut(b as usize)) {
-        Some(o) => &mut o.buf.as_mut_slice()[..o.len],
-        None => &mut q.buf.as_mut_slice()[..n],
-    };
-    let (a, len) = (m.bio.buf_off, m.bio.bytes() as usize);
-    match (all.get_mut(a..a + len), bytes.get(..len)) {
+    let dst = super::target::bio_data(&mut q.owned, &mut q.buf.as_mut_slice()[..n], m.owned, &m.bio);
+    match (dst, bytes.get(..m.bio.bytes() as usize)) {
         (Some(dst), Some(src)) => {
             dst.copy_from_slice(src);
             0
@@ -1179,6 +1172,7 @@ fn fill_piece(q: &mut Request, m: &Piece, bytes: &[u8]) -> i32 {
     }
 }
 
+/// What a hook answered: an errno fails the request (the first one counts),
 /// [`REMAP`] has it mapped again once everything under way for it is done.
 fn hook_answer(error: &mut i32, requeue: &mut bool, e: i32) {
     if e == REMAP {

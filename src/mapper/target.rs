@@ -719,13 +719,24 @@ impl<'a> MapCtx<'a> {
 
     /// The part of the request's data `bio` covers (empty without data).
     pub fn data_of(&mut self, bio: &Bio) -> &mut [u8] {
-        let (a, n) = (bio.buf_off, bio.bytes() as usize);
-        let all = match self.cur.and_then(|b| self.owned.get_mut(b as usize)) {
-            Some(o) => &mut o.buf.as_mut_slice()[..o.len],
-            None => &mut *self.data,
-        };
-        all.get_mut(a..a + n).unwrap_or_default()
+        bio_data(self.owned, self.data, self.cur, bio).unwrap_or_default()
     }
+}
+
+/// The part of a request's data (`data`), or of its owned buffer `cur`, that
+/// `bio` covers; None if it lies outside.
+pub(crate) fn bio_data<'a>(
+    owned: &'a mut [Owned],
+    data: &'a mut [u8],
+    cur: Option<u32>,
+    bio: &Bio,
+) -> Option<&'a mut [u8]> {
+    let (a, n) = (bio.buf_off, bio.bytes() as usize);
+    let all = match cur.and_then(|b| owned.get_mut(b as usize)) {
+        Some(o) => &mut o.buf.as_mut_slice()[..o.len],
+        None => data,
+    };
+    all.get_mut(a..a + n)
 }
 
 /// Run a leaf's end-of-I/O hook with its part of the request buffer.

@@ -429,6 +429,13 @@ impl Geometry {
         row(self.legs, algo, parities, dev_sector / self.chunk)
     }
 
+    /// A row of data across the legs, in array sectors: the chunk times the
+    /// legs that hold data (all of them but raid4/5/6's parities; raid10's
+    /// copies count, as dm-raid's io_hints count them).
+    pub fn row_sectors(&self) -> u64 {
+        self.chunk * (self.legs - self.level.parities() as usize) as u64
+    }
+
     /// raid10: the copies a chunk has (near times far).
     pub fn copies_count(&self) -> usize {
         self.near * self.far

@@ -74,13 +74,6 @@ const DEFAULT_REGION: u64 = 8192;
 /// The default daemon period: 5 s, in jiffies.
 const DEFAULT_SLEEP: u64 = 5 * HZ;
 
-/// The raid levels the kernel knows, for its error on an unknown one.
-const KNOWN_LEVELS: &[&str] = &[
-    "raid0", "raid1", "raid10", "raid10_near", "raid10_far", "raid10_offset", "raid4", "raid5_n", "raid5_la",
-    "raid5_ra", "raid5_ls", "raid5_rs", "raid6_zr", "raid6_nr", "raid6_nc", "raid6_n_6", "raid6_la_6", "raid6_ra_6",
-    "raid6_ls_6", "raid6_rs_6",
-];
-
 struct Leg {
     meta: Option<DevRef>,
     data: Option<DevRef>,
@@ -245,9 +238,6 @@ impl Raid {
             return Err(bad("No arguments"));
         };
         let type_name = type_name.to_ascii_lowercase();
-        if !KNOWN_LEVELS.contains(&type_name.as_str()) {
-            return Err(bad("Unrecognised raid_type"));
-        }
         let level = layout::parse_type(&type_name).ok_or_else(|| bad("Unrecognised raid_type"))?;
         let nparams = args
             .get(1)
@@ -929,11 +919,12 @@ impl Inner {
         }
     }
 
-    /// The regions of `bio` are marked (or a write waits): false if it must
-    /// wait, its bits asked for.
+    /// The regions of a write are marked: true, and they count it as under
+    /// way ([`written`](Self::written) ends it); false if it must wait, its
+    /// bits asked for.
     fn admit(&self, st: &mut State, regions: std::ops::Range<u64>) -> bool {
         let mut ready = !st.sb_dirty;
-        for r in regions {
+        for r in regions.clone() {
             let r = r as usize;
             if st.busy == Some(r as u64) {
                 ready = false;
@@ -942,6 +933,12 @@ impl Inner {
                 st.wanted[r] = true;
                 st.want_bits = true;
                 ready = false;
+            }
+        }
+        if ready {
+            for r in regions {
+                st.writes[r as usize] += 1;
+                st.idle_passes[r as usize] = 0;
             }
         }
         ready
@@ -957,10 +954,6 @@ impl Inner {
             drop(st);
             self.wake.notify_all();
             return Ok(());
-        }
-        for r in regions.clone() {
-            st.writes[r as usize] += 1;
-            st.idle_passes[r as usize] = 0;
         }
         // every leg for a flush and raid1; each copy's place for raid10
         let legs: Vec<(usize, Bio)> = if bio.op == Op::Flush || self.geo.level == Level::Raid1 {
@@ -1076,10 +1069,6 @@ impl Inner {
         if !self.admit(&mut st, regions.clone()) {
             st.waiting.push(ctx.submit(bio));
         } else {
-            for r in regions.clone() {
-                st.writes[r as usize] += 1;
-                st.idle_passes[r as usize] = 0;
-            }
             let data = if bio.op == Op::Write {
                 ctx.data_of(&bio).to_vec()
             } else {
@@ -1203,11 +1192,6 @@ impl Inner {
         }
     }
 
-    /// raid10 zeroing: chunk by chunk on the target's thread, like a write.
-    fn map_raid10_zeroes(self: &Arc<Self>, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
-        self.queue_write(self.lock(), bio, ctx)
-    }
-
     // ---- the target's thread: raid4/5/6 stripes ----
 
     /// Read `n` sectors at leg sector `at` of leg `i`; a failure fails the leg.
@@ -1224,15 +1208,18 @@ impl Inner {
     /// Write to leg `i` (if it has not failed); a failure fails the leg.
     /// False if the leg could not be failed (the array would stop).
     fn write_leg(&self, i: usize, at: u64, buf: &[u8], fua: bool) -> bool {
-        let Some(d) = &self.legs[i].data else { return true };
-        if self.lock().faulty[i] {
-            return true;
-        }
-        if devio::write_data(&d.dest(), at, buf, fua).is_ok() {
-            return true;
+        self.put_leg(i, at, buf, fua).unwrap_or_else(|marked| marked)
+    }
+
+    /// Write to leg `i` unless it has failed (or has no data device): Ok, or
+    /// Err once the write failed, with whether the leg could be marked failed.
+    fn put_leg(&self, i: usize, at: u64, buf: &[u8], fua: bool) -> Result<bool, bool> {
+        let Some(d) = &self.legs[i].data else { return Ok(true) };
+        if self.lock().faulty[i] || devio::write_data(&d.dest(), at, buf, fua).is_ok() {
+            return Ok(true);
         }
         let mut st = self.lock();
-        self.fail_leg(&mut st, i)
+        Err(self.fail_leg(&mut st, i))
     }
 
     /// The blocks of `row` at leg sector `at`, `len` bytes each: the data
@@ -1344,16 +1331,9 @@ impl Inner {
     /// is written with its parity computed from it, every leg at once; None
     /// if `bio` is not one.
     fn write_full_row(&self, bio: &Bio, data: &[u8]) -> Option<i32> {
-        let Level::Parity { parities, .. } = self.geo.level else {
-            return None;
-        };
-        let chunk = self.geo.chunk;
-        let width = chunk * (self.nlegs() - parities as usize) as u64;
-        if !bio.sector.is_multiple_of(width) || bio.nr_sectors != width || data.len() as u64 != width * SECTOR {
-            return None;
-        }
+        self.whole_row(bio, data)?;
         let (row, _, at) = self.geo.parity_block(bio.sector);
-        let len = (chunk * SECTOR) as usize;
+        let len = (self.geo.chunk * SECTOR) as usize;
         let blocks: Vec<&[u8]> = data.chunks(len).collect();
         let mut p = vec![0u8; len];
         let mut q = row.q.map(|_| vec![0u8; len]);
@@ -1424,7 +1404,7 @@ impl Inner {
                             let buf = new.unwrap_or(&zero);
                             let mut wrote = false;
                             for (i, at) in self.geo.copies(s) {
-                                wrote |= !self.lock().faulty[i] && self.write_leg(i, at, buf, bio.fua) && !self.lock().faulty[i];
+                                wrote |= !self.lock().faulty[i] && self.put_leg(i, at, buf, bio.fua).is_ok();
                             }
                             if wrote {
                                 0
@@ -1460,12 +1440,17 @@ impl Inner {
     /// The row a job writes whole, if it does.
     fn full_row_of(&self, job: &Job) -> Option<u64> {
         let Job::Write { bio, data, .. } = job else { return None };
-        let Level::Parity { parities, .. } = self.geo.level else {
-            return None;
-        };
-        let width = self.geo.chunk * (self.nlegs() - parities as usize) as u64;
-        (bio.sector % width == 0 && bio.nr_sectors == width && data.len() as u64 == width * SECTOR)
-            .then_some(bio.sector / width)
+        self.whole_row(bio, data)
+    }
+
+    /// raid4/5/6: the row a write of `data` at `bio` covers whole, if it does.
+    fn whole_row(&self, bio: &Bio, data: &[u8]) -> Option<u64> {
+        let width = self.geo.row_sectors();
+        let whole = matches!(self.geo.level, Level::Parity { .. })
+            && bio.sector.is_multiple_of(width)
+            && bio.nr_sectors == width
+            && data.len() as u64 == width * SECTOR;
+        whole.then_some(bio.sector / width)
     }
 
     /// Wait until no whole-row write is under way on `row` (any row: None).
@@ -1704,12 +1689,7 @@ impl Inner {
                     continue;
                 }
             }
-            let Some(d) = &self.legs[t].data else { continue };
-            if devio::write_data(&d.dest(), at, &buf, false).is_err() {
-                let mut st = self.lock();
-                self.fail_leg(&mut st, t);
-                return Err(());
-            }
+            self.put_leg(t, at, &buf, false).map_err(drop)?;
         }
         Ok(())
     }
@@ -1741,14 +1721,8 @@ impl Inner {
             }
         }
         let write = |leg: usize, buf: &[u8]| -> Result<(), ()> {
-            let Some(d) = &self.legs[leg].data else { return Ok(()) };
-            if !targets.contains(&leg) || self.lock().faulty[leg] {
-                return Ok(());
-            }
-            if devio::write_data(&d.dest(), at, buf, false).is_err() {
-                let mut st = self.lock();
-                self.fail_leg(&mut st, leg);
-                return Err(());
+            if targets.contains(&leg) {
+                self.put_leg(leg, at, buf, false).map_err(drop)?;
             }
             Ok(())
         };
@@ -2010,7 +1984,8 @@ impl Target for Raid {
                 ctx.complete(bio, crate::io::LeafKind::Drop);
                 return Ok(());
             }
-            Level::Raid10(_) if bio.op == Op::WriteZeroes => return self.inner.map_raid10_zeroes(bio, ctx),
+            // zeroing chunk by chunk on the target's thread, like a write
+            Level::Raid10(_) if bio.op == Op::WriteZeroes => return self.inner.queue_write(self.inner.lock(), bio, ctx),
             _ => {}
         }
         match bio.op {
@@ -2204,7 +2179,7 @@ impl Target for Raid {
             Level::Raid1 => self.inner.region,
             // a whole row, so a large write reaches the target's thread as
             // full rows, written without reading
-            Level::Parity { parities, .. } => g.chunk * (self.inner.nlegs() - parities as usize) as u64,
+            Level::Parity { .. } => g.row_sectors(),
             _ => g.chunk,
         }
     }
@@ -2217,13 +2192,8 @@ impl Target for Raid {
             l.write_zeroes = false;
         }
         if self.inner.geo.level != Level::Raid1 {
-            let data = match self.inner.geo.level {
-                Level::Parity { parities, .. } => self.inner.nlegs() - parities as usize,
-                // as dm-raid's io_hints: every leg, copies or not
-                _ => self.inner.nlegs(),
-            };
             l.io_min = self.inner.geo.chunk * SECTOR;
-            l.io_opt = self.inner.geo.chunk * SECTOR * data.max(1) as u64;
+            l.io_opt = self.inner.geo.row_sectors() * SECTOR;
         }
         l
     }
