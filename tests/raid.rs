@@ -278,6 +278,24 @@ fn bad_raid_tables_are_refused_with_the_kernels_words() {
         (table(&["frob"], &n), "Unable to parse RAID parameter: frob"),
         (
             format!(
+                "0 {SECTORS} raid raid10 3 128 raid10_copies 258 2 {} {} {} {}",
+                n[0].0, n[0].1, n[1].0, n[1].1
+            ),
+            "Bad value for 'raid10_copies'",
+        ),
+        (
+            format!(
+                "0 {SECTORS} raid raid5_ls 1 {} 2 {} {} {} {}",
+                1u64 << 30,
+                n[0].0,
+                n[0].1,
+                n[1].0,
+                n[1].1
+            ),
+            "not a multiple of the chunk",
+        ),
+        (
+            format!(
                 "0 {SECTORS} raid raid1 7 0 {} {} {} {}",
                 n[0].0, n[0].1, n[1].0, n[1].1
             ),

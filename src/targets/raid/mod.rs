@@ -540,7 +540,9 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
             "raid10_copies" => {
                 let v = value()?;
                 once(o.raid10_copies.is_some(), "raid10_copies")?;
-                if v < 2 {
+                // 2 to the number of legs, as the kernel: more would also
+                // spill into md's layout word (far copies, offset bits)
+                if v < 2 || v > nlegs as i64 {
                     return Err(bad("Bad value for 'raid10_copies'"));
                 }
                 o.raid10_copies = Some(v as u64);
