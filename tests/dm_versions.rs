@@ -24,7 +24,7 @@ fn target_versions_are_linux_6_12s() {
     let modules = format!(
         "drivers/md/dm-flakey.ko drivers/md/dm-delay.ko drivers/md/dm-zero.ko drivers/md/dm-crypt.ko \
          lib/reed_solomon/reed_solomon.ko drivers/md/dm-verity.ko drivers/md/dm-era.ko \
-         drivers/md/dm-cache.ko drivers/md/dm-cache-smq.ko drivers/md/dm-log-writes.ko {}",
+         drivers/md/dm-cache.ko drivers/md/dm-cache-smq.ko drivers/md/dm-log-writes.ko {} drivers/md/dm-integrity.ko",
         oracle::RAID_MODULES
     );
     let serial = oracle::run_env(

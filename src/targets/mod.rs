@@ -35,5 +35,6 @@ targets! {
     verity => verity::TYPE;
     log_writes => log_writes::TYPE;
     raid => raid::TYPE;
+    integrity => integrity::TYPE;
     xor => xor::TYPE;
 }

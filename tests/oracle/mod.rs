@@ -47,6 +47,11 @@ pub const RAID_MODULES: &str = "crypto/xor.ko lib/raid6/raid6_pq.ko crypto/async
      crypto/async_tx/async_raid6_recov.ko drivers/md/md-mod.ko drivers/md/raid456.ko drivers/md/raid1.ko \
      drivers/md/raid0.ko drivers/md/raid10.ko drivers/md/dm-raid.ko";
 
+/// The modules (`ORACLE_MODULES`) for the kernel's dm-integrity in the 6.12
+/// guest, each after those it needs.
+pub const INTEGRITY_MODULES: &str =
+    "crypto/xor.ko crypto/async_tx/async_tx.ko crypto/async_tx/async_xor.ko drivers/md/dm-integrity.ko";
+
 /// Boot the kernel with `script` (written into `dir`) and the disks; the serial
 /// output.
 pub fn run(dir: &Path, script: &str, disks: &[&Path]) -> String {
