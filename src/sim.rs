@@ -43,6 +43,8 @@ const SPB: u64 = BLOCK / SECTOR;
 const CACHE_BLOCK: u64 = 64;
 const CACHE_BLOCKS: u64 = 16;
 const CACHE_SPAN: u64 = (2 << 20) / SECTOR;
+/// The integrity stacks' device: 8 MiB of a 10 MiB file.
+const INTEGRITY_SECTORS: u64 = (8 << 20) / SECTOR;
 /// The era stack's blocks: 16 KiB, so writes share and straddle them.
 const ERA_BLOCK: u64 = 32;
 
@@ -64,6 +66,12 @@ pub enum Stack {
     Raid,
     /// raid5 (left symmetric) of three legs, chunks of 8 KiB, reloaded now and then.
     Raid5,
+    /// integrity in journal mode (a journal of two sections, committed at
+    /// 30% full, so commits wrap it), reloaded now and then.
+    Integrity,
+    /// integrity in bitmap mode (regions of 128 KiB, bits cleared every
+    /// 20 ms), reloaded now and then.
+    IntegrityBitmap,
 }
 
 impl Stack {
@@ -76,6 +84,8 @@ impl Stack {
             Stack::Era => "era",
             Stack::Raid => "raid",
             Stack::Raid5 => "raid5",
+            Stack::Integrity => "integrity",
+            Stack::IntegrityBitmap => "integrity-bitmap",
         }
     }
     pub fn parse(s: &str) -> Option<Stack> {
@@ -87,6 +97,8 @@ impl Stack {
             "era" => Some(Stack::Era),
             "raid" => Some(Stack::Raid),
             "raid5" => Some(Stack::Raid5),
+            "integrity" => Some(Stack::Integrity),
+            "integrity-bitmap" => Some(Stack::IntegrityBitmap),
             _ => None,
         }
     }
@@ -610,6 +622,7 @@ fn run_workload(
             ("meta2", 1 << 20),
             ("data2", 4 << 20),
         ],
+        Stack::Integrity | Stack::IntegrityBitmap => &[("data", 10 << 20)],
     };
     for (n, bytes) in sizes {
         let p = dir.join(n);
@@ -618,6 +631,11 @@ fn run_workload(
         let _ = std::fs::remove_file(&p);
         make_file(&p, *bytes)?;
         t.files.push(p);
+    }
+    if matches!(o.stack, Stack::Integrity | Stack::IntegrityBitmap) {
+        // formatted and wiped before the simulation takes the file, as
+        // `integritysetup format` leaves it
+        t.wipe_integrity()?;
     }
     for p in &t.files {
         disk.register(p).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -876,6 +894,13 @@ impl Trial {
                 self.single_device("raid", sectors, again);
                 Ok(())
             }
+            Stack::Integrity | Stack::IntegrityBitmap => {
+                self.reg
+                    .create("integrity", Some(&self.integrity_table()), false, None)
+                    .map_err(e)?;
+                self.single_device("integrity", INTEGRITY_SECTORS, again);
+                Ok(())
+            }
             Stack::Writecache => {
                 let sectors = (8 << 20) / SECTOR;
                 let table = format!(
@@ -979,6 +1004,40 @@ impl Trial {
             ));
         }
         Ok(())
+    }
+
+    /// The integrity stack's table (tags crc32c, 512-byte blocks).
+    fn integrity_table(&self) -> String {
+        let mode = if self.o.stack == Stack::Integrity {
+            "J 5 journal_sectors:352 journal_watermark:30"
+        } else {
+            "B 5 sectors_per_bit:256 bitmap_flush_interval:20"
+        };
+        format!(
+            "0 {INTEGRITY_SECTORS} integrity {} 0 4 {mode} internal_hash:crc32c fix_padding fix_hmac",
+            self.path(0)
+        )
+    }
+
+    /// Format the integrity stack's file and write zeroes over all of it
+    /// (every block then has its tag), outside the simulation.
+    fn wipe_integrity(&mut self) -> Result<(), String> {
+        let e = |x: crate::mapper::registry::ControlError| x.to_string();
+        let table = self.integrity_table();
+        self.reg.create("wipe", Some(&table), false, None).map_err(e)?;
+        let dest = Dest::Dm(self.reg.get("wipe").map_err(e)?);
+        let zero = vec![0u8; 1 << 20];
+        let mut s = 0;
+        while s < INTEGRITY_SECTORS {
+            let n = (INTEGRITY_SECTORS - s).min(zero.len() as u64 / SECTOR);
+            devio::write(&dest, s, &zero[..(n * SECTOR) as usize], false)
+                .map_err(|x| format!("wipe: {x}"))?;
+            s += n;
+        }
+        devio::flush(&dest).map_err(|x| format!("wipe: {x}"))?;
+        drop(dest);
+        devio::release_thread_engine();
+        self.reg.remove("wipe", false, false).map_err(e)
     }
 
     /// The raid stack's table: two legs, regions of 64 KiB (128 of them), a
@@ -1497,6 +1556,20 @@ impl Trial {
                 } else {
                     self.write(di)
                 }
+            }
+            Stack::Integrity | Stack::IntegrityBitmap => {
+                // a reload: the old table's journal or bitmap closed at the
+                // suspend, the new one's taken up at the resume
+                if self.rng.chance(50) {
+                    return self.write(di);
+                }
+                let table = self.integrity_table();
+                let r = self.reload("integrity", &table);
+                trace(|| format!("reload: {r:?}"));
+                if r.is_err() {
+                    self.devs.clear();
+                }
+                Ok(())
             }
             Stack::Raid | Stack::Raid5 => {
                 // a reload, as `lvchange --refresh` does: the table goes

@@ -20,6 +20,11 @@ fn journal_opts() -> String {
     "4 J 5 journal_sectors:2048 block_size:512 internal_hash:crc32c fix_padding fix_hmac".to_string()
 }
 
+/// The tags on a device of their own (vdX data, the next disk metadata).
+fn meta_opts(meta: &str) -> String {
+    format!("4 J 4 block_size:512 internal_hash:sha256 fix_hmac meta_device:{meta}")
+}
+
 fn bitmap_opts() -> String {
     format!("- B 4 block_size:4096 internal_hash:hmac(sha256):{KEY} fix_padding fix_hmac")
 }
@@ -44,13 +49,34 @@ fn zero_home(img: &Path, sector: u64, n: u64) {
     std::fs::write(img, b).expect("write image");
 }
 
+/// A table line (words joined by `_`) without its `meta_device:` word.
+fn without_meta(t: &str) -> String {
+    match t.find("meta_device:") {
+        Some(i) => {
+            let at = i + "meta_device:".len();
+            let end = t[at..].find('_').map_or(t.len(), |e| at + e + 1);
+            format!("{}{}", &t[..i], &t[end..])
+        }
+        None => t.to_string(),
+    }
+}
+
+/// The image holding the superblock: the metadata device's when `opts`
+/// names one.
+fn sb_image(img: &Path, opts: &str) -> PathBuf {
+    match opts.split_once("meta_device:") {
+        Some((_, m)) => PathBuf::from(m.split(' ').next().unwrap_or(m)),
+        None => img.to_path_buf(),
+    }
+}
+
 /// dmkit formats `img` with `opts`, writes `data` at 1 MiB and flushes;
 /// `copy`: the image as it is then (the journal committed) is copied there.
 fn dmkit_writes(tag: &str, img: &Path, opts: &str, data: &[u8], copy: Option<&Path>) {
     let d = Daemon::start(tag);
     d.create("f", &format!("0 8 integrity {} 0 {opts}", img.display()));
     d.ok(&["remove", "f"]);
-    let p = provided(img);
+    let p = provided(&sb_image(img, opts));
     d.create("i", &format!("0 {p} integrity {} 0 {opts}", img.display()));
     let mut c = Client::connect(&d.sock(), "i");
     c.write(MIB, data);
@@ -67,7 +93,7 @@ fn dmkit_writes(tag: &str, img: &Path, opts: &str, data: &[u8], copy: Option<&Pa
 /// status.
 fn dmkit_reads(tag: &str, img: &Path, opts: &str) -> (String, String, String) {
     let d = Daemon::start(tag);
-    let p = provided(img);
+    let p = provided(&sb_image(img, opts));
     d.create("i", &format!("0 {p} integrity {} 0 {opts}", img.display()));
     let mut c = Client::connect(&d.sock(), "i");
     let got = oracle::md5(&c.read(MIB, 65536));
@@ -81,12 +107,20 @@ fn dmkit_reads(tag: &str, img: &Path, opts: &str) -> (String, String, String) {
 #[test]
 fn the_kernels_dm_integrity_and_dmkit_open_each_others_devices_and_journals() {
     let s = common::Scratch::new("integrity-guest");
-    let names = ["kj", "kj-copy", "kb", "dj", "dj-copy", "db"];
+    let names = [
+        "kj", "kj-copy", "kb", "dj", "dj-copy", "db", "km", "km-meta", "dm", "dm-meta",
+    ];
     let disks: Vec<PathBuf> = names
         .iter()
-        .map(|n| s.sparse(&format!("{n}.img"), 16 * MIB))
+        .map(|n| {
+            s.sparse(
+                &format!("{n}.img"),
+                if n.ends_with("-meta") { MIB } else { 16 * MIB },
+            )
+        })
         .collect();
-    // dmkit's side first: journal mode (a live copy too), bitmap mode
+    // dmkit's side first: journal mode (a live copy too), bitmap mode, the
+    // tags on a metadata device
     let dj_data = pattern(31, 65536);
     let db_data = pattern(32, 65536);
     dmkit_writes(
@@ -98,12 +132,22 @@ fn the_kernels_dm_integrity_and_dmkit_open_each_others_devices_and_journals() {
     );
     zero_home(&disks[4], MIB / 512, 128);
     dmkit_writes("integrity-db", &disks[5], &bitmap_opts(), &db_data, None);
+    let dm_data = pattern(33, 65536);
+    dmkit_writes(
+        "integrity-dm",
+        &disks[8],
+        &meta_opts(&disks[9].display().to_string()),
+        &dm_data,
+        None,
+    );
 
     let script = format!(
-        "{}J='{}'\nB='{}'\n{}",
+        "{}J='{}'\nB='{}'\nKM='{}'\nDM='{}'\n{}",
         oracle::GUEST_HELPERS,
         journal_opts(),
         bitmap_opts(),
+        meta_opts("/dev/vdh"),
+        meta_opts("/dev/vdj"),
         r#"
 # mkfull NAME DEV OPTS: an 8-sector table first (it formats a blank device), then all of it
 mkfull() {
@@ -116,6 +160,7 @@ rd() { dd if=/dev/mapper/$1 bs=65536 skip=16 count=1 iflag=direct 2>/dev/null | 
 st() { dmsetup status $1 | tr ' ' '_'; }
 dd if=/dev/urandom of=/tmp/pj bs=65536 count=1 2>/dev/null
 dd if=/dev/urandom of=/tmp/pb bs=65536 count=1 2>/dev/null
+dd if=/dev/urandom of=/tmp/pm bs=65536 count=1 2>/dev/null
 mkfull kj /dev/vda "$J"
 dd if=/tmp/pj of=/dev/mapper/kj bs=65536 seek=16 oflag=direct conv=fsync 2>/dev/null
 echo "ORACLE kj-written $(md5sum < /tmp/pj | cut -d' ' -f1)"
@@ -128,9 +173,14 @@ dd if=/tmp/pb of=/dev/mapper/kb bs=65536 seek=16 oflag=direct conv=fsync 2>/dev/
 echo "ORACLE kb-written $(md5sum < /tmp/pb | cut -d' ' -f1)"
 echo "ORACLE kb-table $(dmsetup table kb | cut -d' ' -f5- | tr ' ' '_')"
 dmsetup remove kb
-for n in dj:vdd:J dj-copy:vde:J db:vdf:B; do
+mkfull km /dev/vdg "$KM"
+dd if=/tmp/pm of=/dev/mapper/km bs=65536 seek=16 oflag=direct conv=fsync 2>/dev/null
+echo "ORACLE km-written $(md5sum < /tmp/pm | cut -d' ' -f1)"
+echo "ORACLE km-table $(dmsetup table km | cut -d' ' -f5- | tr ' ' '_')"
+dmsetup remove km
+for n in dj:vdd:J dj-copy:vde:J db:vdf:B dm:vdi:DM; do
   name=${n%%:*}; rest=${n#*:}; dev=${rest%%:*}; mode=${rest#*:}
-  if [ $mode = J ]; then o="$J"; else o="$B"; fi
+  case $mode in J) o="$J";; B) o="$B";; DM) o="$DM";; esac
   mkfull $name /dev/$dev "$o"
   echo "ORACLE $name-read $(rd $name)"
   echo "ORACLE $name-status $(st $name)"
@@ -152,8 +202,13 @@ sync
     );
     let m = oracle::markers(&serial);
     // the kernel reads dmkit's devices, the live copy's journal replayed
-    for (n, data) in [("dj", &dj_data), ("dj-copy", &dj_data), ("db", &db_data)] {
-        let p = provided(&disks[names.iter().position(|x| *x == n).unwrap()]);
+    for (n, data, sbi) in [
+        ("dj", &dj_data, 3),
+        ("dj-copy", &dj_data, 4),
+        ("db", &db_data, 5),
+        ("dm", &dm_data, 9),
+    ] {
+        let p = provided(&disks[sbi]);
         assert_eq!(
             oracle::marker(&m, &format!("{n}-read")),
             oracle::md5(data),
@@ -169,6 +224,7 @@ sync
     // dmkit reads the kernel's devices: the live copy only from its journal
     zero_home(&disks[1], MIB / 512, 128);
     let jt = oracle::marker(&m, "kj-table");
+    let km = oracle::marker(&m, "km-table");
     let kb = oracle::marker(&m, "kb-table");
     assert!(
         kb.starts_with("0_32_B_")
@@ -180,8 +236,15 @@ sync
         (0, "kj", journal_opts(), "kj-written", Some(jt)),
         (1, "kj-copy", journal_opts(), "kj-written", None),
         (2, "kb", bitmap_opts(), "kb-written", Some(kb)),
+        (
+            6,
+            "km",
+            meta_opts(&disks[7].display().to_string()),
+            "km-written",
+            Some(km),
+        ),
     ] {
-        let p = provided(&disks[i]);
+        let p = provided(&sb_image(&disks[i], &opts));
         let (got, status, table) = dmkit_reads(&format!("integrity-{n}"), &disks[i], &opts);
         assert_eq!(got, oracle::marker(&m, written), "dmkit reads the kernel's {n}");
         assert_eq!(
@@ -190,9 +253,13 @@ sync
             "dmkit's status of {n}"
         );
         if let Some(k) = ktable {
-            // the same options printed back, the device aside
+            // the same options printed back, the devices aside
             let mine: Vec<&str> = table.split(' ').skip(4).collect();
-            assert_eq!(mine.join("_"), k, "dmkit prints the table as the kernel does");
+            assert_eq!(
+                without_meta(&mine.join("_")),
+                without_meta(k),
+                "dmkit prints the table as the kernel does"
+            );
         }
     }
 }

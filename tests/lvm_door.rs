@@ -1194,6 +1194,86 @@ fn lvm_raid1_through_the_door() {
     remove_vg(&lvm, &loops, &vg);
 }
 
+/// `lvcreate --type raid1 -m1 --raidintegrity y`: LVM puts an integrity
+/// device (its tags on an `_imeta` LV, `meta_device`) under each image, dmkit
+/// formats them as the kernel would, the mirror syncs through them, LVM
+/// reads the health and sync from dmkit's status lines, a write reads back
+/// and survives `vgchange -an`/`-ay`.
+#[test]
+fn lvm_raid1_with_integrity_through_the_door() {
+    common::need_all(&["losetup", "lvm"]);
+    let d = Daemon::start("lvm-raidint");
+    let (loops, _files) = loop_files(&d, None);
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
+    };
+    let vg = new_vg(&lvm, &loops, "dmkitrint");
+    lvm.ok(&[
+        "lvcreate",
+        "-y",
+        "--type",
+        "raid1",
+        "-m1",
+        "--raidintegrity",
+        "y",
+        "-L",
+        "16M",
+        "-n",
+        "mi",
+        &vg,
+    ]);
+    let top = format!("{vg}-mi");
+    let tables = dmkit_tables(&d);
+    for leg in ["mi_rimage_0", "mi_rimage_1"] {
+        let n = format!("{vg}-{leg}");
+        let t = &tables
+            .iter()
+            .find(|(x, _)| *x == n)
+            .expect("an integrity image")
+            .1;
+        assert!(
+            t.contains(" integrity ") && t.contains(" meta_device:") && t.contains("internal_hash:crc32c"),
+            "{n}: {t}"
+        );
+    }
+    assert_eq!(
+        d.wait_status(&top, " idle ", std::time::Duration::from_secs(60)),
+        "0 32768 raid raid1 2 AA 32768/32768 idle 0 0 -"
+    );
+    let lvs = lvm.ok(&[
+        "lvs",
+        "--noheadings",
+        "-o",
+        "segtype,sync_percent,raid_mismatch_count,lv_health_status",
+        &format!("{vg}/mi"),
+    ]);
+    let f: Vec<&str> = lvs.split_whitespace().collect();
+    assert_eq!(&f[..3], &["raid1", "100.00", "0"], "lvs: {lvs}");
+    let data = pattern(37, 256 * 1024);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(MIB, &data);
+    assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+    assert!(c.read(MIB, data.len()) == data, "the write reads back");
+    drop(c);
+    d.wait_open_count(&top, 0);
+    lvm.ok(&["vgchange", "-an", &vg]);
+    assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
+    lvm.ok(&["vgchange", "-ay", &vg]);
+    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    assert!(c.read(MIB, data.len()) == data, "the data after vgchange -an/-ay");
+    drop(c);
+    d.wait_open_count(&top, 0);
+    for leg in ["mi_rimage_0", "mi_rimage_1"] {
+        let n = format!("{vg}-{leg}");
+        let st = d.ok(&["status", &n]);
+        assert!(st.contains(" integrity 0 "), "{n}: no mismatch: {st}");
+    }
+    remove_vg(&lvm, &loops, &vg);
+}
+
 #[test]
 fn lvm_raid5_raid6_raid10_and_raid0_through_the_door() {
     common::need_all(&["losetup", "lvm"]);

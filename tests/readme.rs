@@ -198,6 +198,11 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "  status:      verified\n", // veritysetup status, through the door
             "0 16384 verity C\n", // after the change
         ],
+        h if h.contains("dm-integrity") => &[
+            "provided_data_sectors 129160\nflags fix_padding fix_hmac \n", // integritysetup dump
+            " 0 4 J 8 journal_sectors:880 interleave_sectors:32768 buffer_sectors:128 journal_watermark:50 commit_time:10000 fix_padding fix_hmac internal_hash:crc32c\n", // table ig
+            "0 129160 integrity 1 129160 -\n", // status after the changed byte
+        ],
         h if h.contains("NBD over TCP with TLS") => &[
             "protocol: newstyle-fixed with TLS, using structured packets\n",
             "a client without TLS is refused\n",

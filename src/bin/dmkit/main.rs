@@ -238,7 +238,8 @@ enum LuksCmd {
 struct SimArgs {
     /// The stack: thin (thin-pool, thins, snapshots), writecache, snapshot,
     /// cache (writeback smq, switched to cleaner and back), era, raid (raid1
-    /// of two legs, reloaded now and then), raid5 (three legs, likewise)
+    /// of two legs, reloaded now and then), raid5 (three legs, likewise),
+    /// integrity (journal mode, reloaded now and then), integrity-bitmap
     #[arg(long, default_value = "thin")]
     stack: String,
     /// The first trial's seed
@@ -814,7 +815,7 @@ fn sim(a: SimArgs) -> Result<i32> {
     }
     let stack = sim::Stack::parse(&a.stack).ok_or_else(|| {
         anyhow::anyhow!(
-            "--stack {}: one of thin, writecache, snapshot, cache, era, raid, raid5",
+            "--stack {}: one of thin, writecache, snapshot, cache, era, raid, raid5, integrity, integrity-bitmap",
             a.stack
         )
     })?;

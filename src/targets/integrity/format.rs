@@ -95,7 +95,7 @@ impl Superblock {
     }
 
     /// The version the kernel writes for these flags (its `sb_set_version`).
-    pub fn set_version(&mut self, bitmap_mode: bool) {
+    pub fn set_version(&mut self, bitmap_mode: bool, meta: bool) {
         self.version = if self.flags & SB_FLAG_KEYED_DISCARD != 0 {
             7
         } else if self.flags & SB_FLAG_INLINE != 0 {
@@ -106,7 +106,7 @@ impl Superblock {
             4
         } else if bitmap_mode || self.flags & SB_FLAG_DIRTY_BITMAP != 0 {
             3
-        } else if self.flags & SB_FLAG_RECALCULATING != 0 {
+        } else if meta || self.flags & SB_FLAG_RECALCULATING != 0 {
             2
         } else {
             1
@@ -152,6 +152,8 @@ pub struct Geometry {
     /// Tag sectors before each area's data.
     pub metadata_run: u64,
     pub provided: u64,
+    /// Superblock, journal and tags on a device of their own.
+    pub meta: bool,
 }
 
 impl Geometry {
@@ -165,16 +167,16 @@ impl Geometry {
         (entry_size as usize, section_entries, section_sectors)
     }
 
-    /// The geometry for a superblock on a device of `dev_sectors`; an error
-    /// says what does not fit.
-    pub fn new(sb: &Superblock, start: u64, dev_sectors: u64) -> Result<Geometry, String> {
+    /// The geometry for a superblock on a device of `dev_sectors`, or, with
+    /// a separate metadata device of `meta_sectors` (superblock, journal and
+    /// tags there, in tag buffers of 2^`log2_buf` sectors), the data device's
+    /// whole; an error says what does not fit.
+    pub fn new(sb: &Superblock, start: u64, dev_sectors: u64, meta: Option<(u64, u8)>) -> Result<Geometry, String> {
         let tag_size = u64::from(sb.tag_size);
         let (entry_size, section_entries, section_sectors) = Self::journal_shape(sb.log2_spb, tag_size);
         if section_entries == 0 {
             return Err("Too big tag size".into());
         }
-        let pad: u64 = if sb.has(SB_FLAG_FIXED_PADDING) { 4096 } else { 512 << 8 };
-        let run_bytes = tag_size << (sb.log2_interleave - sb.log2_spb);
         let mut g = Geometry {
             start,
             log2_spb: sb.log2_spb,
@@ -185,9 +187,27 @@ impl Geometry {
             section_sectors,
             initial_sectors: SB_SECTORS + section_sectors * u64::from(sb.journal_sections),
             log2_interleave: sb.log2_interleave,
-            metadata_run: run_bytes.div_ceil(pad) * pad / 512,
+            metadata_run: 1,
             provided: 0,
+            meta: meta.is_some(),
         };
+        if let Some((meta_sectors, log2_buf)) = meta {
+            g.provided = dev_sectors & !(g.spb() - 1);
+            let fits = g.initial_sectors + 8 < meta_sectors
+                && g.initial_sectors <= u64::from(u32::MAX)
+                && (g.provided >> g.log2_spb)
+                    .checked_mul(tag_size)
+                    .map(|b| b.div_ceil(512 << log2_buf) << log2_buf)
+                    .and_then(|m| m.checked_add(start + g.initial_sectors))
+                    .is_some_and(|end| end <= meta_sectors);
+            if !fits || g.provided == 0 {
+                return Err("The device is too small".into());
+            }
+            return Ok(g);
+        }
+        let pad: u64 = if sb.has(SB_FLAG_FIXED_PADDING) { 4096 } else { 512 << 8 };
+        let run_bytes = tag_size << (sb.log2_interleave - sb.log2_spb);
+        g.metadata_run = run_bytes.div_ceil(pad) * pad / 512;
         // the largest multiple of 8 sectors whose last sector fits
         let mut provided = 0u64;
         if dev_sectors > 8 {
@@ -222,6 +242,16 @@ impl Geometry {
             .checked_add(off)
     }
 
+    /// Where the area holding logical sector `l` ends (tag runs are one
+    /// piece within an area; with a metadata device, one area).
+    pub fn area_end(&self, l: u64) -> u64 {
+        if self.meta {
+            self.provided
+        } else {
+            ((l >> self.log2_interleave) + 1) << self.log2_interleave
+        }
+    }
+
     pub fn spb(&self) -> u64 {
         1 << self.log2_spb
     }
@@ -232,6 +262,9 @@ impl Geometry {
 
     /// The device sector holding logical sector `l` (below `provided`).
     pub fn data_sector(&self, l: u64) -> u64 {
+        if self.meta {
+            return l;
+        }
         let area = l >> self.log2_interleave;
         let off = l & (self.interleave() - 1);
         self.start + self.initial_sectors + area * self.interleave() + (area + 1) * self.metadata_run + off
@@ -240,6 +273,9 @@ impl Geometry {
     /// The byte on the device where the tag of the block at logical sector
     /// `l` begins.
     pub fn tag_byte(&self, l: u64) -> u64 {
+        if self.meta {
+            return (self.start + self.initial_sectors) * 512 + (l >> self.log2_spb) * self.tag_size;
+        }
         let area = l >> self.log2_interleave;
         let off = l & (self.interleave() - 1);
         (self.start + self.initial_sectors + area * (self.interleave() + self.metadata_run)) * 512
@@ -572,18 +608,18 @@ mod tests {
         assert_eq!(ss, 176);
         let n = journal_sections_for(None, dev, ss);
         assert_eq!(n, 93);
-        let g = Geometry::new(&sb(4, 0, n), 0, dev).unwrap();
+        let g = Geometry::new(&sb(4, 0, n), 0, dev, None).unwrap();
         assert_eq!((g.initial_sectors, g.metadata_run, g.provided), (16376, 256, 2_064_392));
         assert_eq!(g.journal_sectors(), 16368);
         let (_, _, ss) = Geometry::journal_shape(3, 4);
         let n = journal_sections_for(None, dev, ss);
-        let g = Geometry::new(&sb(4, 3, n), 0, dev).unwrap();
+        let g = Geometry::new(&sb(4, 3, n), 0, dev, None).unwrap();
         assert_eq!((n, g.initial_sectors, g.metadata_run, g.provided), (41, 16080, 32, 2_079_024));
     }
 
     #[test]
     fn a_fresh_journal_replays_nothing_and_goes_on_at_section_0() {
-        let g = Geometry::new(&sb(4, 0, 4), 0, 200_000).unwrap();
+        let g = Geometry::new(&sb(4, 0, 4), 0, 200_000, None).unwrap();
         let secs: Vec<Vec<u8>> = (0..4).map(|i| empty_section(&g, i, 0)).collect();
         let r = plan_replay(4, &|i| sector_seqs(&g, i, &secs[i as usize]), false).unwrap();
         assert_eq!((r.write_start, r.write_sections, r.want, r.empty), (0, 4, 1, true));
@@ -591,7 +627,7 @@ mod tests {
 
     #[test]
     fn an_entry_comes_back_with_its_last_bytes() {
-        let g = Geometry::new(&sb(4, 0, 2), 0, 200_000).unwrap();
+        let g = Geometry::new(&sb(4, 0, 2), 0, 200_000, None).unwrap();
         let data: Vec<u8> = (0..512).map(|i| (i * 7) as u8).collect();
         let s = build_section(&g, 1, 2, &[(40, &data, &[1, 2, 3, 4])]);
         assert_eq!(entry_sector(&g, &s, 0), Some(40));

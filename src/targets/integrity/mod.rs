@@ -96,6 +96,7 @@ struct Opts {
     bitmap_flush_interval: Option<u64>,
     /// As given (with its key).
     internal_hash: Option<String>,
+    meta_device: Option<String>,
     recalculate: bool,
     reset_recalculate: bool,
     allow_discards: bool,
@@ -148,7 +149,8 @@ fn parse_opts(words: &[String]) -> Result<Opts, String> {
             "fix_padding" if v.is_empty() => o.fix_padding = true,
             "fix_hmac" if v.is_empty() => o.fix_hmac = true,
             "legacy_recalculate" if v.is_empty() => o.legacy_recalculate = true,
-            "meta_device" | "journal_crypt" | "journal_mac" | "allow_discards_keyed" => {
+            "meta_device" if !v.is_empty() => o.meta_device = Some(v.to_string()),
+            "journal_crypt" | "journal_mac" | "allow_discards_keyed" => {
                 return Err(format!("'{k}' is not supported by dmkit's integrity target"))
             }
             _ => return Err(format!("Invalid argument '{}'", crate::table::bounded(w))),
@@ -161,6 +163,10 @@ fn parse_opts(words: &[String]) -> Result<Opts, String> {
 struct Layout {
     dev: DevRef,
     dest: crate::mapper::engine::Dest,
+    /// Where the superblock, journal, tags and bitmap are: the metadata
+    /// device if there is one, else `dest`.
+    meta: Option<DevRef>,
+    mdest: crate::mapper::engine::Dest,
     geo: Geometry,
     hash: Hash,
     salt: Option<[u8; SALT_SIZE]>,
@@ -174,6 +180,24 @@ struct Layout {
 }
 
 impl Layout {
+    /// A commit under way, for the crash simulator (which may place a crash
+    /// anywhere in one).
+    fn window(&self) -> crate::io::sim::CommitWindow {
+        let sim = match self.meta.as_ref().unwrap_or(&self.dev) {
+            DevRef::File(f) => f.sim().cloned(),
+            _ => None,
+        };
+        crate::io::sim::commit_window(sim.as_ref())
+    }
+
+    /// Both devices durable.
+    fn flush(&self) -> std::io::Result<()> {
+        if self.meta.is_some() {
+            devio::flush(&self.mdest)?;
+        }
+        devio::flush(&self.dest)
+    }
+
     fn tag_of(&self, sector: u64, data: &[u8], out: &mut [u8]) {
         self.hash.tag(self.salt.as_ref(), sector, data, out);
     }
@@ -185,7 +209,7 @@ impl Layout {
         let s0 = first / SECTOR;
         let s1 = (first + len).div_ceil(SECTOR);
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
-        devio::read(&self.dest, s0, &mut buf)?;
+        devio::read(&self.mdest, s0, &mut buf)?;
         let o = (first - s0 * SECTOR) as usize;
         Ok(buf[o..o + len as usize].to_vec())
     }
@@ -198,10 +222,10 @@ impl Layout {
         let mut buf = vec![0u8; ((s1 - s0) * SECTOR) as usize];
         let o = (first - s0 * SECTOR) as usize;
         if o != 0 || !tags.len().is_multiple_of(SECTOR as usize) {
-            devio::read(&self.dest, s0, &mut buf)?;
+            devio::read(&self.mdest, s0, &mut buf)?;
         }
         buf[o..o + tags.len()].copy_from_slice(tags);
-        devio::write(&self.dest, s0, &buf, false)
+        devio::write(&self.mdest, s0, &buf, false)
     }
 
     /// Write blocks and their tags in place: `(logical sector, data)` runs
@@ -308,11 +332,20 @@ impl Integrity {
         let log2_spb = (opts.block_size.unwrap_or(512) / 512).trailing_zeros() as u8;
         let dest = dev.dest();
         let dev_sectors = dev.size_sectors();
-        if dev_sectors <= offset + SB_SECTORS {
+        let meta = match &opts.meta_device {
+            Some(m) => Some(r.open(m).map_err(|e| format!("Device lookup failed: '{m}': {e}"))?),
+            None => None,
+        };
+        let mdest = meta.as_ref().map_or_else(|| dest.clone(), |m| m.dest());
+        let meta_sectors = meta.as_ref().map_or(dev_sectors, |m| m.size_sectors());
+        // tag buffers of the metadata device (the kernel's dm-bufio blocks)
+        let log2_buf = buffer_log2(opts.buffer_sectors);
+        let meta_geo = meta.as_ref().map(|_| (meta_sectors, log2_buf));
+        if meta_sectors <= offset + SB_SECTORS {
             return Err("The device is too small".into());
         }
         let mut area = vec![0u8; (SB_SECTORS * SECTOR) as usize];
-        devio::read(&dest, offset, &mut area).map_err(|e| format!("Error reading superblock: {e}"))?;
+        devio::read(&mdest, offset, &mut area).map_err(|e| format!("Error reading superblock: {e}"))?;
         let mut format = false;
         let mut sb = match Superblock::parse(&area) {
             Found::Superblock(sb) => sb,
@@ -322,13 +355,13 @@ impl Integrity {
             }
             Found::Blank => {
                 format = true;
-                let mut sb = new_superblock(&opts, tag_size as u16, log2_spb, dev_sectors)?;
-                sb.set_version(mode == Mode::Bitmap);
+                let mut sb = new_superblock(&opts, tag_size as u16, log2_spb, dev_sectors, offset, meta_geo)?;
+                sb.set_version(mode == Mode::Bitmap, meta.is_some());
                 sb
             }
         };
-        check_superblock(&sb, tag_size, log2_spb)?;
-        let geo = Geometry::new(&sb, offset, dev_sectors)?;
+        check_superblock(&sb, tag_size, log2_spb, meta.is_some())?;
+        let geo = Geometry::new(&sb, offset, dev_sectors, meta_geo)?;
         if len > geo.provided {
             return Err(format!(
                 "Not enough provided sectors for requested mapping size ({len} > {})",
@@ -365,6 +398,8 @@ impl Integrity {
         let lay = Arc::new(Layout {
             dev,
             dest,
+            meta,
+            mdest,
             geo,
             hash,
             salt,
@@ -380,11 +415,11 @@ impl Integrity {
             let w = |e: std::io::Error| format!("Could not initialize superblock: {e}");
             for i in 0..lay.geo.journal_sections {
                 let s = empty_section(&lay.geo, i, 0);
-                devio::write(&lay.dest, lay.geo.journal_sector(i * lay.geo.section_sectors), &s, false).map_err(w)?;
+                devio::write(&lay.mdest, lay.geo.journal_sector(i * lay.geo.section_sectors), &s, false).map_err(w)?;
             }
-            devio::flush(&lay.dest).map_err(w)?;
-            sb.set_version(mode == Mode::Bitmap);
-            devio::write(&lay.dest, offset, &sb.to_bytes(), true).map_err(w)?;
+            lay.flush().map_err(w)?;
+            sb.set_version(mode == Mode::Bitmap, lay.meta.is_some());
+            devio::write(&lay.mdest, offset, &sb.to_bytes(), true).map_err(w)?;
             tracing::info!(
                 "integrity: formatted {}: {} data sectors, {} journal sections, tag {} bytes",
                 lay.dev.table_name(),
@@ -410,7 +445,9 @@ impl Integrity {
         });
         let journal_sectors_shown = lay.geo.journal_sectors();
         let sb_flags = sb.flags;
-        let work = Work::new(lay.clone(), shared.clone(), sb);
+        let mut work = Work::new(lay.clone(), shared.clone(), sb);
+        work.ask_recalc = opts.recalculate;
+        work.reset_recalc = opts.reset_recalculate;
         let worker = std::thread::Builder::new()
             .name("dmkit-integrity".into())
             .spawn(move || work.run())
@@ -436,6 +473,9 @@ impl Integrity {
         let o = &self.opts;
         let g = &self.lay.geo;
         let mut p: Vec<String> = Vec::new();
+        if let Some(m) = &self.lay.meta {
+            p.push(format!("meta_device:{}", m.table_name()));
+        }
         if g.spb() != 1 {
             p.push(format!("block_size:{}", g.spb() * SECTOR));
         }
@@ -489,46 +529,90 @@ impl Integrity {
     }
 }
 
-/// The buffer size the kernel prints: a power of two, at most 2^22 and the
-/// tag run's alignment.
+/// The buffer size the kernel prints: a power of two, at most 2^22 and,
+/// without a metadata device, the tag run's alignment.
 fn buffer_sectors(given: Option<u64>, g: &Geometry) -> u64 {
-    let b = given.unwrap_or(128).max(1);
-    let log2 = (63 - b.leading_zeros()).min(22).min(g.metadata_run.trailing_zeros());
-    1 << log2
+    let log2 = u32::from(buffer_log2(given));
+    if g.meta {
+        return 1 << log2;
+    }
+    1 << log2.min(g.metadata_run.trailing_zeros())
 }
 
-/// A new superblock for a blank device (the kernel's `initialize_superblock`).
-fn new_superblock(o: &Opts, tag_size: u16, log2_spb: u8, dev_sectors: u64) -> Result<Superblock, String> {
-    let interleave = o.interleave_sectors.unwrap_or(1 << DEFAULT_INTERLEAVE_LOG2);
-    let log2_interleave = if interleave == 0 {
-        DEFAULT_INTERLEAVE_LOG2
-    } else {
-        (63 - interleave.leading_zeros() as u8).clamp(3, 31)
-    }
-    .max(log2_spb);
+/// A new superblock for a blank device (the kernel's `initialize_superblock`):
+/// with a metadata device, the most journal sections up to the wanted
+/// number that leave room for every tag.
+fn new_superblock(
+    o: &Opts,
+    tag_size: u16,
+    log2_spb: u8,
+    dev_sectors: u64,
+    start: u64,
+    meta: Option<(u64, u8)>,
+) -> Result<Superblock, String> {
     let (_, _, section_sectors) = Geometry::journal_shape(log2_spb, u64::from(tag_size));
     if section_sectors <= JOURNAL_BLOCK_SECTORS {
         return Err("Too big tag size".into());
     }
+    let wanted = journal_sections_for(o.journal_sectors, dev_sectors, section_sectors);
     let mut sb = Superblock {
-        log2_interleave,
         tag_size,
-        journal_sections: journal_sections_for(o.journal_sectors, dev_sectors, section_sectors),
+        journal_sections: wanted,
         log2_spb,
         ..Superblock::default()
     };
-    if o.fix_padding {
+    if o.fix_padding && meta.is_none() {
         sb.flags |= SB_FLAG_FIXED_PADDING;
     }
     if o.fix_hmac {
         sb.flags |= SB_FLAG_FIXED_HMAC;
         openssl::rand::rand_bytes(&mut sb.salt).map_err(|e| format!("Could not initialize superblock: {e}"))?;
     }
+    match meta {
+        None => {
+            let interleave = o.interleave_sectors.unwrap_or(1 << DEFAULT_INTERLEAVE_LOG2);
+            sb.log2_interleave = if interleave == 0 {
+                DEFAULT_INTERLEAVE_LOG2
+            } else {
+                (63 - interleave.leading_zeros() as u8).clamp(3, 31)
+            }
+            .max(log2_spb);
+        }
+        Some((meta_sectors, mut log2_buf)) => loop {
+            let mut js = 0u32;
+            for bit in (0..32 - wanted.leading_zeros()).rev() {
+                let t = js | (1 << bit);
+                if t > wanted {
+                    continue;
+                }
+                let trial = Superblock {
+                    journal_sections: t,
+                    ..sb.clone()
+                };
+                if Geometry::new(&trial, start, dev_sectors, Some((meta_sectors, log2_buf))).is_ok() {
+                    js = t;
+                }
+            }
+            if js > 0 {
+                sb.journal_sections = js;
+                break;
+            }
+            if log2_buf <= 3 {
+                return Err("Could not initialize superblock: the metadata device is too small".into());
+            }
+            log2_buf -= 1;
+        },
+    }
     Ok(sb)
 }
 
+/// log2 of the tag buffers (`buffer_sectors`, a power of two, at most 2^22).
+fn buffer_log2(given: Option<u64>) -> u8 {
+    (63 - given.unwrap_or(128).max(1).leading_zeros()).min(22) as u8
+}
+
 /// The kernel's checks of a superblock against the table, in its words.
-fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8) -> Result<(), String> {
+fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8, meta: bool) -> Result<(), String> {
     if !(1..=7).contains(&sb.version) {
         return Err(format!("Unknown version {}", sb.version));
     }
@@ -553,7 +637,12 @@ fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8) -> Result<(), 
     if sb.journal_sections == 0 {
         return Err("Corrupted superblock, journal_sections is 0".into());
     }
-    if !(3..=31).contains(&sb.log2_interleave) || sb.log2_interleave < sb.log2_spb {
+    let interleave_ok = if meta {
+        sb.log2_interleave == 0
+    } else {
+        (3..=31).contains(&sb.log2_interleave) && sb.log2_interleave >= sb.log2_spb
+    };
+    if !interleave_ok {
         return Err(format!(
             "Invalid interleave_sectors in the superblock (log2 {})",
             sb.log2_interleave
@@ -656,8 +745,19 @@ impl Target for Integrity {
         vec![&self.lay.dev]
     }
 
+    fn held_devices(&self) -> Vec<&DevRef> {
+        let mut v = vec![&self.lay.dev];
+        v.extend(self.lay.meta.iter());
+        v
+    }
+
     fn max_io_len(&self) -> u64 {
-        self.lay.geo.interleave()
+        if self.lay.geo.meta {
+            // no areas: requests of the kernel's default interleave
+            1 << DEFAULT_INTERLEAVE_LOG2
+        } else {
+            self.lay.geo.interleave()
+        }
     }
 
     fn logical_block_size(&self) -> u32 {
@@ -716,6 +816,9 @@ struct Work {
     /// Something was written since the last suspend.
     written: bool,
     recalc_chunks: u32,
+    /// The table's `recalculate` and `reset_recalculate`.
+    ask_recalc: bool,
+    reset_recalc: bool,
     resumed: bool,
     failures_logged: u64,
 }
@@ -739,6 +842,8 @@ impl Work {
             bits_set: None,
             written: false,
             recalc_chunks: 0,
+            ask_recalc: false,
+            reset_recalc: false,
             resumed: false,
             failures_logged: 0,
         }
@@ -798,6 +903,9 @@ impl Work {
     }
 
     fn background(&mut self) {
+        if self.shared.failed.load(Ordering::SeqCst) {
+            return;
+        }
         let now = Instant::now();
         if self.first_open.is_some_and(|t| now >= t + self.lay.commit_time) {
             if let Err(e) = self.commit() {
@@ -955,7 +1063,7 @@ impl Work {
                 lay.write_home(bio.sector, &data, &tags)
                     .map_err(|e| io_err("writing data and tags", e))?;
                 if bio.fua {
-                    devio::flush(&lay.dest).map_err(|e| io_err("flushing", e))?;
+                    lay.flush().map_err(|e| io_err("flushing", e))?;
                 }
                 Ok(())
             }
@@ -966,7 +1074,7 @@ impl Work {
         if self.lay.mode == Mode::Journal {
             self.commit()?;
         }
-        devio::flush(&self.lay.dest).map_err(|e| io_err("flushing", e))
+        self.lay.flush().map_err(|e| io_err("flushing", e))
     }
 
     fn discard(&mut self, bio: &Bio) -> Result<(), String> {
@@ -979,7 +1087,7 @@ impl Work {
         let n = bio.nr_sectors / lay.geo.spb();
         let tags = vec![DISCARD_FILLER; (n * lay.geo.tag_size) as usize];
         lay.write_tags(bio.sector, &tags).map_err(|e| io_err("writing tags", e))?;
-        devio::flush(&lay.dest).map_err(|e| io_err("flushing", e))?;
+        lay.flush().map_err(|e| io_err("flushing", e))?;
         // the data goes last; a device that does not discard keeps its bytes
         let _ = devio::discard(&lay.dest, lay.geo.data_sector(bio.sector), bio.nr_sectors);
         Ok(())
@@ -999,6 +1107,7 @@ impl Work {
             return Ok(());
         }
         let lay = self.lay.clone();
+        let _window = lay.window();
         let g = &lay.geo;
         let open = std::mem::take(&mut self.open);
         self.open_at.clear();
@@ -1007,7 +1116,7 @@ impl Work {
         for chunk in open.chunks(per) {
             let entries: Vec<(u64, &[u8], &[u8])> = chunk.iter().map(|(l, d, t)| (*l, &d[..], &t[..])).collect();
             let s = build_section(g, self.next_section, self.seq, &entries);
-            devio::write(&lay.dest, g.journal_sector(self.next_section * g.section_sectors), &s, false)
+            devio::write(&lay.mdest, g.journal_sector(self.next_section * g.section_sectors), &s, false)
                 .map_err(|e| io_err("writing the journal", e))?;
             self.next_section += 1;
             if self.next_section == g.journal_sections {
@@ -1015,11 +1124,11 @@ impl Work {
                 self.seq = (self.seq + 1) % 4;
             }
         }
-        devio::flush(&lay.dest).map_err(|e| io_err("flushing the journal", e))?;
+        lay.flush().map_err(|e| io_err("flushing the journal", e))?;
         let mut blocks: Vec<&(u64, Vec<u8>, Vec<u8>)> = open.iter().collect();
         blocks.sort_by_key(|b| b.0);
         self.write_runs(&blocks)?;
-        devio::flush(&lay.dest).map_err(|e| io_err("flushing", e))
+        lay.flush().map_err(|e| io_err("flushing", e))
     }
 
     /// Write blocks (sorted by sector) and their tags home, consecutive ones
@@ -1033,7 +1142,7 @@ impl Work {
             let mut j = i + 1;
             while j < blocks.len()
                 && blocks[j].0 == blocks[j - 1].0 + g.spb()
-                && blocks[j].0 >> g.log2_interleave == first >> g.log2_interleave
+                && blocks[j].0 < g.area_end(first)
             {
                 j += 1;
             }
@@ -1049,7 +1158,7 @@ impl Work {
     fn read_section(&self, i: u64) -> Result<Vec<u8>, String> {
         let g = &self.lay.geo;
         let mut s = vec![0u8; (g.section_sectors * SECTOR) as usize];
-        devio::read(&self.lay.dest, g.journal_sector(i * g.section_sectors), &mut s)
+        devio::read(&self.lay.mdest, g.journal_sector(i * g.section_sectors), &mut s)
             .map_err(|e| io_err("reading the journal", e))?;
         Ok(s)
     }
@@ -1057,7 +1166,7 @@ impl Work {
     fn write_section(&self, i: u64, seq: u8) -> Result<(), String> {
         let g = &self.lay.geo;
         let s = empty_section(g, i, seq);
-        devio::write(&self.lay.dest, g.journal_sector(i * g.section_sectors), &s, false)
+        devio::write(&self.lay.mdest, g.journal_sector(i * g.section_sectors), &s, false)
             .map_err(|e| io_err("writing the journal", e))
     }
 
@@ -1111,7 +1220,7 @@ impl Work {
                 keep.sort_by_key(|b| b.0);
                 self.write_runs(&keep)?;
             }
-            devio::flush(&lay.dest).map_err(|e| io_err("flushing", e))?;
+            lay.flush().map_err(|e| io_err("flushing", e))?;
             tracing::info!(
                 "integrity: {}: replayed {} journal sections ({replayed} blocks)",
                 lay.dev.table_name(),
@@ -1127,10 +1236,10 @@ impl Work {
             for (k, &i) in order.iter().enumerate() {
                 self.write_section(i, erase)?;
                 if k == 0 || k + 2 == n as usize {
-                    devio::flush(&lay.dest).map_err(|e| io_err("flushing the journal", e))?;
+                    lay.flush().map_err(|e| io_err("flushing the journal", e))?;
                 }
             }
-            devio::flush(&lay.dest).map_err(|e| io_err("flushing the journal", e))?;
+            lay.flush().map_err(|e| io_err("flushing the journal", e))?;
             self.next_section = 0;
             self.seq = (erase + 1) % 4;
         }
@@ -1138,9 +1247,50 @@ impl Work {
     }
 
     fn write_sb(&mut self) -> Result<(), String> {
-        self.sb.set_version(self.lay.mode == Mode::Bitmap);
-        devio::write(&self.lay.dest, self.lay.geo.start, &self.sb.to_bytes(), true)
+        let _window = self.lay.window();
+        self.sb.set_version(self.lay.mode == Mode::Bitmap, self.lay.meta.is_some());
+        devio::write(&self.lay.mdest, self.lay.geo.start, &self.sb.to_bytes(), true)
             .map_err(|e| io_err("writing the superblock", e))
+    }
+
+    /// The superblock as it is now: the table it was read for may have been
+    /// made while another table of the device ran, which wrote it since.
+    fn reread_sb(&mut self) -> Result<(), String> {
+        let mut area = vec![0u8; (SB_SECTORS * SECTOR) as usize];
+        devio::read(&self.lay.mdest, self.lay.geo.start, &mut area).map_err(|e| io_err("reading the superblock", e))?;
+        let Found::Superblock(now) = Superblock::parse(&area) else {
+            return Err("integrity: the superblock was changed while the device was suspended (it is gone)".into());
+        };
+        let layout = |s: &Superblock| {
+            (
+                s.log2_interleave,
+                s.tag_size,
+                s.journal_sections,
+                s.log2_spb,
+                s.flags & (SB_FLAG_FIXED_PADDING | SB_FLAG_FIXED_HMAC | SB_FLAG_HAVE_JOURNAL_MAC | SB_FLAG_INLINE),
+                s.salt,
+            )
+        };
+        if layout(&now) != layout(&self.sb) {
+            return Err("integrity: The superblock was changed while the device was suspended".into());
+        }
+        let mut sb = now;
+        // what this table asked for
+        if self.ask_recalc && !sb.has(SB_FLAG_RECALCULATING) {
+            sb.flags |= SB_FLAG_RECALCULATING;
+            sb.recalc_sector = 0;
+        }
+        if self.reset_recalc {
+            sb.recalc_sector = 0;
+        }
+        let at = if sb.has(SB_FLAG_RECALCULATING) && sb.recalc_sector < self.lay.geo.provided {
+            sb.recalc_sector
+        } else {
+            u64::MAX
+        };
+        self.shared.recalc_at.store(at, Ordering::SeqCst);
+        self.sb = sb;
+        Ok(())
     }
 
     fn resume(&mut self) -> Result<(), String> {
@@ -1148,6 +1298,7 @@ impl Work {
         if lay.mode == Mode::Recovery {
             return Ok(());
         }
+        self.reread_sb()?;
         let g = &lay.geo;
         let mut sb_dirty = self.sb.provided_data_sectors != g.provided;
         self.sb.provided_data_sectors = g.provided;
@@ -1166,7 +1317,7 @@ impl Work {
                     n += 1;
                 }
             }
-            devio::flush(&lay.dest).map_err(|e| io_err("flushing", e))?;
+            lay.flush().map_err(|e| io_err("flushing", e))?;
             tracing::info!(
                 "integrity: {}: the bitmap was dirty: tags of {n} regions recalculated",
                 lay.dev.table_name()
@@ -1174,7 +1325,7 @@ impl Work {
             for i in 0..g.journal_sections {
                 self.write_section(i, 0)?;
             }
-            devio::flush(&lay.dest).map_err(|e| io_err("flushing the journal", e))?;
+            lay.flush().map_err(|e| io_err("flushing the journal", e))?;
             self.sb.flags &= !SB_FLAG_DIRTY_BITMAP;
             sb_dirty = true;
             self.next_section = 0;
@@ -1199,11 +1350,13 @@ impl Work {
 
     fn suspend(&mut self) -> Result<(), String> {
         let lay = self.lay.clone();
-        if lay.mode == Mode::Recovery {
+        // a failed device leaves its journal or bitmap as they are: the next
+        // load replays the one, recomputes what the other names
+        if lay.mode == Mode::Recovery || self.shared.failed.load(Ordering::SeqCst) {
             return Ok(());
         }
         self.commit()?;
-        devio::flush(&lay.dest).map_err(|e| io_err("flushing", e))?;
+        lay.flush().map_err(|e| io_err("flushing", e))?;
         let g = &lay.geo;
         match lay.mode {
             Mode::Journal if self.written => {
@@ -1215,7 +1368,7 @@ impl Work {
                 for i in 0..self.next_section {
                     self.write_section(i, (self.seq + 1) % 4)?;
                 }
-                devio::flush(&lay.dest).map_err(|e| io_err("flushing the journal", e))?;
+                lay.flush().map_err(|e| io_err("flushing the journal", e))?;
                 // the next commit goes on where this one would have
                 self.seq = (self.seq + 1) % 4;
             }
@@ -1223,7 +1376,7 @@ impl Work {
                 for i in 0..g.journal_sections {
                     self.write_section(i, 0)?;
                 }
-                devio::flush(&lay.dest).map_err(|e| io_err("flushing the journal", e))?;
+                lay.flush().map_err(|e| io_err("flushing the journal", e))?;
                 self.sb.flags &= !SB_FLAG_DIRTY_BITMAP;
                 self.write_sb()?;
                 self.bits_set = None;
@@ -1257,12 +1410,12 @@ impl Work {
             ));
         }
         let mut b = vec![0u8; bytes as usize];
-        devio::read(&self.lay.dest, g.journal_sector(0), &mut b).map_err(|e| io_err("reading the bitmap", e))?;
+        devio::read(&self.lay.mdest, g.journal_sector(0), &mut b).map_err(|e| io_err("reading the bitmap", e))?;
         Ok(b)
     }
 
     fn write_bitmap(&self) -> Result<(), String> {
-        devio::write(&self.lay.dest, self.lay.geo.journal_sector(0), &self.bitmap, true)
+        devio::write(&self.lay.mdest, self.lay.geo.journal_sector(0), &self.bitmap, true)
             .map_err(|e| io_err("writing the bitmap", e))
     }
 
@@ -1280,10 +1433,11 @@ impl Work {
                 }
             }
         }
+        let _window = self.lay.window();
         for blk in blocks {
             let o = blk * BITMAP_BLOCK_BYTES;
             devio::write(
-                &self.lay.dest,
+                &self.lay.mdest,
                 self.lay.geo.journal_sector((o / SECTOR as usize) as u64),
                 &self.bitmap[o..o + BITMAP_BLOCK_BYTES],
                 true,
@@ -1296,7 +1450,8 @@ impl Work {
 
     /// Everything written is durable: the bits go.
     fn clear_bitmap(&mut self) -> Result<(), String> {
-        devio::flush(&self.lay.dest).map_err(|e| io_err("flushing", e))?;
+        let _window = self.lay.window();
+        self.lay.flush().map_err(|e| io_err("flushing", e))?;
         self.bitmap.fill(0);
         self.write_bitmap()?;
         self.bits_set = None;
@@ -1311,8 +1466,7 @@ impl Work {
         let g = &lay.geo;
         let mut s = start;
         while s < start + len {
-            let area_end = ((s >> g.log2_interleave) + 1) << g.log2_interleave;
-            let n = (start + len).min(area_end).min(s + RECALC_SECTORS) - s;
+            let n = (start + len).min(g.area_end(s)).min(s + RECALC_SECTORS) - s;
             let mut data = vec![0u8; (n * SECTOR) as usize];
             devio::read(&lay.dest, g.data_sector(s), &mut data).map_err(|e| io_err("reading data", e))?;
             let tags = lay.tags_for(s, &data);
@@ -1325,8 +1479,7 @@ impl Work {
     fn recalc_step(&mut self) -> Result<(), String> {
         let g = &self.lay.geo;
         let at = self.shared.recalc_at.load(Ordering::SeqCst);
-        let area_end = ((at >> g.log2_interleave) + 1) << g.log2_interleave;
-        let n = (at + RECALC_SECTORS).min(area_end).min(g.provided) - at;
+        let n = (at + RECALC_SECTORS).min(g.area_end(at)).min(g.provided) - at;
         self.recalc_range(at, n)?;
         self.shared.recalc_at.store(at + n, Ordering::SeqCst);
         self.recalc_chunks += 1;
@@ -1346,7 +1499,7 @@ impl Work {
         if at == self.sb.recalc_sector {
             return Ok(());
         }
-        devio::flush(&self.lay.dest).map_err(|e| io_err("flushing", e))?;
+        self.lay.flush().map_err(|e| io_err("flushing", e))?;
         self.sb.recalc_sector = at;
         self.write_sb()
     }
