@@ -367,6 +367,15 @@ fn bad_tables_and_lying_superblocks_get_the_kernels_words() {
         std::fs::write(&img, &b).expect("image");
         fails(&format!("0 8 integrity {i} 0 {J}"), want);
     }
+    // a dirty bitmap whose blocks per bit lie beyond 64 bits (found by the fuzzer)
+    let mut b = good.clone();
+    b[24] |= 0x04;
+    b[29] = 200;
+    std::fs::write(&img, &b).expect("image");
+    fails(
+        &format!("0 8 integrity {i} 0 {J}"),
+        "the superblock's blocks per bitmap bit (2^200) are out of range",
+    );
     // a journal sector whose commit id matches no sequence: the device is refused at resume
     let mut b = good.clone();
     b[4096 + 511] ^= 1;

@@ -506,18 +506,27 @@ pub fn entry_block(g: &Geometry, section: &[u8], n: u64) -> (Vec<u8>, Vec<u8>) {
     (data, section[t..t + g.tag_size as usize].to_vec())
 }
 
-/// The sequence every sector of a section carries, per sector: `None` where
-/// a sector's id matches none.
-pub fn sector_seqs(g: &Geometry, i: u64, section: &[u8]) -> Vec<Option<u8>> {
-    section
-        .chunks(512)
-        .enumerate()
-        .map(|(j, sec)| {
-            let id = le64(sec, JOURNAL_SECTOR_DATA);
-            (0..4u8).find(|&k| commit_id(i, j as u64, k) == id)
-        })
-        .take(g.section_sectors as usize)
-        .collect()
+/// The commit sequences a section's sectors carry: a mask of those seen and
+/// the one they all carry, if they agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SectionSeqs {
+    pub mask: u8,
+    pub all: Option<u8>,
+}
+
+/// What sequences section `i`'s sectors carry; an error names a sector whose
+/// commit id matches none.
+pub fn section_seqs(g: &Geometry, i: u64, section: &[u8]) -> Result<SectionSeqs, String> {
+    let mut mask = 0u8;
+    for (j, sec) in section.chunks(512).take(g.section_sectors as usize).enumerate() {
+        let id = le64(sec, JOURNAL_SECTOR_DATA);
+        let k = (0..4u8)
+            .find(|&k| commit_id(i, j as u64, k) == id)
+            .ok_or_else(|| format!("journal commit id: section {i} sector {j} matches no sequence"))?;
+        mask |= 1 << k;
+    }
+    let all = (mask.count_ones() == 1).then(|| mask.trailing_zeros() as u8);
+    Ok(SectionSeqs { mask, all })
 }
 
 /// What a journal scan found (the kernel's `replay_journal`, steps 2 to 6).
@@ -532,16 +541,18 @@ pub struct Replay {
     pub empty: bool,
 }
 
-/// Decide what to replay from every section's per-sector sequences
-/// (`seqs(i)`) and whether any entry is used.
-pub fn plan_replay(n: u64, seqs: &dyn Fn(u64) -> Vec<Option<u8>>, any_used: bool) -> Result<Replay, String> {
+/// Decide what to replay from what each section's sectors carry and
+/// whether any entry is used.
+pub fn plan_replay(seqs: &[SectionSeqs], any_used: bool) -> Result<Replay, String> {
+    let n = seqs.len() as u64;
     let mut used = [false; 4];
     let mut max_section = [0u64; 4];
-    for i in 0..n {
-        for (j, k) in seqs(i).into_iter().enumerate() {
-            let k = k.ok_or_else(|| format!("journal commit id: section {i} sector {j} matches no sequence"))?;
-            used[k as usize] = true;
-            max_section[k as usize] = i;
+    for (i, s) in seqs.iter().enumerate() {
+        for k in 0..4 {
+            if s.mask & (1 << k) != 0 {
+                used[k] = true;
+                max_section[k] = i as u64;
+            }
         }
     }
     let unused = if !used[3] {
@@ -565,7 +576,7 @@ pub fn plan_replay(n: u64, seqs: &dyn Fn(u64) -> Vec<Option<u8>>, any_used: bool
     let mut i = write_start;
     let mut write_sections = 0;
     while write_sections < n {
-        if seqs(i).iter().any(|&k| k != Some(want)) {
+        if seqs[i as usize].all != Some(want) {
             break;
         }
         write_sections += 1;
@@ -620,8 +631,8 @@ mod tests {
     #[test]
     fn a_fresh_journal_replays_nothing_and_goes_on_at_section_0() {
         let g = Geometry::new(&sb(4, 0, 4), 0, 200_000, None).unwrap();
-        let secs: Vec<Vec<u8>> = (0..4).map(|i| empty_section(&g, i, 0)).collect();
-        let r = plan_replay(4, &|i| sector_seqs(&g, i, &secs[i as usize]), false).unwrap();
+        let seqs: Vec<SectionSeqs> = (0..4).map(|i| section_seqs(&g, i, &empty_section(&g, i, 0)).unwrap()).collect();
+        let r = plan_replay(&seqs, false).unwrap();
         assert_eq!((r.write_start, r.write_sections, r.want, r.empty), (0, 4, 1, true));
     }
 
@@ -634,7 +645,7 @@ mod tests {
         assert_eq!(entry_sector(&g, &s, 1), None);
         let (d, t) = entry_block(&g, &s, 0);
         assert_eq!((d, t), (data, vec![1, 2, 3, 4]));
-        assert!(sector_seqs(&g, 1, &s).iter().all(|&k| k == Some(2)));
+        assert_eq!(section_seqs(&g, 1, &s).unwrap().all, Some(2));
     }
 
     #[test]

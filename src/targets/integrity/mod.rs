@@ -1176,14 +1176,15 @@ impl Work {
         let lay = self.lay.clone();
         let g = &lay.geo;
         let n = g.journal_sections;
-        let mut seqs = Vec::with_capacity(n as usize);
+        // a byte or two a section, whatever the journal's size
+        let mut seqs = Vec::new();
         let mut any_used = false;
         for i in 0..n {
             let s = self.read_section(i)?;
             any_used |= (0..g.section_entries).any(|e| entry_sector(g, &s, e).is_some());
-            seqs.push(sector_seqs(g, i, &s));
+            seqs.push(section_seqs(g, i, &s).map_err(|e| format!("integrity: {e}"))?);
         }
-        let plan = plan_replay(n, &|i| seqs[i as usize].clone(), any_used).map_err(|e| format!("integrity: {e}"))?;
+        let plan = plan_replay(&seqs, any_used).map_err(|e| format!("integrity: {e}"))?;
         drop(seqs);
         if !plan.empty && plan.write_sections > 0 {
             let mut replayed = 0u64;
@@ -1305,9 +1306,7 @@ impl Work {
         if self.sb.has(SB_FLAG_DIRTY_BITMAP) {
             // a crash in bitmap mode: the regions whose bits are set get
             // their tags again, then the journal area is a journal again
-            let bits = self.read_bitmap()?;
-            let lbpb = self.sb.log2_blocks_per_bit;
-            let log2_spbb = lbpb + g.log2_spb;
+            let (log2_spbb, bits) = self.read_bitmap()?;
             let regions = g.provided.div_ceil(1u64 << log2_spbb);
             let mut n = 0;
             for b in 0..regions {
@@ -1398,20 +1397,27 @@ impl Work {
         (bits.div_ceil(8) as usize).div_ceil(BITMAP_BLOCK_BYTES) * BITMAP_BLOCK_BYTES
     }
 
-    fn read_bitmap(&self) -> Result<Vec<u8>, String> {
+    /// The bitmap a crash left: log2 of its sectors per bit, and its bytes.
+    fn read_bitmap(&self) -> Result<(u8, Vec<u8>), String> {
         let g = &self.lay.geo;
-        let log2_spbb = self.sb.log2_blocks_per_bit + g.log2_spb;
-        let bits = g.provided.div_ceil(1u64 << log2_spbb.min(63));
+        let log2_spbb = u32::from(self.sb.log2_blocks_per_bit) + u32::from(g.log2_spb);
+        if log2_spbb > 48 {
+            return Err(format!(
+                "integrity: the superblock's blocks per bitmap bit (2^{}) are out of range",
+                self.sb.log2_blocks_per_bit
+            ));
+        }
+        let bits = g.provided.div_ceil(1u64 << log2_spbb);
         let bytes = (bits.div_ceil(8)).div_ceil(BITMAP_BLOCK_BYTES as u64) * BITMAP_BLOCK_BYTES as u64;
         if bytes > g.journal_sectors() * SECTOR {
             return Err(format!(
-                "integrity: the superblock's bitmap ({} blocks per bit) does not fit the journal's area",
-                1u64 << self.sb.log2_blocks_per_bit.min(63)
+                "integrity: the superblock's bitmap (2^{} blocks per bit) does not fit the journal's area",
+                self.sb.log2_blocks_per_bit
             ));
         }
         let mut b = vec![0u8; bytes as usize];
         devio::read(&self.lay.mdest, g.journal_sector(0), &mut b).map_err(|e| io_err("reading the bitmap", e))?;
-        Ok(b)
+        Ok((log2_spbb as u8, b))
     }
 
     fn write_bitmap(&self) -> Result<(), String> {
