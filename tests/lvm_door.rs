@@ -1274,6 +1274,57 @@ fn lvm_raid1_with_integrity_through_the_door() {
     remove_vg(&lvm, &loops, &vg);
 }
 
+/// LVM's conversions of a raid1 LV through the door: `lvconvert -m+1` (a
+/// third leg, rebuilt from the others), `lvextend` (every leg grows, the new
+/// part synced), `lvconvert -m-1` (back to two legs); the data stays.
+#[test]
+fn lvm_raid1_conversions_through_the_door() {
+    common::need_all(&["losetup", "lvm"]);
+    let d = Daemon::start("lvm-raidconv");
+    let (loops, _files) = loop_files_n(&d, None, 3);
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
+    };
+    let vg = new_vg(&lvm, &loops, "dmkitrconv");
+    lvm.ok(&[
+        "lvcreate", "-y", "--type", "raid1", "-m1", "-L", "8M", "-n", "cv", &vg,
+    ]);
+    let top = format!("{vg}-cv");
+    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+    let data = pattern(41, 256 * 1024);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(MIB, &data);
+    assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+    drop(c);
+    d.wait_open_count(&top, 0);
+    let lv = format!("{vg}/cv");
+    let legs = |n: usize| {
+        let st = d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+        assert!(
+            st.contains(&format!(" raid1 {n} {} ", "A".repeat(n))),
+            "{n} legs in sync: {st}"
+        );
+        let mut c = nbd::Client::connect(&d.sock(), &top);
+        assert!(c.read(MIB, data.len()) == data, "the data with {n} legs");
+        drop(c);
+        d.wait_open_count(&top, 0);
+        st
+    };
+    lvm.ok(&["lvconvert", "-y", "-m", "+1", &lv]);
+    legs(3);
+    lvm.ok(&["lvextend", "-y", "-L", "16M", &lv]);
+    let st = legs(3);
+    assert!(
+        st.starts_with("0 32768 raid raid1 3 AAA 32768/32768 idle "),
+        "extended: {st}"
+    );
+    lvm.ok(&["lvconvert", "-y", "-m", "-1", &lv]);
+    legs(2);
+    remove_vg(&lvm, &loops, &vg);
+}
+
 #[test]
 fn lvm_raid5_raid6_raid10_and_raid0_through_the_door() {
     common::need_all(&["losetup", "lvm"]);
