@@ -19,6 +19,11 @@ const EXPECTED_STDERR: &[(&str, &str)] = &[
         "`lvcreate -Zn -Wn` skips zeroing, as asked (the first test leaves it out; the second has LVM zero through the device files)",
     ),
     (
+        "WARNING: Detected error segment type does not match expected type striped",
+        "the repair test fails a leg by loading an `error` table over its image (what a dead PV looks like \
+         to dm-raid); LVM notices that table before it replaces the image",
+    ),
+    (
         ": mknod for ",
         "libdevmapper makes /dev/mapper nodes itself under DM_DISABLE_UDEV; without ublk a dmkit \
          device has no block device and this host has no /dev/mapper (docs/manual/door.md says so)",
@@ -706,6 +711,9 @@ fn dmeventds() -> (Vec<u32>, bool) {
     (ours, foreign)
 }
 
+/// One dmeventd per machine: the tests that start one take turns.
+static DMEVENTD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn stop_our_dmeventds() {
     for pid in dmeventds().0 {
         let _ = Command::new("kill").arg(pid.to_string()).status();
@@ -727,6 +735,7 @@ fn stop_our_dmeventds() {
 #[test]
 fn dmeventd_grows_a_thin_pool_past_its_autoextend_threshold() {
     common::need_all(&["losetup", "lvm", "dmeventd", "dd"]);
+    let _one = DMEVENTD.lock().unwrap_or_else(|e| e.into_inner());
     stop_our_dmeventds();
     assert!(
         !dmeventds().1,
@@ -846,6 +855,135 @@ fn dmeventd_grows_a_thin_pool_past_its_autoextend_threshold() {
     assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
     run(&["vgremove", "-y", &vg]);
     run(&["pvremove", "-y", &node]);
+    stop_our_dmeventds();
+}
+
+/// dmeventd's raid plugin through the door (`raid_fault_policy = "allocate"`):
+/// LVM has dmeventd monitor a raid1 LV; when a leg's image fails (an `error`
+/// table over it) and a write marks it `D`, the event wakes the plugin, which
+/// reads dmkit's status and runs `lvconvert --repair --use-policies` itself:
+/// the image is replaced on the third PV and rebuilt, the array is `AA`, the
+/// data is there.
+#[test]
+fn dmeventd_replaces_a_failed_raid1_leg_by_itself() {
+    common::need_all(&["losetup", "lvm", "dmeventd"]);
+    let _one = DMEVENTD.lock().unwrap_or_else(|e| e.into_inner());
+    stop_our_dmeventds();
+    assert!(
+        !dmeventds().1,
+        "a dmeventd that dmkit's tests did not start is running: LVM would talk to it (one per machine); stop it first"
+    );
+    let d = Daemon::start("lvmraidev");
+    let (loops, _files) = loop_files_n(&d, None, 3);
+    let sys = d.dir.path("lvm");
+    std::fs::create_dir_all(&sys).expect("lvm dir");
+    let filter: Vec<String> = loops.0.iter().map(|l| format!("\"a|^{l}$|\"")).collect();
+    std::fs::write(
+        sys.join("lvm.conf"),
+        format!(
+            "devices {{ global_filter = [ {}, \"r|.*|\" ] }}\n\
+             activation {{ monitoring = 1 raid_fault_policy = \"allocate\" }}\n",
+            filter.join(", ")
+        ),
+    )
+    .expect("lvm.conf");
+    let run = |args: &[&str]| -> String {
+        let o = common::only_std_fds(&mut d.exec())
+            .arg(common::tool_path("lvm"))
+            .args(args)
+            .env("LVM_SYSTEM_DIR", &sys)
+            .output()
+            .expect("spawn lvm");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "lvm {args:?}: {}\nstderr: {err}", o.status);
+        assert!(!err.contains("leaked on lvm invocation"), "lvm {args:?}: {err}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let vg = format!("dmkitev{}", std::process::id());
+    let mut a = vec!["pvcreate"];
+    a.extend(loops.0.iter().map(String::as_str));
+    run(&a);
+    let mut a = vec!["vgcreate", vg.as_str()];
+    a.extend(loops.0.iter().map(String::as_str));
+    run(&a);
+    run(&[
+        "lvcreate",
+        "-y",
+        "--type",
+        "raid1",
+        "-m1",
+        "-L",
+        "8M",
+        "-n",
+        "ev",
+        &vg,
+        &loops.0[0],
+        &loops.0[1],
+    ]);
+    let lv = format!("{vg}/ev");
+    let top = format!("{vg}-ev");
+    assert_eq!(
+        run(&["lvs", "--noheadings", "-o", "seg_monitor", &lv]).trim(),
+        "monitored",
+        "LVM has dmeventd monitor the raid LV"
+    );
+    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+    let data = pattern(45, 128 * 1024);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(MIB, &data);
+    assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+    drop(c);
+    d.wait_open_count(&top, 0);
+    let img1 = format!("{vg}-ev_rimage_1");
+    let len = d
+        .ok(&["table", &img1])
+        .split_whitespace()
+        .nth(1)
+        .expect("length")
+        .to_string();
+    d.ok(&["load", &img1, "--table", &format!("0 {len} error")]);
+    d.ok(&["suspend", &img1]);
+    d.ok(&["resume", &img1]);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(3 * MIB, &data);
+    assert_eq!(
+        c.call(nbd::FLUSH, 0, 0, 0, &[]),
+        0,
+        "the write goes on without the leg"
+    );
+    drop(c);
+    d.wait_open_count(&top, 0);
+    let start = std::time::Instant::now();
+    let on_third = || {
+        run(&["lvs", "-a", "--noheadings", "-o", "name,devices", &vg])
+            .lines()
+            .any(|l| l.contains("[ev_rimage_1]") && l.contains(loops.0[2].as_str()))
+    };
+    while !on_third() && start.elapsed() < std::time::Duration::from_secs(90) {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    assert!(
+        on_third(),
+        "dmeventd replaced the failed image within 90 s: {}",
+        d.log()
+    );
+    assert_eq!(
+        d.wait_status(&top, " idle ", std::time::Duration::from_secs(60)),
+        "0 16384 raid raid1 2 AA 16384/16384 idle 0 0 -"
+    );
+    let mut c = nbd::Client::connect(&d.sock(), &img1);
+    assert!(c.read(MIB, data.len()) == data, "the new image: the first write");
+    assert!(
+        c.read(3 * MIB, data.len()) == data,
+        "the new image: the write made without it"
+    );
+    drop(c);
+    d.wait_open_count(&img1, 1);
+    run(&["vgchange", "-an", &vg]);
+    run(&["vgremove", "-y", &vg]);
+    let mut a = vec!["pvremove", "-y"];
+    a.extend(loops.0.iter().map(String::as_str));
+    run(&a);
     stop_our_dmeventds();
 }
 
@@ -1322,6 +1460,104 @@ fn lvm_raid1_conversions_through_the_door() {
     );
     lvm.ok(&["lvconvert", "-y", "-m", "-1", &lv]);
     legs(2);
+    remove_vg(&lvm, &loops, &vg);
+}
+
+/// `lvconvert --repair` of a raid1 LV behind the door: a leg whose image
+/// fails (an `error` table loaded over it, as a dead PV's I/O fails) is marked
+/// `D` by the next write, `lvs` says the LV needs a refresh, and LVM replaces
+/// the image with one on the third PV; dmkit rebuilds it, the array is `AA`
+/// again, and the new image holds the data, the write made while it was
+/// failed included.
+#[test]
+fn lvm_raid1_repair_through_the_door() {
+    common::need_all(&["losetup", "lvm"]);
+    let d = Daemon::start("lvm-raidrep");
+    let (loops, _files) = loop_files_n(&d, None, 3);
+    let lvm = Lvm {
+        d: &d,
+        devices: loops.0.join(","),
+        config: "activation/monitoring=0 global/use_lvmpolld=0".into(),
+    };
+    let vg = new_vg(&lvm, &loops, "dmkitrrep");
+    lvm.ok(&[
+        "lvcreate",
+        "-y",
+        "--type",
+        "raid1",
+        "-m1",
+        "-L",
+        "8M",
+        "-n",
+        "rp",
+        &vg,
+        &loops.0[0],
+        &loops.0[1],
+    ]);
+    let top = format!("{vg}-rp");
+    d.wait_status(&top, " idle ", std::time::Duration::from_secs(60));
+    let first = pattern(43, 128 * 1024);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(MIB, &first);
+    assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+    drop(c);
+    d.wait_open_count(&top, 0);
+    // the second image's PV dies
+    let img1 = format!("{vg}-rp_rimage_1");
+    let t = d.ok(&["table", &img1]);
+    let len = t.split_whitespace().nth(1).expect("its length").to_string();
+    d.ok(&["load", &img1, "--table", &format!("0 {len} error")]);
+    d.ok(&["suspend", &img1]);
+    d.ok(&["resume", &img1]);
+    let second = pattern(44, 128 * 1024);
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    c.write(3 * MIB, &second);
+    assert_eq!(
+        c.call(nbd::FLUSH, 0, 0, 0, &[]),
+        0,
+        "the write goes on without the leg"
+    );
+    drop(c);
+    d.wait_open_count(&top, 0);
+    let st = d.ok(&["status", &top]);
+    assert!(st.contains(" raid1 2 AD "), "the failed leg is marked: {st}");
+    let health = lvm.ok(&[
+        "lvs",
+        "--noheadings",
+        "-o",
+        "lv_health_status",
+        &format!("{vg}/rp"),
+    ]);
+    assert_eq!(
+        health.trim(),
+        "refresh needed",
+        "LVM reads the failure from dmkit's status"
+    );
+    lvm.ok(&["lvconvert", "-y", "--repair", &format!("{vg}/rp")]);
+    assert_eq!(
+        d.wait_status(&top, " idle ", std::time::Duration::from_secs(60)),
+        "0 16384 raid raid1 2 AA 16384/16384 idle 0 0 -"
+    );
+    let devs = lvm.ok(&["lvs", "-a", "--noheadings", "-o", "name,devices", &vg]);
+    let img1_dev = devs
+        .lines()
+        .find(|l| l.contains("[rp_rimage_1]"))
+        .unwrap_or_else(|| panic!("the new image: {devs}"));
+    assert!(
+        img1_dev.contains(&loops.0[2]),
+        "the new image is on the third PV: {devs}"
+    );
+    // the image's open count: the raid's hold on it
+    for (name, what, held) in [(top.as_str(), "the LV", 0), (img1.as_str(), "the new image", 1)] {
+        let mut c = nbd::Client::connect(&d.sock(), name);
+        assert!(c.read(MIB, first.len()) == first, "{what}: the first write");
+        assert!(
+            c.read(3 * MIB, second.len()) == second,
+            "{what}: the write made while the leg was failed"
+        );
+        drop(c);
+        d.wait_open_count(name, held);
+    }
     remove_vg(&lvm, &loops, &vg);
 }
 
