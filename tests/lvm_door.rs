@@ -1341,7 +1341,7 @@ fn lvm_raid1_through_the_door() {
 fn lvm_raid1_with_integrity_through_the_door() {
     common::need_all(&["losetup", "lvm"]);
     let d = Daemon::start("lvm-raidint");
-    let (loops, _files) = loop_files(&d, None);
+    let (loops, files) = loop_files(&d, None);
     let lvm = Lvm {
         d: &d,
         devices: loops.0.join(","),
@@ -1396,6 +1396,66 @@ fn lvm_raid1_with_integrity_through_the_door() {
     assert!(c.read(MIB, data.len()) == data, "the write reads back");
     drop(c);
     d.wait_open_count(&top, 0);
+    // a byte of the first image's data changes on its PV, under its
+    // integrity device: the mirror reads that block from the other image,
+    // counts nothing against the leg, and writes the region back to the
+    // first image (md's read-error correction)
+    let iorig = format!("{vg}-mi_rimage_0_iorig");
+    let t: Vec<String> = dmkit_tables(&d)
+        .into_iter()
+        .find(|(n, _)| *n == iorig)
+        .expect("the first image's data LV")
+        .1
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    let node = loop_of(&files, &t[3]);
+    let bad = t[4].parse::<u64>().expect("offset") + MIB / 512 + 8;
+    let mut sector = on_loop(&files, &node, bad, 512);
+    sector[100] ^= 0x20;
+    let patch = d.dir.path("patch");
+    std::fs::write(&patch, &sector).expect("patch");
+    common::run(Command::new("dd").args([
+        &format!("if={}", patch.display()),
+        &format!("of={node}"),
+        "bs=512",
+        &format!("seek={bad}"),
+        "count=1",
+        "oflag=direct",
+        "conv=notrunc",
+        "status=none",
+    ]));
+    let mut c = nbd::Client::connect(&d.sock(), &top);
+    assert!(
+        c.read(MIB, data.len()) == data,
+        "the mirror reads the bad block from the other image"
+    );
+    drop(c);
+    d.wait_open_count(&top, 0);
+    let img0 = format!("{vg}-mi_rimage_0");
+    assert!(
+        d.ok(&["status", &img0]).contains(" integrity 1 "),
+        "the first image's integrity counted the bad block"
+    );
+    let start = std::time::Instant::now();
+    while !d.log().contains("raid: read error corrected")
+        && start.elapsed() < std::time::Duration::from_secs(30)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(d.log().contains("raid: read error corrected"), "{}", d.log());
+    assert_eq!(
+        d.wait_status(&top, " idle ", std::time::Duration::from_secs(60)),
+        "0 32768 raid raid1 2 AA 32768/32768 idle 0 0 -",
+        "no leg failed"
+    );
+    let mut c = nbd::Client::connect(&d.sock(), &img0);
+    assert!(
+        c.read(MIB, data.len()) == data,
+        "the first image holds the block again"
+    );
+    drop(c);
+    d.wait_open_count(&img0, 1);
     lvm.ok(&["vgchange", "-an", &vg]);
     assert_eq!(dmkit_tables(&d), vec![], "vgchange -an removed every device");
     lvm.ok(&["vgchange", "-ay", &vg]);

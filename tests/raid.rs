@@ -199,8 +199,13 @@ fn a_read_that_fails_goes_to_the_other_leg() {
             "read at {off} from the leg that works"
         );
     }
-    let s = d.ok(&["status", "r"]);
+    // the region written back to leg 0 from leg 1 (md's correction) fails
+    // too: then the leg fails
+    let s = d.wait_status("r", " raid1 2 DA ", Duration::from_secs(30));
     assert!(s.contains(" raid1 2 DA "), "leg 0 failed on a read: {s}");
+    assert!(d
+        .log()
+        .contains("read from another leg, the region to be written again"));
     drop(c);
     d.remove_closed("r");
     d.ok(&["remove", "leg0"]);

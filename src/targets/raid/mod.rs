@@ -69,6 +69,9 @@ pub const TYPE: TargetType = TargetType {
 
 /// md's limit of legs.
 const MAX_LEGS: usize = 253;
+/// raid1: regions waiting for their read errors to be corrected; beyond, a
+/// read error fails the leg (md fails a leg after 20 read errors).
+const MAX_FIXES: usize = 20;
 /// The default region: 4 MiB.
 const DEFAULT_REGION: u64 = 8192;
 /// The default daemon period: 5 s, in jiffies.
@@ -152,6 +155,10 @@ struct State {
     waiting: Vec<Pending>,
     /// The region being copied: writes to it wait.
     busy: Option<u64>,
+    /// raid1: (leg, region) a read failed on, while the leg holds the rest:
+    /// reads of the region go to the other legs until the thread has
+    /// written it again from one of them (md's read-error correction).
+    fixes: Vec<(usize, u64)>,
     action: Action,
     /// Progress of the current or last copy, in sectors.
     progress: u64,
@@ -381,6 +388,7 @@ impl Raid {
                 sb_dirty: false,
                 waiting: Vec::new(),
                 busy: None,
+                fixes: Vec::new(),
                 action: Action::Idle,
                 progress: 0,
                 cursor: 0,
@@ -1018,7 +1026,7 @@ impl Inner {
         let usable: Vec<(usize, u64)> = self
             .copies_of(bio.sector)
             .into_iter()
-            .filter(|&(i, _)| self.good(&st, i))
+            .filter(|&(i, _)| self.good(&st, i) && !self.regions_of(&bio).any(|r| st.fixes.contains(&(i, r))))
             .collect();
         let plain: Vec<(usize, u64)> = usable.iter().copied().filter(|&(i, _)| !self.write_mostly[i]).collect();
         // where the legs may still differ (a resync ahead, or a region written
@@ -1054,7 +1062,25 @@ impl Inner {
                     return 0;
                 }
                 let mut st = me.lock();
-                if me.fail_leg(&mut st, i) {
+                if me.geo.level == Level::Raid1
+                    && !st.faulty[i]
+                    && st.fixes.len() < MAX_FIXES
+                    && me.can_run(|j| j != i && me.good(&st, j))
+                {
+                    // as md: read from another leg, and write the region
+                    // back to this one from it
+                    for r in me.regions_in(bio.sector, bio.sector + bio.nr_sectors) {
+                        if !st.fixes.contains(&(i, r)) {
+                            st.fixes.push((i, r));
+                        }
+                    }
+                    me.wake.notify_all();
+                    tracing::warn!(
+                        "raid: read error on leg {i} at its sector {}; read from another leg, the region to be written again",
+                        bio.sector
+                    );
+                    REMAP
+                } else if me.fail_leg(&mut st, i) {
                     tracing::error!("raid: read error on leg {i} at its sector {}; read again without it", bio.sector);
                     REMAP
                 } else {
@@ -1806,6 +1832,44 @@ impl Inner {
         true
     }
 
+    /// raid1: write one region a read failed on again, from a leg that
+    /// holds it, writes to the region held meanwhile; read back, it must
+    /// match, or the leg fails. False if there was none to do.
+    fn fix_step(&self) -> bool {
+        let mut st = self.lock();
+        if st.frozen || st.stop || st.busy.is_some() {
+            return false;
+        }
+        let Some(&(i, r)) = st.fixes.first() else { return false };
+        st.busy = Some(r);
+        while st.writes[r as usize] > 0 && !st.stop {
+            st = self.drained.wait_timeout(st, Duration::from_millis(50)).unpoisoned().0;
+        }
+        let source = (0..self.nlegs()).find(|&j| j != i && self.good(&st, j));
+        drop(st);
+        let start = r * self.region;
+        let len = ((start + self.region).min(self.span) - start) * SECTOR;
+        let fixed = source.is_some_and(|src| {
+            let mut good = vec![0u8; len as usize];
+            let mut back = vec![0u8; len as usize];
+            self.read_leg(src, start, &mut good)
+                && self.put_leg(i, start, &good, true).is_ok()
+                && self.read_leg(i, start, &mut back)
+                && back == good
+        });
+        let mut st = self.lock();
+        st.fixes.retain(|&f| f != (i, r));
+        st.busy = None;
+        if fixed {
+            tracing::info!("raid: read error corrected: region {r} of leg {i} written again from another leg");
+        } else {
+            self.fail_leg(&mut st, i);
+        }
+        self.drained.notify_all();
+        self.release_waiting(&mut st);
+        true
+    }
+
     /// The copy reached the end.
     fn finish_action(&self, st: &mut State) {
         tracing::info!("raid: {} done", st.action.name());
@@ -1930,7 +1994,11 @@ fn worker(weak: std::sync::Weak<Inner>) {
             // waiting for it must drain); nothing before the first resume
             let started = st.started;
             let busy = started
-                && (st.want_bits || st.sb_dirty || !st.jobs.is_empty() || (st.action != Action::Idle && !st.frozen));
+                && (st.want_bits
+                    || st.sb_dirty
+                    || !st.jobs.is_empty()
+                    || (!st.fixes.is_empty() && !st.frozen)
+                    || (st.action != Action::Idle && !st.frozen));
             if !busy {
                 let nap = me.daemon_period.clamp(Duration::from_millis(1), Duration::from_millis(500));
                 drop(me.wake.wait_timeout(st, nap));
@@ -1941,6 +2009,9 @@ fn worker(weak: std::sync::Weak<Inner>) {
         }
         me.set_wanted_bits();
         if me.run_jobs() {
+            continue;
+        }
+        if me.fix_step() {
             continue;
         }
         if me.copy_step() {
