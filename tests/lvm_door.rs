@@ -1332,7 +1332,7 @@ fn lvm_raid1_through_the_door() {
     remove_vg(&lvm, &loops, &vg);
 }
 
-/// `lvcreate --type raid1 -m1 --raidintegrity y`: LVM puts an integrity
+/// `lvcreate --type raid1 -m1 --raidintegrity y` (and raid5 `-i2`): LVM puts an integrity
 /// device (its tags on an `_imeta` LV, `meta_device`) under each image, dmkit
 /// formats them as the kernel would, the mirror syncs through them, LVM
 /// reads the health and sync from dmkit's status lines, a write reads back
@@ -1341,7 +1341,7 @@ fn lvm_raid1_through_the_door() {
 fn lvm_raid1_with_integrity_through_the_door() {
     common::need_all(&["losetup", "lvm"]);
     let d = Daemon::start("lvm-raidint");
-    let (loops, files) = loop_files(&d, None);
+    let (loops, files) = loop_files_n(&d, None, 3);
     let lvm = Lvm {
         d: &d,
         devices: loops.0.join(","),
@@ -1469,6 +1469,32 @@ fn lvm_raid1_with_integrity_through_the_door() {
         let st = d.ok(&["status", &n]);
         assert!(st.contains(" integrity 0 "), "{n}: no mismatch: {st}");
     }
+    // raid5 with integrity under its three images
+    lvm.ok(&[
+        "lvcreate",
+        "-y",
+        "--type",
+        "raid5",
+        "-i2",
+        "--raidintegrity",
+        "y",
+        "-L",
+        "8M",
+        "-n",
+        "r5",
+        &vg,
+    ]);
+    let r5 = format!("{vg}-r5");
+    assert_eq!(
+        d.wait_status(&r5, " idle ", std::time::Duration::from_secs(60)),
+        "0 16384 raid raid5_ls 3 AAA 8192/8192 idle 0 0 -"
+    );
+    let mut c = nbd::Client::connect(&d.sock(), &r5);
+    c.write(MIB, &data);
+    assert_eq!(c.call(nbd::FLUSH, 0, 0, 0, &[]), 0, "flush");
+    assert!(c.read(MIB, data.len()) == data, "raid5 over integrity reads back");
+    drop(c);
+    d.wait_open_count(&r5, 0);
     remove_vg(&lvm, &loops, &vg);
 }
 
