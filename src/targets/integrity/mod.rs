@@ -62,6 +62,9 @@ const EILSEQ: i32 = libc::EILSEQ;
 const RECALC_SECTORS: u64 = 2048;
 /// Recalculated chunks between superblock writes.
 const RECALC_SB_EVERY: u32 = 16;
+/// Bytes of written blocks a journal-mode device holds before it commits
+/// (the kernel's default journal is at most 64 MiB).
+const MAX_OPEN_BYTES: u64 = 64 << 20;
 /// Checksum failures logged before the log goes quiet.
 const LOGGED_FAILURES: u64 = 100;
 
@@ -1095,9 +1098,13 @@ impl Work {
 
     // ---- the journal ----
 
+    /// Blocks held in memory before a commit: the watermark's share of the
+    /// journal, and at most [`MAX_OPEN_BYTES`] of them, whatever size the
+    /// superblock gives the journal.
     fn commit_trigger(&self) -> u64 {
         let all = self.lay.geo.journal_entries();
-        (all * self.lay.watermark / 100).clamp(1, all)
+        let cap = MAX_OPEN_BYTES / (self.lay.geo.spb() * SECTOR);
+        (all.saturating_mul(self.lay.watermark) / 100).clamp(1, all).min(cap)
     }
 
     /// Write what is open to the journal, durable, then to its places,
