@@ -386,3 +386,33 @@ fn bad_tables_and_lying_superblocks_get_the_kernels_words() {
     );
     assert_eq!(d.ok(&["ls"]), "No devices found\n");
 }
+
+/// A table keyed with `hmac(sha256)` never puts its key on disk: the state
+/// file holds it zeroed, and `serve --restore` does not make the device
+/// again with that (it says to load the table with its key), while an
+/// unkeyed device beside it comes back.
+#[test]
+fn a_keyed_table_is_not_restored_with_its_key_zeroed() {
+    let s = Scratch::new("integrity-keyed");
+    let kimg = s.sparse("k.img", 16 * MIB);
+    let pimg = s.sparse("p.img", 16 * MIB);
+    let d = Daemon::start("integrity-keyed");
+    let key = "5a".repeat(32);
+    let keyed = format!("4 J 3 internal_hash:hmac(sha256):{key} fix_padding fix_hmac");
+    make(&d, "k", &kimg, &keyed);
+    make(&d, "p", &pimg, J);
+    let state = std::fs::read_to_string(d.run.join("devices.state")).expect("state file");
+    assert!(!state.contains(&key), "the key is not in the state file");
+    let d = d.kill9_and_restore();
+    let ls = d.ok(&["ls"]);
+    assert!(
+        ls.starts_with("p\t(511:") && ls.lines().count() == 1,
+        "the unkeyed device came back, the keyed one did not: {ls}"
+    );
+    assert!(
+        d.log().contains("load the table again with its key"),
+        "the log says why: {}",
+        d.log()
+    );
+    d.ok(&["remove", "p"]);
+}
