@@ -10,7 +10,8 @@
 # certificates with it), GnuTLS's psktool and certtool (gnutls-bin: the PSK file and an
 # expired certificate of tests/nbd_tls.rs), OpenSSL's headers and pkg-config (libssl-dev,
 # pkg-config: the openssl crate links the system's OpenSSL 3) and cryptsetup
-# (cryptsetup-bin: tests/crypt_oracle.rs formats a LUKS2 image, the guest opens it),
+# (cryptsetup-bin: tests/crypt_oracle.rs formats a LUKS2 image, the guest opens it;
+# its integritysetup: tests/integrity.rs),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
 # ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra); from PyPI,
 # mkdocs 1.6+ (ci/test.sh builds the manual with it, failing on dead links).
@@ -33,7 +34,7 @@ tools=(
   qemu-system-x86_64:qemu-system-x86 cpio:cpio dmsetup:dmsetup lvm:lvm2
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
-  nbd-client:nbd-client cc:gcc openssl:openssl cryptsetup:cryptsetup-bin
+  nbd-client:nbd-client cc:gcc openssl:openssl cryptsetup:cryptsetup-bin integritysetup:cryptsetup-bin
   psktool:gnutls-bin certtool:gnutls-bin pkg-config:pkg-config
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
