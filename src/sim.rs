@@ -1557,28 +1557,20 @@ impl Trial {
                     self.write(di)
                 }
             }
-            Stack::Integrity | Stack::IntegrityBitmap => {
-                // a reload: the old table's journal or bitmap closed at the
-                // suspend, the new one's taken up at the resume
+            Stack::Raid | Stack::Raid5 | Stack::Integrity | Stack::IntegrityBitmap => {
+                // a reload, as `lvchange --refresh` does: the old table's
+                // metadata (raid's superblocks and bitmap, integrity's
+                // journal or bitmap) closed at the suspend, the new one
+                // takes it up
                 if self.rng.chance(50) {
                     return self.write(di);
                 }
-                let table = self.integrity_table();
-                let r = self.reload("integrity", &table);
-                trace(|| format!("reload: {r:?}"));
-                if r.is_err() {
-                    self.devs.clear();
-                }
-                Ok(())
-            }
-            Stack::Raid | Stack::Raid5 => {
-                // a reload, as `lvchange --refresh` does: the table goes
-                // (its metadata written at the suspend), a new one reads it
-                if self.rng.chance(50) {
-                    return self.write(di);
-                }
-                let table = self.raid_table();
-                let r = self.reload("raid", &table);
+                let (name, table) = if matches!(self.o.stack, Stack::Raid | Stack::Raid5) {
+                    ("raid", self.raid_table())
+                } else {
+                    ("integrity", self.integrity_table())
+                };
+                let r = self.reload(name, &table);
                 trace(|| format!("reload: {r:?}"));
                 if r.is_err() {
                     self.devs.clear();

@@ -711,6 +711,14 @@ fn dmeventds() -> (Vec<u32>, bool) {
     (ours, foreign)
 }
 
+/// A dead PV under the dmkit device `name`: its table replaced by an `error`
+/// table of the same length (as its I/O would fail).
+fn fail_device(d: &Daemon, name: &str) {
+    let t = d.ok(&["table", name]);
+    let len = t.split_whitespace().nth(1).expect("its length").to_string();
+    d.reload(name, &format!("0 {len} error"));
+}
+
 /// One dmeventd per machine: the tests that start one take turns.
 static DMEVENTD: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -935,15 +943,7 @@ fn dmeventd_replaces_a_failed_raid1_leg_by_itself() {
     drop(c);
     d.wait_open_count(&top, 0);
     let img1 = format!("{vg}-ev_rimage_1");
-    let len = d
-        .ok(&["table", &img1])
-        .split_whitespace()
-        .nth(1)
-        .expect("length")
-        .to_string();
-    d.ok(&["load", &img1, "--table", &format!("0 {len} error")]);
-    d.ok(&["suspend", &img1]);
-    d.ok(&["resume", &img1]);
+    fail_device(&d, &img1);
     let mut c = nbd::Client::connect(&d.sock(), &top);
     c.write(3 * MIB, &data);
     assert_eq!(
@@ -1590,11 +1590,7 @@ fn lvm_raid1_repair_through_the_door() {
     d.wait_open_count(&top, 0);
     // the second image's PV dies
     let img1 = format!("{vg}-rp_rimage_1");
-    let t = d.ok(&["table", &img1]);
-    let len = t.split_whitespace().nth(1).expect("its length").to_string();
-    d.ok(&["load", &img1, "--table", &format!("0 {len} error")]);
-    d.ok(&["suspend", &img1]);
-    d.ok(&["resume", &img1]);
+    fail_device(&d, &img1);
     let second = pattern(44, 128 * 1024);
     let mut c = nbd::Client::connect(&d.sock(), &top);
     c.write(3 * MIB, &second);
