@@ -103,6 +103,15 @@ if ! mkdocs_ok; then
 fi
 mkdocs_ok || { echo "ci/install.sh: mkdocs 1.6 or later still missing after install" >&2; exit 1; }
 
+# gRPC for tests/lvmd.rs: its client is generated from proto/ by grpcio-tools
+# (independently of dmkit's server code) and run with grpcio.
+grpc_ok() { python3 -c 'import grpc, grpc_tools.protoc' 2>/dev/null; }
+if ! grpc_ok; then
+  echo "installing: grpcio, grpcio-tools (pip)"
+  python3 -m pip install --quiet 'grpcio>=1.60' 'grpcio-tools>=1.60'
+fi
+grpc_ok || { echo "ci/install.sh: grpcio and grpcio-tools still missing after install" >&2; exit 1; }
+
 # The thin-provisioning-tools 1.x reference (Debian trixie's build; bookworm has 0.9),
 # unpacked beside the system without touching its apt sources: the tests run each
 # `dmkit thin` tool and the reference of the same name on the same metadata.

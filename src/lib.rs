@@ -12,6 +12,7 @@ pub mod extents;
 pub mod gf256;
 pub mod io;
 pub mod lograte;
+pub mod lvmd;
 pub mod mapper;
 pub mod panics;
 pub mod pdata;

@@ -167,6 +167,11 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "read 1048576/1048576 bytes at offset 0\n",
             "<superblock uuid=\"\" block_size=\"128\" nr_cache_blocks=\"1024\" policy=\"cleaner\" hint_width=\"4\">\n",
         ],
+        h if h.starts_with("Recipe: dmkit as TopoLVM's lvmd") => &[
+            "serving TopoLVM's lvmd protocol on ",
+            "/lvmd.sock\nserving CSI SnapshotMetadata on ",
+            "/snapshot-metadata.sock\n",
+        ],
         h if h.starts_with("Recipe: a kernel block device (ublk)") => &[
             "/dev/ublkb0\n",                        // attach
             "Block device:      /dev/ublkb0\n512\n", // info; a linear's discard granularity

@@ -161,8 +161,61 @@ Examples:
   dmkit verity table data.img hash.img ROOT_HASH --name v   # a read-only device v"
     )]
     Verity(VerityCmd),
+    /// Serve TopoLVM's lvmd protocol (its node plugin's LVService and
+    /// VGService) from this daemon's thin pools, and CSI's SnapshotMetadata
+    /// (allocated and changed blocks of thin snapshots); runs until SIGTERM
+    #[command(
+        after_help = "FILE is lvmd's YAML (socket-name, device-classes); a device class is \
+a dmkit thin pool: `type: thin` and `thin-pool: {name: POOL, overprovision-ratio: R}`, POOL \
+being a dmkit thin-pool device. A volume is a thin device of that pool and a dmkit device named \
+LV (VG-LV where the class names a volume-group), made a kernel block device with `attach` \
+unless --no-attach. A record of each volume goes to --state; a lvmd stopped half-way through a \
+change finishes or undoes it when it starts again.
+
+Example (lvmd.yaml):
+  socket-name: /run/topolvm/lvmd.sock
+  device-classes:
+    - name: thin
+      default: true
+      type: thin
+      thin-pool: {name: pool, overprovision-ratio: 10.0}
+
+  dmkit lvmd --config lvmd.yaml --snapshot-metadata unix:/run/dmkit/snapshot-metadata.sock"
+    )]
+    Lvmd(LvmdArgs),
     #[command(flatten)]
     Dm(DmVerb),
+}
+
+#[derive(clap::Args, Debug)]
+struct LvmdArgs {
+    /// lvmd's configuration file (YAML)
+    #[arg(long, value_name = "FILE", default_value = "/etc/topolvm/lvmd.yaml")]
+    config: PathBuf,
+    /// Leave volumes as dmkit devices (/dev/mapper/NAME, served over NBD)
+    /// instead of attaching each as a ublk block device
+    #[arg(long)]
+    no_attach: bool,
+    /// Also serve CSI's SnapshotMetadata service, on this unix socket
+    /// (unix:PATH)
+    #[arg(long, value_name = "unix:PATH")]
+    snapshot_metadata: Option<String>,
+    /// The CSI driver name the Identity service beside SnapshotMetadata
+    /// answers (the driver whose snapshots these are)
+    #[arg(long, value_name = "NAME", default_value = "topolvm.io")]
+    csi_driver_name: String,
+    /// SnapshotMetadata's ranges: `fixed` (one per pool block,
+    /// FIXED_LENGTH) or `variable` (runs of blocks, VARIABLE_LENGTH)
+    #[arg(long, value_name = "KIND", default_value = "fixed", value_parser = ["fixed", "variable"])]
+    block_metadata: String,
+    /// The directory of lvmd's records, one file per volume [default:
+    /// RUN_DIR/lvmd]
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+    /// For tests only: exit (status 137) after this many steps of changes,
+    /// as a kill would stop it
+    #[arg(long, hide = true, value_name = "N")]
+    test_exit_after_steps: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -490,6 +543,38 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         Cmd::Cache(_) => Ok(thin_cli::cache::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
+        Cmd::Lvmd(a) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_target(false)
+                .init();
+            let snapshot_metadata = match a.snapshot_metadata.as_deref() {
+                None => None,
+                Some(s) => match s.strip_prefix("unix:") {
+                    Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
+                    _ => anyhow::bail!(
+                        "--snapshot-metadata {s}: unix:PATH (a TCP listener with TLS is not built yet)"
+                    ),
+                },
+            };
+            dmkit::lvmd::run(dmkit::lvmd::Options {
+                config: a.config,
+                state: a.state.unwrap_or_else(|| run_dir.join("lvmd")),
+                run_dir,
+                attach: !a.no_attach,
+                snapshot_metadata,
+                csi_driver_name: a.csi_driver_name,
+                variable_length: a.block_metadata == "variable",
+                test_exit_after_steps: a.test_exit_after_steps,
+            })
+            .map_err(anyhow::Error::msg)?;
+            Ok(0)
+        }
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "dmkit", &mut std::io::stdout());
             Ok(0)
