@@ -110,48 +110,33 @@ impl Lvmd {
     }
 }
 
-/// The tuples of `r` from byte `start`, in messages of at most `per`.
-fn messages(r: &Ranges, start: u64, per: usize, variable: bool) -> Vec<Vec<BlockMetadata>> {
-    let mut out: Vec<Vec<BlockMetadata>> = Vec::new();
-    let mut cur = Vec::new();
-    let mut push = |b: BlockMetadata, cur: &mut Vec<BlockMetadata>| {
-        cur.push(b);
-        if cur.len() == per {
-            out.push(std::mem::take(cur));
-        }
-    };
-    for &(first, n) in &r.runs {
-        let (from, to) = (
-            first * r.block_bytes,
-            ((first + n) * r.block_bytes).min(r.capacity),
-        );
-        if to <= start || from >= to {
-            continue;
-        }
-        if variable {
-            let tuple = BlockMetadata {
-                byte_offset: from as i64,
-                size_bytes: (to - from) as i64,
+/// The tuples of `r` from byte `start`, one at a time: a pool block each, or
+/// (`variable`) a run of blocks each. Made as they are sent, so a stream's
+/// memory is one message, whatever the volume maps.
+fn tuples(r: &Ranges, start: u64, variable: bool) -> impl Iterator<Item = BlockMetadata> + '_ {
+    let bytes = r.block_bytes;
+    r.runs
+        .iter()
+        .map(move |&(first, n)| (first * bytes, ((first + n) * bytes).min(r.capacity)))
+        .filter(move |&(from, to)| to > start && from < to)
+        .flat_map(move |(from, to)| {
+            // whole blocks: from the first that ends after `start`
+            let first = if variable {
+                from
+            } else {
+                from.max(start - start % bytes)
             };
-            push(tuple, &mut cur);
-        } else {
-            // whole blocks: the first that ends after `start`
-            let mut b = from.max(start - start % r.block_bytes).max(from);
-            while b < to {
-                let tuple = BlockMetadata {
-                    byte_offset: b as i64,
-                    size_bytes: r.block_bytes as i64,
-                };
-                push(tuple, &mut cur);
-                b += r.block_bytes;
-            }
-        }
-    }
-    // at least one message, so the client learns the capacity and the kind
-    if !cur.is_empty() || out.is_empty() {
-        out.push(cur);
-    }
-    out
+            let step = if variable { to - from } else { bytes };
+            (first..to).step_by(step as usize).map(move |b| BlockMetadata {
+                byte_offset: b as i64,
+                size_bytes: (step.min(to - b)) as i64,
+            })
+        })
+}
+
+/// The next message: at most `per` tuples.
+fn next_message(it: &mut impl Iterator<Item = BlockMetadata>, per: usize) -> Vec<BlockMetadata> {
+    it.take(per).collect()
 }
 
 pub(super) struct Meta {
@@ -264,8 +249,17 @@ fn stream<T: Send + 'static>(
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tokio::spawn(async move {
         let cap = r.capacity as i64;
-        for m in messages(&r, start, per, variable) {
-            if tx.send(Ok(make(cap, m))).await.is_err() {
+        let mut it = tuples(&r, start, variable);
+        let mut first = true;
+        loop {
+            let m = next_message(&mut it, per);
+            // at least one message, so the client learns the capacity and the kind
+            if m.is_empty() && !first {
+                return;
+            }
+            first = false;
+            let last = m.len() < per;
+            if tx.send(Ok(make(cap, m))).await.is_err() || last {
                 return;
             }
         }
@@ -326,6 +320,20 @@ impl SnapshotMetadata for Meta {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The messages a stream sends (as `stream` cuts them).
+    fn messages(r: &Ranges, start: u64, per: usize, variable: bool) -> Vec<Vec<BlockMetadata>> {
+        let mut it = tuples(r, start, variable);
+        let mut out = vec![next_message(&mut it, per)];
+        while out.last().is_some_and(|m| m.len() == per) {
+            let m = next_message(&mut it, per);
+            if m.is_empty() {
+                break;
+            }
+            out.push(m);
+        }
+        out
+    }
 
     fn offsets(m: &[Vec<BlockMetadata>]) -> Vec<(i64, i64)> {
         m.iter()
