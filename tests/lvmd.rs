@@ -683,11 +683,11 @@ fn dev_id(d: &Daemon, name: &str) -> u64 {
 
 #[test]
 fn snapshot_metadata_deltas_equal_thin_delta_and_restore_backups_exactly() {
-    // 12 snapshots: 132 ordered pairs (LVMD_DELTA_SNAPSHOTS=101 gives 10,100)
+    // 20 snapshots: 20 generations of backup, 380 ordered pairs (LVMD_DELTA_SNAPSHOTS=101 gives 10,100)
     let gens: usize = std::env::var("LVMD_DELTA_SNAPSHOTS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(12);
+        .unwrap_or(20);
     let d = Daemon::start("lvmd-delta");
     let cfg = pool(&d, "100.0");
     let mut l = Lvmd::start(&d, &cfg, &[]);
