@@ -350,6 +350,18 @@ fn lvmd_serves_topolvms_protocol_from_a_thin_pool() {
     );
     assert_eq!(int(&msgs[msgs.len() - 1]["free_bytes"]), 10 * grown - 304 * MIB);
 
+    // Watch streams are bounded: the 65th is refused, the others go on
+    let codes = l.ask(json!({"hold_watches": 65})).unwrap();
+    let codes: Vec<&str> = codes
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert_eq!(codes[..64], ["OK"; 64]);
+    assert_eq!(codes[64], "RESOURCE_EXHAUSTED");
+    l.ask(json!({"hold_watches": 0})).unwrap();
+
     // bad requests: the codes TopoLVM expects, and lvmd goes on serving
     l.fails(
         "lv",

@@ -15,6 +15,9 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tonic::{Request, Response, Status};
 
+/// Watch streams open at once, at most (TopoLVM's node plugin opens one).
+const MAX_WATCHES: usize = 64;
+
 pub(super) fn status(e: Error) -> Status {
     match e {
         Error::NotFound(m) => Status::not_found(m),
@@ -175,6 +178,13 @@ impl VgService for Shared {
     type WatchStream = ReceiverStream<Result<pb::WatchResponse, Status>>;
 
     async fn watch(&self, _r: Request<pb::Empty>) -> Result<Response<Self::WatchStream>, Status> {
+        // each stream looks at the pools every second: a bound on them keeps
+        // a client that opens thousands from starving every other request
+        if self.changed.receiver_count() >= MAX_WATCHES {
+            return Err(Status::resource_exhausted(format!(
+                "{MAX_WATCHES} Watch streams are open already"
+            )));
+        }
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
         let mut changed = self.changed.subscribe();

@@ -5,6 +5,7 @@
 Usage: client.py LVMD_SOCKET [SNAPSHOT_METADATA_SOCKET]
 Reads one JSON request per line on stdin:
   {"svc": "lv"|"vg"|"sm"|"id", "rpc": NAME, "req": {...}, "take": N, "timeout": S}
+(or {"hold_watches": N}: N Watch streams opened and held, 0 closes them)
 and answers one JSON line: {"ok": MESSAGE} for a unary call, {"ok": [MESSAGES]}
 for a stream (the first N with "take", up to the first whose thin pool
 is "until_pool_size" bytes with that, else all), or {"code": "NOT_FOUND",
@@ -69,8 +70,26 @@ def main():
         sm = grpc.insecure_channel(f"unix://{sys.argv[2]}", options=opts)
         stubs["sm"] = cg.SnapshotMetadataStub(sm)
         stubs["id"] = cg.IdentityStub(sm)
+    held = []
     for line in sys.stdin:
         q = json.loads(line)
+        if q.get("hold_watches") is not None:
+            # open this many Watch streams and keep them open (0: close them
+            # all); answers each one's first message or its error code
+            for it in held:
+                it.cancel()
+            held = []
+            codes = []
+            for _ in range(q["hold_watches"]):
+                it = stubs["vg"].Watch(pb.Empty(), timeout=60)
+                try:
+                    next(it)
+                    codes.append("OK")
+                    held.append(it)
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+            print(json.dumps({"ok": codes}), flush=True)
+            continue
         rpc = getattr(stubs[q["svc"]], q["rpc"])
         mod = cpb if q["svc"] in ("sm", "id") else pb
         req_type = {
