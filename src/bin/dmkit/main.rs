@@ -558,7 +558,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 Some(s) => match s.strip_prefix("unix:") {
                     Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
                     _ => anyhow::bail!(
-                        "--snapshot-metadata {s}: unix:PATH (a TCP listener with TLS is not built yet)"
+                        "--snapshot-metadata {s}: unix:PATH (the socket the snapshot-metadata sidecar's --csi-address names; the sidecar serves TLS)"
                     ),
                 },
             };
