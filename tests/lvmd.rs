@@ -783,6 +783,18 @@ fn snapshot_metadata_deltas_equal_thin_delta_and_restore_backups_exactly() {
     let probe = l.ok("id", "Probe", json!({}));
     assert_eq!(probe["ready"]["value"], true, "{probe}");
 
+    // a lvmd stopped while it holds the pool's metadata snapshot: the next one releases it
+    drop(l);
+    let mut l = Lvmd::start(&d, &cfg, &["--test-exit-after-steps", "1"]);
+    assert!(l
+        .call("sm", "GetMetadataAllocated", json!({"snapshot_id": "s1"}))
+        .is_err());
+    assert_eq!(l.wait_exit(), 137);
+    let seen = log_of(&d).len();
+    let mut l = Lvmd::start(&d, &cfg, &[]);
+    assert!(log_of(&d)[seen..].contains("releasing the metadata snapshot a stopped lvmd held"));
+    l.ok("sm", "GetMetadataAllocated", json!({"snapshot_id": "s1"}));
+
     // allocated: the snapshot's mapped blocks, also from an offset
     let all = blocks(
         &l.ok("sm", "GetMetadataAllocated", json!({"snapshot_id": "s5"})),

@@ -242,6 +242,17 @@ impl Lvmd {
                 ));
             }
         }
+        // a metadata snapshot a previous lvmd reserved and did not release
+        for dc in &self.cfg.device_classes {
+            let pool = &dc.pool().name;
+            let marker = snapmeta::metadata_snap_marker(pool);
+            if self.store.marked(&marker) {
+                tracing::info!("lvmd: thin pool {pool}: releasing the metadata snapshot a stopped lvmd held");
+                // (already released, if it stopped between the release and the marker)
+                let _ = self.dm.message(pool, "release_metadata_snap");
+                self.store.mark(&marker, false)?;
+            }
+        }
         // thin ids: past every one a pool holds and every one a record names
         for dc in self.cfg.device_classes.clone() {
             let pool = dc.pool().name.clone();

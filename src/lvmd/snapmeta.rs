@@ -29,6 +29,11 @@ struct Ranges {
     runs: Vec<(u64, u64)>,
 }
 
+/// The marker lvmd keeps while it holds POOL's metadata snapshot.
+pub(super) fn metadata_snap_marker(pool: &str) -> String {
+    format!(".metadata-snap.{pool}.held")
+}
+
 impl Lvmd {
     /// Mapped ranges of thin device `right`, or (with `left`) the ranges where
     /// `left` and `right` map differently, from a metadata snapshot of `pool`.
@@ -50,7 +55,12 @@ impl Lvmd {
                 "{pool}: its metadata device {meta} is not a file or block device lvmd can read"
             )));
         }
+        // marked first: a lvmd stopped while it holds the pool's metadata
+        // snapshot releases it at its next start (`Lvmd::recover`)
+        let marker = metadata_snap_marker(pool);
+        self.store.mark(&marker, true)?;
         self.dm.message(pool, "reserve_metadata_snap")?;
+        self.step();
         let r = (|| {
             let dev = crate::pdata::FileDev::open(path, false).map_err(|e| format!("{meta}: {e}"))?;
             let mut tm = crate::thin::dump::reader(Box::new(dev), 256);
@@ -79,6 +89,9 @@ impl Lvmd {
             Ok::<_, String>((u64::from(rep.data_block_size) * 512, runs))
         })();
         let released = self.dm.message(pool, "release_metadata_snap");
+        if released.is_ok() {
+            self.store.mark(&marker, false)?;
+        }
         let r = r?;
         released?;
         Ok(r)

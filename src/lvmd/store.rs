@@ -90,6 +90,26 @@ impl Store {
         })
     }
 
+    /// A marker file of lvmd's beside the records (no `.json`: not a record),
+    /// made durable or removed durably.
+    pub fn mark(&self, marker: &str, set: bool) -> Result<(), String> {
+        let path = self.dir.join(marker);
+        let r = if set {
+            std::fs::File::create(&path).and_then(|f| f.sync_all())
+        } else {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            }
+        };
+        r.map_err(|e| format!("{}: {e}", path.display()))?;
+        self.sync_dir()
+    }
+
+    pub fn marked(&self, marker: &str) -> bool {
+        self.dir.join(marker).exists()
+    }
+
     fn sync_dir(&self) -> Result<(), String> {
         std::fs::File::open(&self.dir)
             .and_then(|d| d.sync_all())
