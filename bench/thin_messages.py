@@ -11,27 +11,12 @@ Usage: bench/thin_messages.py [--levels 10,2000,10000] [--samples 20]
        [--dir /dev/shm] [--before OLD_DMKIT]
 Prints a markdown table for BENCHMARKS.md ("Kubernetes nodes: lvmd").
 """
-import argparse, os, socket, statistics, struct, subprocess, sys, tempfile, time
+import argparse, os, statistics, subprocess, sys, tempfile, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import DMKIT, wait_for  # noqa: E402
-
-
-def call(run, words):
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(os.path.join(run, "control.sock"))
-    req = struct.pack(">I", len(words))
-    for w in words:
-        b = w.encode()
-        req += struct.pack(">I", len(b)) + b
-    req += struct.pack(">I", 0)
-    s.sendall(req)
-    ok = s.recv(1) == b"\0"
-    while s.recv(65536):
-        pass
-    if not ok:
-        sys.exit(f"{' '.join(words)}: failed")
+from control_scaling import must  # noqa: E402  (one control request, exits on failure)
 
 
 def measure(binary, levels, samples, tmp):
@@ -45,12 +30,13 @@ def measure(binary, levels, samples, tmp):
     out = {}
     try:
         wait_for(os.path.join(run, "serve.pid"))
-        call(run, ["create", "pool", "--table", f"0 {(64 << 30) // 512} thin-pool {meta} {data} 128 0"])
+        sock = os.path.join(run, "control.sock")
+        must(sock, ["create", "pool", "--table", f"0 {(64 << 30) // 512} thin-pool {meta} {data} 128 0"])
         have = 0
         for level in levels:
             while have < level:
-                call(run, ["message", "pool", "0", f"create_thin {have}"])
-                call(run, ["create", f"t{have}", "--table", f"0 131072 thin /dev/mapper/pool {have}"])
+                must(sock, ["message", "pool", "0", f"create_thin {have}"])
+                must(sock, ["create", f"t{have}", "--table", f"0 131072 thin /dev/mapper/pool {have}"])
                 have += 1
             t = {"create_thin": [], "create_snap": [], "delete": []}
             for i in range(samples):
@@ -58,9 +44,9 @@ def measure(binary, levels, samples, tmp):
                 for what, words in (("create_thin", f"create_thin {j}"), ("create_snap", f"create_snap {j + 1} 0"),
                                     ("delete", f"delete {j}")):
                     s = time.perf_counter()
-                    call(run, ["message", "pool", "0", words])
+                    must(sock, ["message", "pool", "0", words])
                     t[what].append(time.perf_counter() - s)
-                call(run, ["message", "pool", "0", f"delete {j + 1}"])
+                must(sock, ["message", "pool", "0", f"delete {j + 1}"])
             out[level] = {k: statistics.median(v) * 1e3 for k, v in t.items()}
             print(f"{binary}: {level} thins: " + ", ".join(f"{k} {v:.2f} ms" for k, v in out[level].items()),
                   file=sys.stderr)

@@ -119,16 +119,22 @@ impl Dmkit {
     }
 
     /// A thin pool's size and use (its table's block size, its status's counts).
-    pub fn pool_usage(&self, pool: &str) -> Result<PoolUsage, String> {
+    /// A thin pool's table line: (its metadata device as the table names it,
+    /// its data block size in sectors).
+    pub fn pool_table(&self, pool: &str) -> Result<(String, u64), String> {
         let table = self.call(&["table", pool])?;
         let w: Vec<&str> = table.split_whitespace().collect();
         if w.get(2) != Some(&"thin-pool") {
             return Err(format!("{pool}: not a thin-pool device"));
         }
-        let block_sectors: u64 = w
-            .get(5)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| format!("{pool}: no block size in its table '{}'", table.trim()))?;
+        match (w.get(3), w.get(5).and_then(|s| s.parse().ok())) {
+            (Some(meta), Some(block_sectors)) => Ok((meta.to_string(), block_sectors)),
+            _ => Err(format!("{pool}: not a thin-pool table: '{}'", table.trim())),
+        }
+    }
+
+    pub fn pool_usage(&self, pool: &str) -> Result<PoolUsage, String> {
+        let (_, block_sectors) = self.pool_table(pool)?;
         let status = self.call(&["status", pool])?;
         let s: Vec<&str> = status.split_whitespace().collect();
         let frac = |i: usize| -> Option<(u64, u64)> {

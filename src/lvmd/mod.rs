@@ -257,17 +257,7 @@ impl Lvmd {
         for dc in self.cfg.device_classes.clone() {
             let pool = dc.pool().name.clone();
             let held = self.dm.thin_ids(&pool)?.into_iter().max().map(|m| m + 1);
-            let recorded = self
-                .store
-                .volumes
-                .values()
-                .filter(|v| {
-                    self.cfg
-                        .class(&v.device_class)
-                        .is_some_and(|d| d.pool().name == pool)
-                })
-                .map(|v| v.dev_id + 1)
-                .max();
+            let recorded = self.volumes_in(&pool).map(|v| v.dev_id + 1).max();
             self.next_dev_id.insert(pool, held.max(recorded).unwrap_or(0));
         }
         let names: Vec<String> = self.store.volumes.keys().cloned().collect();
@@ -420,18 +410,18 @@ impl Lvmd {
         })
     }
 
+    /// The volumes recorded in a pool (of any class over it).
+    fn volumes_in<'a>(&'a self, pool: &'a str) -> impl Iterator<Item = &'a Volume> + 'a {
+        self.store.volumes.values().filter(move |v| {
+            self.cfg
+                .class(&v.device_class)
+                .is_some_and(|d| d.pool().name == pool)
+        })
+    }
+
     /// The bytes of volumes recorded in a pool (LVM's virtual size of a pool).
     fn virtual_bytes(&self, pool: &str) -> u64 {
-        self.store
-            .volumes
-            .values()
-            .filter(|v| {
-                self.cfg
-                    .class(&v.device_class)
-                    .is_some_and(|d| d.pool().name == pool)
-            })
-            .map(|v| v.size_bytes)
-            .sum()
+        self.volumes_in(pool).map(|v| v.size_bytes).sum()
     }
 
     /// lvmd's free bytes of a thin class: the pool's size times the

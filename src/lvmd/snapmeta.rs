@@ -43,12 +43,7 @@ impl Lvmd {
         left: Option<u64>,
         right: u64,
     ) -> Result<(u64, Vec<(u64, u64)>), Error> {
-        let table = self.dm.call(&["table", pool])?;
-        let meta = table
-            .split_whitespace()
-            .nth(3)
-            .ok_or_else(|| Error::Internal(format!("{pool}: no metadata device in its table")))?
-            .to_string();
+        let (meta, _) = self.dm.pool_table(pool)?;
         let path = std::path::Path::new(&meta);
         if !path.is_absolute() || !path.exists() {
             return Err(Error::Unimplemented(format!(
