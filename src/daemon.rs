@@ -32,6 +32,9 @@ pub struct ServeOptions {
     pub restore: bool,
     /// Attach every device as a ublk block device at its resume (`--attach`).
     pub attach: bool,
+    /// Devices to serve as vhost-user-blk disks, each on its socket, when a
+    /// table is resumed on them (`--vhost-user NAME=SOCKET`).
+    pub vhost_user: Vec<(String, PathBuf)>,
     /// Timings and switches set by `serve`'s options (never by the environment).
     pub tuning: Tuning,
     /// Called once the sockets are listening and the devices are made (the
@@ -268,6 +271,9 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     });
     ctx.ublk
         .set_map_dir(opts.run_dir.join(crate::export::ublk::MAP_DIR));
+    for (name, socket) in &opts.vhost_user {
+        ctx.vhost.want(name, socket.clone());
+    }
     if let Some(g) = group {
         ctx.files.set_group(g);
     }

@@ -25,6 +25,8 @@ use verbs::{DmVerb, Request, ShowArgs, TableArgs};
 pub struct Ctx {
     pub reg: Arc<Registry>,
     pub ublk: ublk::Frontend,
+    /// Devices served to virtual machines as vhost-user-blk disks.
+    pub vhost: crate::export::vhost::Frontend,
     /// The devices as files, for programs behind the door (mounted on demand).
     pub files: crate::export::files::DeviceFiles,
     /// Where the daemon keeps its sockets and files (None: nowhere, when fuzzing).
@@ -43,6 +45,7 @@ impl Ctx {
         Ctx {
             reg,
             ublk: ublk::Frontend::default(),
+            vhost: Default::default(),
             files: Default::default(),
             run_dir: None,
             state,
@@ -56,6 +59,7 @@ impl Ctx {
     pub fn sandboxed(reg: Arc<Registry>) -> Ctx {
         Ctx {
             ublk: ublk::Frontend::disabled(),
+            vhost: crate::export::vhost::Frontend::disabled(),
             files: crate::export::files::DeviceFiles::disabled(),
             ..Ctx::new(reg, None)
         }
@@ -323,9 +327,16 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         }
         DmVerb::Stats { devs, .. } => each(reg, &devs.names, &devs.pick, |n| reg.stats(n).map_err(e)),
         DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
-        DmVerb::Attach { name, recover } => {
+        DmVerb::Attach {
+            name,
+            recover,
+            vhost_user,
+        } => {
             let dev = reg.get(&name).map_err(e)?;
-            let path = ctx.ublk.attach(&dev, recover)?;
+            let path = match vhost_user {
+                Some(socket) => ctx.vhost.attach(&dev, &socket)?,
+                None => ctx.ublk.attach(&dev, recover)?,
+            };
             Ok(format!("{path}\n"))
         }
         DmVerb::DeviceFiles => {
@@ -334,8 +345,11 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             Ok(format!("{}\n", dir.display()))
         }
         DmVerb::Holder { path } => Ok(reg.holder(&path).map(|n| n + "\n").unwrap_or_default()),
-        DmVerb::Detach { name } => {
+        DmVerb::Detach { name, force } => {
             let dev = reg.get(&name).map_err(e)?;
+            if ctx.vhost.detach(&dev, force)? {
+                return Ok(String::new());
+            }
             ctx.ublk.detach(&dev).map(|()| String::new())
         }
     }
@@ -468,6 +482,16 @@ fn before_resume(ctx: &Ctx, name: &str) -> Result<(), String> {
         return Ok(());
     };
     let new = dev.inactive.lock().unpoisoned().as_ref().map(|t| t.size);
+    if ctx.vhost.has(&dev) {
+        return match new {
+            Some(n) if n != dev.size_sectors() => Err(format!(
+                "{name}: attached as {b}, which cannot tell the guest of a new size yet: the new table has {n} \
+                 sectors, the device {}; detach it first (or load a table of the same size)",
+                dev.size_sectors()
+            )),
+            _ => Ok(()),
+        };
+    }
     match new {
         Some(n) if n != dev.size_sectors() && (!ctx.auto_attach || ctx.ublk.held(&dev)) => {
             let how = if ctx.auto_attach {
@@ -490,11 +514,19 @@ fn before_resume(ctx: &Ctx, name: &str) -> Result<(), String> {
 /// table changed them). A device that cannot be attached still works through
 /// the door's files; the reason is logged.
 fn after_resume(ctx: &Ctx, name: &str) {
-    if !ctx.auto_attach {
-        return;
-    }
     let Ok(dev) = ctx.reg.get(name) else { return };
     if dev.suspended.load(std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    if let Some(socket) = ctx.vhost.wanted(name) {
+        if dev.block_device().is_none() && dev.size_sectors() > 0 {
+            if let Err(e) = ctx.vhost.attach(&dev, &socket) {
+                tracing::warn!("{name}: not served on {}: {e}", socket.display());
+            }
+        }
+        return;
+    }
+    if !ctx.auto_attach {
         return;
     }
     if ctx.ublk.misfits(&dev) {
@@ -515,7 +547,7 @@ fn after_resume(ctx: &Ctx, name: &str) {
 pub(crate) fn before_remove_all(ctx: &Ctx) {
     if ctx.auto_attach {
         for d in ctx.reg.list() {
-            if d.block_device().is_some() {
+            if d.block_device().is_some() && !ctx.vhost.has(&d) {
                 let _ = ctx.ublk.detach(&d);
             }
         }
@@ -530,7 +562,8 @@ fn before_remove(ctx: &Ctx, name: &str) -> Result<(), String> {
         return Ok(());
     }
     let Ok(dev) = ctx.reg.get(name) else { return Ok(()) };
-    if dev.block_device().is_none() {
+    if dev.block_device().is_none() || ctx.vhost.has(&dev) {
+        // a vhost-user disk stays: the removal is refused while it is attached
         return Ok(());
     }
     ctx.ublk

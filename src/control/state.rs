@@ -8,7 +8,7 @@
 //! the same device after it. Pools, caches and snapshots keep
 //! their own state in their metadata; the file holds only what the kernel's
 //! device-mapper would lose at a reboot: which tables are loaded, and which
-//! device is attached as which ublk block device. No key is ever written here:
+//! device is attached as which ublk block device or vhost-user socket. No key is ever written here:
 //! a dm-crypt table is recorded with its key zeroed, and made again suspended
 //! with the key wiped, waiting for it. The file is its owner's alone (mode 0600).
 
@@ -29,22 +29,29 @@ pub fn requests(ctx: &Ctx) -> Vec<Vec<String>> {
         .iter()
         .flat_map(|d| device_requests(ctx, d))
         .collect();
-    out.extend(
-        ctx.ublk
-            .ids()
-            .into_iter()
-            .map(|(d, id)| attach_request(&d.name(), id)),
-    );
+    out.extend(attach_requests(ctx).into_values());
     out
 }
 
-fn attach_request(name: &str, id: u32) -> Vec<String> {
-    vec![
-        "attach".into(),
-        name.to_string(),
-        "--recover".into(),
-        id.to_string(),
-    ]
+/// Each attached device's request that attaches it again: its ublk block
+/// device taken over, or its vhost-user socket listened on.
+fn attach_requests(ctx: &Ctx) -> std::collections::BTreeMap<String, Vec<String>> {
+    let ublk = ctx.ublk.ids().into_iter().map(|(d, id)| {
+        let name = d.name();
+        (
+            name.clone(),
+            vec!["attach".into(), name, "--recover".into(), id.to_string()],
+        )
+    });
+    let vhost = ctx.vhost.sockets().into_iter().map(|(d, socket)| {
+        let name = d.name();
+        let socket = socket.display().to_string();
+        (
+            name.clone(),
+            vec!["attach".into(), name, "--vhost-user".into(), socket],
+        )
+    });
+    ublk.chain(vhost).collect()
 }
 
 /// The requests that make device `d` again: `create` with its live table, the
@@ -227,8 +234,8 @@ struct Recorded {
     /// Its size, and the bytes of entries appended since.
     base: u64,
     appended: u64,
-    /// Devices attached as block devices when last recorded, and their ids.
-    attached: std::collections::BTreeMap<String, u32>,
+    /// Devices attached when last recorded, and the requests that attach them.
+    attached: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 impl Recorder {
@@ -236,11 +243,10 @@ impl Recorder {
     pub fn record(&self, ctx: &Ctx, path: &Path, all: bool) -> std::io::Result<()> {
         let mut st = self.0.lock().unpoisoned();
         let changed = ctx.reg.take_changed();
-        let attached: std::collections::BTreeMap<String, u32> =
-            ctx.ublk.ids().into_iter().map(|(d, id)| (d.name(), id)).collect();
+        let attached = attach_requests(ctx);
         let mut names = changed.names;
-        for (n, id) in &attached {
-            if st.attached.get(n) != Some(id) {
+        for (n, req) in &attached {
+            if st.attached.get(n) != Some(req) {
                 names.insert(n.clone());
             }
         }
@@ -262,8 +268,8 @@ impl Recorder {
                 Ok(d) => {
                     text.push_str(&format!("{SET}{name}\n"));
                     let mut reqs = device_requests(ctx, &d);
-                    if let Some(id) = st.attached.get(name) {
-                        reqs.push(attach_request(name, *id));
+                    if let Some(req) = st.attached.get(name) {
+                        reqs.push(req.clone());
                     }
                     push_requests(&mut text, &reqs);
                 }

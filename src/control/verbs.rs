@@ -276,20 +276,33 @@ Example:
         devs: AnyDevices,
     },
     /// dmkit's own: make a device a kernel block device through ublk (ublk_drv,
-    /// Linux 6.5+): /dev/ublkbN, and /dev/mapper/NAME pointing at it
-    #[command(after_help = "Example:
-  modprobe ublk_drv && dmkit attach vol   # prints /dev/ublkb0")]
+    /// Linux 6.5+): /dev/ublkbN, and /dev/mapper/NAME pointing at it; or, with
+    /// --vhost-user, a virtual machine's disk
+    #[command(after_help = "Examples:
+  modprobe ublk_drv && dmkit attach vol   # prints /dev/ublkb0
+  dmkit attach vol --vhost-user /run/vol.sock   # then: qemu ... -chardev socket,id=c0,path=/run/vol.sock,reconnect=1 -device vhost-user-blk-pci,chardev=c0")]
     Attach {
         name: String,
         /// Take over the block device with this ublk id that a previous daemon
         /// served (what `serve --restore` does)
-        #[arg(long, value_name = "ID")]
+        #[arg(long, value_name = "ID", conflicts_with = "vhost_user")]
         recover: Option<u32>,
+        /// Serve the device as a vhost-user-blk disk on this unix socket instead,
+        /// for a virtual machine (QEMU's vhost-user-blk-pci, Cloud Hypervisor's
+        /// vhost_user disk); needs no kernel module
+        #[arg(long, value_name = "SOCKET")]
+        vhost_user: Option<std::path::PathBuf>,
     },
     /// dmkit's own: remove a device's block device (refused while mounted)
     #[command(after_help = "Example:
   umount /mnt/vol && dmkit detach vol")]
-    Detach { name: String },
+    Detach {
+        name: String,
+        /// A vhost-user disk: stop serving it although a virtual machine is
+        /// connected (its I/O waits until a frontend reconnects elsewhere)
+        #[arg(long)]
+        force: bool,
+    },
     /// dmkit's own: the device whose table holds the file or block device PATH
     /// (what a tool refused with EBUSY names)
     #[command(hide = true)]

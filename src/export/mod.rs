@@ -2,3 +2,4 @@
 pub mod files;
 pub mod nbd;
 pub mod ublk;
+pub mod vhost;

@@ -29,6 +29,11 @@
 #                        boot: the script loads them with `load_dm` when it wants
 #                        the kernel's device-mapper (until then the guest has none)
 #   ORACLE_SMP, ORACLE_MEM  the guest's CPUs (default 1) and MiB (default 512)
+#   ORACLE_QEMU_ARGS     more qemu arguments, space-separated (a vhost-user disk:
+#                        its chardev and device; the guest's memory is then
+#                        shared, as vhost-user needs)
+#   ORACLE_SERIAL        where the serial console is written as the guest runs
+#                        (for a test that acts on what the guest prints)
 # Exit status: qemu's (0 normally), 124 on timeout, 77 when a prerequisite
 # (package, kernel download) could not be had.
 set -euo pipefail
@@ -193,14 +198,19 @@ drives=()
 for d in "$@"; do
   drives+=(-drive "file=$d,format=raw,if=virtio,cache=unsafe")
 done
+extra=()
+if [ -n "${ORACLE_QEMU_ARGS:-}" ]; then
+  read -r -a extra <<<"$ORACLE_QEMU_ARGS"
+  extra+=(-object "memory-backend-memfd,id=mem,size=${ORACLE_MEM:-512}M,share=on" -machine memory-backend=mem)
+fi
 set +e
 nice -n 19 timeout "$TIMEOUT" "$QEMU" -accel tcg -cpu max -m "${ORACLE_MEM:-512}" -smp "${ORACLE_SMP:-1}" \
   -nodefaults -display none -no-reboot -monitor none \
-  -serial "file:$WORK/serial.log" \
+  -serial "file:${ORACLE_SERIAL:-$WORK/serial.log}" \
   -kernel "$VMLINUZ" -initrd "$WORK/initrd.gz" \
   -append "console=ttyS0 quiet panic=-1 loglevel=4" \
-  "${drives[@]}" </dev/null
+  "${drives[@]}" "${extra[@]}" </dev/null
 rc=$?
 set -e
-tr -d '\r' <"$WORK/serial.log"
+tr -d '\r' <"${ORACLE_SERIAL:-$WORK/serial.log}"
 exit $rc

@@ -391,6 +391,11 @@ struct ServeArgs {
     /// device, and filesystems on it mount (needs root and ublk_drv)
     #[arg(long)]
     attach: bool,
+    /// Serve device NAME as a vhost-user-blk disk on unix socket SOCKET (as
+    /// `dmkit attach NAME --vhost-user SOCKET`) once a table is resumed on it;
+    /// repeatable
+    #[arg(long, value_name = "NAME=SOCKET", value_parser = name_and_socket)]
+    vhost_user: Vec<(String, PathBuf)>,
     /// How long a thin pool out of data space queues writes before failing them
     /// (the kernel's dm_thin_pool.no_space_timeout; 0: queue until space comes)
     #[arg(long, value_name = "SECS", default_value_t = 60)]
@@ -518,6 +523,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 writecache_lru_writeback: a.writecache_lru_writeback,
                 restore: a.restore,
                 attach: a.attach,
+                vhost_user: a.vhost_user,
                 tuning: dmkit::daemon::Tuning {
                     thin_no_space_timeout: Duration::from_secs(a.thin_no_space_timeout),
                     nbd_handshake_timeout: Duration::from_millis(a.nbd_handshake_timeout_ms),
@@ -1270,4 +1276,12 @@ fn flush_progress(
         }
     });
     (stop, h)
+}
+
+/// `NAME=SOCKET` of `serve --vhost-user`.
+fn name_and_socket(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((n, p)) if !n.is_empty() && !p.is_empty() => Ok((n.to_string(), PathBuf::from(p))),
+        _ => Err(format!("{s:?}: expected NAME=SOCKET")),
+    }
 }
