@@ -111,7 +111,11 @@ fn documents() -> Vec<String> {
 /// where the kernel has ublk, and always in the 6.12 guest
 /// (`the_readmes_ublk_blocks_run_in_the_6_12_guest`).
 fn needs_ublk(b: &Block) -> bool {
-    b.text.contains("dmkit attach") || b.text.contains("serve --attach")
+    let attach = b
+        .text
+        .lines()
+        .any(|l| l.contains("dmkit attach") && !l.contains("--vhost-user"));
+    attach || b.text.contains("serve --attach")
 }
 
 /// Why a block is left to the guest, if it is.
@@ -171,6 +175,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "serving TopoLVM's lvmd protocol on ",
             "/lvmd.sock\nserving CSI SnapshotMetadata on ",
             "/snapshot-metadata.sock\n",
+        ],
+        h if h.starts_with("Recipe: a VM on a dmkit disk") => &[
+            "/vmdisk.sock\nBlock device:      vhost-user:/", // attach; info
+            // the guest's line (its console ends lines with \r\n)
+            "/vmdisk.sock\nthe guest sees /dev/vda: 2097152 sectors, serial vmdisk\r\n",
+            "\nwritten by the guest\n", // head of the file
         ],
         h if h.starts_with("Recipe: a kernel block device (ublk)") => &[
             "/dev/ublkb0\n",                        // attach

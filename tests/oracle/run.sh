@@ -10,6 +10,8 @@
 #
 # Usage: run.sh TEST_SCRIPT [DISK_IMAGE...]
 #        run.sh --prepare          (install + download only)
+#        run.sh --build DIR TEST_SCRIPT   (DIR/vmlinuz and DIR/initrd.gz, to boot
+#                                          elsewhere; no qemu run here)
 #   TEST_SCRIPT is a busybox sh script run inside the guest after the modules
 #   are loaded; disks appear as /dev/vda, /dev/vdb, ... in the order given.
 #   The guest prints "ORACLE-EXIT <rc>" after the script, then powers off.
@@ -104,6 +106,12 @@ if [ "${1:-}" = "--prepare" ]; then
   echo "oracle: ready: $VMLINUZ"
   exit 0
 fi
+BUILD=""
+if [ "${1:-}" = "--build" ]; then
+  [ $# -eq 3 ] || { echo "usage: $0 --build DIR TEST_SCRIPT" >&2; exit 2; }
+  BUILD=$2
+  shift 2
+fi
 [ $# -ge 1 ] || { echo "usage: $0 TEST_SCRIPT [DISK_IMAGE...]" >&2; exit 2; }
 SCRIPT=$1
 shift
@@ -193,6 +201,12 @@ poweroff -f
 EOF
 chmod +x "$ROOT/init"
 (cd "$ROOT" && find . | cpio -o -H newc --quiet | gzip -1) >"$WORK/initrd.gz"
+if [ -n "$BUILD" ]; then
+  mkdir -p "$BUILD"
+  cp "$VMLINUZ" "$BUILD/vmlinuz"
+  cp "$WORK/initrd.gz" "$BUILD/initrd.gz"
+  exit 0
+fi
 
 drives=()
 for d in "$@"; do
