@@ -282,12 +282,12 @@ impl VhostUserBackend for BlkBackend {
         vrings: &[VringRwLock],
         thread_id: usize,
     ) -> std::io::Result<()> {
-        let name = self.0.dev.name();
         let (Some(vring), Some(mem), true) = (
             vrings.get(usize::from(device_event)),
             self.memory(),
             evset == EventSet::IN,
         ) else {
+            let name = self.0.dev.name();
             tracing::warn!(
                 "{name}: vhost-user event {device_event} ({evset:?}) on thread {thread_id} ignored"
             );
@@ -302,7 +302,7 @@ impl VhostUserBackend for BlkBackend {
         let r = WORKER.with(|w| {
             let mut w = w.borrow_mut();
             if w.is_none() {
-                crate::panics::set_device(&name);
+                crate::panics::set_device(&self.0.dev.name());
                 *w = Some(Worker::new()?);
             }
             match w.as_mut() {
@@ -312,7 +312,7 @@ impl VhostUserBackend for BlkBackend {
         });
         busy.store(false, Ordering::SeqCst);
         if let Err(e) = r {
-            tracing::warn!("{name}: vhost-user queue {q}: {e}");
+            tracing::warn!("{}: vhost-user queue {q}: {e}", self.0.dev.name());
         }
         Ok(())
     }
