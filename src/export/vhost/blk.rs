@@ -318,6 +318,21 @@ impl VhostUserBackend for BlkBackend {
     }
 }
 
+/// Serve `vring` once as a kick would, on this thread (the fuzz target's way in:
+/// a hostile guest's rings and requests in guest memory it wrote).
+pub fn serve_queue(b: &BlkBackend, vring: &VringRwLock, mem: &Mem) -> std::io::Result<()> {
+    WORKER.with(|w| {
+        let mut w = w.borrow_mut();
+        if w.is_none() {
+            *w = Some(Worker::new()?);
+        }
+        match w.as_mut() {
+            Some(w) => w.serve(b, vring, mem),
+            None => Ok(()),
+        }
+    })
+}
+
 thread_local! {
     /// The thread's request engine and batch (the crate's worker threads live as
     /// long as the connection; the engine goes with the thread).
@@ -362,6 +377,11 @@ impl Worker {
 
     /// Serve the queue until the guest has nothing more in it.
     fn serve(&mut self, b: &BlkBackend, vring: &VringRwLock, mem: &Mem) -> std::io::Result<()> {
+        // rounds in a row that found the ring holding more but took nothing: a
+        // request that came as notifications went back on is taken on the next
+        // round; a second such round means the guest's ring lies (an available
+        // index past the queue's size), and spinning on it would wedge the thread
+        let mut idle = 0;
         loop {
             if !vring.get_ref().get_queue().ready() {
                 return Ok(()); // stopped by the frontend
@@ -370,7 +390,8 @@ impl Worker {
             let took = self.batch(b, vring, mem)?;
             // notifications back on; a request that came meanwhile is served now
             let more = vring.enable_notification().map_err(std::io::Error::other)?;
-            if !took && !more {
+            idle = if took { 0 } else { idle + 1 };
+            if !more || idle > 1 {
                 return Ok(());
             }
         }
