@@ -21,4 +21,4 @@ cargo clippy --release --all-targets -- -D warnings
 (cd fuzz && cargo fmt -- --check && RUSTC_BOOTSTRAP=1 cargo clippy --all-targets -- -D warnings)
 cargo test --release -- --test-threads=2
 # every fuzz target for a short time (fuzz/README.md)
-ci/fuzz.sh 20
+ci/fuzz.sh 15
