@@ -8,13 +8,16 @@
 //!   (GET_ID) the device's name, a read-only device read-only (a write refused,
 //!   its bytes as on the host).
 //! - fio with `--verify=crc32c` on the raw linear disk, two jobs on two queues.
-//! - ext4 on a thin and on a writecache: `fstrim` in the guest reaches the pool
-//!   (its mapped blocks, sampled on the host, fall by the file's size).
+//! - ext4 on a thin, a writecache and a crypt device: `fstrim` in the guest
+//!   reaches the pool (its mapped blocks, sampled on the host, fall by the
+//!   file's size).
 //! - While the guest writes (fio with verify on the linear disk, and on each
 //!   filesystem files made durable with fsync before their md5 is recorded),
 //!   the host kills the daemon (SIGKILL) twice and `serve --restore` listens
 //!   again: QEMU reconnects, the guest sees no I/O error, fio's verify passes,
-//!   every durable file reads back the same, e2fsck finds both clean.
+//!   every durable file reads back the same, e2fsck finds the three clean. The
+//!   crypt device comes back suspended without its key (never recorded), the
+//!   guest's I/O on it waiting, until the host sets the key and resumes it.
 //! - Refusals as with ublk: removal of an attached device, a detach while the
 //!   VM is connected, a resume that changes the size, a second attach, a socket
 //!   path that is an ordinary file (left untouched) or already served.
@@ -30,7 +33,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
-const DISKS: [&str; 4] = ["lin", "thin", "ro", "wc"];
+const DISKS: [&str; 5] = ["lin", "thin", "ro", "wc", "cr"];
+/// The crypt disk's key (never recorded: after a restart the host sets it again).
+const KEY: &str = "5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c";
 
 /// Wait until the guest has printed `marker` on its serial console.
 fn wait_for(serial: &Path, marker: &str) {
@@ -78,6 +83,7 @@ fn a_guest_uses_dmkit_devices_over_vhost_user_blk_across_daemon_kills() {
     let origin = s.sparse("origin.img", 256 * MIB);
     let cache = s.sparse("cache.img", 64 * MIB);
     let mailbox = s.sparse("mailbox.img", MIB);
+    let crypt = s.sparse("crypt.img", 128 * MIB);
     let base = s.path("");
     let sock = |n: &str| base.join(format!("{n}.sock"));
     let sectors = |b: u64| b / 512;
@@ -115,6 +121,14 @@ fn a_guest_uses_dmkit_devices_over_vhost_user_blk_across_daemon_kills() {
             cache.display()
         ),
     );
+    d.create(
+        "cr",
+        &format!(
+            "0 {} crypt aes-xts-plain64 {KEY} 0 {} 0",
+            sectors(128 * MIB),
+            crypt.display()
+        ),
+    );
     for n in DISKS {
         let out = d.ok(&["attach", n, "--vhost-user", sock(n).to_str().unwrap()]);
         assert_eq!(out.trim(), sock(n).display().to_string());
@@ -149,13 +163,14 @@ fn a_guest_uses_dmkit_devices_over_vhost_user_blk_across_daemon_kills() {
     let ro_md5 = ro_md5.split_whitespace().next().unwrap_or_default().to_string();
     let script = r#"
 set -e
-mkdir -p /mnt/thin /mnt/wc /tmp
+mkdir -p /mnt/thin /mnt/wc /mnt/cr /tmp
 ln -sf /bin/mke2fs /bin/mkfs.ext4
 sum() { echo 3 > /proc/sys/vm/drop_caches; md5sum < "$1" | cut -d' ' -f1; }
 dev_of() { for b in /sys/block/vd*; do s=$(cat $b/serial 2>/dev/null || true); [ "$s" = "$1" ] && echo /dev/${b##*/}; done; true; }
 q() { cat /sys/block/${1#/dev/}/$2; }
-LIN=$(dev_of lin); THIN=$(dev_of thin); RO=$(dev_of ro); WC=$(dev_of wc); MB=$(dev_of "")
-echo "ORACLE disks lin=${LIN:+y} thin=${THIN:+y} ro=${RO:+y} wc=${WC:+y} mailbox=${MB:+y}"
+LIN=$(dev_of lin); THIN=$(dev_of thin); RO=$(dev_of ro); WC=$(dev_of wc); CR=$(dev_of cr); MB=$(dev_of "")
+echo "ORACLE disks lin=${LIN:+y} thin=${THIN:+y} ro=${RO:+y} wc=${WC:+y} cr=${CR:+y} mailbox=${MB:+y}"
+fsdev() { case $1 in thin) echo $THIN;; wc) echo $WC;; cr) echo $CR;; esac; }
 mb() { dd if=$MB bs=512 count=1 iflag=direct 2>/dev/null | head -c 4; }
 wait_mb() { while [ "$(mb)" != "$1" ]; do sleep 0.2; done; }
 
@@ -171,8 +186,8 @@ fio --name=raw --filename=$LIN --rw=randwrite --bs=4k --size=16M --offset_increm
     --ioengine=io_uring --iodepth=32 --direct=1 --verify=crc32c > /tmp/fio-raw 2>&1 \
   && echo "ORACLE fio-raw ok" || { echo "ORACLE fio-raw failed"; cat /tmp/fio-raw; }
 
-for fs in thin wc; do
-  dev=$THIN; [ $fs = wc ] && dev=$WC
+for fs in thin wc cr; do
+  dev=$(fsdev $fs)
   mkfs.ext4 -q -F $dev
   mount -t ext4 $dev /mnt/$fs
 done
@@ -211,9 +226,10 @@ echo "ORACLE load-running"
 load &
 writer thin &
 writer wc &
+writer cr &
 wait
-for fs in thin wc; do
-  dev=$THIN; [ $fs = wc ] && dev=$WC
+for fs in thin wc cr; do
+  dev=$(fsdev $fs)
   echo 3 > /proc/sys/vm/drop_caches
   (cd /mnt/$fs && md5sum -c /tmp/sums-$fs > /tmp/check 2>&1) && echo "ORACLE sums-$fs same" \
     || { echo "ORACLE sums-$fs differ"; cat /tmp/check; }
@@ -282,14 +298,18 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
         std::thread::sleep(Duration::from_secs(4));
         d = d.kill9_and_restore();
         let log = d.log();
-        assert!(log.contains("restored 5 devices"), "{log}");
+        assert!(log.contains("restored 6 devices"), "{log}");
+        // the crypt disk comes back waiting for its key (its guest I/O waits too)
+        assert_eq!(d.info_line("cr", "State:"), "State:             SUSPENDED");
+        d.ok(&["message", "cr", "0", "key", "set", KEY]);
+        d.ok(&["resume", "cr"]);
     }
     std::thread::sleep(Duration::from_secs(4));
     post(&mailbox, "done");
     let out = guest.join().expect("guest");
     let m = oracle::markers(&out);
     let g = |k: &str| oracle::marker(&m, k).to_string();
-    assert_eq!(g("disks"), "lin=y thin=y ro=y wc=y mailbox=y");
+    assert_eq!(g("disks"), "lin=y thin=y ro=y wc=y cr=y mailbox=y");
     assert_eq!(g("lin-queues"), "2");
     assert_eq!(g("lin-size"), (256 * MIB / 512).to_string());
     assert_eq!(g("lin-cache"), "write_back");
@@ -301,7 +321,7 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
     assert!(!out.contains("ORACLE fio-load-failed"), "{out}");
     assert!(!out.contains("ORACLE write-failed"), "{out}");
     assert!(g("fio-load-runs").parse::<u32>().unwrap() >= 1);
-    for fs in ["thin", "wc"] {
+    for fs in ["thin", "wc", "cr"] {
         assert_eq!(g(&format!("sums-{fs}")), "same");
         assert!(g(&format!("files-{fs}")).parse::<u32>().unwrap() >= 1);
         assert_eq!(g(&format!("fsck-{fs}")), "clean");
@@ -326,7 +346,7 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
         d.ok(&["detach", n]);
         assert!(!sock(n).exists(), "{n}: socket left behind");
     }
-    for n in ["lin", "thin", "ro", "wc", "pool"] {
+    for n in ["lin", "thin", "ro", "wc", "cr", "pool"] {
         d.ok(&["remove", n]);
     }
     let log = d.log();
