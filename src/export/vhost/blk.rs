@@ -16,7 +16,7 @@
 //! Data is copied between the guest's buffers and the request's own (one copy,
 //! as the NBD export's socket read): the engine's requests own aligned buffers.
 
-use crate::io::{Op, SECTOR};
+use crate::io::{AlignedBuf, Op, SECTOR};
 use crate::mapper::engine::Engine;
 use crate::mapper::Device;
 use crate::sync::Unpoison;
@@ -27,7 +27,7 @@ use std::time::Duration;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_blk as vb;
-use virtio_queue::QueueT;
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
@@ -42,6 +42,17 @@ pub const MAX_QUEUE_SIZE: usize = 1024;
 /// The most data one request may carry; larger ones fail (IOERR). A Linux guest
 /// sends at most `max_sectors_kb` (1280 KiB by default).
 const MAX_DATA: usize = 32 << 20;
+/// The most bytes one batch carries: the requests past it wait in the ring for
+/// the next batch (a guest cannot make a queue's thread hold more).
+const BATCH_BYTES: u64 = 64 << 20;
+/// The most descriptors one request may have (the `seg_max` offered, the header
+/// and the status): a longer chain is failed unread.
+const MAX_CHAIN: usize = MAX_QUEUE_SIZE;
+/// The most descriptors one batch holds before it stops taking requests.
+const BATCH_SEGS: usize = 8 * MAX_QUEUE_SIZE;
+/// A request buffer larger than this is freed when its request ends, so a queue
+/// that once saw large requests does not keep their memory.
+const KEEP_BUF: usize = 128 << 10;
 /// virtio-blk's request header (struct virtio_blk_outhdr): type, ioprio, sector.
 const HEADER: usize = 16;
 /// A discard or write-zeroes segment (struct virtio_blk_discard_write_zeroes):
@@ -339,6 +350,20 @@ thread_local! {
     static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
 }
 
+impl Job {
+    /// A request that cannot be read (nothing is written to the guest).
+    fn failed(head: u16) -> Job {
+        Job {
+            head,
+            status_at: None,
+            status: vb::VIRTIO_BLK_S_IOERR as u8,
+            used: 0,
+            slot: None,
+            out: (0, 0),
+        }
+    }
+}
+
 /// What a request asks, parsed from its descriptor chain.
 struct Job {
     head: u16,
@@ -406,17 +431,35 @@ impl Worker {
         {
             let mut state = vring.get_mut();
             let queue = state.get_queue_mut();
-            while self.engine.can_alloc() {
+            let mut bytes = 0u64;
+            while self.engine.can_alloc() && self.segs.len() < BATCH_SEGS {
                 let Some(chain) = queue.pop_descriptor_chain(guard.clone()) else {
                     break;
                 };
                 let head = chain.head_index();
                 let start = self.segs.len();
-                for d in chain {
+                let mut too_long = false;
+                for (i, d) in chain.enumerate() {
+                    if i == MAX_CHAIN {
+                        too_long = true;
+                        break;
+                    }
                     self.segs.push((d.addr().0, d.len(), d.is_write_only()));
                 }
+                let len: u64 = self.segs[start..].iter().map(|s| u64::from(s.1)).sum();
+                if !self.jobs.is_empty() && bytes + len > BATCH_BYTES {
+                    // for the next batch
+                    self.segs.truncate(start);
+                    queue.go_to_previous_position();
+                    break;
+                }
+                bytes += len;
                 let end = self.segs.len();
-                let job = self.start(b, &guard, head, start, end);
+                let job = if too_long {
+                    Job::failed(head)
+                } else {
+                    self.start(b, &guard, head, start, end)
+                };
                 self.jobs.push(job);
             }
         }
@@ -445,12 +488,8 @@ impl Worker {
         let first_w = segs.iter().position(|s| s.2).unwrap_or(segs.len());
         let (rd, wr) = segs.split_at(first_w);
         let mut job = Job {
-            head,
-            status_at: None,
-            status: vb::VIRTIO_BLK_S_IOERR as u8,
-            used: 0,
-            slot: None,
             out: (start + first_w, end),
+            ..Job::failed(head)
         };
         if wr.iter().any(|s| !s.2) {
             return job; // a readable descriptor after a writable one: malformed
@@ -568,7 +607,7 @@ impl Worker {
         while left > 0 {
             while let Some(slot) = self.engine.pop_done() {
                 let j = &mut self.jobs[self.job_of[slot]];
-                let q = self.engine.request(slot);
+                let q = self.engine.request_mut(slot);
                 j.status = match q.error {
                     0 => vb::VIRTIO_BLK_S_OK as u8,
                     libc::EOPNOTSUPP => vb::VIRTIO_BLK_S_UNSUPP as u8,
@@ -583,6 +622,9 @@ impl Worker {
                 }
                 if q.error != 0 {
                     j.used = 1;
+                }
+                if q.buf.capacity() > KEEP_BUF {
+                    q.buf = AlignedBuf::default();
                 }
                 j.slot = None;
                 self.engine.free(slot);
