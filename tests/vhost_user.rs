@@ -353,3 +353,42 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
     assert!(log.contains("a vhost-user frontend connected"), "{log}");
     assert!(!log.contains("panic") && !log.contains("ERROR"), "{log}");
 }
+
+/// `serve --vhost-user NAME=SOCKET`: the device is served on SOCKET once a
+/// table is resumed on it (no VM needed to see it listen), and the option's
+/// value is checked.
+#[test]
+fn serve_vhost_user_attaches_the_named_device_at_its_resume() {
+    let sock = std::env::temp_dir().join(format!("dmkit-vhost-serve-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&sock);
+    let arg = format!("vol={}", sock.display());
+    let d = Daemon::start_with("vhost-serve", &["--vhost-user", &arg], &[]);
+    let f = d.dir.sparse("vol.img", 8 * MIB);
+    assert!(!sock.exists(), "listening before the device exists");
+    d.create("vol", &format!("0 16384 linear {} 0", f.display()));
+    let line = d.info_line("vol", "Block device:");
+    assert!(
+        line.ends_with(&format!(" vhost-user:{}", sock.display())),
+        "{line}"
+    );
+    assert!(
+        std::os::unix::net::UnixStream::connect(&sock).is_ok(),
+        "nothing listens on {}",
+        sock.display()
+    );
+    let removed = d.fails(&["remove", "vol"]);
+    assert!(removed.contains("attached as vhost-user:"), "{removed}");
+    d.ok(&["detach", "vol"]);
+    assert!(!sock.exists(), "the socket stays after detach");
+    d.ok(&["remove", "vol"]);
+    drop(d);
+    let o = std::process::Command::new(common::BIN)
+        .args(["serve", "--vhost-user", "novalue"])
+        .output()
+        .expect("dmkit serve");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("expected NAME=SOCKET"),
+        "{err}"
+    );
+}
