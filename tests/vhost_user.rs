@@ -18,6 +18,9 @@
 //!   every durable file reads back the same, e2fsck finds the three clean. The
 //!   crypt device comes back suspended without its key (never recorded), the
 //!   guest's I/O on it waiting, until the host sets the key and resumes it.
+//! - `detach --force` of the linear disk while the guest writes to it, and an
+//!   attach again: QEMU reconnects as after a kill (the batches in hand are
+//!   given back before the connection is cut).
 //! - Refusals as with ublk: removal of an attached device, a detach while the
 //!   VM is connected, a resume that changes the size, a second attach, a socket
 //!   path that is an ordinary file (left untouched) or already served.
@@ -304,6 +307,13 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
         d.ok(&["message", "cr", "0", "key", "set", KEY]);
         d.ok(&["resume", "cr"]);
     }
+    // cut off from this side while the guest writes, and attached again: QEMU
+    // reconnects as after a kill
+    let lin_sock = sock("lin");
+    d.ok(&["detach", "lin", "--force"]);
+    assert!(!lin_sock.exists());
+    std::thread::sleep(Duration::from_secs(2));
+    d.ok(&["attach", "lin", "--vhost-user", lin_sock.to_str().unwrap()]);
     std::thread::sleep(Duration::from_secs(4));
     post(&mailbox, "done");
     let out = guest.join().expect("guest");

@@ -101,6 +101,8 @@ struct Inner {
     requests: Arc<AtomicU64>,
     /// A worker is serving the queue (its batch taken, not all given back).
     busy: [AtomicBool; MAX_QUEUES],
+    /// The connection is about to be cut: take no more requests.
+    quiescing: AtomicBool,
 }
 
 fn bit(b: u32) -> u64 {
@@ -142,6 +144,7 @@ impl BlkBackend {
             exits,
             requests,
             busy: std::array::from_fn(|_| AtomicBool::new(false)),
+            quiescing: AtomicBool::new(false),
         })))
     }
 
@@ -186,6 +189,22 @@ impl BlkBackend {
             put(&mut c, cfg::WRITE_ZEROES_MAY_UNMAP, u64::from(limits.discard));
         }
         c
+    }
+
+    /// Before the connection is cut from this side (a forced detach): the
+    /// queues take no more requests, and the batches in hand are given back
+    /// first. A frontend restarts a broken ring at its used index, so nothing
+    /// may be given back after the cut. False if a batch did not end in 60 s.
+    pub fn quiesce(&self) -> bool {
+        self.0.quiescing.store(true, Ordering::SeqCst);
+        let t0 = std::time::Instant::now();
+        while self.0.busy.iter().any(|b| b.load(Ordering::SeqCst)) {
+            if t0.elapsed() > Duration::from_secs(60) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     fn memory(&self) -> Option<Mem> {
@@ -310,6 +329,10 @@ impl VhostUserBackend for BlkBackend {
             return Ok(());
         };
         busy.store(true, Ordering::SeqCst);
+        if self.0.quiescing.load(Ordering::SeqCst) {
+            busy.store(false, Ordering::SeqCst);
+            return Ok(());
+        }
         let r = WORKER.with(|w| {
             let mut w = w.borrow_mut();
             if w.is_none() {
@@ -408,8 +431,8 @@ impl Worker {
         // index past the queue's size), and spinning on it would wedge the thread
         let mut idle = 0;
         loop {
-            if !vring.get_ref().get_queue().ready() {
-                return Ok(()); // stopped by the frontend
+            if !vring.get_ref().get_queue().ready() || b.0.quiescing.load(Ordering::SeqCst) {
+                return Ok(()); // stopped by the frontend, or the connection is being cut
             }
             vring.disable_notification().map_err(std::io::Error::other)?;
             let took = self.batch(b, vring, mem)?;

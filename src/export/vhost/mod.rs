@@ -33,8 +33,9 @@ struct Attached {
 #[derive(Default)]
 struct Shared {
     stop: AtomicBool,
-    /// The connected frontend's connection, to cut it at a forced detach.
-    conn: Mutex<Option<ShutdownHandle>>,
+    /// The connected frontend's connection and backend, to cut it at a forced
+    /// detach.
+    conn: Mutex<Option<(ShutdownHandle, blk::BlkBackend)>>,
     requests: Arc<AtomicU64>,
 }
 
@@ -135,7 +136,7 @@ impl Frontend {
         let a = &list[i];
         {
             let conn = a.shared.conn.lock().unpoisoned();
-            if let Some(c) = conn.as_ref() {
+            if let Some((c, backend)) = conn.as_ref() {
                 if !force {
                     return Err(format!(
                         "Device or resource busy: {} is attached at {}, where a virtual machine is connected \
@@ -143,6 +144,12 @@ impl Frontend {
                         dev.name(),
                         a.socket.display()
                     ));
+                }
+                if !backend.quiesce() {
+                    tracing::warn!(
+                        "{}: a batch of requests did not end in 60 s; cutting the connection",
+                        dev.name()
+                    );
                 }
                 c.shutdown();
             }
@@ -199,7 +206,7 @@ fn serve(dev: &Arc<Device>, listener: UnixListener, socket: &Path, shared: &Shar
             }
         };
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        let mut daemon = match VhostUserDaemon::new(format!("vhost {name} conn"), backend, mem) {
+        let mut daemon = match VhostUserDaemon::new(format!("vhost {name} conn"), backend.clone(), mem) {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!("{name}: vhost-user-blk: {e}");
@@ -216,7 +223,7 @@ fn serve(dev: &Arc<Device>, listener: UnixListener, socket: &Path, shared: &Shar
             let _ = daemon.wait();
             break;
         }
-        *shared.conn.lock().unpoisoned() = daemon.shutdown_handle();
+        *shared.conn.lock().unpoisoned() = daemon.shutdown_handle().map(|h| (h, backend));
         tracing::info!("{name}: a vhost-user frontend connected on {}", socket.display());
         let r = daemon.wait();
         *shared.conn.lock().unpoisoned() = None;
