@@ -8,6 +8,8 @@
 //!   (GET_ID) the device's name, a read-only device read-only (a write refused,
 //!   its bytes as on the host).
 //! - fio with `--verify=crc32c` on the raw linear disk, two jobs on two queues.
+//! - The guest turns the write cache off (`cache_type`, CONFIG_WCE): its writes
+//!   reach the backing file as FUA writes (counted by `dmkit stats`).
 //! - ext4 on a thin, a writecache and a crypt device: `fstrim` in the guest
 //!   reaches the pool (its mapped blocks, sampled on the host, fall by the
 //!   file's size).
@@ -189,6 +191,13 @@ fio --name=raw --filename=$LIN --rw=randwrite --bs=4k --size=16M --offset_increm
     --ioengine=io_uring --iodepth=32 --direct=1 --verify=crc32c > /tmp/fio-raw 2>&1 \
   && echo "ORACLE fio-raw ok" || { echo "ORACLE fio-raw failed"; cat /tmp/fio-raw; }
 
+# the guest turns the disk's write cache off (CONFIG_WCE): its writes reach
+# the backing file as FUA writes, counted on the host
+echo "write through" > /sys/block/${LIN#/dev/}/cache_type
+echo "ORACLE wce $(cat /sys/block/${LIN#/dev/}/cache_type | tr ' ' _) $(q $LIN queue/write_cache | tr ' ' _)"
+dd if=/dev/urandom of=$LIN bs=4k count=16 seek=4096 oflag=direct 2>/dev/null
+echo "write back" > /sys/block/${LIN#/dev/}/cache_type
+
 for fs in thin wc cr; do
   dev=$(fsdev $fs)
   mkfs.ext4 -q -F $dev
@@ -281,6 +290,11 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
     };
 
     wait_for(&serial, "ORACLE big-written");
+    let fua = d.fua_writes("lin", &lin);
+    assert!(
+        fua >= 16,
+        "the guest's writes with its cache off were not FUA: {fua}"
+    );
     let before = pool_used(&d);
     // while the VM is connected
     let busy = d.fails(&["detach", "lin"]);
@@ -323,6 +337,7 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
     assert_eq!(g("lin-queues"), "2");
     assert_eq!(g("lin-size"), (256 * MIB / 512).to_string());
     assert_eq!(g("lin-cache"), "write_back");
+    assert_eq!(g("wce"), "write_through write_through");
     assert_ne!(g("thin-discard"), "0");
     assert_eq!(g("ro-flag"), "1");
     assert_eq!(g("ro-sum"), ro_md5);
