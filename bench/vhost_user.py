@@ -16,14 +16,15 @@ no two servers share a file; num-queues 2 on every one):
   no server outside QEMU.
 
 The same fio job in the guest on each (4 KiB random read, then write, QD32, libaio,
-O_DIRECT, one job); the kinds in a rotated order per rep; medians of --reps. Around
+O_DIRECT, with each of --jobs jobs); the kinds in a rotated order per rep; medians of
+--reps. Around
 each run the guest waits on a mailbox disk while the host reads the server's CPU time
 (utime + stime of every thread, /proc/PID/stat): server CPU per request is that over
 the requests fio completed. QEMU's own CPU is not a server's (it runs the guest).
 
 Writes BENCHMARKS.md, section `vhost-user-blk`.
 
-Usage: bench/vhost_user.py [--reps 3] [--runtime 8] [--dir /var/tmp]
+Usage: bench/vhost_user.py [--reps 3] [--runtime 8] [--jobs 1,4] [--dir /var/tmp]
 """
 import argparse, os, re, statistics, subprocess, sys, tempfile, threading, time
 
@@ -46,15 +47,17 @@ n=0
 for rep in $(seq REPS); do
   for k in $(echo KINDS | tr ' ' '\n' | awk -v r=$rep '{a[NR]=$0} END {for (i = 0; i < NR; i++) print a[(i + r - 1) % NR + 1]}'); do
     for rw in RWS; do
+     for j in JOBS; do
       n=$((n+1)); tag=$(printf 'b%07d' $n)
       echo "ORACLE begin $tag $k"
       while [ "$(mb)" != "$tag" ]; do sleep 0.05; done
       out=$(fio --name=b --filename=$(dev $k) --rw=$rw --bs=4k --iodepth=32 --ioengine=libaio --direct=1 \
-            --runtime=RUNTIME --time_based --ramp_time=1 --size=512M --minimal)
+            --numjobs=$j --group_reporting --runtime=RUNTIME --time_based --ramp_time=1 --size=512M --minimal)
       if [ $rw = randread ]; then iops=$(echo "$out" | cut -d';' -f8); else iops=$(echo "$out" | cut -d';' -f49); fi
       tag=$(printf 'e%07d' $n)
-      echo "ORACLE end $tag r$rep-$k-$rw $iops"
+      echo "ORACLE end $tag r$rep-$k-$rw-$j $iops"
       while [ "$(mb)" != "$tag" ]; do sleep 0.05; done
+     done
     done
   done
 done
@@ -73,8 +76,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=8)
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--jobs", default="1,4", help="fio job counts, comma-separated")
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
     a = ap.parse_args()
+    jobs = [int(j) for j in a.jobs.split(",")]
     dmkit = os.path.join(run.ROOT, "target", "release", "dmkit")
     clk = os.sysconf("SC_CLK_TCK")
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -110,13 +115,14 @@ def main():
                 "-blockdev driver=raw,node-name=r1,file=f1 -device virtio-blk-pci,drive=r1,serial=raw,num-queues=2",
             ])
             script = (GUEST.replace("REPS", str(a.reps)).replace("KINDS", " ".join(KINDS))
-                      .replace("RWS", " ".join(RWS)).replace("RUNTIME", str(a.runtime)))
+                      .replace("RWS", " ".join(RWS)).replace("RUNTIME", str(a.runtime))
+                      .replace("JOBS", " ".join(map(str, jobs))))
             sp = os.path.join(tmp, "guest.sh")
             open(sp, "w").write(script)
             serial = os.path.join(tmp, "serial.txt")
             env = dict(os.environ, ORACLE_BINS="/usr/bin/fio", ORACLE_SMP="2", ORACLE_MEM="1024",
                        ORACLE_QEMU_ARGS=qemu, ORACLE_SERIAL=serial,
-                       DMKIT_ORACLE_TIMEOUT=str(600 + a.reps * len(KINDS) * len(RWS) * (a.runtime + 6) * 3))
+                       DMKIT_ORACLE_TIMEOUT=str(600 + a.reps * len(KINDS) * len(RWS) * len(jobs) * (a.runtime + 6) * 3))
             result = {}
 
             def guest():
@@ -165,39 +171,40 @@ def main():
     for n, v in ticks.items():
         kind, pid, dt, label = v
         name, value = label.split()
-        _, k, rw = name.split("-", 2)
-        iops.setdefault((k, rw), []).append(float(value))
+        _, k, rw, j = name.split("-", 3)
+        iops.setdefault((k, rw, j), []).append(float(value))
         reqs = float(value) * a.runtime
         if dt is not None and reqs:
-            cpu.setdefault((k, rw), []).append(dt / clk * 1e6 / reqs)
+            cpu.setdefault((k, rw, j), []).append(dt / clk * 1e6 / reqs)
     res = {key: (statistics.median(v), statistics.median(cpu[key]) if key in cpu else None)
            for key, v in iops.items()}
-    for (k, rw), (i, c) in sorted(res.items()):
-        print(f"{k:6} {rw:9} {i:10,.0f} IOPS  " + (f"{c:6.1f} us server CPU/req" if c else ""), flush=True)
+    for (k, rw, j), (i, c) in sorted(res.items()):
+        print(f"{k:6} {rw:9} {j} jobs {i:10,.0f} IOPS  " + (f"{c:6.1f} us server CPU/req" if c else ""), flush=True)
     commit = subprocess.run(["git", "-C", run.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lines = [
         "## vhost-user-blk (issue 48, `bench/vhost_user.py`)",
         "",
-        f"`python3 bench/vhost_user.py --reps {a.reps} --runtime {a.runtime} --dir {a.dir}` on {commit}: one "
+        f"`python3 bench/vhost_user.py --reps {a.reps} --runtime {a.runtime} --jobs {a.jobs} --dir {a.dir}` on "
+        f"{commit}: one "
         f"guest (Debian's 6.1 under qemu **TCG**, {marks['cpus'][0]} vCPUs, on this 2-core machine) with four "
         "disks, each over its own 512 MiB file (written in full first), num-queues 2: dmkit's vhost-user-blk "
         "(a `linear` device), qemu-storage-daemon's vhost-user-blk export (`cache.direct=on`, `aio=io_uring`), "
         "QEMU's NBD client to the same dmkit device, and QEMU's own virtio-blk on a raw file (`cache.direct=on`, "
-        "`aio=io_uring`). fio in the guest: 4 KiB, QD32, libaio, O_DIRECT, one job; medians of the reps. "
+        "`aio=io_uring`). fio in the guest: 4 KiB, QD32 a job, libaio, O_DIRECT; medians of the reps. "
         "**Under TCG the guest's emulation is the bottleneck and every absolute figure is meaningless: only the "
         "ratios and the server CPU per request count.** The issue's figures are for KVM, which this machine "
         "lacks.",
         "",
-        "| rw | dmkit vhost-user IOPS | qsd vhost-user IOPS | QEMU NBD → dmkit IOPS | QEMU virtio-blk raw IOPS "
+        "| rw, jobs | dmkit vhost-user IOPS | qsd vhost-user IOPS | QEMU NBD → dmkit IOPS | QEMU virtio-blk raw IOPS "
         "| dmkit / qsd | dmkit / NBD | dmkit / raw | dmkit CPU/req (µs) | qsd CPU/req (µs) | dmkit over NBD CPU/req (µs) "
         "| dmkit / qsd CPU |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for rw in RWS:
-        dm, q, nb, raw = (res[(k, rw)] for k in KINDS)
+    for rw, j in ((rw, j) for j in jobs for rw in RWS):
+        dm, q, nb, raw = (res[(k, rw, str(j))] for k in KINDS)
         lines.append(
-            f"| {rw} | {dm[0]:,.0f} | {q[0]:,.0f} | {nb[0]:,.0f} | {raw[0]:,.0f} | **{dm[0] / q[0]:.2f}** "
+            f"| {rw}, {j} | {dm[0]:,.0f} | {q[0]:,.0f} | {nb[0]:,.0f} | {raw[0]:,.0f} | **{dm[0] / q[0]:.2f}** "
             f"| **{dm[0] / nb[0]:.2f}** | **{dm[0] / raw[0]:.2f}** | {dm[1]:.1f} | {q[1]:.1f} | {nb[1]:.1f} "
             f"| **{dm[1] / q[1]:.2f}** |")
     lines += [
