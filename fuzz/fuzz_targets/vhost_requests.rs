@@ -12,8 +12,6 @@
 mod common;
 use dmkit::export::vhost::blk::{serve_queue, BlkBackend};
 use libfuzzer_sys::fuzz_target;
-use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
 use vhost_user_backend::{VringRwLock, VringT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
 
@@ -44,7 +42,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     vring.set_queue_ready(true);
-    let backend = BlkBackend::new(dev, Arc::new(AtomicU64::new(0))).expect("backend");
+    let backend = BlkBackend::new(dev).expect("backend");
     let _ = serve_queue(&backend, &vring, &atomic);
     let used_idx: u16 = mem.read_obj(GuestAddress(USED + 2)).expect("used idx");
     assert!(

@@ -118,7 +118,6 @@ impl Dmkit {
         }
     }
 
-    /// A thin pool's size and use (its table's block size, its status's counts).
     /// A thin pool's table line: (its metadata device as the table names it,
     /// its data block size in sectors).
     pub fn pool_table(&self, pool: &str) -> Result<(String, u64), String> {
@@ -133,6 +132,7 @@ impl Dmkit {
         }
     }
 
+    /// A thin pool's size and use (its table's block size, its status's counts).
     pub fn pool_usage(&self, pool: &str) -> Result<PoolUsage, String> {
         let (_, block_sectors) = self.pool_table(pool)?;
         let status = self.call(&["status", pool])?;

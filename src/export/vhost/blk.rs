@@ -21,7 +21,7 @@ use crate::mapper::engine::Engine;
 use crate::mapper::Device;
 use crate::sync::Unpoison;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -60,7 +60,7 @@ const HEADER: usize = 16;
 const SEGMENT: usize = 16;
 
 /// The device's config space (struct virtio_blk_config), its fields in order as
-/// (offset, width); [`config_bytes`] writes them little-endian.
+/// (offset, width); [`put`] writes them little-endian.
 mod cfg {
     pub const CAPACITY: (usize, usize) = (0, 8);
     pub const SEG_MAX: (usize, usize) = (12, 4);
@@ -97,12 +97,26 @@ struct Inner {
     features: u64,
     threads: usize,
     exits: Vec<(EventConsumer, EventNotifier)>,
-    /// Requests served, for `status`-like reports and the tests.
-    requests: Arc<AtomicU64>,
     /// A worker is serving the queue (its batch taken, not all given back).
     busy: [AtomicBool; MAX_QUEUES],
     /// The connection is about to be cut: take no more requests.
     quiescing: AtomicBool,
+}
+
+/// How long a stop waits for the batches in hand to be given back.
+const IDLE_WITHIN: Duration = Duration::from_secs(60);
+
+/// Wait (at most [`IDLE_WITHIN`]) until no worker serves any of the queues
+/// `busy` flags; whether they all went idle.
+fn idle_within(busy: &[AtomicBool]) -> bool {
+    let t0 = std::time::Instant::now();
+    while busy.iter().any(|b| b.load(Ordering::SeqCst)) {
+        if t0.elapsed() > IDLE_WITHIN {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }
 
 fn bit(b: u32) -> u64 {
@@ -110,7 +124,7 @@ fn bit(b: u32) -> u64 {
 }
 
 impl BlkBackend {
-    pub fn new(dev: Arc<Device>, requests: Arc<AtomicU64>) -> std::io::Result<BlkBackend> {
+    pub fn new(dev: Arc<Device>) -> std::io::Result<BlkBackend> {
         let limits = dev.limits();
         let mut features = bit(vb::VIRTIO_BLK_F_SEG_MAX)
             | bit(vb::VIRTIO_BLK_F_BLK_SIZE)
@@ -142,7 +156,6 @@ impl BlkBackend {
             features,
             threads,
             exits,
-            requests,
             busy: std::array::from_fn(|_| AtomicBool::new(false)),
             quiescing: AtomicBool::new(false),
         })))
@@ -197,14 +210,7 @@ impl BlkBackend {
     /// may be given back after the cut. False if a batch did not end in 60 s.
     pub fn quiesce(&self) -> bool {
         self.0.quiescing.store(true, Ordering::SeqCst);
-        let t0 = std::time::Instant::now();
-        while self.0.busy.iter().any(|b| b.load(Ordering::SeqCst)) {
-            if t0.elapsed() > Duration::from_secs(60) {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        true
+        idle_within(&self.0.busy)
     }
 
     fn memory(&self) -> Option<Mem> {
@@ -288,19 +294,14 @@ impl VhostUserBackend for BlkBackend {
     /// ready): the batch being served is finished and given back first, so the
     /// ring's base the frontend is told covers exactly what it had back.
     fn stop_vring(&self, queue_index: u32) -> std::io::Result<()> {
-        let Some(busy) = self.0.busy.get(queue_index as usize) else {
-            return Ok(());
-        };
-        let t0 = std::time::Instant::now();
-        while busy.load(Ordering::SeqCst) {
-            if t0.elapsed() > Duration::from_secs(60) {
-                return Err(std::io::Error::other(format!(
-                    "queue {queue_index}: its requests did not finish in 60 s"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        let q = queue_index as usize;
+        match self.0.busy.get(q..=q) {
+            Some(busy) if !idle_within(busy) => Err(std::io::Error::other(format!(
+                "queue {queue_index}: its requests did not finish in {} s",
+                IDLE_WITHIN.as_secs()
+            ))),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// A queue was kicked. Errors are logged, not returned: an error ends the
@@ -333,17 +334,7 @@ impl VhostUserBackend for BlkBackend {
             busy.store(false, Ordering::SeqCst);
             return Ok(());
         }
-        let r = WORKER.with(|w| {
-            let mut w = w.borrow_mut();
-            if w.is_none() {
-                crate::panics::set_device(&self.0.dev.name());
-                *w = Some(Worker::new()?);
-            }
-            match w.as_mut() {
-                Some(w) => w.serve(self, vring, &mem),
-                None => Ok(()),
-            }
-        });
+        let r = serve_queue(self, vring, &mem);
         busy.store(false, Ordering::SeqCst);
         if let Err(e) = r {
             tracing::warn!("{}: vhost-user queue {q}: {e}", self.0.dev.name());
@@ -352,12 +343,15 @@ impl VhostUserBackend for BlkBackend {
     }
 }
 
-/// Serve `vring` once as a kick would, on this thread (the fuzz target's way in:
-/// a hostile guest's rings and requests in guest memory it wrote).
+/// Serve `vring` as a kick does, on this thread's worker (made at the thread's
+/// first kick). Public for the fuzz target: a hostile guest's rings and
+/// requests in guest memory it wrote.
 pub fn serve_queue(b: &BlkBackend, vring: &VringRwLock, mem: &Mem) -> std::io::Result<()> {
     WORKER.with(|w| {
         let mut w = w.borrow_mut();
         if w.is_none() {
+            // a panic on this thread is logged under the device's name
+            crate::panics::set_device(&b.0.dev.name());
             *w = Some(Worker::new()?);
         }
         match w.as_mut() {
@@ -489,7 +483,6 @@ impl Worker {
         if self.jobs.is_empty() {
             return Ok(false);
         }
-        b.0.requests.fetch_add(self.jobs.len() as u64, Ordering::Relaxed);
         self.wait(&guard);
         for j in &self.jobs {
             if let Some(at) = j.status_at {
@@ -558,14 +551,10 @@ impl Worker {
                 return job;
             }
             vb::VIRTIO_BLK_T_DISCARD | vb::VIRTIO_BLK_T_WRITE_ZEROES => {
-                let op = if kind == vb::VIRTIO_BLK_T_DISCARD {
-                    Op::Discard
+                let (op, offered) = if kind == vb::VIRTIO_BLK_T_DISCARD {
+                    (Op::Discard, vb::VIRTIO_BLK_F_DISCARD)
                 } else {
-                    Op::WriteZeroes
-                };
-                let offered = match op {
-                    Op::Discard => vb::VIRTIO_BLK_F_DISCARD,
-                    _ => vb::VIRTIO_BLK_F_WRITE_ZEROES,
+                    (Op::WriteZeroes, vb::VIRTIO_BLK_F_WRITE_ZEROES)
                 };
                 let mut seg = [0u8; SEGMENT];
                 // one segment, as the config space says

@@ -12,7 +12,7 @@ use crate::sync::Unpoison;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
@@ -36,7 +36,6 @@ struct Shared {
     /// The connected frontend's connection and backend, to cut it at a forced
     /// detach.
     conn: Mutex<Option<(ShutdownHandle, blk::BlkBackend)>>,
-    requests: Arc<AtomicU64>,
 }
 
 /// The daemon's devices attached as vhost-user-blk backends.
@@ -126,7 +125,8 @@ impl Frontend {
     }
 
     /// Stop serving `dev`. Refused while a frontend is connected, unless
-    /// `force` (the guest's disk then fails its I/O until it reconnects).
+    /// `force` (the guest's I/O then waits until it reconnects to a socket
+    /// attached again).
     /// Whether `dev` was attached here.
     pub fn detach(&self, dev: &Arc<Device>, force: bool) -> Result<bool, String> {
         let mut list = self.list();
@@ -167,13 +167,6 @@ impl Frontend {
         tracing::info!("{}: vhost-user-blk on {} stopped", dev.name(), a.socket.display());
         Ok(true)
     }
-
-    /// Requests served for `dev` since it was attached.
-    pub fn requests(&self, dev: &Arc<Device>) -> Option<u64> {
-        let list = self.list();
-        let a = list.iter().find(|a| Arc::ptr_eq(&a.dev, dev))?;
-        Some(a.shared.requests.load(Ordering::Relaxed))
-    }
 }
 
 /// Bind `socket`. A socket file nobody listens on (a daemon that was killed) is
@@ -198,7 +191,7 @@ fn serve(dev: &Arc<Device>, listener: UnixListener, socket: &Path, shared: &Shar
     let name = dev.name();
     let mut listener = vhost::vhost_user::Listener::from(listener);
     while !shared.stop.load(Ordering::SeqCst) {
-        let backend = match blk::BlkBackend::new(dev.clone(), shared.requests.clone()) {
+        let backend = match blk::BlkBackend::new(dev.clone()) {
             Ok(b) => b,
             Err(e) => {
                 tracing::error!("{name}: vhost-user-blk: {e}");
