@@ -41,23 +41,25 @@
 //! Short-lived copies made while a key is parsed and expanded on the stack are
 //! not locked.
 //!
-//! The exception, chosen for speed: XTS with two AES-128 or two AES-256 keys
-//! (what cryptsetup uses) runs in OpenSSL's EVP `aes-128-xts` / `aes-256-xts`
-//! ([`OsslXts`]; its assembly is what the goal is measured against,
-//! and the `aes` crate called a batch at a time reached 0.64× of it). OpenSSL
+//! The exception, chosen for speed: XTS (any of its keys) runs on OpenSSL's
+//! AES ([`OsslXts`]): OpenSSL's own `aes-128-xts` / `aes-256-xts` for sectors
+//! of 2 KiB and more, and XTS over OpenSSL's `aes-*-ecb` for smaller ones,
+//! many sectors a call (OpenSSL 3.0's per-sector IV set-up costs as much as
+//! a 512-byte sector's cipher); OpenSSL's assembly is what the goal
+//! is measured against, and the `aes` crate called a batch at a time reached
+//! 0.64× of it. OpenSSL
 //! expands the key into its cipher contexts, which it allocates in its own
 //! heap (`OPENSSL_zalloc`, not the secure heap: `CRYPTO_secure_malloc_init`
 //! would not cover them) and wipes when they are freed (`OPENSSL_clear_free`
 //! in the provider's `freectx`). So those key schedules are wiped on `key
 //! wipe`, `key set`, remove and exit (the contexts are freed with the
-//! [`Keys`] that own them), and they are locked because the first such key
+//! [`Keys`] that own them; the tweaks computed beside them are wiped with
+//! them), and they are locked because the first such key
 //! locks all of the daemon's memory (`mlockall`, each page when first touched,
 //! as dmeventd and multipathd lock theirs; [`memory_locked`]). Where that is
 //! not allowed (an unprivileged daemon's locked-memory limit), XTS stays with
 //! the `aes` crate, whose schedules are in locked pages.
-//! AES-192 XTS (OpenSSL has none), XTS keys with equal halves (OpenSSL refuses
-//! them to encrypt; the kernel outside FIPS mode takes them), CBC and LUKS
-//! keyslots stay with the `aes` crate, locked.
+//! CBC and LUKS keyslots stay with the `aes` crate, locked.
 //!
 //! [`luks`] reads LUKS1 and LUKS2 headers and gives the table line that opens
 //! a volume (`dmkit luks table`), unlocking its keyslots with these ciphers;
@@ -434,19 +436,41 @@ impl Engine {
     }
 }
 
-/// The most XTS context pairs a key keeps for reuse: one per thread
-/// transforming at once (the reactors and I/O workers are fewer); a pair given
+/// The most XTS context sets a key keeps for reuse: one per thread
+/// transforming at once (the reactors and I/O workers are fewer); a set given
 /// back beyond it is freed.
 const XTS_POOL: usize = 64;
 
-/// OpenSSL's XTS (`aes-128-xts`, `aes-256-xts`), keyed: its assembly (VAES
-/// and AVX-512 where the CPU has them) runs a whole sector in one pass, where
-/// the `aes` crate is called a batch at a time. A context holds one
-/// direction's key schedules, so contexts go in pairs, and a pair serves one
-/// thread at a time: taken from `pool` for a request, set to each sector's IV
-/// (`EVP_CipherInit_ex` with the IV alone: no key expansion), given back.
+/// The most bytes of data one pass of XTS over ECB takes ([`XtsCtx::run`]):
+/// the pass's tweaks (as many bytes again) and its data stay in the L1 cache
+/// between the XORs and the cipher.
+const XTS_PASS: usize = 8 << 10;
+
+/// Sectors of at least this many bytes go through OpenSSL's own XTS, one call
+/// a sector; smaller ones through XTS over OpenSSL's ECB, many sectors a call.
+const XTS_WHOLE: usize = 2048;
+
+/// XTS with OpenSSL's AES, keyed, in two ways chosen by the sector size
+/// (`bench/crypt.py` and `examples/crypt_speed.rs` measure both):
+/// - OpenSSL's own `aes-128-xts` / `aes-256-xts` (its assembly interleaves the
+///   tweaks with the AES rounds), the IV set per sector by `EVP_CipherInit_ex`.
+///   In OpenSSL 3.0 that set-up asks the provider for the IV length by a
+///   parameter lookup each time, which at 512-byte sectors cost as much as
+///   the cipher (0.48× of `openssl speed`, which sets its IV once); at 4 KiB
+///   it is a small part.
+/// - XTS over OpenSSL's ECB (eight blocks interleaved with AES-NI): each
+///   sector's first tweak is its IV under the second key (one ECB call for a
+///   pass's sectors), the others doublings in GF(2^128), and the data is
+///   XORed with them before and after one ECB call under the first key for
+///   the whole pass. No per-sector set-up; the doublings and XORs are ours.
+///   It also takes the keys OpenSSL's XTS does not (AES-192, equal halves).
+///
+/// A set of contexts serves one thread at a time: taken from `pool` for a
+/// request, given back.
 struct OsslXts {
-    cipher: &'static openssl::cipher::CipherRef,
+    ecb: &'static openssl::cipher::CipherRef,
+    /// OpenSSL's XTS for this key, if it takes it.
+    xts: Option<&'static openssl::cipher::CipherRef>,
     pool: std::sync::Mutex<Vec<XtsCtx>>,
 }
 
@@ -471,55 +495,76 @@ fn memory_locked() -> bool {
     })
 }
 
-/// One context to encrypt, one to decrypt, keyed alike.
+/// The contexts of one thread's use of an [`OsslXts`] key.
 struct XtsCtx {
+    /// AES-ECB under XTS's first key, both ways, and under its second key
+    /// (the tweaks); padding off.
     enc: openssl::cipher_ctx::CipherCtx,
     dec: openssl::cipher_ctx::CipherCtx,
+    tweak: openssl::cipher_ctx::CipherCtx,
+    /// OpenSSL's XTS both ways, where it takes the key.
+    xts: Option<(openssl::cipher_ctx::CipherCtx, openssl::cipher_ctx::CipherCtx)>,
+    /// A pass's tweaks, one a block, and each sector's first (derived from
+    /// the key: wiped when freed).
+    tweaks: Zeroizing<Vec<u128>>,
+    firsts: Zeroizing<Vec<[u8; 16]>>,
 }
 
 impl OsslXts {
-    /// For an XTS key OpenSSL takes: two AES-128 or two AES-256 keys that
-    /// differ (OpenSSL refuses equal halves to encrypt; the kernel, outside
-    /// FIPS mode, does not, so such a key stays with the `aes` crate).
+    /// For any XTS key (two AES-128, -192 or -256 keys), where all of the
+    /// daemon's memory is locked: OpenSSL keeps its key schedules in its own
+    /// heap. Otherwise the `aes` crate, whose schedules are in locked pages.
     fn new(chain: Chain, key: &[u8]) -> Option<OsslXts> {
-        let cipher = match (chain, key.len()) {
-            (Chain::Xts, 32) => openssl::cipher::Cipher::aes_128_xts(),
-            (Chain::Xts, 64) => openssl::cipher::Cipher::aes_256_xts(),
+        use openssl::cipher::Cipher;
+        let (ecb, xts) = match (chain, key.len()) {
+            (Chain::Xts, 32) => (Cipher::aes_128_ecb(), Some(Cipher::aes_128_xts())),
+            (Chain::Xts, 48) => (Cipher::aes_192_ecb(), None),
+            (Chain::Xts, 64) => (Cipher::aes_256_ecb(), Some(Cipher::aes_256_xts())),
             _ => return None,
         };
+        // OpenSSL's XTS refuses equal halves to encrypt (the kernel, outside
+        // FIPS mode, does not); no early exit: how much of the halves agree
+        // is not told by the time
         let (a, b) = key.split_at(key.len() / 2);
-        // no early exit: how much of the halves agree is not told by the time
-        if a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0 {
-            return None;
-        }
-        // OpenSSL's key schedules are in its heap: locked only if all of the
-        // daemon's memory is; otherwise the `aes` crate, whose are
+        let differ = a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) != 0;
         if !memory_locked() {
             return None;
         }
         Some(OsslXts {
-            cipher,
+            ecb,
+            xts: xts.filter(|_| differ),
             pool: std::sync::Mutex::new(Vec::new()),
         })
     }
 
-    /// A keyed pair, from the pool or new; None if OpenSSL fails.
+    /// A keyed set, from the pool or new; None if OpenSSL fails.
     fn take(&self, key: &[u8]) -> Option<XtsCtx> {
         if let Some(c) = self.pool.lock().ok().and_then(|mut p| p.pop()) {
             return Some(c);
         }
-        let keyed = |enc: bool| {
+        let keyed = |cipher: &openssl::cipher::CipherRef, key: &[u8], enc: bool| {
             let mut c = openssl::cipher_ctx::CipherCtx::new().ok()?;
             let r = if enc {
-                c.encrypt_init(Some(self.cipher), Some(key), None)
+                c.encrypt_init(Some(cipher), Some(key), None)
             } else {
-                c.decrypt_init(Some(self.cipher), Some(key), None)
+                c.decrypt_init(Some(cipher), Some(key), None)
             };
-            r.ok().map(|_| c)
+            r.ok()?;
+            c.set_padding(false);
+            Some(c)
+        };
+        let (k1, k2) = key.split_at(key.len() / 2);
+        let xts = match self.xts {
+            Some(x) => Some((keyed(x, key, true)?, keyed(x, key, false)?)),
+            None => None,
         };
         Some(XtsCtx {
-            enc: keyed(true)?,
-            dec: keyed(false)?,
+            enc: keyed(self.ecb, k1, true)?,
+            dec: keyed(self.ecb, k1, false)?,
+            tweak: keyed(self.ecb, k2, true)?,
+            xts,
+            tweaks: Zeroizing::new(Vec::new()),
+            firsts: Zeroizing::new(Vec::new()),
         })
     }
 
@@ -532,42 +577,130 @@ impl OsslXts {
     }
 }
 
-impl XtsCtx {
-    /// One sector into `s` with `iv` as the tweak, from `from` (as long as
-    /// `s`) or in place; false if OpenSSL refused (its XTS checks its
-    /// arguments before it writes, so `s` is then untouched).
-    fn sector(&mut self, enc: bool, from: Option<&[u8]>, s: &mut [u8], iv: &[u8; 16]) -> bool {
-        // XTS takes at most 2^20 blocks a sector (and the crate an int's length)
-        if s.len() > 1 << 24 || from.is_some_and(|f| f.len() != s.len()) {
-            return false;
-        }
-        let src = from.map_or(s.as_ptr(), <[u8]>::as_ptr);
-        let c = if enc { &mut self.enc } else { &mut self.dec };
-        let ctx = foreign_types::ForeignTypeRef::as_ptr(&**c);
-        let (len, mut out) = (s.len() as std::ffi::c_int, 0);
-        // SAFETY: `ctx` is a live context this pair owns (keyed, its cipher
-        // set), borrowed mutably here so no other thread uses it; `iv` is the
-        // 16 bytes XTS's IV takes; `s` is `len` bytes, written (XTS's block
-        // size is 1: exactly `len` bytes, counted into `out`), and `src` is
-        // `len` bytes too: `from` (checked above, borrowed apart from `s`) or
-        // `s` itself, which OpenSSL's update allows.
-        let ok = unsafe {
+/// `dst` from `src` (as long) or in place through a keyed context, its IV
+/// first set to `iv` if given; false if OpenSSL refused (it checks its
+/// arguments before it writes: `dst` is then untouched).
+fn evp(c: &mut openssl::cipher_ctx::CipherCtx, iv: Option<&[u8; 16]>, src: Option<&[u8]>, dst: &mut [u8]) -> bool {
+    let Ok(len) = std::ffi::c_int::try_from(dst.len()) else {
+        return false;
+    };
+    if src.is_some_and(|s| s.len() != dst.len()) {
+        return false;
+    }
+    let src = src.map_or(dst.as_ptr(), <[u8]>::as_ptr);
+    let ctx = foreign_types::ForeignTypeRef::as_ptr(&**c);
+    let mut out = 0;
+    // SAFETY: `ctx` is a live context (keyed, its cipher set, padding off),
+    // borrowed mutably here so no other thread uses it; `iv` is the 16 bytes
+    // XTS's IV takes (the direction, -1, is kept); `dst` is `len` bytes,
+    // written: ECB of whole blocks (the callers' units) and XTS (block size
+    // 1) write exactly `len` (counted into `out`); `src` is `len` bytes too,
+    // another buffer (checked above) or `dst` itself, which OpenSSL's update
+    // allows.
+    let ok = unsafe {
+        iv.is_none_or(|iv| {
             openssl_sys::EVP_CipherInit_ex(
                 ctx,
                 std::ptr::null(),
                 std::ptr::null_mut(),
                 std::ptr::null(),
                 iv.as_ptr(),
-                i32::from(enc),
+                -1,
             ) == 1
-                && openssl_sys::EVP_CipherUpdate(ctx, s.as_mut_ptr(), &mut out, src, len) == 1
-                && out == len
-        };
-        if !ok {
-            // the reasons queued on this thread: not kept for another call
-            drop(openssl::error::ErrorStack::get());
+        }) && openssl_sys::EVP_CipherUpdate(ctx, dst.as_mut_ptr(), &mut out, src, len) == 1
+    } && out == len;
+    if !ok {
+        // the reasons queued on this thread: not kept for another call
+        drop(openssl::error::ErrorStack::get());
+    }
+    ok
+}
+
+/// `data` XOR the tweaks, block by block.
+fn xor_tweaks(data: &mut [u8], tweaks: &[u128]) {
+    for (d, t) in data.as_chunks_mut::<16>().0.iter_mut().zip(tweaks) {
+        *d = (u128::from_le_bytes(*d) ^ t).to_le_bytes();
+    }
+}
+
+impl XtsCtx {
+    /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
+    /// place, in sectors of `unit` bytes, the one at index i with IV `iv(i)`.
+    /// Returns the bytes done: all whole sectors, or fewer if OpenSSL refused
+    /// (the sectors from there on are left as they were, for the `aes` crate).
+    fn run(&mut self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, iv: impl Fn(usize) -> [u8; 16]) -> usize {
+        if unit == 0 || !unit.is_multiple_of(16) || from.is_some_and(|f| f.len() < data.len()) {
+            return 0;
         }
-        ok
+        let whole = data.len() / unit * unit;
+        match &mut self.xts {
+            Some((e, d)) if unit >= XTS_WHOLE => {
+                let c = if enc { e } else { d };
+                for (i, s) in data[..whole].chunks_exact_mut(unit).enumerate() {
+                    if !evp(c, Some(&iv(i)), from.map(|f| &f[i * unit..(i + 1) * unit]), s) {
+                        return i * unit;
+                    }
+                }
+                whole
+            }
+            _ if unit <= XTS_PASS => self.over_ecb(enc, from, &mut data[..whole], unit, iv),
+            _ => 0,
+        }
+    }
+
+    /// [`XtsCtx::run`] over ECB, for whole sectors of at most [`XTS_PASS`].
+    fn over_ecb(&mut self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, iv: impl Fn(usize) -> [u8; 16]) -> usize {
+        let (per, blocks) = (XTS_PASS / unit, unit / 16);
+        self.tweaks.resize(per * blocks, 0);
+        self.firsts.resize(per, [0; 16]);
+        let mut done = 0;
+        for (k, pass) in data.chunks_mut(per * unit).enumerate() {
+            let sectors = pass.len() / unit;
+            // each sector's first tweak: its IV under the second key
+            let first = &mut self.firsts[..sectors];
+            for (i, t) in first.iter_mut().enumerate() {
+                *t = iv(k * per + i);
+            }
+            if !evp(&mut self.tweak, None, None, first.as_flattened_mut()) {
+                return done;
+            }
+            // block j of a sector has the tweak T·x^j, T its first; the data
+            // is XORed with it as it is made
+            let src = from.map(|f| &f[done..done + pass.len()]);
+            let (d, _) = pass.as_chunks_mut::<16>();
+            for (s, (t0, tw)) in first.iter().zip(self.tweaks.chunks_exact_mut(blocks)).enumerate() {
+                let mut t = u128::from_le_bytes(*t0);
+                let d = &mut d[s * blocks..(s + 1) * blocks];
+                match src {
+                    Some(f) => {
+                        let (f, _) = f[s * unit..(s + 1) * unit].as_chunks::<16>();
+                        for ((w, d), f) in tw.iter_mut().zip(d).zip(f) {
+                            *w = t;
+                            *d = (u128::from_le_bytes(*f) ^ t).to_le_bytes();
+                            t = mul_x(t);
+                        }
+                    }
+                    None => {
+                        for (w, d) in tw.iter_mut().zip(d) {
+                            *w = t;
+                            *d = (u128::from_le_bytes(*d) ^ t).to_le_bytes();
+                            t = mul_x(t);
+                        }
+                    }
+                }
+            }
+            let tweaks = &self.tweaks[..sectors * blocks];
+            if !evp(if enc { &mut self.enc } else { &mut self.dec }, None, None, pass) {
+                match src {
+                    Some(s) => pass.copy_from_slice(s),
+                    None => xor_tweaks(pass, tweaks),
+                }
+                return done;
+            }
+            xor_tweaks(pass, tweaks);
+            done += pass.len();
+        }
+        done
     }
 }
 
@@ -576,7 +709,7 @@ struct Keys {
     key: [u8; MAX_KEY],
     len: usize,
     engine: Engine,
-    /// OpenSSL's XTS for the data path ([`Keys::run`]), for the keys it takes.
+    /// XTS over OpenSSL's AES for the data path ([`Keys::run`]).
     ossl: Option<OsslXts>,
     iv: Option<IvMode>,
     /// ESSIV's cipher, keyed with sha256 of the volume key.
@@ -618,19 +751,22 @@ impl Keys {
     /// pair for the whole call; from `from` straight into `data`, no copy
     /// first), else (or should OpenSSL fail) with the `aes` crate in place.
     fn run(&self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
-        let mut ctx = self.ossl.as_ref().and_then(|o| o.take(&self.key[..self.len]));
-        for (i, s) in data.chunks_exact_mut(unit).enumerate() {
-            let iv = self.iv(n(i));
-            let src = from.and_then(|f| f.get(i * unit..(i + 1) * unit));
-            if !ctx.as_mut().is_some_and(|c| c.sector(enc, src, s, &iv)) {
-                if let Some(f) = src {
-                    s.copy_from_slice(f);
-                }
-                self.engine.sector(enc, s, iv);
+        let mut done = 0;
+        if let Some(o) = &self.ossl {
+            if let Some(mut c) = o.take(&self.key[..self.len]) {
+                done = c.run(enc, from, data, unit, |i| self.iv(n(i)));
+                o.give_back(c);
             }
         }
-        if let (Some(o), Some(c)) = (&self.ossl, ctx) {
-            o.give_back(c);
+        if unit == 0 {
+            return;
+        }
+        // what OpenSSL did not do (none of it, for keys or sectors it does not take)
+        for (i, s) in data.chunks_exact_mut(unit).enumerate().skip(done / unit) {
+            if let Some(f) = from.and_then(|f| f.get(i * unit..(i + 1) * unit)) {
+                s.copy_from_slice(f);
+            }
+            self.engine.sector(enc, s, self.iv(n(i)));
         }
     }
 
@@ -1157,7 +1293,7 @@ mod tests {
     }
 
     /// Encrypt one data unit of `pt` with IV sector `n` on the data path
-    /// (OpenSSL's XTS where it takes the key); check it decrypts back, and
+    /// (XTS over OpenSSL's AES where the key is XTS's); check it decrypts back, and
     /// that the `aes` crate's path (LUKS keyslots, keys OpenSSL refuses)
     /// agrees both ways.
     fn enc(k: &Keys, n: u64, pt: &[u8]) -> Vec<u8> {
@@ -1181,23 +1317,64 @@ mod tests {
     fn openssl_takes_the_xts_keys_it_can() {
         let spec = parse_cipher("aes-xts-plain64").unwrap();
         let distinct: Vec<u8> = (0..64u8).collect();
-        for n in [32, 64] {
+        for n in [32, 48, 64] {
             let k = Keys::new(&spec, &distinct[..n]).unwrap();
-            let o = k.ossl.as_ref().expect("OpenSSL's XTS");
-            // a pair is reused, not made anew, by the next request
+            let o = k.ossl.as_ref().expect("XTS over OpenSSL's AES");
+            // OpenSSL's own XTS for large sectors: not AES-192
+            assert_eq!(o.xts.is_some(), n != 48, "{n}-byte key");
+            // a set is reused, not made anew, by the next request
             let c = o.take(&k.key[..k.len]).expect("keyed");
             o.give_back(c);
             assert_eq!(o.pool.lock().unwrap().len(), 1);
             k.run(true, None, &mut [0u8; 512], 512, |i| i as u64);
             assert_eq!(o.pool.lock().unwrap().len(), 1);
         }
-        // AES-192 (OpenSSL has no aes-192-xts), equal halves, CBC: the aes crate
-        assert!(Keys::new(&spec, &distinct[..48]).unwrap().ossl.is_none());
-        assert!(Keys::new(&spec, &[7; 64]).unwrap().ossl.is_none());
+        // equal halves: over ECB only (OpenSSL's XTS refuses them)
+        assert!(Keys::new(&spec, &[7; 64]).unwrap().ossl.as_ref().is_some_and(|o| o.xts.is_none()));
+        // CBC: the aes crate
         assert!(Keys::new(&parse_cipher("aes-cbc-plain64").unwrap(), &distinct[..32])
             .unwrap()
             .ossl
             .is_none());
+    }
+
+    /// Many sectors in one call, as requests come (passes of XTS over ECB
+    /// with a partial last one; OpenSSL's XTS a sector at a time), equal to
+    /// the `aes` crate's path sector by sector, both ways, in place and
+    /// from another buffer; every key size, equal halves, every sector size.
+    #[test]
+    fn many_sectors_in_one_call_equal_the_aes_crate_sector_by_sector() {
+        let spec = parse_cipher("aes-xts-plain64").unwrap();
+        let keys: Vec<Vec<u8>> = vec![
+            (1..=32u8).collect(),
+            (1..=48u8).collect(),
+            (1..=64u8).map(|b| b.wrapping_mul(37)).collect(),
+            vec![7; 64],
+        ];
+        for key in &keys {
+            let k = Keys::new(&spec, key).unwrap();
+            assert!(k.ossl.is_some(), "the test runs where memory can be locked");
+            for unit in [512usize, 1024, 2048, 4096] {
+                let len = (2 * XTS_PASS / unit + 3) * unit;
+                let pt: Vec<u8> = (0..len).map(|i| (i * 131 + i / 7) as u8).collect();
+                let first = 1000 + unit as u64;
+                let mut soft = pt.clone();
+                for (i, s) in soft.chunks_exact_mut(unit).enumerate() {
+                    k.engine.sector(true, s, k.iv(first + i as u64));
+                }
+                let mut inplace = pt.clone();
+                k.run(true, None, &mut inplace, unit, |i| first + i as u64);
+                assert!(inplace == soft, "{}-byte key, {unit}-byte sectors: encrypts alike in place", key.len());
+                let mut apart = vec![0u8; len];
+                k.run(true, Some(&pt), &mut apart, unit, |i| first + i as u64);
+                assert!(apart == soft, "{}-byte key, {unit}-byte sectors: from another buffer", key.len());
+                let mut back = vec![0u8; len];
+                k.run(false, Some(&soft), &mut back, unit, |i| first + i as u64);
+                assert!(back == pt, "{}-byte key, {unit}-byte sectors: decrypts back", key.len());
+                k.run(false, None, &mut inplace, unit, |i| first + i as u64);
+                assert!(inplace == pt, "{}-byte key, {unit}-byte sectors: decrypts back in place", key.len());
+            }
+        }
     }
 
     #[test]
