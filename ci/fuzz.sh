@@ -19,14 +19,33 @@ python3 make_corpus.py
 "${fz[@]}" build -O -a
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for t in $("${fz[@]}" list); do
+# two targets at a time (the machine's two cores), each on its own copy of its
+# corpus; the verdicts are printed in the targets' order once all have run
+one() {
+    local t=$1
     mkdir -p "$work/$t"
     cp -r "corpus/$t/." "$work/$t/"
-    if ! "${fz[@]}" run -O -a "$t" "$work/$t" -- -max_total_time="$secs" -rss_limit_mb=4096 -timeout=20 \
+    if "${fz[@]}" run -O -a "$t" "$work/$t" -- -max_total_time="$secs" -rss_limit_mb=4096 -timeout=20 \
         >"$work/$t.log" 2>&1; then
+        echo ok >"$work/$t.verdict"
+    else
+        echo failed >"$work/$t.verdict"
+    fi
+}
+targets=$("${fz[@]}" list)
+for t in $targets; do
+    while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n || true; done
+    one "$t" &
+done
+wait
+failed=0
+for t in $targets; do
+    if [ "$(cat "$work/$t.verdict" 2>/dev/null)" != ok ]; then
         echo "fuzz: $t FAILED"
         grep -v '^#' "$work/$t.log" | tail -60
-        exit 1
+        failed=1
+    else
+        echo "fuzz: $t: $(grep -E '^Done' "$work/$t.log" || echo 'no summary')"
     fi
-    echo "fuzz: $t: $(grep -E '^Done' "$work/$t.log" || echo 'no summary')"
 done
+exit "$failed"
