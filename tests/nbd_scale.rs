@@ -269,3 +269,82 @@ fn clients_that_never_read_replies_are_bounded_and_others_go_on() {
     wait_connections(&d, 0);
     d.wait_open_count("z", 0);
 }
+
+/// `per_reactor` of `dmkit stats --server`: the connections each reactor serves.
+fn per_reactor(d: &Daemon) -> Vec<u64> {
+    let line = d.ok(&["stats", "--server"]);
+    let v = line
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("per_reactor="))
+        .unwrap_or_else(|| panic!("no per_reactor in {line:?}"));
+    v.split(',').map(|n| n.parse().expect("a count")).collect()
+}
+
+/// `n` clients whose handshakes run at the same moment (as fio's jobs start).
+fn attach_together(addr: &str, n: usize) -> Vec<TcpStream> {
+    let go = std::sync::Arc::new(std::sync::Barrier::new(n));
+    let hs: Vec<_> = (0..n)
+        .map(|_| {
+            let (addr, go) = (addr.to_string(), go.clone());
+            std::thread::spawn(move || {
+                go.wait();
+                attach(&addr, "d")
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().expect("client")).collect()
+}
+
+#[test]
+fn connections_are_placed_evenly_as_clients_come_and_go() {
+    let s = Scratch::new("scale-place");
+    let f = s.sparse("f.img", 8 * MIB);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let d = Daemon::start_with(
+        "scale-place",
+        &["--nbd-listen", &addr, "--nbd-reactors", "3"],
+        &[],
+    );
+    d.create("d", &format!("0 {} linear {} 0", 8 * MIB / 512, f.display()));
+    let even = |p: &[u64]| p.iter().max().unwrap_or(&0) - p.iter().min().unwrap_or(&0) <= 1;
+    // four clients at once, then gone, ten times over: each time spread
+    // over the three reactors (2,1,1 in some order), and every count back
+    // to zero after (a closed connection is uncounted)
+    for round in 0..10 {
+        let c = attach_together(&addr, 4);
+        wait_connections(&d, 4);
+        let p = per_reactor(&d);
+        println!("round {round}: four clients placed {p:?}");
+        assert_eq!(p.len(), 3);
+        assert_eq!(p.iter().sum::<u64>(), 4, "round {round}: {p:?}");
+        assert!(even(&p), "round {round}: four clients placed {p:?}");
+        drop(c);
+        wait_connections(&d, 0);
+        assert_eq!(
+            per_reactor(&d),
+            [0, 0, 0],
+            "round {round}: closed connections still counted"
+        );
+    }
+    // six held (2,2,2); the first three close, whichever reactors they were
+    // on; three new clients fill exactly those places
+    let mut held = attach_together(&addr, 6);
+    wait_connections(&d, 6);
+    assert_eq!(per_reactor(&d), [2, 2, 2]);
+    held.drain(..3);
+    wait_connections(&d, 3);
+    let after_close = per_reactor(&d);
+    held.extend(attach_together(&addr, 3));
+    wait_connections(&d, 6);
+    let p = per_reactor(&d);
+    println!("six held, three closed: {after_close:?}; three more: {p:?}");
+    assert_eq!(after_close.iter().sum::<u64>(), 3);
+    assert_eq!(
+        p,
+        [2, 2, 2],
+        "after three of six closed ({after_close:?}), three new ones went to {p:?}"
+    );
+    drop(held);
+    wait_connections(&d, 0);
+    assert_eq!(per_reactor(&d), [0, 0, 0]);
+}

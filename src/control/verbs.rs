@@ -266,10 +266,11 @@ Example:
     /// received; with --server, what the NBD server holds
     #[command(after_help = "Examples:
   dmkit stats pool                    # /…/meta.img flushes=3, /…/data.img flushes=3
-  dmkit stats --server                # reactors=2 connections=1 handshakes=0 buffer_bytes=…")]
+  dmkit stats --server                # reactors=2 connections=1 per_reactor=1,0 handshakes=0 buffer_bytes=…")]
     Stats {
         /// The NBD server's reactor threads, connections (in their handshake and
-        /// after it) and the bytes of buffers it holds, instead of a device's files
+        /// after it, and on each reactor) and the bytes of buffers it holds, instead
+        /// of a device's files
         #[arg(long, conflicts_with_all = ["names", "uuid", "minor"])]
         server: bool,
         #[command(flatten)]

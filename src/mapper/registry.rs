@@ -278,6 +278,9 @@ pub struct ServerCounters {
     pub reactors: std::sync::atomic::AtomicUsize,
     /// Connections in the transmission phase.
     pub connections: std::sync::atomic::AtomicUsize,
+    /// The connections each reactor serves, in the reactors' order: what a
+    /// new connection's placement reads (set when the reactors start).
+    pub per_reactor: std::sync::OnceLock<Vec<std::sync::Arc<std::sync::atomic::AtomicUsize>>>,
     /// Connections in their handshake.
     pub handshakes: std::sync::atomic::AtomicUsize,
     /// Bytes of buffers the reactors hold (request data, receive buffers).
@@ -288,10 +291,19 @@ impl ServerCounters {
     /// `dmkit stats --server`: one `key=value` line.
     pub fn line(&self) -> String {
         let l = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed);
+        let per: Vec<String> = self
+            .per_reactor
+            .get()
+            .map_or(Vec::new(), |v| v.iter().map(|a| l(a).to_string()).collect());
         format!(
-            "reactors={} connections={} handshakes={} buffer_bytes={}\n",
+            "reactors={} connections={} per_reactor={} handshakes={} buffer_bytes={}\n",
             l(&self.reactors),
             l(&self.connections),
+            if per.is_empty() {
+                "-".to_string()
+            } else {
+                per.join(",")
+            },
             l(&self.handshakes),
             l(&self.buffer_bytes)
         )

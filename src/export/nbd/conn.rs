@@ -417,6 +417,11 @@ impl Conn {
         !self.poll_armed
     }
 
+    /// Whether [`Conn::close`] has closed the socket.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
     /// A dead connection's requests still waiting for a resume are given up.
     pub fn drop_parked(&self, sh: &mut Shared) {
         if self.dead {

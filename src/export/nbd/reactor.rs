@@ -48,13 +48,18 @@ struct Door {
     queue: Mutex<Vec<NewConn>>,
     /// Signalled when the queue has connections.
     efd: OwnedFd,
-    /// Connections the reactor serves (the least loaded gets the next one).
-    conns: AtomicUsize,
+    /// Connections the reactor serves (the least loaded gets the next one;
+    /// shared with the registry's `per_reactor`).
+    conns: Arc<AtomicUsize>,
 }
 
 /// The reactors of a daemon, and the bounds on handshakes.
 pub struct Reactors {
     doors: Vec<Arc<Door>>,
+    /// Held while a connection is placed: the least loaded reactor is read
+    /// and counted as one step, so connections whose handshakes end at once
+    /// do not all read the same least loaded one.
+    placing: Mutex<()>,
     handshakes: Mutex<usize>,
     handshake_done: Condvar,
     deadlines: Arc<Deadlines>,
@@ -109,7 +114,7 @@ impl Reactors {
             let door = Arc::new(Door {
                 queue: Mutex::new(Vec::new()),
                 efd,
-                conns: AtomicUsize::new(0),
+                conns: Arc::new(AtomicUsize::new(0)),
             });
             let (d, reg) = (door.clone(), reg.clone());
             // the engine is made on the thread that uses its ring
@@ -130,6 +135,10 @@ impl Reactors {
             doors.push(door);
         }
         reg.server.reactors.store(doors.len(), Ordering::Relaxed);
+        let _ = reg
+            .server
+            .per_reactor
+            .set(doors.iter().map(|d| d.conns.clone()).collect());
         let deadlines = Arc::new(Deadlines::default());
         let d = deadlines.clone();
         std::thread::Builder::new()
@@ -137,6 +146,7 @@ impl Reactors {
             .spawn(move || enforce(&d))?;
         Ok(Arc::new(Reactors {
             doors,
+            placing: Mutex::new(()),
             handshakes: Mutex::new(0),
             handshake_done: Condvar::new(),
             deadlines,
@@ -156,12 +166,17 @@ impl Reactors {
     }
 
     /// Hand a client in the transmission phase to the reactor with the fewest
-    /// connections.
+    /// connections (a reactor's count falls when it closes a connection's
+    /// socket, so a client that closes and connects again is counted once).
     pub fn hand(&self, c: NewConn) {
-        let Some(door) = self.doors.iter().min_by_key(|d| d.conns.load(Ordering::Relaxed)) else {
-            return;
+        let door = {
+            let _placing = self.placing.lock().unpoisoned();
+            let Some(door) = self.doors.iter().min_by_key(|d| d.conns.load(Ordering::Relaxed)) else {
+                return;
+            };
+            door.conns.fetch_add(1, Ordering::Relaxed);
+            door
         };
-        door.conns.fetch_add(1, Ordering::Relaxed);
         door.queue.lock().unpoisoned().push(c);
         let _ = rustix::io::write(&door.efd, &1u64.to_ne_bytes());
     }
@@ -302,8 +317,16 @@ impl<'a> Reactor<'a> {
             if c.is_dead() {
                 c.drop_parked(sh);
             }
-            if c.finished() && c.close(sh) {
-                leaving.push(id);
+            if c.finished() {
+                let was_open = !c.is_closed();
+                if c.close(sh) {
+                    leaving.push(id);
+                }
+                // placement's count falls as the socket closes, before the
+                // client can see the close and connect again
+                if let (true, Some(door)) = (was_open, self.door) {
+                    door.conns.fetch_sub(1, Ordering::Relaxed);
+                }
             }
             if !conns.ready.is_empty() {
                 sh.engine.submit(); // this one's I/O starts while the next is parsed
@@ -357,9 +380,6 @@ impl<'a> Reactor<'a> {
             return;
         };
         self.conns.free.push(id);
-        if let Some(door) = self.door {
-            door.conns.fetch_sub(1, Ordering::Relaxed);
-        }
         self.reg.server.connections.fetch_sub(1, Ordering::Relaxed);
         let dev = c.dev.clone();
         // no longer open before the client sees its connection close, as a
