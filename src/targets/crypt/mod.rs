@@ -563,8 +563,10 @@ impl OsslXts {
             dec: keyed(self.ecb, k1, false)?,
             tweak: keyed(self.ecb, k2, true)?,
             xts,
-            tweaks: Zeroizing::new(Vec::new()),
-            firsts: Zeroizing::new(Vec::new()),
+            // at their largest once (a pass of 16-byte sectors), never grown:
+            // a grown vector would leave its old copy of tweaks unwiped
+            tweaks: Zeroizing::new(vec![0; XTS_PASS / 16]),
+            firsts: Zeroizing::new(vec![[0; 16]; XTS_PASS / 16]),
         })
     }
 
@@ -651,8 +653,6 @@ impl XtsCtx {
     /// [`XtsCtx::run`] over ECB, for whole sectors of at most [`XTS_PASS`].
     fn over_ecb(&mut self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, iv: impl Fn(usize) -> [u8; 16]) -> usize {
         let (per, blocks) = (XTS_PASS / unit, unit / 16);
-        self.tweaks.resize(per * blocks, 0);
-        self.firsts.resize(per, [0; 16]);
         let mut done = 0;
         for (k, pass) in data.chunks_mut(per * unit).enumerate() {
             let sectors = pass.len() / unit;
@@ -1354,7 +1354,7 @@ mod tests {
         for key in &keys {
             let k = Keys::new(&spec, key).unwrap();
             assert!(k.ossl.is_some(), "the test runs where memory can be locked");
-            for unit in [512usize, 1024, 2048, 4096] {
+            for unit in [48usize, 512, 1024, 2048, 4096] {
                 let len = (2 * XTS_PASS / unit + 3) * unit;
                 let pt: Vec<u8> = (0..len).map(|i| (i * 131 + i / 7) as u8).collect();
                 let first = 1000 + unit as u64;
