@@ -216,6 +216,9 @@ fn promised(heading: &str) -> &'static [&'static str] {
         h if h.contains("dm-integrity") => &[
             "provided_data_sectors 129160\nflags fix_padding fix_hmac \n", // integritysetup dump
             " 0 4 J 8 journal_sectors:880 interleave_sectors:32768 buffer_sectors:128 journal_watermark:50 commit_time:10000 fix_padding fix_hmac internal_hash:crc32c\n", // table ig
+            // the read stops at the changed block, the one before it right
+            "qemu-img: error while reading from input image file: Input/output error\nthe read failed\n",
+            "the first MiB read back\n",
             "0 129160 integrity 1 129160 -\n", // status after the changed byte
         ],
         h if h.contains("NBD over TCP with TLS") => &[
