@@ -441,7 +441,7 @@ impl Engine {
 /// back beyond it is freed.
 const XTS_POOL: usize = 64;
 
-/// The most bytes of data one pass of XTS over ECB takes ([`XtsCtx::run`]):
+/// The most bytes of data one pass of XTS over ECB takes ([`XtsCtx::over_ecb`]):
 /// the pass's tweaks (as many bytes again) and its data stay in the L1 cache
 /// between the XORs and the cipher.
 const XTS_PASS: usize = 8 << 10;
@@ -747,9 +747,10 @@ impl Keys {
 
     /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
     /// place, in sectors of `unit` bytes, the one at index i with the IV
-    /// numbered `n(i)`: with OpenSSL's XTS where it takes the key (one context
-    /// pair for the whole call; from `from` straight into `data`, no copy
-    /// first), else (or should OpenSSL fail) with the `aes` crate in place.
+    /// numbered `n(i)`: with XTS on OpenSSL's AES where the daemon's memory is
+    /// locked (one context set for the whole call; from `from` straight into
+    /// `data`, no copy first), else (or from where OpenSSL failed) with the
+    /// `aes` crate in place.
     fn run(&self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
         let mut done = 0;
         if let Some(o) = &self.ossl {
