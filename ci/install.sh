@@ -121,3 +121,7 @@ ci/fetch-tpt-ref.sh
 # and the 6.12 series from bookworm-security, which has ublk_drv.
 tests/oracle/run.sh --prepare
 DMKIT_ORACLE_KERNEL=6.12 tests/oracle/run.sh --prepare
+
+# cargo-nextest runs the suite (ci/test.sh); the Rust machines have it, this
+# builds it where one does not
+command -v cargo-nextest >/dev/null || cargo install cargo-nextest --locked

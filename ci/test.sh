@@ -2,7 +2,7 @@
 # The test command: installs what the tests need on a fresh Debian machine
 # (ci/install.sh: real NBD clients, fio, qemu-img, nbdkit, thin-provisioning-tools,
 # the kernel oracle's qemu and kernel, mkdocs), then runs fmt, the module structure
-# check, the manual's build, clippy and the whole suite.
+# check, the manual's build, clippy, the whole suite and the fuzz targets.
 # Needs the Rust toolchain; root (or sudo) for apt-get. Every test that needs a tool
 # fails without it: nothing is skipped.
 set -euo pipefail
@@ -19,6 +19,10 @@ cargo clippy --release --all-targets -- -D warnings
 # the fuzz crate too (not part of the workspace; stable with RUSTC_BOOTSTRAP for
 # libfuzzer-sys, as ci/fuzz.sh builds it)
 (cd fuzz && cargo fmt -- --check && RUSTC_BOOTSTRAP=1 cargo clippy --all-targets -- -D warnings)
-cargo test --release -- --test-threads=2
+# the whole suite with cargo nextest (on the machine with the toolchain): each
+# test in its own process, two at a time across binaries, the slowest first,
+# and a test past 15 minutes killed and named (.config/nextest.toml); the crate
+# has no doc tests
+cargo nextest run --release
 # every fuzz target for a short time (fuzz/README.md)
 ci/fuzz.sh 15

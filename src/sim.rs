@@ -456,11 +456,95 @@ impl Req {
     }
 }
 
-/// `DMKIT_SIM_TRACE=1`: print every operation of a trial (for replays).
-fn trace(what: impl FnOnce() -> String) {
+/// Whether `DMKIT_SIM_TRACE` is set: every operation of a trial printed (for
+/// replays).
+fn tracing() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("DMKIT_SIM_TRACE").is_some()) {
-        eprintln!("sim: {}", what());
+    *ON.get_or_init(|| std::env::var_os("DMKIT_SIM_TRACE").is_some())
+}
+
+/// A line of the trace that costs only its formatting: printed when
+/// [`tracing`], and the last few kept in any case, for the watchdog.
+fn trace(what: impl FnOnce() -> String) {
+    let line = what();
+    if tracing() {
+        eprintln!("sim: {line}");
+    }
+    let mut w = WATCH.lock().unpoisoned();
+    if w.recent.len() == RECENT_LINES {
+        w.recent.pop_front();
+    }
+    w.recent.push_back(line);
+}
+
+/// A line of the trace that asks the stack something (a status, which may
+/// commit or wait): made only when [`tracing`], so a trial does the same
+/// with tracing off as without this line.
+fn trace_status(what: impl FnOnce() -> String) {
+    if tracing() {
+        trace(what);
+    }
+}
+
+/// Trace lines the watchdog prints.
+const RECENT_LINES: usize = 40;
+
+/// What the trial under way is doing, for the watchdog.
+struct Watch {
+    /// The trial's replay command and when it started; None between trials.
+    trial: Option<(String, std::time::Instant)>,
+    recent: std::collections::VecDeque<String>,
+}
+
+static WATCH: Mutex<Watch> = Mutex::new(Watch {
+    trial: None,
+    recent: std::collections::VecDeque::new(),
+});
+
+/// A trial that runs longer than this is stuck (one takes well under a second).
+const TRIAL_STUCK: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// While it lives, a thread watches the trials: one that runs past
+/// [`TRIAL_STUCK`] (a request a target never completes, a wait that never
+/// ends) gets its replay command and its last events printed, and the process
+/// exits with status 3, instead of hanging whoever runs it.
+struct Watchdog(Arc<std::sync::atomic::AtomicBool>);
+
+impl Watchdog {
+    fn start() -> Watchdog {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let _ = std::thread::Builder::new().name("sim-watchdog".into()).spawn(move || {
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                let w = WATCH.lock().unpoisoned();
+                if let Some((cmd, t0)) = &w.trial {
+                    if t0.elapsed() > TRIAL_STUCK {
+                        let recent: Vec<&str> = w.recent.iter().map(String::as_str).collect();
+                        eprintln!(
+                            "sim: a trial has run for {} s and is stuck; replay: {cmd}\nits last events:\n  {}",
+                            TRIAL_STUCK.as_secs(),
+                            recent.join("\n  ")
+                        );
+                        std::process::exit(3);
+                    }
+                }
+            }
+        });
+        Watchdog(stop)
+    }
+
+    /// Trial `o` starts (Some) or ended (None).
+    fn trial(o: Option<&Options>) {
+        let mut w = WATCH.lock().unpoisoned();
+        w.trial = o.map(|o| (replay_command(o), std::time::Instant::now()));
+        w.recent.clear();
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -475,7 +559,14 @@ pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
 /// Run one trial. Err says what failed (the caller prints [`replay_command`]).
 pub fn run_trial(o: &Options) -> Result<Outcome, String> {
     let _g = exclusive();
-    let dir = o.dir.join(format!("sim-{}-{}", o.stack.name(), o.seed));
+    // the process's own: trials of another process (another test, a user's
+    // `dmkit sim`) may run at the same time under the same directory
+    let dir = o.dir.join(format!(
+        "sim-{}-{}.{}",
+        o.stack.name(),
+        o.seed,
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trial(o, &dir)));
     devio::release_thread_engine();
@@ -673,7 +764,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         format!("events of a run without a crash: {counts:?}; the crash: {kind:?} {at:?} {fates:?}; I/O error: {fail:?}")
     });
     let mut t = run_workload(o, dir, at, fail)?;
-    trace(|| {
+    trace_status(|| {
         format!(
             "before the crash: {:?}",
             t.reg.table_lines(None, true, false, false)
@@ -719,7 +810,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         }
     }
     t.build(true)?;
-    trace(|| {
+    trace_status(|| {
         format!(
             "after the crash: {:?}",
             t.reg.table_lines(None, true, false, false)
@@ -1729,6 +1820,7 @@ impl Trial {
         while s0 < span {
             let n = per.min(span - s0);
             let b = &mut buf[..(n * SECTOR) as usize];
+            trace(|| format!("verify: read {name} sectors {s0}+{n}"));
             devio::read(&dest, s0, b)
                 .map_err(|e| format!("{name}: read at sector {s0} after the crash: {e}"))?;
             let m = self.models.get(&key);
@@ -1802,13 +1894,17 @@ pub struct Summary {
 /// first failure if `stop_at_first`.
 pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
     let mut sum = Summary::default();
+    let _watchdog = Watchdog::start();
     for i in 0..trials {
         let o = Options {
             seed: base.seed.wrapping_add(i),
             ..base.clone()
         };
         sum.trials += 1;
-        match run_trial(&o) {
+        Watchdog::trial(Some(&o));
+        let r = run_trial(&o);
+        Watchdog::trial(None);
+        match r {
             Ok(out) => {
                 sum.acked_writes += out.acked_writes;
                 sum.flushes += out.flushes;

@@ -128,8 +128,10 @@ pub struct IoQueue {
     /// device with several I/Os in flight carries them out in any order; a flush
     /// covers only the writes that ran before it.
     held: Vec<(Sqe, u64, SimRef)>,
-    /// The simulated disk whose seed orders ready completions (the last one
-    /// pushed to).
+    /// The simulated disk whose seed orders the ready completions: that of the
+    /// held operations last carried out, until their completions are handed
+    /// on. Cleared then: the disk lives only as long as the files whose
+    /// operations are under way (the queue may outlive it).
     sim: Option<SimRef>,
 }
 
@@ -348,16 +350,16 @@ impl IoQueue {
     ///
     /// [`FileHandle`]: super::backing::FileHandle
     pub unsafe fn push_sim(&mut self, op: Sqe, user_data: u64, sim: SimRef) {
-        self.sim = Some(sim);
         self.held.push((op, user_data, sim));
     }
 
-    /// Carry out the held operations of simulated disks, in a seed-chosen order.
+    /// Carry out the held operations of simulated disks, in a seed-chosen order
+    /// (the last one's disk orders them: its file is open while it is held).
     fn run_held(&mut self) {
-        let Some(order) = self.sim else { return };
-        if self.held.is_empty() {
+        let Some(&(_, _, order)) = self.held.last() else {
             return;
-        }
+        };
+        self.sim = Some(order);
         let mut held = std::mem::take(&mut self.held);
         order.disk().shuffle(&mut held);
         for (op, user_data, sim) in held.drain(..) {
@@ -538,7 +540,9 @@ impl IoQueue {
     /// multishot operation stays armed and will complete again.
     pub fn drain_flags(&mut self, mut f: impl FnMut(u64, i32, bool)) {
         self.run_held();
-        if let Some(sim) = self.sim {
+        // the completions handed on below end the operations that keep the
+        // disk alive: the reference goes with them
+        if let Some(sim) = self.sim.take() {
             sim.disk().shuffle(self.done.make_contiguous());
         }
         let mut woke = false;

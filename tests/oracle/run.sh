@@ -222,7 +222,7 @@ nice -n 19 timeout "$TIMEOUT" "$QEMU" -accel tcg -cpu max -m "${ORACLE_MEM:-512}
   -nodefaults -display none -no-reboot -monitor none \
   -serial "file:${ORACLE_SERIAL:-$WORK/serial.log}" \
   -kernel "$VMLINUZ" -initrd "$WORK/initrd.gz" \
-  -append "console=ttyS0 quiet panic=-1 loglevel=4" \
+  -append "console=ttyS0 quiet panic=-1 loglevel=4 no_timer_check" \
   "${drives[@]}" "${extra[@]}" </dev/null
 rc=$?
 set -e
