@@ -180,6 +180,21 @@ fn usage_and_input_errors_as_the_reference() {
             "cache_repair",
             vec!["-i".as_ref(), m.as_os_str(), "-o".as_ref(), m.as_os_str()],
         ),
+        // an empty path is a file that cannot be found, not a usage error
+        ("cache_check", vec!["".as_ref()]),
+        ("cache_dump", vec!["".as_ref()]),
+        (
+            "cache_restore",
+            vec!["-i".as_ref(), "".as_ref(), "-o".as_ref(), m.as_os_str()],
+        ),
+        (
+            "cache_repair",
+            vec!["-i".as_ref(), "".as_ref(), "-o".as_ref(), m.as_os_str()],
+        ),
+        (
+            "cache_repair",
+            vec!["-i".as_ref(), m.as_os_str(), "-o".as_ref(), "".as_ref()],
+        ),
     ];
     for (tool, args) in cases {
         let verb = tool.trim_start_matches("cache_");
@@ -278,6 +293,71 @@ fn repair_of_a_damaged_space_map_as_the_reference() {
         checks_pass(&theirs);
         assert_eq!(dumps_agree(&ours), text);
         assert_eq!(dumps_agree(&theirs), text);
+    }
+}
+
+/// Make `n` free metadata blocks of `m` leak: their counts set to one with
+/// nothing referencing them, committed as the target commits (the space map,
+/// then the superblock naming it). The blocks.
+fn leak(m: &Path, n: usize) -> Vec<u64> {
+    use dmkit::pdata::space_map::SmKind;
+    let dev = dmkit::pdata::FileDev::open(m, true).unwrap();
+    let mut cache = dmkit::pdata::cache::BlockCache::new(Box::new(dev), 64);
+    let mut sb = dmkit::cache::superblock::read(&mut cache, 0).unwrap();
+    let mut tm = dmkit::pdata::sm_disk::open_tm(cache, &sb.sm_root).unwrap();
+    let sm = tm.sm(SmKind::Metadata);
+    let free: Vec<u64> = (0..sm.nr_blocks())
+        .filter(|&b| sm.count(b) == 0)
+        .take(n)
+        .collect();
+    for &b in &free {
+        tm.sm(SmKind::Metadata).set(b, 1).unwrap();
+    }
+    let (root, _) = dmkit::pdata::sm_disk::commit(&mut tm).unwrap();
+    sb.sm_root = root;
+    tm.cache.write_dirty().unwrap();
+    tm.cache.flush().unwrap();
+    tm.cache
+        .write_through(0, BlockKind::CacheSuperblock, &sb.encode())
+        .unwrap();
+    tm.cache.flush().unwrap();
+    free
+}
+
+/// cache_check with leaked metadata blocks, as 1.x: refused without
+/// `--auto-repair` (the same words), repaired with it (the same words and
+/// status), after which both checkers pass the metadata and both dumps are
+/// what was restored.
+#[test]
+fn auto_repair_frees_leaked_blocks_as_the_reference() {
+    let s = Scratch::new("cache-auto-repair");
+    for version in ["1", "2"] {
+        let text = xml(300, 7);
+        let m = restore_with(dmkit("restore"), &s, &format!("m{version}"), &text, version);
+        assert_eq!(leak(&m, 3).len(), 3);
+        let plain = run(dmkit("check").arg(&m));
+        assert_eq!(
+            plain,
+            run(reference("cache_check").arg(&m)),
+            "cache_check of leaked metadata"
+        );
+        assert_eq!(plain.0, 64, "{plain:?}");
+        assert!(plain.2.contains("3 metadata blocks have leaked."), "{plain:?}");
+        let (ours, theirs) = (s.path("ours"), s.path("theirs"));
+        std::fs::copy(&m, &ours).unwrap();
+        std::fs::copy(&m, &theirs).unwrap();
+        let repaired = run(dmkit("check").arg("--auto-repair").arg(&ours));
+        assert_eq!(
+            repaired,
+            run(reference("cache_check").arg("--auto-repair").arg(&theirs)),
+            "cache_check --auto-repair"
+        );
+        assert_eq!(repaired.0, 0, "{repaired:?}");
+        assert!(repaired.2.contains("Repairing metadata leaks."), "{repaired:?}");
+        for p in [&ours, &theirs] {
+            checks_pass(p);
+            assert_eq!(dumps_agree(p), text);
+        }
     }
 }
 

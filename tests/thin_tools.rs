@@ -340,6 +340,62 @@ fn check_gives_the_reference_verdicts() {
     }
 }
 
+/// An empty path names a file that cannot be found, as 1.x says it (exit
+/// 64), not a usage error: the thin and era tools, as an argument and after
+/// `-i`/`-o` (the cache tools: `tests/cache_tools.rs`).
+#[test]
+fn an_empty_path_is_a_missing_file_as_in_1x() {
+    let s = Scratch::new("tools-empty-path");
+    let meta = s.path("meta");
+    pool(&meta, 1, 10, 0, 4);
+    let m = meta.to_str().unwrap();
+    let cases: &[(&str, &[&str])] = &[
+        ("thin_check", &[""]),
+        ("thin_dump", &[""]),
+        ("thin_ls", &[""]),
+        ("thin_delta", &["--snap1", "1", "--snap2", "2", ""]),
+        ("thin_rmap", &["--region", "0..1", ""]),
+        ("thin_restore", &["-i", "", "-o", m]),
+        ("thin_repair", &["-i", "", "-o", m]),
+        ("thin_repair", &["-i", m, "-o", ""]),
+        ("era_check", &[""]),
+        ("era_dump", &[""]),
+        ("era_invalidate", &["--written-since", "0", ""]),
+        ("era_restore", &["-i", "", "-o", m]),
+    ];
+    for (tool, args) in cases {
+        let theirs = outcome(&run(&tool_path(tool), args));
+        let o = outcome(&run(&ours(&s).join(tool), args));
+        assert_eq!(theirs, o, "{tool} {args:?}");
+        assert_eq!(o.0, Some(64), "{tool} {args:?}: {o:?}");
+    }
+}
+
+/// A file that holds only the superblock (a pool's first metadata block):
+/// `--super-block-only` reads it as 1.x does (the superblock's sizes are not
+/// held against a device it does not describe), and a full check fails in
+/// both.
+#[test]
+fn super_block_only_takes_a_file_of_the_superblock_alone() {
+    let s = Scratch::new("tools-sb-alone");
+    let base = s.path("base");
+    pool(&base, 1, 200, 0, 3);
+    let sb = s.path("sb");
+    std::fs::write(&sb, &std::fs::read(&base).unwrap()[..BLOCK_SIZE]).unwrap();
+    for flags in [&["--super-block-only"][..], &["-q", "--super-block-only"]] {
+        let mut args = flags.to_vec();
+        args.push("META");
+        assert_same(&s, &sb, "thin_check", &args, "the superblock alone");
+        let [(_, _), (o, _)] = both(&s, &sb, "thin_check", &args);
+        assert!(o.status.success(), "thin_check {args:?}: {o:?}");
+    }
+    let [(r, _), (o, _)] = both(&s, &sb, "thin_check", &["META"]);
+    assert!(
+        !r.status.success() && !o.status.success(),
+        "a full check of the superblock alone: reference {r:?}, dmkit {o:?}"
+    );
+}
+
 #[test]
 fn lvm_activation_check() {
     let s = Scratch::new("tools-lvm");

@@ -793,6 +793,20 @@ impl CacheMetadata {
         Ok(())
     }
 
+    /// Free metadata blocks that nothing references (their counts set to
+    /// zero; the caller found them leaked), clear the needs_check flag if
+    /// asked, and commit, the clean-shutdown flag kept as it was.
+    pub fn free_leaked(&mut self, leaked: &[u64], clear_needs_check: bool) -> Result<()> {
+        for &b in leaked {
+            self.tm.sm(SmKind::Metadata).set(b, 0)?;
+        }
+        if clear_needs_check {
+            self.sb.flags &= !sbm::NEEDS_CHECK;
+        }
+        let clean = self.sb.flags & sbm::CLEAN_SHUTDOWN != 0;
+        self.commit(clean)
+    }
+
     /// Metadata blocks the device holds (as many as a space map can track).
     pub fn nr_metadata_blocks(&self) -> u64 {
         self.tm.cache.nr_blocks().min(MAX_METADATA_BLOCKS)

@@ -331,6 +331,8 @@ pub struct CheckOpts {
     pub skip_discards: bool,
     pub ignore_non_fatal: bool,
     pub clear_needs_check: bool,
+    /// Leaked metadata blocks freed, where nothing worse is found.
+    pub auto_repair: bool,
 }
 
 /// The references a cache superblock's arrays hold.
@@ -376,15 +378,26 @@ pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Ve
         }
     }
     let mut notes = Vec::new();
+    let mut leaked = Vec::new();
     match refcheck::recount(&mut tm, &sb.sm_root, &mut errs, &mut |tm, r| reach(tm, r, &sb)) {
-        Ok(0) => {}
-        Ok(n) => notes.push(format!("{n} metadata blocks have leaked.")),
+        Ok(l) if l.is_empty() => {}
+        Ok(l) => {
+            notes.push(format!("{} metadata blocks have leaked.", l.len()));
+            leaked = l;
+        }
         Err(e) => errs.push(format!("metadata space map: {e}")),
     }
     if !errs.is_empty() {
         errs.extend(notes);
         errs.push("metadata contains errors".into());
         return Err(errs);
+    }
+    if o.auto_repair && !leaked.is_empty() {
+        notes.push("Repairing metadata leaks.".into());
+        return match free_leaked(tm, &leaked, o.clear_needs_check) {
+            Ok(()) => Ok(notes),
+            Err(e) => Err(vec![format!("repairing metadata leaks: {e}")]),
+        };
     }
     if !notes.is_empty() && !o.ignore_non_fatal {
         notes.push("metadata space map contains leaks".into());
@@ -403,6 +416,14 @@ pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Ve
         }
     }
     Ok(notes)
+}
+
+/// cache_check --auto-repair: the leaked metadata blocks' counts set to zero
+/// (and the needs_check flag cleared if asked), committed as the target
+/// commits: the space map shadowed, a flush, then the superblock. The
+/// superblock's clean-shutdown flag is kept as it was.
+fn free_leaked(tm: TransactionManager, leaked: &[u64], clear_needs_check: bool) -> Result<()> {
+    CacheMetadata::open(tm.cache.into_dev())?.free_leaked(leaked, clear_needs_check)
 }
 
 /// What cache_writeback did.

@@ -255,7 +255,7 @@ fn reach(tm: &mut TransactionManager, r: &mut Refs, sb: &Superblock) -> crate::p
 /// Compare the metadata space map with the references found: a block with
 /// fewer references than its count is leaked, one with more is fatal.
 fn recount(tm: &mut TransactionManager, sb: &Superblock, errs: &mut Vec<String>) -> Result<usize> {
-    refcheck::recount(tm, &sb.sm_root, errs, &mut |tm, r| -> Result<()> {
+    let leaked = refcheck::recount(tm, &sb.sm_root, errs, &mut |tm, r| -> Result<()> {
         reach(tm, r, sb)?;
         if sb.metadata_snap != 0 {
             r.take(sb.metadata_snap);
@@ -264,7 +264,8 @@ fn recount(tm: &mut TransactionManager, sb: &Superblock, errs: &mut Vec<String>)
             r.tree(tm, snap.era_array_root, array::TREE)?;
         }
         Ok(())
-    })
+    })?;
+    Ok(leaked.len())
 }
 
 /// era_check: every structure read and checked, and the metadata space map's

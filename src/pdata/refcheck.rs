@@ -68,15 +68,15 @@ impl Refs {
 
 /// Compare the metadata space map at `sm_root` with the references found: the
 /// superblock (block 0), the space map's own blocks, and whatever `reach`
-/// takes. A block with fewer references than its count is leaked (counted),
-/// one with more, or with some but not all, is an error (the first ten go to
-/// `errs`).
+/// takes. A block with a count and no reference is leaked (returned, in
+/// order), one with more references than its count, or with some but not
+/// all, is an error (the first ten go to `errs`).
 pub fn recount<E: From<PdataError>>(
     tm: &mut TransactionManager,
     sm_root: &SmRoot,
     errs: &mut Vec<String>,
     reach: &mut dyn FnMut(&mut TransactionManager, &mut Refs) -> std::result::Result<(), E>,
-) -> std::result::Result<usize, E> {
+) -> std::result::Result<Vec<u64>, E> {
     let sm = sm_disk::load(tm, SmKind::Metadata, sm_root)?;
     let mut r = Refs::default();
     r.take(0);
@@ -87,7 +87,7 @@ pub fn recount<E: From<PdataError>>(
     r.tree(tm, sm.ref_count_root, ValueKind::Plain(4))?;
     reach(tm, &mut r)?;
     let mut wrong = 0usize;
-    let mut leaked = 0usize;
+    let mut leaked = Vec::new();
     for b in 0..sm.nr_blocks() {
         let (want, have) = (r.counts.get(&b).copied().unwrap_or(0), sm.count(b));
         if want > have || (want < have && want > 0) {
@@ -98,7 +98,7 @@ pub fn recount<E: From<PdataError>>(
             }
             wrong += 1;
         } else if want < have {
-            leaked += 1;
+            leaked.push(b);
         }
     }
     if let Some(b) = r.counts.keys().copied().filter(|&b| b >= sm.nr_blocks()).min() {

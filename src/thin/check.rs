@@ -10,7 +10,7 @@
 //! nodes; `--auto-repair` fixes leaks when nothing fatal was found.
 
 use super::dump::reader;
-use super::metadata::{read_superblock, ThinPoolMetadata, DEFAULT_CACHE_BLOCKS};
+use super::metadata::{read_superblock, read_superblock_alone, ThinPoolMetadata, DEFAULT_CACHE_BLOCKS};
 use super::progress::Progress;
 use super::superblock::{DeviceDetails, Superblock, SUPERBLOCK_LOCATION};
 use crate::pdata::btree::node;
@@ -507,7 +507,12 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         return report;
     }
     let mut tm = reader(dev, 64);
-    let mut sb = match read_superblock(&mut tm.cache) {
+    let read = if o.super_block_only {
+        read_superblock_alone
+    } else {
+        read_superblock
+    };
+    let mut sb = match read(&mut tm.cache) {
         Ok(sb) => sb,
         Err(e) => {
             let s = match e {

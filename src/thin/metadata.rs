@@ -73,6 +73,19 @@ fn check_data_block_size(s: u32) -> Result<()> {
 /// Read and sanity-check the superblock at block 0. Every size in it is
 /// checked against the metadata device before any reader sizes anything by it.
 pub fn read_superblock(cache: &mut BlockCache) -> Result<Superblock> {
+    let dev_blocks = cache.nr_blocks();
+    read_superblock_within(cache, dev_blocks)
+}
+
+/// [`read_superblock`] for the superblock alone (`thin_check
+/// --super-block-only`, which 1.x runs on a file of that one block too): its
+/// sizes are checked against what the format allows, not against the device.
+/// Nothing may be read or sized by them.
+pub fn read_superblock_alone(cache: &mut BlockCache) -> Result<Superblock> {
+    read_superblock_within(cache, u64::MAX)
+}
+
+fn read_superblock_within(cache: &mut BlockCache, dev_blocks: u64) -> Result<Superblock> {
     let sb = Superblock::decode(cache.read(SUPERBLOCK_LOCATION, BlockKind::Superblock)?);
     if sb.magic != MAGIC {
         return Err(ThinError::BadSuperblock(format!("bad magic {}", sb.magic)));
@@ -83,7 +96,7 @@ pub fn read_superblock(cache: &mut BlockCache) -> Result<Superblock> {
             sb.incompat_flags
         )));
     }
-    check_sizes(&sb, SUPERBLOCK_LOCATION, cache.nr_blocks())?;
+    check_sizes(&sb, SUPERBLOCK_LOCATION, dev_blocks)?;
     Ok(sb)
 }
 

@@ -49,8 +49,11 @@ pub enum CacheCmd {
 )]
 pub struct CacheCheckArgs {
     /// Specify the input device to check
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = super::any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
+    /// Free leaked metadata blocks when nothing worse is found
+    #[arg(long)]
+    pub auto_repair: bool,
     /// Clears the 'needs_check' flag in the superblock
     #[arg(long)]
     pub clear_needs_check_flag: bool,
@@ -85,10 +88,10 @@ pub struct CacheCheckArgs {
 )]
 pub struct CacheDumpArgs {
     /// Specify the input device to dump
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = super::any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Specify the output file rather than stdout
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Repair the metadata whilst dumping it
     #[arg(short, long)]
@@ -106,13 +109,13 @@ pub struct CacheDumpArgs {
 )]
 pub struct CacheRestoreArgs {
     /// Specify the input xml
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
     pub input: Option<PathBuf>,
     /// Specify the output metadata version
     #[arg(long, value_name = "NUM", default_value = "2", value_parser = ["1", "2"])]
     pub metadata_version: String,
     /// Specify the output device
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
     pub output: Option<PathBuf>,
     /// Don't set the clean shutdown flag
     #[arg(long)]
@@ -133,10 +136,10 @@ pub struct CacheRestoreArgs {
 )]
 pub struct CacheRepairArgs {
     /// Specify the input device
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
     pub input: Option<PathBuf>,
     /// Specify the output device
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
     pub output: Option<PathBuf>,
     /// Suppress output messages, return only exit code.
     #[arg(short, long)]
@@ -189,13 +192,13 @@ pub struct CacheWritebackArgs {
     // the required three first, in 1.x's order: clap names them in usage
     // lines in the order they are declared (help sorts them by name)
     /// Specify the cache metadata device
-    #[arg(long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), long, value_name = "FILE", required = true)]
     pub metadata_device: Option<PathBuf>,
     /// Specify the slow device begin cached
-    #[arg(long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), long, value_name = "FILE", required = true)]
     pub origin_device: Option<PathBuf>,
     /// Specify the fast device containing the data that needs to be written back
-    #[arg(long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), long, value_name = "FILE", required = true)]
     pub fast_device: Option<PathBuf>,
     /// Specify the size for the data cache, in megabytes
     #[arg(long, value_name = "MB")]
@@ -270,7 +273,7 @@ fn run_check(a: CacheCheckArgs) -> Outcome {
 }
 
 fn check(a: CacheCheckArgs) -> Outcome {
-    let dev = input(&req(a.input), true, a.clear_needs_check_flag)?;
+    let dev = input(&req(a.input), true, a.clear_needs_check_flag || a.auto_repair)?;
     let opts = tools::CheckOpts {
         sb_only: a.super_block_only,
         skip_mappings: a.skip_mappings,
@@ -278,6 +281,7 @@ fn check(a: CacheCheckArgs) -> Outcome {
         skip_discards: a.skip_discards,
         ignore_non_fatal: a.ignore_non_fatal_errors,
         clear_needs_check: a.clear_needs_check_flag,
+        auto_repair: a.auto_repair,
     };
     let (lines, r) = match tools::check(Box::new(dev), &opts) {
         Ok(notes) => (notes, Ok(())),

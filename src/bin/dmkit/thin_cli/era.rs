@@ -39,7 +39,7 @@ pub enum EraCmd {
 )]
 pub struct EraCheckArgs {
     /// Specify the input device to check
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = super::any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Only return a non-zero exit code if a fatal error is found.
     #[arg(long)]
@@ -63,13 +63,13 @@ pub struct EraCheckArgs {
 )]
 pub struct EraDumpArgs {
     /// Specify the input device to dump
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = super::any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Fold any unprocessed write sets into the final era array
     #[arg(long)]
     pub logical: bool,
     /// Specify the output file rather than stdout
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Repair the metadata whilst dumping it
     #[arg(short, long)]
@@ -87,10 +87,10 @@ pub struct EraDumpArgs {
 )]
 pub struct EraRestoreArgs {
     /// Specify the input xml
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
     pub input: Option<PathBuf>,
     /// Specify the output device
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
     pub output: Option<PathBuf>,
     /// Suppress output messages, return only exit code.
     #[arg(short, long)]
@@ -108,14 +108,14 @@ pub struct EraRestoreArgs {
 )]
 pub struct EraInvalidateArgs {
     /// Specify the input device
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = super::any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Use the metadata snapshot rather than the current superblock (1.x takes
     /// a value here, which it ignores)
     #[arg(long, value_name = "METADATA_SNAPSHOT")]
     pub metadata_snapshot: Option<String>,
     /// Specify the output file rather than stdout
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(value_parser = super::any_path(), short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Blocks written since the given era will be listed
     #[arg(long, value_name = "ERA", required = true)]

@@ -80,7 +80,7 @@ pub enum ThinCmd {
 )]
 pub struct CheckArgs {
     /// The metadata device or file
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Fix trivial damage (leaked blocks) when nothing fatal is found
     #[arg(long, conflicts_with_all = ["ignore_non_fatal_errors", "metadata_snap",
@@ -130,7 +130,7 @@ pub enum Format {
 )]
 pub struct DumpArgs {
     /// The metadata device or file
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// The data block size, for a repair that cannot find it
     #[arg(long, value_name = "SECTORS")]
@@ -155,7 +155,7 @@ pub struct DumpArgs {
     #[arg(long, value_name = "NUM")]
     pub nr_data_blocks: Option<u64>,
     /// Write to this file instead of standard output
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(value_parser = any_path(), short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Print no messages
     #[arg(short, long)]
@@ -193,10 +193,10 @@ pub struct Overrides {
 #[derive(Args, Debug, Clone)]
 pub struct InOut {
     /// What to read (thin_restore: the XML; thin_repair: the damaged metadata)
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = any_path(), short, long, value_name = "FILE", required = true)]
     pub input: Option<PathBuf>,
     /// The metadata device or file to write
-    #[arg(short, long, value_name = "FILE", required = true)]
+    #[arg(value_parser = any_path(), short, long, value_name = "FILE", required = true)]
     pub output: Option<PathBuf>,
     /// Print no messages
     #[arg(short, long)]
@@ -242,7 +242,7 @@ pub struct RepairArgs {
 )]
 pub struct RmapArgs {
     /// The metadata device or file
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// A range of data blocks, BEGIN..END (repeatable)
     #[arg(long, value_name = "BLOCK_RANGE", required = true)]
@@ -260,10 +260,10 @@ pub struct RmapArgs {
 )]
 pub struct TrimArgs {
     /// The pool's metadata device or file
-    #[arg(long, value_name = "FILE", required = true)]
+    #[arg(value_parser = any_path(), long, value_name = "FILE", required = true)]
     pub metadata_dev: Option<PathBuf>,
     /// The pool's data device or file
-    #[arg(long, value_name = "FILE", required = true)]
+    #[arg(value_parser = any_path(), long, value_name = "FILE", required = true)]
     pub data_dev: Option<PathBuf>,
     /// Print no messages
     #[arg(short, long)]
@@ -309,7 +309,7 @@ pub struct MetadataSizeArgs {
 )]
 pub struct DeltaArgs {
     /// The metadata device or file
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Compare the devices of the metadata snapshot held on a live pool
     #[arg(short = 'm', long = "metadata-snap")]
@@ -342,7 +342,7 @@ pub struct DeltaArgs {
 )]
 pub struct LsArgs {
     /// The metadata device or file
-    #[arg(value_name = "INPUT", required = true)]
+    #[arg(value_parser = any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
     /// Do not print the header line
     #[arg(long)]
@@ -728,6 +728,14 @@ pub fn open_output(p: &Path) -> Result<dmkit::pdata::FileDev, Failure> {
 }
 
 /// The path of a required argument (clap has checked it is there).
+/// The parser of every path a tool takes: any bytes, the empty path too, which
+/// the tool then reports as a file it cannot find, as 1.x does (clap's own
+/// parser for paths refuses an empty value as a usage error).
+pub fn any_path() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::OsStringValueParser::new().map(PathBuf::from)
+}
+
 fn req(p: Option<PathBuf>) -> PathBuf {
     p.unwrap_or_default()
 }
