@@ -559,6 +559,14 @@ pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
 /// Run one trial. Err says what failed (the caller prints [`replay_command`]).
 pub fn run_trial(o: &Options) -> Result<Outcome, String> {
     let _g = exclusive();
+    // watched once it runs, not while it waits for another thread's trial
+    Watchdog::trial(Some(o));
+    let r = run_trial_alone(o);
+    Watchdog::trial(None);
+    r
+}
+
+fn run_trial_alone(o: &Options) -> Result<Outcome, String> {
     // the process's own: trials of another process (another test, a user's
     // `dmkit sim`) may run at the same time under the same directory
     let dir = o.dir.join(format!(
@@ -1324,6 +1332,9 @@ impl Trial {
                 let _ = self.reg.remove(n, last, false);
             }
         }
+        // the removals' I/O may have made this thread an engine again: none
+        // that served the old stack serves the next one
+        devio::release_thread_engine();
     }
 
     fn dev_dest(&self, i: usize) -> Result<Dest, String> {
@@ -1901,10 +1912,7 @@ pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
             ..base.clone()
         };
         sum.trials += 1;
-        Watchdog::trial(Some(&o));
-        let r = run_trial(&o);
-        Watchdog::trial(None);
-        match r {
+        match run_trial(&o) {
             Ok(out) => {
                 sum.acked_writes += out.acked_writes;
                 sum.flushes += out.flushes;
