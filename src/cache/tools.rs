@@ -394,7 +394,9 @@ pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Ve
     }
     if o.auto_repair && !leaked.is_empty() {
         notes.push("Repairing metadata leaks.".into());
-        return match free_leaked(tm, &leaked, o.clear_needs_check) {
+        let freed = CacheMetadata::open(tm.cache.into_dev())
+            .and_then(|mut md| md.free_leaked(&leaked, o.clear_needs_check));
+        return match freed {
             Ok(()) => Ok(notes),
             Err(e) => Err(vec![format!("repairing metadata leaks: {e}")]),
         };
@@ -416,14 +418,6 @@ pub fn check(dev: Box<dyn MetadataDev>, o: &CheckOpts) -> std::result::Result<Ve
         }
     }
     Ok(notes)
-}
-
-/// cache_check --auto-repair: the leaked metadata blocks' counts set to zero
-/// (and the needs_check flag cleared if asked), committed as the target
-/// commits: the space map shadowed, a flush, then the superblock. The
-/// superblock's clean-shutdown flag is kept as it was.
-fn free_leaked(tm: TransactionManager, leaked: &[u64], clear_needs_check: bool) -> Result<()> {
-    CacheMetadata::open(tm.cache.into_dev())?.free_leaked(leaked, clear_needs_check)
 }
 
 /// What cache_writeback did.

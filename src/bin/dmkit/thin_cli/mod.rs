@@ -727,7 +727,6 @@ pub fn open_output(p: &Path) -> Result<dmkit::pdata::FileDev, Failure> {
     Ok(dev)
 }
 
-/// The path of a required argument (clap has checked it is there).
 /// The parser of every path a tool takes: any bytes, the empty path too, which
 /// the tool then reports as a file it cannot find, as 1.x does (clap's own
 /// parser for paths refuses an empty value as a usage error).
@@ -736,6 +735,7 @@ pub fn any_path() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
     clap::builder::OsStringValueParser::new().map(PathBuf::from)
 }
 
+/// The path of a required argument (clap has checked it is there).
 fn req(p: Option<PathBuf>) -> PathBuf {
     p.unwrap_or_default()
 }
