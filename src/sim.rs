@@ -522,9 +522,12 @@ impl Watchdog {
                     if t0.elapsed() > TRIAL_STUCK {
                         let recent: Vec<&str> = w.recent.iter().map(String::as_str).collect();
                         eprintln!(
-                            "sim: a trial has run for {} s and is stuck; replay: {cmd}\nits last events:\n  {}",
+                            "sim: a trial has run for {} s and is stuck; replay: {cmd}\nits last events:\n  {}\n\
+                             threads: {}\ndescriptors: {}",
                             TRIAL_STUCK.as_secs(),
-                            recent.join("\n  ")
+                            recent.join("\n  "),
+                            crate::io::describe_threads(true),
+                            crate::io::describe_fds()
                         );
                         std::process::exit(3);
                     }
@@ -807,9 +810,16 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         t.out.ref_checked += 1;
         trace(|| format!("crash image: {verdict}"));
     }
-    // back up on what survived, with no more faults
-    // a new disk with no files: nothing is simulated any more
+    // back up on what survived, with no more faults: the files on a new disk
+    // with nothing planned, so the stack's I/O after the crash runs as before
+    // it, synchronously in the simulator's seeded order (the trial replays from
+    // its seed, and no request of the trial goes through io_uring)
     t.disk = SimDisk::new(o.break_commit_order);
+    for p in &t.files {
+        t.disk.register(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    t.disk
+        .seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xaf7e_0000_0000_0001);
     t.reg = registry(o, dir, &t.disk);
     for (p, b) in &logs_at_kill {
         if std::fs::read(p).ok().as_ref() != Some(b) {

@@ -42,6 +42,58 @@ pub fn shared<K: PartialEq, V, E>(
     Ok(v)
 }
 
+/// This process's threads as `name state wait-channel`, with the kernel stack
+/// of io_uring's workers (and of every thread if `stacks`), for a log line
+/// about something that waits too long.
+pub fn describe_threads(stacks: bool) -> String {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .take(256)
+    {
+        let p = t.path();
+        let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // the state follows the name's closing parenthesis
+        let state = stat
+            .rsplit_once(')')
+            .map_or("?", |(_, r)| r.trim_start())
+            .get(..1)
+            .unwrap_or("?")
+            .to_string();
+        let comm = read("comm");
+        let mut line = format!("{} {state} {}", comm.trim(), read("wchan").trim());
+        if stacks || comm.starts_with("iou-") {
+            let stack: Vec<String> = read("stack").lines().take(8).map(str::to_string).collect();
+            line.push_str(&format!(" [{}]", stack.join(" | ")));
+        }
+        out.push(line);
+    }
+    out.join(", ")
+}
+
+/// This process's open descriptors and what they name (`N -> target`).
+pub fn describe_fds() -> String {
+    let mut fds: Vec<(u32, String)> = std::fs::read_dir("/proc/self/fd")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .take(1024)
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.parse().ok()?;
+            let to = std::fs::read_link(e.path()).ok()?;
+            Some((n, to.display().to_string()))
+        })
+        .collect();
+    fds.sort();
+    fds.iter()
+        .map(|(n, t)| format!("{n} -> {t}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Bytes per sector: the unit of every table, status line and message.
 pub const SECTOR: u64 = 512;
 pub const SECTOR_SHIFT: u32 = 9;

@@ -478,6 +478,23 @@ impl IoQueue {
         self.arm_rbd();
     }
 
+    /// The queue's state, for a log line about a request that takes long.
+    pub fn describe(&self) -> String {
+        let ring = self.ring.as_ref().map_or("none".to_string(), |r| {
+            // SAFETY: reading the ring's shared heads and tails changes nothing.
+            let (sq, cq) = unsafe { (r.submission_shared().len(), r.completion_shared().len()) };
+            format!("sq {sq} cq {cq}")
+        });
+        format!(
+            "ring {ring}, queued {}, ready {}, held {}, waiting {}, rbd {}",
+            self.queued,
+            self.done.len(),
+            self.held.len(),
+            self.pending_recv.len(),
+            self.rbd.as_ref().map_or(0, |s| s.in_flight),
+        )
+    }
+
     /// Hand what was queued to the kernel now, without waiting for anything.
     pub fn submit(&mut self) {
         if self.queued == 0 {

@@ -21,6 +21,10 @@ use std::time::Duration;
 /// Largest single request sent to a device; longer transfers go in pieces.
 const MAX_REQUEST: usize = 1 << 20;
 
+/// A request that has waited this long is logged, with what it waits for (and
+/// again after as long again).
+const LONG_WAIT: Duration = Duration::from_secs(30);
+
 thread_local! {
     static ENGINES: RefCell<Vec<Engine>> = const { RefCell::new(Vec::new()) };
 }
@@ -180,12 +184,30 @@ fn run(
         q.buf.as_mut_slice()[..len].copy_from_slice(b);
     }
     eng.start(r, dev);
+    let started = std::time::Instant::now();
+    let mut next_report = LONG_WAIT;
     let res = loop {
         if let Some(done) = eng.pop_done() {
-            debug_assert_eq!(done, r);
+            if done != r {
+                // one request at a time on this engine: nothing else can finish
+                tracing::error!("dm-io: request {done} finished while {r} was under way");
+                continue;
+            }
             break eng.request(r).error;
         }
         eng.turn(Some(Duration::from_millis(100))).map_err(Failed::Ring)?;
+        if started.elapsed() > next_report {
+            // waiting on a suspended device is normal; anything else here is a
+            // request that something lost
+            tracing::warn!(
+                "dm-io: a request to {} has waited {} s: {}; this process's threads: {}",
+                dev.name(),
+                started.elapsed().as_secs(),
+                eng.describe(r),
+                crate::io::describe_threads(false)
+            );
+            next_report += LONG_WAIT;
+        }
     };
     if let Data::In(b) = &mut data {
         b.copy_from_slice(&eng.request(r).buf.as_slice()[..len]);

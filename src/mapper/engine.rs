@@ -509,6 +509,58 @@ impl Engine {
         unsafe { self.q.push(op, ud) };
     }
 
+    /// What request `r` waits for, for a log line about one that takes long: its
+    /// state, counts, leaves (kind, file, range, bytes done), whether its device
+    /// is suspended, and the queue's state.
+    pub fn describe(&self, r: usize) -> String {
+        let Some(q) = self.reqs.get(r) else {
+            return format!("no request {r}");
+        };
+        let leaves: Vec<String> = q
+            .leaves
+            .iter()
+            .map(|l| {
+                let file = l.file.map_or("-".to_string(), |f| {
+                    // what the descriptors name now (a number reused would show here)
+                    let at = |fd: i32| {
+                        std::fs::read_link(format!("/proc/self/fd/{fd}"))
+                            .map_or_else(|e| e.to_string(), |p| p.display().to_string())
+                    };
+                    let names = match f.to {
+                        crate::io::backing::HandleTo::Fd { buffered, direct } => {
+                            format!("{buffered} = {}, {direct} = {}", at(buffered), at(direct))
+                        }
+                        crate::io::backing::HandleTo::Rbd(_) => "rbd".to_string(),
+                    };
+                    format!("{names}{}", if f.sim.is_some() { " (simulated)" } else { "" })
+                });
+                format!("{:?} {file} {}+{} done {}", l.kind, l.offset, l.len, l.done)
+            })
+            .collect();
+        format!(
+            "{:?} {:?} {}+{} on {} (suspended {}): pending {} waits {} requeue {} flush_only {} error {}; \
+             leaves [{}]; engine: ops {} asyncs {} parked {} done {} wake armed {}; queue: {}",
+            q.state,
+            q.op,
+            q.sector,
+            q.nr_sectors,
+            q.dev.as_ref().map_or("-".to_string(), |d| d.name()),
+            q.dev.as_ref().is_some_and(|d| d.io_suspended()),
+            q.pending,
+            q.waits,
+            q.requeue,
+            q.flush_only,
+            q.error,
+            leaves.join("; "),
+            self.ops,
+            self.asyncs,
+            self.parked.len(),
+            self.done.len(),
+            self.wake_armed,
+            self.q.describe(),
+        )
+    }
+
     /// Submit what is queued, wait for something to happen (at most `timeout`),
     /// and handle every completion: leaves, target completions, and frontend
     /// operations (returned through `io_events`).

@@ -387,6 +387,13 @@ fn a_request_waits_while_a_lower_device_is_suspended_and_is_mapped_again_once() 
     e.start(r3, &other);
     assert_eq!(wait(&mut e, r3, 1000), Some(0), "a request to another device");
     e.free(r3);
+    // what a request that takes long is logged with says why it waits
+    let why = e.describe(r2);
+    assert!(
+        why.starts_with("Parked Read 0+8 on low (suspended true): pending 0"),
+        "{why}"
+    );
+    assert!(why.contains("parked 2"), "{why}");
     let before = log_of(104);
     assert!(
         before.iter().all(|&(_, _, ok)| !ok),

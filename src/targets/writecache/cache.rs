@@ -200,6 +200,11 @@ struct State {
     jobs: Vec<Job>,
     free_waiters: Vec<Pending>,
     read_waiters: Vec<Pending>,
+    /// Counts the moments waiters were let go (a block freed or the log made
+    /// room; a write landed): a piece that decided to wait under the lock and
+    /// parks after it was let go goes on at once, instead of waiting for the
+    /// next such moment, which may never come.
+    wakes: u64,
     error: bool,
     suspended: bool,
     stop: bool,
@@ -345,6 +350,7 @@ impl Cache {
             jobs: Vec::new(),
             free_waiters: Vec::new(),
             read_waiters: Vec::new(),
+            wakes: 0,
             error: false,
             suspended: true,
             stop: false,
@@ -945,7 +951,7 @@ impl Cache {
             match newest(&st, s) {
                 Some(i) if st.entries[i as usize].writes > 0 => {
                     // A write to this block is in flight: read once it has landed.
-                    wait_from = Some(s);
+                    wait_from = Some((s, st.wakes));
                     break;
                 }
                 Some(i) => {
@@ -1013,10 +1019,11 @@ impl Cache {
     }
 
     /// Hold a piece until a block is free (write) or a write has landed (read);
-    /// while suspending, the engine holds it instead.
-    fn park(&self, p: Pending, write: bool) {
+    /// while suspending, the engine holds it instead. `wakes`: the count when it
+    /// decided to wait; if waiters were let go since, it goes on now.
+    fn park(&self, p: Pending, write: bool, wakes: u64) {
         let mut st = lock(&self.st);
-        if st.suspended {
+        if st.suspended || st.wakes != wakes {
             drop(st);
             return p.requeue();
         }
@@ -1033,14 +1040,14 @@ impl Cache {
 
     /// Send the planned steps: origin steps remapped, cache steps remapped to the
     /// cache device (ssd) or copied from/to the mapping (pmem); the rest of the
-    /// bio from sector `wait_from` (if any) is parked.
+    /// bio from sector `wait_from` (if any, with the wake count then) is parked.
     fn issue(
         &self,
         plan: &[Step],
         bio: Bio,
         ctx: &mut MapCtx,
         devs: Devs,
-        wait_from: Option<u64>,
+        wait_from: Option<(u64, u64)>,
     ) -> Result<(), MapErr> {
         let bs = self.bs_sectors();
         for st in plan {
@@ -1086,10 +1093,10 @@ impl Cache {
             };
             ctx.remap_with(devs.cache, b, 1, hook)?;
         }
-        if let Some(ws) = wait_from {
+        if let Some((ws, wakes)) = wait_from {
             let end = bio.sector + bio.nr_sectors;
             let p = ctx.submit(bio.sub(ws - bio.sector, end - ws, ws));
-            self.park(p, bio.op == Op::Write);
+            self.park(p, bio.op == Op::Write, wakes);
         }
         Ok(())
     }
@@ -1132,7 +1139,7 @@ impl Cache {
                     // new one
                     st.log_full = true;
                     commit = true;
-                    wait_from = Some(s);
+                    wait_from = Some((s, st.wakes));
                     break;
                 }
                 None => match st.free.pop() {
@@ -1153,7 +1160,7 @@ impl Cache {
                         unreserve_log_records(&mut st, 2);
                         st.stats.writes_blocked_on_freelist += 1;
                         triggered = true;
-                        wait_from = Some(s);
+                        wait_from = Some((s, st.wakes));
                         break;
                     }
                 },
@@ -1238,6 +1245,9 @@ impl Cache {
                 // landed, about to be acknowledged
                 recorded &= log_allocated(&mut st, i);
             }
+        }
+        if wake {
+            st.wakes += 1;
         }
         let w = if wake && !st.read_waiters.is_empty() {
             std::mem::take(&mut st.read_waiters)
@@ -1324,6 +1334,7 @@ impl Cache {
             let waiters = if freeing.is_empty() && !log_was_full {
                 Vec::new()
             } else {
+                st.wakes += 1;
                 std::mem::take(&mut st.free_waiters)
             };
             // older duplicates of what was just committed are stale now
