@@ -24,8 +24,11 @@ fn run_as(stack: Stack, first: u64, trials: u64, io_errors: bool, kill: bool) {
         kill,
         no_restart_logs: false,
     };
-    // what the library logs (a request that waits long says what it waits for)
-    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).try_init();
+    // the library's warnings (a request that waits long says what it waits for)
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .try_init();
     let s = sim::run_trials(&o, trials, false);
     eprintln!(
         "{}{}: {} trials, {} crashed mid-workload ({} at a flush inside a commit, {} after a chosen write, {} at the end), \
