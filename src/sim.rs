@@ -813,7 +813,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     // back up on what survived, with no more faults: the files on a new disk
     // with nothing planned, so the stack's I/O after the crash runs as before
     // it, synchronously in the simulator's seeded order (the trial replays from
-    // its seed, and no request of the trial goes through io_uring)
+    // its seed, and none of its file I/O goes through io_uring)
     t.disk = SimDisk::new(o.break_commit_order);
     for p in &t.files {
         t.disk.register(p).map_err(|e| format!("{}: {e}", p.display()))?;

@@ -74,22 +74,25 @@ pub fn describe_threads(stacks: bool) -> String {
     out.join(", ")
 }
 
+/// What this process's descriptor `fd` names now (a path, `pipe:[N]`,
+/// `anon_inode:[eventfd]`), or why that cannot be read.
+pub fn fd_target(fd: i32) -> String {
+    std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .map_or_else(|e| e.to_string(), |p| p.display().to_string())
+}
+
 /// This process's open descriptors and what they name (`N -> target`).
 pub fn describe_fds() -> String {
-    let mut fds: Vec<(u32, String)> = std::fs::read_dir("/proc/self/fd")
+    let mut fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
         .into_iter()
         .flatten()
         .flatten()
         .take(1024)
-        .filter_map(|e| {
-            let n = e.file_name().to_str()?.parse().ok()?;
-            let to = std::fs::read_link(e.path()).ok()?;
-            Some((n, to.display().to_string()))
-        })
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .collect();
-    fds.sort();
+    fds.sort_unstable();
     fds.iter()
-        .map(|(n, t)| format!("{n} -> {t}"))
+        .map(|&n| format!("{n} -> {}", fd_target(n)))
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -269,6 +272,23 @@ impl Leaf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descriptors_are_described_by_what_they_name() {
+        use std::os::fd::AsRawFd;
+        let p = std::env::temp_dir().join(format!("dmkit-fd-target-{}", std::process::id()));
+        let f = std::fs::File::create(&p).expect("create");
+        let fd = f.as_raw_fd();
+        assert_eq!(fd_target(fd), p.display().to_string());
+        assert!(
+            describe_fds().contains(&format!("{fd} -> {}", p.display())),
+            "{}",
+            describe_fds()
+        );
+        drop(f);
+        let _ = std::fs::remove_file(&p);
+        assert!(fd_target(-1).contains("No such file"), "{}", fd_target(-1));
+    }
 
     fn leaf(kind: LeafKind, offset: u64, len: u64, buf_off: usize) -> Leaf {
         Leaf {

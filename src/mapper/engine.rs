@@ -522,12 +522,9 @@ impl Engine {
             .map(|l| {
                 let file = l.file.map_or("-".to_string(), |f| {
                     // what the descriptors name now (a number reused would show here)
-                    let at = |fd: i32| {
-                        std::fs::read_link(format!("/proc/self/fd/{fd}"))
-                            .map_or_else(|e| e.to_string(), |p| p.display().to_string())
-                    };
                     let names = match f.to {
                         crate::io::backing::HandleTo::Fd { buffered, direct } => {
+                            let at = crate::io::fd_target;
                             format!("{buffered} = {}, {direct} = {}", at(buffered), at(direct))
                         }
                         crate::io::backing::HandleTo::Rbd(_) => "rbd".to_string(),
