@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 
 ci/install.sh
 cargo fmt --all -- --check
-# no import cycles among modules, and no concrete target named outside src/targets
+# no import cycles among the modules of any directory, the top-level modules in
+# layers, and no concrete target named outside src/targets
 python3 ci/modules.py
 # the manual and the design notes as a site (mkdocs.yml): a link under docs/ to a
 # missing page or anchor fails the build

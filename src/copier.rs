@@ -9,8 +9,8 @@
 //! run at once, each taking the next piece when its writes complete.
 
 use crate::io::backing::FileHandle;
-use crate::io::backing::SimRef;
 use crate::io::queue::{IoQueue, Sqe};
+use crate::io::sim::SimRef;
 use crate::io::{AlignedBuf, BackingFile};
 use crate::sync::Unpoison;
 use std::cell::RefCell;

@@ -109,15 +109,18 @@ fn dumps_agree(meta: &Path) -> (String, String) {
     (ours, ours_l)
 }
 
-/// Both tools' era_invalidate output (which must agree).
+/// Both tools' era_invalidate output (which must agree). `--metadata-snapshot`
+/// is a flag, as in 1.2.2 and later; the 1.1 reference takes a value there.
 fn invalidate(meta: &Path, since: u32, snap: bool) -> String {
-    let mut a = vec!["--written-since".to_string(), since.to_string()];
-    if snap {
-        a.extend(["--metadata-snapshot".to_string(), "1".to_string()]);
-    }
-    let ours = ok(dmkit_era("invalidate").args(&a).arg(meta), "");
-    let theirs = ok(reference("era_invalidate").args(&a).arg(meta), "");
-    assert_eq!(ours, theirs, "era_invalidate {a:?}");
+    let a = ["--written-since".to_string(), since.to_string()];
+    let (flag, valued): (&[&str], &[&str]) = if snap {
+        (&["--metadata-snapshot"], &["--metadata-snapshot", "1"])
+    } else {
+        (&[], &[])
+    };
+    let ours = ok(dmkit_era("invalidate").args(&a).args(flag).arg(meta), "");
+    let theirs = ok(reference("era_invalidate").args(&a).args(valued).arg(meta), "");
+    assert_eq!(ours, theirs, "era_invalidate {a:?} {flag:?}");
     ours
 }
 
@@ -226,6 +229,109 @@ fn eras_dump_invalidate_and_the_reference() {
         "<blocks>\n  <block block=\"3\"/>\n</blocks>"
     );
     checks_pass(&copy);
+}
+
+/// era_invalidate as thin-provisioning-tools 1.3.3 fixed it: with no archived
+/// writeset (every era digested into the array) the array says what was
+/// written since the threshold (1.1, the reference here, lists nothing then);
+/// with writesets from the threshold or before, the array is not read; and
+/// `--metadata-snapshot` is a flag. The metadata and the expected lists are
+/// 1.3.3's own test cases (`tests/era_invalidate.rs`), restored here by both
+/// tools.
+#[test]
+fn invalidate_reads_the_era_array_when_no_writeset_is_left_as_1_3_3() {
+    let s = Scratch::new("era-inval");
+    let mut array = String::from("  <era_array>\n");
+    for b in 0..16 {
+        let era = if b < 5 { b + 1 } else { 0 };
+        array.push_str(&format!("    <era block=\"{b}\" era=\"{era}\"/>\n"));
+    }
+    array.push_str("  </era_array>\n");
+    let head = "<superblock uuid=\"\" block_size=\"128\" nr_blocks=\"16\" current_era=\"5\">\n";
+    let bits = |era: u32, set: &[u32]| {
+        let mut w = format!("  <writeset era=\"{era}\" nr_bits=\"16\">\n");
+        for b in 0..16 {
+            w.push_str(&format!(
+                "    <bit block=\"{b}\" value=\"{}\"/>\n",
+                set.contains(&b)
+            ));
+        }
+        w + "  </writeset>\n"
+    };
+    let restore = |name: &str, xml: String, by_reference: bool| -> PathBuf {
+        let x = s.path(&format!("{name}.xml"));
+        std::fs::write(&x, xml).expect("xml");
+        let meta = s.sparse(name, 4 << 20);
+        let mut c = if by_reference {
+            reference("era_restore")
+        } else {
+            dmkit_era("restore")
+        };
+        ok(c.arg("-i").arg(&x).arg("-o").arg(&meta), "");
+        meta
+    };
+    let ours = |meta: &Path, a: &[&str]| ok(dmkit_era("invalidate").args(a).arg(meta), "");
+    let list = |ranges: &str| format!("<blocks>\n{ranges}</blocks>");
+
+    // no writesets: eras 1..5 on blocks 0..4, the rest never written
+    for by_reference in [false, true] {
+        let meta = restore("none", format!("{head}{array}</superblock>"), by_reference);
+        assert_eq!(
+            ours(&meta, &["--written-since", "0"]),
+            list("  <range begin=\"0\" end=\"16\"/>\n")
+        );
+        assert_eq!(
+            ours(&meta, &["--written-since", "3"]),
+            list("  <range begin=\"2\" end=\"5\"/>\n")
+        );
+        assert_eq!(ours(&meta, &["--written-since", "6"]), list(""));
+        // the difference from the 1.1 reference is 1.3.3's fix
+        assert_eq!(
+            ok(
+                reference("era_invalidate")
+                    .args(["--written-since", "3"])
+                    .arg(&meta),
+                ""
+            ),
+            list("")
+        );
+    }
+
+    // writesets of eras 3 (blocks 0, 1) and 4 (blocks 4, 5) over the same array
+    let meta = restore(
+        "sets",
+        format!(
+            "{head}{}{}{array}</superblock>",
+            bits(3, &[0, 1]),
+            bits(4, &[4, 5])
+        ),
+        false,
+    );
+    // from era 3 on: the writesets alone, the oldest (3) covering the threshold
+    assert_eq!(
+        invalidate(&meta, 3, false),
+        list("  <range begin=\"0\" end=\"2\"/>\n  <range begin=\"4\" end=\"6\"/>\n")
+    );
+    // from era 4 on: era 4's writeset alone
+    assert_eq!(
+        invalidate(&meta, 4, false),
+        list("  <range begin=\"4\" end=\"6\"/>\n")
+    );
+    // from era 2 on: the writesets and the array's blocks of eras 2..5
+    assert_eq!(
+        invalidate(&meta, 2, false),
+        list("  <range begin=\"0\" end=\"6\"/>\n")
+    );
+
+    // the flag alone selects the snapshot; without one there is nothing to read
+    let o = out(dmkit_era("invalidate")
+        .args(["--written-since", "0", "--metadata-snapshot"])
+        .arg(&meta));
+    assert!(!o.status.success(), "no metadata snapshot to read");
+    let o = out(dmkit_era("invalidate")
+        .args(["--metadata-snapshot", "1", "--written-since", "0"])
+        .arg(&meta));
+    assert!(!o.status.success(), "a value after the flag is a second input");
 }
 
 #[test]

@@ -48,9 +48,13 @@ fn tools_agree(meta: &Path) -> Vec<u32> {
 }
 
 fn invalidate(meta: &Path, since: u32) -> String {
-    let a = ["--metadata-snapshot", "1", "--written-since", &since.to_string()];
+    // a flag in dmkit (as 1.2.2 and later), a value in the 1.1 reference
+    let a = ["--written-since", &since.to_string(), "--metadata-snapshot"];
     let ours = ok(Command::new(BIN).args(["era", "invalidate"]).args(a).arg(meta));
-    let theirs = ok(Command::new(thin_util::tool("era_invalidate")).args(a).arg(meta));
+    let theirs = ok(Command::new(thin_util::tool("era_invalidate"))
+        .args(a)
+        .arg("1")
+        .arg(meta));
     assert_eq!(ours, theirs, "era_invalidate {a:?}");
     ours
 }

@@ -320,7 +320,7 @@ fn block_status_on_damaged_metadata_fails_the_request_and_the_pool() {
     let meta = d.dir.path("meta.img");
     let root = {
         let mut tm =
-            dmkit::thin::dump::reader(Box::new(dmkit::pdata::FileDev::open(&meta, false).unwrap()), 64);
+            dmkit::pdata::tm::reader(Box::new(dmkit::pdata::FileDev::open(&meta, false).unwrap()), 64);
         let sb = dmkit::thin::metadata::read_superblock(&mut tm.cache).unwrap();
         let plan = dmkit::thin::ir::plan_of(&mut tm, &sb).unwrap();
         plan.devices.iter().find(|x| x.0 == 0).unwrap().2

@@ -7,8 +7,8 @@
 
 mod thin_util;
 use dmkit::pdata::cache::seal;
+use dmkit::pdata::tm::reader;
 use dmkit::pdata::{BlockKind, FileDev, BLOCK_SIZE};
-use dmkit::thin::dump::reader;
 use dmkit::thin::ir::plan_of;
 use dmkit::thin::metadata::read_superblock;
 use dmkit::thin::xml::{self, XmlMetadata};

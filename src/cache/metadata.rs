@@ -448,11 +448,6 @@ pub struct CacheMetadata {
     sim: Option<std::sync::Arc<crate::io::sim::SimDisk>>,
 }
 
-/// Whether a superblock block is all zeroes (an unformatted device).
-pub fn unformatted(dev: &mut dyn MetadataDev) -> Result<bool> {
-    crate::era::metadata::unformatted(dev).map_err(|e| CacheError::Plain(e.to_string()))
-}
-
 impl CacheMetadata {
     /// Write new, empty cache metadata of `version` (1 or 2) to `dev` for
     /// blocks of `block_size` sectors, as the kernel formats it: no cache
@@ -521,7 +516,7 @@ impl CacheMetadata {
         block_size: u32,
         version: u32,
     ) -> Result<CacheMetadata> {
-        if unformatted(dev.as_mut())? {
+        if crate::pdata::unformatted(dev.as_mut(), SUPERBLOCK_LOCATION)? {
             return CacheMetadata::format(dev, block_size, version);
         }
         let md = CacheMetadata::open(dev)?;
@@ -820,107 +815,5 @@ impl CacheMetadata {
     /// The transaction manager and superblock, for the tools' builders.
     pub(crate) fn parts(&mut self) -> (&mut TransactionManager, &mut Superblock) {
         (&mut self.tm, &mut self.sb)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::pdata::MemDev;
-
-    fn exercise(version: u32) {
-        let dev = MemDev::new(256);
-        let mut md = CacheMetadata::open_or_format(Box::new(dev.clone()), 128, version).unwrap();
-        assert_eq!(md.nr_cache_blocks(), 0);
-        md.resize(3000).unwrap();
-        md.insert(0, 10).unwrap();
-        md.insert(2999, 5).unwrap();
-        md.insert(700, 150).unwrap();
-        assert!(md.insert(1, 1 << 48).is_err());
-        md.set_dirty(2999, true).unwrap();
-        md.set_dirty(700, true).unwrap();
-        md.set_dirty(700, false).unwrap();
-        assert!(md.insert(3000, 1).is_err());
-        assert!(md.set_dirty(5, true).is_err());
-        md.resize_discards(256, 100).unwrap();
-        md.set_discard(99, true).unwrap();
-        let hints: Vec<u32> = (0..3000).collect();
-        md.save_hints("smq", [2, 0, 0], Some(&hints)).unwrap();
-        md.set_stats([1, 2, 3, 4]);
-        md.commit(true).unwrap();
-        let check = || crate::cache::tools::check(Box::new(dev.clone()), &Default::default());
-        assert_eq!(check(), Ok(vec![]));
-        drop(md);
-        let e = CacheMetadata::open_or_format(Box::new(dev.clone()), 256, version)
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("from 128 to 256"), "{e}");
-        let mut md = CacheMetadata::open_or_format(Box::new(dev.clone()), 128, 1).unwrap();
-        let sb = md.superblock().clone();
-        assert_eq!(
-            (sb.version, sb.clean_shutdown(), sb.policy(), sb.write_hits),
-            (version, true, "smq".into(), 3)
-        );
-        assert_eq!(
-            md.mappings().unwrap(),
-            [
-                Mapping {
-                    cblock: 0,
-                    oblock: 10,
-                    dirty: false
-                },
-                Mapping {
-                    cblock: 700,
-                    oblock: 150,
-                    dirty: false
-                },
-                Mapping {
-                    cblock: 2999,
-                    oblock: 5,
-                    dirty: true
-                },
-            ]
-        );
-        assert_eq!(md.hints().unwrap()[2999], 2999);
-        assert!(md.discarded(99).unwrap() && !md.discarded(98).unwrap());
-        // shrinking over a mapped block is refused; past it, fine
-        assert!(md
-            .resize(2000)
-            .unwrap_err()
-            .to_string()
-            .contains("cache block 2999 is in use"));
-        md.remove(2999).unwrap();
-        md.resize(2000).unwrap();
-        assert_eq!(md.lookup(700).unwrap().map(|m| m.oblock), Some(150));
-        md.commit(false).unwrap();
-        assert_eq!(check(), Ok(vec![]));
-        assert_eq!(md.hints().unwrap().len(), 2000);
-        // past the origin the discard bitset covers (100 x 256 sectors: 200
-        // blocks of 128) after a clean shutdown: refused, naming it
-        md.insert(6, 300).unwrap();
-        md.commit(true).unwrap();
-        let e = md.mappings().unwrap_err().to_string();
-        assert!(
-            e.contains("cache block 6: origin block 300 is beyond the end of the origin (200 blocks)"),
-            "{e}"
-        );
-        md.remove(6).unwrap();
-        // an origin block named twice is refused, naming both cache blocks
-        md.insert(5, 10).unwrap();
-        let e = md.mappings().unwrap_err().to_string();
-        assert!(
-            e.contains("origin block 10 is mapped by cache blocks 0 and 5"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn format_map_dirty_hints_discards_v1() {
-        exercise(1);
-    }
-
-    #[test]
-    fn format_map_dirty_hints_discards_v2() {
-        exercise(2);
     }
 }

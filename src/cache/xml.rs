@@ -6,7 +6,7 @@
 
 use super::error::{CacheError, Result};
 use super::metadata::{Mapping, Seen};
-use crate::thin::xml::at;
+use crate::pdata::xml::{at, plain_attrs};
 use quick_xml::events::{BytesStart, Event};
 use quick_xml::Reader;
 use std::borrow::Cow;
@@ -145,7 +145,7 @@ enum In {
 }
 
 fn bad(line: usize, what: impl std::fmt::Display) -> CacheError {
-    at(line, what).into()
+    at(line, what)
 }
 
 /// A decimal attribute value.
@@ -180,7 +180,7 @@ fn attrs<'a, const N: usize>(
     keys: [&str; N],
     line: usize,
 ) -> Result<[Cow<'a, [u8]>; N]> {
-    if let Some(v) = crate::thin::xml::plain_attrs(e.attributes_raw(), keys) {
+    if let Some(v) = plain_attrs(e.attributes_raw(), keys) {
         return Ok(v.map(Cow::Borrowed));
     }
     let mut out: [Option<Cow<'a, [u8]>>; N] = std::array::from_fn(|_| None);

@@ -61,14 +61,6 @@ pub struct Stats {
     pub snap: u64,
 }
 
-/// Whether a superblock block is all zeroes (an unformatted device).
-pub fn unformatted(dev: &mut dyn MetadataDev) -> Result<bool> {
-    let mut b = [0u8; crate::pdata::BLOCK_SIZE];
-    dev.read_block(SUPERBLOCK_LOCATION, &mut b)
-        .map_err(|e| crate::pdata::PdataError::Io { block: 0, source: e })?;
-    Ok(b.iter().all(|&x| x == 0))
-}
-
 impl EraMetadata {
     /// Write new, empty era metadata to `dev` for blocks of `block_size` sectors.
     pub fn format(dev: Box<dyn MetadataDev>, block_size: u32) -> Result<EraMetadata> {
@@ -114,7 +106,7 @@ impl EraMetadata {
     /// Open `dev`, or format it when its superblock is all zeroes; the
     /// data block size must be the one the metadata has.
     pub fn open_or_format(mut dev: Box<dyn MetadataDev>, block_size: u32) -> Result<EraMetadata> {
-        if unformatted(dev.as_mut())? {
+        if crate::pdata::unformatted(dev.as_mut(), SUPERBLOCK_LOCATION)? {
             return EraMetadata::format(dev, block_size);
         }
         let md = EraMetadata::open(dev)?;
@@ -392,61 +384,5 @@ impl EraMetadata {
     /// The transaction manager, for the tools' builders (restore).
     pub(crate) fn parts(&mut self) -> (&mut TransactionManager, &mut Superblock) {
         (&mut self.tm, &mut self.sb)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::pdata::MemDev;
-
-    #[test]
-    fn format_resize_mark_checkpoint_digest_snap() {
-        let dev = MemDev::new(256);
-        let mut md = EraMetadata::open_or_format(Box::new(dev.clone()), 128).unwrap();
-        assert_eq!(md.stats().era, 0);
-        md.resize(3000).unwrap();
-        md.rollover().unwrap();
-        md.commit().unwrap();
-        assert_eq!(md.current_era(), 1);
-        assert!(md.mark(5).unwrap());
-        assert!(!md.mark(5).unwrap());
-        assert!(md.mark(2999).unwrap());
-        assert!(md.mark(3000).is_err());
-        md.rollover().unwrap();
-        md.mark(7).unwrap();
-        let snap = md.take_snap().unwrap();
-        md.commit().unwrap();
-        assert_eq!(md.stats().snap, snap);
-        let check = || crate::era::tools::check(Box::new(dev.clone()), false, false);
-        assert_eq!(check(), Ok(vec![]));
-        md.digest_all().unwrap();
-        md.commit().unwrap();
-        // the digest shadowed what the snapshot shares: every count still right
-        assert_eq!(check(), Ok(vec![]));
-        let mut eras = vec![0u32; 3000];
-        let (tm, sb) = md.parts();
-        let root = sb.era_array_root;
-        array::walk::<u32>(tm, root, 3000, &mut |f, v| {
-            eras[f as usize..f as usize + v.len()].copy_from_slice(v);
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!((eras[5], eras[2999], eras[7], eras[6]), (1, 1, 2, 0));
-        md.drop_snap().unwrap();
-        md.commit().unwrap();
-        assert_eq!(check(), Ok(vec![]));
-        // reopened, it is all there; a different block size is refused
-        let before = md.nr_allocated();
-        drop(md);
-        let e = EraMetadata::open_or_format(Box::new(dev.clone()), 256)
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("from 128 to 256"), "{e}");
-        let md = EraMetadata::open_or_format(Box::new(dev), 128).unwrap();
-        assert_eq!(
-            (md.current_era(), md.nr_blocks(), md.nr_allocated()),
-            (3, 3000, before)
-        );
     }
 }

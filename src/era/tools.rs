@@ -13,7 +13,7 @@ use std::io::Write;
 
 /// A transaction manager for reading only.
 pub fn reader(dev: Box<dyn MetadataDev>) -> TransactionManager {
-    crate::thin::dump::reader(dev, super::metadata::CACHE_BLOCKS)
+    crate::pdata::tm::reader(dev, super::metadata::CACHE_BLOCKS)
 }
 
 /// The superblock at `loc` as the tools read it: a bad checksum is 1.x's
@@ -199,7 +199,10 @@ pub fn marked_since(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result
             *m |= w;
         }
     }
-    if wsets.keys().next().is_some_and(|&first| first > since) {
+    // the array dates what no archived writeset covers: unless the oldest
+    // writeset is from `since` or before, the array is read (with no writeset
+    // at all too, as in 1.3.3: 1.1 read nothing then)
+    if wsets.keys().next().is_none_or(|&first| first > since) {
         array::walk::<u32>(&mut tm, sb.era_array_root, nr, &mut |first, vals| {
             for (i, &e) in vals.iter().enumerate() {
                 if e >= since {
@@ -213,9 +216,9 @@ pub fn marked_since(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result
     Ok((nr, marked))
 }
 
-/// era_invalidate: the blocks written in era `since` or later, as 1.x lists
-/// them: those of the archived writesets from `since` on and, when the oldest
-/// archived writeset is younger than `since`, those the era array dates from
+/// era_invalidate: the blocks written in era `since` or later, as 1.3.3 lists
+/// them: those of the archived writesets from `since` on and, unless the oldest
+/// archived writeset is from `since` or before, those the era array dates from
 /// `since` on. The current writeset is not read (a live device's is taken in
 /// by a metadata snapshot, which archives it).
 pub fn invalidate(dev: Box<dyn MetadataDev>, since: u32, snap: bool) -> Result<String> {
@@ -430,6 +433,65 @@ mod tests {
         assert_eq!(
             check(Box::new(dev), false, false).unwrap_err(),
             ["invalid era value at data block 3: 9", "fatal errors in metadata"]
+        );
+    }
+}
+
+/// The metadata's operations, with `check` passing after each commit (here
+/// rather than beside the metadata, which does not use the tools).
+#[cfg(test)]
+mod metadata_tests {
+    use crate::era::metadata::*;
+    use crate::pdata::array;
+    use crate::pdata::MemDev;
+
+    #[test]
+    fn format_resize_mark_checkpoint_digest_snap() {
+        let dev = MemDev::new(256);
+        let mut md = EraMetadata::open_or_format(Box::new(dev.clone()), 128).unwrap();
+        assert_eq!(md.stats().era, 0);
+        md.resize(3000).unwrap();
+        md.rollover().unwrap();
+        md.commit().unwrap();
+        assert_eq!(md.current_era(), 1);
+        assert!(md.mark(5).unwrap());
+        assert!(!md.mark(5).unwrap());
+        assert!(md.mark(2999).unwrap());
+        assert!(md.mark(3000).is_err());
+        md.rollover().unwrap();
+        md.mark(7).unwrap();
+        let snap = md.take_snap().unwrap();
+        md.commit().unwrap();
+        assert_eq!(md.stats().snap, snap);
+        let check = || crate::era::tools::check(Box::new(dev.clone()), false, false);
+        assert_eq!(check(), Ok(vec![]));
+        md.digest_all().unwrap();
+        md.commit().unwrap();
+        // the digest shadowed what the snapshot shares: every count still right
+        assert_eq!(check(), Ok(vec![]));
+        let mut eras = vec![0u32; 3000];
+        let (tm, sb) = md.parts();
+        let root = sb.era_array_root;
+        array::walk::<u32>(tm, root, 3000, &mut |f, v| {
+            eras[f as usize..f as usize + v.len()].copy_from_slice(v);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!((eras[5], eras[2999], eras[7], eras[6]), (1, 1, 2, 0));
+        md.drop_snap().unwrap();
+        md.commit().unwrap();
+        assert_eq!(check(), Ok(vec![]));
+        // reopened, it is all there; a different block size is refused
+        let before = md.nr_allocated();
+        drop(md);
+        let e = EraMetadata::open_or_format(Box::new(dev.clone()), 256)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("from 128 to 256"), "{e}");
+        let md = EraMetadata::open_or_format(Box::new(dev), 128).unwrap();
+        assert_eq!(
+            (md.current_era(), md.nr_blocks(), md.nr_allocated()),
+            (3, 3000, before)
         );
     }
 }

@@ -6,7 +6,7 @@
 
 use super::error::{EraError, Result};
 use crate::pdata::bounds;
-use crate::thin::xml::{at, Attrs};
+use crate::pdata::xml::{at, Attrs};
 use quick_xml::events::Event;
 use quick_xml::Reader;
 use std::io::Write;
@@ -116,7 +116,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlEra> {
         buf.clear();
         let ev = reader.read_event_into(&mut buf).map_err(|e| match e {
             quick_xml::Error::Io(io) => EraError::Plain(format!("reading XML: {io}")),
-            e => at(line, e).into(),
+            e => at(line, e),
         })?;
         let (e, empty) = match &ev {
             Event::Start(e) => (e, false),
@@ -131,7 +131,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlEra> {
                     (b"era_array", In::EraArray) => In::Superblock,
                     (name, _) => {
                         let name = String::from_utf8_lossy(name);
-                        return Err(at(line, format!("unexpected </{name}>")).into());
+                        return Err(at(line, format!("unexpected </{name}>")));
                     }
                 };
                 continue;
@@ -142,10 +142,10 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlEra> {
                 continue;
             }
             Event::Decl(_) | Event::Comment(_) | Event::DocType(_) => continue,
-            _ => return Err(at(line, "unexpected text").into()),
+            _ => return Err(at(line, "unexpected text")),
         };
         let a = Attrs::of(e, line)?;
-        let bad = |what: String| -> EraError { at(line, what).into() };
+        let bad = |what: String| -> EraError { at(line, what) };
         match (a.name.as_str(), &inside) {
             ("superblock", In::Nowhere) if !empty => {
                 md.sb = XmlSuperblock {

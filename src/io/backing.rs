@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::queue::Sqe;
 use super::rbd::{RbdImage, RbdOp, RbdRef, RbdSpec};
-use super::sim::SimDisk;
-use std::ptr::NonNull;
+use super::sim::{SimDisk, SimRef};
 use std::sync::Arc;
 
 /// What a [`BackingFile`]'s I/O goes to.
@@ -71,25 +70,6 @@ pub struct FileHandle {
     /// The simulated disk the file is on, if any: its operations go to an I/O
     /// queue through [`IoQueue::push_sim`](super::queue::IoQueue::push_sim).
     pub sim: Option<SimRef>,
-}
-
-/// A plain pointer to the simulated disk of a backing file, for the request
-/// path: valid while the file lives, as its descriptors are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SimRef(NonNull<SimDisk>);
-
-// SAFETY: it points at a `SimDisk`, which is Send + Sync (its state is behind a
-// mutex); the backing file holding the disk outlives every operation that
-// carries the reference, as it does for its descriptors.
-unsafe impl Send for SimRef {}
-// SAFETY: as above.
-unsafe impl Sync for SimRef {}
-
-impl SimRef {
-    pub fn disk(&self) -> &SimDisk {
-        // SAFETY: see the type's comment: the disk outlives every use.
-        unsafe { self.0.as_ref() }
-    }
 }
 
 /// Where a [`FileHandle`]'s operations go (its [`BackingFile`]'s backend).
@@ -329,7 +309,7 @@ impl BackingFile {
             },
             dio_align: self.dio_align,
             in_memory: self.in_memory,
-            sim: self.sim().map(|d| SimRef(NonNull::from(&**d))),
+            sim: self.sim().map(|d| SimRef::to(d)),
         }
     }
 

@@ -10,8 +10,8 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::backing::SimRef;
 use super::rbd::{self, Done, RbdOp, RbdRef, RbdSink};
+use super::sim::SimRef;
 
 /// One operation. Raw pointers name memory the caller keeps alive and untouched until
 /// the operation's completion has been drained (the contract of [`IoQueue::push`]).

@@ -19,6 +19,7 @@ use crate::sync::Unpoison;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::SECTOR;
@@ -398,6 +399,31 @@ impl SimDisk {
             }
             Ok(())
         });
+    }
+}
+
+/// A plain pointer to the simulated disk of a backing file, for the request
+/// path: valid while the file lives, as its descriptors are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimRef(NonNull<SimDisk>);
+
+// SAFETY: it points at a `SimDisk`, which is Send + Sync (its state is behind a
+// mutex); the backing file holding the disk outlives every operation that
+// carries the reference, as it does for its descriptors.
+unsafe impl Send for SimRef {}
+// SAFETY: as above.
+unsafe impl Sync for SimRef {}
+
+impl SimRef {
+    /// The reference to `disk`; the caller keeps the disk alive while it is used
+    /// (its backing file holds it).
+    pub(super) fn to(disk: &SimDisk) -> SimRef {
+        SimRef(NonNull::from(disk))
+    }
+
+    pub fn disk(&self) -> &SimDisk {
+        // SAFETY: see the type's comment: the disk outlives every use.
+        unsafe { self.0.as_ref() }
     }
 }
 

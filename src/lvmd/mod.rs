@@ -11,6 +11,7 @@
 
 pub mod config;
 pub mod dmkit;
+mod server;
 mod service;
 mod snapmeta;
 pub mod store;
@@ -31,7 +32,7 @@ pub mod csi {
     tonic::include_proto!("csi.v1");
 }
 
-pub use service::run;
+pub use server::run;
 
 /// LVM's default extent: a volume's size is rounded up to it, as lvcreate does.
 pub const EXTENT_BYTES: u64 = 4 << 20;

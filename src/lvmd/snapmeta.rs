@@ -58,7 +58,7 @@ impl Lvmd {
         self.step();
         let r = (|| {
             let dev = crate::pdata::FileDev::open(path, false).map_err(|e| format!("{meta}: {e}"))?;
-            let mut tm = crate::thin::dump::reader(Box::new(dev), 256);
+            let mut tm = crate::pdata::tm::reader(Box::new(dev), 256);
             let o = DeltaOptions {
                 left: Some(Side::Thin(left.unwrap_or(right))),
                 right: Some(Side::Thin(right)),

@@ -108,6 +108,9 @@ pub(crate) fn corrupt(block: u64, what: impl Into<String>) -> PdataError {
 pub enum MetadataError {
     #[error(transparent)]
     Pdata(#[from] PdataError),
+    /// A line of an XML input the tools read.
+    #[error(transparent)]
+    Xml(#[from] super::xml::XmlError),
     #[error("superblock: {0}")]
     BadSuperblock(String),
     #[error("invalid argument: {0}")]

@@ -16,6 +16,7 @@ pub mod refcheck;
 pub mod sm_disk;
 pub mod space_map;
 pub mod tm;
+pub mod xml;
 
 pub use dev::{FileDev, MemDev, MetadataDev};
 pub use error::{BlockKind, PdataError, Result};
@@ -44,4 +45,14 @@ pub(crate) fn put32(b: &mut [u8], off: usize, v: u32) {
 
 pub(crate) fn put64(b: &mut [u8], off: usize, v: u64) {
     b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Whether the superblock at `location` is all zeroes: an unformatted device.
+pub fn unformatted(dev: &mut dyn MetadataDev, location: u64) -> Result<bool> {
+    let mut b = [0u8; BLOCK_SIZE];
+    dev.read_block(location, &mut b).map_err(|e| PdataError::Io {
+        block: location,
+        source: e,
+    })?;
+    Ok(b.iter().all(|&x| x == 0))
 }

@@ -19,6 +19,12 @@ pub struct TransactionManager {
     shadows: FastMap<u64, ()>,
 }
 
+/// A transaction manager for reading only (empty space maps), caching
+/// `cache_blocks` blocks: what the tools read metadata with.
+pub fn reader(dev: Box<dyn super::MetadataDev>, cache_blocks: usize) -> TransactionManager {
+    TransactionManager::unloaded(BlockCache::new(dev, cache_blocks))
+}
+
 impl TransactionManager {
     /// Over `cache`, with empty space maps: a reader's, or one whose maps its
     /// superblock gives next.

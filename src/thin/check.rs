@@ -9,7 +9,6 @@
 //! higher than the references, which loses space but no data) and under-full
 //! nodes; `--auto-repair` fixes leaks when nothing fatal was found.
 
-use super::dump::reader;
 use super::metadata::{read_superblock, read_superblock_alone, ThinPoolMetadata, DEFAULT_CACHE_BLOCKS};
 use super::progress::Progress;
 use super::superblock::{DeviceDetails, Superblock, SUPERBLOCK_LOCATION};
@@ -17,6 +16,7 @@ use crate::pdata::btree::node;
 use crate::pdata::cache::FastMap;
 use crate::pdata::sm_disk::{self, decode_index_entry, SmRoot};
 use crate::pdata::space_map::{SmKind, SpaceMap};
+use crate::pdata::tm::reader;
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{Block, BlockKind, MetadataDev, PdataError, BLOCK_SIZE};
 use std::collections::BTreeMap;

@@ -14,7 +14,7 @@ use super::runs::Gatherer;
 use super::superblock::{unpack_block_time, DeviceDetails, Superblock};
 use super::xml::{self, RangeWriter, XmlDevice};
 use crate::pdata::btree::{self, node};
-use crate::pdata::cache::{BlockCache, FastMap};
+use crate::pdata::cache::FastMap;
 use crate::pdata::tm::TransactionManager;
 use crate::pdata::{BlockKind, MetadataDev, PdataError};
 use std::fmt::Write as _;
@@ -22,11 +22,6 @@ use std::io::Write;
 
 fn io(e: std::io::Error) -> ThinError {
     ThinError::Output(e)
-}
-
-/// A transaction manager for reading only: empty space maps.
-pub fn reader(dev: Box<dyn MetadataDev>, cache_blocks: usize) -> TransactionManager {
-    TransactionManager::unloaded(BlockCache::new(dev, cache_blocks))
 }
 
 /// Which metadata to read: the live superblock's, or a metadata snapshot's.
@@ -129,7 +124,7 @@ pub fn dump(
 
 /// Dump as `o` says; returns the warnings a repair gave (for standard error).
 pub fn dump_with(dev: Box<dyn MetadataDev>, o: &DumpOptions, out: &mut dyn Write) -> Result<Vec<String>> {
-    let mut tm = reader(dev, 1024);
+    let mut tm = crate::pdata::tm::reader(dev, 1024);
     let (mut plan, warnings) = if o.repair {
         let found = super::repair::salvage(&mut tm, &o.overrides)?;
         (found.plan, found.warnings)

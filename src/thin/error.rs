@@ -33,6 +33,12 @@ pub enum ThinError {
 
 pub type Result<T> = std::result::Result<T, ThinError>;
 
+impl From<crate::pdata::xml::XmlError> for ThinError {
+    fn from(e: crate::pdata::xml::XmlError) -> ThinError {
+        ThinError::Plain(e.to_string())
+    }
+}
+
 /// The thin layer's errors, as the cache and era tools print them.
 impl From<ThinError> for crate::pdata::error::MetadataError {
     fn from(e: ThinError) -> crate::pdata::error::MetadataError {

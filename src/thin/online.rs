@@ -3,8 +3,8 @@
 //! --thin2 N|--root2 N [--verbose] [-m]`), their parser, and the answer.
 
 use super::delta::{delta_text, DeltaOptions, Side};
-use super::dump::reader;
 use super::ls::{ls_text, LsField, LsOptions};
+use crate::pdata::tm::reader;
 use crate::pdata::MetadataDev;
 
 /// A tool the pool runs, with its options.

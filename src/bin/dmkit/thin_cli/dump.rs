@@ -3,7 +3,8 @@
 use super::{
     open_input, open_output, quietly, req, stat, DumpArgs, Failure, Format, Outcome, RepairArgs, RestoreArgs,
 };
-use dmkit::thin::dump::{dump_with, reader, write_plan, DumpFormat, DumpOptions, Source};
+use dmkit::pdata::tm::reader;
+use dmkit::thin::dump::{dump_with, write_plan, DumpFormat, DumpOptions, Source};
 use dmkit::thin::ir::Overrides;
 use dmkit::thin::repair::salvage;
 use dmkit::thin::restore::Restorer;

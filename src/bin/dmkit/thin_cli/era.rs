@@ -110,10 +110,10 @@ pub struct EraInvalidateArgs {
     /// Specify the input device
     #[arg(value_parser = super::any_path(), value_name = "INPUT", required = true)]
     pub input: Option<PathBuf>,
-    /// Use the metadata snapshot rather than the current superblock (1.x takes
-    /// a value here, which it ignores)
-    #[arg(long, value_name = "METADATA_SNAPSHOT")]
-    pub metadata_snapshot: Option<String>,
+    /// Use the metadata snapshot rather than the current superblock (a flag,
+    /// as in 1.2.2 and later; 1.1 took a value here and ignored it)
+    #[arg(long)]
+    pub metadata_snapshot: bool,
     /// Specify the output file rather than stdout
     #[arg(value_parser = super::any_path(), short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -213,7 +213,7 @@ fn restore(a: EraRestoreArgs) -> Outcome {
 fn run_invalidate(a: EraInvalidateArgs) -> Outcome {
     let dev = input(a.input, false)?;
     let since = a.written_since.unwrap_or(0);
-    let text = tools::invalidate(Box::new(dev), since, a.metadata_snapshot.is_some()).map_err(fail)?;
+    let text = tools::invalidate(Box::new(dev), since, a.metadata_snapshot).map_err(fail)?;
     match &a.output {
         Some(p) => std::fs::write(p, text).map_err(|e| Failure::Message(format!("output error: {e}"))),
         None => super::emit(&text),

@@ -4,9 +4,9 @@
 
 use super::live::{ask_daemon, live_pool};
 use super::{emit, open_input, req, DeltaArgs, Failure, LsArgs, Outcome, RmapArgs, TrimArgs};
+use dmkit::pdata::tm::reader;
 use dmkit::pdata::tm::TransactionManager;
 use dmkit::thin::delta::{delta_text, DeltaOptions, Side};
-use dmkit::thin::dump::reader;
 use dmkit::thin::ls::{ls_text, LsOptions};
 use dmkit::thin::online::Request;
 use dmkit::thin::rmap::rmap;
