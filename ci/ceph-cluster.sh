@@ -3,6 +3,7 @@
 # benchmarks and the manual's RBD recipe (docs/manual/ceph.md):
 #
 #   ci/ceph-cluster.sh start DIR [--parent PID]   prints DIR/ceph.conf when ready
+#   ci/ceph-cluster.sh up DIR      prints DIR/ceph.conf if its daemons run, else fails
 #   ci/ceph-cluster.sh stop DIR
 #
 # One monitor and one OSD, no manager, no authentication, pool "rbd" initialised;
@@ -23,7 +24,7 @@
 # Only the PIDs recorded in DIR/pids are ever signalled.
 set -euo pipefail
 
-usage() { echo "usage: $0 start DIR [--parent PID] | stop DIR" >&2; exit 2; }
+usage() { echo "usage: $0 start DIR [--parent PID] | up DIR | stop DIR" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 cmd=$1
 self=$(realpath "$0")
@@ -165,8 +166,22 @@ EOF
   echo "$C"
 }
 
+# both daemons of the cluster in DIR still run (their recorded PIDs and start
+# times)
+up() {
+  local name pid st
+  [ -f "$D/.ceph-cluster" ] || return 1
+  for name in mon.a osd.0; do
+    [ -f "$D/pids/$name" ] || return 1
+    read -r pid st <"$D/pids/$name"
+    alive "$pid" "$st" || return 1
+  done
+  echo "$C"
+}
+
 case $cmd in
   start) start ;;
+  up) up ;;
   stop) stop ;;
   *) usage ;;
 esac

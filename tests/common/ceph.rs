@@ -1,8 +1,11 @@
 //! A throw-away single-node Ceph cluster for the RBD tests (`ci/ceph-cluster.sh`:
 //! one monitor and one OSD on 127.0.0.1, no manager, no authentication, pool
-//! `rbd`), started once per test binary by the first test that asks and stopped
-//! when the binary exits (or, if it is killed, by the script's own watch on it).
-//! A cluster that cannot start fails the test that asked for it.
+//! `rbd`), one for the whole run: the test processes (nextest runs each test in
+//! a process of its own, `cargo test` a binary's tests in one) are children of
+//! one runner, so the first test that asks starts the cluster under a lock, keyed
+//! by that parent, the others find it running, and the script's own watch stops
+//! it when the parent exits. A cluster that cannot start fails the test that
+//! asked for it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -78,33 +81,38 @@ impl Cluster {
 
 fn start() -> Result<Cluster, String> {
     let t0 = Instant::now();
+    let parent = std::os::unix::process::parent_id();
     // Short: admin sockets need a path under 108 bytes.
-    let dir = PathBuf::from(format!("/tmp/dmkit-ceph-{}", std::process::id()));
+    let dir = PathBuf::from(format!("/tmp/dmkit-ceph-{parent}"));
+    let lock = std::fs::File::create(format!("/tmp/dmkit-ceph-{parent}.lock"))
+        .map_err(|e| format!("the cluster's lock file: {e}"))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+        .map_err(|e| format!("the cluster's lock: {e}"))?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("ci/ceph-cluster.sh");
-    let o = Command::new("timeout")
-        .arg("300")
-        .arg("bash")
-        .arg(&script)
-        .arg("start")
-        .arg(&dir)
-        .arg("--parent")
-        .arg(std::process::id().to_string())
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("run {}: {e}", script.display()))?;
+    let run = |args: &[&str]| {
+        Command::new("timeout")
+            .arg("300")
+            .arg("bash")
+            .arg(&script)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("run {}: {e}", script.display()))
+    };
+    let d = dir.to_string_lossy().into_owned();
+    let up = run(&["up", &d])?;
+    let o = if up.status.success() {
+        up
+    } else {
+        // a directory a dead cluster left (an earlier runner of the same pid)
+        // goes first
+        run(&["stop", &d])?;
+        run(&["start", &d, "--parent", &parent.to_string()])?
+    };
     if !o.status.success() {
         return Err(String::from_utf8_lossy(&o.stderr).into_owned());
     }
     let conf = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
-    // SAFETY: registers a plain function with no captured state.
-    unsafe { libc::atexit(stop_at_exit) };
     eprintln!("ceph fixture: ready in {:?} ({})", t0.elapsed(), conf.display());
     Ok(Cluster { dir, conf })
-}
-
-extern "C" fn stop_at_exit() {
-    if let Some(Ok(c)) = CLUSTER.get() {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("ci/ceph-cluster.sh");
-        let _ = Command::new("bash").arg(script).arg("stop").arg(&c.dir).status();
-    }
 }
