@@ -7,23 +7,34 @@
 # fails without it: nothing is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# each stage's start, in seconds since this script began (where a run's time goes)
+stage() { echo "ci/test.sh: $1 at ${SECONDS} s"; }
 
+stage install
 ci/install.sh
+stage fmt
 cargo fmt --all -- --check
 # no import cycles among the modules of any directory, the top-level modules in
 # layers, and no concrete target named outside src/targets
+stage modules
 python3 ci/modules.py
 # the manual and the design notes as a site (mkdocs.yml): a link under docs/ to a
 # missing page or anchor fails the build
+stage manual
 python3 -m mkdocs build --strict --site-dir "$(mktemp -d)"
+stage clippy
 cargo clippy --release --all-targets -- -D warnings
 # the fuzz crate too (not part of the workspace; stable with RUSTC_BOOTSTRAP for
 # libfuzzer-sys, as ci/fuzz.sh builds it)
+stage fuzz-crate-checks
 (cd fuzz && cargo fmt -- --check && RUSTC_BOOTSTRAP=1 cargo clippy --all-targets -- -D warnings)
 # the whole suite with cargo nextest (on the machine with the toolchain): each
 # test in its own process, two at a time across binaries, the slowest first,
 # and a test past 15 minutes killed and named (.config/nextest.toml); the crate
 # has no doc tests
+stage suite
 cargo nextest run --release
 # every fuzz target for a short time (fuzz/README.md)
+stage fuzz
 ci/fuzz.sh 15
+stage done
