@@ -4,7 +4,7 @@
 //! tools' (help and version on standard output, usage errors exit 2, failures
 //! one line on standard error and exit 64).
 
-use super::{check_input_as, open_output, quietly, req, stat, Failure, Outcome};
+use super::{check_input_as, metadata_fail as fail, open_output, quietly, req, stat, Failure, Outcome};
 use clap::{Parser, Subcommand};
 use dmkit::cache::{tools, xml, CacheError};
 use std::ffi::OsString;
@@ -249,13 +249,6 @@ pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> Option<i32> {
 }
 
 /// A failure: silent if the output pipe closed, else its message.
-fn fail(e: CacheError) -> Failure {
-    match &e {
-        CacheError::Output(io) if super::broken_pipe(io) => Failure::Quiet(super::EXIT_FAILURE),
-        _ => Failure::Message(e.to_string()),
-    }
-}
-
 fn input(p: &Path, xml_check: bool, writable: bool) -> Result<dmkit::pdata::FileDev, Failure> {
     check_input_as(p, xml_check)?;
     let claim = writable.then(|| super::claim(p)).transpose()?;

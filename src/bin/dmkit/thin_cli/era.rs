@@ -4,7 +4,7 @@
 //! version on standard output, usage errors exit 2, failures one line on
 //! standard error and exit 64).
 
-use super::{check_input_as, open_output, quietly, req, stat, Failure, Outcome};
+use super::{check_input_as, metadata_fail as fail, open_output, quietly, req, stat, Failure, Outcome};
 use clap::{Parser, Subcommand};
 use dmkit::era::{tools, xml, EraError};
 use std::ffi::OsString;
@@ -139,13 +139,6 @@ pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> Option<i32> {
 }
 
 /// A failure: silent if the output pipe closed, else its message.
-fn fail(e: EraError) -> Failure {
-    match &e {
-        EraError::Output(io) if super::broken_pipe(io) => Failure::Quiet(super::EXIT_FAILURE),
-        _ => Failure::Message(e.to_string()),
-    }
-}
-
 fn input(p: Option<PathBuf>, xml_check: bool) -> Result<dmkit::pdata::FileDev, Failure> {
     let p = req(p);
     check_input_as(&p, xml_check)?;

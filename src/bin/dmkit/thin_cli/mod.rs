@@ -751,6 +751,15 @@ fn emit(s: &str) -> Outcome {
     }
 }
 
+/// A cache or era tool's failure: quiet on a closed pipe (as 1.x), else the
+/// message.
+pub fn metadata_fail(e: dmkit::pdata::error::MetadataError) -> Failure {
+    match &e {
+        dmkit::pdata::error::MetadataError::Output(io) if broken_pipe(io) => Failure::Quiet(EXIT_FAILURE),
+        _ => Failure::Message(e.to_string()),
+    }
+}
+
 /// Whether an error is a closed output pipe (the tools end silently then).
 pub fn broken_pipe(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::BrokenPipe
