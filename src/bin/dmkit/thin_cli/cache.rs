@@ -11,14 +11,19 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// The multi-call names, and the `dmkit cache` verb each is.
-pub const TOOLS: &[(&str, &str)] = &[
-    ("cache_check", "check"),
-    ("cache_dump", "dump"),
-    ("cache_restore", "restore"),
-    ("cache_repair", "repair"),
-    ("cache_metadata_size", "metadata_size"),
-    ("cache_writeback", "writeback"),
+/// The cache tools.
+pub const TOOLS: &[super::Tool] = &[
+    tool!("cache_check", "check", CacheCheckArgs, run_check),
+    tool!("cache_dump", "dump", CacheDumpArgs, run_dump),
+    tool!("cache_restore", "restore", CacheRestoreArgs, run_restore),
+    tool!("cache_repair", "repair", CacheRepairArgs, run_repair),
+    tool!(
+        "cache_metadata_size",
+        "metadata_size",
+        CacheMetadataSizeArgs,
+        run_size
+    ),
+    tool!("cache_writeback", "writeback", CacheWritebackArgs, run_writeback),
 ];
 
 /// 1.x's exit status for metadata a writeback cannot use (sysexits' EX_DATAERR).
@@ -235,20 +240,8 @@ versioned!(
     CacheWritebackArgs
 );
 
-/// Run cache tool `tool` (a name from [`TOOLS`]); None if it is not one.
-pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> Option<i32> {
-    Some(match tool {
-        "cache_check" => super::parse_run::<CacheCheckArgs>(display, args, run_check),
-        "cache_dump" => super::parse_run::<CacheDumpArgs>(display, args, run_dump),
-        "cache_restore" => super::parse_run::<CacheRestoreArgs>(display, args, run_restore),
-        "cache_repair" => super::parse_run::<CacheRepairArgs>(display, args, run_repair),
-        "cache_metadata_size" => super::parse_run::<CacheMetadataSizeArgs>(display, args, run_size),
-        "cache_writeback" => super::parse_run::<CacheWritebackArgs>(display, args, run_writeback),
-        _ => return None,
-    })
-}
-
-/// A failure: silent if the output pipe closed, else its message.
+/// The input file opened as metadata, after the checks 1.x makes of an input
+/// ([`check_input_as`]).
 fn input(p: &Path, xml_check: bool, writable: bool) -> Result<dmkit::pdata::FileDev, Failure> {
     check_input_as(p, xml_check)?;
     let claim = writable.then(|| super::claim(p)).transpose()?;
@@ -425,11 +418,11 @@ fn writeback(a: CacheWritebackArgs) -> Outcome {
 /// `dmkit cache VERB ARGS...`: `args` are the words after `cache`.
 pub fn main(args: Vec<OsString>) -> i32 {
     let verb = args.first().and_then(|v| v.to_str()).unwrap_or("");
-    if let Some((t, v)) = TOOLS
+    if let Some(t) = TOOLS
         .iter()
-        .find(|(_, v)| *v == verb || (verb == "metadata-size" && *v == "metadata_size"))
+        .find(|t| t.verb == verb || (verb == "metadata-size" && t.verb == "metadata_size"))
     {
-        return run_tool(t, &format!("dmkit cache {v}"), args[1..].to_vec()).unwrap_or(2);
+        return (t.run)(&format!("dmkit cache {}", t.verb), args[1..].to_vec());
     }
     // no verb, --help, or an unknown one: clap explains
     #[derive(Parser)]

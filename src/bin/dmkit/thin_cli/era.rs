@@ -11,12 +11,12 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::path::PathBuf;
 
-/// The multi-call names, and the `dmkit era` verb each is.
-pub const TOOLS: &[(&str, &str)] = &[
-    ("era_check", "check"),
-    ("era_dump", "dump"),
-    ("era_restore", "restore"),
-    ("era_invalidate", "invalidate"),
+/// The era tools.
+pub const TOOLS: &[super::Tool] = &[
+    tool!("era_check", "check", EraCheckArgs, run_check),
+    tool!("era_dump", "dump", EraDumpArgs, run_dump),
+    tool!("era_restore", "restore", EraRestoreArgs, run_restore),
+    tool!("era_invalidate", "invalidate", EraInvalidateArgs, run_invalidate),
 ];
 
 #[derive(Subcommand, Debug, Clone)]
@@ -127,18 +127,8 @@ pub struct EraInvalidateArgs {
 
 versioned!(EraCheckArgs, EraDumpArgs, EraRestoreArgs, EraInvalidateArgs);
 
-/// Run era tool `tool` (a name from [`TOOLS`]); None if it is not one.
-pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> Option<i32> {
-    Some(match tool {
-        "era_check" => super::parse_run::<EraCheckArgs>(display, args, run_check),
-        "era_dump" => super::parse_run::<EraDumpArgs>(display, args, run_dump),
-        "era_restore" => super::parse_run::<EraRestoreArgs>(display, args, run_restore),
-        "era_invalidate" => super::parse_run::<EraInvalidateArgs>(display, args, run_invalidate),
-        _ => return None,
-    })
-}
-
-/// A failure: silent if the output pipe closed, else its message.
+/// The input file opened as metadata, after the checks 1.x makes of an input
+/// ([`check_input_as`]).
 fn input(p: Option<PathBuf>, xml_check: bool) -> Result<dmkit::pdata::FileDev, Failure> {
     let p = req(p);
     check_input_as(&p, xml_check)?;
@@ -216,8 +206,8 @@ fn run_invalidate(a: EraInvalidateArgs) -> Outcome {
 /// `dmkit era VERB ARGS...`: `args` are the words after `era`.
 pub fn main(args: Vec<OsString>) -> i32 {
     let verb = args.first().and_then(|v| v.to_str()).unwrap_or("");
-    if let Some((t, v)) = TOOLS.iter().find(|(_, v)| *v == verb) {
-        return run_tool(t, &format!("dmkit era {v}"), args[1..].to_vec()).unwrap_or(2);
+    if let Some(t) = TOOLS.iter().find(|t| t.verb == verb) {
+        return (t.run)(&format!("dmkit era {}", t.verb), args[1..].to_vec());
     }
     // no verb, --help, or an unknown one: clap explains
     #[derive(Parser)]

@@ -25,17 +25,38 @@ use std::path::{Path, PathBuf};
 /// (`--clear-needs-check-flag` from 0.3.2, ...) is older than 1.1.0.
 pub const TOOLS_VERSION: &str = "1.1.0";
 
-/// The multi-call names, and the `dmkit thin` verb each is.
-pub const TOOLS: &[(&str, &str)] = &[
-    ("thin_check", "check"),
-    ("thin_dump", "dump"),
-    ("thin_restore", "restore"),
-    ("thin_repair", "repair"),
-    ("thin_rmap", "rmap"),
-    ("thin_trim", "trim"),
-    ("thin_metadata_size", "metadata_size"),
-    ("thin_delta", "delta"),
-    ("thin_ls", "ls"),
+/// One tool, registered once: its multi-call name (`thin_check`), its verb
+/// under `dmkit thin`, `era` or `cache` (`check`), and how it runs: `run(display,
+/// args)` parses the arguments after the program name (shown in usage as
+/// `display`), runs it and returns the exit status.
+pub struct Tool {
+    pub name: &'static str,
+    pub verb: &'static str,
+    pub run: fn(&str, Vec<OsString>) -> i32,
+}
+
+/// A [`Tool`] whose arguments parse as `$args` and which runs `$run`.
+macro_rules! tool {
+    ($name:literal, $verb:literal, $args:ty, $run:path) => {
+        $crate::thin_cli::Tool {
+            name: $name,
+            verb: $verb,
+            run: |display, args| $crate::thin_cli::parse_run::<$args>(display, args, $run),
+        }
+    };
+}
+
+/// The thin tools.
+pub const TOOLS: &[Tool] = &[
+    tool!("thin_check", "check", CheckArgs, check::run),
+    tool!("thin_dump", "dump", DumpArgs, dump::run_dump),
+    tool!("thin_restore", "restore", RestoreArgs, dump::run_restore),
+    tool!("thin_repair", "repair", RepairArgs, dump::run_repair),
+    tool!("thin_rmap", "rmap", RmapArgs, other::run_rmap),
+    tool!("thin_trim", "trim", TrimArgs, other::run_trim),
+    tool!("thin_metadata_size", "metadata_size", MetadataSizeArgs, size::run),
+    tool!("thin_delta", "delta", DeltaArgs, other::run_delta),
+    tool!("thin_ls", "ls", LsArgs, other::run_ls),
 ];
 
 /// Exit status of a failed tool (sysexits' EX_USAGE, as in 1.x).
@@ -364,7 +385,7 @@ pub struct LsArgs {
 /// The tool a program name is, if it is one of [`TOOLS`] (`/usr/sbin/thin_check`).
 pub fn tool_named(argv0: &std::ffi::OsStr) -> Option<&'static str> {
     let base = Path::new(argv0).file_name()?.to_str()?;
-    all_tools().find(|(t, _)| *t == base).map(|(t, _)| *t)
+    all_tools().find(|t| t.name == base).map(|t| t.name)
 }
 
 /// The tools as both binaries see a command line: called by a tool's name
@@ -424,30 +445,20 @@ fn run_dir_before_verb(words: &[OsString]) -> Option<OsString> {
     None
 }
 
-/// Every multi-call name: the thin tools', the era tools' and the cache tools'.
-fn all_tools() -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+/// Every tool: the thin tools, the era tools and the cache tools.
+fn all_tools() -> impl Iterator<Item = &'static Tool> {
     TOOLS.iter().chain(era::TOOLS).chain(cache::TOOLS)
 }
 
 /// Run tool `tool` (a name from [`TOOLS`]) on `args` (the arguments after the
 /// program name), shown in usage as `display`; returns the exit status.
 pub fn run_tool(tool: &str, display: &str, args: Vec<OsString>) -> i32 {
-    match tool {
-        "thin_check" => parse_run::<CheckArgs>(display, args, check::run),
-        "thin_dump" => parse_run::<DumpArgs>(display, args, dump::run_dump),
-        "thin_restore" => parse_run::<RestoreArgs>(display, args, dump::run_restore),
-        "thin_repair" => parse_run::<RepairArgs>(display, args, dump::run_repair),
-        "thin_rmap" => parse_run::<RmapArgs>(display, args, other::run_rmap),
-        "thin_trim" => parse_run::<TrimArgs>(display, args, other::run_trim),
-        "thin_metadata_size" => parse_run::<MetadataSizeArgs>(display, args, size::run),
-        "thin_delta" => parse_run::<DeltaArgs>(display, args, other::run_delta),
-        "thin_ls" => parse_run::<LsArgs>(display, args, other::run_ls),
-        _ => era::run_tool(tool, display, args.clone())
-            .or_else(|| cache::run_tool(tool, display, args))
-            .unwrap_or_else(|| {
-                eprintln!("{display}: unknown tool");
-                2
-            }),
+    match all_tools().find(|t| t.name == tool) {
+        Some(t) => (t.run)(display, args),
+        None => {
+            eprintln!("{display}: unknown tool");
+            2
+        }
     }
 }
 
@@ -536,9 +547,9 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let verb = args.first().and_then(|v| v.to_str()).unwrap_or("");
     let tool = TOOLS
         .iter()
-        .find(|(_, v)| *v == verb || (verb == "metadata-size" && *v == "metadata_size"));
+        .find(|t| t.verb == verb || (verb == "metadata-size" && t.verb == "metadata_size"));
     match tool {
-        Some((t, v)) => run_tool(t, &format!("dmkit thin {v}"), args[1..].to_vec()),
+        Some(t) => (t.run)(&format!("dmkit thin {}", t.verb), args[1..].to_vec()),
         None => {
             // no verb, --help, or an unknown one: clap explains
             #[derive(Parser)]
@@ -582,8 +593,8 @@ fn links(dir: &Path, force: bool) -> std::io::Result<()> {
     let exe = if lean.is_file() { lean } else { running.clone() };
     let err = |p: &Path, e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", p.display()));
     let mut todo = Vec::new();
-    for (name, _) in all_tools() {
-        let p = dir.join(name);
+    for t in all_tools() {
+        let p = dir.join(t.name);
         match p.symlink_metadata() {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => todo.push((p, false)),
             Err(e) => return Err(err(&p, e)),
