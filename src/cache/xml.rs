@@ -6,7 +6,7 @@
 
 use super::error::{CacheError, Result};
 use super::metadata::{Mapping, Seen};
-use crate::pdata::xml::{at, plain_attrs};
+use crate::pdata::xml::{at, decimal, plain_attrs};
 use quick_xml::events::{BytesStart, Event};
 use quick_xml::Reader;
 use std::borrow::Cow;
@@ -148,30 +148,6 @@ fn bad(line: usize, what: impl std::fmt::Display) -> CacheError {
     at(line, what)
 }
 
-/// A decimal attribute value.
-fn number(key: &[u8], v: &[u8], line: usize) -> Result<u64> {
-    // one pass: digits only, at least one, and no overflow
-    (!v.is_empty())
-        .then(|| {
-            v.iter().try_fold(0u64, |acc, &d| {
-                d.is_ascii_digit()
-                    .then(|| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
-                    .flatten()
-            })
-        })
-        .flatten()
-        .ok_or_else(|| {
-            bad(
-                line,
-                format!(
-                    "{}=\"{}\" is not a number",
-                    String::from_utf8_lossy(key),
-                    String::from_utf8_lossy(v)
-                ),
-            )
-        })
-}
-
 /// The attributes `keys` of element `e`, a `<tag>` (each required), as they
 /// are in the input (nothing is copied but what entities change).
 fn attrs<'a, const N: usize>(
@@ -245,7 +221,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
         };
         let nr = md.sb.nr_cache_blocks as u64;
         let cblock_of = |v: &[u8]| -> Result<u32> {
-            let c = number(b"cache_block", v, line)?;
+            let c = decimal(b"cache_block", v, line)?;
             if c >= nr {
                 return Err(bad(
                     line,
@@ -263,7 +239,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
                     line,
                 )?;
                 let n32 = |k: &[u8], v: &[u8]| -> Result<u32> {
-                    u32::try_from(number(k, v, line)?).map_err(|_| {
+                    u32::try_from(decimal(k, v, line)?).map_err(|_| {
                         bad(
                             line,
                             format!("{} is more than 32 bits", String::from_utf8_lossy(k)),
@@ -298,7 +274,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
             (b"mappings" | b"hints" | b"discards", In::Superblock) => {}
             (b"mapping", In::Mappings) => {
                 let [c, o, d] = attrs(e, "mapping", ["cache_block", "origin_block", "dirty"], line)?;
-                let oblock = number(b"origin_block", &o, line)?;
+                let oblock = decimal(b"origin_block", &o, line)?;
                 if oblock >= super::superblock::MAX_ORIGIN_BLOCKS {
                     return Err(bad(
                         line,

@@ -20,6 +20,30 @@ pub fn at<E: From<XmlError>>(line: usize, what: impl std::fmt::Display) -> E {
     .into()
 }
 
+/// A decimal attribute value: digits only, at least one, no overflow; else an
+/// error naming the attribute and its value.
+pub fn decimal(key: &[u8], v: &[u8], line: usize) -> Result<u64, XmlError> {
+    (!v.is_empty())
+        .then(|| {
+            v.iter().try_fold(0u64, |acc, &d| {
+                d.is_ascii_digit()
+                    .then(|| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
+                    .flatten()
+            })
+        })
+        .flatten()
+        .ok_or_else(|| {
+            at(
+                line,
+                format!(
+                    "{}=\"{}\" is not a number",
+                    String::from_utf8_lossy(key),
+                    String::from_utf8_lossy(v)
+                ),
+            )
+        })
+}
+
 /// The values of an element's attributes `keys` (each once, nothing else,
 /// plain `key="value"` or `key='value'` pairs apart by whitespace, no entity in
 /// a value), straight from its raw bytes (`BytesStart::attributes_raw`):

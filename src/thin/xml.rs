@@ -250,19 +250,7 @@ fn fast_run(e: &BytesStart, line: usize, single: bool) -> Result<Run> {
                 return Err(at(line, format!("unknown attribute '{k}' in tag '{tag}'")));
             }
         };
-        let v = a.value.as_ref();
-        let n = (!v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
-            .then(|| {
-                v.iter()
-                    .try_fold(0u64, |acc, d| acc.checked_mul(10)?.checked_add((d - b'0') as u64))
-            })
-            .flatten()
-            .ok_or_else(|| {
-                let k = String::from_utf8_lossy(a.key.as_ref());
-                let v = String::from_utf8_lossy(v);
-                at(line, format!("{k}=\"{v}\" is not a number"))
-            })?;
-        f[slot] = Some(n);
+        f[slot] = Some(xml::decimal(a.key.as_ref(), a.value.as_ref(), line)?);
     }
     let names: [&str; 4] = if single {
         ["origin_block", "data_block", "", "time"]
