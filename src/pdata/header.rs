@@ -1,5 +1,5 @@
 //! The header every persistent-data superblock of the kernel's device-mapper
-//! targets begins with (era, cache): checksum, flags, its own block number,
+//! targets begins with (thin, era, cache): checksum, flags, its own block number,
 //! uuid, magic and version, in that order. The rest of each superblock is its
 //! target's own.
 

@@ -1,6 +1,8 @@
-//! The dm-thin superblock (block 0, and the held metadata-snapshot copy) and
-//! the device-details record.
+//! The dm-thin superblock (block 0, and the held metadata-snapshot copy: the
+//! persistent-data header, then dm-thin's fields) and the device-details
+//! record.
 
+use crate::pdata::header::Header;
 use crate::pdata::sm_disk::SmRoot;
 use crate::pdata::{le32, le64, put32, put64, Block, BLOCK_SIZE};
 
@@ -37,14 +39,13 @@ pub struct Superblock {
 
 impl Superblock {
     pub fn decode(d: &Block) -> Superblock {
-        let mut uuid = [0u8; 16];
-        uuid.copy_from_slice(&d[16..32]);
+        let h = Header::decode(d);
         Superblock {
-            flags: le32(d, 4),
-            blocknr: le64(d, 8),
-            uuid,
-            magic: le64(d, 32),
-            version: le32(d, 40),
+            flags: h.flags,
+            blocknr: h.blocknr,
+            uuid: h.uuid,
+            magic: h.magic,
+            version: h.version,
             time: le32(d, 44),
             trans_id: le64(d, 48),
             held_root: le64(d, 56),
@@ -64,11 +65,14 @@ impl Superblock {
     /// The block image, checksum left for the cache to fill in.
     pub fn encode(&self) -> Box<Block> {
         let mut d = Box::new([0u8; BLOCK_SIZE]);
-        put32(&mut d[..], 4, self.flags);
-        put64(&mut d[..], 8, self.blocknr);
-        d[16..32].copy_from_slice(&self.uuid);
-        put64(&mut d[..], 32, self.magic);
-        put32(&mut d[..], 40, self.version);
+        Header {
+            flags: self.flags,
+            blocknr: self.blocknr,
+            uuid: self.uuid,
+            magic: self.magic,
+            version: self.version,
+        }
+        .encode(&mut d[..]);
         put32(&mut d[..], 44, self.time);
         put64(&mut d[..], 48, self.trans_id);
         put64(&mut d[..], 56, self.held_root);
