@@ -20,7 +20,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 /// Cache blocks of 128 sectors.
 const BLOCK: u64 = 64 << 10;
 const ORIGIN: u64 = 32 * MIB; // 512 blocks

@@ -25,7 +25,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const BLOCK: u64 = 64 << 10;
 const ORIGIN: u64 = 32 * MIB;
 const SECTORS: u64 = ORIGIN / 512;

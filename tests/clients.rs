@@ -4,7 +4,7 @@ mod common;
 use common::{need, pattern, read_at, run, Daemon};
 use std::process::Command;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 #[test]
 fn nbdinfo_lists_and_maps() {

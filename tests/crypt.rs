@@ -12,7 +12,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const XTS512: &str = "27182818284590452353602874713526624977572470936999595749669676273141592653589793238462643383279502884197169399375105820974944592";
 
 fn hex(s: &str) -> Vec<u8> {

@@ -12,7 +12,7 @@ use common::{image, pattern, Daemon, Scratch};
 use oracle::{marker, markers, md5, GUEST_HELPERS};
 use std::path::Path;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const SIZE: u64 = 4 * MIB;
 
 /// What the guest loads for dm-crypt, in dependency order (paths under the

@@ -8,7 +8,7 @@ use common::{pattern, Daemon};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const EIO: u32 = 5;
 const EINVAL: u32 = 22;
 const TF_SEND_TRIM: u16 = 0x0020;

@@ -8,7 +8,7 @@ use common::nbd::{reply_ready, Client, FLAG_FUA, READ, TRIM, WRITE};
 use common::{pattern, Daemon, Scratch};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 /// Send every request, then read the replies: the cookies in completion order.
 fn completion_order(c: &mut Client, reqs: &[(u64, u16, u64, u32, Vec<u8>)]) -> Vec<u64> {

@@ -12,7 +12,7 @@ use common::{assert_same, image, pattern, read_all, Daemon, Scratch, BIN};
 use std::path::Path;
 use std::process::{Command, Output};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 fn tool(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().expect("run dmkit")

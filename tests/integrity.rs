@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const J: &str = "4 J 5 journal_sectors:2048 block_size:512 internal_hash:crc32c fix_padding fix_hmac";
 
 fn text(b: &[u8]) -> String {

@@ -13,7 +13,7 @@ use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};
 use std::path::{Path, PathBuf};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
 fn journal_opts() -> String {

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const EIO: u32 = 5;
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 /// A sparse file of `mib` MiB whose first `fill` bytes are `pattern(seed)`.
 fn file_with(d: &Daemon, name: &str, mib: u64, seed: u64, fill: usize) -> PathBuf {

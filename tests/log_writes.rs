@@ -16,7 +16,7 @@ use common::{pattern, run, Daemon, BIN};
 use std::path::Path;
 use std::process::Command;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 /// One entry as the kernel's format has it: (flags, sector, count, mark text,
 /// data).

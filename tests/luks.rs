@@ -18,7 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const SIZE: u64 = 32 * MIB;
 const PW: &str = "correct horse";
 

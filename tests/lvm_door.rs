@@ -10,7 +10,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 /// Lines LVM may print on stderr here, each with why; any other line fails.
 const EXPECTED_STDERR: &[(&str, &str)] = &[

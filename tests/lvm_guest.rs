@@ -17,7 +17,7 @@ mod common;
 mod oracle;
 use common::{pattern, tool_path, Scratch, BIN};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 #[test]
 fn lvm_and_dmeventd_in_a_kernel_without_device_mapper_match_the_kernels_own() {

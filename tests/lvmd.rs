@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const BIN: &str = env!("CARGO_BIN_EXE_dmkit");
 /// The pool's block: 128 sectors.
 const BLOCK: u64 = 64 * 1024;

@@ -15,7 +15,7 @@ const EIO: u32 = 5;
 const EINVAL: u32 = 22;
 const ENOSPC: u32 = 28;
 const EOVERFLOW: u32 = 75;
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const NO_HOLE: u16 = 2;
 
 /// A daemon with device `d`: linear over a sparse file of `mib` MiB.

@@ -5,7 +5,7 @@
 mod common;
 use common::{fio_verify_while_suspending, pattern, read_at, Daemon};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const KEY: &str = "5a17c3";
 
 /// What `xor` stores for `data` at target sector `sector` (its documented key

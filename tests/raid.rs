@@ -15,7 +15,7 @@ use common::{pattern, Daemon};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 /// The array: 8 MiB, regions of 64 KiB (128 sectors), 128 of them.
 const SECTORS: u64 = 16384;
 

@@ -10,7 +10,7 @@ use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 /// Guest shell: `wait_idle DEV` waits (up to 2 minutes) for its raid status to say idle.
 const WAIT_IDLE: &str = r#"

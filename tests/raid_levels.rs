@@ -16,7 +16,7 @@ use common::nbd::{Client, WRITE_ZEROES};
 use common::{assert_same, pattern, read_all, Daemon, Rng};
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 /// Each leg's data: 2 MiB; chunks of 64 KiB, regions of 256 KiB.
 const LEG: u64 = 4096;
 const CHUNK: u64 = 128;

@@ -14,7 +14,7 @@ use common::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 fn fio_verify(d: &Daemon, name: &str, size: &str, extra: &[&str]) {
     let out = run(Command::new("fio")

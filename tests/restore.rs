@@ -12,7 +12,7 @@ use common::nbd::{Client, FLUSH, TRIM, WRITE};
 use common::{assert_same, image, pattern, read_all, Daemon};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const EIO: u32 = 5;
 
 /// `path` as a table line carries it.

@@ -11,7 +11,7 @@ use common::{
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const EIO: u32 = 5;
 
 fn write_file(p: &Path, off: u64, data: &[u8]) {

@@ -14,7 +14,7 @@ use common::{need_all, pattern, read_all, Daemon, Scratch};
 use std::io::Write;
 use std::process::Command;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 fn files(first_seed: u64, n: u64) -> FileSet {
     (0..n)

@@ -12,7 +12,7 @@ use oracle::{marker, markers, md5, GUEST_HELPERS};
 use std::path::Path;
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const SIZE: u64 = 8 * MIB;
 const SECTORS: u64 = SIZE / 512;
 

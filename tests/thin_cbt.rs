@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 /// A pool with volume 0 (256 MiB, its first 64 MiB written), snapshot 1 of it,
 /// then writes to the volume, then snapshot 2; devices vol, s1, s2. Returns the

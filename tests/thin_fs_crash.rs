@@ -25,7 +25,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 /// Pool data block: 64 KiB.
 const POOL_BLOCK_SECTORS: u64 = 128;
 const POOL_BLOCK_BYTES: u64 = POOL_BLOCK_SECTORS * 512;

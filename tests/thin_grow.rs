@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const KIB: u64 = 1024;
-const MIB: u64 = 1024 * KIB;
+use common::MIB;
 /// The pool's data block: 64 KiB (128 sectors).
 const B: u64 = 64 * KIB;
 /// The thin's size: 16 blocks.

@@ -21,7 +21,7 @@ const ENOSPC: u32 = 28;
 const EINVAL: u32 = 22;
 const TF_SEND_TRIM: u16 = 0x0020;
 const KIB: u64 = 1024;
-const MIB: u64 = 1 << 20;
+use common::MIB;
 /// Data block size in sectors (64 KiB, the smallest the kernel allows).
 const BS: u64 = 128;
 /// Data block size in bytes.

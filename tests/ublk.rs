@@ -33,7 +33,7 @@ mod oracle;
 use common::{tool_path, Scratch, BIN};
 use oracle::{DMKIT_GUEST, EXT4_UBLK_MODULES};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 
 #[test]
 fn ublk_block_devices_restart_under_a_mounted_filesystem() {

@@ -37,7 +37,7 @@ use common::{tool_path, Daemon};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const DISKS: [&str; 5] = ["lin", "thin", "ro", "wc", "cr"];
 /// The crypt disk's key (never recorded: after a restart the host sets it again).
 const KEY: &str = "5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c";

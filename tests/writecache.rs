@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const BS: u64 = 4096;
 const EIO: u32 = 5;
 

@@ -13,7 +13,7 @@ use common::{image, pattern, read_all, read_at, Daemon, Scratch};
 use oracle::{marker, markers, md5, GUEST_HELPERS};
 use std::path::Path;
 
-const MIB: u64 = 1 << 20;
+use common::MIB;
 const SIZE: u64 = 8 * MIB;
 const SECTORS: u64 = SIZE / 512;
 const BS: u64 = 4096;

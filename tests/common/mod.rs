@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_dmkit");
+/// A mebibyte, for sizes.
+pub const MIB: u64 = 1 << 20;
 
 /// A scratch directory removed on drop.
 pub struct Scratch(pub PathBuf);
@@ -447,7 +449,6 @@ impl Rng {
 
 /// Read a whole export of `size` bytes in 1 MiB requests.
 pub fn read_all(c: &mut nbd::Client, size: u64) -> Vec<u8> {
-    const MIB: u64 = 1 << 20;
     let mut out = Vec::with_capacity(size as usize);
     let mut off = 0;
     while off < size {
