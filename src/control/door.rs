@@ -369,260 +369,349 @@ fn put_status(d: &Device, r: &mut Request) {
     r.put_status(&lines);
 }
 
+/// What a handler is given besides the request: the daemon, the caller's
+/// working directory (for relative paths in a table), and whether the caller
+/// has gone (a DM_DEV_WAIT ends then).
+struct Call<'a> {
+    ctx: &'a Ctx,
+    cwd: Option<&'a Path>,
+    gone: &'a dyn Fn() -> bool,
+}
+
+/// A command's handler: Ok(whether the devices changed).
+type Handler = fn(&Call, &mut Request) -> Result<bool, Refusal>;
+
+/// The handler of each command, as the kernel's `lookup_ioctl` table.
+fn handler(cmd: Cmd) -> Handler {
+    match cmd {
+        Cmd::Version | Cmd::DevArmPoll => |_, _| Ok(false),
+        Cmd::RemoveAll => remove_all,
+        Cmd::ListDevices => list_devices,
+        Cmd::ListVersions => list_versions,
+        Cmd::GetTargetVersion => get_target_version,
+        Cmd::DevCreate => dev_create,
+        Cmd::DevRemove => dev_remove,
+        Cmd::DevRename => dev_rename,
+        Cmd::DevSuspend => dev_suspend,
+        Cmd::DevStatus => dev_status,
+        Cmd::DevWait => dev_wait,
+        Cmd::TableLoad => table_load,
+        Cmd::TableClear => table_clear,
+        Cmd::TableDeps => table_deps,
+        Cmd::TableStatus => table_status,
+        Cmd::TargetMsg => target_msg,
+        Cmd::DevSetGeometry => dev_set_geometry,
+    }
+}
+
 /// Run a decoded request; Ok(whether the devices changed).
 fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) -> Result<bool, Refusal> {
-    let reg = &*ctx.reg;
-    match r.cmd {
-        Cmd::Version | Cmd::DevArmPoll => Ok(false),
-        Cmd::RemoveAll => {
-            // the kernel removes what it can and reports nothing
-            super::before_remove_all(ctx);
-            if let Err(e) = reg.remove_all(false, r.has(dm::DEFERRED_REMOVE)) {
-                tracing::info!("dm ioctl remove_all: {e}");
-            }
-            r.set_data_size(0);
-            Ok(true)
-        }
-        Cmd::ListDevices => {
-            let devs: Vec<dm::ListEntry> = reg
-                .list()
-                .iter()
-                .map(|d| dm::ListEntry {
-                    name: d.name(),
-                    uuid: d.uuid(),
-                    major: DM_MAJOR.get(),
-                    minor: d.minor,
-                    event_nr: d.events() as u32,
-                })
-                .collect();
-            r.put_name_list(&devs);
-            Ok(false)
-        }
-        Cmd::ListVersions => {
-            let all: Vec<_> = reg
-                .config
-                .target_types
-                .iter()
-                .map(|t| (t.name, t.version))
-                .collect();
-            r.put_versions(&all);
-            Ok(false)
-        }
-        Cmd::GetTargetVersion => {
-            let name = r.name();
-            let t = reg
-                .target_type(&name)
-                .ok_or_else(|| refuse(dm::EINVAL, format!("no target type '{name}'")))?;
-            r.put_versions(&[(t.name, t.version)]);
-            Ok(false)
-        }
-        Cmd::DevCreate => {
-            let name = r.name();
-            check_name(&name)?;
-            // DM_PERSISTENT_DEV_FLAG: the minor of `dev` (the kernel looks no further)
-            let minor = r.has(dm::PERSISTENT_DEV_FLAG).then(|| dm::decode_dev(r.dev()).1);
-            let uuid = Some(r.uuid()).filter(|u| !u.is_empty());
-            reg.create_in(&name, None, r.has(dm::READONLY_FLAG), uuid, minor, None)
-                .map_err(from_registry)?;
-            let d = reg.get(&name).map_err(from_registry)?;
-            r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
-            r.set_status(&status(ctx, &d));
-            Ok(true)
-        }
-        Cmd::DevRemove => {
-            let d = find(ctx, r)?;
-            let deferred = r.has(dm::DEFERRED_REMOVE);
-            super::remove(ctx, &d.name(), false, deferred).map_err(|x| refused(x, dm::EBUSY))?;
-            if d.removed.load(Ordering::SeqCst) {
-                r.clear_flags(dm::DEFERRED_REMOVE);
-            }
-            Ok(true)
-        }
-        Cmd::DevRename => {
-            let new = r.data_string().map_err(|e| {
-                refuse(
-                    e,
-                    "rename: the new name or uuid is not a string inside the buffer after the header",
-                )
-            })?;
-            let uuid = r.has(dm::UUID_FLAG);
-            let max = if uuid { dm::UUID_LEN - 1 } else { dm::NAME_LEN - 1 };
-            if new.is_empty() || new.len() > max {
-                return Err(refuse(
-                    dm::EINVAL,
-                    format!("invalid new device name or uuid '{new}' (1 to {max} bytes)"),
-                ));
-            }
-            if !uuid {
-                check_name(&new)?;
-            }
-            let d = find(ctx, r)?;
-            let name = d.name();
-            if uuid {
-                reg.set_uuid(&name, &new).map_err(from_registry)?;
-            } else {
-                reg.rename(&name, &new).map_err(from_registry)?;
-                ctx.ublk.renamed(&d);
-            }
-            r.set_identity(&d.name(), d.uuid().as_deref());
-            r.set_status(&status(ctx, &d));
-            Ok(true)
-        }
-        Cmd::DevSuspend => {
-            let d = find(ctx, r)?;
-            let name = d.name();
-            if r.has(dm::SUSPEND_FLAG) {
-                reg.suspend(&name, r.has(dm::NOFLUSH_FLAG))
-                    .map_err(from_registry)?;
-            } else {
-                super::resume(ctx, &name).map_err(|x| refused(x, dm::EINVAL))?;
-                r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
-            }
-            r.set_status(&status(ctx, &d));
-            Ok(true)
-        }
-        Cmd::DevStatus => {
-            let d = find(ctx, r)?;
-            r.set_status(&status(ctx, &d));
-            Ok(false)
-        }
-        Cmd::DevWait => {
-            let d = find(ctx, r)?;
-            let seen = r.event_nr();
-            while d.events() as u32 == seen {
-                if d.removed.load(Ordering::SeqCst) {
-                    return Err(refuse(
-                        dm::ENXIO,
-                        format!("{}: removed while waited on", d.name()),
-                    ));
-                }
-                if gone() {
-                    return Err(refuse(Errno(libc::EINTR), "the waiter left"));
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            r.set_status(&status(ctx, &d));
-            put_status(&d, r);
-            Ok(false)
-        }
-        Cmd::TableLoad => {
-            let d = find(ctx, r)?;
-            let specs = r.table().map_err(|e| {
-                refuse(
-                    e,
-                    format!(
-                        "{}: table load: the target specs do not lie inside the buffer as the kernel requires \
-                         (target_count, data_start, each `next` 8-byte aligned past the previous parameters, \
-                         NUL-terminated type and parameters)",
-                        d.name()
-                    ),
-                )
-            })?;
-            let mut text = String::new();
-            for s in &specs {
-                if s.target_type.contains(char::is_whitespace) || s.params.contains('\n') {
-                    return Err(refuse(
-                        dm::EINVAL,
-                        format!(
-                            "{}: target '{}' at sector {}: a type or parameters with a line break",
-                            d.name(),
-                            s.target_type,
-                            s.start
-                        ),
-                    ));
-                }
-                text.push_str(&format!("{} {} {} {}\n", s.start, s.len, s.target_type, s.params));
-            }
-            // the table's mode, as the kernel's: read-only with DM_READONLY_FLAG,
-            // writable without; the device takes it at the resume
-            reg.load_in(&d.name(), &text, cwd, Some(r.has(dm::READONLY_FLAG)))
-                .map_err(from_registry)?;
-            r.add_flags(dm::INACTIVE_PRESENT_FLAG);
-            r.set_status(&status(ctx, &d));
-            Ok(true)
-        }
-        Cmd::TableClear => {
-            let d = find(ctx, r)?;
-            reg.clear(&d.name()).map_err(from_registry)?;
-            r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
-            r.set_status(&status(ctx, &d));
-            Ok(true)
-        }
-        Cmd::TableDeps => {
-            let d = find(ctx, r)?;
-            r.set_status(&status(ctx, &d));
-            if let Some(t) = table_of(&d, r) {
-                r.put_deps(&crate::mapper::report::dep_numbers(&t));
-            }
-            Ok(false)
-        }
-        Cmd::TableStatus => {
-            let d = find(ctx, r)?;
-            r.set_status(&status(ctx, &d));
-            put_status(&d, r);
-            Ok(false)
-        }
-        Cmd::TargetMsg => {
-            let d = find(ctx, r)?;
-            let (sector, text) = r.message().map_err(|e| {
-                refuse(
-                    e,
-                    format!(
-                        "{}: message: no NUL-terminated text inside the buffer after the header",
-                        d.name()
-                    ),
-                )
-            })?;
-            let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
-            if words.is_empty() {
-                return Err(refuse(dm::EINVAL, format!("{}: empty message", d.name())));
-            }
-            // What may not run twice must know its answer fits before it runs
-            // (libdevmapper repeats a message whose answer did not fit): a new
-            // region's id, and what @stats_print_clear prints before it clears.
-            let verb = words[0].to_ascii_lowercase();
-            let need = match verb.as_str() {
-                "@stats_create" => Some(i32::MAX.to_string().len()),
-                "@stats_print_clear" => {
-                    let mut probe = words.clone();
-                    probe[0] = "@stats_print".into();
-                    Some(
-                        reg.message(&d.name(), sector, &probe)
-                            .map_err(from_registry)?
-                            .len(),
-                    )
-                }
-                _ => None,
-            };
-            if need.is_some_and(|n| !r.message_result_fits(n)) {
-                return Ok(false);
-            }
-            let out = reg.message(&d.name(), sector, &words).map_err(from_registry)?;
-            r.set_status(&status(ctx, &d));
-            if crate::mapper::stats::answers(&verb) || !out.is_empty() {
-                r.put_message_result(&out);
-            }
-            // a message may change what the state file records
-            Ok(true)
-        }
-        Cmd::DevSetGeometry => {
-            let d = find(ctx, r)?;
-            let g = r
-                .data_string()
-                .map_err(|e| refuse(e, format!("{}: geometry: no string inside the buffer", d.name())))?;
-            let v: Vec<u64> = g.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-            let fits = matches!(v.as_slice(), [c, h, s, _] if *c <= 65535 && *h <= 255 && *s <= 255);
-            if v.len() != 4 || g.split_whitespace().count() != 4 || !fits {
-                return Err(refuse(
-                    dm::EINVAL,
-                    format!("{}: invalid geometry '{g}'", d.name()),
-                ));
-            }
-            // accepted and not kept: nothing reads a dmkit device's geometry
-            r.set_data_size(0);
-            Ok(false)
-        }
+    handler(r.cmd)(&Call { ctx, cwd, gone }, r)
+}
+
+/// DM_REMOVE_ALL: every device that can go goes; nothing is reported.
+fn remove_all(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    // the kernel removes what it can and reports nothing
+    super::before_remove_all(ctx);
+    if let Err(e) = reg.remove_all(false, r.has(dm::DEFERRED_REMOVE)) {
+        tracing::info!("dm ioctl remove_all: {e}");
     }
+    r.set_data_size(0);
+    Ok(true)
+}
+
+/// DM_LIST_DEVICES: the name, numbers and event count of each device.
+fn list_devices(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let reg = &*c.ctx.reg;
+    let devs: Vec<dm::ListEntry> = reg
+        .list()
+        .iter()
+        .map(|d| dm::ListEntry {
+            name: d.name(),
+            uuid: d.uuid(),
+            major: DM_MAJOR.get(),
+            minor: d.minor,
+            event_nr: d.events() as u32,
+        })
+        .collect();
+    r.put_name_list(&devs);
+    Ok(false)
+}
+
+/// DM_LIST_VERSIONS: every target type and its version.
+fn list_versions(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let reg = &*c.ctx.reg;
+    let all: Vec<_> = reg
+        .config
+        .target_types
+        .iter()
+        .map(|t| (t.name, t.version))
+        .collect();
+    r.put_versions(&all);
+    Ok(false)
+}
+
+/// DM_GET_TARGET_VERSION: one target type's version.
+fn get_target_version(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let reg = &*c.ctx.reg;
+    let name = r.name();
+    let t = reg
+        .target_type(&name)
+        .ok_or_else(|| refuse(dm::EINVAL, format!("no target type '{name}'")))?;
+    r.put_versions(&[(t.name, t.version)]);
+    Ok(false)
+}
+
+/// DM_DEV_CREATE: a device without a table.
+fn dev_create(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    let name = r.name();
+    check_name(&name)?;
+    // DM_PERSISTENT_DEV_FLAG: the minor of `dev` (the kernel looks no further)
+    let minor = r.has(dm::PERSISTENT_DEV_FLAG).then(|| dm::decode_dev(r.dev()).1);
+    let uuid = Some(r.uuid()).filter(|u| !u.is_empty());
+    reg.create_in(&name, None, r.has(dm::READONLY_FLAG), uuid, minor, None)
+        .map_err(from_registry)?;
+    let d = reg.get(&name).map_err(from_registry)?;
+    r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+    r.set_status(&status(ctx, &d));
+    Ok(true)
+}
+
+/// DM_DEV_REMOVE, deferred with DM_DEFERRED_REMOVE.
+fn dev_remove(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let d = find(ctx, r)?;
+    let deferred = r.has(dm::DEFERRED_REMOVE);
+    super::remove(ctx, &d.name(), false, deferred).map_err(|x| refused(x, dm::EBUSY))?;
+    if d.removed.load(Ordering::SeqCst) {
+        r.clear_flags(dm::DEFERRED_REMOVE);
+    }
+    Ok(true)
+}
+
+/// DM_DEV_RENAME: a new name, or a uuid with DM_UUID_FLAG.
+fn dev_rename(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    let new = r.data_string().map_err(|e| {
+        refuse(
+            e,
+            "rename: the new name or uuid is not a string inside the buffer after the header",
+        )
+    })?;
+    let uuid = r.has(dm::UUID_FLAG);
+    let max = if uuid { dm::UUID_LEN - 1 } else { dm::NAME_LEN - 1 };
+    if new.is_empty() || new.len() > max {
+        return Err(refuse(
+            dm::EINVAL,
+            format!("invalid new device name or uuid '{new}' (1 to {max} bytes)"),
+        ));
+    }
+    if !uuid {
+        check_name(&new)?;
+    }
+    let d = find(ctx, r)?;
+    let name = d.name();
+    if uuid {
+        reg.set_uuid(&name, &new).map_err(from_registry)?;
+    } else {
+        reg.rename(&name, &new).map_err(from_registry)?;
+        ctx.ublk.renamed(&d);
+    }
+    r.set_identity(&d.name(), d.uuid().as_deref());
+    r.set_status(&status(ctx, &d));
+    Ok(true)
+}
+
+/// DM_DEV_SUSPEND: suspend with DM_SUSPEND_FLAG, else resume.
+fn dev_suspend(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    let d = find(ctx, r)?;
+    let name = d.name();
+    if r.has(dm::SUSPEND_FLAG) {
+        reg.suspend(&name, r.has(dm::NOFLUSH_FLAG))
+            .map_err(from_registry)?;
+    } else {
+        super::resume(ctx, &name).map_err(|x| refused(x, dm::EINVAL))?;
+        r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+    }
+    r.set_status(&status(ctx, &d));
+    Ok(true)
+}
+
+/// DM_DEV_STATUS: the device's flags, counts and numbers.
+fn dev_status(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let d = find(ctx, r)?;
+    r.set_status(&status(ctx, &d));
+    Ok(false)
+}
+
+/// DM_DEV_WAIT: until the device's event count moves past the caller's.
+fn dev_wait(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let gone = c.gone;
+    let d = find(ctx, r)?;
+    let seen = r.event_nr();
+    while d.events() as u32 == seen {
+        if d.removed.load(Ordering::SeqCst) {
+            return Err(refuse(
+                dm::ENXIO,
+                format!("{}: removed while waited on", d.name()),
+            ));
+        }
+        if gone() {
+            return Err(refuse(Errno(libc::EINTR), "the waiter left"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    r.set_status(&status(ctx, &d));
+    put_status(&d, r);
+    Ok(false)
+}
+
+/// DM_TABLE_LOAD: the inactive table from the target specs.
+fn table_load(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    let cwd = c.cwd;
+    let d = find(ctx, r)?;
+    let specs = r.table().map_err(|e| {
+        refuse(
+            e,
+            format!(
+                "{}: table load: the target specs do not lie inside the buffer as the kernel requires \
+                 (target_count, data_start, each `next` 8-byte aligned past the previous parameters, \
+                 NUL-terminated type and parameters)",
+                d.name()
+            ),
+        )
+    })?;
+    let mut text = String::new();
+    for s in &specs {
+        if s.target_type.contains(char::is_whitespace) || s.params.contains('\n') {
+            return Err(refuse(
+                dm::EINVAL,
+                format!(
+                    "{}: target '{}' at sector {}: a type or parameters with a line break",
+                    d.name(),
+                    s.target_type,
+                    s.start
+                ),
+            ));
+        }
+        text.push_str(&format!("{} {} {} {}\n", s.start, s.len, s.target_type, s.params));
+    }
+    // the table's mode, as the kernel's: read-only with DM_READONLY_FLAG,
+    // writable without; the device takes it at the resume
+    reg.load_in(&d.name(), &text, cwd, Some(r.has(dm::READONLY_FLAG)))
+        .map_err(from_registry)?;
+    r.add_flags(dm::INACTIVE_PRESENT_FLAG);
+    r.set_status(&status(ctx, &d));
+    Ok(true)
+}
+
+/// DM_TABLE_CLEAR: the inactive table dropped.
+fn table_clear(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    let d = find(ctx, r)?;
+    reg.clear(&d.name()).map_err(from_registry)?;
+    r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
+    r.set_status(&status(ctx, &d));
+    Ok(true)
+}
+
+/// DM_TABLE_DEPS: the devices a table names.
+fn table_deps(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let d = find(ctx, r)?;
+    r.set_status(&status(ctx, &d));
+    if let Some(t) = table_of(&d, r) {
+        r.put_deps(&crate::mapper::report::dep_numbers(&t));
+    }
+    Ok(false)
+}
+
+/// DM_TABLE_STATUS: each target's status or table line.
+fn table_status(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let d = find(ctx, r)?;
+    r.set_status(&status(ctx, &d));
+    put_status(&d, r);
+    Ok(false)
+}
+
+/// DM_TARGET_MSG: a message to the target at a sector.
+fn target_msg(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let reg = &*c.ctx.reg;
+    let d = find(ctx, r)?;
+    let (sector, text) = r.message().map_err(|e| {
+        refuse(
+            e,
+            format!(
+                "{}: message: no NUL-terminated text inside the buffer after the header",
+                d.name()
+            ),
+        )
+    })?;
+    let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
+    if words.is_empty() {
+        return Err(refuse(dm::EINVAL, format!("{}: empty message", d.name())));
+    }
+    // What may not run twice must know its answer fits before it runs
+    // (libdevmapper repeats a message whose answer did not fit): a new
+    // region's id, and what @stats_print_clear prints before it clears.
+    let verb = words[0].to_ascii_lowercase();
+    let need = match verb.as_str() {
+        "@stats_create" => Some(i32::MAX.to_string().len()),
+        "@stats_print_clear" => {
+            let mut probe = words.clone();
+            probe[0] = "@stats_print".into();
+            Some(
+                reg.message(&d.name(), sector, &probe)
+                    .map_err(from_registry)?
+                    .len(),
+            )
+        }
+        _ => None,
+    };
+    if need.is_some_and(|n| !r.message_result_fits(n)) {
+        return Ok(false);
+    }
+    let out = reg.message(&d.name(), sector, &words).map_err(from_registry)?;
+    r.set_status(&status(ctx, &d));
+    if crate::mapper::stats::answers(&verb) || !out.is_empty() {
+        r.put_message_result(&out);
+    }
+    // a message may change what the state file records
+    Ok(true)
+}
+
+/// DM_DEV_SET_GEOMETRY: checked, and not kept.
+fn dev_set_geometry(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let ctx = c.ctx;
+    let d = find(ctx, r)?;
+    let g = r
+        .data_string()
+        .map_err(|e| refuse(e, format!("{}: geometry: no string inside the buffer", d.name())))?;
+    let v: Vec<u64> = g.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let fits = matches!(v.as_slice(), [c, h, s, _] if *c <= 65535 && *h <= 255 && *s <= 255);
+    if v.len() != 4 || g.split_whitespace().count() != 4 || !fits {
+        return Err(refuse(
+            dm::EINVAL,
+            format!("{}: invalid geometry '{g}'", d.name()),
+        ));
+    }
+    // accepted and not kept: nothing reads a dmkit device's geometry
+    r.set_data_size(0);
+    Ok(false)
 }
 
 #[cfg(test)]
