@@ -35,8 +35,11 @@ fn make(version: u32) -> Base {
     let dev = MemDev::new(64);
     let mut md = CacheMetadata::format(Box::new(dev.clone()), 128, version).expect("format");
     md.resize(BLOCKS).expect("resize");
+    // origin blocks inside the origin the discard bitset covers (256 sectors
+    // x BLOCKS: 2 x BLOCKS blocks of 128 sectors), each named once (7 is prime
+    // to 2 x BLOCKS)
     for c in (0..BLOCKS).step_by(3) {
-        md.insert(c, (c * 7 + 1) % 4000).expect("insert");
+        md.insert(c, (c * 7 + 1) % (2 * BLOCKS)).expect("insert");
         if c % 9 == 0 {
             md.set_dirty(c, true).expect("dirty");
         }
@@ -48,6 +51,11 @@ fn make(version: u32) -> Base {
     let hints: Vec<u32> = (0..BLOCKS as u32).collect();
     md.save_hints("smq", [2, 0, 0], Some(&hints)).expect("hints");
     md.commit(true).expect("commit");
+    assert_eq!(
+        dmkit::cache::tools::check(Box::new(dev.clone()), &Default::default()),
+        Ok(vec![]),
+        "the base image is valid metadata"
+    );
     let img = dev.image();
     let kinds = common::block_kinds(&img, &KINDS);
     (img, kinds)

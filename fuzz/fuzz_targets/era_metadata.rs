@@ -48,6 +48,11 @@ fn base() -> &'static (Vec<u8>, Vec<Option<BlockKind>>) {
         }
         md.take_snap().expect("metadata snap");
         md.commit().expect("commit");
+        assert_eq!(
+            dmkit::era::tools::check(Box::new(dev.clone()), false, false),
+            Ok(vec![]),
+            "the base image is valid metadata"
+        );
         let img = dev.image();
         let kinds = common::block_kinds(&img, &KINDS);
         (img, kinds)
