@@ -1,5 +1,5 @@
 //! Tables on Ceph RBD images (`rbd:POOL/IMAGE:conf=...`), against a real
-//! single-node cluster (tests/common/ceph.rs) started once for this binary:
+//! single-node cluster (tests/common/ceph.rs) started once for the test run:
 //! linear and striped verified with fio and `rbd export`, a thin pool whose
 //! metadata passes the real thin_check and opens in the kernel, a writecache
 //! with a local cache over an image, the exclusive lock between two daemons,
