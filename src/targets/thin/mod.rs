@@ -26,6 +26,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+/// Why a commit did not start: the I/O that entered the pool before it did not
+/// drain in time.
+const POSTPONED: &str = "I/O in flight did not drain (queued for space?); commit postponed";
+/// Commits postponed in a row for this long are logged as a warning.
+const POSTPONED_WARN_AFTER: Duration = Duration::from_secs(10);
+
 /// Metadata blocks the block cache may hold (4 KiB each): 64 MiB.
 const CACHE_BLOCKS: usize = 16384;
 /// Keys of the bio prison: a virtual block of a thin, or a data block.
@@ -706,10 +712,19 @@ impl Pool {
     /// Commit now, on this thread (control path, commit thread). Waits for the I/O
     /// that entered the pool before; never call it from an NBD connection thread.
     pub fn commit_now(&self) -> Result<(), String> {
+        match self.try_commit()? {
+            true => Ok(()),
+            false => Err(POSTPONED.into()),
+        }
+    }
+
+    /// [`Pool::commit_now`], but a commit the I/O in flight keeps from starting
+    /// (it did not drain in time) is Ok(false): postponed, not failed.
+    fn try_commit(&self) -> Result<bool, String> {
         let _one = self.commit_lock.lock().unpoisoned();
         // The discards deferred so far are carried out by this commit, after its drain.
         let Some(discards) = self.take_drained_discards() else {
-            return Err("I/O in flight did not drain (queued for space?); commit postponed".into());
+            return Ok(false);
         };
         let mut m = self.lock();
         self.started.fetch_add(1, Ordering::SeqCst);
@@ -758,7 +773,7 @@ impl Pool {
                 p.fail(crate::io::errno::EIO);
             }
         }
-        r
+        r.map(|()| true)
     }
 
     /// Send every piece waiting for data space back to be mapped again: space came,
@@ -1119,6 +1134,9 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         crate::panics::set_device(&d.name());
     }
     let mut last = Instant::now();
+    // commits postponed in a row since (the I/O in flight did not drain in
+    // time: slow I/O, or writes queued for space), and whether that was said
+    let mut postponed: Option<(Instant, bool)> = None;
     loop {
         // a discard only wakes the thread: `discard_now` finds the work itself
         let (wanted, _) = {
@@ -1152,8 +1170,24 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
             pool.requeue_no_space();
         }
         if wanted || periodic {
-            if let Err(e) = pool.commit_now() {
-                tracing::warn!("thin-pool {}: commit failed: {e}", describe(&pool.metadata));
+            match pool.try_commit() {
+                Ok(true) => postponed = None,
+                // one postponement is the next round's work; a run of them that
+                // lasts is worth a warning, once
+                Ok(false) => {
+                    let (since, said) = postponed.get_or_insert((Instant::now(), false));
+                    if !*said && since.elapsed() >= POSTPONED_WARN_AFTER {
+                        *said = true;
+                        tracing::warn!(
+                            "thin-pool {}: commits postponed for {:?}: {POSTPONED}",
+                            describe(&pool.metadata),
+                            since.elapsed()
+                        );
+                    } else {
+                        tracing::debug!("thin-pool {}: {POSTPONED}", describe(&pool.metadata));
+                    }
+                }
+                Err(e) => tracing::warn!("thin-pool {}: commit failed: {e}", describe(&pool.metadata)),
             }
             last = Instant::now();
         } else {

@@ -210,9 +210,13 @@ impl Target for ThinPool {
     }
     fn status_params(&self) -> String {
         // Counts are taken after a commit, as the kernel's status does (unless
-        // asked with noflush, or suspended).
-        if let Err(e) = self.pool.commit_now() {
-            tracing::warn!("thin-pool status: commit failed: {e}");
+        // asked with noflush, or suspended). A commit the I/O in flight holds
+        // back is the pool thread's to retry: the counts are then the last
+        // commit's.
+        match self.pool.try_commit() {
+            Ok(true) => {}
+            Ok(false) => tracing::debug!("thin-pool status: {}", super::POSTPONED),
+            Err(e) => tracing::warn!("thin-pool status: commit failed: {e}"),
         }
         self.status_params_noflush()
     }
