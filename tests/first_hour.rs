@@ -656,6 +656,43 @@ fn the_simulators_summary_adds_up() {
     assert_eq!((trials, passed + failed, a + b + c), (6, 6, passed), "{out}");
 }
 
+/// On a machine where the fresh clone's target directory does not exist yet (every
+/// CI run), copies into it the dependencies the suite's own release build compiled,
+/// with their fingerprints and build-script outputs, so that the clone's build
+/// compiles dmkit and what differs (cargo rebuilds whatever does not match), not
+/// every dependency again beside the other tests (about 9 CPU-minutes of the
+/// suite's own build, by `cargo nextest run --release --no-run --timings`).
+fn seed_with_the_suites_dependencies(target: &Path) {
+    let release = target.join("release");
+    if release.exists() {
+        return;
+    }
+    // this test's binary is PROFILE/deps/first_hour-HASH
+    let exe = std::env::current_exe().expect("the test's own path");
+    let profile = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the suite's profile directory");
+    std::fs::create_dir_all(&release).expect("the fresh clone's target directory");
+    // cp -a keeps the times cargo compares; dmkit's own units are left out (the
+    // clone's path makes them other units)
+    common::run(
+        Command::new("sh")
+            .args([
+                "-c",
+                r#"set -e
+                for d in deps build .fingerprint; do
+                    mkdir -p "$2/$d"
+                    find "$1/$d" -mindepth 1 -maxdepth 1 ! -name '*dmkit*' \
+                        \( -name 'lib*' -o ! -path '*/deps/*' \) -exec cp -a -t "$2/$d" {} +
+                done"#,
+                "seed",
+            ])
+            .arg(profile)
+            .arg(&release),
+    );
+}
+
 /// The README's two commands, exactly as written, in a fresh clone of the
 /// repository: the demo command until it prints its URIs (and, run again, says
 /// it reopened the pool), and the test command's own first steps (its
@@ -695,6 +732,7 @@ fn the_readmes_two_commands_work_in_a_fresh_clone() {
     // its own target directory: the suite's is locked by the cargo running it;
     // kept between runs (only the dmkit crate builds again in a warm one)
     let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/fresh-clone");
+    seed_with_the_suites_dependencies(&target);
     let demo = |tag: &str| -> String {
         let mut child = Command::new("sh")
             .args(["-c", commands[0]])
