@@ -7,7 +7,7 @@
 # RELIABILITY.md records): that needs the nightly toolchain, or the stable one with
 # RUSTC_BOOTSTRAP=1 where no nightly is installed, and cargo-fuzz builds them with one
 # codegen unit (about 17 minutes from nothing on two cores).
-# --dev (what CI runs): the dev profile, coverage-guided but without a sanitizer, on
+# --dev: the dev profile, coverage-guided but without a sanitizer, on
 # the stable toolchain, with debug assertions and overflow checks as the default
 # build has them: about 5 minutes from nothing, and slower to run.
 set -euo pipefail

@@ -5,7 +5,9 @@ Three rules (issues 31 and 51):
 1. No import cycles among the modules directly inside any directory of `src/`
    (the crate's top level, and every directory under it). A module "imports"
    another when any of its files names a path into it (`crate::x::...`,
-   `super::...` resolved, `use` or inline). One known cycle is allowed
+   `super::...` resolved, `use` or inline; a name a `pub use` re-exports counts
+   as the module it comes from, so `crate::mapper::Registry` names
+   `mapper::registry`). One known cycle is allowed
    (KNOWN_CYCLES, with its reason) until it is split.
 2. The top-level modules are in layers (LAYERS, lowest first): a module names
    only modules of lower layers, never one beside it or above it.
@@ -89,7 +91,77 @@ def strip_comments_and_strings(text):
     return "".join(out)
 
 
-def references(mod, text):
+PUB_USE = re.compile(r"\bpub(?:\([a-z]+\))?\s+use\s+([^;]+);")
+
+
+def use_tree(tree):
+    """`a::{b, c::{d as e}}` -> [(["a", "b"], "b"), (["a", "c", "d"], "e")]."""
+    tree = re.sub(r"\s+", " ", tree).strip()
+    brace = tree.find("{")
+    if brace < 0:
+        path, _, alias = tree.partition(" as ")
+        names = [p for p in path.strip().split("::") if p]
+        return [(names, alias.strip() or names[-1])] if names else []
+    head = [p for p in tree[:brace].split("::") if p]
+    body, depth, item, items = tree[brace + 1:tree.rfind("}")], 0, "", []
+    for c in body:
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            items.append(item)
+            item = ""
+        else:
+            item += c
+    items.append(item)
+    out = []
+    for it in items:
+        for names, alias in use_tree(it):
+            if names == ["self"]:
+                out.append((head, head[-1]))
+            else:
+                out.append((head + names, alias))
+    return out
+
+
+def reexports(files, modules):
+    """{(module, name): the path it names} for every `pub use` of the crate, so
+    that `crate::mapper::Registry` counts as naming `mapper::registry`."""
+    out = {}
+    for rel, text in files.items():
+        mod = module_of(rel)
+        for m in PUB_USE.finditer(strip_comments_and_strings(text)):
+            for names, alias in use_tree(m.group(1)):
+                if names[0] == "crate":
+                    path = names[1:]
+                elif names[0] in ("super", "self"):
+                    base = list(mod)
+                    while names and names[0] == "super":
+                        names, base = names[1:], base[:-1]
+                    path = base + [n for n in names if n != "self"]
+                elif tuple(mod + names[:1]) in modules:
+                    path = mod + names
+                else:
+                    continue  # another crate's item
+                out[(tuple(mod), alias)] = path
+    return out
+
+
+def through_reexports(ref, modules, exported):
+    """The module path a crate path really names, re-exports followed."""
+    for _ in range(8):
+        for i in range(len(ref)):
+            if tuple(ref[: i + 1]) in modules:
+                continue
+            target = exported.get((tuple(ref[:i]), ref[i]))
+            if target is None:
+                return ref
+            ref = target + ref[i + 1:]
+            break
+        else:
+            return ref
+    return ref
+
+
+def references(mod, text, modules=frozenset(), exported=None):
     """(line, absolute module path) for every crate path the text names."""
     text = strip_comments_and_strings(text)
     refs = []
@@ -115,6 +187,8 @@ def references(mod, text):
     for m in PATH.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         refs.append((line, resolve(m.group(1), m.group(2), False)))
+    if exported:
+        refs = [(line, through_reexports(ref, modules, exported)) for line, ref in refs]
     return refs
 
 
@@ -163,6 +237,8 @@ def main():
     targets = sorted(
         {module_of(r)[1] for r in files if r.startswith("targets" + os.sep) and len(module_of(r)) > 1}
     )
+    modules = {tuple(module_of(rel)) for rel in files}
+    exported = reexports(files, modules)
     failed = False
     scopes = sorted({tuple(module_of(rel)[:-1]) if not rel.endswith(("mod.rs", "lib.rs")) else tuple(module_of(rel)) for rel in files})
     scopes = sorted({s[:i] for s in scopes for i in range(len(s) + 1)})
@@ -176,7 +252,7 @@ def main():
                 continue
             a = mod[depth]
             nodes.add(a)
-            for line, ref in references(mod, text):
+            for line, ref in references(mod, text, modules, exported):
                 if tuple(ref[:depth]) != scope or len(ref) <= depth:
                     continue
                 b = ref[depth]
@@ -218,7 +294,7 @@ def main():
         mod = module_of(rel)
         if mod and mod[0] == "targets":
             continue
-        for line, ref in references(mod, text):
+        for line, ref in references(mod, text, modules, exported):
             if len(ref) >= 2 and ref[0] == "targets" and ref[1] in targets:
                 failed = True
                 print(f"src/{rel}:{line}: names the concrete target module targets::{ref[1]} outside src/targets/")

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use dmkit::control::Ctx;
-use dmkit::mapper::registry::{Config, Registry};
+use dmkit::mapper::{config::Config, Registry};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -58,12 +58,14 @@ pub fn ctx() -> &'static Ctx {
 
 fn make_registry() -> Registry {
     {
-        let reg = Registry::new(Config {
-            direct_io: false,
-            restart_logs: None,
-            target_types: dmkit::targets::types(),
-            ..Config::default()
-        });
+        let reg = Registry::new(
+            Config {
+                direct_io: false,
+                restart_logs: None,
+                ..Config::default()
+            },
+            dmkit::targets::types(),
+        );
         // files the table corpus names, for targets it creates itself
         for (f, bytes) in [("tmeta", 2 << 20), ("tdata", 4 << 20), ("cow", 1 << 20)] {
             file(f, bytes);

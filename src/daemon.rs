@@ -1,6 +1,6 @@
 //! `dmkit serve`: the control socket, the NBD listeners and the demo set-up.
 
-use crate::mapper::registry::{Config, Registry};
+use crate::mapper::{config::Config, Registry};
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::{SigSet, Signal};
 use std::net::TcpListener;
@@ -213,13 +213,12 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     let mut config = Config {
         direct_io: opts.direct_io,
         restart_logs: Some(opts.run_dir.join("uncommitted")),
-        target_types: crate::targets::types(),
         copy_subjob_kb: opts.copy_subjob_kb,
         writecache_lru_writeback: opts.writecache_lru_writeback,
         ..Config::default()
     };
     opts.tuning.apply(&mut config);
-    let reg = Arc::new(Registry::new(config));
+    let reg = Arc::new(Registry::new(config, crate::targets::types()));
     let control_path = opts.run_dir.join("control.sock");
     let nbd_path = opts.run_dir.join("nbd.sock");
     let control = bind(&control_path, group)?;

@@ -26,8 +26,8 @@ use crate::io::sim::{self, SimDisk};
 use crate::io::Op;
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Engine};
-use crate::mapper::registry::{Config, Registry};
 use crate::mapper::Device;
+use crate::mapper::{config::Config, Registry};
 use crate::sync::Unpoison;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -649,13 +649,15 @@ fn choose_crash(seed: u64, counts: sim::Counts, kill: bool) -> (CrashKind, Optio
 /// The trial's registry: a daemon's, with restart logs under `dir` when the
 /// crash is a kill.
 fn registry(o: &Options, dir: &Path, disk: &Arc<SimDisk>) -> Registry {
-    Registry::new(Config {
-        direct_io: false,
-        restart_logs: (o.kill && !o.no_restart_logs).then(|| dir.join("uncommitted")),
-        target_types: crate::targets::types(),
-        sim: Some(disk.clone()),
-        ..Config::default()
-    })
+    Registry::new(
+        Config {
+            direct_io: false,
+            restart_logs: (o.kill && !o.no_restart_logs).then(|| dir.join("uncommitted")),
+            sim: Some(disk.clone()),
+            ..Config::default()
+        },
+        crate::targets::types(),
+    )
 }
 
 fn new_trial(o: &Options, dir: &Path, disk: Arc<SimDisk>) -> Trial {

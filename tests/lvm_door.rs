@@ -719,7 +719,9 @@ fn fail_device(d: &Daemon, name: &str) {
     d.reload(name, &format!("0 {len} error"));
 }
 
-/// One dmeventd per machine: the tests that start one take turns.
+/// One dmeventd per machine: the tests that start one take turns (this lock
+/// under `cargo test`; under nextest, whose tests are processes, the
+/// `host-dmeventd` test group in .config/nextest.toml).
 static DMEVENTD: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn stop_our_dmeventds() {

@@ -286,7 +286,7 @@ mod error_states {
     use dmkit::io::sim::{FailPlan, SimDisk};
     use dmkit::mapper::devio;
     use dmkit::mapper::engine::Dest;
-    use dmkit::mapper::registry::{Config, Registry};
+    use dmkit::mapper::{config::Config, Registry};
     use std::path::PathBuf;
     use std::sync::Arc;
 
@@ -308,13 +308,15 @@ mod error_states {
             }
             Setup {
                 dir,
-                reg: Registry::new(Config {
-                    direct_io: false,
-                    restart_logs: None,
-                    target_types: dmkit::targets::types(),
-                    sim: Some(disk.clone()),
-                    ..Config::default()
-                }),
+                reg: Registry::new(
+                    Config {
+                        direct_io: false,
+                        restart_logs: None,
+                        sim: Some(disk.clone()),
+                        ..Config::default()
+                    },
+                    dmkit::targets::types(),
+                ),
                 disk,
             }
         }

@@ -23,7 +23,7 @@
 
 use super::dmioctl::{self as dm, Cmd, Errno, Request};
 use super::Ctx;
-use crate::mapper::registry::ControlError;
+use crate::mapper::registry::{ControlError, Registry};
 use crate::mapper::{Device, DM_MAJOR};
 use crate::sync::Unpoison;
 use std::io::{self, Read, Write};
@@ -374,6 +374,7 @@ fn put_status(d: &Device, r: &mut Request) {
 /// has gone (a DM_DEV_WAIT ends then).
 struct Call<'a> {
     ctx: &'a Ctx,
+    reg: &'a Registry,
     cwd: Option<&'a Path>,
     gone: &'a dyn Fn() -> bool,
 }
@@ -406,13 +407,12 @@ fn handler(cmd: Cmd) -> Handler {
 
 /// Run a decoded request; Ok(whether the devices changed).
 fn run(ctx: &Ctx, r: &mut Request, cwd: Option<&Path>, gone: &dyn Fn() -> bool) -> Result<bool, Refusal> {
-    handler(r.cmd)(&Call { ctx, cwd, gone }, r)
+    let reg = &*ctx.reg;
+    handler(r.cmd)(&Call { ctx, reg, cwd, gone }, r)
 }
 
 /// DM_REMOVE_ALL: every device that can go goes; nothing is reported.
-fn remove_all(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
+fn remove_all(&Call { ctx, reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     // the kernel removes what it can and reports nothing
     super::before_remove_all(ctx);
     if let Err(e) = reg.remove_all(false, r.has(dm::DEFERRED_REMOVE)) {
@@ -423,8 +423,7 @@ fn remove_all(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_LIST_DEVICES: the name, numbers and event count of each device.
-fn list_devices(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let reg = &*c.ctx.reg;
+fn list_devices(&Call { reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let devs: Vec<dm::ListEntry> = reg
         .list()
         .iter()
@@ -441,21 +440,14 @@ fn list_devices(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_LIST_VERSIONS: every target type and its version.
-fn list_versions(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let reg = &*c.ctx.reg;
-    let all: Vec<_> = reg
-        .config
-        .target_types
-        .iter()
-        .map(|t| (t.name, t.version))
-        .collect();
+fn list_versions(&Call { reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
+    let all: Vec<_> = reg.target_types().iter().map(|t| (t.name, t.version)).collect();
     r.put_versions(&all);
     Ok(false)
 }
 
 /// DM_GET_TARGET_VERSION: one target type's version.
-fn get_target_version(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let reg = &*c.ctx.reg;
+fn get_target_version(&Call { reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let name = r.name();
     let t = reg
         .target_type(&name)
@@ -465,9 +457,7 @@ fn get_target_version(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_DEV_CREATE: a device without a table.
-fn dev_create(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
+fn dev_create(&Call { ctx, reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let name = r.name();
     check_name(&name)?;
     // DM_PERSISTENT_DEV_FLAG: the minor of `dev` (the kernel looks no further)
@@ -482,8 +472,7 @@ fn dev_create(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_DEV_REMOVE, deferred with DM_DEFERRED_REMOVE.
-fn dev_remove(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
+fn dev_remove(&Call { ctx, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     let deferred = r.has(dm::DEFERRED_REMOVE);
     super::remove(ctx, &d.name(), false, deferred).map_err(|x| refused(x, dm::EBUSY))?;
@@ -494,9 +483,7 @@ fn dev_remove(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_DEV_RENAME: a new name, or a uuid with DM_UUID_FLAG.
-fn dev_rename(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
+fn dev_rename(&Call { ctx, reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let new = r.data_string().map_err(|e| {
         refuse(
             e,
@@ -528,9 +515,7 @@ fn dev_rename(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_DEV_SUSPEND: suspend with DM_SUSPEND_FLAG, else resume.
-fn dev_suspend(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
+fn dev_suspend(&Call { ctx, reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     let name = d.name();
     if r.has(dm::SUSPEND_FLAG) {
@@ -545,17 +530,14 @@ fn dev_suspend(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_DEV_STATUS: the device's flags, counts and numbers.
-fn dev_status(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
+fn dev_status(&Call { ctx, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     r.set_status(&status(ctx, &d));
     Ok(false)
 }
 
 /// DM_DEV_WAIT: until the device's event count moves past the caller's.
-fn dev_wait(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let gone = c.gone;
+fn dev_wait(&Call { ctx, gone, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     let seen = r.event_nr();
     while d.events() as u32 == seen {
@@ -576,10 +558,7 @@ fn dev_wait(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_TABLE_LOAD: the inactive table from the target specs.
-fn table_load(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
-    let cwd = c.cwd;
+fn table_load(&Call { ctx, reg, cwd, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     let specs = r.table().map_err(|e| {
         refuse(
@@ -617,9 +596,7 @@ fn table_load(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_TABLE_CLEAR: the inactive table dropped.
-fn table_clear(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
+fn table_clear(&Call { ctx, reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     reg.clear(&d.name()).map_err(from_registry)?;
     r.clear_flags(dm::INACTIVE_PRESENT_FLAG);
@@ -628,8 +605,7 @@ fn table_clear(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_TABLE_DEPS: the devices a table names.
-fn table_deps(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
+fn table_deps(&Call { ctx, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     r.set_status(&status(ctx, &d));
     if let Some(t) = table_of(&d, r) {
@@ -639,8 +615,7 @@ fn table_deps(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_TABLE_STATUS: each target's status or table line.
-fn table_status(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
+fn table_status(&Call { ctx, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     r.set_status(&status(ctx, &d));
     put_status(&d, r);
@@ -648,9 +623,7 @@ fn table_status(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_TARGET_MSG: a message to the target at a sector.
-fn target_msg(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
-    let reg = &*c.ctx.reg;
+fn target_msg(&Call { ctx, reg, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     let (sector, text) = r.message().map_err(|e| {
         refuse(
@@ -695,8 +668,7 @@ fn target_msg(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 }
 
 /// DM_DEV_SET_GEOMETRY: checked, and not kept.
-fn dev_set_geometry(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
-    let ctx = c.ctx;
+fn dev_set_geometry(&Call { ctx, .. }: &Call, r: &mut Request) -> Result<bool, Refusal> {
     let d = find(ctx, r)?;
     let g = r
         .data_string()
@@ -717,13 +689,13 @@ fn dev_set_geometry(c: &Call, r: &mut Request) -> Result<bool, Refusal> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mapper::registry::{Config, Registry};
+    use crate::mapper::{config::Config, Registry};
 
     fn ctx() -> Ctx {
-        Ctx::sandboxed(Arc::new(Registry::new(Config {
-            target_types: crate::targets::types(),
-            ..Config::default()
-        })))
+        Ctx::sandboxed(Arc::new(Registry::new(
+            Config { ..Config::default() },
+            crate::targets::types(),
+        )))
     }
 
     fn call(c: &Ctx, cmd: Cmd, b: Vec<u8>) -> (i32, Vec<u8>) {

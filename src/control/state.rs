@@ -480,11 +480,11 @@ mod tests {
     use super::*;
 
     fn ctx() -> Ctx {
-        use crate::mapper::registry::{Config, Registry};
-        Ctx::sandboxed(std::sync::Arc::new(Registry::new(Config {
-            target_types: crate::targets::types(),
-            ..Config::default()
-        })))
+        use crate::mapper::{config::Config, Registry};
+        Ctx::sandboxed(std::sync::Arc::new(Registry::new(
+            Config { ..Config::default() },
+            crate::targets::types(),
+        )))
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //! (`REMAP`).
 
 use super::*;
-use crate::mapper::registry::{Config, Registry};
 use crate::mapper::{arg_dev, arg_u64, DevRef, Resolver, Target, TargetType};
+use crate::mapper::{config::Config, Registry};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -258,11 +258,13 @@ const TYPES: &[TargetType] = &[SPLIT, INVERT, WAIT, MIRROR, crate::mapper::error
 fn setup(name: &str) -> (Registry, std::path::PathBuf) {
     let path = std::env::temp_dir().join(format!("dmkit-engine-{}-{name}", std::process::id()));
     std::fs::write(&path, vec![0u8; 1 << 20]).expect("backing file");
-    let reg = Registry::new(Config {
-        direct_io: false,
-        target_types: TYPES,
-        ..Config::default()
-    });
+    let reg = Registry::new(
+        Config {
+            direct_io: false,
+            ..Config::default()
+        },
+        TYPES,
+    );
     (reg, path)
 }
 

@@ -2,6 +2,7 @@
 //! mapping of requests through tables, stacked devices included.
 
 use crate::sync::Unpoison;
+pub mod config;
 pub mod devio;
 pub mod engine;
 pub mod error;

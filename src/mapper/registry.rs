@@ -1,5 +1,6 @@
 //! The set of mapped devices and the dmsetup operations on them.
 
+use super::config::Config;
 use super::{DevRef, DmHold, Resolver, Shared, TargetType};
 use super::{Device, Table, TableEntry, DM_MAJOR};
 use crate::io::BackingFile;
@@ -175,76 +176,6 @@ fn minors_are_not_given_again_until_the_numbers_wrap() {
 /// Minor numbers are below this (the kernel's MINORBITS: 20 bits).
 const MAX_MINORS: u32 = 1 << 20;
 
-/// Options fixed for the daemon's life.
-#[derive(Clone, Debug)]
-pub struct Config {
-    /// Open backing files with O_DIRECT where the file system allows it.
-    pub direct_io: bool,
-    /// Where thin pools and writecaches record what they acknowledged and have
-    /// not committed yet, for the next daemon (`io::restart_log`); none, none kept.
-    pub restart_logs: Option<std::path::PathBuf>,
-    /// The copy engine's sub-job size in KiB (`serve --copy-subjob-kb`, the
-    /// kernel's kcopyd_subjob_size_kb); see [`Config::copy_subjob_bytes`].
-    pub copy_subjob_kb: u64,
-    /// Writecache writeback in LRU order (the pre-2019 kernel), for benchmarks.
-    pub writecache_lru_writeback: bool,
-    /// How often a thin pool commits while it has changes (the kernel's
-    /// COMMIT_PERIOD; tests that need writes left uncommitted lengthen it).
-    pub thin_commit_period: std::time::Duration,
-    /// How long a thin pool out of data space queues I/O before failing it
-    /// (the kernel's no_space_timeout).
-    pub thin_no_space_timeout: std::time::Duration,
-    /// Tests only: how long a thin pool's discard passdown waits before it is
-    /// sent to the data device (zero: at once).
-    pub thin_passdown_delay: std::time::Duration,
-    /// Tests only: how long a thin pool's thread waits before it carries out
-    /// deferred discards (zero: at once).
-    pub thin_discard_delay: std::time::Duration,
-    /// Tests only: records a restart log holds per generation (None: what never
-    /// fills: twice a thin pool's data blocks, four times a writecache's blocks,
-    /// up to `io::restart_log::MAX_RECORDS`).
-    pub restart_log_records: Option<usize>,
-    /// The target types tables may use (`crate::targets::types()`); the core
-    /// itself knows only `error`.
-    pub target_types: &'static [TargetType],
-    /// Crash trials (`dmkit sim`): files registered with this simulated disk
-    /// open as its backing files (`io::sim`); None in the daemon.
-    pub sim: Option<std::sync::Arc<crate::io::sim::SimDisk>>,
-}
-
-impl Config {
-    /// The copy engine's sub-job size in bytes: `copy_subjob_kb`, 0 meaning
-    /// 512 KiB, at most 1 MiB.
-    pub fn copy_subjob_bytes(&self) -> usize {
-        let kb = if self.copy_subjob_kb == 0 {
-            512
-        } else {
-            self.copy_subjob_kb.min(1024)
-        };
-        kb as usize * 1024
-    }
-}
-
-impl Default for Config {
-    /// The daemon's defaults (`dmkit serve` changes them by its options only).
-    fn default() -> Config {
-        use std::time::Duration;
-        Config {
-            direct_io: true,
-            restart_logs: None,
-            copy_subjob_kb: 512,
-            writecache_lru_writeback: false,
-            thin_commit_period: Duration::from_secs(1),
-            thin_no_space_timeout: Duration::from_secs(60),
-            thin_passdown_delay: Duration::ZERO,
-            thin_discard_delay: Duration::ZERO,
-            restart_log_records: None,
-            target_types: &[super::error::TYPE],
-            sim: None,
-        }
-    }
-}
-
 /// (st_dev, st_ino) of a file or (0, rdev) of a block device, and read-only.
 type FileKey = (u64, u64, bool);
 
@@ -265,6 +196,9 @@ pub struct Registry {
     /// State targets share across devices (snapshot origins).
     shared: Shared,
     pub config: Config,
+    /// The target types tables may use (`crate::targets::types()`; the core
+    /// itself knows only `error`).
+    types: &'static [TargetType],
     /// What changed since the state file last recorded it ([`Registry::take_changed`]).
     changed: Mutex<Changed>,
     /// What the frontends' servers hold (`dmkit stats --server`).
@@ -338,14 +272,14 @@ impl Registry {
     /// Make every target type's shared state durable (daemon shutdown, after the
     /// devices' flushes: thin pools commit).
     pub fn sync_targets(&self) {
-        for t in self.config.target_types {
+        for t in self.types {
             if let Some(sync) = t.sync {
                 sync(&self.shared);
             }
         }
     }
 
-    pub fn new(config: Config) -> Registry {
+    pub fn new(config: Config, types: &'static [TargetType]) -> Registry {
         Registry {
             devices: Mutex::new(BTreeMap::new()),
             files: Mutex::new(Vec::new()),
@@ -354,6 +288,7 @@ impl Registry {
             deferred: std::sync::atomic::AtomicBool::new(false),
             shared: Shared::new(config.restart_logs.clone()),
             config,
+            types,
             changed: Mutex::new(Changed::default()),
             server: ServerCounters::default(),
         }
@@ -1154,8 +1089,7 @@ impl Registry {
 
     /// `dmsetup targets`.
     pub fn targets(&self) -> String {
-        self.config
-            .target_types
+        self.types
             .iter()
             .map(|t| {
                 format!(
@@ -1168,7 +1102,12 @@ impl Registry {
 
     /// The target type named `name`, if tables may use it.
     pub fn target_type(&self, name: &str) -> Option<&'static TargetType> {
-        self.config.target_types.iter().find(|t| t.name == name)
+        self.types.iter().find(|t| t.name == name)
+    }
+
+    /// Every target type tables may use, in `dmsetup targets` order.
+    pub fn target_types(&self) -> &'static [TargetType] {
+        self.types
     }
 
     /// A target of type `name` from its arguments; errors name the field.
@@ -1463,7 +1402,7 @@ mod tests {
 
     #[test]
     fn a_uuid_names_one_device_until_it_is_removed() {
-        let r = Registry::new(Config::default());
+        let r = Registry::new(Config::default(), &[crate::mapper::error::TYPE]);
         r.create("a", Some("0 8 error"), false, Some("U-1".into()))
             .expect("a");
         let e = r.create("b", Some("0 8 error"), false, Some("U-1".into()));

@@ -927,7 +927,7 @@ pub trait Resolver {
     /// The device whose table is being built.
     fn device(&self) -> &Arc<Device>;
     /// The daemon's options, which targets read when they are constructed.
-    fn config(&self) -> &crate::mapper::registry::Config;
+    fn config(&self) -> &crate::mapper::config::Config;
     /// The table is loaded read-only (DM_READONLY_FLAG, `--readonly`).
     fn read_only(&self) -> bool;
     /// The table needs sectors up to `end` of the dmkit device `dev` (named

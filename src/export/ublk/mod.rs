@@ -568,13 +568,10 @@ fn link(name: &str, id: u32, minor: u32) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mapper::registry::{Config, Registry};
+    use crate::mapper::{config::Config, Registry};
 
     fn device(table: &str, read_only: bool) -> Arc<Device> {
-        let reg = Registry::new(Config {
-            target_types: crate::targets::types(),
-            ..Config::default()
-        });
+        let reg = Registry::new(Config { ..Config::default() }, crate::targets::types());
         reg.create("d", Some(table), read_only, None).expect("create");
         reg.get("d").expect("device")
     }

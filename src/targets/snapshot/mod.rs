@@ -57,7 +57,7 @@ pub struct SnapCopier(std::sync::OnceLock<Arc<crate::copier::Copier>>);
 
 impl SnapCopier {
     /// The engine, started the first time it is asked for, with sub-jobs of
-    /// `subjob_bytes` ([`crate::mapper::registry::Config::copy_subjob_bytes`]).
+    /// `subjob_bytes` ([`crate::mapper::config::Config::copy_subjob_bytes`]).
     pub fn get(&self, subjob_bytes: usize) -> Arc<crate::copier::Copier> {
         self.0
             .get_or_init(|| Arc::new(crate::copier::Copier::new(subjob_bytes, 8)))

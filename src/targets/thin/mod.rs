@@ -17,7 +17,7 @@ use crate::copier::Copier;
 use crate::io::restart_log::{Previous, Record, RestartLog};
 use crate::mapper::devio::{self, describe, identity};
 use crate::mapper::engine::{Dest, Pending};
-use crate::mapper::registry::Config;
+use crate::mapper::config::Config;
 use crate::mapper::Device;
 use crate::pdata::PdataError;
 use crate::thin::{FormatOptions, ThinError, ThinPoolMetadata};

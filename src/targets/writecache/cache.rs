@@ -286,7 +286,7 @@ impl Cache {
         cache: Dest,
         origin_file: Option<Arc<BackingFile>>,
         cache_file: Option<Arc<BackingFile>>,
-        config: &crate::mapper::registry::Config,
+        config: &crate::mapper::config::Config,
     ) -> Result<Arc<Cache>, String> {
         let restart = match (config.restart_logs.as_deref(), &cache_file) {
             (Some(dir), Some(f)) => {
