@@ -122,6 +122,18 @@ def use_tree(tree):
     return out
 
 
+def absolute(mod, names):
+    """A path written in module `mod` that starts with `crate`, `super` or `self`,
+    as an absolute path (`super` from a file `a/b.rs`, module a::b, is `a`;
+    chains of super go up)."""
+    if names[0] == "crate":
+        return names[1:]
+    base = list(mod)
+    while names and names[0] == "super":
+        names, base = names[1:], base[:-1]
+    return base + [n for n in names if n != "self"]
+
+
 def reexports(files, modules):
     """{(module, name): the path it names} for every `pub use` of the crate, so
     that `crate::mapper::Registry` counts as naming `mapper::registry`."""
@@ -130,13 +142,8 @@ def reexports(files, modules):
         mod = module_of(rel)
         for m in PUB_USE.finditer(strip_comments_and_strings(text)):
             for names, alias in use_tree(m.group(1)):
-                if names[0] == "crate":
-                    path = names[1:]
-                elif names[0] in ("super", "self"):
-                    base = list(mod)
-                    while names and names[0] == "super":
-                        names, base = names[1:], base[:-1]
-                    path = base + [n for n in names if n != "self"]
+                if names[0] in ("crate", "super", "self"):
+                    path = absolute(mod, names)
                 elif tuple(mod + names[:1]) in modules:
                     path = mod + names
                 else:
@@ -161,21 +168,13 @@ def through_reexports(ref, modules, exported):
     return ref
 
 
-def references(mod, text, modules=frozenset(), exported=None):
+def references(mod, text, modules, exported):
     """(line, absolute module path) for every crate path the text names."""
     text = strip_comments_and_strings(text)
     refs = []
 
     def resolve(root, tail, is_file_mod):
-        names = [p for p in tail.split("::") if p]
-        if root == "crate":
-            return names
-        # `super` from a file `a/b.rs` (module a::b) is `a`; chains of super go up
-        base = list(mod)
-        while names and names[0] == "super":
-            names = names[1:]
-            base = base[:-1]
-        return base[:-1] + names if base else names
+        return absolute(mod, [root] + [p for p in tail.split("::") if p])
 
     for m in USE_GROUP.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
@@ -187,9 +186,7 @@ def references(mod, text, modules=frozenset(), exported=None):
     for m in PATH.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         refs.append((line, resolve(m.group(1), m.group(2), False)))
-    if exported:
-        refs = [(line, through_reexports(ref, modules, exported)) for line, ref in refs]
-    return refs
+    return [(line, through_reexports(ref, modules, exported)) for line, ref in refs]
 
 
 def sccs(nodes, edges):

@@ -482,7 +482,7 @@ mod tests {
     fn ctx() -> Ctx {
         use crate::mapper::{config::Config, Registry};
         Ctx::sandboxed(std::sync::Arc::new(Registry::new(
-            Config { ..Config::default() },
+            Config::default(),
             crate::targets::types(),
         )))
     }

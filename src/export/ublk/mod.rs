@@ -571,7 +571,7 @@ mod tests {
     use crate::mapper::{config::Config, Registry};
 
     fn device(table: &str, read_only: bool) -> Arc<Device> {
-        let reg = Registry::new(Config { ..Config::default() }, crate::targets::types());
+        let reg = Registry::new(Config::default(), crate::targets::types());
         reg.create("d", Some(table), read_only, None).expect("create");
         reg.get("d").expect("device")
     }
