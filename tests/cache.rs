@@ -11,8 +11,8 @@
 //! a write load with flushes, no flushed write is lost and no stale block is
 //! read.
 
-mod common;
-mod thin_util;
+use crate::common;
+use crate::thin_util;
 
 use common::nbd::Client;
 use common::{accept, assert_same, pattern, read_all, settle, write_until_killed, Daemon, Rng, Scratch, BIN};

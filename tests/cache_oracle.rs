@@ -14,9 +14,9 @@
 //! A missing tool or a failed kernel download fails the test (ci/install.sh
 //! installs and fetches them).
 
-mod common;
-mod oracle;
-mod thin_util;
+use crate::common;
+use crate::oracle;
+use crate::thin_util;
 
 use common::nbd::Client;
 use common::{pattern, read_all, tool_path, Daemon, Rng, Scratch, BIN};

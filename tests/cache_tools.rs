@@ -5,8 +5,8 @@
 //! refused; cache_writeback's copies checked against the data a cache shows;
 //! the multi-call names.
 
-mod common;
-mod thin_util;
+use crate::common;
+use crate::thin_util;
 
 use common::{Rng, Scratch, BIN};
 use dmkit::pdata::cache::seal;

@@ -1,6 +1,6 @@
 //! dmsetup-compatible output and errors, through the real CLI and daemon.
 
-mod common;
+use crate::common;
 use common::Daemon;
 
 #[test]

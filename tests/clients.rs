@@ -1,6 +1,6 @@
 //! Real NBD clients against the real daemon: nbdinfo, qemu-img, nbdcopy, fio.
 
-mod common;
+use crate::common;
 use common::{need, pattern, read_at, run, Daemon};
 use std::process::Command;
 

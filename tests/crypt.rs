@@ -4,7 +4,7 @@
 //! while the device beneath is suspended and resumed under load; bad tables
 //! fail with one clear line; the key messages behave as the kernel's.
 
-mod common;
+use crate::common;
 use common::nbd::{Client, TRIM};
 use common::{fio_verify_while_suspending, need, pattern, read_at, Daemon};
 use std::collections::HashSet;

@@ -4,8 +4,8 @@
 //! kernel's dm-crypt with the same table, images the kernel wrote read the same
 //! through dmkit, and both print the same table line.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::Client;
 use common::{image, pattern, Daemon, Scratch};

@@ -1,7 +1,7 @@
 //! dmsetup and kernel behaviour, item by item: what the kernel's device-mapper
 //! and real `dmsetup` do on the same tables, through the real daemon and CLI.
 
-mod common;
+use crate::common;
 
 use common::nbd::{Client, READ, TRIM, WRITE};
 use common::{pattern, Daemon};

@@ -4,8 +4,8 @@
 //! decide what to send by these numbers, so a mix of kernels would promise
 //! features that are not there.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::{Daemon, Scratch};
 

@@ -4,7 +4,7 @@
 //! state checked with dmkit afterwards; and hostile buffers sent straight to the
 //! door's socket.
 
-mod common;
+use crate::common;
 use common::{nbd, read_at, Daemon};
 use dmkit::control::dmioctl::{self as dm, Cmd};
 use std::io::{Read, Write};

@@ -5,7 +5,7 @@
 //! nodes name one device for ever, across restarts; an open ends with its open
 //! file description, not with a child's exit.
 
-mod common;
+use crate::common;
 use common::{Daemon, Scratch};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! without holding up the connection; suspend never waiting on a queued request;
 //! capabilities composed down a stack as clients see them.
 
-mod common;
+use crate::common;
 
 use common::nbd::{reply_ready, Client, FLAG_FUA, READ, TRIM, WRITE};
 use common::{pattern, Daemon, Scratch};

@@ -7,8 +7,8 @@
 //! load with flushes, every block written before the last acknowledged flush
 //! found in a writeset of its era or a later one.
 
-mod common;
-mod thin_util;
+use crate::common;
+use crate::thin_util;
 
 use common::nbd::Client;
 use common::{pattern, write_until_killed, Daemon, Rng, Scratch, BIN};

@@ -5,7 +5,7 @@
 //! lets go, tables of one daemon share a file, read-only tools still read a live
 //! pool's metadata, and relative paths in a table are the caller's.
 
-mod common;
+use crate::common;
 
 use common::nbd::Client;
 use common::{assert_same, image, pattern, read_all, Daemon, Scratch, BIN};

@@ -2,7 +2,7 @@
 //! daemon in the background, a socket they may not use, a restart after a crash,
 //! the tools' links. Real daemon, real CLI.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, Scratch, BIN};
 

@@ -6,7 +6,7 @@
 //! get the kernel's words. (The kernel's dm-integrity opening dmkit's devices
 //! and the other way: tests/integrity_guest.rs.)
 
-mod common;
+use crate::common;
 
 use common::nbd::{Client, FLUSH, READ, TRIM};
 use common::{pattern, Daemon, Scratch};

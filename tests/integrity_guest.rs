@@ -6,8 +6,8 @@
 //! device was live, the blocks' home sectors then zeroed), is replayed by
 //! the other.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};

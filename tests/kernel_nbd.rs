@@ -10,8 +10,8 @@
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 use common::{need_all, tool_path, Scratch, BIN};
 
 const DISK: u64 = 256 << 20;

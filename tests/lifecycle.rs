@@ -1,7 +1,7 @@
 //! Device lifecycle: load/suspend/resume, removal rules, table cycles, and the
 //! timing targets (delay, flakey) as seen through NBD.
 
-mod common;
+use crate::common;
 
 use common::nbd::{self, Client, FLUSH, READ, WRITE};
 use common::{need, pattern, read_at, Daemon};

@@ -8,8 +8,8 @@
 //! kernel's own dm-log-writes, side by side in the 6.12 guest, is
 //! `log_writes_guest.rs`.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::{Client, FLAG_FUA, FLUSH, TRIM, WRITE};
 use common::{pattern, run, Daemon, BIN};

@@ -8,7 +8,7 @@
 //! checksum) is refused naming the field; a primary header whose checksum
 //! fails gives way to the secondary.
 
-mod common;
+use crate::common;
 
 use common::nbd::Client;
 use common::{need, pattern, run, Daemon, Scratch, BIN};

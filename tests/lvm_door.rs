@@ -4,7 +4,7 @@
 //! data written through a dmkit device over NBD is read back from the loop files
 //! at the place that metadata names.
 
-mod common;
+use crate::common;
 use common::{nbd, pattern, read_at, Daemon};
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;

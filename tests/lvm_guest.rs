@@ -13,8 +13,8 @@
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 use common::{pattern, tool_path, Scratch, BIN};
 
 use common::MIB;

@@ -3,8 +3,8 @@
 //! from proto/ (tests/lvmd/client.py), with data written and read over NBD and
 //! deltas checked against the thin-provisioning-tools 1.x reference thin_delta.
 
-mod common;
-mod thin_util;
+use crate::common;
+use crate::thin_util;
 use common::nbd::{self, Client as Nbd};
 use common::Daemon;
 use serde_json::{json, Value};

@@ -5,7 +5,7 @@
 //! block, and the daemon keeps serving the device made before; every thin tool
 //! exits with its error status (64), never aborts (134).
 
-mod common;
+use crate::common;
 use common::*;
 use dmkit::pdata::cache::seal;
 use dmkit::pdata::{BlockKind, BLOCK_SIZE};

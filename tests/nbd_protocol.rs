@@ -1,7 +1,7 @@
 //! Bad and hostile NBD clients: each test checks the exact NBD error (or the
 //! disconnect) and that the daemon and other clients keep working afterwards.
 
-mod common;
+use crate::common;
 
 use common::nbd::{self, Client, DISC, FLAG_FUA, FLUSH, READ, TRIM, WRITE, WRITE_ZEROES};
 use common::{pattern, read_at, Daemon};

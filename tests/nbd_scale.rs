@@ -2,7 +2,7 @@
 //! and little memory (the reactors of `export::nbd::reactor`), and clients that
 //! never read their replies are bounded without stopping the others.
 
-mod common;
+use crate::common;
 
 use common::{pattern, Daemon, Scratch};
 use std::io::{Read, Write};

@@ -2,7 +2,7 @@
 //! clients: libnbd's nbdinfo and nbdcopy (GnuTLS), qemu-img, and raw sockets for
 //! what the protocol says a server answers before TLS.
 
-mod common;
+use crate::common;
 
 use common::nbd::{self, opt_reply, send_opt};
 use common::{need_all, pattern, run, Daemon, Scratch};

@@ -2,7 +2,7 @@
 //! through the real daemon: the toy cipher `xor` transforms every block exactly
 //! once, also when its writes are parked and requeued by a suspended device.
 
-mod common;
+use crate::common;
 use common::{fio_verify_while_suspending, pattern, read_at, Daemon};
 
 use common::MIB;

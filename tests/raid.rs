@@ -8,7 +8,7 @@
 //! meanwhile; check counts mismatches and repair mends them; bad tables are
 //! refused with the kernel's words.
 
-mod common;
+use crate::common;
 
 use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};

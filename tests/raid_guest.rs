@@ -3,8 +3,8 @@
 //! (`AA`, idle) with dmkit's data; an array the kernel made and wrote is
 //! assembled by dmkit in sync with the kernel's data, its two legs equal.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::{Client, FLUSH};
 use common::{pattern, Daemon};

@@ -10,7 +10,7 @@
 //! `check` and `repair` mends it. Placement on the legs is md's: the kernel
 //! oracle (tests/raid_guest.rs) reads these arrays in the kernel.
 
-mod common;
+use crate::common;
 
 use common::nbd::{Client, WRITE_ZEROES};
 use common::{assert_same, pattern, read_all, Daemon, Rng};

@@ -5,8 +5,8 @@
 //! with a local cache over an image, the exclusive lock between two daemons,
 //! SIGKILL during writes, and the errors a user sees.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 use common::ceph::cluster;
 use common::nbd::{Client, FLUSH, WRITE};
 use common::*;

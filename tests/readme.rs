@@ -6,8 +6,8 @@
 //! are checked: the output its comments promise, and `# equal` checksums. And the
 //! documents' relative links lead to files that exist.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::{tool_path, Scratch, BIN};
 use std::path::{Path, PathBuf};

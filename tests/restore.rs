@@ -5,7 +5,7 @@
 //! while the others do. (A lost device's ublk block device is stopped; that runs
 //! only where ublk does, in the oracle guest: see `Frontend::fail`.)
 
-mod common;
+use crate::common;
 
 use common::fs::{cmd, run_t};
 use common::nbd::{Client, FLUSH, TRIM, WRITE};

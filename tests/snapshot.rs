@@ -2,7 +2,7 @@
 //! model, full COW stores, merging (with I/O during it, and across a SIGKILL),
 //! persistence across restarts, table and status lines, and error texts.
 
-mod common;
+use crate::common;
 
 use common::nbd::{Client, FLUSH, READ, TRIM, WRITE};
 use common::{

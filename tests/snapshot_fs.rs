@@ -6,7 +6,7 @@
 //!   into a `linear` table over the block device holding it, one segment per
 //!   extent; the device reads and writes the file's bytes.
 
-mod common;
+use crate::common;
 
 use common::fs::{check_files, cmd, must, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::Client;

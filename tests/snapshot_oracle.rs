@@ -3,8 +3,8 @@
 //! dmkit began (and was SIGKILLed in), and writes a COW store that dmkit then
 //! reads. Contents are compared by md5, status lines as printed.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::{Client, FLUSH};
 use common::{image, pattern, read_at, Daemon, Scratch};

@@ -1,7 +1,7 @@
 //! Pools built through the metadata API must pass the real thin_check and
 //! dump identically with thin_dump and `dmkit thin dump`.
 
-mod thin_util;
+use crate::thin_util;
 use thin_util::*;
 
 #[test]

@@ -3,8 +3,8 @@
 //! incremental backup reads, with real clients: nbdinfo maps the changed blocks,
 //! nbdfuse reads them, nbdcopy makes the full copies they are checked against.
 
-mod common;
-mod thin_util;
+use crate::common;
+use crate::thin_util;
 use common::{need, Daemon};
 use std::os::unix::fs::FileExt;
 use std::path::Path;

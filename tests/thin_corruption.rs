@@ -2,7 +2,7 @@
 //! `dmkit thin check`; opening and reading never panic and never return
 //! wrong mappings.
 
-mod thin_util;
+use crate::thin_util;
 use dmkit::pdata::{FileDev, MemDev};
 use dmkit::thin::{FormatOptions, ThinPoolMetadata};
 use thin_util::*;

@@ -2,7 +2,7 @@
 //! (unflushed writes dropped, the last one torn) leaves the last committed
 //! transaction intact and the metadata clean for thin_check.
 
-mod thin_util;
+use crate::thin_util;
 use dmkit::pdata::{FileDev, MemDev};
 use dmkit::thin::{FormatOptions, ThinPoolMetadata};
 use thin_util::*;

@@ -14,7 +14,7 @@
 //!
 //! Every test leaves metadata that passes `thin_check` once the daemon stopped.
 
-mod common;
+use crate::common;
 
 use common::fs::{check_files, cmd, must, run_t, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::Client;

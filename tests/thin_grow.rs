@@ -6,8 +6,8 @@
 //! to wait for the resume (`pool_suspend_active_thins` in dm-thin.c); the pool's
 //! resume resumes them.
 
-mod common;
-mod thin_util;
+use crate::common;
+use crate::thin_util;
 
 use common::nbd::Client;
 use common::{need, Daemon, Scratch};

@@ -6,8 +6,8 @@
 //! A missing tool or a failed kernel download fails the test (ci/install.sh
 //! installs and fetches them).
 
-mod oracle;
-mod thin_util;
+use crate::oracle;
+use crate::thin_util;
 use oracle::{marker, markers, md5, GUEST_HELPERS};
 use thin_util::*;
 

@@ -3,7 +3,7 @@
 //! failure is shrunk to a short sequence, and proptest saves its seed in
 //! tests/thin_props.proptest-regressions to replay first next time.
 
-mod thin_util;
+use crate::thin_util;
 use dmkit::pdata::MemDev;
 use dmkit::thin::{FormatOptions, ThinPoolMetadata};
 use proptest::prelude::*;

@@ -1,7 +1,7 @@
 //! thin_restore-made metadata opens in dmkit, can be modified, and stays
 //! valid; dmkit's restore/dump round-trip through the real tools.
 
-mod thin_util;
+use crate::thin_util;
 use dmkit::thin::ir::Header;
 use dmkit::thin::xml::{self, Piece, XmlDevice, XmlMetadata};
 use thin_util::*;

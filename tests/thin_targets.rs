@@ -6,7 +6,7 @@
 //! ends by stopping the daemon and running the real `thin_check` on the pool's
 //! metadata.
 
-mod common;
+use crate::common;
 
 use common::nbd::{reply_ready, Client, FLAG_FUA, FLUSH, TRIM, WRITE};
 use common::{assert_same, need, pattern, read_at, Daemon, Scratch};

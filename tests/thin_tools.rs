@@ -5,7 +5,7 @@
 //! the reference's damage generator damages it), and the outputs, exit codes and
 //! resulting metadata are compared.
 
-mod thin_util;
+use crate::thin_util;
 use dmkit::pdata::cache::seal;
 use dmkit::pdata::tm::reader;
 use dmkit::pdata::{BlockKind, FileDev, BLOCK_SIZE};

@@ -28,8 +28,8 @@
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 use common::{tool_path, Scratch, BIN};
 use oracle::{DMKIT_GUEST, EXT4_UBLK_MODULES};
 

@@ -6,7 +6,7 @@
 //! `veritysetup verify` agrees on each image; bad tables fail with one line;
 //! a daemon killed and restored brings the device back read-only, verifying.
 
-mod common;
+use crate::common;
 use common::nbd::{Client, READ, TRIM, WRITE};
 use common::verity::{flip, Format};
 use common::{image, Daemon, Scratch};

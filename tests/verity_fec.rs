@@ -10,7 +10,7 @@
 //! codeword group, are rebuilt as erasures; FEC parameters that lie are
 //! refused naming the parameter.
 
-mod common;
+use crate::common;
 
 use common::nbd::{Client, READ};
 use common::{image, need, run, Daemon, Scratch, BIN};

@@ -5,8 +5,8 @@
 //! corrupted data block and a corrupted level-0 hash block, print the same
 //! status (`V`, `C`) and the same table line.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::{Client, READ};
 use common::verity::{flip, Format};

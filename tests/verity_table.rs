@@ -6,7 +6,7 @@
 //! the real `veritysetup open` and `close` work through the dm ioctl door
 //! (`dmkit exec`), loading `dmkit verity table`'s line over loop devices.
 
-mod common;
+use crate::common;
 
 use common::nbd::Client;
 use common::{image, need, run, Daemon, Scratch, BIN};

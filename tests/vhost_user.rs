@@ -31,8 +31,8 @@
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 use common::{tool_path, Daemon};
 use std::path::Path;
 use std::time::{Duration, Instant};

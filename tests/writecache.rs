@@ -3,7 +3,7 @@
 //! watermark writeback with SIGKILL rounds, fio verify through the cache and then
 //! on the bare origin, and retiring a cache (cleaner, then linear).
 
-mod common;
+use crate::common;
 
 use common::fs::{check_files, cmd, must, write_files, Attach, FileSet, FS_TOOLS};
 use common::nbd::{Client, FLUSH, READ, WRITE};

@@ -5,8 +5,8 @@
 //! same data through them and writes it back to the origin on `flush`; and it
 //! leaves a cache dirty that dmkit then opens, serves and writes back.
 
-mod common;
-mod oracle;
+use crate::common;
+use crate::oracle;
 
 use common::nbd::{Client, FLUSH};
 use common::{image, pattern, read_all, read_at, Daemon, Scratch};
