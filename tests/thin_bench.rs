@@ -1,5 +1,6 @@
-//! Metadata benchmark (ignored by default; run bench/thin_meta.py).
-//! 2^24 mappings across 4 thins, 64 MiB block cache.
+//! Metadata benchmarks, ignored by default: `thin_meta_bench` (2^24 mappings
+//! across 4 thins, 64 MiB block cache; run by bench/thin_meta.py) and
+//! `thin_delta_bench` (run by hand, the command at it).
 
 mod thin_util;
 use dmkit::pdata::FileDev;
@@ -129,4 +130,109 @@ fn thin_meta_bench() {
     drop(md);
     println!("BENCH peak RSS: {} MiB", vm_hwm_kib() / 1024);
     println!("BENCH_FILE {}", path.display());
+}
+
+/// What CSI's GetMetadataDelta reads (issue 49): two snapshots of a volume of
+/// 10^6 mappings (64 KiB blocks: 61 GiB mapped), the later one with 1% of its
+/// blocks written since, scattered or in runs of 100. Compared on a file of
+/// `THIN_BENCH_DIR`: the delta `thin_delta` computes (every leaf of both trees,
+/// a shared leaf once), and `changed_runs`, which passes over shared subtrees
+/// unread. Prints the mapped volume compared per second of this thread's CPU
+/// time, the median of 5 runs each. Run by hand:
+/// `cargo test --release --test thin_bench -- --ignored --nocapture thin_delta_bench`.
+#[test]
+#[ignore]
+fn thin_delta_bench() {
+    use dmkit::thin::delta::{changed_runs, delta, Delta, DeltaOptions, Side};
+    let dir = std::env::var("THIN_BENCH_DIR").unwrap_or_else(|_| "/dev/shm".into());
+    let mappings = 1_000_000u64;
+    for (pattern, run) in [("scattered", 1u64), ("in runs of 100", 100)] {
+        let path = std::path::Path::new(&dir).join(format!("dmkit-bench-delta-{}", std::process::id()));
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(65_536 * 4096)
+            .unwrap();
+        let mut md = ThinPoolMetadata::format(
+            Box::new(FileDev::open(&path, true).unwrap()),
+            FormatOptions {
+                data_block_size: 128,
+                nr_data_blocks: 2 * mappings,
+                cache_blocks: 16_384,
+            },
+        )
+        .unwrap();
+        md.create_thin(0).unwrap();
+        for v in 0..mappings {
+            let b = md.alloc_data_block().unwrap();
+            md.insert(0, v, b).unwrap();
+        }
+        md.commit().unwrap();
+        md.create_snap(1, 0).unwrap();
+        md.create_snap(2, 1).unwrap();
+        let mut rng = Rng::new(3);
+        let mut written = 0;
+        while written < mappings / 100 {
+            let at = rng.below(mappings - run);
+            for v in at..at + run {
+                let b = md.alloc_data_block().unwrap();
+                md.insert(2, v, b).unwrap();
+            }
+            written += run;
+        }
+        md.commit().unwrap();
+        drop(md);
+        let o = DeltaOptions {
+            left: Some(Side::Thin(1)),
+            right: Some(Side::Thin(2)),
+            ..DeltaOptions::default()
+        };
+        let volume = mappings as f64 * 65_536.0;
+        let mut old = Vec::new();
+        let mut new = Vec::new();
+        let (mut want, mut got) = (0, 0);
+        for _ in 0..5 {
+            // a new reader each time, as lvmd opens one for each request
+            let mut tm = dmkit::pdata::tm::reader(Box::new(FileDev::open(&path, false).unwrap()), 256);
+            let t = thread_cpu();
+            let rep = delta(&mut tm, &o).unwrap();
+            want = rep
+                .ranges
+                .iter()
+                .filter(|r| r.kind != Delta::Same)
+                .map(|r| r.length)
+                .sum::<u64>();
+            old.push(thread_cpu() - t);
+            let mut tm = dmkit::pdata::tm::reader(Box::new(FileDev::open(&path, false).unwrap()), 256);
+            let t = thread_cpu();
+            let (_, runs) = changed_runs(&mut tm, &o, 0, usize::MAX).unwrap();
+            got = runs.iter().map(|r| r.1).sum::<u64>();
+            new.push(thread_cpu() - t);
+        }
+        assert_eq!(got, want);
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (o_s, n_s) = (median(&mut old), median(&mut new));
+        println!(
+            "BENCH delta of {mappings} mappings, {got} changed {pattern}: thin_delta's walk {:.1} ms ({:.2} TiB/s), changed_runs {:.1} ms ({:.2} TiB/s), {:.1}x",
+            o_s * 1e3,
+            volume / o_s / (1u64 << 40) as f64,
+            n_s * 1e3,
+            volume / n_s / (1u64 << 40) as f64,
+            o_s / n_s
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+/// This thread's CPU time in seconds.
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given, which lives here.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }

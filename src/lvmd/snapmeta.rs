@@ -11,7 +11,7 @@ use super::csi::snapshot_metadata_server::{SnapshotMetadata, SnapshotMetadataSer
 use super::csi::{self, BlockMetadata, BlockMetadataType};
 use super::service::Shared;
 use super::{Error, Lvmd};
-use crate::thin::delta::{delta, Delta, DeltaOptions, Side};
+use crate::thin::delta::{changed_runs, delta, Delta, DeltaOptions, Side};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -65,17 +65,15 @@ impl Lvmd {
                 verbose: false,
                 metadata_snap: true,
             };
-            let rep =
-                delta(&mut tm, &o).map_err(|e| format!("{pool}: reading its metadata snapshot: {e}"))?;
-            let want = |k: Delta| {
-                if left.is_some() {
-                    k != Delta::Same
-                } else {
-                    k == Delta::Same
-                }
-            };
+            let reading = |e| format!("{pool}: reading its metadata snapshot: {e}");
+            if left.is_some() {
+                // what the two snapshots share is not read
+                let (block, runs) = changed_runs(&mut tm, &o, 0, usize::MAX).map_err(reading)?;
+                return Ok((u64::from(block) * 512, runs));
+            }
+            let rep = delta(&mut tm, &o).map_err(reading)?;
             let mut runs: Vec<(u64, u64)> = Vec::new();
-            for r in rep.ranges.iter().filter(|r| want(r.kind)) {
+            for r in rep.ranges.iter().filter(|r| r.kind == Delta::Same) {
                 match runs.last_mut() {
                     Some(p) if p.0 + p.1 == r.begin => p.1 += r.length,
                     _ => runs.push((r.begin, r.length)),

@@ -170,15 +170,21 @@ fn delta_stream(tm: &mut TransactionManager, lroot: u64, rroot: u64) -> Result<V
     Ok(out)
 }
 
-/// Compare the two sides `o` names in the metadata `tm` reads.
+/// A side and its mapping tree's root.
+type Rooted = (Side, u64);
+
+/// The superblock and the two sides `o` names with their mapping trees' roots.
 /// A missing side is refused before the metadata is read, as 1.x does.
-pub fn delta(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<DeltaReport> {
+fn sides(
+    tm: &mut TransactionManager,
+    o: &DeltaOptions,
+) -> Result<(super::superblock::Superblock, Rooted, Rooted)> {
     let given = |n: u8, side: Option<Side>| {
         side.ok_or_else(|| ThinError::Plain(format!("--thin{n} or --root{n} not specified")))
     };
     let sides = [given(1, o.left)?, given(2, o.right)?];
     let (sb, plan) = superblock_and_plan(tm, o.metadata_snap)?;
-    let root = |n: u8, side: Side| -> Result<(Side, u64)> {
+    let root = |n: u8, side: Side| -> Result<Rooted> {
         match side {
             Side::Thin(t) => plan
                 .devices
@@ -189,8 +195,12 @@ pub fn delta(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<DeltaRepor
             Side::Root(r) => Ok((side, r)),
         }
     };
-    let (left, lroot) = root(1, sides[0])?;
-    let (right, rroot) = root(2, sides[1])?;
+    Ok((sb, root(1, sides[0])?, root(2, sides[1])?))
+}
+
+/// Compare the two sides `o` names in the metadata `tm` reads.
+pub fn delta(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<DeltaReport> {
+    let (sb, (left, lroot), (right, rroot)) = sides(tm, o)?;
     Ok(DeltaReport {
         time: sb.time,
         transaction: sb.trans_id,
@@ -201,6 +211,36 @@ pub fn delta(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<DeltaRepor
         right,
         ranges: delta_stream(tm, lroot, rroot)?,
     })
+}
+
+/// Only what changed between the two sides `o` names: runs (first thin block,
+/// blocks) of the blocks mapped on one side only or to different data blocks,
+/// from thin block `from`, at most `max_runs` of them, and the pool's data
+/// block size in sectors. Subtrees the two share are not read (a snapshot and
+/// its origin share all they have not written since), so the work follows the
+/// change, not the volume; the memory is the runs returned.
+pub fn changed_runs(
+    tm: &mut TransactionManager,
+    o: &DeltaOptions,
+    from: u64,
+    max_runs: usize,
+) -> Result<(u32, Vec<(u64, u64)>)> {
+    let (sb, (_, lroot), (_, rroot)) = sides(tm, o)?;
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let data = |v: Option<u64>| v.map(|v| v >> 24);
+    btree::diff_u64(tm, (lroot, rroot), from, &mut |k, l, r| {
+        if data(l) == data(r) {
+            return true; // the same data block, another time stamp
+        }
+        let n = runs.len();
+        match runs.last_mut() {
+            Some(p) if p.0 + p.1 == k => p.1 += 1,
+            _ if n == max_runs => return false,
+            _ => runs.push((k, 1)),
+        }
+        true
+    })?;
+    Ok((sb.data_block_size, runs))
 }
 
 /// thin_delta's XML for a report (no newline at the end, as thin_delta).
@@ -267,4 +307,118 @@ pub fn render(d: &DeltaReport, verbose: bool) -> String {
 /// thin_delta's output for `o` on the metadata `tm` reads.
 pub fn delta_text(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<String> {
     Ok(render(&delta(tm, o)?, o.verbose))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pdata::MemDev;
+    use crate::thin::{FormatOptions, ThinPoolMetadata};
+
+    /// What `delta` calls different, left only or right only, as runs.
+    fn runs_from_delta(tm: &mut TransactionManager, o: &DeltaOptions, from: u64) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let rep = delta(tm, o).expect("delta");
+        for r in rep.ranges.iter().filter(|r| r.kind != Delta::Same) {
+            for v in (r.begin..r.begin + r.length).filter(|&v| v >= from) {
+                match runs.last_mut() {
+                    Some(p) if p.0 + p.1 == v => p.1 += 1,
+                    _ => runs.push((v, 1)),
+                }
+            }
+        }
+        runs
+    }
+
+    #[test]
+    fn changed_runs_are_the_deltas_differences_and_skip_what_a_snapshot_shares() {
+        let dev = MemDev::new(8192);
+        let mut md = ThinPoolMetadata::format(
+            Box::new(dev.clone()),
+            FormatOptions {
+                data_block_size: 128,
+                nr_data_blocks: 1 << 20,
+                cache_blocks: 1024,
+            },
+        )
+        .expect("format");
+        md.create_thin(0).expect("thin");
+        let mut x = 7u64;
+        let mut rnd = |n: u64| crate::rng::step(&mut x) % n;
+        // enough mappings for a tree of three levels (leaves of up to 126, internal nodes of up to 254)
+        for v in 0..120_000u64 {
+            if rnd(5) != 0 {
+                let b = md.alloc_data_block().expect("alloc");
+                md.insert(0, v, b).expect("insert");
+            }
+        }
+        md.commit().expect("commit");
+        md.create_snap(1, 0).expect("snap");
+        md.create_snap(2, 0).expect("snap");
+        // the snapshot written in clusters and scattered blocks, unmapped in
+        // places, grown past the origin's end; the origin changed too
+        for (dev, n) in [(1u64, 300u64), (0, 40)] {
+            for _ in 0..n {
+                let at = rnd(124_000);
+                for v in at..at + 1 + rnd(20) {
+                    if rnd(8) == 0 {
+                        md.remove(dev, v).expect("remove");
+                    } else {
+                        let b = md.alloc_data_block().expect("alloc");
+                        md.insert(dev, v, b).expect("insert");
+                    }
+                }
+            }
+        }
+        // the same data block at another time is no change
+        for v in 1000..1300 {
+            if let Some(m) = md.lookup(2, v).expect("lookup") {
+                md.insert_with_time(2, v, m.data_block, m.time + 9)
+                    .expect("insert");
+            }
+        }
+        md.commit().expect("commit");
+        drop(md);
+        let mut tm = crate::pdata::tm::reader(Box::new(dev.clone()), 256);
+        for (l, r) in [(0, 1), (1, 0), (0, 0), (1, 2), (0, 2)] {
+            let o = DeltaOptions {
+                left: Some(Side::Thin(l)),
+                right: Some(Side::Thin(r)),
+                ..DeltaOptions::default()
+            };
+            for from in [0, 1, 126, 60_000, 123_999, 130_000] {
+                let want = runs_from_delta(&mut tm, &o, from);
+                let (size, got) = changed_runs(&mut tm, &o, from, usize::MAX).expect("changed");
+                assert_eq!(size, 128);
+                assert_eq!(got, want, "thins {l} and {r} from {from}");
+                if l == r {
+                    assert!(got.is_empty());
+                }
+                let (_, first) = changed_runs(&mut tm, &o, from, 3).expect("changed");
+                assert_eq!(first[..], want[..want.len().min(3)], "thins {l} and {r}, 3 runs");
+            }
+        }
+        // a leaf thins 0 and 2 share, made unreadable: the changes between them
+        // are still found (it is not read), while thin_delta's walk reads it
+        let o = DeltaOptions {
+            left: Some(Side::Thin(0)),
+            right: Some(Side::Thin(2)),
+            ..DeltaOptions::default()
+        };
+        let (_, (_, root0), (_, root2)) = sides(&mut tm, &o).expect("roots");
+        let (leaves0, _) = btree::leaves(&mut tm, root0, 8, false).expect("leaves");
+        let (leaves2, _) = btree::leaves(&mut tm, root2, 8, false).expect("leaves");
+        let shared = *leaves0
+            .iter()
+            .rev()
+            .find(|b| leaves2.contains(b))
+            .expect("a shared leaf");
+        let want = changed_runs(&mut tm, &o, 0, usize::MAX).expect("changed");
+        let mut img = dev.image();
+        let at = shared as usize * crate::pdata::BLOCK_SIZE;
+        img[at..at + 64].fill(0xa5);
+        let mut tm = crate::pdata::tm::reader(Box::new(MemDev::from_image(img)), 256);
+        assert_eq!(changed_runs(&mut tm, &o, 0, usize::MAX).expect("changed"), want);
+        assert!(delta(&mut tm, &o).is_err());
+    }
 }

@@ -411,6 +411,114 @@ fn walk_rec(
     Ok(())
 }
 
+/// What is left to compare on one side of [`diff_u64`], the next last.
+#[derive(Clone, Copy)]
+enum Next {
+    /// A node not read yet: its block, the least key its parent gives it, its depth.
+    Node { block: u64, lo: u64, depth: usize },
+    /// A leaf's entry: key and value.
+    Entry(u64, u64),
+}
+
+impl Next {
+    fn lo(self) -> u64 {
+        match self {
+            Next::Node { lo, .. } => lo,
+            Next::Entry(k, _) => k,
+        }
+    }
+}
+
+/// The keys two trees of u64 values (`lroot`, `rroot`) map differently, in key
+/// order from `from`: `f(key, left, right)` for a key mapped on one side only or
+/// to different values; `f` returns false to stop. A subtree both trees hold
+/// (the same block) is passed over unread, so comparing a snapshot with its
+/// origin reads the nodes that differ and the ones above them, not the trees.
+/// Damaged metadata fails (an unreadable node, depth, a node reached more often
+/// than the two trees could hold) or gives a wrong answer, never a hang.
+pub fn diff_u64(
+    tm: &mut TransactionManager,
+    (lroot, rroot): (u64, u64),
+    from: u64,
+    f: &mut dyn FnMut(u64, Option<u64>, Option<u64>) -> bool,
+) -> Result<()> {
+    let mut budget = Visits::new(tm, lroot);
+    budget.left = budget.left.saturating_mul(2);
+    let start = |block| {
+        vec![Next::Node {
+            block,
+            lo: 0,
+            depth: 0,
+        }]
+    };
+    let mut sides = [start(lroot), start(rroot)];
+    loop {
+        let (l, r) = (sides[0].last().copied(), sides[1].last().copied());
+        let act = match (l, r) {
+            (None, None) => return Ok(()),
+            (Some(Next::Node { block: a, .. }), Some(Next::Node { block: b, .. })) if a == b => {
+                sides[0].pop();
+                sides[1].pop();
+                continue;
+            }
+            (Some(Next::Entry(ka, va)), Some(Next::Entry(kb, vb))) if ka == kb => {
+                sides[0].pop();
+                sides[1].pop();
+                if va != vb && !f(ka, Some(va), Some(vb)) {
+                    return Ok(());
+                }
+                continue;
+            }
+            (Some(_), None) => 0,
+            (None, Some(_)) => 1,
+            // the side whose next key is least; on a tie, a node is read first
+            (Some(a), Some(b)) => match a.lo().cmp(&b.lo()) {
+                std::cmp::Ordering::Less => 0,
+                std::cmp::Ordering::Greater => 1,
+                std::cmp::Ordering::Equal => usize::from(!matches!(a, Next::Node { .. })),
+            },
+        };
+        match sides[act].pop() {
+            Some(Next::Entry(k, v)) => {
+                let (left, right) = if act == 0 {
+                    (Some(v), None)
+                } else {
+                    (None, Some(v))
+                };
+                if !f(k, left, right) {
+                    return Ok(());
+                }
+            }
+            Some(Next::Node { block, lo, depth }) => {
+                if depth >= MAX_DEPTH {
+                    return Err(corrupt(block, "btree deeper than 32 levels (cycle?)"));
+                }
+                budget.take()?;
+                let d = read_node(tm, block, 8)?;
+                let n = node::nr_entries(d);
+                let side = &mut sides[act];
+                if node::is_leaf(d) {
+                    let keep = (0..n).rev().map(|i| (node::key(d, i), node::value_u64(d, i)));
+                    side.extend(keep.filter(|&(k, _)| k >= from).map(|(k, v)| Next::Entry(k, v)));
+                    continue;
+                }
+                // child i holds keys from key[i] up to key[i + 1]
+                for i in (0..n).rev() {
+                    if i + 1 < n && node::key(d, i + 1) <= from {
+                        break;
+                    }
+                    side.push(Next::Node {
+                        block: node::value_u64(d, i),
+                        lo: if i == 0 { lo } else { node::key(d, i) },
+                        depth: depth + 1,
+                    });
+                }
+            }
+            None => {}
+        }
+    }
+}
+
 /// Drop one reference to the tree at `root`; if it was the last, free its
 /// nodes and release what its leaves refer to.
 pub fn del_tree(tm: &mut TransactionManager, root: u64, vk: ValueKind) -> Result<()> {
