@@ -234,34 +234,8 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         // silently; say so now rather than at the first create
         crate::export::ublk::available().map_err(|e| anyhow::anyhow!("serve --attach: {e}"))?;
     }
-    // a previous daemon's devices, not replayed (a restore replaces what a user
-    // may have set up meanwhile by hand, and replays tables naming files that
-    // may have changed: it is asked for): kept aside, and said first
-    let waiting = |n: usize, whose: &str, at: &Path| {
-        format!(
-            "{n} devices of {whose} are waiting, not made again (recorded in {}): stop this daemon and \
-             run `dmkit serve --restore` to make them again",
-            at.display()
-        )
-    };
-    if !opts.restore && state.exists() {
-        let devices = recorded_devices(&state);
-        if let Ok(prev) = crate::control::state::set_aside(&state) {
-            let line = waiting(devices, "the previous daemon", &prev);
-            tracing::warn!("{line}");
-            if devices > 0 {
-                notes.push_str(&line);
-                notes.push('\n');
-            }
-        }
-    } else if !opts.restore && prev.exists() {
-        let devices = recorded_devices(&prev);
-        if devices > 0 {
-            let line = waiting(devices, "an earlier daemon", &prev);
-            tracing::warn!("{line}");
-            notes.push_str(&line);
-            notes.push('\n');
-        }
+    if !opts.restore {
+        notes.push_str(&set_aside_earlier_devices(&state, &prev));
     }
     let ctx = Arc::new(crate::control::Ctx {
         run_dir: Some(opts.run_dir.clone()),
@@ -277,104 +251,28 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
         ctx.files.set_group(g);
     }
     if opts.restore {
-        if prev.exists() && recorded_devices(&state) == 0 {
-            // set aside by a daemon started without --restore that made no devices
-            tracing::info!(
-                "restoring from {} ({} records no devices)",
-                prev.display(),
-                state.display()
-            );
-            std::fs::rename(&prev, &state)
-                .with_context(|| format!("moving {} to {}", prev.display(), state.display()))?;
-        }
-        if state.exists() {
-            let (ok, errors) = crate::control::state::restore(&ctx, &state)
-                .with_context(|| format!("restoring from {}", state.display()))?;
-            for e in &errors {
-                tracing::error!("restore: {e}");
-            }
-            let line = format!(
-                "restored {ok} devices ({} attached as block devices) from {}{}",
-                ctx.ublk.ids().len(),
-                state.display(),
-                match errors.len() {
-                    0 => String::new(),
-                    n => format!("; {n} errors, see the log"),
-                }
-            );
-            tracing::info!("{line}");
-            notes.push_str(&line);
-            notes.push('\n');
-        } else {
-            tracing::info!(
-                "nothing to restore: neither {} nor {} exists",
-                state.display(),
-                prev.display()
-            );
-        }
+        notes.push_str(&restore_devices(&ctx, &state, &prev)?);
     }
-    let reactors = {
-        let n = match opts.nbd_reactors {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
-        crate::export::nbd::reactor::Reactors::start(n, &reg).context("starting the NBD reactors")?
-    };
+    start_nbd(&opts, &reg, &tls, nbd)?;
     {
-        let (reg, tls, reactors) = (reg.clone(), tls.clone(), reactors.clone());
-        std::thread::Builder::new()
-            .name("nbd-unix".into())
-            .spawn(move || crate::export::nbd::serve_unix(nbd, reg, tls, reactors))?;
-    }
-    if let Some(addr) = &opts.nbd_listen {
-        let l = TcpListener::bind(addr).with_context(|| format!("listening on {addr}"))?;
-        let reg = reg.clone();
-        let tls = tls.clone();
-        std::thread::Builder::new()
-            .name("nbd-tcp".into())
-            .spawn(move || crate::export::nbd::serve_tcp(l, reg, tls, reactors))?;
-        tracing::info!("NBD over TCP on {addr}");
+        let ctx = ctx.clone();
+        accept_each("control", "control-conn", control, move |mut s| {
+            // a client that left before its answer (`dmkit table | head`), or
+            // connected only to see that a daemon is there (a second daemon's probe)
+            connection_ended("control", crate::control::handle(&mut s, &ctx), true);
+        })?;
     }
     {
         let ctx = ctx.clone();
-        std::thread::Builder::new()
-            .name("control".into())
-            .spawn(move || {
-                for s in control.incoming() {
-                    let Ok(mut s) = s else { continue };
-                    let ctx = ctx.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("control-conn".into())
-                        .spawn(move || {
-                            // a client that left before its answer (`dmkit table |
-                            // head`), or connected only to see that a daemon is
-                            // there (a second daemon's probe)
-                            connection_ended("control", crate::control::handle(&mut s, &ctx), true);
-                        });
-                }
-            })?;
-    }
-    {
-        let ctx = ctx.clone();
-        std::thread::Builder::new()
-            .name("dm-door".into())
-            .spawn(move || {
-                for s in door.incoming() {
-                    let Ok(mut s) = s else { continue };
-                    let ctx = ctx.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("dm-door-conn".into())
-                        .spawn(move || {
-                            // the program left before its answer (a waiter
-                            // interrupted by a signal drops its connection)
-                            connection_ended(
-                                "dm ioctl door",
-                                crate::control::door::serve_connection(&mut s, &ctx),
-                                false,
-                            );
-                        });
-                }
-            })?;
+        accept_each("dm-door", "dm-door-conn", door, move |mut s| {
+            // the program left before its answer (a waiter interrupted by a
+            // signal drops its connection)
+            connection_ended(
+                "dm ioctl door",
+                crate::control::door::serve_connection(&mut s, &ctx),
+                false,
+            );
+        })?;
     }
     tracing::info!(
         "serving: control {} nbd {} dm ioctl door {}",
@@ -398,6 +296,43 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     // Wait for SIGINT/SIGTERM, then make everything durable and leave.
     let sig = set.wait().context("waiting for a signal")?;
     tracing::info!("{sig}: flushing devices and exiting");
+    shut_down(&ctx, &reg, &[&control_path, &nbd_path, &door_path, &pid_path]);
+    Ok(())
+}
+
+/// The NBD reactors, and the threads that accept NBD clients on the run
+/// directory's socket and, with `--nbd-listen`, over TCP.
+fn start_nbd(
+    opts: &ServeOptions,
+    reg: &Arc<Registry>,
+    tls: &Arc<crate::export::nbd::tls::Tls>,
+    nbd: UnixListener,
+) -> Result<()> {
+    let n = match opts.nbd_reactors {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let reactors =
+        crate::export::nbd::reactor::Reactors::start(n, reg).context("starting the NBD reactors")?;
+    {
+        let (reg, tls, reactors) = (reg.clone(), tls.clone(), reactors.clone());
+        std::thread::Builder::new()
+            .name("nbd-unix".into())
+            .spawn(move || crate::export::nbd::serve_unix(nbd, reg, tls, reactors))?;
+    }
+    if let Some(addr) = &opts.nbd_listen {
+        let l = TcpListener::bind(addr).with_context(|| format!("listening on {addr}"))?;
+        let (reg, tls) = (reg.clone(), tls.clone());
+        std::thread::Builder::new()
+            .name("nbd-tcp".into())
+            .spawn(move || crate::export::nbd::serve_tcp(l, reg, tls, reactors))?;
+        tracing::info!("NBD over TCP on {addr}");
+    }
+    Ok(())
+}
+
+/// After SIGINT or SIGTERM: everything made durable, the daemon's files gone.
+fn shut_down(ctx: &crate::control::Ctx, reg: &Registry, files: &[&Path]) {
     // Block devices stay (with recovery the kernel holds their requests for the
     // next daemon); what their queues took is finished first, so the flush
     // below covers every request acknowledged.
@@ -407,10 +342,99 @@ pub fn serve(opts: ServeOptions) -> Result<()> {
     }
     reg.sync_targets();
     ctx.files.unmount();
-    let _ = std::fs::remove_file(&control_path);
-    let _ = std::fs::remove_file(&nbd_path);
-    let _ = std::fs::remove_file(&door_path);
-    let _ = std::fs::remove_file(&pid_path);
+    for f in files {
+        let _ = std::fs::remove_file(f);
+    }
+}
+
+/// Sets aside the state file a previous daemon left (its devices are not made
+/// again without `--restore`: a restore replays tables naming files that may have
+/// changed, and replaces what a user may have set up meanwhile by hand); the line
+/// that says so, empty if there were none.
+fn set_aside_earlier_devices(state: &Path, prev: &Path) -> String {
+    let waiting = |n: usize, whose: &str, at: &Path| {
+        format!(
+            "{n} devices of {whose} are waiting, not made again (recorded in {}): stop this daemon and \
+             run `dmkit serve --restore` to make them again\n",
+            at.display()
+        )
+    };
+    if state.exists() {
+        let devices = recorded_devices(state);
+        if let Ok(prev) = crate::control::state::set_aside(state) {
+            let line = waiting(devices, "the previous daemon", &prev);
+            tracing::warn!("{}", line.trim_end());
+            if devices > 0 {
+                return line;
+            }
+        }
+    } else if prev.exists() {
+        let devices = recorded_devices(prev);
+        if devices > 0 {
+            let line = waiting(devices, "an earlier daemon", prev);
+            tracing::warn!("{}", line.trim_end());
+            return line;
+        }
+    }
+    String::new()
+}
+
+/// `serve --restore`: makes the recorded devices again; the line that says how
+/// many, empty if nothing was recorded.
+fn restore_devices(ctx: &crate::control::Ctx, state: &Path, prev: &Path) -> Result<String> {
+    if prev.exists() && recorded_devices(state) == 0 {
+        // set aside by a daemon started without --restore that made no devices
+        tracing::info!(
+            "restoring from {} ({} records no devices)",
+            prev.display(),
+            state.display()
+        );
+        std::fs::rename(prev, state)
+            .with_context(|| format!("moving {} to {}", prev.display(), state.display()))?;
+    }
+    if !state.exists() {
+        tracing::info!(
+            "nothing to restore: neither {} nor {} exists",
+            state.display(),
+            prev.display()
+        );
+        return Ok(String::new());
+    }
+    let (ok, errors) = crate::control::state::restore(ctx, state)
+        .with_context(|| format!("restoring from {}", state.display()))?;
+    for e in &errors {
+        tracing::error!("restore: {e}");
+    }
+    let line = format!(
+        "restored {ok} devices ({} attached as block devices) from {}{}",
+        ctx.ublk.ids().len(),
+        state.display(),
+        match errors.len() {
+            0 => String::new(),
+            n => format!("; {n} errors, see the log"),
+        }
+    );
+    tracing::info!("{line}");
+    Ok(line + "\n")
+}
+
+/// A thread `name` that hands each connection `listener` accepts to `handle` on
+/// a thread `conn` of its own.
+fn accept_each(
+    name: &str,
+    conn: &'static str,
+    listener: UnixListener,
+    handle: impl Fn(UnixStream) + Clone + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        for s in listener.incoming() {
+            let Ok(s) = s else { continue };
+            let handle = handle.clone();
+            let _ = std::thread::Builder::new()
+                .name(conn.into())
+                .spawn(move || handle(s));
+        }
+    })?;
     Ok(())
 }
 

@@ -1636,143 +1636,161 @@ impl Trial {
         // suspend does
         self.complete_all()?;
         match self.o.stack {
-            Stack::Thin => {
-                let live = self.devs.len();
-                let r = self.rng.below(3);
-                if r == 0 && live < 4 {
-                    self.create_thin(None)
-                } else if r == 1 && live < 4 {
-                    let o = self.devs[di].key;
-                    self.create_thin(Some(o))
-                } else if live > 1 {
-                    let d = self.devs.remove(di);
-                    if let Some(i) = self.open.iter().position(|(n, _)| *n == d.name) {
-                        // indices of the requests under way: none are
-                        self.open.remove(i);
-                    }
-                    if let Some(e) = self.engine.as_mut() {
-                        e.forget_devices();
-                    }
-                    devio::release_thread_engine();
-                    if let Some(m) = self.models.get_mut(&d.key) {
-                        m.certain = false;
-                    }
-                    self.reg
-                        .remove(&d.name, false, false)
-                        .map_err(|e| format!("{}: {e}", d.name))?;
-                    let r = self.reg.message("pool", 0, &words(&format!("delete {}", d.key)));
-                    trace(|| format!("delete {}: {r:?}", d.key));
-                    if r.is_ok() && !self.disk.frozen() {
-                        self.models.remove(&d.key);
-                        self.deleted.push(d.key);
-                    }
-                    Ok(())
-                } else {
-                    self.write(di)
-                }
+            Stack::Thin => self.thin_message(di),
+            Stack::Raid | Stack::Raid5 | Stack::Integrity | Stack::IntegrityBitmap => self.reload_message(di),
+            Stack::Writecache => self.writecache_message(),
+            Stack::Cache => self.cache_message(di),
+            Stack::Era => self.era_message(),
+            Stack::Snapshot => self.snapshot_message(di),
+        }
+    }
+
+    /// thin: a thin created, a snapshot of one, or one deleted (a write when none of them can be).
+    fn thin_message(&mut self, di: usize) -> Result<(), String> {
+        let live = self.devs.len();
+        let r = self.rng.below(3);
+        if r == 0 && live < 4 {
+            self.create_thin(None)
+        } else if r == 1 && live < 4 {
+            let o = self.devs[di].key;
+            self.create_thin(Some(o))
+        } else if live > 1 {
+            let d = self.devs.remove(di);
+            if let Some(i) = self.open.iter().position(|(n, _)| *n == d.name) {
+                // indices of the requests under way: none are
+                self.open.remove(i);
             }
-            Stack::Raid | Stack::Raid5 | Stack::Integrity | Stack::IntegrityBitmap => {
-                // a reload, as `lvchange --refresh` does: the old table's
-                // metadata (raid's superblocks and bitmap, integrity's
-                // journal or bitmap) closed at the suspend, the new one
-                // takes it up
-                if self.rng.chance(50) {
-                    return self.write(di);
+            if let Some(e) = self.engine.as_mut() {
+                e.forget_devices();
+            }
+            devio::release_thread_engine();
+            if let Some(m) = self.models.get_mut(&d.key) {
+                m.certain = false;
+            }
+            self.reg
+                .remove(&d.name, false, false)
+                .map_err(|e| format!("{}: {e}", d.name))?;
+            let r = self.reg.message("pool", 0, &words(&format!("delete {}", d.key)));
+            trace(|| format!("delete {}: {r:?}", d.key));
+            if r.is_ok() && !self.disk.frozen() {
+                self.models.remove(&d.key);
+                self.deleted.push(d.key);
+            }
+            Ok(())
+        } else {
+            self.write(di)
+        }
+    }
+
+    /// raid and integrity: a reload of the table, or a write.
+    fn reload_message(&mut self, di: usize) -> Result<(), String> {
+        // a reload, as `lvchange --refresh` does: the old table's
+        // metadata (raid's superblocks and bitmap, integrity's
+        // journal or bitmap) closed at the suspend, the new one
+        // takes it up
+        if self.rng.chance(50) {
+            return self.write(di);
+        }
+        let (name, table) = if matches!(self.o.stack, Stack::Raid | Stack::Raid5) {
+            ("raid", self.raid_table())
+        } else {
+            ("integrity", self.integrity_table())
+        };
+        let r = self.reload(name, &table);
+        trace(|| format!("reload: {r:?}"));
+        if r.is_err() {
+            self.devs.clear();
+        }
+        Ok(())
+    }
+
+    /// writecache: `flush`.
+    fn writecache_message(&mut self) -> Result<(), String> {
+        // write everything back to the origin: the data must not change
+        let r = self.reg.message("wc", 0, &words("flush"));
+        trace(|| format!("message flush: {r:?}"));
+        Ok(())
+    }
+
+    /// cache: a new `migration_threshold`, a switch of policy, or a write.
+    fn cache_message(&mut self, di: usize) -> Result<(), String> {
+        // to `cleaner` (every dirty block written back while the
+        // workload goes on) and back to `smq`, as lvconvert switches
+        if self.rng.chance(60) {
+            return self.write(di);
+        }
+        if self.rng.chance(25) {
+            let v = 64 * self.rng.below(64);
+            let r = self
+                .reg
+                .message("cache", 0, &words(&format!("migration_threshold {v}")));
+            trace(|| format!("message migration_threshold {v}: {r:?}"));
+            return Ok(());
+        }
+        let policy = if self.cleaning.is_some() { "smq" } else { "cleaner" };
+        let dirty = self.status_field("cache", 10);
+        self.count_promotions();
+        let table = self.cache_table(policy);
+        let r = self.reload("cache", &table);
+        trace(|| format!("switch to {policy} with {dirty:?} dirty: {r:?}"));
+        match r {
+            Ok(()) => {
+                if let (Some(before), Some(now)) = (self.cleaning, dirty) {
+                    self.out.writebacks += before.saturating_sub(now);
                 }
-                let (name, table) = if matches!(self.o.stack, Stack::Raid | Stack::Raid5) {
-                    ("raid", self.raid_table())
-                } else {
-                    ("integrity", self.integrity_table())
-                };
-                let r = self.reload(name, &table);
-                trace(|| format!("reload: {r:?}"));
-                if r.is_err() {
-                    self.devs.clear();
+                self.cleaning = (policy == "cleaner").then(|| dirty.unwrap_or(0));
+                self.promotions_at_load = self.status_field("cache", 9).unwrap_or(0);
+            }
+            Err(_) => {
+                // (an injected error) the device may be suspended:
+                // the workload leaves it until the crash
+                self.devs.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// era: a checkpoint, or a metadata snapshot taken or dropped.
+    fn era_message(&mut self) -> Result<(), String> {
+        let m = match self.rng.below(5) {
+            0 => "take_metadata_snap",
+            1 => "drop_metadata_snap",
+            _ => "checkpoint",
+        };
+        let r = self.reg.message("era", 0, &words(m));
+        trace(|| format!("message {m}: {r:?}"));
+        if let Some(e) = self.current_era() {
+            self.era_now = self.era_now.max(e);
+        }
+        Ok(())
+    }
+
+    /// snapshot: the snapshot taken (once a trial), or a write.
+    fn snapshot_message(&mut self, di: usize) -> Result<(), String> {
+        // one snapshot per trial: model key 1 once it is taken
+        if self.models.contains_key(&1) {
+            return self.write(di);
+        }
+        // a snapshot of the origin as it is now, made as lvcreate makes it
+        self.flush(0)?;
+        self.complete_all()?;
+        let mut model = self.models.get(&0).cloned().unwrap_or_default();
+        model.certain = false;
+        model.acked.clear();
+        self.models.insert(1, model);
+        self.owner_of.insert(1, 0);
+        let r = self.create_snapshot_dev();
+        trace(|| format!("snapshot created: {r:?}"));
+        match r {
+            Ok(()) => {
+                if !self.disk.frozen() {
+                    if let Some(m) = self.models.get_mut(&1) {
+                        m.certain = true;
+                    }
                 }
                 Ok(())
             }
-            Stack::Writecache => {
-                // write everything back to the origin: the data must not change
-                let r = self.reg.message("wc", 0, &words("flush"));
-                trace(|| format!("message flush: {r:?}"));
-                Ok(())
-            }
-            Stack::Cache => {
-                // to `cleaner` (every dirty block written back while the
-                // workload goes on) and back to `smq`, as lvconvert switches
-                if self.rng.chance(60) {
-                    return self.write(di);
-                }
-                if self.rng.chance(25) {
-                    let v = 64 * self.rng.below(64);
-                    let r = self
-                        .reg
-                        .message("cache", 0, &words(&format!("migration_threshold {v}")));
-                    trace(|| format!("message migration_threshold {v}: {r:?}"));
-                    return Ok(());
-                }
-                let policy = if self.cleaning.is_some() { "smq" } else { "cleaner" };
-                let dirty = self.status_field("cache", 10);
-                self.count_promotions();
-                let table = self.cache_table(policy);
-                let r = self.reload("cache", &table);
-                trace(|| format!("switch to {policy} with {dirty:?} dirty: {r:?}"));
-                match r {
-                    Ok(()) => {
-                        if let (Some(before), Some(now)) = (self.cleaning, dirty) {
-                            self.out.writebacks += before.saturating_sub(now);
-                        }
-                        self.cleaning = (policy == "cleaner").then(|| dirty.unwrap_or(0));
-                        self.promotions_at_load = self.status_field("cache", 9).unwrap_or(0);
-                    }
-                    Err(_) => {
-                        // (an injected error) the device may be suspended:
-                        // the workload leaves it until the crash
-                        self.devs.clear();
-                    }
-                }
-                Ok(())
-            }
-            Stack::Era => {
-                let m = match self.rng.below(5) {
-                    0 => "take_metadata_snap",
-                    1 => "drop_metadata_snap",
-                    _ => "checkpoint",
-                };
-                let r = self.reg.message("era", 0, &words(m));
-                trace(|| format!("message {m}: {r:?}"));
-                if let Some(e) = self.current_era() {
-                    self.era_now = self.era_now.max(e);
-                }
-                Ok(())
-            }
-            Stack::Snapshot => {
-                // one snapshot per trial: model key 1 once it is taken
-                if self.models.contains_key(&1) {
-                    return self.write(di);
-                }
-                // a snapshot of the origin as it is now, made as lvcreate makes it
-                self.flush(0)?;
-                self.complete_all()?;
-                let mut model = self.models.get(&0).cloned().unwrap_or_default();
-                model.certain = false;
-                model.acked.clear();
-                self.models.insert(1, model);
-                self.owner_of.insert(1, 0);
-                let r = self.create_snapshot_dev();
-                trace(|| format!("snapshot created: {r:?}"));
-                match r {
-                    Ok(()) => {
-                        if !self.disk.frozen() {
-                            if let Some(m) = self.models.get_mut(&1) {
-                                m.certain = true;
-                            }
-                        }
-                        Ok(())
-                    }
-                    Err(_) => Ok(()),
-                }
-            }
+            Err(_) => Ok(()),
         }
     }
 
