@@ -143,7 +143,7 @@ fn thin_meta_bench() {
 #[test]
 #[ignore]
 fn thin_delta_bench() {
-    use dmkit::thin::delta::{changed_runs, delta, Delta, DeltaOptions, Side};
+    use dmkit::thin::delta::{changed_runs, delta, mapped_runs, Delta, DeltaOptions, Side};
     let dir = std::env::var("THIN_BENCH_DIR").unwrap_or_else(|_| "/dev/shm".into());
     let mappings = 1_000_000u64;
     for (pattern, run) in [("scattered", 1u64), ("in runs of 100", 100)] {
@@ -190,6 +190,41 @@ fn thin_delta_bench() {
         let mut old = Vec::new();
         let mut new = Vec::new();
         let (mut want, mut got) = (0, 0);
+        // GetMetadataAllocated: what thin 2 maps, by thin_delta's walk of the
+        // thin against itself, and by mapped_runs in lvmd's pages of 65,536 runs
+        let same = DeltaOptions {
+            left: Some(Side::Thin(2)),
+            right: Some(Side::Thin(2)),
+            ..DeltaOptions::default()
+        };
+        let (mut old_alloc, mut new_alloc) = (Vec::new(), Vec::new());
+        let (mut want_alloc, mut got_alloc) = (0, 0);
+        for _ in 0..5 {
+            let mut tm = dmkit::pdata::tm::reader(Box::new(FileDev::open(&path, false).unwrap()), 256);
+            let t = thread_cpu();
+            let rep = delta(&mut tm, &same).unwrap();
+            want_alloc = rep
+                .ranges
+                .iter()
+                .filter(|r| r.kind == Delta::Same)
+                .map(|r| r.length)
+                .sum::<u64>();
+            old_alloc.push(thread_cpu() - t);
+            let mut tm = dmkit::pdata::tm::reader(Box::new(FileDev::open(&path, false).unwrap()), 256);
+            let t = thread_cpu();
+            let (mut from, mut n) = (0, 0);
+            loop {
+                let (_, runs) = mapped_runs(&mut tm, &same, from, 65_536).unwrap();
+                n += runs.iter().map(|r| r.1).sum::<u64>();
+                match runs.last() {
+                    Some(&(b, len)) if runs.len() == 65_536 => from = b + len,
+                    _ => break,
+                }
+            }
+            got_alloc = n;
+            new_alloc.push(thread_cpu() - t);
+        }
+        assert_eq!((got_alloc, want_alloc), (mappings, mappings));
         for _ in 0..5 {
             // a new reader each time, as lvmd opens one for each request
             let mut tm = dmkit::pdata::tm::reader(Box::new(FileDev::open(&path, false).unwrap()), 256);
@@ -221,6 +256,13 @@ fn thin_delta_bench() {
             n_s * 1e3,
             volume / n_s / (1u64 << 40) as f64,
             o_s / n_s
+        );
+        let (oa, na) = (median(&mut old_alloc), median(&mut new_alloc));
+        println!(
+            "BENCH allocated of {mappings} mappings ({pattern}): thin_delta's walk {:.1} ms, mapped_runs in pages of 65,536 runs {:.1} ms, {:.1}x",
+            oa * 1e3,
+            na * 1e3,
+            oa / na
         );
         let _ = std::fs::remove_file(&path);
     }

@@ -218,7 +218,8 @@ pub fn delta(tm: &mut TransactionManager, o: &DeltaOptions) -> Result<DeltaRepor
 /// from thin block `from`, at most `max_runs` of them, and the pool's data
 /// block size in sectors. Subtrees the two share are not read (a snapshot and
 /// its origin share all they have not written since), so the work follows the
-/// change, not the volume; the memory is the runs returned.
+/// change, not the volume; the memory is the runs returned. A caller pages
+/// through a large delta by asking again from the end of the last run.
 pub fn changed_runs(
     tm: &mut TransactionManager,
     o: &DeltaOptions,
@@ -226,9 +227,41 @@ pub fn changed_runs(
     max_runs: usize,
 ) -> Result<(u32, Vec<(u64, u64)>)> {
     let (sb, (_, lroot), (_, rroot)) = sides(tm, o)?;
+    Ok((
+        sb.data_block_size,
+        runs_between(tm, (Some(lroot), rroot), from, max_runs)?,
+    ))
+}
+
+/// The runs of blocks the right side of `o` maps, from thin block `from`, at
+/// most `max_runs` of them, and the pool's data block size in sectors (as
+/// [`changed_runs`], against an empty tree: the work and memory follow what is
+/// returned, not the volume).
+pub fn mapped_runs(
+    tm: &mut TransactionManager,
+    o: &DeltaOptions,
+    from: u64,
+    max_runs: usize,
+) -> Result<(u32, Vec<(u64, u64)>)> {
+    let (sb, _, (_, rroot)) = sides(tm, o)?;
+    Ok((
+        sb.data_block_size,
+        runs_between(tm, (None, rroot), from, max_runs)?,
+    ))
+}
+
+/// The runs of keys two mapping trees (None: empty) map to different data
+/// blocks, from `from`, at most `max_runs` (a new time stamp on the same data
+/// block is no change).
+fn runs_between(
+    tm: &mut TransactionManager,
+    roots: (Option<u64>, u64),
+    from: u64,
+    max_runs: usize,
+) -> Result<Vec<(u64, u64)>> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
     let data = |v: Option<u64>| v.map(|v| v >> 24);
-    btree::diff_u64(tm, (lroot, rroot), from, &mut |k, l, r| {
+    btree::diff_u64(tm, (roots.0, Some(roots.1)), from, &mut |k, l, r| {
         if data(l) == data(r) {
             return true; // the same data block, another time stamp
         }
@@ -240,7 +273,7 @@ pub fn changed_runs(
         }
         true
     })?;
-    Ok((sb.data_block_size, runs))
+    Ok(runs)
 }
 
 /// thin_delta's XML for a report (no newline at the end, as thin_delta).
@@ -315,11 +348,17 @@ mod tests {
     use crate::pdata::MemDev;
     use crate::thin::{FormatOptions, ThinPoolMetadata};
 
-    /// What `delta` calls different, left only or right only, as runs.
-    fn runs_from_delta(tm: &mut TransactionManager, o: &DeltaOptions, from: u64) -> Vec<(u64, u64)> {
+    /// What `delta` calls different, left only or right only (or, with
+    /// `same`, the same), as runs.
+    fn runs_from_delta(
+        tm: &mut TransactionManager,
+        o: &DeltaOptions,
+        from: u64,
+        same: bool,
+    ) -> Vec<(u64, u64)> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let rep = delta(tm, o).expect("delta");
-        for r in rep.ranges.iter().filter(|r| r.kind != Delta::Same) {
+        for r in rep.ranges.iter().filter(|r| (r.kind == Delta::Same) == same) {
             for v in (r.begin..r.begin + r.length).filter(|&v| v >= from) {
                 match runs.last_mut() {
                     Some(p) if p.0 + p.1 == v => p.1 += 1,
@@ -330,8 +369,11 @@ mod tests {
         runs
     }
 
-    #[test]
-    fn changed_runs_are_the_deltas_differences_and_skip_what_a_snapshot_shares() {
+    /// Three thins in a tree of three levels: thin 0, its snapshot 1 written
+    /// in clusters and scattered blocks (unmapped in places, grown past the
+    /// origin's end), its snapshot 2 with time stamps changed; thin 0 changed
+    /// after the snapshots too.
+    fn three_thins() -> MemDev {
         let dev = MemDev::new(8192);
         let mut md = ThinPoolMetadata::format(
             Box::new(dev.clone()),
@@ -379,6 +421,12 @@ mod tests {
         }
         md.commit().expect("commit");
         drop(md);
+        dev
+    }
+
+    #[test]
+    fn changed_runs_are_the_deltas_differences_and_skip_what_a_snapshot_shares() {
+        let dev = three_thins();
         let mut tm = crate::pdata::tm::reader(Box::new(dev.clone()), 256);
         for (l, r) in [(0, 1), (1, 0), (0, 0), (1, 2), (0, 2)] {
             let o = DeltaOptions {
@@ -387,7 +435,7 @@ mod tests {
                 ..DeltaOptions::default()
             };
             for from in [0, 1, 126, 60_000, 123_999, 130_000] {
-                let want = runs_from_delta(&mut tm, &o, from);
+                let want = runs_from_delta(&mut tm, &o, from, false);
                 let (size, got) = changed_runs(&mut tm, &o, from, usize::MAX).expect("changed");
                 assert_eq!(size, 128);
                 assert_eq!(got, want, "thins {l} and {r} from {from}");
@@ -396,6 +444,16 @@ mod tests {
                 }
                 let (_, first) = changed_runs(&mut tm, &o, from, 3).expect("changed");
                 assert_eq!(first[..], want[..want.len().min(3)], "thins {l} and {r}, 3 runs");
+                // page by page, each from the end of the last page's last run
+                let mut paged = Vec::new();
+                let mut at = from;
+                loop {
+                    let (_, page) = changed_runs(&mut tm, &o, at, 7).expect("page");
+                    let Some(&(b, n)) = page.last() else { break };
+                    paged.extend(page);
+                    at = b + n;
+                }
+                assert_eq!(paged, want, "thins {l} and {r} from {from}, in pages of 7 runs");
             }
         }
         // a leaf thins 0 and 2 share, made unreadable: the changes between them
@@ -420,5 +478,25 @@ mod tests {
         let mut tm = crate::pdata::tm::reader(Box::new(MemDev::from_image(img)), 256);
         assert_eq!(changed_runs(&mut tm, &o, 0, usize::MAX).expect("changed"), want);
         assert!(delta(&mut tm, &o).is_err());
+    }
+
+    #[test]
+    fn mapped_runs_are_what_a_thin_maps_from_any_block() {
+        let dev = three_thins();
+        let mut tm = crate::pdata::tm::reader(Box::new(dev), 256);
+        for t in 0..3 {
+            let o = DeltaOptions {
+                left: Some(Side::Thin(t)),
+                right: Some(Side::Thin(t)),
+                ..DeltaOptions::default()
+            };
+            for from in [0, 1, 126, 60_000, 123_999, 130_000] {
+                let want = runs_from_delta(&mut tm, &o, from, true);
+                let (size, got) = mapped_runs(&mut tm, &o, from, usize::MAX).expect("mapped");
+                assert_eq!((size, &got), (128, &want), "thin {t} from {from}");
+                let (_, first) = mapped_runs(&mut tm, &o, from, 5).expect("mapped");
+                assert_eq!(first[..], want[..want.len().min(5)], "thin {t}, 5 runs");
+            }
+        }
     }
 }

@@ -429,27 +429,31 @@ impl Next {
     }
 }
 
-/// The keys two trees of u64 values (`lroot`, `rroot`) map differently, in key
-/// order from `from`: `f(key, left, right)` for a key mapped on one side only or
-/// to different values; `f` returns false to stop. A subtree both trees hold
-/// (the same block) is passed over unread, so comparing a snapshot with its
-/// origin reads the nodes that differ and the ones above them, not the trees.
-/// Damaged metadata fails (an unreadable node, depth, a node reached more often
-/// than the two trees could hold) or gives a wrong answer, never a hang.
+/// The keys two trees of u64 values (`lroot`, `rroot`; None: an empty tree)
+/// map differently, in key order from `from`: `f(key, left, right)` for a key
+/// mapped on one side only or to different values; `f` returns false to stop.
+/// A subtree both trees hold (the same block) is passed over unread, so
+/// comparing a snapshot with its origin reads the nodes that differ and the
+/// ones above them, not the trees; against an empty tree it is the other's
+/// entries from `from`. Damaged metadata fails (an unreadable node, depth, a
+/// node reached more often than the two trees could hold) or gives a wrong
+/// answer, never a hang.
 pub fn diff_u64(
     tm: &mut TransactionManager,
-    (lroot, rroot): (u64, u64),
+    (lroot, rroot): (Option<u64>, Option<u64>),
     from: u64,
     f: &mut dyn FnMut(u64, Option<u64>, Option<u64>) -> bool,
 ) -> Result<()> {
-    let mut budget = Visits::new(tm, lroot);
+    let mut budget = Visits::new(tm, lroot.or(rroot).unwrap_or(0));
     budget.left = budget.left.saturating_mul(2);
-    let start = |block| {
-        vec![Next::Node {
+    let start = |root: Option<u64>| {
+        root.map(|block| Next::Node {
             block,
             lo: 0,
             depth: 0,
-        }]
+        })
+        .into_iter()
+        .collect::<Vec<_>>()
     };
     let mut sides = [start(lroot), start(rroot)];
     loop {
