@@ -199,6 +199,14 @@ pub fn block_kinds(img: &[u8], kinds: &[dmkit::pdata::BlockKind]) -> Vec<Option<
         .collect()
 }
 
+/// What a thin pool's metadata blocks can be, for [`block_kinds`].
+pub const THIN_KINDS: [dmkit::pdata::BlockKind; 4] = [
+    dmkit::pdata::BlockKind::Superblock,
+    dmkit::pdata::BlockKind::BtreeNode,
+    dmkit::pdata::BlockKind::Bitmap,
+    dmkit::pdata::BlockKind::Index,
+];
+
 /// `img0` with the input's patches applied (after a first byte: 4 bytes of
 /// offset, 1 byte of value, repeated). Unless the first byte is odd, each
 /// patched block is re-sealed: its checksum recomputed with the salt of what it

@@ -151,6 +151,18 @@ for n, patches in {
 }.items():
     put("thin_metadata", n, b"".join(struct.pack("<IB", o, v) for o, v in patches))
 
+# thin delta: the patches' first byte, the thin block to start from (2 bytes),
+# the most runs, the choices (bit 0: in the metadata snapshot, bit 1: sides by
+# root block, the two bytes after naming them), then patches of the base image
+for n, (head, patches) in {
+    "all": (struct.pack("<BHBBBB", 0, 0, 255, 0, 0, 0), []),
+    "from_1500_three_runs": (struct.pack("<BHBBBB", 0, 1500, 3, 0, 0, 0), []),
+    "metadata_snap": (struct.pack("<BHBBBB", 0, 0, 255, 1, 0, 0), []),
+    "roots": (struct.pack("<BHBBBB", 0, 0, 255, 2, 20, 30), []),
+    "node": (struct.pack("<BHBBBB", 0, 0, 255, 0, 0, 0), [(16 * 4096 + 40, 7), (16 * 4096 + 41, 0)]),
+}.items():
+    put("thin_delta", n, head + b"".join(struct.pack("<IB", o, v) for o, v in patches))
+
 # era metadata: the same, over the base era image (superblock fields, a tree
 # node, an array block)
 for n, patches in {

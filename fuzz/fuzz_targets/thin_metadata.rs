@@ -34,15 +34,7 @@ fn base() -> &'static (Vec<u8>, Vec<Option<BlockKind>>) {
         md.reserve_metadata_snap().expect("metadata snap");
         md.commit().expect("commit");
         let img = dev.image();
-        let kinds = common::block_kinds(
-            &img,
-            &[
-                BlockKind::Superblock,
-                BlockKind::BtreeNode,
-                BlockKind::Bitmap,
-                BlockKind::Index,
-            ],
-        );
+        let kinds = common::block_kinds(&img, &common::THIN_KINDS);
         (img, kinds)
     })
 }
