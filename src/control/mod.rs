@@ -180,15 +180,6 @@ pub fn give_back_memory() {
 fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
     let reg = &*ctx.reg;
     let e = |x: crate::mapper::registry::ControlError| x.to_string();
-    let table = |t: &TableArgs, notable: bool| -> Option<String> {
-        if notable {
-            None
-        } else if t.lines.is_empty() {
-            Some(stdin.to_string())
-        } else {
-            Some(t.lines.join("\n"))
-        }
-    };
     let done = |r: Result<(), _>| r.map(|_| String::new()).map_err(e);
     match verb {
         DmVerb::Create {
@@ -199,14 +190,8 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             uuid,
             minor,
         } => {
-            done(reg.create_in(
-                &name,
-                table(&t, notable).as_deref(),
-                readonly,
-                uuid,
-                minor,
-                t.cwd.as_deref(),
-            ))?;
+            let text = (!notable).then(|| table_text(&t, stdin));
+            done(reg.create_in(&name, text.as_deref(), readonly, uuid, minor, t.cwd.as_deref()))?;
             // create with a table is load + resume: with `serve --attach` the
             // device becomes a block device now, as after any resume
             after_resume(ctx, &name);
@@ -217,13 +202,10 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             table: t,
             readonly,
             writable,
-        } => match table(&t, false) {
-            Some(text) => {
-                let mode = (readonly || writable).then_some(readonly);
-                done(reg.load_in(&name, &text, t.cwd.as_deref(), mode))
-            }
-            None => Err("a table is required".into()),
-        },
+        } => {
+            let mode = (readonly || writable).then_some(readonly);
+            done(reg.load_in(&name, &table_text(&t, stdin), t.cwd.as_deref(), mode))
+        }
         DmVerb::Clear { devs } => each(reg, &devs.names, &devs.pick, |n| done(reg.clear(n))),
         DmVerb::Suspend { devs, noflush, .. } => {
             each(reg, &devs.names, &devs.pick, |n| done(reg.suspend(n, noflush)))
@@ -248,31 +230,12 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             name,
             new_name,
             setuuid,
-        } => match (new_name, setuuid) {
-            (_, Some(u)) => done(reg.set_uuid(&name, &u)),
-            (Some(n), None) => {
-                done(reg.rename(&name, &n))?;
-                if let Ok(d) = reg.get(&n) {
-                    ctx.ublk.renamed(&d);
-                }
-                Ok(String::new())
-            }
-            (None, None) => Err("a new name or --setuuid is required".into()),
-        },
+        } => rename(ctx, &name, new_name, setuuid),
         DmVerb::Message {
             name,
             sector,
             message,
-        } => {
-            let sector = sector.trim().parse::<u64>().map_err(|_| {
-                format!("invalid sector '{sector}': a number of 512-byte sectors (0: the first target)")
-            })?;
-            let mut r = reg.message(&name, sector, &message).map_err(e)?;
-            if !r.is_empty() && !r.ends_with('\n') {
-                r.push('\n');
-            }
-            Ok(r)
-        }
+        } => send_message(reg, &name, &sector, &message),
         DmVerb::Status(a) => show(reg, a, true),
         DmVerb::Table(a) => show(reg, a, false),
         DmVerb::Info {
@@ -283,76 +246,151 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
             separator,
         } => {
             let names = picked(reg, &devs.names, &devs.pick)?;
-            if columns {
-                if names.is_empty() {
-                    return reg
-                        .info_columns(None, options.as_deref(), !noheadings, separator.as_deref())
-                        .map_err(e);
-                }
-                let mut first = true;
-                each_name(&names, |n| {
-                    let r = reg.info_columns(
-                        Some(n),
-                        options.as_deref(),
-                        !noheadings && first,
-                        separator.as_deref(),
-                    );
-                    first = false;
-                    r.map_err(e)
-                })
-            } else if names.is_empty() {
-                reg.info(None).map_err(e)
-            } else {
-                each_name(&names, |n| reg.info(Some(n)).map_err(e))
-            }
+            info(
+                reg,
+                &names,
+                columns.then_some((options.as_deref(), !noheadings, separator.as_deref())),
+            )
         }
         DmVerb::Ls { tree, target } => Ok(reg.ls(tree, target.as_deref())),
-        DmVerb::Deps { devs } => {
-            let names = picked(reg, &devs.names, &devs.pick)?;
-            match names.as_slice() {
-                [] => reg.deps(None).map_err(e),
-                [one] => reg.deps(Some(one)).map_err(e),
-                _ => each_name(&names, |n| reg.deps(Some(n)).map(|o| prefixed(n, &o)).map_err(e)),
-            }
-        }
+        DmVerb::Deps { devs } => deps(reg, &picked(reg, &devs.names, &devs.pick)?),
         DmVerb::Wait { name, event_nr, .. } => wait(reg, &name, event_nr.unwrap_or(0)),
         // no device nodes and no udev cookies here: nothing to do, as the help says
         DmVerb::Mknodes { .. } | DmVerb::UdevcompleteAll { .. } => Ok(String::new()),
         DmVerb::Targets => Ok(reg.targets()),
-        DmVerb::Stats { server: true, .. } => Ok(reg.server.line()),
-        DmVerb::Stats { devs, .. }
-            if devs.names.is_empty() && devs.pick.uuid.is_none() && devs.pick.minor.is_none() =>
-        {
-            Err("a device name (or --server) is required".into())
-        }
-        DmVerb::Stats { devs, .. } => each(reg, &devs.names, &devs.pick, |n| reg.stats(n).map_err(e)),
+        DmVerb::Stats { server, devs } => stats(reg, server, &devs),
         DmVerb::Version => Ok(format!("dmkit version:     {}\n", env!("CARGO_PKG_VERSION"))),
         DmVerb::Attach {
             name,
             recover,
             vhost_user,
-        } => {
-            let dev = reg.get(&name).map_err(e)?;
-            let path = match vhost_user {
-                Some(socket) => ctx.vhost.attach(&dev, &socket)?,
-                None => ctx.ublk.attach(&dev, recover)?,
-            };
-            Ok(format!("{path}\n"))
-        }
+        } => attach(ctx, &name, recover, vhost_user),
         DmVerb::DeviceFiles => {
             let run_dir = ctx.run_dir.as_deref().ok_or("this daemon has no run directory")?;
             let dir = ctx.files.ensure(&ctx.reg, run_dir)?;
             Ok(format!("{}\n", dir.display()))
         }
         DmVerb::Holder { path } => Ok(reg.holder(&path).map(|n| n + "\n").unwrap_or_default()),
-        DmVerb::Detach { name, force } => {
-            let dev = reg.get(&name).map_err(e)?;
-            if ctx.vhost.detach(&dev, force)? {
-                return Ok(String::new());
-            }
-            ctx.ublk.detach(&dev).map(|()| String::new())
-        }
+        DmVerb::Detach { name, force } => detach(ctx, &name, force),
     }
+}
+
+/// `stats NAME...` (or `--server`).
+fn stats(reg: &Registry, server: bool, devs: &verbs::AnyDevices) -> Result<String, String> {
+    if server {
+        return Ok(reg.server.line());
+    }
+    if devs.names.is_empty() && devs.pick.uuid.is_none() && devs.pick.minor.is_none() {
+        return Err("a device name (or --server) is required".into());
+    }
+    each(reg, &devs.names, &devs.pick, |n| {
+        reg.stats(n).map_err(|x| x.to_string())
+    })
+}
+
+/// A verb's table: its lines, or what came on standard input.
+fn table_text(t: &TableArgs, stdin: &str) -> String {
+    if t.lines.is_empty() {
+        stdin.to_string()
+    } else {
+        t.lines.join("\n")
+    }
+}
+
+/// `attach NAME`: a ublk device, or with `--vhost-user SOCKET` a vhost-user-blk
+/// backend; its path.
+fn attach(
+    ctx: &Ctx,
+    name: &str,
+    recover: Option<u32>,
+    vhost_user: Option<std::path::PathBuf>,
+) -> Result<String, String> {
+    let dev = ctx.reg.get(name).map_err(|x| x.to_string())?;
+    let path = match vhost_user {
+        Some(socket) => ctx.vhost.attach(&dev, &socket)?,
+        None => ctx.ublk.attach(&dev, recover)?,
+    };
+    Ok(format!("{path}\n"))
+}
+
+/// `detach NAME`: its vhost-user backend, else its ublk device.
+fn detach(ctx: &Ctx, name: &str, force: bool) -> Result<String, String> {
+    let dev = ctx.reg.get(name).map_err(|x| x.to_string())?;
+    if ctx.vhost.detach(&dev, force)? {
+        return Ok(String::new());
+    }
+    ctx.ublk.detach(&dev).map(|()| String::new())
+}
+
+/// `deps` of `names` (none: every device; more than one: each line named).
+fn deps(reg: &Registry, names: &[String]) -> Result<String, String> {
+    let e = |x: crate::mapper::registry::ControlError| x.to_string();
+    match names {
+        [] => reg.deps(None).map_err(e),
+        [one] => reg.deps(Some(one)).map_err(e),
+        _ => each_name(names, |n| reg.deps(Some(n)).map(|o| prefixed(n, &o)).map_err(e)),
+    }
+}
+
+/// `rename NAME NEW_NAME`, or `rename NAME --setuuid UUID`.
+fn rename(
+    ctx: &Ctx,
+    name: &str,
+    new_name: Option<String>,
+    setuuid: Option<String>,
+) -> Result<String, String> {
+    let reg = &*ctx.reg;
+    match (new_name, setuuid) {
+        (_, Some(u)) => reg
+            .set_uuid(name, &u)
+            .map(|()| String::new())
+            .map_err(|x| x.to_string()),
+        (Some(n), None) => {
+            reg.rename(name, &n).map_err(|x| x.to_string())?;
+            if let Ok(d) = reg.get(&n) {
+                ctx.ublk.renamed(&d);
+            }
+            Ok(String::new())
+        }
+        (None, None) => Err("a new name or --setuuid is required".into()),
+    }
+}
+
+/// `message NAME SECTOR WORDS...`: the target's answer, ending in a newline.
+fn send_message(reg: &Registry, name: &str, sector: &str, words: &[String]) -> Result<String, String> {
+    let sector = sector.trim().parse::<u64>().map_err(|_| {
+        format!("invalid sector '{sector}': a number of 512-byte sectors (0: the first target)")
+    })?;
+    let mut r = reg.message(name, sector, words).map_err(|x| x.to_string())?;
+    if !r.is_empty() && !r.ends_with('\n') {
+        r.push('\n');
+    }
+    Ok(r)
+}
+
+/// `info` of `names` (none: every device), or with `columns` (the fields,
+/// whether headings are wanted, the separator) `info -c`.
+fn info(
+    reg: &Registry,
+    names: &[String],
+    columns: Option<(Option<&str>, bool, Option<&str>)>,
+) -> Result<String, String> {
+    let e = |x: crate::mapper::registry::ControlError| x.to_string();
+    let Some((options, headings, separator)) = columns else {
+        if names.is_empty() {
+            return reg.info(None).map_err(e);
+        }
+        return each_name(names, |n| reg.info(Some(n)).map_err(e));
+    };
+    if names.is_empty() {
+        return reg.info_columns(None, options, headings, separator).map_err(e);
+    }
+    let mut first = true;
+    each_name(names, |n| {
+        let r = reg.info_columns(Some(n), options, headings && first, separator);
+        first = false;
+        r.map_err(e)
+    })
 }
 
 /// The names given, with the device `-u UUID` or `-j MAJOR -m MINOR` picks.

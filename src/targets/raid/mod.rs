@@ -178,6 +178,60 @@ struct State {
     jobs: VecDeque<Job>,
 }
 
+impl State {
+    /// A new array's state: `n` legs, `regions` regions, frozen until resumed.
+    fn new(n: usize, regions: usize) -> State {
+        State {
+            faulty: vec![false; n],
+            in_sync: vec![true; n],
+            events: 0,
+            events_cleared: 0,
+            resync_offset: MAX_SECTOR,
+            on_disk: vec![false; regions],
+            writes: vec![0; regions],
+            idle_passes: vec![0; regions],
+            needed: vec![false; regions],
+            wanted: vec![false; regions],
+            setting: vec![false; regions],
+            clearing: false,
+            want_bits: false,
+            dirty_pages: Vec::new(),
+            sb_dirty: false,
+            waiting: Vec::new(),
+            busy: None,
+            fixes: Vec::new(),
+            action: Action::Idle,
+            progress: 0,
+            cursor: 0,
+            fullsync: false,
+            mismatches: 0,
+            frozen: true,
+            stop: false,
+            all_regions: false,
+            started: false,
+            jobs: VecDeque::new(),
+        }
+    }
+
+    /// As before anything is known of the legs: `n` of them, `regions` regions.
+    fn reset(&mut self, n: usize, regions: usize) {
+        self.faulty = vec![false; n];
+        self.in_sync = vec![true; n];
+        self.events = 0;
+        self.events_cleared = 0;
+        self.resync_offset = MAX_SECTOR;
+        self.on_disk = vec![false; regions];
+        self.needed = vec![false; regions];
+        self.dirty_pages = Vec::new();
+        self.sb_dirty = false;
+        self.action = Action::Idle;
+        self.cursor = 0;
+        self.progress = 0;
+        self.fullsync = false;
+        self.all_regions = false;
+    }
+}
+
 /// A stripe row's blocks at one leg sector: the data blocks, P, and Q.
 type RowBlocks = (Vec<Vec<u8>>, Vec<u8>, Option<Vec<u8>>);
 
@@ -279,18 +333,7 @@ impl Raid {
             Level::Raid10(_) => Level::Raid10(raid10_layout(&opts)?),
             l => l,
         };
-        let geo = if level == Level::Raid1 {
-            Geometry::new(level, nlegs, 0, len)?
-        } else {
-            if chunk < 8 || !chunk.is_power_of_two() {
-                return Err(bad(if chunk.is_power_of_two() {
-                    "Chunk size value is too small"
-                } else {
-                    "Chunk size must be a power of 2"
-                }));
-            }
-            Geometry::new(level, nlegs, chunk, len)?
-        };
+        let geo = geometry(level, nlegs, chunk, len)?;
         let span = match level {
             Level::Parity { .. } => geo.dev_sectors,
             _ => len,
@@ -301,41 +344,7 @@ impl Raid {
             }
         }
         let region = opts.region_size.unwrap_or_else(|| default_region(len));
-        let mut legs = Vec::with_capacity(nlegs);
-        for i in 0..nlegs {
-            let (m, d) = (&rest[1 + 2 * i], &rest[2 + 2 * i]);
-            let meta = if m == "-" {
-                None
-            } else {
-                Some(r.open(m).map_err(|e| format!("RAID metadata device lookup failure: '{m}': {e}"))?)
-            };
-            let data = if d == "-" {
-                if opts.rebuild.contains(&i) {
-                    return Err(bad("Drive designated for rebuild not specified"));
-                }
-                if meta.is_some() {
-                    return Err(bad("No data device supplied with metadata device"));
-                }
-                None
-            } else {
-                let dev = r.open(d).map_err(|e| format!("RAID device lookup failure: '{d}': {e}"))?;
-                if dev.size_sectors() < geo.dev_sectors {
-                    return Err(format!(
-                        "Component device(s) too small: '{d}' has {} sectors, the array needs {} of each",
-                        dev.size_sectors(),
-                        geo.dev_sectors
-                    ));
-                }
-                Some(dev)
-            };
-            legs.push(Leg { meta, data });
-        }
-        if legs.iter().any(|l| l.meta.is_none() && l.data.is_some()) && legs.iter().any(|l| l.meta.is_some()) {
-            return Err(
-                "a leg with a data device and no metadata device beside legs with one is not supported by dmkit (md would put its bitmap on the data device)"
-                    .into(),
-            );
-        }
+        let legs = open_legs(&rest[1..1 + 2 * nlegs], &opts, geo.dev_sectors, r)?;
         let regions = span.div_ceil(region);
         // raid0 has no bitmap: its metadata is the superblock alone
         let need = if level == Level::Raid0 {
@@ -343,16 +352,7 @@ impl Raid {
         } else {
             BITMAP_OFFSET + format::bitmap_bytes(regions)
         };
-        for (i, l) in legs.iter().enumerate() {
-            if let Some(m) = &l.meta {
-                if m.size_sectors() * SECTOR < need {
-                    return Err(format!(
-                        "metadata device of leg {i} too small: {} bytes, the superblock and bitmap of {regions} regions need {need}",
-                        m.size_sectors() * SECTOR
-                    ));
-                }
-            }
-        }
+        metadata_fits(&legs, need, regions)?;
         let daemon_jiffies = match opts.daemon_sleep {
             Some(0) | None => DEFAULT_SLEEP,
             Some(j) => j,
@@ -370,36 +370,7 @@ impl Raid {
             daemon_period: Duration::from_millis(daemon_jiffies * 1000 / HZ),
             writing: Mutex::new(()),
             write_behind: opts.max_write_behind.map_or(0, |w| (w / 2).min(8191) as u32),
-            st: Mutex::new(State {
-                faulty: vec![false; nlegs],
-                in_sync: vec![true; nlegs],
-                events: 0,
-                events_cleared: 0,
-                resync_offset: MAX_SECTOR,
-                on_disk: vec![false; regions as usize],
-                writes: vec![0; regions as usize],
-                idle_passes: vec![0; regions as usize],
-                needed: vec![false; regions as usize],
-                wanted: vec![false; regions as usize],
-                setting: vec![false; regions as usize],
-                clearing: false,
-                want_bits: false,
-                dirty_pages: Vec::new(),
-                sb_dirty: false,
-                waiting: Vec::new(),
-                busy: None,
-                fixes: Vec::new(),
-                action: Action::Idle,
-                progress: 0,
-                cursor: 0,
-                fullsync: false,
-                mismatches: 0,
-                frozen: true,
-                stop: false,
-                all_regions: false,
-                started: false,
-                jobs: VecDeque::new(),
-            }),
+            st: Mutex::new(State::new(nlegs, regions as usize)),
             wake: Condvar::new(),
             drained: Condvar::new(),
             flying: Mutex::new(Vec::new()),
@@ -419,6 +390,79 @@ impl Raid {
             worker: Some(worker),
         })
     }
+}
+
+/// The legs of a table: (metadata, data) device pairs, "-" for none; each data
+/// device must hold `dev_sectors`.
+fn open_legs(pairs: &[String], opts: &Options, dev_sectors: u64, r: &dyn Resolver) -> Result<Vec<Leg>, String> {
+    let mut legs = Vec::with_capacity(pairs.len() / 2);
+    for (i, pair) in pairs.chunks_exact(2).enumerate() {
+        let (m, d) = (&pair[0], &pair[1]);
+        let meta = if m == "-" {
+            None
+        } else {
+            Some(r.open(m).map_err(|e| format!("RAID metadata device lookup failure: '{m}': {e}"))?)
+        };
+        let data = if d == "-" {
+            if opts.rebuild.contains(&i) {
+                return Err(bad("Drive designated for rebuild not specified"));
+            }
+            if meta.is_some() {
+                return Err(bad("No data device supplied with metadata device"));
+            }
+            None
+        } else {
+            let dev = r.open(d).map_err(|e| format!("RAID device lookup failure: '{d}': {e}"))?;
+            if dev.size_sectors() < dev_sectors {
+                return Err(format!(
+                    "Component device(s) too small: '{d}' has {} sectors, the array needs {} of each",
+                    dev.size_sectors(),
+                    dev_sectors
+                ));
+            }
+            Some(dev)
+        };
+        legs.push(Leg { meta, data });
+    }
+    if legs.iter().any(|l| l.meta.is_none() && l.data.is_some()) && legs.iter().any(|l| l.meta.is_some()) {
+        return Err(
+            "a leg with a data device and no metadata device beside legs with one is not supported by dmkit (md would put its bitmap on the data device)"
+                .into(),
+        );
+    }
+    Ok(legs)
+}
+
+/// The array's geometry: raid1 has no chunk; the others' chunk is a power of
+/// two of at least 8 sectors.
+fn geometry(level: Level, nlegs: usize, chunk: u64, len: u64) -> Result<Geometry, String> {
+    if level == Level::Raid1 {
+        return Geometry::new(level, nlegs, 0, len);
+    }
+    if chunk < 8 || !chunk.is_power_of_two() {
+        return Err(bad(if chunk.is_power_of_two() {
+            "Chunk size value is too small"
+        } else {
+            "Chunk size must be a power of 2"
+        }));
+    }
+    Geometry::new(level, nlegs, chunk, len)
+}
+
+/// Every leg's metadata device holds `need` bytes (the superblock and the
+/// bitmap of `regions` regions).
+fn metadata_fits(legs: &[Leg], need: u64, regions: u64) -> Result<(), String> {
+    for (i, l) in legs.iter().enumerate() {
+        if let Some(m) = &l.meta {
+            if m.size_sectors() * SECTOR < need {
+                return Err(format!(
+                    "metadata device of leg {i} too small: {} bytes, the superblock and bitmap of {regions} regions need {need}",
+                    m.size_sectors() * SECTOR
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The kernel's default region: 4 MiB, or more so the bitmap has at most 2^21 bits.
@@ -459,44 +503,22 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
             i += 1;
             int_arg(v, "Bad numerical argument given in raid params")
         };
-        let once = |set: bool, what: &str| -> Result<(), String> {
-            if set {
-                Err(format!("Only one {what} argument pair allowed"))
-            } else {
-                Ok(())
-            }
-        };
-        let nonneg = |v: i64, msg: &str| -> Result<u64, String> { u64::try_from(v).map_err(|_| bad(msg)) };
         match key.as_str() {
-            "sync" => {
-                if o.sync {
-                    return Err(bad("Only one 'sync' argument allowed"));
+            "sync" | "nosync" => {
+                let set = if key == "sync" { &mut o.sync } else { &mut o.nosync };
+                if std::mem::replace(set, true) {
+                    return Err(format!("Only one '{key}' argument allowed"));
                 }
-                o.sync = true;
-            }
-            "nosync" => {
-                if o.nosync {
-                    return Err(bad("Only one 'nosync' argument allowed"));
-                }
-                o.nosync = true;
             }
             "rebuild" => {
-                let v = value()?;
-                let idx = usize::try_from(v)
-                    .ok()
-                    .filter(|&x| x < nlegs)
-                    .ok_or_else(|| bad("Invalid rebuild index given"))?;
+                let idx = leg_index(value()?, nlegs, "Invalid rebuild index given")?;
                 if o.rebuild.contains(&idx) {
                     return Err(bad("rebuild for this index already given"));
                 }
                 o.rebuild.push(idx);
             }
             "write_mostly" => {
-                let v = value()?;
-                let idx = usize::try_from(v)
-                    .ok()
-                    .filter(|&x| x < nlegs)
-                    .ok_or_else(|| bad("Invalid write_mostly index given"))?;
+                let idx = leg_index(value()?, nlegs, "Invalid write_mostly index given")?;
                 write_mostly_count += 1;
                 if !o.write_mostly.contains(&idx) {
                     o.write_mostly.push(idx);
@@ -519,13 +541,7 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
             "data_offset" => {
                 let v = value()?;
                 once(o.data_offset.is_some(), "data_offset")?;
-                if v < 0 || (v != 0 && (v < 32 || v % 8 != 0)) {
-                    return Err(bad("Bogus data_offset value"));
-                }
-                if v != 0 {
-                    return Err("data_offset other than 0 is not supported by dmkit".into());
-                }
-                o.data_offset = Some(0);
+                o.data_offset = Some(data_offset(v)?);
             }
             "delta_disks" => {
                 value()?;
@@ -560,11 +576,7 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
                 let v = p.get(i).ok_or_else(|| bad("Wrong number of raid parameters given"))?;
                 i += 1;
                 once(o.raid10_format.is_some(), "raid10_format")?;
-                let v = v.to_ascii_lowercase();
-                if !matches!(v.as_str(), "near" | "far" | "offset") {
-                    return Err(bad("Invalid 'raid10_format' value given"));
-                }
-                o.raid10_format = Some(v);
+                o.raid10_format = Some(raid10_format(v)?);
             }
             "raid10_format" => return Err(bad("'raid10_format' is an invalid parameter for this RAID type")),
             "journal_dev" => return Err(bad("'journal_dev' is an invalid parameter for this RAID type")),
@@ -572,6 +584,53 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
             _ => return Err(format!("Unable to parse RAID parameter: {}", p[i - 1])),
         }
     }
+    check_combination(&mut o, level, nlegs, len, write_mostly_count)?;
+    Ok(o)
+}
+
+/// A leg's index in an option (`what`: the kernel's words for a bad one).
+fn leg_index(v: i64, nlegs: usize, what: &str) -> Result<usize, String> {
+    usize::try_from(v).ok().filter(|&x| x < nlegs).ok_or_else(|| bad(what))
+}
+
+/// An option given twice.
+fn once(set: bool, what: &str) -> Result<(), String> {
+    if set {
+        Err(format!("Only one {what} argument pair allowed"))
+    } else {
+        Ok(())
+    }
+}
+
+/// A number that may not be negative (`msg`: the kernel's words if it is).
+fn nonneg(v: i64, msg: &str) -> Result<u64, String> {
+    u64::try_from(v).map_err(|_| bad(msg))
+}
+
+/// `raid10_format`: near, far or offset, in any case.
+fn raid10_format(v: &str) -> Result<String, String> {
+    let v = v.to_ascii_lowercase();
+    match v.as_str() {
+        "near" | "far" | "offset" => Ok(v),
+        _ => Err(bad("Invalid 'raid10_format' value given")),
+    }
+}
+
+/// `data_offset`: the kernel takes 0 or a multiple of 8 from 32 on; dmkit only 0.
+fn data_offset(v: i64) -> Result<u64, String> {
+    if v < 0 || (v != 0 && (v < 32 || v % 8 != 0)) {
+        return Err(bad("Bogus data_offset value"));
+    }
+    if v != 0 {
+        return Err("data_offset other than 0 is not supported by dmkit".into());
+    }
+    Ok(0)
+}
+
+/// The options' combinations each level takes, and the region size against
+/// the array's length `len` (dm-raid's checks after the options' own); a
+/// region size of 0 is the default.
+fn check_combination(o: &mut Options, level: Level, nlegs: usize, len: u64, write_mostly_count: usize) -> Result<(), String> {
     if o.sync && o.nosync {
         return Err(bad("sync and nosync are mutually exclusive"));
     }
@@ -617,7 +676,7 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
     } else if o.region_size == Some(0) {
         o.region_size = None;
     }
-    Ok(o)
+    Ok(())
 }
 
 impl Inner {
@@ -654,21 +713,7 @@ impl Inner {
         // from scratch: run when the table is made (to refuse bad metadata at
         // once) and again at its first resume, since the table it replaces may
         // have changed the metadata meanwhile (failed a leg, set bits)
-        let regions = self.regions as usize;
-        st.faulty = vec![false; n];
-        st.in_sync = vec![true; n];
-        st.events = 0;
-        st.events_cleared = 0;
-        st.resync_offset = MAX_SECTOR;
-        st.on_disk = vec![false; regions];
-        st.needed = vec![false; regions];
-        st.dirty_pages = Vec::new();
-        st.sb_dirty = false;
-        st.action = Action::Idle;
-        st.cursor = 0;
-        st.progress = 0;
-        st.fullsync = false;
-        st.all_regions = false;
+        st.reset(n, self.regions as usize);
         if self.legs.iter().all(|l| l.meta.is_none()) {
             // no metadata: no bitmap; a full resync unless nosync
             st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
@@ -682,7 +727,99 @@ impl Inner {
             }
             return Ok(());
         }
-        let mut supers: Vec<Option<Super>> = vec![None; n];
+        let supers = self.read_supers(o, &mut st);
+        let fresh = (0..n)
+            .filter(|&i| supers[i].is_some())
+            .fold(None, |best: Option<usize>, i| match best {
+                Some(b) if supers[b].as_ref().map(|s| s.events) >= supers[i].as_ref().map(|s| s.events) => Some(b),
+                _ => Some(i),
+            });
+        let new_legs: Vec<usize> = (0..n)
+            .filter(|&i| supers[i].is_none() && self.legs[i].meta.is_some() && !st.faulty[i])
+            .collect();
+        let Some(f) = fresh else {
+            self.start_new(o, &mut st);
+            return Ok(());
+        };
+        let Some(fs) = supers[f].clone() else {
+            return Err("Unable to assemble array: Invalid superblocks".into());
+        };
+        self.check_freshest(&fs, o, &new_legs)?;
+        st.events = fs.events.max(1);
+        st.resync_offset = if o.nosync { MAX_SECTOR } else { fs.array_resync_offset };
+        for (i, sup) in supers.iter().enumerate() {
+            if self.legs[i].data.is_none() {
+                st.faulty[i] = true;
+                continue;
+            }
+            if st.faulty[i] {
+                continue;
+            }
+            if o.rebuild.contains(&i) || sup.is_none() {
+                st.in_sync[i] = false;
+                st.fullsync = true;
+            } else if fs.has_failed(i) {
+                // a leg that failed comes back: the regions written meanwhile
+                st.in_sync[i] = false;
+            } else if sup.as_ref().is_some_and(|s| s.disk_recovery_offset != MAX_SECTOR) {
+                st.in_sync[i] = false;
+                st.fullsync = true;
+            }
+        }
+        if !self.can_run(|i| !st.faulty[i] && st.in_sync[i]) {
+            return Err("Insufficient redundancy to activate array".into());
+        }
+        if self.geo.level == Level::Raid0 {
+            // no bitmap, nothing to copy
+            st.on_disk.fill(true);
+            st.sb_dirty = true;
+            return Ok(());
+        }
+        self.load_bitmap(f, &mut st)?;
+        tracing::info!(
+            "raid: assembled from leg {f}'s superblock (events {}): failed {:?}, in sync {:?}, resync offset {:x}, {} regions marked",
+            fs.events,
+            st.faulty,
+            st.in_sync,
+            st.resync_offset,
+            st.needed.iter().filter(|&&x| x).count()
+        );
+        if st.resync_offset != MAX_SECTOR {
+            st.action = Action::Resync;
+            st.all_regions = true;
+            st.cursor = st.resync_offset / self.region;
+        } else if st.in_sync.iter().zip(&st.faulty).any(|(&s, &fa)| !s && !fa) {
+            st.action = Action::Recover;
+            st.all_regions = st.fullsync;
+        } else if st.needed.iter().any(|&x| x) {
+            // written when the last daemon stopped: the legs may differ there
+            st.action = Action::Resync;
+        }
+        Ok(())
+    }
+
+    /// A new array: every leg new, a full resync unless `nosync`.
+    fn start_new(&self, o: &Options, st: &mut State) {
+        tracing::info!("raid: superblocks created for new raid set");
+        st.events = 1;
+        st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
+        for (i, l) in self.legs.iter().enumerate() {
+            st.faulty[i] |= l.data.is_none();
+        }
+        // md's new bitmap is stale: every bit set, written at resume
+        st.on_disk.fill(true);
+        st.dirty_pages = vec![true; self.pages()];
+        st.sb_dirty = true;
+        if !o.nosync {
+            st.action = Action::Resync;
+            st.all_regions = true;
+        }
+    }
+
+    /// Each leg's superblock (None: new, to be rebuilt, unreadable or not
+    /// read: `sync`); a leg whose superblock cannot be read is failed.
+    fn read_supers(&self, o: &Options, st: &mut State) -> Vec<Option<Super>> {
+        let mut supers: Vec<Option<Super>> = vec![None; self.nlegs()];
         if !o.sync {
             for (i, l) in self.legs.iter().enumerate() {
                 let Some(m) = &l.meta else { continue };
@@ -699,36 +836,14 @@ impl Inner {
         for &i in &o.rebuild {
             supers[i] = None;
         }
-        let fresh = (0..n)
-            .filter(|&i| supers[i].is_some())
-            .fold(None, |best: Option<usize>, i| match best {
-                Some(b) if supers[b].as_ref().map(|s| s.events) >= supers[i].as_ref().map(|s| s.events) => Some(b),
-                _ => Some(i),
-            });
-        let new_legs: Vec<usize> = (0..n)
-            .filter(|&i| supers[i].is_none() && self.legs[i].meta.is_some() && !st.faulty[i])
-            .collect();
-        let Some(f) = fresh else {
-            // a new array: every leg new
-            tracing::info!("raid: superblocks created for new raid set");
-            st.events = 1;
-            st.resync_offset = if o.nosync { MAX_SECTOR } else { 0 };
-            for (i, l) in self.legs.iter().enumerate() {
-                st.faulty[i] |= l.data.is_none();
-            }
-            // md's new bitmap is stale: every bit set, written at resume
-            st.on_disk.fill(true);
-            st.dirty_pages = vec![true; self.pages()];
-            st.sb_dirty = true;
-            if !o.nosync {
-                st.action = Action::Resync;
-                st.all_regions = true;
-            }
-            return Ok(());
-        };
-        let Some(fs) = supers[f].clone() else {
-            return Err("Unable to assemble array: Invalid superblocks".into());
-        };
+        supers
+    }
+
+    /// Refuse an array the freshest superblock `fs` does not describe as the
+    /// table does (flags, level, layout, legs), or with new legs (`new_legs`)
+    /// the table does not ask to rebuild.
+    fn check_freshest(&self, fs: &Super, o: &Options, new_legs: &[usize]) -> Result<(), String> {
+        let n = self.nlegs();
         if fs.compat > 1 {
             return Err("Unable to assemble array: Unknown flag(s) in compatible feature flags".into());
         }
@@ -764,37 +879,12 @@ impl Inner {
                     .into(),
             );
         }
-        st.events = fs.events.max(1);
-        st.resync_offset = if o.nosync { MAX_SECTOR } else { fs.array_resync_offset };
-        for (i, sup) in supers.iter().enumerate() {
-            if self.legs[i].data.is_none() {
-                st.faulty[i] = true;
-                continue;
-            }
-            if st.faulty[i] {
-                continue;
-            }
-            if o.rebuild.contains(&i) || sup.is_none() {
-                st.in_sync[i] = false;
-                st.fullsync = true;
-            } else if fs.has_failed(i) {
-                // a leg that failed comes back: the regions written meanwhile
-                st.in_sync[i] = false;
-            } else if sup.as_ref().is_some_and(|s| s.disk_recovery_offset != MAX_SECTOR) {
-                st.in_sync[i] = false;
-                st.fullsync = true;
-            }
-        }
-        if !self.can_run(|i| !st.faulty[i] && st.in_sync[i]) {
-            return Err("Insufficient redundancy to activate array".into());
-        }
-        if self.geo.level == Level::Raid0 {
-            // no bitmap, nothing to copy
-            st.on_disk.fill(true);
-            st.sb_dirty = true;
-            return Ok(());
-        }
-        // the bitmap, from the freshest leg's metadata
+        Ok(())
+    }
+
+    /// The write-intent bitmap, from leg `f`'s metadata: the regions that may
+    /// differ between the legs (all of them if it is stale).
+    fn load_bitmap(&self, f: usize, st: &mut State) -> Result<(), String> {
         let Some(m) = self.legs[f].meta.as_ref() else {
             return Err("Unable to assemble array: Invalid superblocks".into());
         };
@@ -822,25 +912,6 @@ impl Inner {
             st.dirty_pages = vec![true; self.pages()];
         }
         st.sb_dirty = true;
-        tracing::info!(
-            "raid: assembled from leg {f}'s superblock (events {}): failed {:?}, in sync {:?}, resync offset {:x}, {} regions marked",
-            fs.events,
-            st.faulty,
-            st.in_sync,
-            st.resync_offset,
-            st.needed.iter().filter(|&&x| x).count()
-        );
-        if st.resync_offset != MAX_SECTOR {
-            st.action = Action::Resync;
-            st.all_regions = true;
-            st.cursor = st.resync_offset / self.region;
-        } else if st.in_sync.iter().zip(&st.faulty).any(|(&s, &fa)| !s && !fa) {
-            st.action = Action::Recover;
-            st.all_regions = st.fullsync;
-        } else if st.needed.iter().any(|&x| x) {
-            // written when the last daemon stopped: the legs may differ there
-            st.action = Action::Resync;
-        }
         Ok(())
     }
 
