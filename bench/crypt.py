@@ -6,6 +6,9 @@ in one dmkit daemon, through fio's nbd engine. Medians of the reps, interleaved
 (rep 1 of every cell, then rep 2, ...). Writes BENCHMARKS.md, section `crypt`.
 
 Usage: bench/crypt.py [--reps 3] [--runtime 3] [--dir /dev/shm]
+       bench/crypt.py --before OLD_DMKIT [--reps 5] [...]: the devices only, each
+           cell run with the old binary and this build in turn (the order
+           alternating by rep), in one sitting; writes section `crypt-before-after`.
 Needs: a release build with examples (`cargo build --release --examples`), fio, openssl.
 """
 import argparse, os, re, subprocess, sys, tempfile
@@ -53,7 +56,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--before", help="an older dmkit binary to compare this build with")
     a = ap.parse_args()
+    if a.before:
+        return before_after(a)
     cmd = f"bench/crypt.py --reps {a.reps} --runtime {a.runtime} --dir {a.dir}"
     commit = subprocess.run(["git", "-C", run.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -85,11 +91,7 @@ def main():
     f = os.path.join(tmp, "disk.img")
     subprocess.run(["fio", "--name=fill", "--rw=write", "--bs=1M", f"--size={SIZE}", f"--filename={f}"],
                    capture_output=True, check=True)
-    sectors = SIZE // 512
-    d = run.Dmkit(tmp, [("lin", f"0 {sectors} linear {f} 0"),
-                        ("cr", f"0 {sectors} crypt aes-xts-plain64 {KEY512} 0 {f} 0 1 sector_size:4096"),
-                        ("cr512", f"0 {sectors} crypt aes-xts-plain64 {KEY512} 0 {f} 0")],
-                  extra=("--buffered",))
+    d = run.Dmkit(tmp, tables(f), extra=("--buffered",))
     res = {}
     try:
         for _ in range(a.reps):
@@ -118,6 +120,63 @@ def main():
                      f"±{spread(res[(wl, 'cr')]):.2f} / ±{spread(res[(wl, 'cr512')]):.2f} |")
     lines = [ln.replace("LOAD_END", f"{os.getloadavg()[0]:.1f}") for ln in lines]
     run.write_section(os.path.join(run.ROOT, "BENCHMARKS.md"), "crypt", lines)
+    print("\n".join(lines))
+
+
+def tables(f):
+    sectors = SIZE // 512
+    return [("lin", f"0 {sectors} linear {f} 0"),
+            ("cr", f"0 {sectors} crypt aes-xts-plain64 {KEY512} 0 {f} 0 1 sector_size:4096"),
+            ("cr512", f"0 {sectors} crypt aes-xts-plain64 {KEY512} 0 {f} 0")]
+
+
+def before_after(a):
+    # private copies, so a rebuild during the run cannot mix binaries
+    d = tempfile.mkdtemp(prefix="dmkit-crypt-bins-")
+    bins = {"before": os.path.join(d, "dmkit-before"), "after": os.path.join(d, "dmkit-after")}
+    subprocess.run(["cp", a.before, bins["before"]], check=True)
+    subprocess.run(["cp", run.DMKIT, bins["after"]], check=True)
+    tmp = tempfile.mkdtemp(prefix="dmkit-crypt-", dir=a.dir)
+    ds = {}
+    for b, p in bins.items():
+        # a file each: a daemon holds its devices' files exclusively
+        f = os.path.join(tmp, f"disk-{b}.img")
+        subprocess.run(["fio", "--name=fill", "--rw=write", "--bs=1M", f"--size={SIZE}", f"--filename={f}"],
+                       capture_output=True, check=True)
+        ds[b] = run.Dmkit(tmp, tables(f), extra=("--buffered",), binary=p)
+    devs = ("lin", "cr", "cr512")
+    res = {}
+    try:
+        for rep in range(a.reps):
+            order = ["before", "after"] if rep % 2 == 0 else ["after", "before"]
+            for wl, args in WORKLOADS:
+                for b in order:
+                    for dev in devs:
+                        r = run.fio_cpu(ds[b], ds[b].uri(dev), [f"--size={SIZE}"] + args, a.runtime)
+                        res.setdefault((wl, dev, b), []).append(r)
+                        print(f"rep {rep} {wl} {dev} {b}: {r[0]:,.0f} IOPS {r[2]:.2f} us/req", file=sys.stderr)
+    finally:
+        for x in ds.values():
+            x.stop()
+        subprocess.run(["rm", "-rf", tmp, d])
+    m = {k: (run.med([r[0] for r in v]), run.med([r[2] for r in v])) for k, v in res.items()}
+    lines = ["## dm-crypt before and after a change (bench/crypt.py --before)", "",
+             f"`bench/crypt.py --before OLD --reps {a.reps} --runtime {a.runtime} --dir {a.dir}`: the "
+             "devices of the section above (linear, crypt with 4096- and 512-byte sectors, one daemon "
+             "per binary, each over a 1 GiB file of its own), each cell run with the old binary and this build in turn, the order "
+             "alternating by rep; medians of the reps. crypt/linear is each binary's own ratio; "
+             "µs/req is the server's CPU per request (all its threads).", "",
+             "| workload | device | IOPS before | IOPS after | after/before | crypt/linear before | "
+             "crypt/linear after | µs/req before | µs/req after |", "|---|---|---|---|---|---|---|---|---|"]
+    for wl, _ in WORKLOADS:
+        for dev in devs:
+            b, af = m[(wl, dev, "before")], m[(wl, dev, "after")]
+            lb, la = m[(wl, "lin", "before")], m[(wl, "lin", "after")]
+            rel = "—" if dev == "lin" else f"**{b[0] / lb[0]:.2f}**"
+            rela = "—" if dev == "lin" else f"**{af[0] / la[0]:.2f}**"
+            lines.append(f"| {wl} | {dev} | {b[0]:,.0f} | {af[0]:,.0f} | **{af[0] / b[0]:.2f}** | {rel} | "
+                         f"{rela} | {b[1]:.2f} | {af[1]:.2f} |")
+    run.write_section(os.path.join(run.ROOT, "BENCHMARKS.md"), "crypt-before-after", lines)
     print("\n".join(lines))
 
 

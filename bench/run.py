@@ -73,17 +73,18 @@ class Dmkit:
 
     n = 0
 
-    def __init__(self, tmp, devices=(), extra=()):
+    def __init__(self, tmp, devices=(), extra=(), binary=None):
         Dmkit.n += 1
+        self.bin = binary or DMKIT
         self.run = os.path.join(tmp, f"run-{Dmkit.n}")
-        self.p = subprocess.Popen([DMKIT, "serve", "--run-dir", self.run, *extra],
+        self.p = subprocess.Popen([self.bin, "serve", "--run-dir", self.run, *extra],
                                   stderr=subprocess.DEVNULL)
         wait_for(os.path.join(self.run, "control.sock"))
         for name, table in devices:
             self.cli("create", name, input=table)
 
     def cli(self, *args, input=None):
-        return subprocess.run([DMKIT, "--run-dir", self.run, *args], input=input, text=True,
+        return subprocess.run([self.bin, "--run-dir", self.run, *args], input=input, text=True,
                               check=True, capture_output=True).stdout
 
     def uri(self, name):

@@ -4,7 +4,8 @@
 //! happened, and a request whose only unfinished piece waits in a target
 //! holding no device below its own, and a mirror whose failed leg fails only
 //! into its hook (`remap_tolerant`) and whose read goes again to the other leg
-//! (`REMAP`).
+//! (`REMAP`); a large request's owned-buffer hooks run on a worker thread
+//! while the engine serves others.
 
 use super::*;
 use crate::mapper::{arg_dev, arg_u64, DevRef, Resolver, Target, TargetType};
@@ -23,6 +24,12 @@ fn logs() -> &'static Mutex<HashMap<u64, Log>> {
 
 fn log_of(id: u64) -> Log {
     logs().lock().unpoisoned().get(&id).cloned().unwrap_or_default()
+}
+
+/// The threads each mock device's owned-buffer hooks ran on, by log id.
+fn hook_threads() -> &'static Mutex<HashMap<u64, Vec<String>>> {
+    static THREADS: OnceLock<Mutex<HashMap<u64, Vec<String>>>> = OnceLock::new();
+    THREADS.get_or_init(Default::default)
 }
 
 fn record(id: u64, op: Op, sector: u64, ok: bool) {
@@ -120,13 +127,15 @@ impl Target for Invert {
             &self.dev,
             bio,
             |own, client| invert(client, own),
-            Box::new(move |ok, own, client| {
+            Some(Box::new(move |ok, own, client| {
                 record(id, op, sector, ok);
+                let me = std::thread::current().name().unwrap_or("-").to_string();
+                hook_threads().lock().unpoisoned().entry(id).or_default().push(me);
                 if ok && op == Op::Read {
                     invert(own, client);
                 }
                 0
-            }),
+            })),
         )
     }
     fn table_params(&self) -> String {
@@ -537,5 +546,84 @@ fn a_mirror_survives_a_failed_leg_and_reads_again_from_the_other() {
     assert_eq!(wait(&mut e, r, 1000), Some(errno::EIO));
     e.free(r);
     e.shut_down();
+    let _ = std::fs::remove_file(path);
+}
+
+/// A request with 256 KiB or more of owned-buffer hooks (two inverts, one over
+/// the other) has them run on a worker when the engine offloads: innermost
+/// first (the data comes back inverted twice), the request completing from the
+/// worker's answer, while a small request beside it has its hooks run on the
+/// engine's thread; a failure below still reaches the hooks and the request;
+/// the engine shuts down only once the worker's answer is back.
+#[test]
+fn a_large_requests_hooks_run_on_a_worker_and_the_request_completes_from_its_answer() {
+    let (reg, path) = setup("offload");
+    reg.create(
+        "in",
+        Some(&format!("0 2048 invert {} 110", path.display())),
+        false,
+        None,
+    )
+    .expect("in");
+    reg.create("out", Some("0 2048 invert /dev/mapper/in 111"), false, None)
+        .expect("out");
+    reg.create("bad", Some("0 2048 error"), false, None).expect("bad");
+    reg.create("badinv", Some("0 2048 invert /dev/mapper/bad 112"), false, None)
+        .expect("badinv");
+    let out = reg.get("out").expect("out");
+    let mut e = Engine::new(4).expect("engine");
+    e.offload_hooks(true);
+    let data = pattern(512 << 10, 5);
+    let r = fill(&mut e, Op::Write, 0, 1024, Some(&data));
+    e.start(r, &out);
+    assert_eq!(wait(&mut e, r, 1000), Some(0));
+    e.free(r);
+    // inverted twice on the way down: stored as written
+    let on_disk = std::fs::read(&path).expect("read back");
+    assert_eq!(&on_disk[..data.len()], &data[..]);
+    let big = fill(&mut e, Op::Read, 0, 1024, None);
+    e.start(big, &out);
+    let small = fill(&mut e, Op::Read, 1024, 8, None);
+    e.start(small, &out);
+    let mut done = Vec::new();
+    for _ in 0..1000 {
+        if done.len() == 2 {
+            break;
+        }
+        done.extend(std::iter::from_fn(|| e.pop_done()));
+        e.turn(Some(Duration::from_millis(2))).expect("turn");
+    }
+    assert_eq!(done.len(), 2, "both reads done: {done:?}");
+    assert!(done.contains(&big) && done.contains(&small), "{done:?}");
+    assert_eq!((e.request(big).error, e.request(small).error), (0, 0));
+    assert_eq!(&e.request(big).buf.as_slice()[..data.len()], &data[..]);
+    assert_eq!(&e.request(small).buf.as_slice()[..4096], &[0u8; 4096][..]);
+    e.free(big);
+    e.free(small);
+    let threads = hook_threads().lock().unpoisoned().clone();
+    for id in [110, 111] {
+        let t = &threads[&id];
+        // the write's hook and the large read's on workers, the small read's
+        // here (in either order: the small read may finish first)
+        assert_eq!(t.len(), 3, "{id}: {t:?}");
+        let on_workers = t.iter().filter(|n| n.starts_with("dm-hooks-")).count();
+        assert_eq!(on_workers, 2, "{id}: {t:?}");
+    }
+    let (li, lo) = (log_of(110), log_of(111));
+    assert_eq!((li.len(), lo.len()), (3, 3), "{li:?} {lo:?}");
+    assert!(li.iter().chain(&lo).all(|&(_, _, ok)| ok));
+    // a failure below reaches the hook and fails the request
+    let bad = reg.get("badinv").expect("badinv");
+    let r = fill(&mut e, Op::Read, 0, 1024, None);
+    e.start(r, &bad);
+    assert_eq!(wait(&mut e, r, 1000), Some(errno::EIO));
+    e.free(r);
+    assert_eq!(log_of(112), vec![(Op::Read, 0, false)]);
+    assert!(hook_threads().lock().unpoisoned()[&112][0].starts_with("dm-hooks-"));
+    // a request whose hooks are out holds the shut-down until they are back
+    let r = fill(&mut e, Op::Read, 0, 1024, None);
+    e.start(r, &out);
+    e.shut_down();
+    assert!(!e.busy(), "nothing under way after the shut-down");
     let _ = std::fs::remove_file(path);
 }

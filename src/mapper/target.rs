@@ -374,10 +374,12 @@ impl<'a> MapCtx<'a> {
     /// Send `bio` (in `dev`'s sectors) to `dev` with data in a buffer of the
     /// target's own instead of the request's (dm-crypt's): a buffer of
     /// `bio.bytes()` is taken from the engine's free list, `fill` gets it and the
-    /// request's data `bio` covers (a write encrypts into it), and `end_io` runs
-    /// once everything the mapping produced is done, before the request
+    /// request's data `bio` covers (a write encrypts into it), and `end_io` (if
+    /// any) runs once everything the mapping produced is done, before the request
     /// completes, with whether all of it happened and succeeded, the buffer, and
-    /// the request's data (a read decrypts into it). The request's data is never
+    /// the request's data (a read decrypts into it). A frontend's engine may run
+    /// the hooks of a large request on a worker thread (`Engine::offload_hooks`),
+    /// so the hook must not rely on the thread it runs on. The request's data is never
     /// changed on the way down, so a requeue that maps the request again finds
     /// it as the client sent it. Only reads and writes carry data; other
     /// operations go on as [`remap`](Self::remap) sends them.
@@ -386,7 +388,7 @@ impl<'a> MapCtx<'a> {
         dev: &DevRef,
         bio: Bio,
         fill: impl FnOnce(&mut [u8], &mut [u8]),
-        end_io: OwnedEndIo,
+        end_io: Option<OwnedEndIo>,
     ) -> Result<(), MapErr> {
         if !matches!(bio.op, Op::Read | Op::Write) {
             return self.remap(dev, bio, 0);
@@ -404,7 +406,7 @@ impl<'a> MapCtx<'a> {
             len,
             client: self.cur,
             client_off: bio.buf_off,
-            hook: Some(end_io),
+            hook: end_io,
             done: done.clone(),
         });
         let outer = self.cur.replace(idx);

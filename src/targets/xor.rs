@@ -75,7 +75,7 @@ impl Target for Xor {
                     &self.dev,
                     down,
                     |own, client| apply(&key, bio.sector, client, own),
-                    Box::new(|_, _, _| 0),
+                    None,
                 )
             }
             Op::Read => {
@@ -84,12 +84,12 @@ impl Target for Xor {
                     &self.dev,
                     down,
                     |_, _| {},
-                    Box::new(move |ok, own, client| {
+                    Some(Box::new(move |ok, own, client| {
                         if ok {
                             apply(&key, bio.sector, own, client);
                         }
                         0
-                    }),
+                    })),
                 )
             }
             Op::Flush => ctx.remap(&self.dev, down, 0),

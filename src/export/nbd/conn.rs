@@ -146,6 +146,8 @@ impl Shared {
     pub fn new(slots: usize, max: usize) -> std::io::Result<Shared> {
         let mut engine = Engine::new(slots)?;
         engine.allow_growth(max);
+        // a reactor serves many connections: large decryptions go to workers
+        engine.offload_hooks(true);
         Ok(Shared {
             engine,
             slots: Slots(Vec::new()),

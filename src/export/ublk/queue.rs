@@ -191,7 +191,8 @@ impl Queue {
     fn new(s: QueueSpec) -> Result<Queue, String> {
         // this thread serves `s.dev`: a panic on it is logged under the device's name
         crate::panics::set_device(&s.dev.name());
-        let engine = Engine::new(usize::from(s.depth)).map_err(|e| format!("queue {}: {e}", s.q_id))?;
+        let mut engine = Engine::new(usize::from(s.depth)).map_err(|e| format!("queue {}: {e}", s.q_id))?;
+        engine.offload_hooks(true);
         if !engine.uses_uring() {
             return Err(
                 "ublk needs io_uring, which this system refuses (or `serve --no-io-uring` turned it off)"

@@ -409,6 +409,7 @@ impl Worker {
     fn new() -> std::io::Result<Worker> {
         let mut engine = Engine::new(128)?;
         engine.allow_growth(MAX_QUEUE_SIZE);
+        engine.offload_hooks(true);
         Ok(Worker {
             engine,
             jobs: Vec::with_capacity(128),

@@ -1195,14 +1195,14 @@ impl Target for Crypt {
                     // never the plaintext (map checked there are keys)
                     None => own.fill(0),
                 },
-                Box::new(|_, _, _| 0),
+                None,
             )
         } else {
             ctx.remap_owned(
                 &self.dev,
                 down,
                 |_, _| {},
-                Box::new(move |ok, own, client| {
+                Some(Box::new(move |ok, own, client| {
                     if !ok {
                         return 0;
                     }
@@ -1211,7 +1211,7 @@ impl Target for Crypt {
                     };
                     layout.apply(k, false, bio.sector, Some(own), client);
                     0
-                }),
+                })),
             )
         }
     }

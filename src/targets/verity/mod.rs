@@ -826,7 +826,7 @@ impl Target for Verity {
             &self.data,
             bio,
             |_, _| {},
-            Box::new(move |ok, own, client| {
+            Some(Box::new(move |ok, own, client| {
                 if !ok {
                     if core.opts.error_mode != Mode::Eio {
                         tracing::error!(
@@ -843,7 +843,7 @@ impl Target for Verity {
                     return errno::EIO;
                 }
                 core.verify_request(bio.sector / spb, own, client)
-            }),
+            })),
         )
     }
 
