@@ -232,39 +232,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
         };
         match (e.name().as_ref(), inside) {
             (b"superblock", In::Nowhere) if !empty => {
-                let [uuid, bs, nr, policy, hw] = attrs(
-                    e,
-                    "superblock",
-                    ["uuid", "block_size", "nr_cache_blocks", "policy", "hint_width"],
-                    line,
-                )?;
-                let n32 = |k: &[u8], v: &[u8]| -> Result<u32> {
-                    u32::try_from(decimal(k, v, line)?).map_err(|_| {
-                        bad(
-                            line,
-                            format!("{} is more than 32 bits", String::from_utf8_lossy(k)),
-                        )
-                    })
-                };
-                md.sb = XmlSuperblock {
-                    uuid: String::from_utf8_lossy(&uuid).into_owned(),
-                    block_size: n32(b"block_size", &bs)?,
-                    nr_cache_blocks: n32(b"nr_cache_blocks", &nr)?,
-                    policy: String::from_utf8_lossy(&policy).into_owned(),
-                    hint_width: n32(b"hint_width", &hw)?,
-                };
-                if md.sb.hint_width != 0 && md.sb.hint_width != super::superblock::HINT_SIZE {
-                    return Err(bad(
-                        line,
-                        format!("hint_width {} (0 or 4 are supported)", md.sb.hint_width),
-                    ));
-                }
-                if md.sb.policy.len() >= super::superblock::POLICY_NAME_SIZE {
-                    return Err(bad(
-                        line,
-                        format!("policy name '{}' is longer than 15 bytes", md.sb.policy),
-                    ));
-                }
+                md.sb = superblock_of(e, line)?;
                 inside = In::Superblock;
             }
             (b"superblock", _) => return Err(bad(line, "duplicated superblock")),
@@ -272,31 +240,7 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
             (b"hints", In::Superblock) if !empty => inside = In::Hints,
             (b"discards", In::Superblock) if !empty => inside = In::Discards,
             (b"mappings" | b"hints" | b"discards", In::Superblock) => {}
-            (b"mapping", In::Mappings) => {
-                let [c, o, d] = attrs(e, "mapping", ["cache_block", "origin_block", "dirty"], line)?;
-                let oblock = decimal(b"origin_block", &o, line)?;
-                if oblock >= super::superblock::MAX_ORIGIN_BLOCKS {
-                    return Err(bad(
-                        line,
-                        format!("origin block {oblock} does not fit a mapping (48 bits)"),
-                    ));
-                }
-                let dirty = match &d[..] {
-                    b"true" => true,
-                    b"false" => false,
-                    v => {
-                        return Err(bad(
-                            line,
-                            format!("dirty=\"{}\" is not true or false", String::from_utf8_lossy(v)),
-                        ))
-                    }
-                };
-                md.mappings.push(Mapping {
-                    cblock: cblock_of(&c)?,
-                    oblock,
-                    dirty,
-                });
-            }
+            (b"mapping", In::Mappings) => md.mappings.push(mapping_of(e, line, cblock_of)?),
             (b"hint", In::Hints) => {
                 let [c, d] = attrs(e, "hint", ["cache_block", "data"], line)?;
                 let cblock = cblock_of(&c)?;
@@ -321,6 +265,77 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlCache> {
     if inside != In::Done {
         return Err(CacheError::Plain("incompleted source metadata".into()));
     }
+    each_block_once(md)
+}
+
+/// A `<mapping>` element (`cblock_of` checks its cache block).
+fn mapping_of(e: &BytesStart, line: usize, cblock_of: impl Fn(&[u8]) -> Result<u32>) -> Result<Mapping> {
+    let [c, o, d] = attrs(e, "mapping", ["cache_block", "origin_block", "dirty"], line)?;
+    let oblock = decimal(b"origin_block", &o, line)?;
+    if oblock >= super::superblock::MAX_ORIGIN_BLOCKS {
+        return Err(bad(
+            line,
+            format!("origin block {oblock} does not fit a mapping (48 bits)"),
+        ));
+    }
+    let dirty = match &d[..] {
+        b"true" => true,
+        b"false" => false,
+        v => {
+            return Err(bad(
+                line,
+                format!("dirty=\"{}\" is not true or false", String::from_utf8_lossy(v)),
+            ))
+        }
+    };
+    Ok(Mapping {
+        cblock: cblock_of(&c)?,
+        oblock,
+        dirty,
+    })
+}
+
+/// The `<superblock>` element's attributes, as the cache's superblock holds them.
+fn superblock_of(e: &BytesStart, line: usize) -> Result<XmlSuperblock> {
+    let [uuid, bs, nr, policy, hw] = attrs(
+        e,
+        "superblock",
+        ["uuid", "block_size", "nr_cache_blocks", "policy", "hint_width"],
+        line,
+    )?;
+    let n32 = |k: &[u8], v: &[u8]| -> Result<u32> {
+        u32::try_from(decimal(k, v, line)?).map_err(|_| {
+            bad(
+                line,
+                format!("{} is more than 32 bits", String::from_utf8_lossy(k)),
+            )
+        })
+    };
+    let sb = XmlSuperblock {
+        uuid: String::from_utf8_lossy(&uuid).into_owned(),
+        block_size: n32(b"block_size", &bs)?,
+        nr_cache_blocks: n32(b"nr_cache_blocks", &nr)?,
+        policy: String::from_utf8_lossy(&policy).into_owned(),
+        hint_width: n32(b"hint_width", &hw)?,
+    };
+    if sb.hint_width != 0 && sb.hint_width != super::superblock::HINT_SIZE {
+        return Err(bad(
+            line,
+            format!("hint_width {} (0 or 4 are supported)", sb.hint_width),
+        ));
+    }
+    if sb.policy.len() >= super::superblock::POLICY_NAME_SIZE {
+        return Err(bad(
+            line,
+            format!("policy name '{}' is longer than 15 bytes", sb.policy),
+        ));
+    }
+    Ok(sb)
+}
+
+/// `md` with its mappings and hints sorted by cache block, if no cache block
+/// is mapped or hinted twice and no origin block is mapped twice.
+fn each_block_once(mut md: XmlCache) -> Result<XmlCache> {
     md.mappings.sort_by_key(|m| m.cblock);
     if let Some(w) = md.mappings.windows(2).find(|w| w[0].cblock == w[1].cblock) {
         return Err(CacheError::Plain(format!(

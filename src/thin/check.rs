@@ -507,54 +507,9 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         return report;
     }
     let mut tm = reader(dev, 64);
-    let read = if o.super_block_only {
-        read_superblock_alone
-    } else {
-        read_superblock
-    };
-    let mut sb = match read(&mut tm.cache) {
-        Ok(sb) => sb,
-        Err(e) => {
-            let s = match e {
-                super::ThinError::Pdata(PdataError::Checksum { .. }) => {
-                    "bad checksum in superblock".to_string()
-                }
-                e => e.to_string(),
-            };
-            report.fail(s);
-            return report;
-        }
-    };
-    if o.metadata_snap && sb.held_root == 0 {
-        report.fail("no current metadata snap".into());
+    let Some((sb, held)) = superblocks(&mut tm, &o, &mut report) else {
         return report;
-    }
-    // the snapshot's superblock is read before anything is said of the live one
-    // (1.x: a bad one is the only line, even with --super-block-only)
-    let held = if o.metadata_snap {
-        match tm.read(sb.held_root, BlockKind::Superblock) {
-            Ok(d) => Some(Superblock::decode(d)),
-            Err(e) => {
-                report.errors.push(format!("metadata snap superblock: {e}"));
-                report.fail(format!("metadata snap: {}", superblock_error(&e)));
-                return report;
-            }
-        }
-    } else {
-        None
     };
-    report.transaction_id = sb.trans_id;
-    report.free_metadata_blocks = sb
-        .meta_sm_root
-        .nr_blocks
-        .saturating_sub(sb.meta_sm_root.nr_allocated);
-    report.info = Some((report.transaction_id, report.free_metadata_blocks));
-    if let Some(r) = o.override_mapping_root {
-        sb.mapping_root = r;
-    }
-    if let Some(r) = o.override_details_root {
-        sb.details_root = r;
-    }
     if o.super_block_only {
         return finish(tm, o, report, &sb, Vec::new(), Vec::new());
     }
@@ -607,56 +562,142 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         devices_and_mappings(&mut c, &mut report, &held, "");
         return report;
     }
-    c.meta_ref(SUPERBLOCK_LOCATION);
-    if !devices_and_mappings(&mut c, &mut report, &sb, "") {
+    if !live_and_held_trees(&mut c, &mut report, &sb) {
         return report;
-    }
-    if sb.held_root != 0 && c.meta_ref(sb.held_root) {
-        match c.tm.read(sb.held_root, BlockKind::Superblock) {
-            Ok(d) => {
-                let h = Superblock::decode(d);
-                if !devices_and_mappings(&mut c, &mut report, &h, "metadata snap: ") {
-                    return report;
-                }
-            }
-            Err(e) => {
-                report.errors.push(format!("metadata snap superblock: {e}"));
-                report.fail(format!("metadata snap: {}", superblock_error(&e)));
-                return report;
-            }
-        }
     }
     if o.skip_mappings {
         let tm = c.tm;
         return finish(tm, o, report, &sb, Vec::new(), Vec::new());
     }
+    let (pre_data, pre_meta) = match preload.map(|h| h.join()) {
+        Some(Ok((d, m))) => (Some(d), Some(m)),
+        _ => (None, None),
+    };
+    let Some(data_leaks) = data_space_map(&mut c, &mut report, &sb, pre_data) else {
+        return report;
+    };
+    let Some(meta_leaks) = metadata_space_map(&mut c, &mut report, &sb, pre_meta) else {
+        return report;
+    };
+    if c.underfull > 0 && o.ignore_non_fatal {
+        report
+            .leaks
+            .push(format!("{} btree nodes are under-full", c.underfull));
+    }
+    let tm = c.tm;
+    finish(tm, o, report, &sb, data_leaks, meta_leaks)
+}
 
-    // The data space map: its own blocks, then its counts.
+/// Read the superblock (and, checking the metadata snapshot, the held one),
+/// say what they hold in `report`, and apply the root overrides: None if the
+/// check ends here (`report` says why).
+fn superblocks(
+    tm: &mut TransactionManager,
+    o: &CheckOptions,
+    report: &mut Report,
+) -> Option<(Superblock, Option<Superblock>)> {
+    let read = if o.super_block_only {
+        read_superblock_alone
+    } else {
+        read_superblock
+    };
+    let mut sb = match read(&mut tm.cache) {
+        Ok(sb) => sb,
+        Err(e) => {
+            let s = match e {
+                super::ThinError::Pdata(PdataError::Checksum { .. }) => {
+                    "bad checksum in superblock".to_string()
+                }
+                e => e.to_string(),
+            };
+            report.fail(s);
+            return None;
+        }
+    };
+    if o.metadata_snap && sb.held_root == 0 {
+        report.fail("no current metadata snap".into());
+        return None;
+    }
+    // the snapshot's superblock is read before anything is said of the live one
+    // (1.x: a bad one is the only line, even with --super-block-only)
+    let held = if o.metadata_snap {
+        match tm.read(sb.held_root, BlockKind::Superblock) {
+            Ok(d) => Some(Superblock::decode(d)),
+            Err(e) => {
+                report.errors.push(format!("metadata snap superblock: {e}"));
+                report.fail(format!("metadata snap: {}", superblock_error(&e)));
+                return None;
+            }
+        }
+    } else {
+        None
+    };
+    report.transaction_id = sb.trans_id;
+    report.free_metadata_blocks = sb
+        .meta_sm_root
+        .nr_blocks
+        .saturating_sub(sb.meta_sm_root.nr_allocated);
+    report.info = Some((report.transaction_id, report.free_metadata_blocks));
+    if let Some(r) = o.override_mapping_root {
+        sb.mapping_root = r;
+    }
+    if let Some(r) = o.override_details_root {
+        sb.details_root = r;
+    }
+    Some((sb, held))
+}
+
+/// The live trees, then those of a held metadata snapshot: false if the check
+/// ends here.
+fn live_and_held_trees(c: &mut Checker, report: &mut Report, sb: &Superblock) -> bool {
+    c.meta_ref(SUPERBLOCK_LOCATION);
+    if !devices_and_mappings(c, report, sb, "") {
+        return false;
+    }
+    if sb.held_root == 0 || !c.meta_ref(sb.held_root) {
+        return true;
+    }
+    match c.tm.read(sb.held_root, BlockKind::Superblock) {
+        Ok(d) => {
+            let h = Superblock::decode(d);
+            devices_and_mappings(c, report, &h, "metadata snap: ")
+        }
+        Err(e) => {
+            report.errors.push(format!("metadata snap superblock: {e}"));
+            report.fail(format!("metadata snap: {}", superblock_error(&e)));
+            false
+        }
+    }
+}
+
+/// The data space map: its own blocks, then its counts (`pre`: loaded
+/// beforehand). Its leaked blocks, or None if the check ends here.
+fn data_space_map(
+    c: &mut Checker,
+    report: &mut Report,
+    sb: &Superblock,
+    pre: Option<crate::pdata::Result<SpaceMap>>,
+) -> Option<Vec<(u64, u32)>> {
     report.title("data space map");
     c.errors.clear();
     c.tree(sb.data_sm_root.bitmap_root, Tree::DataIndex);
     c.tree(sb.data_sm_root.ref_count_root, Tree::RefCount);
     if let Some(e) = c.errors.first().cloned() {
         report.fail(format!("data space map: {e}"));
-        return report;
+        return None;
     }
-    let (mut pre_data, mut pre_meta) = match preload.map(|h| h.join()) {
-        Some(Ok((d, m))) => (Some(d), Some(m)),
-        _ => (None, None),
-    };
-    let mut data_leaks = Vec::new();
-    if !space_map(
-        &mut c,
-        &mut report,
-        SmKind::Data,
-        &sb.data_sm_root,
-        pre_data.take(),
-        &mut data_leaks,
-    ) {
-        return report;
-    }
+    let mut leaks = Vec::new();
+    space_map(c, report, SmKind::Data, &sb.data_sm_root, pre, &mut leaks).then_some(leaks)
+}
 
-    // The metadata space map: its index block, bitmaps and overflow tree.
+/// The metadata space map: its index block, bitmaps and overflow tree, then
+/// its counts. Its leaked blocks, or None if the check ends here.
+fn metadata_space_map(
+    c: &mut Checker,
+    report: &mut Report,
+    sb: &Superblock,
+    pre: Option<crate::pdata::Result<SpaceMap>>,
+) -> Option<Vec<(u64, u32)>> {
     report.title("metadata space map");
     c.meta_ref(sb.meta_sm_root.bitmap_root);
     match c.tm.read(sb.meta_sm_root.bitmap_root, BlockKind::Index) {
@@ -673,37 +714,21 @@ pub fn check_with(dev: Box<dyn MetadataDev>, o: CheckOptions) -> Report {
         Err(e @ PdataError::Checksum { .. }) => {
             report.errors.push(e.to_string());
             report.fail("metadata space map: bad checksum in index block".into());
-            return report;
+            return None;
         }
         Err(e) => {
             report.fail(format!("metadata space map: {e}"));
-            return report;
+            return None;
         }
     }
     c.errors.clear();
     c.tree(sb.meta_sm_root.ref_count_root, Tree::RefCount);
     if let Some(e) = c.errors.first().cloned() {
         report.fail(format!("metadata space map: {e}"));
-        return report;
+        return None;
     }
-    let mut meta_leaks = Vec::new();
-    if !space_map(
-        &mut c,
-        &mut report,
-        SmKind::Metadata,
-        &sb.meta_sm_root,
-        pre_meta.take(),
-        &mut meta_leaks,
-    ) {
-        return report;
-    }
-    if c.underfull > 0 && o.ignore_non_fatal {
-        report
-            .leaks
-            .push(format!("{} btree nodes are under-full", c.underfull));
-    }
-    let tm = c.tm;
-    finish(tm, o, report, &sb, data_leaks, meta_leaks)
+    let mut leaks = Vec::new();
+    space_map(c, report, SmKind::Metadata, &sb.meta_sm_root, pre, &mut leaks).then_some(leaks)
 }
 
 fn superblock_error(e: &PdataError) -> String {

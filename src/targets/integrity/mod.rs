@@ -183,6 +183,27 @@ struct Layout {
 }
 
 impl Layout {
+    /// Format a blank device with superblock `sb` at sector `offset`: the
+    /// empty journal, then the superblock, each durable.
+    fn format(&self, sb: &mut Superblock, offset: u64, tag_size: u64) -> Result<(), String> {
+        let w = |e: std::io::Error| format!("Could not initialize superblock: {e}");
+        for i in 0..self.geo.journal_sections {
+            let s = empty_section(&self.geo, i, 0);
+            devio::write(&self.mdest, self.geo.journal_sector(i * self.geo.section_sectors), &s, false).map_err(w)?;
+        }
+        self.flush().map_err(w)?;
+        sb.set_version(self.mode == Mode::Bitmap, self.meta.is_some());
+        devio::write(&self.mdest, offset, &sb.to_bytes(), true).map_err(w)?;
+        tracing::info!(
+            "integrity: formatted {}: {} data sectors, {} journal sections, tag {} bytes",
+            self.dev.table_name(),
+            self.geo.provided,
+            self.geo.journal_sections,
+            tag_size
+        );
+        Ok(())
+    }
+
     /// A commit under way, for the crash simulator (which may place a crash
     /// anywhere in one).
     fn window(&self) -> crate::io::sim::CommitWindow {
@@ -276,6 +297,22 @@ struct Shared {
     failed: AtomicBool,
 }
 
+impl Shared {
+    /// Nothing queued, no mismatch yet, recalculating from `recalc_at`.
+    fn new(recalc_at: u64) -> Shared {
+        Shared {
+            q: Mutex::new(Queue {
+                jobs: VecDeque::new(),
+                stop: false,
+            }),
+            wake: Condvar::new(),
+            mismatches: AtomicU64::new(0),
+            recalc_at: AtomicU64::new(recalc_at),
+            failed: AtomicBool::new(false),
+        }
+    }
+}
+
 pub struct Integrity {
     lay: Arc<Layout>,
     shared: Arc<Shared>,
@@ -287,13 +324,56 @@ pub struct Integrity {
     started: AtomicBool,
 }
 
+/// The internal hash the options name and the tag size (the table's, else
+/// the digest's).
+fn hash_and_tag(opts: &Opts, tag_given: Option<u64>) -> Result<(Hash, u64), String> {
+    let Some(spec) = &opts.internal_hash else {
+        return Err(
+            "tags without internal_hash (a device above supplying them) are not supported by dmkit's integrity target"
+                .into(),
+        );
+    };
+    let (hash, _) = Hash::parse(spec)?;
+    let tag_size = tag_given.unwrap_or(hash.digest_size());
+    if tag_size > MAX_TAG_SIZE {
+        return Err("Too big tag size".into());
+    }
+    Ok((hash, tag_size))
+}
+
+/// The options `recalculate` (start one if none is under way) and
+/// `reset_recalculate` (from the start) in the superblock.
+fn ask_recalculation(sb: &mut Superblock, opts: &Opts) {
+    if opts.recalculate && !sb.has(SB_FLAG_RECALCULATING) {
+        sb.flags |= SB_FLAG_RECALCULATING;
+        sb.recalc_sector = 0;
+    }
+    if opts.reset_recalculate {
+        sb.recalc_sector = 0;
+    }
+}
+
+/// log2 of the sectors a bitmap bit covers (mode B; written to the superblock
+/// at format): the table's `sectors_per_bit` (32768 if not given), at least a
+/// block, and grown until the bitmap fits the journal's area.
+fn bitmap_log2(sectors_per_bit: Option<u64>, log2_spb: u8, geo: &Geometry) -> u8 {
+    let mut log2_spbb = sectors_per_bit
+        .map_or(15, |v| if v == 0 { 0 } else { 63 - v.leading_zeros() as u8 })
+        .max(log2_spb);
+    let journal_bits = (geo.journal_sectors() * 4096).min(u64::from(u32::MAX));
+    while log2_spbb < 63 && journal_bits < geo.provided.div_ceil(1u64 << log2_spbb) {
+        log2_spbb += 1;
+    }
+    log2_spbb
+}
+
 impl Integrity {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Integrity, String> {
+    /// The table's arguments other than the devices: the offset, the tag size
+    /// if given, the mode and the options, with the kernel's messages.
+    fn parse_args(args: &[String]) -> Result<(u64, Option<u64>, Mode, Opts), String> {
         if args.len() < 5 {
             return Err("Invalid argument count".into());
         }
-        let dev_name = &args[0];
-        let dev = r.open(dev_name).map_err(|e| format!("Device lookup failed: '{dev_name}': {e}"))?;
         let offset = arg_u64(args, 1, "offset").map_err(|_| "Invalid starting offset".to_string())?;
         let tag_given = if args[2] == "-" {
             None
@@ -320,18 +400,14 @@ impl Integrity {
         if args.len() > 5 + nopt {
             return Err("Invalid argument count".into());
         }
-        let opts = parse_opts(words)?;
-        let Some(spec) = &opts.internal_hash else {
-            return Err(
-                "tags without internal_hash (a device above supplying them) are not supported by dmkit's integrity target"
-                    .into(),
-            );
-        };
-        let (hash, _) = Hash::parse(spec)?;
-        let tag_size = tag_given.unwrap_or(hash.digest_size());
-        if tag_size > MAX_TAG_SIZE {
-            return Err("Too big tag size".into());
-        }
+        Ok((offset, tag_given, mode, parse_opts(words)?))
+    }
+
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Integrity, String> {
+        let (offset, tag_given, mode, opts) = Self::parse_args(args)?;
+        let dev_name = &args[0];
+        let dev = r.open(dev_name).map_err(|e| format!("Device lookup failed: '{dev_name}': {e}"))?;
+        let (hash, tag_size) = hash_and_tag(&opts, tag_given)?;
         let log2_spb = (opts.block_size.unwrap_or(512) / 512).trailing_zeros() as u8;
         let dest = dev.dest();
         let dev_sectors = dev.size_sectors();
@@ -372,31 +448,14 @@ impl Integrity {
             ));
         }
         if sb.has(SB_FLAG_RECALCULATING) && sb.recalc_sector < geo.provided && hash.keyed() && !opts.legacy_recalculate {
-            let refuse = if sb.has(SB_FLAG_FIXED_HMAC) { hash.keyed() } else { true };
-            if refuse {
-                return Err("Recalculating with HMAC is disabled for security reasons - if you really need it, use the argument \"legacy_recalculate\"".into());
-            }
+            return Err("Recalculating with HMAC is disabled for security reasons - if you really need it, use the argument \"legacy_recalculate\"".into());
         }
-        // the bitmap's geometry (mode B; written to the superblock at format)
-        let mut log2_spbb = opts
-            .sectors_per_bit
-            .map_or(15, |v| if v == 0 { 0 } else { 63 - v.leading_zeros() as u8 })
-            .max(log2_spb);
-        let journal_bits = (geo.journal_sectors() * 4096).min(u64::from(u32::MAX));
-        while log2_spbb < 63 && journal_bits < geo.provided.div_ceil(1u64 << log2_spbb) {
-            log2_spbb += 1;
-        }
+        let log2_spbb = bitmap_log2(opts.sectors_per_bit, log2_spb, &geo);
         if format {
             sb.log2_blocks_per_bit = log2_spbb - log2_spb;
             sb.provided_data_sectors = geo.provided;
         }
-        if opts.recalculate && !sb.has(SB_FLAG_RECALCULATING) {
-            sb.flags |= SB_FLAG_RECALCULATING;
-            sb.recalc_sector = 0;
-        }
-        if opts.reset_recalculate {
-            sb.recalc_sector = 0;
-        }
+        ask_recalculation(&mut sb, &opts);
         let salt = sb.has(SB_FLAG_FIXED_HMAC).then_some(sb.salt);
         let lay = Arc::new(Layout {
             dev,
@@ -414,38 +473,14 @@ impl Integrity {
             allow_discards: opts.allow_discards,
         });
         if format {
-            // the empty journal, then the superblock, each durable
-            let w = |e: std::io::Error| format!("Could not initialize superblock: {e}");
-            for i in 0..lay.geo.journal_sections {
-                let s = empty_section(&lay.geo, i, 0);
-                devio::write(&lay.mdest, lay.geo.journal_sector(i * lay.geo.section_sectors), &s, false).map_err(w)?;
-            }
-            lay.flush().map_err(w)?;
-            sb.set_version(mode == Mode::Bitmap, lay.meta.is_some());
-            devio::write(&lay.mdest, offset, &sb.to_bytes(), true).map_err(w)?;
-            tracing::info!(
-                "integrity: formatted {}: {} data sectors, {} journal sections, tag {} bytes",
-                lay.dev.table_name(),
-                lay.geo.provided,
-                lay.geo.journal_sections,
-                tag_size
-            );
+            lay.format(&mut sb, offset, tag_size)?;
         }
         let recalc = if sb.has(SB_FLAG_RECALCULATING) && sb.recalc_sector < lay.geo.provided {
             sb.recalc_sector
         } else {
             u64::MAX
         };
-        let shared = Arc::new(Shared {
-            q: Mutex::new(Queue {
-                jobs: VecDeque::new(),
-                stop: false,
-            }),
-            wake: Condvar::new(),
-            mismatches: AtomicU64::new(0),
-            recalc_at: AtomicU64::new(recalc),
-            failed: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::new(recalc));
         let journal_sectors_shown = lay.geo.journal_sectors();
         let sb_flags = sb.flags;
         let mut work = Work::new(lay.clone(), shared.clone(), sb);

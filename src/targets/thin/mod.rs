@@ -397,103 +397,17 @@ impl Pool {
         wait_for_orphan(pools, key);
         let mut all = pools.list();
         all.retain(|(_, w)| w.strong_count() > 0);
-        let owned_elsewhere = |p: &Pool| {
-            let o = p.pool_dev.lock().unpoisoned().upgrade();
-            o.filter(|o| !Arc::ptr_eq(o, owner)).map(|o| o.name())
-        };
-        for (_, p) in all.iter().filter(|(k, _)| *k != key) {
-            let Some(p) = p.upgrade().filter(|p| identity(&p.data) == identity(data)) else {
-                continue;
-            };
-            if let Some(other) = owned_elsewhere(&p) {
-                return Err(format!(
-                    "Device or resource busy: data device already in use by the pool of device '{other}'"
-                ));
-            }
-        }
-        if let Some(p) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
-            if let Some(other) = owned_elsewhere(&p) {
-                return Err(format!(
-                    "Device or resource busy: metadata device already in use by a pool (device '{other}')"
-                ));
-            }
-            if p.lock().features.discard_enabled != features.discard_enabled {
-                return Err("Discard support cannot be disabled once enabled".into());
-            }
-            // A reload: the new features, size and low water take effect at resume.
-            if p.block_sectors != block_sectors {
-                return Err(format!(
-                    "data block size {block_sectors} does not match the pool's {}",
-                    p.block_sectors
-                ));
-            }
+        if let Some(p) = Self::existing(&all, owner, key, data, features, block_sectors)? {
             return Ok(p);
         }
-        // Writable whenever the file allows, so a read_only pool can be reloaded
-        // read-write; read_only itself is the pool's mode.
-        let dev = devio::metadata_dev(metadata).map_err(|e| format!("metadata device: {e}"))?;
-        let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
-        let mut md = if fresh {
-            if features.read_only {
-                return Err("read_only pool with unformatted metadata".into());
-            }
-            let opts = FormatOptions {
-                data_block_size: block_sectors as u32,
-                nr_data_blocks: nr_blocks,
-                cache_blocks: CACHE_BLOCKS,
-            };
-            ThinPoolMetadata::format(dev, opts).map_err(|e| format!("formatting metadata: {e}"))?
-        } else {
-            ThinPoolMetadata::open(dev, CACHE_BLOCKS).map_err(|e| format!("opening metadata: {e}"))?
-        };
-        if u64::from(md.data_block_size()) != block_sectors {
-            return Err(format!(
-                "data block size {block_sectors} does not match the metadata's {}",
-                md.data_block_size()
-            ));
-        }
-        if nr_blocks < md.nr_data_blocks() {
-            return Err(format!(
-                "pool target ({nr_blocks} blocks) too small: the metadata has {} data blocks",
-                md.nr_data_blocks()
-            ));
-        }
+        let mut md = Self::open_metadata(metadata, block_sectors, nr_blocks, features)?;
         let mode = if features.read_only || md.needs_check() {
             Mode::ReadOnly
         } else {
             Mode::Write
         };
         let restart = match config.restart_logs.as_deref() {
-            Some(dir) if mode == Mode::Write => {
-                let path = RestartLog::path(dir, "thin-pool", key);
-                replay_restart_log(&mut md, data, &path, &describe(metadata))?;
-                // a generation maps each data block at most once (a block freed
-                // is not handed out again before a commit) and unmaps at most
-                // each mapped block once: twice the data blocks never waits
-                let cap = config.restart_log_records.unwrap_or_else(|| {
-                    usize::try_from(md.nr_data_blocks())
-                        .unwrap_or(usize::MAX)
-                        .saturating_mul(2)
-                });
-                let sim = match metadata {
-                    Dest::File(f) => f.sim().cloned(),
-                    Dest::Dm(_) => None,
-                };
-                match RestartLog::create_on(&path, cap, sim) {
-                    Ok(mut l) => {
-                        l.begin(md.committed_identity());
-                        Some(l)
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            "thin-pool {}: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
-                            describe(metadata),
-                            path.display()
-                        );
-                        None
-                    }
-                }
-            }
+            Some(dir) if mode == Mode::Write => restart_log(&mut md, metadata, data, dir, key, config)?,
             _ => None,
         };
         let pool = Arc::new_cyclic(|me| Pool {
@@ -544,6 +458,94 @@ impl Pool {
             .map_err(|e| format!("starting the commit thread: {e}"))?;
         all.push((key, Arc::downgrade(&pool)));
         Ok(pool)
+    }
+
+
+    /// The live pool on `key`'s metadata, if there is one and `owner` may take
+    /// it (a table reload of its device); Err if another device's pool holds
+    /// that metadata or `data`, or the reload changes what cannot change.
+    fn existing(
+        all: &PoolList,
+        owner: &Arc<Device>,
+        key: (u64, u64),
+        data: &Dest,
+        features: Features,
+        block_sectors: u64,
+    ) -> Result<Option<Arc<Pool>>, String> {
+        let owned_elsewhere = |p: &Pool| {
+            let o = p.pool_dev.lock().unpoisoned().upgrade();
+            o.filter(|o| !Arc::ptr_eq(o, owner)).map(|o| o.name())
+        };
+        for (_, p) in all.iter().filter(|(k, _)| *k != key) {
+            let Some(p) = p.upgrade().filter(|p| identity(&p.data) == identity(data)) else {
+                continue;
+            };
+            if let Some(other) = owned_elsewhere(&p) {
+                return Err(format!(
+                    "Device or resource busy: data device already in use by the pool of device '{other}'"
+                ));
+            }
+        }
+        let Some(p) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) else {
+            return Ok(None);
+        };
+        if let Some(other) = owned_elsewhere(&p) {
+            return Err(format!(
+                "Device or resource busy: metadata device already in use by a pool (device '{other}')"
+            ));
+        }
+        if p.lock().features.discard_enabled != features.discard_enabled {
+            return Err("Discard support cannot be disabled once enabled".into());
+        }
+        // A reload: the new features, size and low water take effect at resume.
+        if p.block_sectors != block_sectors {
+            return Err(format!(
+                "data block size {block_sectors} does not match the pool's {}",
+                p.block_sectors
+            ));
+        }
+        Ok(Some(p))
+    }
+
+    /// A new pool's metadata: opened from its superblock, or formatted when it
+    /// starts with a zeroed block (never with `read_only`), and checked against
+    /// the table's block size and data blocks.
+    fn open_metadata(
+        metadata: &Dest,
+        block_sectors: u64,
+        nr_blocks: u64,
+        features: Features,
+    ) -> Result<ThinPoolMetadata, String> {
+        // Writable whenever the file allows, so a read_only pool can be reloaded
+        // read-write; read_only itself is the pool's mode.
+        let dev = devio::metadata_dev(metadata).map_err(|e| format!("metadata device: {e}"))?;
+        let fresh = is_zeroed(metadata).map_err(|e| format!("metadata device: {e}"))?;
+        let md = if fresh {
+            if features.read_only {
+                return Err("read_only pool with unformatted metadata".into());
+            }
+            let opts = FormatOptions {
+                data_block_size: block_sectors as u32,
+                nr_data_blocks: nr_blocks,
+                cache_blocks: CACHE_BLOCKS,
+            };
+            ThinPoolMetadata::format(dev, opts).map_err(|e| format!("formatting metadata: {e}"))?
+        } else {
+            ThinPoolMetadata::open(dev, CACHE_BLOCKS).map_err(|e| format!("opening metadata: {e}"))?
+        };
+        if u64::from(md.data_block_size()) != block_sectors {
+            return Err(format!(
+                "data block size {block_sectors} does not match the metadata's {}",
+                md.data_block_size()
+            ));
+        }
+        if nr_blocks < md.nr_data_blocks() {
+            return Err(format!(
+                "pool target ({nr_blocks} blocks) too small: the metadata has {} data blocks",
+                md.nr_data_blocks()
+            ));
+        }
+        Ok(md)
     }
 
     /// The metadata, locked. A lock a panicking thread left behind ends the
@@ -995,6 +997,46 @@ const MAPPED: u32 = 1;
 const MAPPED_ALLOCATED_BEFORE: u32 = 2;
 /// Thin `a`'s block `b`, mapped to data block `c`, unmapped by a discard.
 const UNMAPPED: u32 = 3;
+
+/// A writable pool's restart log under `dir`: the last daemon's replayed into
+/// `md` first, then a new one begun (None, with a warning, if it cannot be made).
+fn restart_log(
+    md: &mut ThinPoolMetadata,
+    metadata: &Dest,
+    data: &Dest,
+    dir: &std::path::Path,
+    key: (u64, u64),
+    config: &Config,
+) -> Result<Option<RestartLog>, String> {
+    let path = RestartLog::path(dir, "thin-pool", key);
+    replay_restart_log(md, data, &path, &describe(metadata))?;
+    // a generation maps each data block at most once (a block freed is not
+    // handed out again before a commit) and unmaps at most each mapped block
+    // once: twice the data blocks never waits
+    let cap = config.restart_log_records.unwrap_or_else(|| {
+        usize::try_from(md.nr_data_blocks())
+            .unwrap_or(usize::MAX)
+            .saturating_mul(2)
+    });
+    let sim = match metadata {
+        Dest::File(f) => f.sim().cloned(),
+        Dest::Dm(_) => None,
+    };
+    match RestartLog::create_on(&path, cap, sim) {
+        Ok(mut l) => {
+            l.begin(md.committed_identity());
+            Ok(Some(l))
+        }
+        Err(e) => {
+            tracing::warn!(
+                "thin-pool {}: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
+                describe(metadata),
+                path.display()
+            );
+            Ok(None)
+        }
+    }
+}
 
 /// Map again what a killed daemon acknowledged and had not committed, when its
 /// restart log follows the metadata as committed now, and commit it. A record

@@ -622,6 +622,95 @@ fn block_size(v: &str, lbs: u32, max: u32, what: &str) -> Result<u32, String> {
     }
 }
 
+/// A device the target reads synchronously (hash, data for FEC, FEC): a file
+/// or block device, not a dmkit device.
+fn file_of(d: &DevRef, what: &str, name: &str) -> Result<Arc<crate::io::BackingFile>, String> {
+    match d {
+        DevRef::File(f) => Ok(f.clone()),
+        DevRef::Dm(_) => Err(format!(
+            "{what} device '{name}' is a dmkit device: dmkit reads it synchronously, \
+             so it must be a file or block device"
+        )),
+    }
+}
+
+/// The table's root digest (`ds` bytes of algorithm `args[7]`, in hex) and
+/// salt (hex, or `-` for none).
+fn root_and_salt(args: &[String], ds: usize) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let root = hex::decode(&args[8]).ok().filter(|d| d.len() == ds).ok_or_else(|| {
+        format!(
+            "Invalid root digest '{}' ({} hex digits for {})",
+            args[8],
+            ds * 2,
+            args[7]
+        )
+    })?;
+    let salt = if args[9] == "-" {
+        Vec::new()
+    } else {
+        hex::decode(&args[9]).ok().ok_or_else(|| format!("Invalid salt '{}' (hex digits in pairs, or -)", args[9]))?
+    };
+    Ok((root, salt))
+}
+
+/// With `check_at_most_once`, a bit for each of the target's `blocks`, set once
+/// the block has verified; else none.
+fn verified_bits(at_most_once: bool, data_blocks: u64, blocks: u64) -> Result<Vec<AtomicU64>, String> {
+    if !at_most_once {
+        return Ok(Vec::new());
+    }
+    if data_blocks > i32::MAX as u64 {
+        return Err("device too large to use check_at_most_once".into());
+    }
+    Ok((0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+}
+
+/// A count of blocks of 2^`bits` bytes whose sectors fit in 64 bits.
+fn parse_blocks(s: &str, bits: u32, what: &str) -> Result<u64, String> {
+    s.parse::<u64>()
+        .ok()
+        .filter(|n| n.checked_shl(bits - 9).is_some_and(|v| v >> (bits - 9) == *n))
+        .ok_or_else(|| format!("Invalid {what} '{s}'"))
+}
+
+/// The FEC device the options name (`use_fec_from_device`) and its decoder
+/// over the data device (`data`: it and its name) and the hash device.
+fn open_fec(
+    r: &dyn Resolver,
+    args: &fec::Args,
+    (data, data_name): (&DevRef, &str),
+    hash: &Arc<crate::io::BackingFile>,
+    geo: &Geometry,
+    hash_dev_blocks: u64,
+) -> Result<(Option<fec::Fec>, Option<DevRef>), String> {
+    let Some(name) = args.dev.clone() else {
+        if *args != fec::Args::default() {
+            return Err("FEC feature arguments (fec_roots, fec_blocks, fec_start) without use_fec_from_device".into());
+        }
+        return Ok((None, None));
+    };
+    let dev = r
+        .open(&name)
+        .map_err(|e| format!("FEC device lookup failed: device '{name}': {e}"))?;
+    let f = fec::Fec::new(
+        args.clone(),
+        fec::Setup {
+            dev: file_of(&dev, "FEC", &name)?,
+            data: file_of(data, "Data", data_name)?,
+            hash: hash.clone(),
+            data_bits: geo.data_bits,
+            hash_bits: geo.hash_bits,
+            data_blocks: geo.data_blocks,
+            hash_start: geo.hash_start,
+            tree_end: geo.hash_blocks,
+            hash_dev_blocks,
+            fec_dev_bytes: dev.size_sectors().saturating_mul(SECTOR),
+            name: &name,
+        },
+    )?;
+    Ok((Some(f), Some(dev)))
+}
+
 impl Verity {
     pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Verity, String> {
         if !r.read_only() {
@@ -644,34 +733,17 @@ impl Verity {
         let hash_dev = r
             .open(&args[2])
             .map_err(|e| format!("Hash device lookup failed: device '{}': {e}", args[2]))?;
-        let hash = match &hash_dev {
-            DevRef::File(f) => f.clone(),
-            DevRef::Dm(_) => {
-                return Err(format!(
-                    "Hash device '{}' is a dmkit device: dmkit reads hash blocks synchronously, \
-                     so the hash device must be a file or block device",
-                    args[2]
-                ))
-            }
-        };
+        let hash = file_of(&hash_dev, "Hash", &args[2])?;
         let dbs = block_size(&args[3], data.logical_block_size(), MAX_DATA_BLOCK, "data")?;
         let hbs = block_size(&args[4], hash_dev.logical_block_size(), i32::MAX as u32, "hash")?;
         let (data_bits, hash_bits) = (dbs.trailing_zeros(), hbs.trailing_zeros());
-        let data_blocks = args[5]
-            .parse::<u64>()
-            .ok()
-            .filter(|n| n.checked_shl(data_bits - 9).is_some_and(|s| s >> (data_bits - 9) == *n))
-            .ok_or_else(|| format!("Invalid data blocks '{}'", args[5]))?;
+        let data_blocks = parse_blocks(&args[5], data_bits, "data blocks")?;
         if len > data_blocks << (data_bits - 9) {
             return Err(format!(
                 "Data device is too small: the target's {len} sectors exceed {data_blocks} data blocks of {dbs} bytes"
             ));
         }
-        let hash_start = args[6]
-            .parse::<u64>()
-            .ok()
-            .filter(|n| n.checked_shl(hash_bits - 9).is_some_and(|s| s >> (hash_bits - 9) == *n))
-            .ok_or_else(|| format!("Invalid hash start '{}'", args[6]))?;
+        let hash_start = parse_blocks(&args[6], hash_bits, "hash start")?;
         let mut alg = Alg::new(&args[7]).ok_or_else(|| {
             format!(
                 "Cannot initialize hash function '{}': dmkit supports sha256, sha1, sha224, sha384, sha512",
@@ -685,19 +757,7 @@ impl Verity {
                 args[7]
             ));
         }
-        let root = hex::decode(&args[8]).ok().filter(|d| d.len() == ds).ok_or_else(|| {
-            format!(
-                "Invalid root digest '{}' ({} hex digits for {})",
-                args[8],
-                ds * 2,
-                args[7]
-            )
-        })?;
-        let salt = if args[9] == "-" {
-            Vec::new()
-        } else {
-            hex::decode(&args[9]).ok().ok_or_else(|| format!("Invalid salt '{}' (hex digits in pairs, or -)", args[9]))?
-        };
+        let (root, salt) = root_and_salt(args, ds)?;
         let geo = Geometry::new(version, data_bits, hash_bits, data_blocks, hash_start, ds)?;
         let hash_dev_blocks = hash_dev.size_sectors() >> (hash_bits - 9);
         if hash_dev_blocks < geo.hash_blocks {
@@ -706,41 +766,7 @@ impl Verity {
                 geo.hash_blocks
             ));
         }
-        let (fec, fec_dev) = match opts.fec.dev.clone() {
-            None if opts.fec != fec::Args::default() => {
-                return Err("FEC feature arguments (fec_roots, fec_blocks, fec_start) without use_fec_from_device".into())
-            }
-            None => (None, None),
-            Some(name) => {
-                let dev = r
-                    .open(&name)
-                    .map_err(|e| format!("FEC device lookup failed: device '{name}': {e}"))?;
-                let file = |d: &DevRef, what: &str, name: &str| match d {
-                    DevRef::File(f) => Ok(f.clone()),
-                    DevRef::Dm(_) => Err(format!(
-                        "{what} device '{name}' is a dmkit device: FEC reads it synchronously, \
-                         so it must be a file or block device"
-                    )),
-                };
-                let f = fec::Fec::new(
-                    opts.fec.clone(),
-                    fec::Setup {
-                        dev: file(&dev, "FEC", &name)?,
-                        data: file(&data, "Data", &args[1])?,
-                        hash: hash.clone(),
-                        data_bits,
-                        hash_bits,
-                        data_blocks,
-                        hash_start,
-                        tree_end: geo.hash_blocks,
-                        hash_dev_blocks,
-                        fec_dev_bytes: dev.size_sectors().saturating_mul(SECTOR),
-                        name: &name,
-                    },
-                )?;
-                (Some(f), Some(dev))
-            }
-        };
+        let (fec, fec_dev) = open_fec(r, &opts.fec, (&data, &args[1]), &hash, &geo, hash_dev_blocks)?;
         if version == 1 {
             alg.update(&salt);
         }
@@ -748,14 +774,7 @@ impl Verity {
         root_d[..ds].copy_from_slice(&root);
         // blocks the target can read: bounded by the data device (arg_dev checked len)
         let target_blocks = len.div_ceil(u64::from(dbs) / SECTOR).min(data_blocks);
-        let verified = if opts.check_at_most_once {
-            if data_blocks > i32::MAX as u64 {
-                return Err("device too large to use check_at_most_once".into());
-            }
-            (0..target_blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
-        } else {
-            Vec::new()
-        };
+        let verified = verified_bits(opts.check_at_most_once, data_blocks, target_blocks)?;
         let mut core = Core {
             geo,
             alg,
