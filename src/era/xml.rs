@@ -102,6 +102,49 @@ enum In {
     Done,
 }
 
+/// A `<bit>` or `<marked>` element: its bits set in writeset `ws`.
+fn mark_bits(ws: &mut XmlWriteset, a: &Attrs, line: usize) -> Result<()> {
+    let (begin, len): (u32, u32) = if a.name == "bit" {
+        match a.get("value") {
+            Some("true") => (a.num("block")?, 1),
+            Some("false") => (a.num("block")?, 0),
+            Some(v) => return Err(at(line, format!("value=\"{v}\" is not true or false"))),
+            None => return Err(at(line, "missing attribute 'value' for tag 'bit'")),
+        }
+    } else {
+        (a.num("block_begin")?, a.num("len")?)
+    };
+    let end = begin as u64 + len as u64;
+    if len > 0 && end > ws.nr_bits as u64 {
+        return Err(at(
+            line,
+            format!("block {} is beyond the writeset's {} bits", end - 1, ws.nr_bits),
+        ));
+    }
+    if len > 0 {
+        bounds::resize(&mut ws.words, 0, "XML writeset bits", (end - 1) / 64 + 1)?;
+    }
+    for b in begin as u64..end {
+        ws.words[b as usize / 64] |= 1 << (b % 64);
+    }
+    Ok(())
+}
+
+/// An `<era>` element: its block's era in the array.
+fn set_era(md: &mut XmlEra, a: &Attrs, line: usize) -> Result<()> {
+    let block: u32 = a.num("block")?;
+    let era: u32 = a.num("era")?;
+    let nr = md.sb.nr_blocks;
+    if block >= nr {
+        return Err(at(line, format!("era of block {block}, beyond the {nr} blocks")));
+    }
+    if block as usize >= md.eras.len() {
+        bounds::resize(&mut md.eras, 0, "XML era block", block as u64 + 1)?;
+    }
+    md.eras[block as usize] = era;
+    Ok(())
+}
+
 /// Read era XML. Every size in it is bounded by memory before anything is
 /// allocated by it; a bit or era outside its writeset or array is an error.
 pub fn parse(r: impl std::io::BufRead) -> Result<XmlEra> {
@@ -172,48 +215,14 @@ pub fn parse(r: impl std::io::BufRead) -> Result<XmlEra> {
                 }
             }
             ("bit" | "marked", In::Writeset) => {
-                let (begin, len): (u32, u32) = if a.name == "bit" {
-                    match a.get("value") {
-                        Some("true") => (a.num("block")?, 1),
-                        Some("false") => (a.num("block")?, 0),
-                        Some(v) => return Err(bad(format!("value=\"{v}\" is not true or false"))),
-                        None => return Err(bad("missing attribute 'value' for tag 'bit'".into())),
-                    }
-                } else {
-                    (a.num("block_begin")?, a.num("len")?)
-                };
                 let Some(ws) = cur.as_mut() else {
                     return Err(bad("not in writeset".into()));
                 };
-                let end = begin as u64 + len as u64;
-                if len > 0 && end > ws.nr_bits as u64 {
-                    return Err(bad(format!(
-                        "block {} is beyond the writeset's {} bits",
-                        end - 1,
-                        ws.nr_bits
-                    )));
-                }
-                if len > 0 {
-                    bounds::resize(&mut ws.words, 0, "XML writeset bits", (end - 1) / 64 + 1)?;
-                }
-                for b in begin as u64..end {
-                    ws.words[b as usize / 64] |= 1 << (b % 64);
-                }
+                mark_bits(ws, &a, line)?;
             }
             ("era_array", In::Superblock) if !empty => inside = In::EraArray,
             ("era_array", In::Superblock) => {}
-            ("era", In::EraArray) => {
-                let block: u32 = a.num("block")?;
-                let era: u32 = a.num("era")?;
-                let nr = md.sb.nr_blocks;
-                if block >= nr {
-                    return Err(bad(format!("era of block {block}, beyond the {nr} blocks")));
-                }
-                if block as usize >= md.eras.len() {
-                    bounds::resize(&mut md.eras, 0, "XML era block", block as u64 + 1)?;
-                }
-                md.eras[block as usize] = era;
-            }
+            ("era", In::EraArray) => set_era(&mut md, &a, line)?,
             (name, _) => return Err(bad(format!("unexpected <{name}>"))),
         }
     }

@@ -279,6 +279,43 @@ enum In {
     Def,
 }
 
+/// A mapping element (nearly all of a dump: its numbers read straight from
+/// the bytes) given to `v`; `within` a `<def>` or `<device>`, or an error.
+fn mapping(e: &BytesStart, line: usize, single: bool, within: bool, v: &mut dyn Visitor) -> Result<()> {
+    let run = fast_run(e, line, single)?;
+    if !within {
+        return Err(at(
+            line,
+            "Mapping tags must appear within a <def> or <device> tag.",
+        ));
+    }
+    v.run(run.origin, run.data, run.len, run.time)
+        .map_err(|e| at(line, e))
+}
+
+/// A `<superblock>` element's attributes (its uuid is not kept).
+fn header_of(a: &Attrs) -> Result<Header> {
+    Ok(Header {
+        uuid: String::new(),
+        time: a.num("time")?,
+        transaction: a.num("transaction")?,
+        flags: a.num_or("flags", 0)?,
+        version: a.num_or("version", 1)?,
+        data_block_size: a.num("data_block_size")?,
+        nr_data_blocks: a.num("nr_data_blocks")?,
+    })
+}
+
+/// A `<device>` element's details (0 where an attribute is left out).
+fn details_of(a: &Attrs) -> Result<super::superblock::DeviceDetails> {
+    Ok(super::superblock::DeviceDetails {
+        mapped_blocks: a.num_or("mapped_blocks", 0)?,
+        transaction_id: a.num_or("transaction", 0)?,
+        creation_time: a.num_or("creation_time", 0)?,
+        snapshotted_time: a.num_or("snap_time", 0)?,
+    })
+}
+
 /// Read thin_dump XML (0.x's, and 1.x's with shared `<def>`/`<ref>` subtrees) as a
 /// stream into `v`: nothing is kept but the element being read, so a dump of any
 /// size restores in the memory the new metadata needs. Errors name the line and
@@ -323,57 +360,31 @@ pub fn parse_into(r: impl std::io::BufRead, v: &mut dyn Visitor) -> Result<()> {
         let name = e.name();
         let name = name.as_ref();
         if name == b"single_mapping" || name == b"range_mapping" {
-            // the mappings (nearly all of a dump): numbers straight from the bytes
-            let run = fast_run(e, line, name == b"single_mapping")?;
-            if inside == In::Nowhere {
-                return Err(at(
-                    line,
-                    "Mapping tags must appear within a <def> or <device> tag.",
-                ));
-            }
-            v.run(run.origin, run.data, run.len, run.time)
-                .map_err(|e| at(line, e))?;
+            mapping(e, line, name == b"single_mapping", inside != In::Nowhere, v)?;
             continue;
         }
         let a = Attrs::of(e, line)?;
-        let nested = |inside: &In| {
-            let within = if *inside == In::Device { "device" } else { "def" };
-            at(
-                line,
-                format!(
-                    "Nested subtrees are not allowed '<{}>' within '<{within}>'",
-                    a.name
-                ),
-            )
-        };
         match a.name.as_str() {
             "superblock" => {
                 if seen_sb {
                     return Err(at(line, "duplicated superblock"));
                 }
                 seen_sb = true;
-                let h = Header {
-                    uuid: String::new(),
-                    time: a.num("time")?,
-                    transaction: a.num("transaction")?,
-                    flags: a.num_or("flags", 0)?,
-                    version: a.num_or("version", 1)?,
-                    data_block_size: a.num("data_block_size")?,
-                    nr_data_blocks: a.num("nr_data_blocks")?,
-                };
-                v.begin(&h).map_err(|e| at(line, e))?;
+                v.begin(&header_of(&a)?).map_err(|e| at(line, e))?;
                 closed_sb = closes;
             }
             "device" | "def" if !seen_sb => return Err(at(line, "missing superblock")),
-            "device" | "def" if inside != In::Nowhere => return Err(nested(&inside)),
+            "device" | "def" if inside != In::Nowhere => {
+                let within = if inside == In::Device { "device" } else { "def" };
+                let nested = format!(
+                    "Nested subtrees are not allowed '<{}>' within '<{within}>'",
+                    a.name
+                );
+                return Err(at(line, nested));
+            }
             "device" => {
-                let d = super::superblock::DeviceDetails {
-                    mapped_blocks: a.num_or("mapped_blocks", 0)?,
-                    transaction_id: a.num_or("transaction", 0)?,
-                    creation_time: a.num_or("creation_time", 0)?,
-                    snapshotted_time: a.num_or("snap_time", 0)?,
-                };
-                v.device_begin(a.num("dev_id")?, &d).map_err(|e| at(line, e))?;
+                v.device_begin(a.num("dev_id")?, &details_of(&a)?)
+                    .map_err(|e| at(line, e))?;
                 if closes {
                     v.device_end().map_err(|e| at(line, e))?;
                 } else {

@@ -621,92 +621,78 @@ fn ids(v: &Value, at: &str, key: &str) -> std::result::Result<Vec<u32>, String> 
         .collect()
 }
 
-fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
-    let mut keyslots = Vec::new();
-    for (id, k) in objects(v, "keyslots")? {
-        let at = format!("keyslots.{id}");
-        let ty = get_str(k, &at, "type")?;
-        if ty != "luks2" {
-            // reencryption's keyslots hold no volume key
-            continue;
-        }
-        let key_size = get_bounded(k, &at, "key_size", 1, MAX_KEY as u64, " bytes, what the ciphers dmkit has take")?;
-        let priority = match k.get("priority") {
-            None => 1,
-            Some(_) => get_bounded(k, &at, "priority", 0, 2, "")? as u8,
-        };
-        let af_at = format!("{at}.af");
-        let af = get(k, &at, "af")?;
-        let af_type = get_str(af, &af_at, "type")?;
-        if af_type != "luks1" {
-            return Err(format!("{af_at}.type: '{af_type}' is not supported (luks1)"));
-        }
-        let stripes = bounded_stripes(get_u64(af, &af_at, "stripes")?, &format!("{af_at}.stripes"))
-            .map_err(|e| e.to_string())?;
-        let af_hash = Hash::parse(get_str(af, &af_at, "hash")?, &format!("{af_at}.hash")).map_err(|e| e.to_string())?;
-        let area_at = format!("{at}.area");
-        let area = get(k, &at, "area")?;
-        let area_type = get_str(area, &area_at, "type")?;
-        if area_type != "raw" {
-            return Err(format!("{area_at}.type: '{area_type}' is not supported (raw)"));
-        }
-        let area_offset = get_bounded(area, &area_at, "offset", 0, 2 * MAX_HDR_SIZE + MAX_AREA, " bytes")?;
-        let area_size = get_bounded(area, &area_at, "size", 0, MAX_AREA, " bytes, LUKS2's largest keyslots area")?;
-        let area_key_size = get_bounded(area, &area_at, "key_size", 1, MAX_KEY as u64, " bytes")? as usize;
-        let need = key_size * u64::from(stripes);
-        if area_size < need {
-            return Err(format!(
-                "{area_at}.size: {area_size} bytes cannot hold the {need} bytes of key material ({key_size} bytes x {stripes} stripes)"
-            ));
-        }
-        let kdf_at = format!("{at}.kdf");
-        let kdf = get(k, &at, "kdf")?;
-        let salt = get_b64(kdf, &kdf_at, "salt", 128)?;
-        let kdf = match get_str(kdf, &kdf_at, "type")? {
-            "pbkdf2" => Kdf::Pbkdf2 {
-                hash: Hash::parse(get_str(kdf, &kdf_at, "hash")?, &format!("{kdf_at}.hash"))
-                    .map_err(|e| e.to_string())?,
-                iterations: get_bounded(kdf, &kdf_at, "iterations", 1, MAX_PBKDF2_ITERATIONS, "")? as u32,
-                salt,
-            },
-            t @ ("argon2i" | "argon2id") => Kdf::Argon2 {
-                kind: if t == "argon2i" { Argon2Type::I } else { Argon2Type::Id },
-                time: get_bounded(kdf, &kdf_at, "time", 1, MAX_ARGON2_TIME, "")? as u32,
-                memory_kib: get_bounded(kdf, &kdf_at, "memory", 8, MAX_ARGON2_KIB, " KiB: at most 4 GiB")? as u32,
-                cpus: get_bounded(kdf, &kdf_at, "cpus", 1, MAX_ARGON2_CPUS, "")? as u32,
-                salt,
-            },
-            t => return Err(format!("{kdf_at}.type: '{t}' is not supported (pbkdf2, argon2i, argon2id)")),
-        };
-        keyslots.push(Keyslot {
-            id,
-            key_size: key_size as usize,
-            priority,
-            kdf,
-            af_hash,
-            stripes,
-            area_offset,
-            area_size,
-            area_cipher: get_str(area, &area_at, "encryption")?.to_string(),
-            area_key_size,
-        });
+/// A keyslot of the LUKS2 JSON (None: a kind that holds no volume key).
+fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
+    let at = format!("keyslots.{id}");
+    let ty = get_str(k, &at, "type")?;
+    if ty != "luks2" {
+        // reencryption's keyslots hold no volume key
+        return Ok(None);
     }
-    let mut digests = Vec::new();
-    for (id, d) in objects(v, "digests")? {
-        let at = format!("digests.{id}");
-        let ty = get_str(d, &at, "type")?;
-        if ty != "pbkdf2" {
-            return Err(format!("{at}.type: '{ty}' is not supported (pbkdf2)"));
-        }
-        digests.push(VkDigest {
-            keyslots: ids(d, &at, "keyslots")?,
-            segments: ids(d, &at, "segments")?,
-            hash: Hash::parse(get_str(d, &at, "hash")?, &format!("{at}.hash")).map_err(|e| e.to_string())?,
-            iterations: get_bounded(d, &at, "iterations", 1, MAX_PBKDF2_ITERATIONS, "")? as u32,
-            salt: get_b64(d, &at, "salt", 128)?,
-            digest: get_b64(d, &at, "digest", 64)?,
-        });
+    let key_size = get_bounded(k, &at, "key_size", 1, MAX_KEY as u64, " bytes, what the ciphers dmkit has take")?;
+    let priority = match k.get("priority") {
+        None => 1,
+        Some(_) => get_bounded(k, &at, "priority", 0, 2, "")? as u8,
+    };
+    let af_at = format!("{at}.af");
+    let af = get(k, &at, "af")?;
+    let af_type = get_str(af, &af_at, "type")?;
+    if af_type != "luks1" {
+        return Err(format!("{af_at}.type: '{af_type}' is not supported (luks1)"));
     }
+    let stripes = bounded_stripes(get_u64(af, &af_at, "stripes")?, &format!("{af_at}.stripes"))
+        .map_err(|e| e.to_string())?;
+    let af_hash = Hash::parse(get_str(af, &af_at, "hash")?, &format!("{af_at}.hash")).map_err(|e| e.to_string())?;
+    let area_at = format!("{at}.area");
+    let area = get(k, &at, "area")?;
+    let area_type = get_str(area, &area_at, "type")?;
+    if area_type != "raw" {
+        return Err(format!("{area_at}.type: '{area_type}' is not supported (raw)"));
+    }
+    let area_offset = get_bounded(area, &area_at, "offset", 0, 2 * MAX_HDR_SIZE + MAX_AREA, " bytes")?;
+    let area_size = get_bounded(area, &area_at, "size", 0, MAX_AREA, " bytes, LUKS2's largest keyslots area")?;
+    let area_key_size = get_bounded(area, &area_at, "key_size", 1, MAX_KEY as u64, " bytes")? as usize;
+    let need = key_size * u64::from(stripes);
+    if area_size < need {
+        return Err(format!(
+            "{area_at}.size: {area_size} bytes cannot hold the {need} bytes of key material ({key_size} bytes x {stripes} stripes)"
+        ));
+    }
+    let kdf_at = format!("{at}.kdf");
+    let kdf = get(k, &at, "kdf")?;
+    let salt = get_b64(kdf, &kdf_at, "salt", 128)?;
+    let kdf = match get_str(kdf, &kdf_at, "type")? {
+        "pbkdf2" => Kdf::Pbkdf2 {
+            hash: Hash::parse(get_str(kdf, &kdf_at, "hash")?, &format!("{kdf_at}.hash"))
+                .map_err(|e| e.to_string())?,
+            iterations: get_bounded(kdf, &kdf_at, "iterations", 1, MAX_PBKDF2_ITERATIONS, "")? as u32,
+            salt,
+        },
+        t @ ("argon2i" | "argon2id") => Kdf::Argon2 {
+            kind: if t == "argon2i" { Argon2Type::I } else { Argon2Type::Id },
+            time: get_bounded(kdf, &kdf_at, "time", 1, MAX_ARGON2_TIME, "")? as u32,
+            memory_kib: get_bounded(kdf, &kdf_at, "memory", 8, MAX_ARGON2_KIB, " KiB: at most 4 GiB")? as u32,
+            cpus: get_bounded(kdf, &kdf_at, "cpus", 1, MAX_ARGON2_CPUS, "")? as u32,
+            salt,
+        },
+        t => return Err(format!("{kdf_at}.type: '{t}' is not supported (pbkdf2, argon2i, argon2id)")),
+    };
+    Ok(Some(Keyslot {
+        id,
+        key_size: key_size as usize,
+        priority,
+        kdf,
+        af_hash,
+        stripes,
+        area_offset,
+        area_size,
+        area_cipher: get_str(area, &area_at, "encryption")?.to_string(),
+        area_key_size,
+    }))
+}
+
+/// The one crypt segment of the LUKS2 JSON.
+fn segment(v: &Value) -> std::result::Result<Segment, String> {
     let segs = objects(v, "segments")?;
     let [(id, s)] = segs.as_slice() else {
         return Err(format!(
@@ -743,6 +729,12 @@ fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
     }
     // a cipher the crypt target would refuse is refused here, by its field
     parse_cipher(&segment.cipher).map_err(|e| format!("{at}.encryption: {e}"))?;
+    Ok(segment)
+}
+
+/// The JSON's `config`: no mandatory requirement dmkit lacks, and its flags
+/// as the crypt table's options.
+fn config_flags(v: &Value, segment: &Segment) -> std::result::Result<Opts, String> {
     let config = v.get("config");
     if let Some(req) = config
         .and_then(|c| c.get("requirements"))
@@ -772,6 +764,32 @@ fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
             }
         }
     }
+    Ok(flags)
+}
+
+fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
+    let mut keyslots = Vec::new();
+    for (id, k) in objects(v, "keyslots")? {
+        keyslots.extend(keyslot(id, k)?);
+    }
+    let mut digests = Vec::new();
+    for (id, d) in objects(v, "digests")? {
+        let at = format!("digests.{id}");
+        let ty = get_str(d, &at, "type")?;
+        if ty != "pbkdf2" {
+            return Err(format!("{at}.type: '{ty}' is not supported (pbkdf2)"));
+        }
+        digests.push(VkDigest {
+            keyslots: ids(d, &at, "keyslots")?,
+            segments: ids(d, &at, "segments")?,
+            hash: Hash::parse(get_str(d, &at, "hash")?, &format!("{at}.hash")).map_err(|e| e.to_string())?,
+            iterations: get_bounded(d, &at, "iterations", 1, MAX_PBKDF2_ITERATIONS, "")? as u32,
+            salt: get_b64(d, &at, "salt", 128)?,
+            digest: get_b64(d, &at, "digest", 64)?,
+        });
+    }
+    let segment = segment(v)?;
+    let flags = config_flags(v, &segment)?;
     Ok(Header {
         version: 2,
         uuid: String::new(),
