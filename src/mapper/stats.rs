@@ -276,6 +276,76 @@ fn dir_of(op: Op) -> Option<usize> {
     }
 }
 
+/// `@stats_create`'s range (`-` for the whole device of `size` sectors, or
+/// `<start>+<length>`) and step (sectors, or `/<n>` areas): start, end, step.
+fn range_and_step(m: &str, range: &str, step: &str, size: u64) -> Result<(u64, u64, u64), StatsError> {
+    let (start, len) = if range == "-" {
+        (0, size.max(1))
+    } else {
+        let (a, b) = range
+            .split_once('+')
+            .ok_or_else(|| invalid(m, format!("range '{range}' is not - or <start>+<length>")))?;
+        let p = |x: &str| {
+            x.parse::<u64>()
+                .map_err(|_| invalid(m, format!("range '{range}'")))
+        };
+        (p(a)?, p(b)?)
+    };
+    let end = start
+        .checked_add(len)
+        .filter(|&e| e > start)
+        .ok_or_else(|| invalid(m, format!("empty or overflowing range '{range}'")))?;
+    let step = if let Some(d) = step.strip_prefix('/') {
+        let d: u32 = d
+            .parse()
+            .ok()
+            .filter(|&d| d > 0)
+            .ok_or_else(|| invalid(m, format!("step '{step}'")))?;
+        (end - start).div_ceil(u64::from(d)).max(1)
+    } else {
+        step.parse::<u64>()
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| invalid(m, format!("step '{step}'")))?
+    };
+    Ok((start, end, step))
+}
+
+/// `@stats_create`'s optional features (`<n> <feature>...`, taken from `it`
+/// if the next word is a number): precise timestamps, histogram bounds.
+fn features<'a>(
+    m: &str,
+    it: &mut std::iter::Peekable<impl Iterator<Item = &'a str>>,
+) -> Result<(bool, Vec<u64>), StatsError> {
+    let (mut precise, mut bounds) = (false, Vec::new());
+    let Some(n) = it.peek().and_then(|a| a.parse::<u32>().ok()) else {
+        return Ok((precise, bounds));
+    };
+    it.next();
+    for _ in 0..n {
+        let a = it
+            .next()
+            .ok_or_else(|| invalid(m, format!("{n} feature arguments announced")))?;
+        if a.eq_ignore_ascii_case("precise_timestamps") {
+            precise = true;
+        } else if let Some(list) = a
+            .get(..10)
+            .filter(|p| p.eq_ignore_ascii_case("histogram:"))
+            .and_then(|_| a.get(10..))
+            .filter(|l| !l.is_empty())
+        {
+            // `get`: a word that is not ASCII there is an unknown feature, not a panic
+            if !bounds.is_empty() {
+                return Err(invalid(m, "histogram given twice"));
+            }
+            bounds = parse_bounds(m, list)?;
+        } else {
+            return Err(invalid(m, format!("unknown feature '{a}'")));
+        }
+    }
+    Ok((precise, bounds))
+}
+
 impl Stats {
     /// Whether any region exists (the request path's only cost without one).
     #[inline]
@@ -371,54 +441,8 @@ impl Stats {
         let (Some(range), Some(step)) = (it.next(), it.next()) else {
             return Err(invalid(m, "<range> <step> required"));
         };
-        let (start, len) = if range == "-" {
-            (0, size.max(1))
-        } else {
-            let (a, b) = range
-                .split_once('+')
-                .ok_or_else(|| invalid(m, format!("range '{range}' is not - or <start>+<length>")))?;
-            let p = |x: &str| {
-                x.parse::<u64>()
-                    .map_err(|_| invalid(m, format!("range '{range}'")))
-            };
-            (p(a)?, p(b)?)
-        };
-        let end = start
-            .checked_add(len)
-            .filter(|&e| e > start)
-            .ok_or_else(|| invalid(m, format!("empty or overflowing range '{range}'")))?;
-        let step = if let Some(d) = step.strip_prefix('/') {
-            let d: u32 = d
-                .parse()
-                .ok()
-                .filter(|&d| d > 0)
-                .ok_or_else(|| invalid(m, format!("step '{step}'")))?;
-            (end - start).div_ceil(u64::from(d)).max(1)
-        } else {
-            step.parse::<u64>()
-                .ok()
-                .filter(|&s| s > 0)
-                .ok_or_else(|| invalid(m, format!("step '{step}'")))?
-        };
-        let (mut precise, mut bounds) = (false, Vec::new());
-        if let Some(n) = it.peek().and_then(|a| a.parse::<u32>().ok()) {
-            it.next();
-            for _ in 0..n {
-                let a = it
-                    .next()
-                    .ok_or_else(|| invalid(m, format!("{n} feature arguments announced")))?;
-                if a.eq_ignore_ascii_case("precise_timestamps") {
-                    precise = true;
-                } else if a.len() > 10 && a[..10].eq_ignore_ascii_case("histogram:") {
-                    if !bounds.is_empty() {
-                        return Err(invalid(m, "histogram given twice"));
-                    }
-                    bounds = parse_bounds(m, &a[10..])?;
-                } else {
-                    return Err(invalid(m, format!("unknown feature '{a}'")));
-                }
-            }
-        }
+        let (start, end, step) = range_and_step(m, range, step, size)?;
+        let (precise, bounds) = features(m, &mut it)?;
         let program_id = it.next().unwrap_or("-").to_string();
         let aux = it.next().unwrap_or("-").to_string();
         if it.next().is_some() {
@@ -651,6 +675,9 @@ mod tests {
             "@stats_create - 1 1 histogram:0",
             "@stats_create - 1 2 precise_timestamps",
             "@stats_create - 1 1 bogus",
+            // a character across the 10th byte (once a panic slicing it)
+            "@stats_create - 1 1 histogramé1",
+            "@stats_create - 1 1 histogram:",
             "@stats_create - 1 a b c",
             "@stats_delete x",
             "@stats_delete -1",
