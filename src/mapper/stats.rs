@@ -695,4 +695,34 @@ mod tests {
         assert_eq!(msg(&s, "@stats_clear 3").unwrap_err().errno, libc::ENOENT);
         assert!(s.message(&["@other".to_string()], 10).is_none());
     }
+
+    proptest::proptest! {
+        /// Any words a client sends as a stats message, ASCII or not (a
+        /// character across any byte a parser looks at), get an answer or an
+        /// error, never a panic: a panic on the control path ends the daemon.
+        /// Creates are built as dmstats builds them (range, step, a count of
+        /// features, the features, program id, aux data), so the features are
+        /// parsed; the other verbs get any words.
+        #[test]
+        fn any_stats_message_is_answered_without_a_panic(
+            verb in proptest::sample::select(vec![
+                "@stats_create", "@stats_delete", "@stats_clear", "@stats_list",
+                "@stats_print", "@stats_print_clear", "@stats_set_aux",
+            ]),
+            range in "(-|[0-9]{1,4}\\+[0-9]{1,4}|\\PC{0,6})",
+            step in "(/?[0-9]{1,3}|\\PC{0,4})",
+            features in proptest::collection::vec(
+                "(histogram|precise_timestamps|histogram:)[:,0-9é€]{0,8}|\\PC{0,12}",
+                0..3,
+            ),
+            rest in proptest::collection::vec("\\PC{0,14}", 0..3),
+        ) {
+            let s = Stats::default();
+            let _ = msg(&s, "@stats_create - /4 one");
+            let mut w = vec![verb.to_string(), range, step, features.len().to_string()];
+            w.extend(features);
+            w.extend(rest);
+            let _ = s.message(&w, 1000);
+        }
+    }
 }
