@@ -120,6 +120,10 @@ for n, (pick, m) in {
     "crypt_key_set": (5, "key set " + "00" * 32),
     "lw_mark": (6, "mark m1"),
     "lw_bad": (6, "mark"),
+    # dm-stats: a create with both features, then the verbs that read it
+    "stats_create": (1, "@stats_create - /4 2 precise_timestamps histogram:1,10,100 dmstats aux"),
+    "stats_print": (1, "@stats_print 0 0 4"),
+    "stats_list": (0, "@stats_list dmstats"),
 }.items():
     put("message", n, bytes([pick]) + m.encode())
 
