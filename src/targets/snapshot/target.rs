@@ -140,6 +140,44 @@ fn parse_features(args: &[String]) -> Result<Features, String> {
     Ok(f)
 }
 
+/// The exception store's type (`P`, `PO` or `N`) and chunk size in sectors (a
+/// power of 2 and a multiple of the devices' block size `lbs`; 0: the store's
+/// own): (persistent, overflow allowed, chunk).
+fn store_args(kind: &str, chunk: &str, lbs: u64) -> Result<(bool, bool, u64), String> {
+    let store_err = |why: &str| format!("Couldn't create exception store: {why}");
+    let (persistent, overflow_ok) = match kind.chars().next().map(|c| c.to_ascii_uppercase()) {
+        Some('P') => match &kind[1..] {
+            "" => (true, false),
+            o if o.eq_ignore_ascii_case("O") => (true, true),
+            o => {
+                return Err(store_err(&format!(
+                    "Exception store type constructor failed (Unsupported persistent store option: {o})"
+                )))
+            }
+        },
+        Some('N') => (false, false),
+        _ => return Err(store_err("Exception store type is not P or N")),
+    };
+    let chunk: u64 = chunk
+        .parse()
+        .map_err(|_| store_err(&format!("Invalid chunk size '{chunk}'")))?;
+    if chunk != 0 {
+        if !chunk.is_power_of_two() {
+            return Err(store_err(&format!("Chunk size is not a power of 2 ({chunk})")));
+        }
+        if !chunk.is_multiple_of(lbs) {
+            return Err(store_err(&format!(
+                "Chunk size is not a multiple of device blocksize ({chunk} sectors, block size {} bytes)",
+                lbs * 512
+            )));
+        }
+        if chunk > (i32::MAX as u64) >> 9 {
+            return Err(store_err(&format!("Chunk size is too high ({chunk})")));
+        }
+    }
+    Ok((persistent, overflow_ok, chunk))
+}
+
 impl SnapshotTarget {
     pub fn new(args: &[String], len: u64, r: &dyn Resolver, merge: bool) -> Result<SnapshotTarget, String> {
         if args.len() < 4 {
@@ -155,39 +193,8 @@ impl SnapshotTarget {
         if dev_key(&origin) == dev_key(&cow) {
             return Err("COW device cannot be the same as origin device".into());
         }
-        let store_err = |why: &str| format!("Couldn't create exception store: {why}");
-        let kind = &args[2];
-        let (persistent, overflow_ok) = match kind.chars().next().map(|c| c.to_ascii_uppercase()) {
-            Some('P') => match &kind[1..] {
-                "" => (true, false),
-                o if o.eq_ignore_ascii_case("O") => (true, true),
-                o => {
-                    return Err(store_err(&format!(
-                        "Exception store type constructor failed (Unsupported persistent store option: {o})"
-                    )))
-                }
-            },
-            Some('N') => (false, false),
-            _ => return Err(store_err("Exception store type is not P or N")),
-        };
-        let chunk: u64 = args[3]
-            .parse()
-            .map_err(|_| store_err(&format!("Invalid chunk size '{}'", args[3])))?;
         let lbs = u64::from(origin.logical_block_size().max(cow.logical_block_size()) / 512).max(1);
-        if chunk != 0 {
-            if !chunk.is_power_of_two() {
-                return Err(store_err(&format!("Chunk size is not a power of 2 ({chunk})")));
-            }
-            if !chunk.is_multiple_of(lbs) {
-                return Err(store_err(&format!(
-                    "Chunk size is not a multiple of device blocksize ({chunk} sectors, block size {} bytes)",
-                    lbs * 512
-                )));
-            }
-            if chunk > (i32::MAX as u64) >> 9 {
-                return Err(store_err(&format!("Chunk size is too high ({chunk})")));
-            }
-        }
+        let (persistent, overflow_ok, chunk) = store_args(&args[2], &args[3], lbs)?;
         if merge && !persistent {
             return Err("Snapshot exception store does not support snapshot-merge.".into());
         }

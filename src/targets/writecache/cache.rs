@@ -276,44 +276,24 @@ fn eio() -> io::Error {
     io::Error::from_raw_os_error(errno::EIO)
 }
 
-impl Cache {
-    /// Open the cache described by `o` (its superblock already checked or written
-    /// by the constructor).
-    pub fn new(
-        o: Options,
-        n_blocks: u64,
-        origin: Dest,
-        cache: Dest,
-        origin_file: Option<Arc<BackingFile>>,
-        cache_file: Option<Arc<BackingFile>>,
-        config: &crate::mapper::config::Config,
-    ) -> Result<Arc<Cache>, String> {
-        let restart = match (config.restart_logs.as_deref(), &cache_file) {
-            (Some(dir), Some(f)) => {
-                Some([0, 1].map(|k| RestartLog::path(dir, &format!("writecache{k}"), f.identity)))
-            }
-            _ => None,
-        };
-        let bs = u64::from(o.block_size);
-        let meta_bytes = format::metadata_bytes(n_blocks, bs).ok_or("Overflow in size calculation")?;
-        let map = if o.pmem {
-            let f = cache_file.as_ref().ok_or(
-                "Unable to map persistent memory for cache: the cache must be a file or block device",
-            )?;
-            let len = f
-                .size()
-                .map_err(|e| format!("Unable to map persistent memory for cache: {e}"))?;
-            let len = usize::try_from(len).map_err(|_| "Unable to map persistent memory for cache")?;
-            let file = f
-                .file()
-                .ok_or("Unable to map persistent memory for cache: not a file or block device")?;
-            Some(
-                Mapped::new(file, len)
-                    .map_err(|e| format!("Unable to map persistent memory for cache: {e}"))?,
-            )
-        } else {
-            None
-        };
+
+/// The whole cache file mapped (pmem mode).
+fn map_pmem(cache_file: Option<&Arc<BackingFile>>) -> Result<Mapped, String> {
+    let f = cache_file.ok_or("Unable to map persistent memory for cache: the cache must be a file or block device")?;
+    let len = f
+        .size()
+        .map_err(|e| format!("Unable to map persistent memory for cache: {e}"))?;
+    let len = usize::try_from(len).map_err(|_| "Unable to map persistent memory for cache")?;
+    let file = f
+        .file()
+        .ok_or("Unable to map persistent memory for cache: not a file or block device")?;
+    Mapped::new(file, len).map_err(|e| format!("Unable to map persistent memory for cache: {e}"))
+}
+
+impl State {
+    /// A cache's state before its metadata is loaded (at its first resume):
+    /// suspended, nothing cached.
+    fn new(o: &Options, n_blocks: u64, meta_bytes: u64) -> State {
         let free = if o.pmem {
             FreeList::Pmem(VecDeque::new())
         } else {
@@ -324,7 +304,7 @@ impl Cache {
         };
         let regions = (meta_bytes as usize).div_ceil(REGION);
         let (high_free, low_free) = o.free_marks(n_blocks);
-        let st = State {
+        State {
             loaded: false,
             entries: Vec::new(),
             tree: BTreeMap::new(),
@@ -362,7 +342,35 @@ impl Cache {
             restart: [None, None],
             log_reserved: [0, 0],
             log_full: false,
+        }
+    }
+}
+
+impl Cache {
+    /// Open the cache described by `o` (its superblock already checked or written
+    /// by the constructor).
+    pub fn new(
+        o: Options,
+        n_blocks: u64,
+        origin: Dest,
+        cache: Dest,
+        origin_file: Option<Arc<BackingFile>>,
+        cache_file: Option<Arc<BackingFile>>,
+        config: &crate::mapper::config::Config,
+    ) -> Result<Arc<Cache>, String> {
+        let restart = match (config.restart_logs.as_deref(), &cache_file) {
+            (Some(dir), Some(f)) => {
+                Some([0, 1].map(|k| RestartLog::path(dir, &format!("writecache{k}"), f.identity)))
+            }
+            _ => None,
         };
+        let bs = u64::from(o.block_size);
+        let meta_bytes = format::metadata_bytes(n_blocks, bs).ok_or("Overflow in size calculation")?;
+        let map = match o.pmem {
+            true => Some(map_pmem(cache_file.as_ref())?),
+            false => None,
+        };
+        let st = State::new(&o, n_blocks, meta_bytes);
         Ok(Arc::new_cyclic(|weak| Cache {
             weak: weak.clone(),
             lru_writeback: config.writecache_lru_writeback,
