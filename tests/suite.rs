@@ -33,6 +33,7 @@ mod lvm_door;
 mod lvm_guest;
 mod lvmd;
 mod lying_metadata;
+mod message_props;
 mod nbd_protocol;
 mod nbd_scale;
 mod nbd_tls;
