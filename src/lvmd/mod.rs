@@ -58,6 +58,16 @@ pub struct Options {
     /// For tests only: exit (status 137, as a kill) once this many steps of
     /// changes have been taken.
     pub test_exit_after_steps: Option<u64>,
+    /// For tests only: SnapshotMetadata reads pages of this many runs
+    /// instead of 65,536, so a small volume's answer spans pages.
+    pub test_page_runs: Option<usize>,
+}
+
+impl Options {
+    /// Runs of blocks SnapshotMetadata reads a page at a time.
+    pub fn page_runs(&self) -> usize {
+        self.test_page_runs.map_or(snapmeta::PAGE_RUNS, |n| n.max(1))
+    }
 }
 
 /// What a request can fail with; each maps to the gRPC code TopoLVM expects.
@@ -124,6 +134,8 @@ pub struct Lvmd {
     next_dev_id: HashMap<String, u64>,
     steps: u64,
     exit_after: Option<u64>,
+    /// Runs of blocks SnapshotMetadata reads a page at a time.
+    page_runs: usize,
 }
 
 /// LVM's rule for volume names: letters, digits and `+_.-`, not starting with
@@ -172,6 +184,7 @@ impl Lvmd {
             next_dev_id: HashMap::new(),
             steps: 0,
             exit_after: opts.test_exit_after_steps,
+            page_runs: opts.page_runs(),
         })
     }
 

@@ -38,6 +38,9 @@ pub fn run(opts: Options) -> Result<(), String> {
     if let Some(n) = opts.test_exit_after_steps {
         tracing::warn!("lvmd: for tests: exiting after {n} steps (--test-exit-after-steps)");
     }
+    if let Some(n) = opts.test_page_runs {
+        tracing::warn!("lvmd: for tests: SnapshotMetadata reads pages of {n} runs (--test-page-runs)");
+    }
     let mut lvmd = Lvmd::new(cfg, &opts)?;
     lvmd.recover()?;
     let shared = Shared::new(lvmd);
@@ -58,7 +61,11 @@ pub fn run(opts: Options) -> Result<(), String> {
                 tracing::info!("lvmd: serving CSI SnapshotMetadata on {}", path.display());
                 let sm = tonic::transport::Server::builder()
                     .add_service(super::snapmeta::identity(opts.csi_driver_name.clone()))
-                    .add_service(super::snapmeta::server(shared.clone(), opts.variable_length))
+                    .add_service(super::snapmeta::server(
+                        shared.clone(),
+                        opts.variable_length,
+                        opts.page_runs(),
+                    ))
                     .serve_with_incoming_shutdown(UnixListenerStream::new(lis), stop());
                 let (a, b) = tokio::join!(main, sm);
                 a.and(b).map_err(|e| format!("lvmd: {e}"))

@@ -24,7 +24,7 @@ const MAX_RESULTS: usize = 65536;
 /// Runs of blocks one read of the pool's metadata gives at most: a stream's
 /// memory is one page of runs (16 bytes each) and one message, however many
 /// the volume has; the next page is read from where the last one ended.
-const PAGE_RUNS: usize = 65536;
+pub(super) const PAGE_RUNS: usize = 65536;
 
 /// One page of a volume's blocks as runs, in order, not overlapping.
 struct Ranges {
@@ -141,7 +141,7 @@ impl Lvmd {
         };
         let capacity = t.size_bytes;
         let (block_bytes, runs) =
-            self.thin_ranges(&dc.pool().name.clone(), (left, t.dev_id), from, PAGE_RUNS)?;
+            self.thin_ranges(&dc.pool().name.clone(), (left, t.dev_id), from, self.page_runs)?;
         Ok(Ranges {
             capacity,
             block_bytes,
@@ -177,10 +177,16 @@ fn tuples(r: &Ranges, start: u64, variable: bool) -> impl Iterator<Item = BlockM
 pub(super) struct Meta {
     shared: Shared,
     variable: bool,
+    /// The runs of a page ([`PAGE_RUNS`], or the test option's).
+    page_runs: usize,
 }
 
-pub(super) fn server(shared: Shared, variable: bool) -> SnapshotMetadataServer<Meta> {
-    SnapshotMetadataServer::new(Meta { shared, variable })
+pub(super) fn server(shared: Shared, variable: bool, page_runs: usize) -> SnapshotMetadataServer<Meta> {
+    SnapshotMetadataServer::new(Meta {
+        shared,
+        variable,
+        page_runs,
+    })
 }
 
 /// CSI's Identity service: the sidecar that fronts SnapshotMetadata for
@@ -283,7 +289,7 @@ impl Meta {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(send_pages(
             first,
-            (pages, PAGE_RUNS),
+            (pages, self.page_runs),
             start,
             per,
             self.variable,

@@ -216,6 +216,10 @@ struct LvmdArgs {
     /// as a kill would stop it
     #[arg(long, hide = true, value_name = "N")]
     test_exit_after_steps: Option<u64>,
+    /// For tests only: SnapshotMetadata reads pages of N runs of blocks
+    /// (65,536 otherwise), so a small volume's answer spans pages
+    #[arg(long, hide = true, value_name = "N")]
+    test_page_runs: Option<usize>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -577,6 +581,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
                 csi_driver_name: a.csi_driver_name,
                 variable_length: a.block_metadata == "variable",
                 test_exit_after_steps: a.test_exit_after_steps,
+                test_page_runs: a.test_page_runs,
             })
             .map_err(anyhow::Error::msg)?;
             Ok(0)
