@@ -200,6 +200,29 @@ pub fn block_kinds(img: &[u8], kinds: &[dmkit::pdata::BlockKind]) -> Vec<Option<
 }
 
 /// What a thin pool's metadata blocks can be, for [`block_kinds`].
+/// A thin pool's metadata image in memory (256 blocks, data blocks of 64 KiB,
+/// `nr_data_blocks` of them) with thin 0 created, `build` run on it, a
+/// metadata snapshot reserved and all committed; and what each block holds.
+pub fn thin_image(
+    nr_data_blocks: u64,
+    build: impl FnOnce(&mut dmkit::thin::ThinPoolMetadata),
+) -> (Vec<u8>, Vec<Option<dmkit::pdata::BlockKind>>) {
+    let dev = dmkit::pdata::MemDev::new(256);
+    let opts = dmkit::thin::FormatOptions {
+        data_block_size: 128,
+        nr_data_blocks,
+        cache_blocks: 64,
+    };
+    let mut md = dmkit::thin::ThinPoolMetadata::format(Box::new(dev.clone()), opts).expect("format");
+    md.create_thin(0).expect("thin");
+    build(&mut md);
+    md.reserve_metadata_snap().expect("metadata snap");
+    md.commit().expect("commit");
+    let img = dev.image();
+    let kinds = block_kinds(&img, &THIN_KINDS);
+    (img, kinds)
+}
+
 pub const THIN_KINDS: [dmkit::pdata::BlockKind; 4] = [
     dmkit::pdata::BlockKind::Superblock,
     dmkit::pdata::BlockKind::BtreeNode,

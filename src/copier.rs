@@ -12,12 +12,11 @@ use crate::io::backing::FileHandle;
 use crate::io::queue::{IoQueue, Sqe};
 use crate::io::sim::SimRef;
 use crate::io::{AlignedBuf, BackingFile};
-use crate::sync::Unpoison;
 use std::cell::RefCell;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 /// Work for the copier's threads: it runs jobs on the copier it is given and calls
 /// back whoever submitted it.
@@ -94,7 +93,7 @@ pub struct Copier {
     subjobs: AtomicU64,
     copied: AtomicU64,
     zeroed: AtomicU64,
-    service: OnceLock<Mutex<mpsc::Sender<Work>>>,
+    service: crate::sync::Workers,
 }
 
 impl Copier {
@@ -120,37 +119,21 @@ impl Copier {
             subjobs: AtomicU64::new(0),
             copied: AtomicU64::new(0),
             zeroed: AtomicU64::new(0),
-            service: OnceLock::new(),
+            service: crate::sync::Workers::new("kcopyd", SERVICE_THREADS),
         }
     }
 
     /// Run `work` on one of the copier's threads; the caller goes on at once.
     /// Work that cannot be started (no thread could be created) runs here.
     pub fn spawn(self: &Arc<Self>, work: Work) {
-        let tx = self.service.get_or_init(|| {
-            let (tx, rx) = mpsc::channel::<Work>();
-            let rx = Arc::new(Mutex::new(rx));
-            // The threads hold the copier weakly: once its last user drops it,
-            // the sender goes with it and they end (they would keep it, and
-            // themselves, alive for ever otherwise).
-            for i in 0..SERVICE_THREADS {
-                let (me, rx) = (Arc::downgrade(self), rx.clone());
-                let _ = std::thread::Builder::new()
-                    .name(format!("kcopyd-{i}"))
-                    .spawn(move || loop {
-                        let next = rx.lock().unpoisoned().recv();
-                        match (next, me.upgrade()) {
-                            (Ok(w), Some(c)) => w(&c),
-                            _ => return,
-                        }
-                    });
+        // The jobs hold the copier weakly: its threads belong to it and end
+        // with it (holding it would keep it, and them, alive for ever).
+        let me = Arc::downgrade(self);
+        self.service.run(Box::new(move || {
+            if let Some(c) = me.upgrade() {
+                work(&c)
             }
-            Mutex::new(tx)
-        });
-        let sent = tx.lock().unpoisoned().send(work);
-        if let Err(mpsc::SendError(w)) = sent {
-            w(self);
-        }
+        }));
     }
 
     pub fn subjob_bytes(&self) -> usize {

@@ -81,7 +81,7 @@ fn registry() -> &'static Registry {
             },
             dmkit::targets::types(),
         );
-        let mut tables = vec![
+        let tables = vec![
             ("z", "0 131072 zero".to_string()),
             ("lin", format!("0 8192 linear {} 0", file("lin", 4 << 20))),
             (
@@ -92,70 +92,70 @@ fn registry() -> &'static Registry {
                     file("data", 16 << 20)
                 ),
             ),
+            (
+                "wc",
+                format!(
+                    "0 8192 writecache s {} {} 4096 0",
+                    file("origin", 4 << 20),
+                    file("wcache", 1 << 20)
+                ),
+            ),
+            (
+                "cr",
+                format!(
+                    "0 8192 crypt aes-xts-plain64 {} 0 {} 0",
+                    "0123456789abcdef".repeat(4),
+                    file("crypt", 4 << 20)
+                ),
+            ),
+            (
+                "lw",
+                format!(
+                    "0 8192 log-writes {} {}",
+                    file("lwdata", 4 << 20),
+                    file("lwlog", 1 << 20)
+                ),
+            ),
+            (
+                "cache",
+                format!(
+                    "0 8192 cache {} {} {} 64 1 writeback default 0",
+                    file("cmeta", 2 << 20),
+                    file("cblocks", 1 << 20),
+                    file("corigin", 4 << 20)
+                ),
+            ),
+            (
+                "era",
+                format!(
+                    "0 8192 era {} {} 32",
+                    file("emeta", 2 << 20),
+                    file("eorigin", 4 << 20)
+                ),
+            ),
+            (
+                "flakey",
+                format!("0 8192 flakey {} 0 1 1", file("flakey", 4 << 20)),
+            ),
+            ("delay", format!("0 8192 delay {} 0 0", file("delay", 4 << 20))),
+            (
+                "raid",
+                format!(
+                    "0 8192 raid raid1 3 0 region_size 128 2 {} {} {} {}",
+                    file("rm0", 1 << 20),
+                    file("rd0", 4 << 20),
+                    file("rm1", 1 << 20),
+                    file("rd1", 4 << 20)
+                ),
+            ),
+            (
+                "integ",
+                format!(
+                    "0 8192 integrity {} 0 4 J 1 internal_hash:crc32c",
+                    file("integ", 8 << 20)
+                ),
+            ),
         ];
-        tables.push((
-            "wc",
-            format!(
-                "0 8192 writecache s {} {} 4096 0",
-                file("origin", 4 << 20),
-                file("wcache", 1 << 20)
-            ),
-        ));
-        tables.push((
-            "cr",
-            format!(
-                "0 8192 crypt aes-xts-plain64 {} 0 {} 0",
-                "0123456789abcdef".repeat(4),
-                file("crypt", 4 << 20)
-            ),
-        ));
-        tables.push((
-            "lw",
-            format!(
-                "0 8192 log-writes {} {}",
-                file("lwdata", 4 << 20),
-                file("lwlog", 1 << 20)
-            ),
-        ));
-        tables.push((
-            "cache",
-            format!(
-                "0 8192 cache {} {} {} 64 1 writeback default 0",
-                file("cmeta", 2 << 20),
-                file("cblocks", 1 << 20),
-                file("corigin", 4 << 20)
-            ),
-        ));
-        tables.push((
-            "era",
-            format!(
-                "0 8192 era {} {} 32",
-                file("emeta", 2 << 20),
-                file("eorigin", 4 << 20)
-            ),
-        ));
-        tables.push((
-            "flakey",
-            format!("0 8192 flakey {} 0 1 1", file("flakey", 4 << 20)),
-        ));
-        tables.push(("delay", format!("0 8192 delay {} 0 0", file("delay", 4 << 20))));
-        tables.push((
-            "raid",
-            format!(
-                "0 8192 raid raid1 3 0 region_size 128 2 {} {} {} {}",
-                file("rm0", 1 << 20),
-                file("rd0", 4 << 20),
-                file("rm1", 1 << 20),
-                file("rd1", 4 << 20)
-            ),
-        ));
-        tables.push((
-            "integ",
-            format!(
-                "0 8192 integrity {} 0 4 J 1 internal_hash:crc32c",
-                file("integ", 8 << 20)
-            ),
-        ));
         for (name, table) in tables {
             reg.create(name, Some(&table), false, None)
                 .unwrap_or_else(|e| panic!("{name}: {table}: {e}"));

@@ -19,7 +19,6 @@
 mod common;
 use dmkit::pdata::{BlockKind, MemDev};
 use dmkit::thin::delta::{changed_runs, delta, mapped_runs, Delta, DeltaOptions, Side};
-use dmkit::thin::{FormatOptions, ThinPoolMetadata};
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 
@@ -30,45 +29,34 @@ const SPAN: u64 = 3000;
 fn base() -> &'static (Vec<u8>, Vec<Option<BlockKind>>) {
     static B: OnceLock<(Vec<u8>, Vec<Option<BlockKind>>)> = OnceLock::new();
     B.get_or_init(|| {
-        let dev = MemDev::new(256);
-        let opts = FormatOptions {
-            data_block_size: 128,
-            nr_data_blocks: 8192,
-            cache_blocks: 64,
-        };
-        let mut md = ThinPoolMetadata::format(Box::new(dev.clone()), opts).expect("format");
-        md.create_thin(0).expect("thin");
-        // about 2,000 mappings: leaves of up to 126 under an internal root
-        for vb in (0..SPAN).filter(|v| v % 3 != 1) {
-            let b = md.alloc_data_block().expect("alloc");
-            md.insert(0, vb, b).expect("insert");
-        }
-        md.commit().expect("commit");
-        md.create_snap(1, 0).expect("snap");
-        // the thin rewritten in three clusters and a few scattered blocks
-        for vb in (400..430)
-            .chain(1500..1510)
-            .chain(2990..3010)
-            .chain([7, 900, 2222])
-        {
-            let b = md.alloc_data_block().expect("alloc");
-            md.insert(0, vb, b).expect("insert");
-        }
-        md.create_snap(2, 1).expect("snap");
-        for vb in 100..140u64 {
-            if let Some(m) = md.lookup(2, vb).expect("lookup") {
-                md.insert_with_time(2, vb, m.data_block, m.time + 3)
-                    .expect("insert");
+        common::thin_image(8192, |md| {
+            // about 2,000 mappings: leaves of up to 126 under an internal root
+            for vb in (0..SPAN).filter(|v| v % 3 != 1) {
+                let b = md.alloc_data_block().expect("alloc");
+                md.insert(0, vb, b).expect("insert");
             }
-        }
-        for vb in 2000..2040 {
-            md.remove(2, vb).expect("remove");
-        }
-        md.reserve_metadata_snap().expect("metadata snap");
-        md.commit().expect("commit");
-        let img = dev.image();
-        let kinds = common::block_kinds(&img, &common::THIN_KINDS);
-        (img, kinds)
+            md.commit().expect("commit");
+            md.create_snap(1, 0).expect("snap");
+            // the thin rewritten in three clusters and a few scattered blocks
+            for vb in (400..430)
+                .chain(1500..1510)
+                .chain(2990..3010)
+                .chain([7, 900, 2222])
+            {
+                let b = md.alloc_data_block().expect("alloc");
+                md.insert(0, vb, b).expect("insert");
+            }
+            md.create_snap(2, 1).expect("snap");
+            for vb in 100..140u64 {
+                if let Some(m) = md.lookup(2, vb).expect("lookup") {
+                    md.insert_with_time(2, vb, m.data_block, m.time + 3)
+                        .expect("insert");
+                }
+            }
+            for vb in 2000..2040 {
+                md.remove(2, vb).expect("remove");
+            }
+        })
     })
 }
 

@@ -10,7 +10,7 @@
 #[path = "../common.rs"]
 mod common;
 use dmkit::pdata::{BlockKind, MemDev};
-use dmkit::thin::{FormatOptions, ThinPoolMetadata};
+use dmkit::thin::ThinPoolMetadata;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 
@@ -18,24 +18,13 @@ use std::sync::OnceLock;
 fn base() -> &'static (Vec<u8>, Vec<Option<BlockKind>>) {
     static B: OnceLock<(Vec<u8>, Vec<Option<BlockKind>>)> = OnceLock::new();
     B.get_or_init(|| {
-        let dev = MemDev::new(256);
-        let opts = FormatOptions {
-            data_block_size: 128,
-            nr_data_blocks: 4096,
-            cache_blocks: 64,
-        };
-        let mut md = ThinPoolMetadata::format(Box::new(dev.clone()), opts).expect("format");
-        md.create_thin(0).expect("thin");
-        for vb in 0..600u64 {
-            let b = md.alloc_data_block().expect("alloc");
-            md.insert(0, vb * 7, b).expect("insert");
-        }
-        md.create_snap(1, 0).expect("snap");
-        md.reserve_metadata_snap().expect("metadata snap");
-        md.commit().expect("commit");
-        let img = dev.image();
-        let kinds = common::block_kinds(&img, &common::THIN_KINDS);
-        (img, kinds)
+        common::thin_image(4096, |md| {
+            for vb in 0..600u64 {
+                let b = md.alloc_data_block().expect("alloc");
+                md.insert(0, vb * 7, b).expect("insert");
+            }
+            md.create_snap(1, 0).expect("snap");
+        })
     })
 }
 

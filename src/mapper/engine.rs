@@ -136,60 +136,11 @@ impl HookJob {
 const OFFLOAD_MIN: usize = 256 << 10;
 
 /// The threads that run offloaded hooks ([`Engine::offload_hooks`]), one per
-/// core (at most 8), started at the first job, taking jobs from one queue.
-/// (rayon's pool was tried for this and to split dm-crypt's cipher of a large
-/// write over the workers: its idle threads spin before they sleep, and on two
-/// cores 1 MiB crypt writes went from 2,600–2,725 to 1,901–2,925 IOPS.)
-mod hook_workers {
-    use crate::sync::Unpoison;
-    use std::sync::{mpsc, Arc, Mutex, OnceLock};
-
-    pub(super) type Job = Box<dyn FnOnce() + Send>;
-
-    static QUEUE: OnceLock<Option<mpsc::Sender<Job>>> = OnceLock::new();
-
-    fn start() -> Option<mpsc::Sender<Job>> {
-        let n = std::thread::available_parallelism()
-            .map_or(2, |n| n.get())
-            .clamp(1, 8);
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
-        let mut started = 0;
-        for i in 0..n {
-            let rx = rx.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("dm-hooks-{i}"))
-                .spawn(move || loop {
-                    let next = rx.lock().unpoisoned().recv();
-                    match next {
-                        // a hook's panic is caught where it runs (`guarded`);
-                        // the worker outlives anything else
-                        Ok(job) => {
-                            let _ = crate::panics::catching(job);
-                        }
-                        Err(_) => return,
-                    }
-                });
-            started += usize::from(spawned.is_ok());
-        }
-        if started == 0 {
-            tracing::warn!("engine: no hook worker could be started: hooks run on the engine's thread");
-        }
-        (started > 0).then_some(tx)
-    }
-
-    /// Run `job` on a worker, or here if no worker could be started.
-    pub(super) fn run(job: Job) {
-        let job = match QUEUE.get_or_init(start) {
-            Some(tx) => match tx.send(job) {
-                Ok(()) => return,
-                Err(mpsc::SendError(job)) => job,
-            },
-            None => job,
-        };
-        job();
-    }
-}
+/// core (at most 8). (rayon's pool was tried for this and to split dm-crypt's
+/// cipher of a large write over the workers: its idle threads spin before they
+/// sleep, and on two cores 1 MiB crypt writes went from 2,600–2,725 to
+/// 1,901–2,925 IOPS.)
+static HOOK_WORKERS: crate::sync::Workers = crate::sync::Workers::new("dm-hooks", 0);
 
 /// Where other threads post completions for one engine.
 pub struct Inbox {
@@ -1353,8 +1304,12 @@ impl Engine {
             job.run();
             inbox.post(Msg::Hooks(Box::new(job)));
         };
-        // run here if no worker can: it comes back through the inbox all the same
-        hook_workers::run(Box::new(work));
+        // a hook's panic is caught where it runs (`guarded`); anything else in
+        // the job must not end the worker. Run here if no worker can: it comes
+        // back through the inbox all the same
+        HOOK_WORKERS.run(Box::new(move || {
+            let _ = crate::panics::catching(work);
+        }));
         true
     }
 }

@@ -682,12 +682,7 @@ fn data_space_map(
     c.errors.clear();
     c.tree(sb.data_sm_root.bitmap_root, Tree::DataIndex);
     c.tree(sb.data_sm_root.ref_count_root, Tree::RefCount);
-    if let Some(e) = c.errors.first().cloned() {
-        report.fail(format!("data space map: {e}"));
-        return None;
-    }
-    let mut leaks = Vec::new();
-    space_map(c, report, SmKind::Data, &sb.data_sm_root, pre, &mut leaks).then_some(leaks)
+    counts(c, report, SmKind::Data, &sb.data_sm_root, pre)
 }
 
 /// The metadata space map: its index block, bitmaps and overflow tree, then
@@ -723,12 +718,25 @@ fn metadata_space_map(
     }
     c.errors.clear();
     c.tree(sb.meta_sm_root.ref_count_root, Tree::RefCount);
+    counts(c, report, SmKind::Metadata, &sb.meta_sm_root, pre)
+}
+
+/// A space map whose own blocks were walked: an error found there ends the
+/// check, else its counts are checked. Its leaked blocks, or None if the check
+/// ends here.
+fn counts(
+    c: &mut Checker,
+    report: &mut Report,
+    kind: SmKind,
+    root: &SmRoot,
+    pre: Option<crate::pdata::Result<SpaceMap>>,
+) -> Option<Vec<(u64, u32)>> {
     if let Some(e) = c.errors.first().cloned() {
-        report.fail(format!("metadata space map: {e}"));
+        report.fail(format!("{} space map: {e}", kind_word(kind)));
         return None;
     }
     let mut leaks = Vec::new();
-    space_map(c, report, SmKind::Metadata, &sb.meta_sm_root, pre, &mut leaks).then_some(leaks)
+    space_map(c, report, kind, root, pre, &mut leaks).then_some(leaks)
 }
 
 fn superblock_error(e: &PdataError) -> String {
