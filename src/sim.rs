@@ -19,8 +19,11 @@
 //!
 //! Trials run in-process through the device registry and dm-io, without the
 //! daemon or sockets. The seed fixes the workload, the crash point and the
-//! crash's choices; the order in which a target's own background threads
-//! (writecache writeback) interleave with requests is left to the scheduler.
+//! crash's choices, and the order of every thread: the trial's thread and the
+//! targets' own (commit threads, kcopyd's jobs, workers) run one at a time
+//! under a scheduler drawing from the seed, on virtual time
+//! ([`crate::sync::sched`]), so a trial replays from its seed alone
+//! (`--check-replay` runs each twice and compares their I/O).
 
 use crate::io::sim::{self, SimDisk};
 use crate::io::Op;
@@ -28,6 +31,7 @@ use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Engine};
 use crate::mapper::Device;
 use crate::mapper::{config::Config, Registry};
+use crate::sync::sched::{Enrolment, Sched};
 use crate::sync::Unpoison;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -126,6 +130,9 @@ pub struct Options {
     pub kill: bool,
     /// Test-only: kill trials without the restart logs (they must fail).
     pub no_restart_logs: bool,
+    /// Run each trial twice and fail it if the two did not do the same I/O in
+    /// the same order (their [`Outcome::fingerprints`] differ).
+    pub check_replay: bool,
 }
 
 /// What a passing trial did.
@@ -153,6 +160,10 @@ pub struct Outcome {
     pub writebacks: u64,
     /// era: blocks whose marks were checked after the crash.
     pub era_blocks_checked: u64,
+    /// The simulated disk's [`fingerprint`](SimDisk::fingerprint) of the run
+    /// that crashed, at the crash, and of the recovery after it: a trial that
+    /// replays from its seed has the same two every time.
+    pub fingerprints: (u64, u64),
 }
 
 /// The command that replays a trial.
@@ -415,6 +426,8 @@ struct Trial {
     era_now: u32,
     era_of: HashMap<u64, u32>,
     era_must: BTreeMap<u64, u32>,
+    /// The scheduler the trial's threads run under, and this thread's part in it.
+    sched: Option<(Arc<Sched>, Enrolment)>,
 }
 
 /// A workload request under way.
@@ -687,6 +700,7 @@ fn new_trial(o: &Options, dir: &Path, disk: Arc<SimDisk>) -> Trial {
         era_now: 0,
         era_of: HashMap::new(),
         era_must: BTreeMap::new(),
+        sched: None,
     }
 }
 
@@ -700,6 +714,8 @@ fn run_workload(
 ) -> Result<Trial, String> {
     let disk = SimDisk::new(o.break_commit_order);
     let mut t = new_trial(o, dir, disk.clone());
+    // the run without a crash and the run with it the same up to the crash
+    t.schedule(o.seed ^ 0x5c4e_d000_0000_0001);
     // a log of the first run (its files had other identities) is no use
     let _ = std::fs::remove_dir_all(dir.join("uncommitted"));
     let sizes: &[(&str, u64)] = match o.stack {
@@ -772,6 +788,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         }
     });
     first.teardown();
+    first.unschedule()?;
     drop(first);
     trace(|| {
         format!("events of a run without a crash: {counts:?}; the crash: {kind:?} {at:?} {fates:?}; I/O error: {fail:?}")
@@ -793,11 +810,13 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     t.out.depth = t.depth;
     t.out.crashed_mid_op = t.disk.frozen();
     t.out.io_errors_injected = t.disk.failed();
+    t.out.fingerprints.0 = t.disk.fingerprint();
     // the power goes
     let mut crash_rng = Rng::new(o.seed ^ 0xc0ff_ee00);
     let images = t.disk.crash_images(fates, |n| crash_rng.below(n));
     let logs_at_kill = copy_dir(&dir.join("uncommitted"));
     t.teardown();
+    t.unschedule()?;
     for (p, img) in &images {
         std::fs::write(p, img).map_err(|e| format!("{}: {e}", p.display()))?;
         if std::env::var_os("DMKIT_SIM_KEEP").is_some() {
@@ -823,6 +842,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     t.disk
         .seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xaf7e_0000_0000_0001);
     t.reg = registry(o, dir, &t.disk);
+    t.schedule(o.seed ^ 0x5c4e_d000_0000_0002);
     for (p, b) in &logs_at_kill {
         if std::fs::read(p).ok().as_ref() != Some(b) {
             trace(|| format!("restart log {} changed after the kill", p.display()));
@@ -841,6 +861,8 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         t.raid_legs_consistent()?;
     }
     t.teardown();
+    t.unschedule()?;
+    t.out.fingerprints.1 = t.disk.fingerprint();
     if o.stack == Stack::Era {
         t.check_era_marks()?;
     }
@@ -1077,7 +1099,7 @@ impl Trial {
     /// bytes, raid5's three XOR to zero (a region a crash may have left
     /// different, or with a stale parity, had its bit set on disk).
     fn raid_legs_consistent(&mut self) -> Result<(), String> {
-        let t0 = std::time::Instant::now();
+        let t0 = crate::sync::now();
         loop {
             let st = self
                 .reg
@@ -1094,10 +1116,10 @@ impl Trial {
                 }
                 break;
             }
-            if t0.elapsed() > std::time::Duration::from_secs(60) {
+            if crate::sync::since(t0) > std::time::Duration::from_secs(60) {
                 return Err(format!("raid not idle 60 s after the crash: {st}"));
             }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            crate::sync::sleep(std::time::Duration::from_millis(5));
         }
         let legs = if self.o.stack == Stack::Raid5 { 3 } else { 2 };
         let mut x = std::fs::read(&self.files[1]).map_err(|e| format!("leg 0: {e}"))?;
@@ -1329,6 +1351,26 @@ impl Trial {
         Ok(())
     }
 
+    /// From here on the trial's threads run under a scheduler seeded with `seed`.
+    fn schedule(&mut self, seed: u64) {
+        let s = Sched::new(seed);
+        let e = s.enrol("sim-trial");
+        self.sched = Some((s, e));
+    }
+
+    /// The trial's threads run as ordinary threads again; Err if they blocked
+    /// one another.
+    fn unschedule(&mut self) -> Result<(), String> {
+        match self.sched.take() {
+            Some((s, e)) => {
+                drop(e);
+                s.stuck()
+                    .map_or(Ok(()), |why| Err(format!("the trial's threads blocked: {why}")))
+            }
+            None => Ok(()),
+        }
+    }
+
     fn teardown(&mut self) {
         // thins before their pool, the snapshot before its origin
         let _ = self.complete_all();
@@ -1379,6 +1421,9 @@ impl Trial {
     }
 
     fn step(&mut self) -> Result<(), String> {
+        // the targets' threads that have work may go first (the trial holds
+        // no lock here)
+        crate::sync::sched::yield_now();
         self.note_failures();
         let roll = self.rng.below(100);
         if self.devs.is_empty() {
@@ -1942,7 +1987,7 @@ pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
             ..base.clone()
         };
         sum.trials += 1;
-        match run_trial(&o) {
+        match run_trial(&o).and_then(|out| replays(&o, out)) {
             Ok(out) => {
                 sum.acked_writes += out.acked_writes;
                 sum.flushes += out.flushes;
@@ -1969,6 +2014,23 @@ pub fn run_trials(base: &Options, trials: u64, stop_at_first: bool) -> Summary {
         }
     }
     sum
+}
+
+/// `out` if the trial need not be checked for its replay, or if a second run
+/// of it did the same I/O in the same order.
+fn replays(o: &Options, out: Outcome) -> Result<Outcome, String> {
+    if !o.check_replay {
+        return Ok(out);
+    }
+    let again = run_trial(o)?;
+    if again.fingerprints != out.fingerprints {
+        return Err(format!(
+            "the trial did not replay from its seed: its I/O differed between two runs \
+             (fingerprints {:016x}/{:016x} then {:016x}/{:016x}, before and after the crash)",
+            out.fingerprints.0, out.fingerprints.1, again.fingerprints.0, again.fingerprints.1
+        ));
+    }
+    Ok(out)
 }
 
 /// A memory filesystem when there is one (`/dev/shm`), else the temporary directory.

@@ -114,6 +114,9 @@ struct State {
     /// The disk's fault policy: metadata commits break their order
     /// ([`faults::set_broken_commit_order`]).
     broken_commit_order: bool,
+    /// Every write, zeroing and flush recorded, in order, folded into one
+    /// number ([`SimDisk::fingerprint`]).
+    fingerprint: u64,
 }
 
 fn key_of_fd(fd: RawFd) -> Option<(u64, u64)> {
@@ -201,6 +204,13 @@ impl SimDisk {
     /// Take the crash at `at` (None: only when asked).
     pub fn crash_at(&self, at: Option<CrashAt>) {
         self.state().crash_at = at;
+    }
+
+    /// The writes, zeroings and flushes recorded so far, in their order, as one
+    /// number (file, place, length, FUA and bytes of each): two runs of the same
+    /// trial that did the same I/O in the same order have the same fingerprint.
+    pub fn fingerprint(&self) -> u64 {
+        self.state().fingerprint
     }
 
     /// Events recorded since the disk was made.
@@ -341,6 +351,12 @@ impl SimDisk {
                 key,
                 &format!("write {offset}+{len} fua {fua} zero {}", data.is_none()),
             );
+            fold(
+                st,
+                key,
+                &[1, offset, len, u64::from(fua)],
+                data.unwrap_or_default(),
+            );
             if let Some(d) = st.disks.get_mut(&key) {
                 d.log.push(Entry {
                     offset,
@@ -392,6 +408,7 @@ impl SimDisk {
                 }
             }
             trace_io(st, key, "flush");
+            fold(st, key, &[2], &[]);
             if let Some(d) = st.disks.get_mut(&key) {
                 for e in std::mem::take(&mut d.log) {
                     apply(&mut d.durable, e.offset, e.data.as_deref(), e.len);
@@ -463,8 +480,30 @@ fn apply(img: &mut Vec<u8>, offset: u64, data: Option<&[u8]>, len: u64) {
     }
 }
 
+/// Fold an event on the file `key` into the disk's fingerprint: the file by its
+/// name (its identity changes from run to run), the event's numbers and bytes.
+fn fold(st: &mut State, key: (u64, u64), numbers: &[u64], bytes: &[u8]) {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same events give the same number in any run
+    let mut h = std::hash::DefaultHasher::new();
+    st.fingerprint.hash(&mut h);
+    st.disks.get(&key).and_then(|d| d.path.file_name()).hash(&mut h);
+    numbers.hash(&mut h);
+    bytes.hash(&mut h);
+    st.fingerprint = h.finish();
+}
+
+/// What an I/O takes on the simulated disk, in a trial's virtual time
+/// ([`crate::sync::sched`]): time-driven policies (a cache's ticks, periodic
+/// commits) see time pass as the workload runs.
+const IO_TIME: (std::time::Duration, std::time::Duration) = (
+    std::time::Duration::from_micros(20),
+    std::time::Duration::from_micros(200),
+);
+
 /// Count an I/O and say whether the failure plan fails it.
 fn should_fail(st: &mut State, write: bool) -> bool {
+    crate::sync::sched::elapse(IO_TIME.0, IO_TIME.1);
     let n = st.ios;
     st.ios += 1;
     match st.fail {

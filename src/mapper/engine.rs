@@ -164,8 +164,14 @@ impl Inbox {
         drop(q);
         // One signal per batch: the engine takes the whole list when it wakes.
         if wake {
+            crate::sync::sched::wake(self.key(), true);
             let _ = rustix::io::write(&self.efd, &1u64.to_ne_bytes());
         }
+    }
+
+    /// What a crash trial's engine waits on in its scheduler.
+    fn key(&self) -> usize {
+        self as *const Inbox as usize
     }
 }
 
@@ -622,7 +628,10 @@ impl Engine {
         if !self.parked.is_empty() {
             self.retry_parked();
         }
-        if !self.wake_armed && (!self.closing || self.asyncs > 0) {
+        // On a crash trial's thread the inbox is read at every turn and waited
+        // for in the trial's scheduler (`sync::sched`), not through the ring.
+        let scheduled = crate::sync::sched::active();
+        if !scheduled && !self.wake_armed && (!self.closing || self.asyncs > 0) {
             let buf = self.wake_buf.as_mut_ptr();
             let fd = self.inbox.efd.as_raw_fd();
             self.push(Sqe::Wake { fd, buf }, KIND_WAKE << KIND_SHIFT);
@@ -634,7 +643,7 @@ impl Engine {
             // Parked requests retry when their device resumes.
             Some(timeout.map_or(Duration::from_millis(1), |t| t.min(Duration::from_millis(1))))
         };
-        if !self.done.is_empty() {
+        if !self.done.is_empty() || scheduled {
             self.q.wait(Some(Duration::ZERO))?;
         } else {
             self.q.wait(timeout)?;
@@ -667,6 +676,13 @@ impl Engine {
                     more: false,
                 }),
             }
+        }
+        if scheduled {
+            let idle = cq.is_empty() && self.io_events.is_empty() && self.done.is_empty();
+            if idle && self.inbox.msgs.lock().unpoisoned().is_empty() {
+                crate::sync::sched::wait_for(self.inbox.key(), timeout);
+            }
+            self.take_inbox();
         }
         cq.clear();
         self.cq = cq;

@@ -241,7 +241,7 @@ pub struct Device {
     /// Threads waiting for an in-flight count to reach zero (suspend, an epoch
     /// drain): the request that brings it there wakes them through `drained`.
     drain_waiters: AtomicU32,
-    drained: (Mutex<()>, std::sync::Condvar),
+    drained: (Mutex<()>, crate::sync::Cond),
     pub event_nr: AtomicU32,
     /// Opens: NBD connections attached, device files open (one per open file
     /// description, counted until its last close).
@@ -335,7 +335,7 @@ impl Device {
             epoch: std::sync::atomic::AtomicUsize::new(0),
             drain_lock: Mutex::new(()),
             drain_waiters: AtomicU32::new(0),
-            drained: (Mutex::new(()), std::sync::Condvar::new()),
+            drained: (Mutex::new(()), crate::sync::Cond::new()),
             event_nr: AtomicU32::new(0),
             open_count: AtomicU32::new(0),
             closing: AtomicU32::new(0),
@@ -457,7 +457,7 @@ impl Device {
     /// one [`internal_resume`](Self::internal_resume). Takes this device's control
     /// lock: the caller may hold another device's (a pool's), never this one's.
     pub fn internal_suspend_noflush(&self) {
-        let _c = self.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&self.control);
         let before = self.internal_suspends.fetch_add(1, Ordering::SeqCst);
         // nested, or suspended by the user already: drained, targets presuspended
         if before == 0 && !self.suspended.load(Ordering::SeqCst) {
@@ -471,7 +471,7 @@ impl Device {
     /// that refuses the resume leaves the device suspended, as the user sees it
     /// (the kernel's __dm_internal_resume does the same).
     pub fn internal_resume(&self) {
-        let _c = self.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&self.control);
         let left = match self.internal_suspends.load(Ordering::SeqCst) {
             0 => {
                 tracing::error!("{}: internal resume without an internal suspend", self.name());
@@ -516,7 +516,7 @@ impl Device {
     /// False if they had not all left within `limit` (a request queued for space,
     /// say); the caller then tries again later.
     pub fn drain_epoch(&self, limit: Duration) -> bool {
-        let _l = self.drain_lock.lock().unpoisoned();
+        let _l = crate::sync::lock(&self.drain_lock);
         let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
         self.wait_drained(Some(limit), || self.inflight[old].load(Ordering::SeqCst) == 0)
     }
@@ -525,7 +525,7 @@ impl Device {
     /// by the request that takes it there ([`release`]); false after `limit`.
     fn wait_drained(&self, limit: Option<Duration>, done: impl Fn() -> bool) -> bool {
         let (lock, cv) = &self.drained;
-        let deadline = limit.map(|l| std::time::Instant::now() + l);
+        let deadline = limit.map(|l| crate::sync::now() + l);
         let mut g = lock.lock().unpoisoned();
         // Counted before `done` is checked: a release that brings the count to
         // zero after this check sees the waiter and notifies under the lock,
@@ -537,12 +537,12 @@ impl Device {
             }
             let wait = match deadline {
                 None => Duration::from_secs(1),
-                Some(d) => match d.checked_duration_since(std::time::Instant::now()) {
+                Some(d) => match d.checked_duration_since(crate::sync::now()) {
                     Some(w) if !w.is_zero() => w,
                     _ => break false,
                 },
             };
-            g = cv.wait_timeout(g, wait).unpoisoned().0;
+            g = cv.wait_timeout(lock, g, wait).0;
         };
         self.drain_waiters.fetch_sub(1, Ordering::SeqCst);
         ok

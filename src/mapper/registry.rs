@@ -559,7 +559,7 @@ impl Registry {
     ) -> Result<(), ControlError> {
         let _t = self.touch(name);
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&dev.control);
         let ro = read_only.unwrap_or_else(|| dev.read_only());
         let t = self.build_table(&dev, table, cwd, ro)?;
         *dev.inactive.lock().unpoisoned() = Some(Arc::new(t));
@@ -576,7 +576,7 @@ impl Registry {
 
     pub fn suspend(&self, name: &str, noflush: bool) -> Result<(), ControlError> {
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&dev.control);
         if dev.suspended.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -593,7 +593,7 @@ impl Registry {
     pub fn resume(&self, name: &str) -> Result<(), ControlError> {
         let _t = self.touch(name);
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&dev.control);
         resume_locked(&dev).map_err(|e| dev_err(name, e))
     }
 
@@ -604,7 +604,7 @@ impl Registry {
     /// it to be removed at its last close.
     pub fn remove(&self, name: &str, force: bool, deferred: bool) -> Result<(), ControlError> {
         let dev = self.get(name)?;
-        let _c = dev.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&dev.control);
         if dev.holders.load(Ordering::SeqCst) > 0 {
             if deferred {
                 // as the kernel: marked, removed when its last user goes, and success
@@ -748,7 +748,7 @@ impl Registry {
         if dev.open_count.load(Ordering::SeqCst) > 0 || !dev.deferred_remove.load(Ordering::SeqCst) {
             return;
         }
-        let _c = dev.control.lock().unpoisoned();
+        let _c = crate::sync::lock(&dev.control);
         let still_ours = self
             .devices()
             .get(&dev.name())

@@ -21,8 +21,8 @@ use crate::mapper::engine::Pending;
 use crate::mapper::{Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use crate::sync::Unpoison;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 /// The `era` target type (the 6.12 kernel's dm-era version).
 pub const TYPE: TargetType = TargetType {
@@ -57,7 +57,7 @@ struct Queue {
 struct State {
     md: Mutex<Md>,
     queue: Mutex<Queue>,
-    wake: Condvar,
+    wake: crate::sync::Cond,
     /// The current era's blocks marked and committed (the kernel's in-core
     /// writeset): a write to one passes straight through.
     bits: RwLock<Vec<AtomicU64>>,
@@ -79,7 +79,7 @@ pub struct Era {
     len: u64,
     block_sectors: u64,
     st: Arc<State>,
-    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    worker: Mutex<Option<crate::sync::Thread<()>>>,
 }
 
 /// The metadata on a file, or on another dmkit device (read and written through
@@ -123,7 +123,7 @@ impl Era {
                 digest_off: false,
             }),
             queue: Mutex::new(Queue::default()),
-            wake: Condvar::new(),
+            wake: crate::sync::Cond::new(),
             bits: RwLock::new(Vec::new()),
             dirty: AtomicBool::new(false),
             digesting: AtomicBool::new(true),
@@ -132,9 +132,7 @@ impl Era {
             block_sectors: bs as u64,
         });
         let s = st.clone();
-        let worker = std::thread::Builder::new()
-            .name("dmkit-era".into())
-            .spawn(move || s.work())
+        let worker = crate::sync::spawn("dmkit-era", move || s.work())
             .map_err(|e| format!("could not create the era worker: {e}"))?;
         Ok(Era {
             metadata,
@@ -218,14 +216,14 @@ impl State {
     /// The worker: mark deferred writes and commit before they go on, commit
     /// for flushes, digest, and commit what is left at least every second.
     fn work(&self) {
-        let mut last_commit = Instant::now();
+        let mut last_commit = crate::sync::now();
         loop {
             let (writes, flushes) = {
                 let mut q = self.queue.lock().unpoisoned();
                 let busy = self.digesting.load(Ordering::SeqCst);
                 if q.writes.is_empty() && q.flushes.is_empty() && !q.stop {
                     let wait = if busy { Duration::from_millis(1) } else { COMMIT_PERIOD };
-                    q = self.wake.wait_timeout(q, wait).unpoisoned().0;
+                    q = self.wake.wait_timeout(&self.queue, q, wait).0;
                 }
                 if q.stop {
                     return;
@@ -241,7 +239,7 @@ impl State {
                 // held until the resume (the engine parks them meanwhile)
                 writes.into_iter().chain(flushes).for_each(Pending::requeue);
                 drop(m);
-                std::thread::sleep(Duration::from_millis(1));
+                crate::sync::sleep(Duration::from_millis(1));
                 continue;
             }
             let mut ok = true;
@@ -266,7 +264,7 @@ impl State {
                     tracing::error!("era: metadata commit failed: {e}");
                     ok = false;
                 } else {
-                    last_commit = Instant::now();
+                    last_commit = crate::sync::now();
                 }
             }
             if !ok {
@@ -300,9 +298,9 @@ impl State {
                 }
             }
             let digesting = !m.digest_off && m.md.digest_pending();
-            if m.md.dirty() && (last_commit.elapsed() >= COMMIT_PERIOD || !digesting) {
+            if m.md.dirty() && (crate::sync::since(last_commit) >= COMMIT_PERIOD || !digesting) {
                 match m.md.commit() {
-                    Ok(()) => last_commit = Instant::now(),
+                    Ok(()) => last_commit = crate::sync::now(),
                     Err(e) => {
                         tracing::error!("era: periodic commit failed: {e}");
                         self.fail(&mut m);

@@ -330,6 +330,10 @@ struct SimArgs {
     /// logs of thin pools and writecaches
     #[arg(long)]
     kill: bool,
+    /// Run every trial twice and fail those whose two runs did not do the same
+    /// I/O in the same order (a trial must replay from its seed alone)
+    #[arg(long)]
+    check_replay: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -925,6 +929,7 @@ fn sim(a: SimArgs) -> Result<i32> {
         ref_check_every: a.ref_check_every,
         kill: a.kill,
         no_restart_logs: false,
+        check_replay: a.check_replay,
     };
     let t = std::time::Instant::now();
     let s = sim::run_trials(&o, a.trials, !a.keep_going);

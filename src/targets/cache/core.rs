@@ -27,7 +27,7 @@ use crate::mapper::{Bio, DevRef, MapCtx, MapErr};
 use crate::sync::Unpoison;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// How writes are cached.
@@ -195,7 +195,7 @@ pub struct Shared {
     core: Mutex<Core>,
     md: Mutex<Md>,
     signal: Mutex<Signal>,
-    wake: Condvar,
+    wake: crate::sync::Cond,
     /// Held by the worker while it migrates; a suspend waits for it.
     run: Mutex<()>,
     pub features: Features,
@@ -209,7 +209,7 @@ pub struct Shared {
     epoch: AtomicU64,
     inflight: [AtomicU64; 2],
     drain_lock: Mutex<()>,
-    drained: Condvar,
+    drained: crate::sync::Cond,
     /// The end-of-I/O hooks of the two epochs, made once.
     hooks: [EndIo; 2],
     start: Instant,
@@ -218,7 +218,7 @@ pub struct Shared {
     failed: AtomicBool,
     /// Blocks were written back since the origin was last flushed.
     wb_unflushed: AtomicBool,
-    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    worker: Mutex<Option<crate::sync::Thread<()>>>,
 }
 
 impl Shared {
@@ -240,7 +240,7 @@ impl Shared {
                 failed: false,
             }),
             signal: Mutex::new(Signal::default()),
-            wake: Condvar::new(),
+            wake: crate::sync::Cond::new(),
             run: Mutex::new(()),
             features,
             bs,
@@ -253,7 +253,7 @@ impl Shared {
             epoch: AtomicU64::new(0),
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             drain_lock: Mutex::new(()),
-            drained: Condvar::new(),
+            drained: crate::sync::Cond::new(),
             hooks: {
                 let hook = |e: usize| -> EndIo {
                     let me = me.clone();
@@ -266,7 +266,7 @@ impl Shared {
                 };
                 [hook(0), hook(1)]
             },
-            start: Instant::now(),
+            start: crate::sync::now(),
             last_io: AtomicU64::new(0),
             suspended: AtomicBool::new(true),
             failed: AtomicBool::new(false),
@@ -274,16 +274,14 @@ impl Shared {
             worker: Mutex::new(None),
         });
         let s = Arc::downgrade(&st);
-        let h = std::thread::Builder::new()
-            .name("dmkit-cache".into())
-            .spawn(move || work(s))
+        let h = crate::sync::spawn("dmkit-cache", move || work(s))
             .map_err(|e| format!("could not create the cache worker: {e}"))?;
         *st.worker.lock().unpoisoned() = Some(h);
         Ok(st)
     }
 
     fn now_ms(&self) -> u64 {
-        self.start.elapsed().as_millis() as u64
+        crate::sync::since(self.start).as_millis() as u64
     }
 
     pub fn migration_threshold(&self) -> u64 {
@@ -317,8 +315,7 @@ impl Shared {
         while self.inflight[old].load(Ordering::SeqCst) != 0 {
             g = self
                 .drained
-                .wait_timeout(g, Duration::from_millis(10))
-                .unpoisoned()
+                .wait_timeout(&self.drain_lock, g, Duration::from_millis(10))
                 .0;
         }
     }
@@ -537,7 +534,7 @@ impl Shared {
     pub fn postsuspend(&self) {
         self.suspended.store(true, Ordering::SeqCst);
         // the worker's batch under way finishes first
-        let _run = self.run.lock().unpoisoned();
+        let _run = crate::sync::lock(&self.run);
         self.sync_metadata();
     }
 
@@ -883,27 +880,27 @@ impl Stats {
 
 /// The worker: background work, invalidations, the policy's tick.
 fn work(me: Weak<Shared>) {
-    let mut last_tick = Instant::now();
+    let mut last_tick = crate::sync::now();
     let mut busy = false;
     loop {
         let Some(st) = me.upgrade() else { return };
         {
             let mut g = st.signal.lock().unpoisoned();
             if !g.kick && !g.stop && !busy {
-                g = st.wake.wait_timeout(g, WAKE_PERIOD).unpoisoned().0;
+                g = st.wake.wait_timeout(&st.signal, g, WAKE_PERIOD).0;
             }
             if g.stop {
                 return;
             }
             g.kick = false;
         }
-        let _run = st.run.lock().unpoisoned();
+        let _run = crate::sync::lock(&st.run);
         if st.suspended.load(Ordering::SeqCst) {
             busy = false;
             continue;
         }
-        if last_tick.elapsed() >= WAKE_PERIOD {
-            last_tick = Instant::now();
+        if crate::sync::since(last_tick) >= WAKE_PERIOD {
+            last_tick = crate::sync::now();
             let now = st.now_ms();
             let mut core = st.core.lock().unpoisoned();
             core.last_tick = now;

@@ -45,8 +45,7 @@ use crate::sync::Unpoison;
 use format::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The `integrity` target type (the version Linux 6.12.117 reports).
@@ -276,9 +275,9 @@ enum Job {
     Flush { pending: Pending },
     Discard { pending: Pending, bio: Bio },
     /// Replay or prepare at a first resume; the answer goes back.
-    Resume(mpsc::Sender<Result<(), String>>),
+    Resume(crate::sync::ReplyTx<Result<(), String>>),
     /// Everything durable and the journal or bitmap closed, at a suspend.
-    Suspend(mpsc::Sender<()>),
+    Suspend(crate::sync::ReplyTx<()>),
 }
 
 struct Queue {
@@ -288,7 +287,7 @@ struct Queue {
 
 struct Shared {
     q: Mutex<Queue>,
-    wake: Condvar,
+    wake: crate::sync::Cond,
     mismatches: AtomicU64,
     /// Where the background recalculation is (`u64::MAX`: not recalculating).
     recalc_at: AtomicU64,
@@ -305,7 +304,7 @@ impl Shared {
                 jobs: VecDeque::new(),
                 stop: false,
             }),
-            wake: Condvar::new(),
+            wake: crate::sync::Cond::new(),
             mismatches: AtomicU64::new(0),
             recalc_at: AtomicU64::new(recalc_at),
             failed: AtomicBool::new(false),
@@ -320,7 +319,7 @@ pub struct Integrity {
     offset: u64,
     sb_flags: u32,
     journal_sectors_shown: u64,
-    worker: Option<std::thread::JoinHandle<()>>,
+    worker: Option<crate::sync::Thread<()>>,
     started: AtomicBool,
 }
 
@@ -486,9 +485,7 @@ impl Integrity {
         let mut work = Work::new(lay.clone(), shared.clone(), sb);
         work.ask_recalc = opts.recalculate;
         work.reset_recalc = opts.reset_recalculate;
-        let worker = std::thread::Builder::new()
-            .name("dmkit-integrity".into())
-            .spawn(move || work.run())
+        let worker = crate::sync::spawn("dmkit-integrity", move || work.run())
             .map_err(|e| format!("Cannot allocate the integrity worker: {e}"))?;
         Ok(Integrity {
             lay,
@@ -604,7 +601,7 @@ fn new_superblock(
     }
     if o.fix_hmac {
         sb.flags |= SB_FLAG_FIXED_HMAC;
-        openssl::rand::rand_bytes(&mut sb.salt).map_err(|e| format!("Could not initialize superblock: {e}"))?;
+        new_salt(&mut sb.salt)?;
     }
     match meta {
         None => {
@@ -814,11 +811,11 @@ impl Target for Integrity {
         if self.started.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = crate::sync::reply();
         self.push(Job::Resume(tx));
         let r = rx
             .recv()
-            .unwrap_or_else(|_| Err("the integrity worker stopped".into()));
+            .unwrap_or_else(|| Err("the integrity worker stopped".into()));
         if r.is_err() {
             self.started.store(false, Ordering::SeqCst);
         }
@@ -829,10 +826,19 @@ impl Target for Integrity {
         if !self.started.load(Ordering::SeqCst) {
             return;
         }
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = crate::sync::reply();
         self.push(Job::Suspend(tx));
         let _ = rx.recv();
     }
+}
+
+/// A new superblock's salt: random (from the trial's seed in a crash trial,
+/// which then writes the same bytes in every run).
+fn new_salt(salt: &mut [u8]) -> Result<(), String> {
+    if crate::sync::sched::seeded_bytes(salt) {
+        return Ok(());
+    }
+    openssl::rand::rand_bytes(salt).map_err(|e| format!("Could not initialize superblock: {e}"))
 }
 
 /// The worker's state: everything on disk is written from here.
@@ -902,7 +908,7 @@ impl Work {
                         break None;
                     }
                     let wait = self.next_deadline();
-                    q = self.shared.wake.wait_timeout(q, wait).unpoisoned().0;
+                    q = self.shared.wake.wait_timeout(&self.shared.q, q, wait).0;
                 }
             };
             match job {
@@ -917,14 +923,14 @@ impl Work {
     }
 
     fn background_due(&self) -> bool {
-        let now = Instant::now();
+        let now = crate::sync::now();
         self.recalculating()
             || self.first_open.is_some_and(|t| now >= t + self.lay.commit_time)
             || self.bits_set.is_some_and(|t| now >= t + self.lay.flush_interval)
     }
 
     fn next_deadline(&self) -> Duration {
-        let now = Instant::now();
+        let now = crate::sync::now();
         let mut d = Duration::from_secs(1);
         if let Some(t) = self.first_open {
             d = d.min((t + self.lay.commit_time).saturating_duration_since(now));
@@ -944,7 +950,7 @@ impl Work {
         if self.shared.failed.load(Ordering::SeqCst) {
             return;
         }
-        let now = Instant::now();
+        let now = crate::sync::now();
         if self.first_open.is_some_and(|t| now >= t + self.lay.commit_time) {
             if let Err(e) = self.commit() {
                 self.fail_device(&e);
@@ -972,14 +978,14 @@ impl Work {
                     tracing::error!("{e}");
                 }
                 self.resumed = r.is_ok();
-                let _ = tx.send(r);
+                tx.send(r);
             }
             Job::Suspend(tx) => {
                 if let Err(e) = self.suspend() {
                     self.fail_device(&e);
                 }
                 self.resumed = false;
-                let _ = tx.send(());
+                tx.send(());
             }
             Job::Read { pending, .. } | Job::Flush { pending } | Job::Discard { pending, .. } if failed => {
                 pending.fail(errno::EIO)
@@ -1083,7 +1089,7 @@ impl Work {
                             self.open.push((l, blk.to_vec(), tag));
                         }
                     }
-                    self.first_open.get_or_insert_with(Instant::now);
+                    self.first_open.get_or_insert_with(crate::sync::now);
                     if self.open.len() as u64 >= self.commit_trigger() {
                         self.commit()?;
                     }
@@ -1491,7 +1497,7 @@ impl Work {
                 true,
             )
             .map_err(|e| io_err("writing the bitmap", e))?;
-            self.bits_set = Some(Instant::now());
+            self.bits_set = Some(crate::sync::now());
         }
         Ok(())
     }

@@ -56,8 +56,8 @@ use format::{BitmapSuper, Super, BITMAP_OFFSET, BITMAP_SB_BYTES, HZ, MAX_CHUNKS,
 use layout::{Geometry, Level};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 /// The `raid` target type.
 pub const TYPE: TargetType = TargetType {
@@ -270,19 +270,19 @@ struct Inner {
     write_behind: u32,
     write_mostly: Vec<bool>,
     st: Mutex<State>,
-    wake: Condvar,
-    drained: Condvar,
+    wake: crate::sync::Cond,
+    drained: crate::sync::Cond,
     /// raid4/5/6: rows whole-row writes are writing on threads of their own
     /// (`run_jobs`); `landed` is signalled as each ends.
     flying: Mutex<Vec<u64>>,
-    landed: Condvar,
+    landed: crate::sync::Cond,
     events: AtomicU64,
 }
 
 pub struct Raid {
     inner: Arc<Inner>,
     opts: Options,
-    worker: Option<std::thread::JoinHandle<()>>,
+    worker: Option<crate::sync::Thread<()>>,
 }
 
 fn bad(msg: &str) -> String {
@@ -371,18 +371,16 @@ impl Raid {
             writing: Mutex::new(()),
             write_behind: opts.max_write_behind.map_or(0, |w| (w / 2).min(8191) as u32),
             st: Mutex::new(State::new(nlegs, regions as usize)),
-            wake: Condvar::new(),
-            drained: Condvar::new(),
+            wake: crate::sync::Cond::new(),
+            drained: crate::sync::Cond::new(),
             flying: Mutex::new(Vec::new()),
-            landed: Condvar::new(),
+            landed: crate::sync::Cond::new(),
             events: AtomicU64::new(0),
         };
         let inner = Arc::new(inner);
         inner.assemble(&opts)?;
         let weak = Arc::downgrade(&inner);
-        let worker = std::thread::Builder::new()
-            .name("raid".into())
-            .spawn(move || worker(weak))
+        let worker = crate::sync::spawn("raid", move || worker(weak))
             .map_err(|e| format!("starting the raid thread: {e}"))?;
         Ok(Raid {
             inner,
@@ -1443,13 +1441,20 @@ impl Inner {
             writes.push((qd, qb));
         }
         // every leg's write at once: the row goes at the legs' combined speed
-        let ok = std::thread::scope(|sc| {
-            let hs: Vec<_> = writes
+        // (in a crash trial one after another, in the trial's order)
+        let ok = if crate::sync::sched::active() {
+            writes
                 .iter()
-                .map(|&(leg, buf)| sc.spawn(move || self.write_leg(leg, at, buf, bio.fua)))
-                .collect();
-            hs.into_iter().all(|h| h.join().unwrap_or(false))
-        });
+                .fold(true, |ok, &(leg, buf)| self.write_leg(leg, at, buf, bio.fua) && ok)
+        } else {
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = writes
+                    .iter()
+                    .map(|&(leg, buf)| sc.spawn(move || self.write_leg(leg, at, buf, bio.fua)))
+                    .collect();
+                hs.into_iter().all(|h| h.join().unwrap_or(false))
+            })
+        };
         let st = self.lock();
         Some(if ok && self.can_run(|i| self.good(&st, i)) {
             0
@@ -1556,7 +1561,7 @@ impl Inner {
     fn wait_landed(&self, row: Option<u64>) {
         let mut f = self.flying.lock().unpoisoned();
         while row.map_or(!f.is_empty(), |r| f.contains(&r)) {
-            f = self.landed.wait(f).unpoisoned();
+            f = self.landed.wait(&self.flying, f);
         }
     }
 
@@ -1583,7 +1588,7 @@ impl Inner {
             };
             let job = Arc::new(Mutex::new(Some(j)));
             let theirs = job.clone();
-            let spawned = std::thread::Builder::new().name("raid-row".into()).spawn(move || {
+            let spawned = crate::sync::spawn("raid-row", move || {
                 if let Some(j) = theirs.lock().unpoisoned().take() {
                     me.run_job(j);
                 }
@@ -1882,7 +1887,7 @@ impl Inner {
                 st = self.lock();
                 continue;
             }
-            st = self.drained.wait_timeout(st, Duration::from_millis(50)).unpoisoned().0;
+            st = self.drained.wait_timeout(&self.st, st, Duration::from_millis(50)).0;
         }
         drop(st);
         let res = self.copy_region(r, action, &targets);
@@ -1914,7 +1919,7 @@ impl Inner {
         let Some(&(i, r)) = st.fixes.first() else { return false };
         st.busy = Some(r);
         while st.writes[r as usize] > 0 && !st.stop {
-            st = self.drained.wait_timeout(st, Duration::from_millis(50)).unpoisoned().0;
+            st = self.drained.wait_timeout(&self.st, st, Duration::from_millis(50)).0;
         }
         let source = (0..self.nlegs()).find(|&j| j != i && self.good(&st, j));
         drop(st);
@@ -1976,7 +1981,7 @@ impl Inner {
     /// The daemon's pass: regions idle for two passes lose their bit, on an
     /// array whose legs are all in sync and with no copy under way.
     fn clear_idle_bits(&self) {
-        let _one = self.writing.lock().unpoisoned();
+        let _one = crate::sync::lock(&self.writing);
         let mut st = self.lock();
         if Self::degraded(&st) || st.action != Action::Idle || st.frozen || self.legs.iter().all(|l| l.meta.is_none()) {
             return;
@@ -2008,7 +2013,7 @@ impl Inner {
     /// Set the bits writes wait for, write them, and let the writes go: a
     /// region counts as marked only once its bit is durable.
     fn set_wanted_bits(&self) {
-        let _one = self.writing.lock().unpoisoned();
+        let _one = crate::sync::lock(&self.writing);
         let mut st = self.lock();
         if !st.want_bits && !st.sb_dirty {
             return;
@@ -2053,7 +2058,7 @@ struct WriteDone {
 /// The target's thread: metadata the writes wait for first, then one region of
 /// copying at a time, and the daemon pass every period.
 fn worker(weak: std::sync::Weak<Inner>) {
-    let mut last_pass = Instant::now();
+    let mut last_pass = crate::sync::now();
     loop {
         let Some(me) = weak.upgrade() else { return };
         {
@@ -2072,7 +2077,7 @@ fn worker(weak: std::sync::Weak<Inner>) {
                     || (st.action != Action::Idle && !st.frozen));
             if !busy {
                 let nap = me.daemon_period.clamp(Duration::from_millis(1), Duration::from_millis(500));
-                drop(me.wake.wait_timeout(st, nap));
+                drop(me.wake.wait_timeout(&me.st, st, nap));
             }
             if !started {
                 continue;
@@ -2089,8 +2094,8 @@ fn worker(weak: std::sync::Weak<Inner>) {
             continue;
         }
         let period = me.daemon_period;
-        if last_pass.elapsed() >= period {
-            last_pass = Instant::now();
+        if crate::sync::since(last_pass) >= period {
+            last_pass = crate::sync::now();
             me.clear_idle_bits();
         }
     }
@@ -2353,7 +2358,7 @@ impl Target for Raid {
             // a copy under way finishes first (frozen: no other starts), or it
             // could write a region's old bytes after the next table's writes
             while st.busy.is_some() {
-                st = me.drained.wait_timeout(st, Duration::from_millis(10)).unpoisoned().0;
+                st = me.drained.wait_timeout(&me.st, st, Duration::from_millis(10)).0;
             }
             // drained and in sync: every bit cleared, as md flushes its bitmap
             // at a suspend, so a bit found set at the next load means a crash

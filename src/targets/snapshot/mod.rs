@@ -198,7 +198,7 @@ pub struct Core {
 
 struct MergeThread {
     stop: Arc<AtomicBool>,
-    handle: std::thread::JoinHandle<()>,
+    handle: crate::sync::Thread<()>,
 }
 
 /// A snapshot's state, locked; a lock a panicking thread left behind ends the
@@ -439,7 +439,7 @@ impl Core {
             let me = self.clone();
             self.copier.spawn(Box::new(move |_| {
                 {
-                    let _io = lock(&me.io);
+                    let _io = crate::sync::lock(&me.io);
                     let img = store::header_image(false, me.chunk);
                     if let Err(e) = devio::write(&me.cow, 0, &img, true) {
                         tracing::error!("snapshot: writing the invalidated header failed: {e}");
@@ -507,7 +507,7 @@ impl Core {
     /// exception up, the chunk still reading from the origin. Runs on a
     /// copy-engine thread (it blocks on store writes).
     fn finish(self: &Arc<Self>, chunk: u64, ok: bool, copy: bool) {
-        let _io = lock(&self.io);
+        let _io = crate::sync::lock(&self.io);
         let mut st = lock(&self.st);
         let Some(seq) = st.pending.get(&chunk).map(|pe| pe.seq) else {
             return;
@@ -535,7 +535,7 @@ impl Core {
             // origin writes waiting on this exception go ahead.
             while st.tracked.get(&chunk).is_some_and(|&n| n > 0) {
                 drop(st);
-                std::thread::sleep(Duration::from_micros(200));
+                crate::sync::sleep(Duration::from_micros(200));
                 st = lock(&self.st);
             }
             if !ok || !st.valid {
@@ -680,9 +680,7 @@ impl Core {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (me, s) = (self.clone(), stop.clone());
-        let handle = std::thread::Builder::new()
-            .name("snapshot-merge".into())
-            .spawn(move || me.merge_loop(&snaps, &s));
+        let handle = crate::sync::spawn("snapshot-merge", move || me.merge_loop(&snaps, &s));
         match handle {
             Ok(handle) => *m = Some(MergeThread { stop, handle }),
             Err(e) => {
@@ -731,7 +729,7 @@ impl Core {
     /// when nothing is left.
     fn merge_step(self: &Arc<Self>, snaps: &OriginSnaps, stop: &AtomicBool) -> Result<bool, String> {
         let step = {
-            let _io = lock(&self.io);
+            let _io = crate::sync::lock(&self.io);
             let mut st = lock(&self.st);
             if !st.valid || st.merge_failed {
                 return Ok(false);
@@ -764,7 +762,7 @@ impl Core {
             if stop.load(Ordering::SeqCst) {
                 return Ok(true);
             }
-            std::thread::sleep(Duration::from_millis(1));
+            crate::sync::sleep(Duration::from_millis(1));
         }
         lock(&self.st).merging = (old, n);
         // Writes already under way to those chunks finish first.
@@ -776,7 +774,7 @@ impl Core {
             if !busy {
                 break;
             }
-            std::thread::sleep(Duration::from_micros(200));
+            crate::sync::sleep(Duration::from_micros(200));
         }
         let size = devio::size_sectors(&self.origin);
         let count = len.min(size.saturating_sub(start));
@@ -793,7 +791,7 @@ impl Core {
             .map_err(|e| format!("copying COW chunks {new}.. to origin chunk {old} failed: {e}"))?;
         }
         devio::flush(&self.origin).map_err(|e| format!("Flush after merge failed: {e}"))?;
-        let _io = lock(&self.io);
+        let _io = crate::sync::lock(&self.io);
         let (at, img) = match &mut lock(&self.st).store {
             Store::Persistent(p) => p.commit_merge(n),
             Store::Transient(_) => return Ok(false),

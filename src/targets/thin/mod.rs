@@ -23,7 +23,8 @@ use crate::pdata::PdataError;
 use crate::thin::{FormatOptions, ThinError, ThinPoolMetadata};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use crate::sync::Cond;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Why a commit did not start: the I/O that entered the pool before it did not
@@ -314,7 +315,7 @@ pub struct Pool {
 struct CommitSignal {
     /// (a commit is wanted, deferred unmaps wait)
     wanted: Mutex<(bool, bool)>,
-    cv: Condvar,
+    cv: Cond,
 }
 
 /// A pool's timings (`Config::thin_commit_period` and the rest), fixed when
@@ -452,9 +453,7 @@ impl Pool {
             held_thins: Mutex::new(Vec::new()),
         });
         let (weak, signal) = (Arc::downgrade(&pool), pool.commit_signal.clone());
-        std::thread::Builder::new()
-            .name("thin-pool-commit".into())
-            .spawn(move || commit_worker(weak, signal))
+        crate::sync::spawn("thin-pool-commit", move || commit_worker(weak, signal))
             .map_err(|e| format!("starting the commit thread: {e}"))?;
         all.push((key, Arc::downgrade(&pool)));
         Ok(pool)
@@ -589,7 +588,7 @@ impl Pool {
         let discards = std::mem::take(&mut self.lock().discards);
         if !discards.is_empty() && !self.timing.discard_delay.is_zero() {
             // a test hook: I/O arriving meanwhile meets the discards' prison cells
-            std::thread::sleep(self.timing.discard_delay);
+            crate::sync::sleep(self.timing.discard_delay);
         }
         let dev = self.pool_dev.lock().unpoisoned().upgrade();
         if dev.is_some_and(|d| !d.drain_epoch(Duration::from_millis(500))) {
@@ -603,7 +602,7 @@ impl Pool {
     /// period later, records them): a discard costs a drain of the I/O in flight,
     /// not a metadata commit. Pool's thread, or the control path.
     pub fn discard_now(&self) {
-        let one = self.commit_lock.lock().unpoisoned();
+        let one = crate::sync::lock(&self.commit_lock);
         {
             let m = self.lock();
             if m.discards.is_empty() {
@@ -699,8 +698,8 @@ impl Pool {
                     if delay.is_zero() {
                         j.piece.remap(j.pool_dev, bio, Some(end_io));
                     } else {
-                        std::thread::spawn(move || {
-                            std::thread::sleep(delay);
+                        let _ = crate::sync::spawn("thin-passdown", move || {
+                            crate::sync::sleep(delay);
                             j.piece.remap(j.pool_dev, bio, Some(end_io));
                         });
                     }
@@ -723,7 +722,7 @@ impl Pool {
     /// [`Pool::commit_now`], but a commit the I/O in flight keeps from starting
     /// (it did not drain in time) is Ok(false): postponed, not failed.
     fn try_commit(&self) -> Result<bool, String> {
-        let _one = self.commit_lock.lock().unpoisoned();
+        let _one = crate::sync::lock(&self.commit_lock);
         // The discards deferred so far are carried out by this commit, after its drain.
         let Some(discards) = self.take_drained_discards() else {
             return Ok(false);
@@ -840,8 +839,8 @@ impl Pool {
                     self.events.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!("thin-pool {}: out of data space", describe(&self.metadata));
                 }
-                let since = *m.out_of_space_since.get_or_insert_with(Instant::now);
-                if !m.features.error_if_no_space && since.elapsed() >= self.timing.no_space_timeout {
+                let since = *m.out_of_space_since.get_or_insert_with(crate::sync::now);
+                if !m.features.error_if_no_space && crate::sync::since(since) >= self.timing.no_space_timeout {
                     // As the kernel's no_space_timeout: stop queueing, fail with
                     // ENOSPC from now on, and say so in the status.
                     m.features.error_if_no_space = true;
@@ -1153,13 +1152,13 @@ fn wait_for_orphan(pools: &Pools, key: (u64, u64)) {
                 owner.is_none_or(|d| d.removed.load(Ordering::SeqCst))
             })
     };
-    let t = Instant::now();
+    let t = crate::sync::now();
     while orphan() {
-        if t.elapsed() > Duration::from_secs(5) {
+        if crate::sync::since(t) > Duration::from_secs(5) {
             tracing::warn!("thin-pool: a removed pool on the same metadata is still held after 5 s");
             return;
         }
-        std::thread::sleep(Duration::from_millis(1));
+        crate::sync::sleep(Duration::from_millis(1));
     }
 }
 
@@ -1175,7 +1174,7 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         // named in the log of a panic on this thread
         crate::panics::set_device(&d.name());
     }
-    let mut last = Instant::now();
+    let mut last = crate::sync::now();
     // commits postponed in a row since (the I/O in flight did not drain in
     // time: slow I/O, or writes queued for space), and whether that was said
     let mut postponed: Option<(Instant, bool)> = None;
@@ -1184,11 +1183,7 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
         let (wanted, _) = {
             let mut w = signal.wanted.lock().unpoisoned();
             if *w == (false, false) {
-                w = signal
-                    .cv
-                    .wait_timeout(w, Duration::from_millis(100))
-                    .unpoisoned()
-                    .0;
+                w = signal.cv.wait_timeout(&signal.wanted, w, Duration::from_millis(100)).0;
             }
             std::mem::take(&mut *w)
         };
@@ -1202,9 +1197,9 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
             // switches the pool to error_if_no_space).
             let expired = m
                 .out_of_space_since
-                .is_some_and(|t| t.elapsed() >= pool.timing.no_space_timeout);
+                .is_some_and(|t| crate::sync::since(t) >= pool.timing.no_space_timeout);
             (
-                last.elapsed() >= pool.timing.commit_period && m.dirty,
+                crate::sync::since(last) >= pool.timing.commit_period && m.dirty,
                 !m.no_space.is_empty() && (expired || m.mode != Mode::OutOfDataSpace),
             )
         };
@@ -1217,13 +1212,13 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
                 // one postponement is the next round's work; a run of them that
                 // lasts is worth a warning, once
                 Ok(false) => {
-                    let (since, said) = postponed.get_or_insert((Instant::now(), false));
-                    if !*said && since.elapsed() >= POSTPONED_WARN_AFTER {
+                    let (since, said) = postponed.get_or_insert((crate::sync::now(), false));
+                    if !*said && crate::sync::since(*since) >= POSTPONED_WARN_AFTER {
                         *said = true;
                         tracing::warn!(
                             "thin-pool {}: commits postponed for {:?}: {POSTPONED}",
                             describe(&pool.metadata),
-                            since.elapsed()
+                            crate::sync::since(*since)
                         );
                     } else {
                         tracing::debug!("thin-pool {}: {POSTPONED}", describe(&pool.metadata));
@@ -1231,7 +1226,7 @@ fn commit_worker(weak: Weak<Pool>, signal: Arc<CommitSignal>) {
                 }
                 Err(e) => tracing::warn!("thin-pool {}: commit failed: {e}", describe(&pool.metadata)),
             }
-            last = Instant::now();
+            last = crate::sync::now();
         } else {
             pool.discard_now();
         }

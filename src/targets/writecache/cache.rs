@@ -27,7 +27,7 @@ use crate::sync::Unpoison;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const NIL: u32 = u32::MAX;
@@ -243,21 +243,21 @@ pub struct Cache {
     lru_writeback: bool,
     st: Mutex<State>,
     /// Wakes the writer thread.
-    work: Condvar,
+    work: crate::sync::Cond,
     /// Wakes the writeback thread.
-    wb: Condvar,
+    wb: crate::sync::Cond,
     /// Wakes whoever waits for writeback progress (flush message, suspend).
-    progress: Condvar,
+    progress: crate::sync::Cond,
     commit_lock: Mutex<()>,
     epoch: AtomicU64,
     inflight: [AtomicU64; 2],
     drain_waiting: AtomicBool,
     drain_lock: Mutex<()>,
-    drained: Condvar,
+    drained: crate::sync::Cond,
     opened: Instant,
     last_io: AtomicU64,
     copier: Copier,
-    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    threads: Mutex<Vec<crate::sync::Thread<()>>>,
     weak: std::sync::Weak<Cache>,
     /// The two restart logs' paths, when kept (a cache on a file, a run directory).
     restart: Option<[std::path::PathBuf; 2]>,
@@ -382,16 +382,16 @@ impl Cache {
             cache_file,
             map,
             st: Mutex::new(st),
-            work: Condvar::new(),
-            wb: Condvar::new(),
-            progress: Condvar::new(),
+            work: crate::sync::Cond::new(),
+            wb: crate::sync::Cond::new(),
+            progress: crate::sync::Cond::new(),
             commit_lock: Mutex::new(()),
             epoch: AtomicU64::new(0),
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             drain_waiting: AtomicBool::new(false),
             drain_lock: Mutex::new(()),
-            drained: Condvar::new(),
-            opened: Instant::now(),
+            drained: crate::sync::Cond::new(),
+            opened: crate::sync::now(),
             last_io: AtomicU64::new(0),
             copier: Copier::new(0, 16),
             threads: Mutex::new(Vec::new()),
@@ -415,7 +415,7 @@ impl Cache {
     }
 
     fn now_ms(&self) -> u64 {
-        self.opened.elapsed().as_millis() as u64
+        crate::sync::since(self.opened).as_millis() as u64
     }
 
     // ---- metadata I/O ----
@@ -488,7 +488,7 @@ impl Cache {
     /// uncommitted entries, keep the newest committed one of each sector, and
     /// write back what changed.
     pub fn load(&self) -> Result<(), String> {
-        let _c = self.commit_lock.lock().unpoisoned();
+        let _c = crate::sync::lock(&self.commit_lock);
         let mut image = vec![0u8; self.meta_bytes as usize];
         self.read_meta(&mut image)
             .map_err(|e| format!("Unable to read metadata: {e}"))?;
@@ -707,9 +707,7 @@ impl Cache {
             ("wc-writeback", Cache::writeback as fn(&Cache)),
         ] {
             let me = self.clone();
-            match std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || f(&me))
+            match crate::sync::spawn(name, move || f(&me))
             {
                 Ok(h) => th.push(h),
                 Err(e) => {
@@ -748,7 +746,7 @@ impl Cache {
         }
         let mut st = lock(&self.st);
         while st.wb_size > 0 && !st.error {
-            st = self.progress.wait(st).unpoisoned();
+            st = self.progress.wait(&self.st, st);
         }
         drop(st);
         self.stop_threads();
@@ -861,8 +859,7 @@ impl Cache {
         while !(st.error || st.stop || (st.tree.is_empty() && st.wb_size == 0)) {
             st = self
                 .progress
-                .wait_timeout(st, Duration::from_millis(200))
-                .unpoisoned()
+                .wait_timeout(&self.st, st, Duration::from_millis(200))
                 .0;
         }
         st.wb_all -= 1;
@@ -940,8 +937,7 @@ impl Cache {
         while self.inflight[old].load(Ordering::SeqCst) != 0 {
             g = self
                 .drained
-                .wait_timeout(g, Duration::from_millis(10))
-                .unpoisoned()
+                .wait_timeout(&self.drain_lock, g, Duration::from_millis(10))
                 .0;
         }
         self.drain_waiting.store(false, Ordering::SeqCst);
@@ -1206,7 +1202,7 @@ impl Cache {
             }
         }
         if !st.uncommitted.is_empty() && st.commit_deadline.is_none() {
-            st.commit_deadline = Some(Instant::now() + self.o.autocommit_time());
+            st.commit_deadline = Some(crate::sync::now() + self.o.autocommit_time());
             self.work.notify_one();
         }
         if commit {
@@ -1278,7 +1274,7 @@ impl Cache {
     /// entries become free once on disk; older duplicates of the entries just
     /// committed are freed and persisted too.
     pub fn persist(&self, commit: bool) -> io::Result<()> {
-        let _c = self.commit_lock.lock().unpoisoned();
+        let _c = crate::sync::lock(&self.commit_lock);
         let _window = crate::io::sim::commit_window(self.cache_file.as_ref().and_then(|f| f.sim()));
         let mut commit = commit;
         loop {
@@ -1432,12 +1428,12 @@ impl Cache {
                     break st.commit_now;
                 }
                 match st.commit_deadline {
-                    Some(d) if Instant::now() >= d => break true,
+                    Some(d) if crate::sync::now() >= d => break true,
                     Some(d) => {
-                        let t = d.saturating_duration_since(Instant::now());
-                        st = self.work.wait_timeout(st, t).unpoisoned().0;
+                        let t = d.saturating_duration_since(crate::sync::now());
+                        st = self.work.wait_timeout(&self.st, st, t).0;
                     }
-                    None => st = self.work.wait(st).unpoisoned(),
+                    None => st = self.work.wait(&self.st, st),
                 }
             };
             let jobs = std::mem::take(&mut st.jobs);
@@ -1485,8 +1481,7 @@ impl Cache {
             }
             st = self
                 .progress
-                .wait_timeout(st, Duration::from_millis(10))
-                .unpoisoned()
+                .wait_timeout(&self.st, st, Duration::from_millis(10))
                 .0;
         }
         let gone: Vec<u32> = st.tree.range((a, 0)..(b, 0)).map(|(_, &i)| i).collect();
@@ -1544,8 +1539,7 @@ impl Cache {
                     .map_or(1000, |m| (u64::from(m) / 16).clamp(10, 1000));
                 st = self
                     .wb
-                    .wait_timeout(st, Duration::from_millis(tick))
-                    .unpoisoned()
+                    .wait_timeout(&self.st, st, Duration::from_millis(tick))
                     .0;
             }
             if let Some(pause) = self.o.pause.filter(|&p| p > 0 && !self.o.pmem) {
@@ -1553,7 +1547,7 @@ impl Cache {
                     let idle = self.now_ms().saturating_sub(self.last_io.load(Ordering::Relaxed));
                     if idle < u64::from(pause) {
                         let t = (u64::from(pause) - idle).min(1000);
-                        drop(self.wb.wait_timeout(st, Duration::from_millis(t)));
+                        drop(self.wb.wait_timeout(&self.st, st, Duration::from_millis(t)));
                         continue;
                     }
                 }
@@ -1584,8 +1578,7 @@ impl Cache {
                 // everything left is under writeback, being written, or uncommitted
                 drop(
                     self.progress
-                        .wait_timeout(st, Duration::from_millis(2))
-                        .unpoisoned(),
+                        .wait_timeout(&self.st, st, Duration::from_millis(2)),
                 );
                 continue;
             }
