@@ -772,12 +772,16 @@ fn run_workload(
     Ok(t)
 }
 
-fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
-    // the first run counts the events a crash can be placed at
+/// A run without a crash counts the events a crash can be placed at; the seed
+/// picks the crash among them, what it keeps, and (one trial in four) an I/O
+/// error before it.
+fn plan_crash(
+    o: &Options,
+    dir: &Path,
+) -> Result<(CrashKind, Option<sim::CrashAt>, sim::Fates, Option<sim::FailPlan>), String> {
     let mut first = run_workload(o, dir, None, None)?;
     let counts = first.disk.counts();
     let (kind, at, fates) = choose_crash(o.seed, counts, o.kill);
-    // an I/O error in one trial of four, before the crash point
     let mut r = Rng::new(o.seed ^ 0xe10e_4404_0000_0001);
     let fail = (r.chance(25) && o.io_errors).then(|| {
         let kind = r.below(3);
@@ -789,10 +793,14 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
     });
     first.teardown();
     first.unschedule()?;
-    drop(first);
     trace(|| {
         format!("events of a run without a crash: {counts:?}; the crash: {kind:?} {at:?} {fates:?}; I/O error: {fail:?}")
     });
+    Ok((kind, at, fates, fail))
+}
+
+fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
+    let (kind, at, fates, fail) = plan_crash(o, dir)?;
     let mut t = run_workload(o, dir, at, fail)?;
     trace_status(|| {
         format!(
@@ -831,38 +839,7 @@ fn trial(o: &Options, dir: &Path) -> Result<Outcome, String> {
         t.out.ref_checked += 1;
         trace(|| format!("crash image: {verdict}"));
     }
-    // back up on what survived, with no more faults: the files on a new disk
-    // with nothing planned, so the stack's I/O after the crash runs as before
-    // it, synchronously in the simulator's seeded order (the trial replays from
-    // its seed, and none of its file I/O goes through io_uring)
-    t.disk = SimDisk::new(o.break_commit_order);
-    for p in &t.files {
-        t.disk.register(p).map_err(|e| format!("{}: {e}", p.display()))?;
-    }
-    t.disk
-        .seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xaf7e_0000_0000_0001);
-    t.reg = registry(o, dir, &t.disk);
-    t.schedule(o.seed ^ 0x5c4e_d000_0000_0002);
-    for (p, b) in &logs_at_kill {
-        if std::fs::read(p).ok().as_ref() != Some(b) {
-            trace(|| format!("restart log {} changed after the kill", p.display()));
-            let _ = std::fs::write(p, b);
-        }
-    }
-    t.build(true)?;
-    trace_status(|| {
-        format!(
-            "after the crash: {:?}",
-            t.reg.table_lines(None, true, false, false)
-        )
-    });
-    t.verify_all()?;
-    if matches!(o.stack, Stack::Raid | Stack::Raid5) {
-        t.raid_legs_consistent()?;
-    }
-    t.teardown();
-    t.unschedule()?;
-    t.out.fingerprints.1 = t.disk.fingerprint();
+    t.reopen_and_verify(dir, &logs_at_kill)?;
     if o.stack == Stack::Era {
         t.check_era_marks()?;
     }
@@ -989,35 +966,7 @@ impl Trial {
                     }
                     return Ok(());
                 }
-                let keys: Vec<(u64, bool)> = {
-                    let mut k: Vec<_> = self.models.iter().map(|(k, m)| (*k, m.certain)).collect();
-                    k.sort_unstable();
-                    k
-                };
-                self.devs.clear();
-                for (key, certain) in keys {
-                    let name = format!("thin{key}");
-                    let table = format!("0 {} thin /dev/mapper/pool {key}", Self::THIN_SECTORS);
-                    match self.reg.create(&name, Some(&table), false, None) {
-                        Ok(()) => self.devs.push(Dev {
-                            name,
-                            key,
-                            span: Self::THIN_SPAN,
-                        }),
-                        Err(_) if !certain => {
-                            self.models.remove(&key);
-                        }
-                        Err(err) => return Err(format!("thin {key} after the crash: {err}")),
-                    }
-                }
-                // a thin deleted for certain stays deleted
-                for &id in &self.deleted {
-                    let table = format!("0 {} thin /dev/mapper/pool {id}", Self::THIN_SECTORS);
-                    if self.reg.create("gone", Some(&table), false, None).is_ok() {
-                        return Err(format!("thin {id} was deleted before the crash and is back"));
-                    }
-                }
-                Ok(())
+                self.rebuild_thins()
             }
             Stack::Raid | Stack::Raid5 => {
                 let sectors = (8 << 20) / SECTOR;
@@ -1076,6 +1025,41 @@ impl Trial {
                 Ok(())
             }
         }
+    }
+
+    /// The thins after the crash, on the pool just made: each one a model has
+    /// (one whose creation was not certain may be gone), and none deleted for
+    /// certain.
+    fn rebuild_thins(&mut self) -> Result<(), String> {
+        let keys: Vec<(u64, bool)> = {
+            let mut k: Vec<_> = self.models.iter().map(|(k, m)| (*k, m.certain)).collect();
+            k.sort_unstable();
+            k
+        };
+        self.devs.clear();
+        for (key, certain) in keys {
+            let name = format!("thin{key}");
+            let table = format!("0 {} thin /dev/mapper/pool {key}", Self::THIN_SECTORS);
+            match self.reg.create(&name, Some(&table), false, None) {
+                Ok(()) => self.devs.push(Dev {
+                    name,
+                    key,
+                    span: Self::THIN_SPAN,
+                }),
+                Err(_) if !certain => {
+                    self.models.remove(&key);
+                }
+                Err(err) => return Err(format!("thin {key} after the crash: {err}")),
+            }
+        }
+        // a thin deleted for certain stays deleted
+        for &id in &self.deleted {
+            let table = format!("0 {} thin /dev/mapper/pool {id}", Self::THIN_SECTORS);
+            if self.reg.create("gone", Some(&table), false, None).is_ok() {
+                return Err(format!("thin {id} was deleted before the crash and is back"));
+            }
+        }
+        Ok(())
     }
 
     /// The stack's one top device, model key 0 (a new model unless `again`).
@@ -1348,6 +1332,46 @@ impl Trial {
             key: id,
             span: Self::THIN_SPAN,
         });
+        Ok(())
+    }
+
+    /// Back up on what survived the crash, with no more faults: the files on a
+    /// new disk with nothing planned, so the stack's I/O after the crash runs as
+    /// before it, in the seed's order (none of it through io_uring); the restart
+    /// logs as the kill left them; then every sector checked, and the stack
+    /// taken down.
+    fn reopen_and_verify(&mut self, dir: &Path, logs_at_kill: &[(PathBuf, Vec<u8>)]) -> Result<(), String> {
+        let o = self.o.clone();
+        self.disk = SimDisk::new(o.break_commit_order);
+        for p in &self.files {
+            self.disk
+                .register(p)
+                .map_err(|e| format!("{}: {e}", p.display()))?;
+        }
+        self.disk
+            .seed_completions(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xaf7e_0000_0000_0001);
+        self.reg = registry(&o, dir, &self.disk);
+        self.schedule(o.seed ^ 0x5c4e_d000_0000_0002);
+        for (p, b) in logs_at_kill {
+            if std::fs::read(p).ok().as_ref() != Some(b) {
+                trace(|| format!("restart log {} changed after the kill", p.display()));
+                let _ = std::fs::write(p, b);
+            }
+        }
+        self.build(true)?;
+        trace_status(|| {
+            format!(
+                "after the crash: {:?}",
+                self.reg.table_lines(None, true, false, false)
+            )
+        });
+        self.verify_all()?;
+        if matches!(o.stack, Stack::Raid | Stack::Raid5) {
+            self.raid_legs_consistent()?;
+        }
+        self.teardown();
+        self.unschedule()?;
+        self.out.fingerprints.1 = self.disk.fingerprint();
         Ok(())
     }
 
