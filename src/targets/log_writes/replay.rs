@@ -417,23 +417,7 @@ fn check(
     // states: a subset of `plain` (a bit each) and a prefix of `fua`
     let prefixes = fua.len() as u64 + 1;
     let all = 1u64.checked_shl(n).and_then(|s| s.checked_mul(prefixes));
-    let states: Vec<(Vec<bool>, usize)> = match all {
-        Some(total) if total <= max_states.max(2) => (0..total)
-            .map(|s| {
-                let bits = s / prefixes;
-                ((0..n).map(|b| bits >> b & 1 == 1).collect(), (s % prefixes) as usize)
-            })
-            .collect(),
-        _ => {
-            out.sampled += 1;
-            let mut v = vec![(vec![false; n as usize], 0), (vec![true; n as usize], fua.len())];
-            while (v.len() as u64) < max_states.max(2) {
-                let set = (0..n).map(|_| rng.below(2) == 1).collect();
-                v.push((set, rng.below(prefixes) as usize));
-            }
-            v
-        }
-    };
+    let states = Self::states(n, fua.len(), all, max_states, rng, out);
     for (set, k) in states {
         let chosen: Vec<&LogEntry> = epoch
             .iter()
@@ -484,31 +468,70 @@ fn check(
                 .map_err(|err| format!("{tname}: undoing byte {at}: {err}"))?;
         }
         if !res.status.success() {
-            let with: Vec<String> = chosen.iter().map(|e| e.index.to_string()).collect();
-            let left: Vec<String> = epoch
-                .iter()
-                .filter(|e| !chosen.iter().any(|c| c.index == e.index))
-                .map(|e| e.index.to_string())
-                .collect();
-            let said = String::from_utf8_lossy(&res.stdout).into_owned() + &String::from_utf8_lossy(&res.stderr);
-            return Ok(Some(format!(
-                "the check refused a crash state ({}): {}, with entries [{}] of the {} written since and without [{}]; it said: {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}{}",
-                res.status,
-                after.map_or("before the first flush".to_string(), |a| format!("after the flush at entry {a}")),
-                with.join(","),
-                epoch.len(),
-                left.join(","),
-                crate::table::bounded(said.trim()),
-                self.log,
-                after.map_or(0, |a| a + 1),
-                if with.is_empty() {
-                    String::new()
-                } else {
-                    format!(" --with-entries {}", with.join(","))
-                }
-            )));
+            return Ok(Some(self.refused(&res, &chosen)));
         }
     }
     Ok(None)
+}
+
+/// The states to try: a subset of the `n` plain writes (a bit each) and a
+/// prefix of the `fuas` FUA writes; all of them when there are at most
+/// `max_states` (`all` of them), else that many drawn by `rng`, the empty and
+/// the full state among them.
+fn states(
+    n: u32,
+    fuas: usize,
+    all: Option<u64>,
+    max_states: u64,
+    rng: &mut crate::rng::XorShift,
+    out: &mut Checked,
+) -> Vec<(Vec<bool>, usize)> {
+    let prefixes = fuas as u64 + 1;
+    match all {
+        Some(total) if total <= max_states.max(2) => (0..total)
+            .map(|s| {
+                let bits = s / prefixes;
+                ((0..n).map(|b| bits >> b & 1 == 1).collect(), (s % prefixes) as usize)
+            })
+            .collect(),
+        _ => {
+            out.sampled += 1;
+            let mut v = vec![(vec![false; n as usize], 0), (vec![true; n as usize], fuas)];
+            while (v.len() as u64) < max_states.max(2) {
+                let set = (0..n).map(|_| rng.below(2) == 1).collect();
+                v.push((set, rng.below(prefixes) as usize));
+            }
+            v
+        }
+    }
+}
+
+/// What a refused state says: the check's status and words, the entries it
+/// holds and leaves out, and the command that rebuilds it.
+fn refused(&self, res: &std::process::Output, chosen: &[&LogEntry]) -> String {
+    let (epoch, after) = (self.entries, self.after);
+    let with: Vec<String> = chosen.iter().map(|e| e.index.to_string()).collect();
+    let left: Vec<String> = epoch
+        .iter()
+        .filter(|e| !chosen.iter().any(|c| c.index == e.index))
+        .map(|e| e.index.to_string())
+        .collect();
+    let said = String::from_utf8_lossy(&res.stdout).into_owned() + &String::from_utf8_lossy(&res.stderr);
+    format!(
+        "the check refused a crash state ({}): {}, with entries [{}] of the {} written since and without [{}]; it said: {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}{}",
+        res.status,
+        after.map_or("before the first flush".to_string(), |a| format!("after the flush at entry {a}")),
+        with.join(","),
+        epoch.len(),
+        left.join(","),
+        crate::table::bounded(said.trim()),
+        self.log,
+        after.map_or(0, |a| a + 1),
+        if with.is_empty() {
+            String::new()
+        } else {
+            format!(" --with-entries {}", with.join(","))
+        }
+    )
 }
 }
