@@ -252,6 +252,44 @@ fn trees_readable(tm: &mut TransactionManager, p: &Plan) -> bool {
 }
 
 /// Read every block, keep the btree nodes that check out.
+/// What a device-details leaf (`d`, its `keys`) says: its devices, their
+/// mappings, the latest time and transaction.
+fn details_leaf_sum(d: &[u8; BLOCK_SIZE], keys: Vec<u64>) -> Sum {
+    let details: Vec<(u64, DeviceDetails)> = (0..keys.len())
+        .map(|i| (node::key(d, i), DeviceDetails::decode(node::value(d, i))))
+        .collect();
+    Sum {
+        kind: 1,
+        mappings: details.iter().map(|(_, x)| x.mapped_blocks).sum(),
+        max_time: details
+            .iter()
+            .map(|(_, x)| x.creation_time.max(x.snapshotted_time))
+            .max()
+            .unwrap_or(0),
+        max_tid: details.iter().map(|(_, x)| x.transaction_id).max().unwrap_or(0),
+        keys,
+        details,
+        ..Sum::default()
+    }
+}
+
+/// What a mapping leaf says: how many mappings, the highest data block and
+/// the latest time its values hold.
+fn mapping_leaf_sum(keys: Vec<u64>, vals: &[u64]) -> Sum {
+    let mut sum = Sum {
+        kind: 3,
+        mappings: vals.len() as u64,
+        ..Sum::default()
+    };
+    for v in vals {
+        let (db, t) = unpack_block_time(*v);
+        sum.highest_data = sum.highest_data.max(Some(db));
+        sum.max_time = sum.max_time.max(t);
+    }
+    sum.keys = keys;
+    sum
+}
+
 fn scan(tm: &mut TransactionManager) -> Result<Scan> {
     let nr_blocks = tm.cache.nr_blocks();
     let mut s = Scan {
@@ -288,43 +326,16 @@ fn scan(tm: &mut TransactionManager) -> Result<Scan> {
             continue;
         }
         if leaf_vs == 24 {
-            let details: Vec<(u64, DeviceDetails)> = (0..n)
-                .map(|i| (node::key(d, i), DeviceDetails::decode(node::value(d, i))))
-                .collect();
-            let sum = Sum {
-                kind: 1,
-                mappings: details.iter().map(|(_, x)| x.mapped_blocks).sum(),
-                max_time: details
-                    .iter()
-                    .map(|(_, x)| x.creation_time.max(x.snapshotted_time))
-                    .max()
-                    .unwrap_or(0),
-                max_tid: details.iter().map(|(_, x)| x.transaction_id).max().unwrap_or(0),
-                keys,
-                details,
-                ..Sum::default()
-            };
             s.nodes.insert(b, Kind::Details);
-            s.sums.insert(b, sum);
+            s.sums.insert(b, details_leaf_sum(d, keys));
             continue;
         }
         let vals: Vec<u64> = (0..n).map(|i| node::value_u64(d, i)).collect();
         if n > 0 && vals.iter().all(|&v| v < nr_blocks) {
             maybe_top.push((b, keys.clone(), vals.clone()));
         }
-        let mut sum = Sum {
-            kind: 3,
-            mappings: n as u64,
-            ..Sum::default()
-        };
-        for v in &vals {
-            let (db, t) = unpack_block_time(*v);
-            sum.highest_data = sum.highest_data.max(Some(db));
-            sum.max_time = sum.max_time.max(t);
-        }
-        sum.keys = keys;
         s.nodes.insert(b, Kind::Mapping);
-        s.sums.insert(b, sum);
+        s.sums.insert(b, mapping_leaf_sum(keys, &vals));
     }
     for kids in s.nodes.values() {
         if let Kind::Internal(k) = kids {
