@@ -102,28 +102,18 @@ impl Scan {
     }
 }
 
-/// Recover the plan of a damaged (or intact) pool.
-pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
-    // the superblock, if it checks out
-    let raw = tm.cache.read_raw(0)?;
-    let sb_ok = validate(0, BlockKind::Superblock, &raw).is_ok();
-    let ref_sb = sb_ok.then(|| Superblock::decode(&raw));
-    if let (Some(sb), None) = (&ref_sb, o.nr_data_blocks) {
-        // the data size it states is what the repaired pool gets
-        sm_disk::check_root(SmKind::Data, &sb.data_sm_root, 0, tm.cache.nr_blocks())?;
-    }
-    if let Some(sb) = &ref_sb {
-        if let Ok(mut p) = plan_of(tm, sb) {
-            if trees_readable(tm, &p) {
-                p.header.apply(o);
-                return Ok(Found {
-                    plan: p,
-                    warnings: Vec::new(),
-                });
-            }
-        }
-    }
-    let mut scan = scan(tm)?;
+/// What a scan gives of the devices: each (id, details, mapping root), the
+/// latest time, the next transaction and the highest data block mapped.
+struct Salvaged {
+    devices: Vec<(u64, DeviceDetails, u64)>,
+    time: u32,
+    tid: u64,
+    highest: Option<u64>,
+}
+
+/// The devices the scan's best roots name: the newest top-level tree whose
+/// device details agree with it, or (with a warning) the newest top tree alone.
+fn salvage_devices(scan: &mut Scan, warnings: &mut Vec<String>) -> Result<Salvaged> {
     // settle every root candidate
     let blocks: Vec<u64> = scan.nodes.keys().copied().collect();
     let candidates: Vec<u64> = blocks
@@ -162,7 +152,6 @@ pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
             .find(|d| d.1.keys == t.1.keys && d.1.mappings == t.2)
             .map(|d| (t.clone(), d.clone()))
     });
-    let mut warnings = Vec::new();
     let (devices, time, tid, highest) = match pair {
         Some((t, d)) => {
             let det: BTreeMap<u64, DeviceDetails> = d.1.details.iter().copied().collect();
@@ -199,6 +188,43 @@ pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
             (devs, age, 1, t.4)
         }
     };
+    Ok(Salvaged {
+        devices,
+        time,
+        tid,
+        highest,
+    })
+}
+
+/// Recover the plan of a damaged (or intact) pool.
+pub fn salvage(tm: &mut TransactionManager, o: &Overrides) -> Result<Found> {
+    // the superblock, if it checks out
+    let raw = tm.cache.read_raw(0)?;
+    let sb_ok = validate(0, BlockKind::Superblock, &raw).is_ok();
+    let ref_sb = sb_ok.then(|| Superblock::decode(&raw));
+    if let (Some(sb), None) = (&ref_sb, o.nr_data_blocks) {
+        // the data size it states is what the repaired pool gets
+        sm_disk::check_root(SmKind::Data, &sb.data_sm_root, 0, tm.cache.nr_blocks())?;
+    }
+    if let Some(sb) = &ref_sb {
+        if let Ok(mut p) = plan_of(tm, sb) {
+            if trees_readable(tm, &p) {
+                p.header.apply(o);
+                return Ok(Found {
+                    plan: p,
+                    warnings: Vec::new(),
+                });
+            }
+        }
+    }
+    let mut scan = scan(tm)?;
+    let mut warnings = Vec::new();
+    let Salvaged {
+        devices,
+        time,
+        tid,
+        highest,
+    } = salvage_devices(&mut scan, &mut warnings)?;
     let dbs = match o.data_block_size.or(ref_sb.as_ref().map(|s| s.data_block_size)) {
         Some(s) => s,
         None => {
