@@ -83,7 +83,7 @@ impl Workers {
     /// trial's thread the job gets a thread of its own in the trial's
     /// scheduler (the pool's threads are shared by every trial).
     pub fn run(&self, job: Job) {
-        if sched::enrolled() {
+        if sched::active() {
             if let Err(e) = spawn(self.name, job) {
                 tracing::warn!("{}: no thread for a job: {e}", self.name);
             }
@@ -117,7 +117,7 @@ impl Cond {
 
     /// Wait for a notification; `g` is `m`'s guard. May wake spuriously.
     pub fn wait<'a, T>(&self, m: &'a Mutex<T>, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
-        match sched::me().filter(|(s, _)| !s.dissolved()) {
+        match sched::running_me() {
             Some((s, me)) => {
                 drop(g);
                 s.block(me, self.key(), None);
@@ -134,7 +134,7 @@ impl Cond {
         g: MutexGuard<'a, T>,
         timeout: Duration,
     ) -> (MutexGuard<'a, T>, bool) {
-        match sched::me().filter(|(s, _)| !s.dissolved()) {
+        match sched::running_me() {
             Some((s, me)) => {
                 drop(g);
                 let timed_out = s.block(me, self.key(), Some(timeout));
@@ -179,7 +179,7 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Sleep for `d` (virtual time on a trial's thread).
 pub fn sleep(d: Duration) {
-    match sched::me().filter(|(s, _)| !s.dissolved()) {
+    match sched::running_me() {
         Some((s, me)) => {
             s.block(me, sched::SLEEP_KEY, Some(d));
         }
@@ -278,7 +278,7 @@ pub fn spawn<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> std::io::Result<Thread<T>> {
     let b = std::thread::Builder::new().name(name.to_string());
-    let Some((s, _)) = sched::me().filter(|(s, _)| !s.dissolved()) else {
+    let Some((s, _)) = sched::running_me() else {
         return Ok(Thread {
             handle: b.spawn(f)?,
             part: None,

@@ -72,9 +72,11 @@ pub(super) fn me() -> Option<(Arc<Sched>, usize)> {
     ME.with(|m| m.borrow().clone())
 }
 
-/// Whether the current thread takes part in a scheduler (cheap: no clone).
-pub fn enrolled() -> bool {
-    ME.with(|m| m.borrow().is_some())
+/// The scheduler the current thread takes part in and its number there, while
+/// that scheduler runs (None once it is dissolved: the thread is an ordinary
+/// one again).
+pub(super) fn running_me() -> Option<(Arc<Sched>, usize)> {
+    me().filter(|(s, _)| !s.dissolved())
 }
 
 /// Whether the current thread takes part in a scheduler that is running.
@@ -103,9 +105,7 @@ pub fn yield_now() {
         }
         st.threads[id].state = State::Runnable;
         s.pass(&mut st);
-        while st.running != Some(id) && !st.dissolved {
-            st = s.turn.wait(st).unwrap_or_else(PoisonError::into_inner);
-        }
+        drop(s.await_turn(st, id));
     }
 }
 
@@ -255,10 +255,16 @@ impl Sched {
 
     /// Thread `me` (new, or handed the turn back) waits for its turn.
     pub(super) fn wait_turn(&self, me: usize) {
-        let mut st = self.state();
+        drop(self.await_turn(self.state(), me));
+    }
+
+    /// Wait, releasing the state, until thread `me` has the turn or the
+    /// scheduler is dissolved.
+    fn await_turn<'a>(&'a self, mut st: MutexGuard<'a, St>, me: usize) -> MutexGuard<'a, St> {
         while st.running != Some(me) && !st.dissolved {
             st = self.turn.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
+        st
     }
 
     /// Thread `me` waits for a wake of `key` or `timeout` of virtual time;
@@ -272,36 +278,20 @@ impl Sched {
         st.threads[me].state = State::Blocked { key, until };
         st.threads[me].timed_out = false;
         self.pass(&mut st);
-        while st.running != Some(me) && !st.dissolved {
-            st = self.turn.wait(st).unwrap_or_else(PoisonError::into_inner);
-        }
-        st.threads[me].timed_out
+        self.await_turn(st, me).threads[me].timed_out
     }
 
     /// Wake the threads waiting for `key` (all, or the first of them); the
     /// caller keeps the turn.
     pub(super) fn wake(&self, key: usize, all: bool) {
-        let mut st = self.state();
-        for t in &mut st.threads {
-            if matches!(t.state, State::Blocked { key: k, .. } if k == key) {
-                t.state = State::Runnable;
-                if !all {
-                    break;
-                }
-            }
-        }
+        wake_in(&mut self.state(), key, all);
     }
 
     /// Thread `me` ends: the turn goes on, and a join waiting for it wakes.
     pub(super) fn exit(&self, me: usize) {
         let mut st = self.state();
         st.threads[me].state = State::Exited;
-        let key = exit_key(me);
-        for t in &mut st.threads {
-            if matches!(t.state, State::Blocked { key: k, .. } if k == key) {
-                t.state = State::Runnable;
-            }
-        }
+        wake_in(&mut st, exit_key(me), true);
         if st.running == Some(me) {
             self.pass(&mut st);
         }
@@ -375,6 +365,18 @@ impl Sched {
         st.dissolved = true;
         st.running = None;
         self.turn.notify_all();
+    }
+}
+
+/// Make the threads of `st` waiting for `key` runnable (all, or the first).
+fn wake_in(st: &mut St, key: usize, all: bool) {
+    for t in &mut st.threads {
+        if matches!(t.state, State::Blocked { key: k, .. } if k == key) {
+            t.state = State::Runnable;
+            if !all {
+                break;
+            }
+        }
     }
 }
 
