@@ -415,9 +415,7 @@ fn check(
     let (fua, plain): (Vec<&LogEntry>, Vec<&LogEntry>) = epoch.iter().partition(|e| e.entry.flags & FUA != 0);
     let n = plain.len() as u32;
     // states: a subset of `plain` (a bit each) and a prefix of `fua`
-    let prefixes = fua.len() as u64 + 1;
-    let all = 1u64.checked_shl(n).and_then(|s| s.checked_mul(prefixes));
-    let states = Self::states(n, fua.len(), all, max_states, rng, out);
+    let states = Self::states(n, fua.len(), max_states, rng, out);
     for (set, k) in states {
         let chosen: Vec<&LogEntry> = epoch
             .iter()
@@ -476,17 +474,17 @@ fn check(
 
 /// The states to try: a subset of the `n` plain writes (a bit each) and a
 /// prefix of the `fuas` FUA writes; all of them when there are at most
-/// `max_states` (`all` of them), else that many drawn by `rng`, the empty and
-/// the full state among them.
+/// `max_states`, else that many drawn by `rng`, the empty and the full state
+/// among them.
 fn states(
     n: u32,
     fuas: usize,
-    all: Option<u64>,
     max_states: u64,
     rng: &mut crate::rng::XorShift,
     out: &mut Checked,
 ) -> Vec<(Vec<bool>, usize)> {
     let prefixes = fuas as u64 + 1;
+    let all = 1u64.checked_shl(n).and_then(|s| s.checked_mul(prefixes));
     match all {
         Some(total) if total <= max_states.max(2) => (0..total)
             .map(|s| {
