@@ -426,8 +426,8 @@ struct Trial {
     era_now: u32,
     era_of: HashMap<u64, u32>,
     era_must: BTreeMap<u64, u32>,
-    /// The scheduler the trial's threads run under, and this thread's part in it.
-    sched: Option<(Arc<Sched>, Enrolment)>,
+    /// This thread's part in the scheduler the trial's threads run under.
+    sched: Option<Enrolment>,
 }
 
 /// A workload request under way.
@@ -1377,20 +1377,14 @@ impl Trial {
 
     /// From here on the trial's threads run under a scheduler seeded with `seed`.
     fn schedule(&mut self, seed: u64) {
-        let s = Sched::new(seed);
-        let e = s.enrol("sim-trial");
-        self.sched = Some((s, e));
+        self.sched = Some(Sched::new(seed).enrol("sim-trial"));
     }
 
     /// The trial's threads run as ordinary threads again; Err if they blocked
     /// one another.
     fn unschedule(&mut self) -> Result<(), String> {
-        match self.sched.take() {
-            Some((s, e)) => {
-                drop(e);
-                s.stuck()
-                    .map_or(Ok(()), |why| Err(format!("the trial's threads blocked: {why}")))
-            }
+        match self.sched.take().and_then(Enrolment::end) {
+            Some(why) => Err(format!("the trial's threads blocked: {why}")),
             None => Ok(()),
         }
     }

@@ -176,6 +176,16 @@ pub struct Enrolment {
     sched: Arc<Sched>,
 }
 
+impl Enrolment {
+    /// Dissolve the scheduler; what blocked the trial, if it was blocked
+    /// ([`Sched::stuck`]).
+    pub fn end(self) -> Option<String> {
+        let sched = self.sched.clone();
+        drop(self);
+        sched.stuck()
+    }
+}
+
 impl Drop for Enrolment {
     fn drop(&mut self) {
         ME.with(|m| *m.borrow_mut() = None);
