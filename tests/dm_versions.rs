@@ -10,10 +10,20 @@ use crate::oracle;
 use common::{Daemon, Scratch};
 
 /// Targets dmkit has that the kernel has not: (name, why).
-const DMKIT_ONLY: &[(&str, &str)] = &[(
-    "xor",
-    "the toy transforming target that shows how a target owns its buffers (docs/targets.md)",
-)];
+const DMKIT_ONLY: &[(&str, &str)] = &[
+    (
+        "xor",
+        "the toy transforming target that shows how a target owns its buffers (docs/targets.md)",
+    ),
+    (
+        "cdp",
+        "continuous data protection: every flush a point in time (docs/design/cdp.md); the kernel has none",
+    ),
+    (
+        "cdp-point",
+        "a cdp device as it was at one of its points, read-only",
+    ),
+];
 
 #[test]
 fn target_versions_are_linux_6_12s() {

@@ -150,6 +150,12 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "dlin: Created new region with 4 area(s) as region ID 0\n", // dmstats create
             "dlin                 -    0 area       3 768.00m 256.00m", // dmstats report
         ],
+        h if h.starts_with("Every flush a point in time") => &[
+            "flush:",                                  // the mark's point
+            " mark:before-upgrade\n",                   // points
+            "read 65536/65536 bytes at offset 0\n",     // the point, the device
+            "restored 1 devices (0 attached as block devices)",
+        ],
         h if h.contains("thin pool with snapshots") => &[
             "0 20971520 thin-pool 0 ", // status pool
             " 0/163840 - rw discard_passdown queue_if_no_space - 1024 \n",

@@ -10,6 +10,7 @@ mod thin_util;
 mod cache;
 mod cache_oracle;
 mod cache_tools;
+mod cdp;
 mod cli_format;
 mod clients;
 mod crypt;

@@ -351,6 +351,42 @@ impl Registry {
         deps_first(&deps).into_iter().map(|i| devs[i].clone()).collect()
     }
 
+    /// `BASE@SPEC`: device BASE as it was at point SPEC, read-only, where BASE's
+    /// table is one target that offers such views (`Target::view_type`: cdp's
+    /// `flush:N`, `mark:LABEL`, `time:RFC3339`). Made on first use as the
+    /// device `BASE@SPEC` with the table `0 <size> <view type> BASE SPEC`, and
+    /// removed at its last close (an NBD client asking for the export
+    /// `vol@flush:12`); a device of that name is returned as it is.
+    pub fn open_view(&self, name: &str) -> Result<Arc<Device>, ControlError> {
+        if let Ok(d) = self.get(name) {
+            return Ok(d);
+        }
+        let none = || ControlError::NoDevice(name.to_string());
+        let (base, spec) = name.split_once('@').ok_or_else(none)?;
+        let dev = self.get(base).map_err(|_| none())?;
+        let live = dev.live.load_full().ok_or_else(none)?;
+        // (the size is the live table's, as the device reports it)
+        let [e] = &live.entries[..] else {
+            return Err(none());
+        };
+        let ty = e.target.view_type().ok_or_else(none)?;
+        let table = format!(
+            "0 {} {ty} {}:{} {}",
+            dev.size_sectors(),
+            super::DM_MAJOR,
+            dev.minor,
+            crate::table::escape(spec)
+        );
+        match self.create(name, Some(&table), true, None) {
+            Ok(()) | Err(ControlError::Exists(_)) => {}
+            Err(e) => return Err(e),
+        }
+        let d = self.get(name)?;
+        d.deferred_remove.store(true, Ordering::SeqCst);
+        self.deferred.store(true, Ordering::SeqCst);
+        Ok(d)
+    }
+
     /// `dmsetup create NAME --table ...`: create, load, resume (`--notable`: no
     /// table, `None`). Relative paths in the table are the daemon's.
     pub fn create(

@@ -826,6 +826,12 @@ pub trait Target: Send + Sync {
         out.push((nr * SECTOR, 0));
         Ok(())
     }
+    /// The target type of a read-only view of this device at a point in time
+    /// (`cdp-point`): a device whose table is one such target is offered as
+    /// `NAME@SPEC` ([`crate::mapper::Registry::open_view`]).
+    fn view_type(&self) -> Option<&'static str> {
+        None
+    }
     /// Changed-block tracking (the NBD context `qemu:dirty-bitmap:BASE`): whether
     /// `base` names something this target compares against; Err says why not.
     fn check_base(&self, base: &str) -> Result<(), String> {

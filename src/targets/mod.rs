@@ -37,6 +37,7 @@ targets! {
     raid => raid::TYPE;
     integrity => integrity::TYPE;
     xor => xor::TYPE;
+    cdp => cdp::TYPE, cdp::POINT_TYPE;
 }
 
 #[cfg(test)]

@@ -116,10 +116,18 @@ fn lookup(reg: &Registry, visible: Visible, name: &str) -> Result<Arc<Device>, S
             _ => Err("no default export: name a device".into()),
         };
     }
+    let hidden = || crate::mapper::registry::ControlError::NoDevice(name.to_string()).to_string();
     match reg.get(name) {
         Ok(d) if visible(name) => Ok(d),
-        Ok(_) => Err(crate::mapper::registry::ControlError::NoDevice(name.to_string()).to_string()),
-        Err(e) => Err(e.to_string()),
+        Ok(_) => Err(hidden()),
+        // `NAME@POINT`: a device's past, for a client that may see the device
+        Err(_) => match name.split_once('@') {
+            Some((base, _)) if visible(base) && reg.get(base).is_ok() => {
+                reg.open_view(name).map_err(|e| e.to_string())
+            }
+            Some(_) => Err(hidden()),
+            None => Err(hidden()),
+        },
     }
 }
 

@@ -13,7 +13,7 @@
 
 use super::{Key, Mode, Pool};
 use crate::copier::Copier;
-use crate::io::{errno, BackingFile, EndIo, LeafKind, Op, SECTOR};
+use crate::io::{errno, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::Dest;
 use crate::mapper::Device;
@@ -29,7 +29,7 @@ pub struct ThinDev {
     /// The device whose table this target is in (the pool suspends it with itself).
     dev: Weak<Device>,
     id: u64,
-    origin: Option<(DevRef, Arc<BackingFile>)>,
+    origin: Option<(DevRef, Dest)>,
     bs: u64,
     discard: bool,
 }
@@ -61,12 +61,11 @@ impl ThinDev {
         let origin = match args.get(2) {
             None => None,
             Some(o) => {
+                // a file, a block device or a dmkit device (a cdp device's past,
+                // `cdp-point`, makes a writable snapshot of a point so)
                 let d = r.open(o).map_err(|e| format!("external origin '{o}': {e}"))?;
-                let DevRef::File(f) = &d else {
-                    return Err("external origin must be a file or block device".into());
-                };
-                let f = f.clone();
-                Some((d, f))
+                let dest = d.dest();
+                Some((d, dest))
             }
         };
         let (discard, fast) = {
@@ -334,13 +333,13 @@ impl ThinDev {
                     base + lo,
                     hi - lo,
                 ));
-            } else if let Some((_, of)) = &self.origin {
+            } else if let Some((_, od)) = &self.origin {
                 let vstart = vblock * block_bytes;
                 let origin_bytes = self.origin_sectors() * SECTOR;
                 let copy_hi = origin_bytes.saturating_sub(vstart).clamp(lo, hi);
                 if copy_hi > lo {
                     jobs.push(Job::Copy(
-                        Dest::File(of.clone()),
+                        od.clone(),
                         vstart + lo,
                         data.clone(),
                         base + lo,
