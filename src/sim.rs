@@ -76,6 +76,9 @@ pub enum Stack {
     /// integrity in bitmap mode (regions of 128 KiB, bits cleared every
     /// 20 ms), reloaded now and then.
     IntegrityBitmap,
+    /// cdp (every flush a point) over data blocks for the device and 64 more,
+    /// so retention drops points for room, reloaded now and then.
+    Cdp,
 }
 
 impl Stack {
@@ -90,6 +93,7 @@ impl Stack {
             Stack::Raid5 => "raid5",
             Stack::Integrity => "integrity",
             Stack::IntegrityBitmap => "integrity-bitmap",
+            Stack::Cdp => "cdp",
         }
     }
     pub fn parse(s: &str) -> Option<Stack> {
@@ -103,6 +107,7 @@ impl Stack {
             "raid5" => Some(Stack::Raid5),
             "integrity" => Some(Stack::Integrity),
             "integrity-bitmap" => Some(Stack::IntegrityBitmap),
+            "cdp" => Some(Stack::Cdp),
             _ => None,
         }
     }
@@ -743,6 +748,7 @@ fn run_workload(
             ("data2", 4 << 20),
         ],
         Stack::Integrity | Stack::IntegrityBitmap => &[("data", 10 << 20)],
+        Stack::Cdp => &[("data", 320 * 4096), ("journal", 128 << 10)],
     };
     for (n, bytes) in sizes {
         let p = dir.join(n);
@@ -983,6 +989,13 @@ impl Trial {
                 self.single_device("integrity", INTEGRITY_SECTORS, again);
                 Ok(())
             }
+            Stack::Cdp => {
+                self.reg
+                    .create("cdp", Some(&self.cdp_table()), false, None)
+                    .map_err(e)?;
+                self.single_device("cdp", Self::CDP_SECTORS, again);
+                Ok(())
+            }
             Stack::Writecache => {
                 let sectors = (8 << 20) / SECTOR;
                 let table = format!(
@@ -1124,6 +1137,21 @@ impl Trial {
     }
 
     /// The integrity stack's table (tags crc32c, 512-byte blocks).
+    /// 1 MiB of device (256 blocks) over 320 data blocks (the fewest the
+    /// target takes: retention drops points for room within a trial), at most
+    /// 64 points, on a journal of 128 KiB (about the least they need: a
+    /// trial of 600 operations swaps its areas, a checkpoint written).
+    const CDP_SECTORS: u64 = (1 << 20) / SECTOR;
+
+    fn cdp_table(&self) -> String {
+        format!(
+            "0 {} cdp {} {} 2 max_points 64",
+            Self::CDP_SECTORS,
+            self.path(0),
+            self.path(1)
+        )
+    }
+
     fn integrity_table(&self) -> String {
         let mode = if self.o.stack == Stack::Integrity {
             "J 5 journal_sectors:352 journal_watermark:30"
@@ -1700,7 +1728,9 @@ impl Trial {
         self.complete_all()?;
         match self.o.stack {
             Stack::Thin => self.thin_message(di),
-            Stack::Raid | Stack::Raid5 | Stack::Integrity | Stack::IntegrityBitmap => self.reload_message(di),
+            Stack::Raid | Stack::Raid5 | Stack::Integrity | Stack::IntegrityBitmap | Stack::Cdp => {
+                self.reload_message(di)
+            }
             Stack::Writecache => self.writecache_message(),
             Stack::Cache => self.cache_message(di),
             Stack::Era => self.era_message(),
@@ -1756,6 +1786,8 @@ impl Trial {
         }
         let (name, table) = if matches!(self.o.stack, Stack::Raid | Stack::Raid5) {
             ("raid", self.raid_table())
+        } else if self.o.stack == Stack::Cdp {
+            ("cdp", self.cdp_table())
         } else {
             ("integrity", self.integrity_table())
         };

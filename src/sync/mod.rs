@@ -195,6 +195,18 @@ pub fn now() -> Instant {
     }
 }
 
+/// The wall clock, in nanoseconds since the Unix epoch (what a target
+/// stamps on disk); on a trial's thread a fixed date plus the trial's virtual
+/// time, so the trial replays from its seed.
+pub fn wall_ns() -> u64 {
+    match sched::me() {
+        Some((s, _)) => 1_800_000_000_000_000_000 + s.clock().as_nanos() as u64,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    }
+}
+
 /// The time since `t`, by [`now`].
 pub fn since(t: Instant) -> Duration {
     now().saturating_duration_since(t)

@@ -247,6 +247,11 @@ impl Sched {
         self.state().dissolved
     }
 
+    /// The virtual time since the scheduler began.
+    pub(super) fn clock(&self) -> Duration {
+        self.state().clock
+    }
+
     /// The virtual time now.
     pub(super) fn now(&self) -> Instant {
         self.epoch + self.state().clock

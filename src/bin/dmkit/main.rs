@@ -296,7 +296,8 @@ struct SimArgs {
     /// The stack: thin (thin-pool, thins, snapshots), writecache, snapshot,
     /// cache (writeback smq, switched to cleaner and back), era, raid (raid1
     /// of two legs, reloaded now and then), raid5 (three legs, likewise),
-    /// integrity (journal mode, reloaded now and then), integrity-bitmap
+    /// integrity (journal mode, reloaded now and then), integrity-bitmap,
+    /// cdp (every flush a point, retention dropping points for room)
     #[arg(long, default_value = "thin")]
     stack: String,
     /// The first trial's seed
@@ -327,7 +328,7 @@ struct SimArgs {
     ref_check_every: u64,
     /// The crash is a kill of the daemon (every write issued is kept), and every
     /// write acknowledged before it must be there after it: checks the restart
-    /// logs of thin pools and writecaches
+    /// logs of thin pools, writecaches and cdp devices
     #[arg(long)]
     kill: bool,
     /// Run every trial twice and fail those whose two runs did not do the same
@@ -915,7 +916,7 @@ fn sim(a: SimArgs) -> Result<i32> {
     }
     let stack = sim::Stack::parse(&a.stack).ok_or_else(|| {
         anyhow::anyhow!(
-            "--stack {}: one of thin, writecache, snapshot, cache, era, raid, raid5, integrity, integrity-bitmap",
+            "--stack {}: one of thin, writecache, snapshot, cache, era, raid, raid5, integrity, integrity-bitmap, cdp",
             a.stack
         )
     })?;

@@ -32,6 +32,9 @@ pub struct Super {
     pub dev_blocks: u64,
     /// Bytes of each of the two areas.
     pub area_len: u64,
+    /// Drawn when the journal is made: tells this journal's restart logs
+    /// from those of an earlier journal on the same file.
+    pub nonce: u64,
 }
 
 impl Super {
@@ -43,15 +46,16 @@ impl Super {
         put64(&mut b, 16, self.data_blocks);
         put64(&mut b, 24, self.dev_blocks);
         put64(&mut b, 32, self.area_len);
-        let c = crc32c::crc32c(&b[..40]);
-        put32(&mut b, 40, c);
+        put64(&mut b, 40, self.nonce);
+        let c = crc32c::crc32c(&b[..48]);
+        put32(&mut b, 48, c);
         b
     }
 
     /// `None` when the block is all zeroes (a journal never used).
     pub fn decode(b: &[u8]) -> Result<Option<Super>, String> {
-        if b.len() < 44 {
-            return Err("superblock: shorter than 44 bytes".into());
+        if b.len() < 52 {
+            return Err("superblock: shorter than 52 bytes".into());
         }
         if b.iter().all(|&x| x == 0) {
             return Ok(None);
@@ -59,7 +63,7 @@ impl Super {
         if le64(b, 0) != SUPER_MAGIC {
             return Err("the first 4 KiB are neither zeroes nor a cdp superblock (magic 'dmkitCDP'): not a cdp journal, left as it is".into());
         }
-        if le32(b, 40) != crc32c::crc32c(&b[..40]) {
+        if le32(b, 48) != crc32c::crc32c(&b[..48]) {
             return Err("superblock: checksum mismatch".into());
         }
         let v = le32(b, 8);
@@ -71,6 +75,7 @@ impl Super {
             data_blocks: le64(b, 16),
             dev_blocks: le64(b, 24),
             area_len: le64(b, 32),
+            nonce: le64(b, 40),
         }))
     }
 
@@ -315,6 +320,7 @@ mod tests {
             data_blocks: 100,
             dev_blocks: 80,
             area_len: 1 << 20,
+            nonce: 5,
         };
         assert_eq!(Super::decode(&s.encode()).unwrap(), Some(s));
         assert_eq!(Super::decode(&[0u8; 4096]).unwrap(), None);

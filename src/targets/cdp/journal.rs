@@ -31,8 +31,9 @@ pub fn needed(data_blocks: u64, dev_blocks: u64, max_points: u64) -> u64 {
     SUPER_LEN + 2 * 2 * max_checkpoint(data_blocks, dev_blocks, max_points)
 }
 
-/// A journal opened: its geometry, the index it holds, the last committed
-/// flush point and where the next commit goes.
+/// A journal opened: its geometry, the index it holds (its free data blocks
+/// not yet counted: [`Index::rebuild_free`] once what a restart log adds is
+/// in), the last committed point and where the next commit goes.
 pub struct Opened {
     pub sup: Super,
     pub index: Index,
@@ -188,7 +189,6 @@ pub fn open(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64) 
         off += len;
         seq += 1;
     }
-    ix.rebuild_free();
     Ok(Opened {
         sup,
         index: ix,
@@ -206,11 +206,19 @@ pub fn open(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64) 
 
 fn make(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64, size: u64) -> Result<Opened, String> {
     let area_len = (size.saturating_sub(SUPER_LEN) / 2) / UNIT * UNIT;
+    let mut n = [0u8; 8];
+    // a trial's: from its seed; else the clock and the process
+    let nonce = if crate::sync::sched::seeded_bytes(&mut n) {
+        u64::from_le_bytes(n)
+    } else {
+        crate::sync::wall_ns() ^ (u64::from(std::process::id()) << 40)
+    };
     let sup = Super {
         block_sectors,
         data_blocks,
         dev_blocks,
         area_len,
+        nonce,
     };
     let ix = Index::new(dev_blocks as usize, data_blocks);
     let mut pos = Pos {

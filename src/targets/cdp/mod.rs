@@ -25,7 +25,8 @@ use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use crate::sync::{Cond, Unpoison};
-use format::{Record, MAX_LABEL};
+use crate::io::restart_log::{Previous, Record, RestartLog};
+use format::MAX_LABEL;
 use state::{Garbage, Index, Point, Version, ZEROES};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, Weak};
@@ -101,6 +102,9 @@ struct St {
     /// Journal bytes written since the table was made, and data bytes.
     journal_bytes: u64,
     data_bytes: u64,
+    /// Versions installed and not journaled, for a daemon that follows a
+    /// kill of this one (`io::restart_log`); none without a run directory.
+    restart: Option<RestartLog>,
 }
 
 struct Inner {
@@ -115,9 +119,7 @@ struct Inner {
 }
 
 fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+    crate::sync::wall_ns()
 }
 
 impl St {
@@ -145,6 +147,28 @@ impl St {
         let g = self.ix.install(block, v, self.committed, self.issued);
         self.garbage(g);
         self.unjournaled.push((block, v));
+        self.log(block, v);
+    }
+
+    /// Record version `v` of `block` in the restart log before it is acknowledged.
+    fn log(&mut self, block: u64, v: Version) {
+        if let Some(l) = &mut self.restart {
+            let r = Record {
+                kind: LOG_VERSION,
+                a: block,
+                b: v.slot,
+                c: v.fp,
+                d: 0,
+            };
+            if !l.append(r) && !l.is_empty() {
+                tracing::warn!("cdp: the restart log is full: writes acknowledged until the next commit are lost if the daemon is killed");
+            }
+        }
+    }
+
+    /// The restart log is past half full: a commit begins it again.
+    fn log_pressure(&self) -> bool {
+        self.restart.as_ref().is_some_and(|l| l.len() > l.room())
     }
 
     /// Start retiring what waits in limbo, if the last retirement is over.
@@ -189,17 +213,17 @@ impl St {
     /// count, or the oldest while the data device runs short, recording each.
     fn thin(&mut self, now: u64, low_water: u64, recs: &mut Vec<u8>) {
         let short = self.short(low_water);
-        let due = (self.last_thin.elapsed() >= THIN_EVERY && !self.retention.tiers.is_empty())
+        let due = (crate::sync::since(self.last_thin) >= THIN_EVERY && !self.retention.tiers.is_empty())
             || short > 0
             || self.ix.points.len() as u64 > self.retention.max_points;
         if !due {
             return;
         }
-        self.last_thin = std::time::Instant::now();
+        self.last_thin = crate::sync::now();
         let mut g = Vec::new();
         for n in self.to_drop(now, short) {
             self.ix.drop_point(n, &mut g);
-            Record::Drop { n }.encode(recs);
+            format::Record::Drop { n }.encode(recs);
         }
         for x in g {
             self.garbage(Some(x));
@@ -299,8 +323,8 @@ impl Inner {
                 st = self.wake.wait(&self.st, st);
                 continue;
             }
-            let room = !st.waiting.is_empty() || st.short(self.low_water) > 0;
-            let thin_due = st.last_thin.elapsed() >= THIN_EVERY && !st.retention.tiers.is_empty();
+            let room = !st.waiting.is_empty() || st.short(self.low_water) > 0 || st.log_pressure();
+            let thin_due = crate::sync::since(st.last_thin) >= THIN_EVERY && !st.retention.tiers.is_empty();
             if st.queue.is_empty() && !room && !thin_due {
                 if st.stop {
                     // the table goes (removed, or the daemon stops): what was
@@ -312,6 +336,13 @@ impl Inner {
                         drop(st);
                         if let Err(e) = self.commit(Vec::new(), Some(n)) {
                             tracing::error!("cdp: the last commit failed: {e}");
+                        }
+                        st = self.st.lock().unpoisoned();
+                    }
+                    // everything journaled: no restart log is needed
+                    if st.unjournaled.is_empty() && st.failed.is_none() {
+                        if let Some(l) = &st.restart {
+                            l.remove();
                         }
                     }
                     return;
@@ -352,6 +383,12 @@ impl Inner {
     /// `room` (a number taken for room: writes wait for a data block, or few
     /// are free) so that what waits for a commit to be freed is freed.
     fn commit(&self, reqs: Vec<Req>, room: Option<u64>) -> Result<(), String> {
+        // the crash simulator places crashes at the flushes inside it
+        let sim = match &self.journal {
+            Dest::File(f) => f.sim().cloned(),
+            Dest::Dm(_) => None,
+        };
+        let _window = crate::io::sim::commit_window(sim.as_ref());
         let bs = self.block_sectors;
         // FUA writes: their data to a free block now, then they are flushes
         let mut done: Vec<(u64, Req)> = Vec::with_capacity(reqs.len());
@@ -404,7 +441,7 @@ impl Inner {
                     time_ns: now,
                     label,
                 };
-                Record::Point {
+                format::Record::Point {
                     n,
                     flush,
                     time_ns: p.time_ns,
@@ -418,14 +455,28 @@ impl Inner {
             let all = std::mem::take(&mut st.unjournaled);
             let (now_v, later): (Vec<_>, Vec<_>) = all.into_iter().partition(|(_, v)| v.fp <= hi);
             st.unjournaled = later;
+            let mut present = Vec::with_capacity(now_v.len());
             for (block, v) in now_v {
                 if st.ix.at_point(block, v.fp) == v {
-                    Record::Version {
+                    format::Record::Version {
                         block,
                         fp: v.fp,
                         slot: v.slot,
                     }
                     .encode(&mut recs);
+                    present.push((block, v));
+                }
+            }
+            // the restart log begins again, for this commit, before the journal
+            // is written: with every version not yet committed, those this
+            // commit journals among them (a kill before it lands replays them)
+            if st.restart.is_some() {
+                if let Some(l) = &mut st.restart {
+                    l.begin(hi);
+                }
+                let later = st.unjournaled.clone();
+                for (block, v) in present.into_iter().chain(later) {
+                    st.log(block, v);
                 }
             }
             // numbers taken for room are no points: what they kept is looked at again
@@ -719,7 +770,8 @@ impl Cdp {
                 o
             }
             None => {
-                let o = start(dd, jd, block_sectors, data_blocks, dev_blocks, retention.clone())?;
+                let logs = r.shared().restart_logs.clone();
+                let o = start(dd, jd, (block_sectors, data_blocks, dev_blocks), retention.clone(), logs.as_deref())?;
                 open.by_journal.lock().unpoisoned().insert(key, Arc::downgrade(&o));
                 o
             }
@@ -741,17 +793,68 @@ impl Cdp {
     }
 }
 
-/// Open (or make) the journal and start the committer.
+/// What a killed daemon acknowledged and had not journaled, from its restart
+/// log (`io::restart_log`) at `path`: installed on top of the journal's index
+/// as writes no flush took. The log follows a commit: the one journaled
+/// (records of points it committed are in the journal already), or the one
+/// under way at the kill (the log is begun again before the journal is
+/// written, with every version not yet committed).
+fn replay_restart_log(path: &std::path::Path, o: &mut journal::Opened, unjournaled: &mut Vec<(u64, Version)>) {
+    let c = o.committed;
+    let records = match RestartLog::previous(path) {
+        Previous::Records { identity, records } if identity >= c => records,
+        Previous::Overflowed { identity } if identity >= c => {
+            tracing::error!(
+                "cdp: the previous daemon acknowledged more writes than its restart log holds and was killed before journaling them: they are lost"
+            );
+            return;
+        }
+        _ => return,
+    };
+    let dev_blocks = o.index.cur.len() as u64;
+    for (i, r) in records.iter().enumerate() {
+        if r.kind != LOG_VERSION || r.a >= dev_blocks || !o.index.slot_ok(r.b) {
+            tracing::error!("cdp: restart log record {i} names block {} and data block {}, outside the device: the rest is not replayed", r.a, r.b);
+            break;
+        }
+        if r.c <= c {
+            continue;
+        }
+        let v = Version { fp: c + 1, slot: r.b };
+        o.index.install(r.a, v, c, c);
+        unjournaled.push((r.a, v));
+    }
+    if !unjournaled.is_empty() {
+        tracing::info!(
+            "cdp: {} writes the previous daemon acknowledged and had not journaled, from its restart log",
+            unjournaled.len()
+        );
+    }
+}
+
+/// A restart log record: a version installed (block, data block, point).
+const LOG_VERSION: u32 = 1;
+
+/// Open (or make) the journal and start the committer; `logs`: the directory
+/// of restart logs.
 fn start(
     data: Dest,
     journal: Dest,
-    block_sectors: u64,
-    data_blocks: u64,
-    dev_blocks: u64,
+    geometry: (u64, u64, u64),
     retention: Retention,
+    logs: Option<&std::path::Path>,
 ) -> Result<Arc<Owner>, String> {
-    let o = journal::open(&journal, block_sectors as u32, data_blocks, dev_blocks)
+    let (block_sectors, data_blocks, dev_blocks) = geometry;
+    let mut o = journal::open(&journal, block_sectors as u32, data_blocks, dev_blocks)
         .map_err(|e| format!("cdp journal: {e}"))?;
+    let log_path = logs.map(|d| {
+        RestartLog::path(d, &format!("cdp-{:016x}", o.sup.nonce), devio::identity(&journal))
+    });
+    let mut unjournaled = Vec::new();
+    if let Some(p) = &log_path {
+        replay_restart_log(p, &mut o, &mut unjournaled);
+    }
+    o.index.rebuild_free();
     tracing::info!(
         "cdp: journal {} ({} points kept, flush {} committed)",
         if o.made { "made" } else { "replayed" },
@@ -768,7 +871,7 @@ fn start(
             flushes_committed: o.flushes,
             pending: BTreeMap::new(),
             queue: Vec::new(),
-            unjournaled: Vec::new(),
+            unjournaled,
             after_commit: Vec::new(),
             phase: 0,
             reads: [0; 2],
@@ -778,11 +881,12 @@ fn start(
             pins: HashMap::new(),
             pos: o.pos,
             retention,
-            last_thin: std::time::Instant::now(),
+            last_thin: crate::sync::now(),
             failed: None,
             stop: false,
             journal_bytes: 0,
             data_bytes: 0,
+            restart: None,
         }),
         wake: Cond::new(),
         data,
@@ -791,6 +895,37 @@ fn start(
         block_sectors,
         low_water,
     });
+    // what the restart log gave, journaled before a new log replaces it
+    let replayed = {
+        let mut st = inner.st.lock().unpoisoned();
+        (!st.unjournaled.is_empty()).then(|| {
+            st.issued += 1;
+            st.issued
+        })
+    };
+    if let Some(n) = replayed {
+        inner.commit(Vec::new(), Some(n)).map_err(|e| format!("cdp: journaling the restart log's writes: {e}"))?;
+    }
+    if let Some(p) = &log_path {
+        let sim = match &inner.journal {
+            Dest::File(f) => f.sim().cloned(),
+            Dest::Dm(_) => None,
+        };
+        // a generation holds at most a record a data block and a device block
+        // before a commit for room begins the next (at half full)
+        let cap = usize::try_from(2 * (data_blocks + dev_blocks)).unwrap_or(usize::MAX);
+        match RestartLog::create_on(p, cap, sim) {
+            Ok(mut l) => {
+                let mut st = inner.st.lock().unpoisoned();
+                l.begin(st.committed);
+                st.restart = Some(l);
+            }
+            Err(e) => tracing::warn!(
+                "cdp: no restart log ({}: {e}): writes acknowledged and not yet flushed are lost if the daemon is killed",
+                p.display()
+            ),
+        }
+    }
     let i = inner.clone();
     let t = crate::sync::spawn("cdp-commit", move || {
         i.committer();
