@@ -47,8 +47,12 @@ pub struct Opened {
 /// Read-ahead for the replay.
 const CHUNK: u64 = 1 << 20;
 
+/// Reads `buf.len()` bytes of the journal at a byte offset (a multiple of 512).
+pub type ReadAt<'a> = &'a mut dyn FnMut(u64, &mut [u8]) -> std::io::Result<()>;
+
 struct Reader<'a> {
-    dest: &'a Dest,
+    read: ReadAt<'a>,
+    size: u64,
     start: u64,
     buf: Vec<u8>,
 }
@@ -61,11 +65,9 @@ impl Reader<'_> {
             let n = padded(len.max(CHUNK));
             self.buf.resize(n as usize, 0);
             self.start = off;
-            let end = devio::size_sectors(self.dest) * 512;
-            let n = n.min(end.saturating_sub(off));
+            let n = n.min(self.size.saturating_sub(off));
             self.buf.truncate(n as usize);
-            devio::read(self.dest, off / 512, &mut self.buf)
-                .map_err(|e| format!("reading the journal at byte {off}: {e}"))?;
+            (self.read)(off, &mut self.buf).map_err(|e| format!("reading the journal at byte {off}: {e}"))?;
             if (self.buf.len() as u64) < len {
                 return Err(format!("the journal ends before byte {}", off + len));
             }
@@ -82,9 +84,10 @@ fn apply(ix: &mut Index, recs: Vec<Record>, committed: u64, where_: &str) -> Res
     for r in recs {
         match r {
             Record::Version { block, fp, slot } => {
-                if block >= dev_blocks || !ix.slot_ok(slot) || fp > committed || fp == 0 {
+                let older = block < dev_blocks && fp < ix.cur[block as usize].fp;
+                if block >= dev_blocks || !ix.slot_ok(slot) || fp > committed || fp == 0 || older {
                     return Err(format!(
-                        "{where_}: version of block {block} at flush point {fp} in data block {slot} lies outside the device ({dev_blocks} blocks), the data device or the points committed ({committed})"
+                        "{where_}: version of block {block} at point {fp} in data block {slot} lies outside the device ({dev_blocks} blocks), the data device or the points committed ({committed}), or before the block's last version"
                     ));
                 }
                 ix.install(block, Version { fp, slot }, committed, committed);
@@ -151,11 +154,24 @@ pub fn open(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64) 
             sup.data_blocks
         ));
     }
-    if sup.area_len < UNIT || !sup.area_len.is_multiple_of(UNIT) || sup.area_start(2) > size {
+    replay(&mut |off, buf| devio::read(dest, off / 512, buf), size, sup)
+}
+
+/// The index a journal of `size` bytes with superblock `sup` holds, read
+/// through `read`: the newest whole checkpoint and the whole batches after it.
+pub fn replay(read: ReadAt, size: u64, sup: Super) -> Result<Opened, String> {
+    let fits = sup
+        .area_len
+        .checked_mul(2)
+        .and_then(|a| a.checked_add(SUPER_LEN))
+        .is_some_and(|end| end <= size);
+    if sup.area_len < UNIT || !sup.area_len.is_multiple_of(UNIT) || !fits {
         return Err(format!("the journal's areas ({} bytes each) do not fit its {size} bytes", sup.area_len));
     }
+    let dev_blocks = sup.dev_blocks;
     let mut rd = Reader {
-        dest,
+        read,
+        size,
         start: 0,
         buf: Vec::new(),
     };
