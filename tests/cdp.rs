@@ -159,7 +159,11 @@ fn every_kept_point_reads_as_the_device_was_then_across_kills_and_retention() {
         let mut c = Client::connect(&d.sock(), "vol");
         let got = read_all(&mut c, size);
         m.set(unflushed.0, m.n + 1, Some(unflushed.1));
-        assert_same(&got, &m.image(m.n + 1), &format!("the device after kill -9 in round {round}"));
+        assert_same(
+            &got,
+            &m.image(m.n + 1),
+            &format!("the device after kill -9 in round {round}"),
+        );
         assert_eq!(
             check_points(&d, "vol", &m, size),
             kept,
