@@ -24,6 +24,9 @@
 //!   ran): after `serve --restore` its block device is stopped and deleted, and
 //!   the log names it.
 //! - The daemon logged no panic and no error (but that stop).
+//! - A cdp device (every flush a point) goes through all of the above as the
+//!   fourth; a point marked before the restarts, attached as a block device of
+//!   its own and mounted read-only, holds the files as they were then.
 //! - Detach: /dev/ublkbN and /dev/mapper/NAME go; the devices can be removed.
 //!
 //! A missing tool or kernel fails the test (ci/install.sh installs them).
@@ -44,6 +47,8 @@ fn ublk_block_devices_restart_under_a_mounted_filesystem() {
         s.sparse("data.img", 512 * MIB),
         s.sparse("cache.img", 64 * MIB),
         s.sparse("origin.img", 256 * MIB),
+        s.sparse("cdpdata.img", 512 * MIB),
+        s.sparse("cdpjournal.img", 64 * MIB),
     ];
     let bins = [
         BIN.to_string(),
@@ -66,10 +71,11 @@ $D create pool --table "0 {data} thin-pool /dev/vdb /dev/vdc 128 0"
 $D message pool 0 create_thin 0
 $D create thin --table "0 {thin} thin /dev/mapper/pool 0"
 $D create wc --table "0 {origin} writecache s /dev/vde /dev/vdd 4096 0"
+$D create cdp --table "0 {origin} cdp /dev/vdf /dev/vdg"
 used() {{ $D status pool | cut -d' ' -f6 | cut -d/ -f1; }}
 q() {{ cat /sys/block/$(basename $(readlink -f /dev/mapper/$1))/queue/$2; }}
 
-for dev in lin thin wc; do
+for dev in lin thin wc cdp; do
   b=$($D attach $dev)
   echo "ORACLE path-$dev $b $(readlink /dev/mapper/$dev)"
   echo "ORACLE limits-$dev lbs=$(q $dev logical_block_size) discard=$(q $dev discard_max_bytes) gran=$(q $dev discard_granularity) fua=$(q $dev fua) cache=$(q $dev write_cache | tr ' ' _) max=$(q $dev max_sectors_kb)"
@@ -90,6 +96,8 @@ for dev in lin thin wc; do
     grep -v f4 /tmp/sums-thin > /tmp/s; mv /tmp/s /tmp/sums-thin
   fi
   umount /mnt/$dev
+  # cdp: the filesystem unmounted, a point to come back to after the restarts
+  if [ $dev = cdp ]; then $D message cdp 0 mark base > /dev/null; cp /tmp/sums-cdp /tmp/base-sums; fi
   e2fsck -fn /dev/mapper/$dev > /tmp/fsck 2>&1 && echo "ORACLE fsck-$dev clean" || {{ echo "ORACLE fsck-$dev dirty"; cat /tmp/fsck; }}
   mount -t ext4 /dev/mapper/$dev /mnt/$dev
   (cd /mnt/$dev && md5sum -c /tmp/sums-$dev > /dev/null) && echo "ORACLE md5-$dev same" || echo "ORACLE md5-$dev differ"
@@ -141,7 +149,7 @@ writer() {{
   done
 }}
 for dev in lin thin; do load $dev & echo $! >> /tmp/loads; done
-for dev in lin thin wc; do writer $dev & echo $! >> /tmp/loads; done
+for dev in lin thin wc cdp; do writer $dev & echo $! >> /tmp/loads; done
 # check K DEV: the files durable before signal K read back the same
 kept() {{
   echo 3 > /proc/sys/vm/drop_caches
@@ -152,9 +160,9 @@ for sig in KILL TERM KILL KILL TERM KILL; do
   k=$((k+1))
   sleep 1
   # what each filesystem holds as durable now: its writer's files so far ...
-  for dev in lin thin wc; do cp /tmp/durable-$dev /tmp/kept-$dev-$k; done
+  for dev in lin thin wc cdp; do cp /tmp/durable-$dev /tmp/kept-$dev-$k; done
   # ... and a write acknowledged by the daemon and never flushed
-  for dev in lin thin wc; do
+  for dev in lin thin wc cdp; do
     dd if=/dev/urandom of=/tmp/direct bs=64k count=2 2>/dev/null
     dd if=/tmp/direct of=/mnt/$dev/direct-$k bs=64k oflag=direct 2>/dev/null
     echo "$(md5sum < /tmp/direct | cut -d' ' -f1)  direct-$k" | tee -a /tmp/directs-$dev >> /tmp/kept-$dev-$k
@@ -162,7 +170,7 @@ for sig in KILL TERM KILL KILL TERM KILL; do
   kill -$sig $(cat /tmp/pid)
   while kill -0 $(cat /tmp/pid) 2>/dev/null; do sleep 0.05; done
   start --restore
-  for dev in lin thin wc; do
+  for dev in lin thin wc cdp; do
     echo "ORACLE restart-$dev-$k $sig $(readlink /dev/mapper/$dev) $(wc -l < /tmp/kept-$dev-$k) $(kept $k $dev)"
   done
 done
@@ -171,16 +179,25 @@ touch /tmp/stop
 for p in $(cat /tmp/loads); do wait $p; done
 # every file the writers finished, and those written before the restarts, read
 # back the same (the writecache's through its reopened cache metadata)
-for dev in lin thin wc; do
+for dev in lin thin wc cdp; do
   cat /tmp/durable-$dev /tmp/directs-$dev >> /tmp/sums-$dev
   echo 3 > /proc/sys/vm/drop_caches
   (cd /mnt/$dev && md5sum -c /tmp/sums-$dev > /dev/null) && echo "ORACLE md5-after-$dev same $(wc -l < /tmp/sums-$dev)" || echo "ORACLE md5-after-$dev differ"
 done
-for dev in lin thin wc; do
+for dev in lin thin wc cdp; do
   umount /mnt/$dev
   e2fsck -fn /dev/mapper/$dev > /tmp/fsck 2>&1 && echo "ORACLE fsck-after-$dev clean" || {{ echo "ORACLE fsck-after-$dev dirty"; cat /tmp/fsck; }}
 done
 echo "ORACLE recovered $(grep -c recovered /tmp/dmkit.log)"
+# cdp's point from before the restarts (marked while unmounted), as a block
+# device of its own: the filesystem as it was then
+$D create cdpbase --table "0 {origin} cdp-point /dev/mapper/cdp mark:base"
+$D attach cdpbase > /dev/null
+mkdir -p /mnt/base && mount -t ext4 -o ro /dev/mapper/cdpbase /mnt/base
+(cd /mnt/base && md5sum -c /tmp/base-sums > /dev/null) && echo "ORACLE cdp-base same $(ls /mnt/base | grep -c '^w-')" || echo "ORACLE cdp-base differ"
+umount /mnt/base
+$D detach cdpbase && $D remove cdpbase
+echo "ORACLE cdp-points $($D message cdp 0 points 100000 | wc -l)"
 
 # a device that cannot come back (its backing file went while no daemon ran):
 # its block device is stopped and deleted, not left holding its I/O
@@ -196,9 +213,9 @@ i=0; while [ -e $lb ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 echo "ORACLE lost-gone $([ -e $lb ] && echo present || echo gone) $(ls /dev/mapper/lost 2>/dev/null | wc -l)"
 echo "ORACLE lost-logged $(grep -c "device 'lost' not restored" /tmp/dmkit.log) $(grep -c 'stopped (its device could not be restored)' /tmp/dmkit.log)"
 
-for dev in lin thin wc; do $D detach $dev; done
+for dev in lin thin wc cdp; do $D detach $dev; done
 echo "ORACLE gone $(ls /dev/ublkb* /dev/mapper/lin 2>/dev/null | wc -l)"
-$D remove thin && $D remove pool && $D remove wc && $D remove lin && echo "ORACLE removed yes"
+$D remove thin && $D remove pool && $D remove wc && $D remove lin && $D remove cdp && echo "ORACLE removed yes"
 echo "ORACLE daemon $(kill -0 $(cat /tmp/pid) && echo alive)"
 # the daemon logged no panic and no error (shown for the assertion's message)
 grep -i "panic\|error" /tmp/dmkit.log | head -5 || :
@@ -217,7 +234,7 @@ echo "ORACLE log-errors $(grep ERROR /tmp/dmkit.log | grep -v "lost\|could not b
     let m = oracle::markers(&serial);
     let get = |k: &str| oracle::marker(&m, k).to_string();
 
-    for (dev, lbs) in [("lin", 512), ("thin", 512), ("wc", 4096)] {
+    for (dev, lbs) in [("lin", 512), ("thin", 512), ("wc", 4096), ("cdp", 4096)] {
         let path = get(&format!("path-{dev}"));
         assert!(
             path.starts_with("/dev/ublkb") && path.contains(" ../ublkb"),
@@ -286,7 +303,7 @@ echo "ORACLE log-errors $(grep ERROR /tmp/dmkit.log | grep -v "lost\|could not b
     );
 
     let sigs = ["KILL", "TERM", "KILL", "KILL", "TERM", "KILL"];
-    for dev in ["lin", "thin", "wc"] {
+    for dev in ["lin", "thin", "wc", "cdp"] {
         for (k, sig) in sigs.iter().enumerate() {
             let k = k + 1;
             let r = get(&format!("restart-{dev}-{k}"));
@@ -326,12 +343,21 @@ echo "ORACLE log-errors $(grep ERROR /tmp/dmkit.log | grep -v "lost\|could not b
         let runs: u32 = get(&format!("fio-{dev}-runs")).parse().expect("runs");
         assert!(runs >= 1, "{dev}: fio ran");
     }
-    // three devices attached, six restarts
+    // four devices attached, six restarts
     assert_eq!(
         get("recovered"),
-        "18",
+        "24",
         "every restart took every block device over"
     );
+    // cdp: the point marked before the restarts, attached and mounted, holds
+    // the files as they were then (f1..f4 and none of the writer's)
+    assert_eq!(
+        get("cdp-base"),
+        "same 0",
+        "the cdp point from before the restarts"
+    );
+    let points: u32 = get("cdp-points").parse().expect("points");
+    assert!(points > 10, "cdp kept a point a flush: {points}");
     assert_eq!(get("lost-attached"), "yes");
     assert_eq!(
         get("lost-gone"),
