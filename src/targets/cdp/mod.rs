@@ -171,6 +171,109 @@ impl St {
         self.restart.as_ref().is_some_and(|l| l.len() > l.room())
     }
 
+    /// The records of a commit up to point `hi`, at time `now`, and where they
+    /// go in the journal (a batch, or a checkpoint when the area is full);
+    /// `None` when there is nothing to write. The index takes the points, and
+    /// retention's drops, now; the restart log begins again.
+    fn journal_round(&mut self, hi: u64, now: u64, low_water: u64, sup: &format::Super) -> Option<(u64, Vec<u8>)> {
+        let hi = hi.max(self.committed);
+        let first = self.committed + 1;
+        let mut recs = Vec::new();
+        self.points_committed(first, hi, now, &mut recs);
+        let present = self.versions_committed(hi, &mut recs);
+        // the restart log begins again, for this commit, before the journal
+        // is written: with every version not yet committed, those this
+        // commit journals among them (a kill before it lands replays them)
+        if let Some(l) = &mut self.restart {
+            l.begin(hi);
+            let later = self.unjournaled.clone();
+            for (block, v) in present.into_iter().chain(later) {
+                self.log(block, v);
+            }
+        }
+        // numbers taken for room are no points: what they kept is looked at again
+        let mut g = Vec::new();
+        for n in first..=hi {
+            if !self.ix.points.contains_key(&n) {
+                self.ix.drop_point(n, &mut g);
+            }
+        }
+        for x in g {
+            self.garbage(Some(x));
+        }
+        self.thin(now, low_water, &mut recs);
+        if recs.is_empty() {
+            return None;
+        }
+        let mut pos = self.pos;
+        let c = (hi, self.flushes_committed);
+        let (off, bytes) = match journal::batch(&recs, c, &mut pos, sup) {
+            Some(b) => b,
+            None => journal::checkpoint(&self.ix, c, &mut pos, sup),
+        };
+        self.pos = pos;
+        self.journal_bytes += bytes.len() as u64;
+        Some((off, bytes))
+    }
+
+    /// The points issued in `first..=hi`, kept from now on and recorded (a
+    /// flush mapped since the queue was taken may be among them: its request
+    /// acknowledges it later).
+    fn points_committed(&mut self, first: u64, hi: u64, now: u64, recs: &mut Vec<u8>) {
+        let now_points: Vec<_> = self.pending.range(first..hi + 1).map(|(&n, _)| n).collect();
+        for n in now_points {
+            let Some((flush, label)) = self.pending.remove(&n) else { continue };
+            format::Record::Point {
+                n,
+                flush,
+                time_ns: now,
+                label: label.clone(),
+            }
+            .encode(recs);
+            self.ix.points.insert(
+                n,
+                Point {
+                    flush,
+                    time_ns: now,
+                    label,
+                },
+            );
+            self.flushes_committed = self.flushes_committed.max(flush);
+        }
+    }
+
+    /// The versions of the points up to `hi` that the index still holds,
+    /// recorded; returned for the restart log.
+    fn versions_committed(&mut self, hi: u64, recs: &mut Vec<u8>) -> Vec<(u64, Version)> {
+        let all = std::mem::take(&mut self.unjournaled);
+        let (now_v, later): (Vec<_>, Vec<_>) = all.into_iter().partition(|(_, v)| v.fp <= hi);
+        self.unjournaled = later;
+        let mut present = Vec::with_capacity(now_v.len());
+        for (block, v) in now_v {
+            if self.ix.at_point(block, v.fp) == v {
+                format::Record::Version {
+                    block,
+                    fp: v.fp,
+                    slot: v.slot,
+                }
+                .encode(recs);
+                present.push((block, v));
+            }
+        }
+        present
+    }
+
+    /// The journal holds everything up to point `hi`: what waited for that is
+    /// on its way to being free.
+    fn committed_to(&mut self, hi: u64) {
+        self.committed = self.committed.max(hi);
+        let c = self.committed;
+        let (ready, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut self.after_commit).into_iter().partition(|(fp, _)| *fp <= c);
+        self.after_commit = wait;
+        self.limbo.extend(ready.into_iter().map(|(_, s)| s));
+        self.retire();
+    }
+
     /// Start retiring what waits in limbo, if the last retirement is over.
     fn retire(&mut self) {
         if self.retiring.is_empty() && !self.limbo.is_empty() {
@@ -389,15 +492,39 @@ impl Inner {
             Dest::Dm(_) => None,
         };
         let _window = crate::io::sim::commit_window(sim.as_ref());
+        let done = self.number(reqs);
+        let hi = done.iter().map(|(n, _)| *n).chain(room).max().unwrap_or(0);
+        let new_points = hi > self.st.lock().unpoisoned().committed;
+        if new_points {
+            devio::flush(&self.data).map_err(|e| format!("flushing the data device: {e}"))?;
+        }
+        let write = self.st.lock().unpoisoned().journal_round(hi, now_ns(), self.low_water, &self.sup);
+        if let Some((off, bytes)) = write {
+            devio::write(&self.journal, off / SECTOR, &bytes, false)
+                .and_then(|()| devio::flush(&self.journal))
+                .map_err(|e| format!("writing the journal: {e}"))?;
+        }
+        self.st.lock().unpoisoned().committed_to(hi);
+        for (n, r) in done {
+            match r {
+                Req::Flush(_, p) | Req::Fua { p, .. } => p.done(),
+                Req::Mark { reply, .. } => reply.send(Ok(n)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The point numbers of a commit's requests: a flush has its own; a FUA
+    /// write's data goes to a free block first (or waits with the writes that
+    /// wait for room), then it takes one, as a mark does.
+    fn number(&self, reqs: Vec<Req>) -> Vec<(u64, Req)> {
         let bs = self.block_sectors;
-        // FUA writes: their data to a free block now, then they are flushes
         let mut done: Vec<(u64, Req)> = Vec::with_capacity(reqs.len());
         for r in reqs {
             match r {
                 Req::Fua { block, data, p } => {
                     let slot = self.st.lock().unpoisoned().ix.alloc();
                     let Some(slot) = slot else {
-                        // no room now: it waits with the other writes
                         self.st.lock().unpoisoned().waiting.push(p);
                         continue;
                     };
@@ -420,111 +547,7 @@ impl Inner {
                 Req::Flush(n, p) => done.push((n, Req::Flush(n, p))),
             }
         }
-        let hi = done.iter().map(|(n, _)| *n).chain(room).max().unwrap_or(0);
-        let new_points = hi > self.st.lock().unpoisoned().committed;
-        if new_points {
-            devio::flush(&self.data).map_err(|e| format!("flushing the data device: {e}"))?;
-        }
-        let now = now_ns();
-        let write = {
-            let mut st = self.st.lock().unpoisoned();
-            let hi = hi.max(st.committed);
-            let mut recs = Vec::new();
-            // the points committed now (a flush mapped since the queue was
-            // taken may be among them: its request acknowledges it later)
-            let first = st.committed + 1;
-            let now_points: Vec<_> = st.pending.range(first..hi + 1).map(|(&n, _)| n).collect();
-            for n in now_points {
-                let Some((flush, label)) = st.pending.remove(&n) else { continue };
-                let p = Point {
-                    flush,
-                    time_ns: now,
-                    label,
-                };
-                format::Record::Point {
-                    n,
-                    flush,
-                    time_ns: p.time_ns,
-                    label: p.label.clone(),
-                }
-                .encode(&mut recs);
-                st.ix.points.insert(n, p);
-                st.flushes_committed = st.flushes_committed.max(flush);
-            }
-            // the versions of the points committed now that the index still holds
-            let all = std::mem::take(&mut st.unjournaled);
-            let (now_v, later): (Vec<_>, Vec<_>) = all.into_iter().partition(|(_, v)| v.fp <= hi);
-            st.unjournaled = later;
-            let mut present = Vec::with_capacity(now_v.len());
-            for (block, v) in now_v {
-                if st.ix.at_point(block, v.fp) == v {
-                    format::Record::Version {
-                        block,
-                        fp: v.fp,
-                        slot: v.slot,
-                    }
-                    .encode(&mut recs);
-                    present.push((block, v));
-                }
-            }
-            // the restart log begins again, for this commit, before the journal
-            // is written: with every version not yet committed, those this
-            // commit journals among them (a kill before it lands replays them)
-            if st.restart.is_some() {
-                if let Some(l) = &mut st.restart {
-                    l.begin(hi);
-                }
-                let later = st.unjournaled.clone();
-                for (block, v) in present.into_iter().chain(later) {
-                    st.log(block, v);
-                }
-            }
-            // numbers taken for room are no points: what they kept is looked at again
-            let mut g = Vec::new();
-            for n in first..=hi {
-                if !st.ix.points.contains_key(&n) {
-                    st.ix.drop_point(n, &mut g);
-                }
-            }
-            for x in g {
-                st.garbage(Some(x));
-            }
-            st.thin(now, self.low_water, &mut recs);
-            if recs.is_empty() {
-                None
-            } else {
-                let sup = self.sup;
-                let mut pos = st.pos;
-                let c = (hi, st.flushes_committed);
-                let (off, bytes) = match journal::batch(&recs, c, &mut pos, &sup) {
-                    Some(b) => b,
-                    None => journal::checkpoint(&st.ix, c, &mut pos, &sup),
-                };
-                st.pos = pos;
-                st.journal_bytes += bytes.len() as u64;
-                Some((off, bytes))
-            }
-        };
-        if let Some((off, bytes)) = write {
-            devio::write(&self.journal, off / SECTOR, &bytes, false)
-                .and_then(|()| devio::flush(&self.journal))
-                .map_err(|e| format!("writing the journal: {e}"))?;
-        }
-        let mut st = self.st.lock().unpoisoned();
-        st.committed = st.committed.max(hi);
-        let c = st.committed;
-        let (ready, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut st.after_commit).into_iter().partition(|(fp, _)| *fp <= c);
-        st.after_commit = wait;
-        st.limbo.extend(ready.into_iter().map(|(_, s)| s));
-        st.retire();
-        drop(st);
-        for (n, r) in done {
-            match r {
-                Req::Flush(_, p) | Req::Fua { p, .. } => p.done(),
-                Req::Mark { reply, .. } => reply.send(Ok(n)),
-            }
-        }
-        Ok(())
+        done
     }
 
     /// The point a view names: `flush:N`, `mark:LABEL` (the newest so
