@@ -235,13 +235,17 @@ fn marks_times_views_and_a_writable_thin_snapshot_of_a_point() {
         // read-only: a write fails
         assert_ne!(v.call(WRITE, 0, 0, 4096, &[0u8; 4096]), 0, "{export}: a write");
     }
-    // names that are not points: answered as devices that do not exist
+    // names that are not points: answered as devices that do not exist (one
+    // that would add a table line over a file of the host among them)
+    let injected = format!("vol@flush:1\n0 8 linear {} 0", data.display());
     for bad in [
         "vol@flush:99",
         "vol@mark:nope",
         "vol@time:1999-01-01T00:00:00Z",
         "vol@when:now",
         "nope@flush:1",
+        "vol@flush:1 2",
+        injected.as_str(),
     ] {
         let e = common::nbd::go_on(common::nbd::greet(&d.sock()), bad)
             .err()

@@ -363,6 +363,13 @@ impl Registry {
         }
         let none = || ControlError::NoDevice(name.to_string());
         let (base, spec) = name.split_once('@').ok_or_else(none)?;
+        // a point names itself in one word of letters, digits and `:.-+_`
+        // (an RFC 3339 time, a flush number, a mark's label): nothing a client
+        // sends can reach the table as more than that word
+        let word = |c: char| c.is_ascii_alphanumeric() || ":.-+_".contains(c);
+        if spec.is_empty() || !spec.chars().all(word) {
+            return Err(none());
+        }
         let dev = self.get(base).map_err(|_| none())?;
         let live = dev.live.load_full().ok_or_else(none)?;
         // (the size is the live table's, as the device reports it)
@@ -371,11 +378,10 @@ impl Registry {
         };
         let ty = e.target.view_type().ok_or_else(none)?;
         let table = format!(
-            "0 {} {ty} {}:{} {}",
+            "0 {} {ty} {}:{} {spec}",
             dev.size_sectors(),
             super::DM_MAJOR,
             dev.minor,
-            crate::table::escape(spec)
         );
         match self.create(name, Some(&table), true, None) {
             Ok(()) | Err(ControlError::Exists(_)) => {}
