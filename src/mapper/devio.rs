@@ -296,6 +296,15 @@ pub fn zero(copier: &crate::copier::Copier, dest: &Dest, sector: u64, sectors: u
     Ok(())
 }
 
+/// The simulated disk a file `dest` lies on under `dmkit sim` (a dmkit
+/// device: none; its own files answer for themselves).
+pub fn sim_of(dest: &Dest) -> Option<std::sync::Arc<crate::io::sim::SimDisk>> {
+    match dest {
+        Dest::File(f) => f.sim().cloned(),
+        Dest::Dm(_) => None,
+    }
+}
+
 /// What tells two of a table's devices apart: a file's (device, inode), or a
 /// dmkit device's number.
 pub fn identity(dest: &Dest) -> (u64, u64) {

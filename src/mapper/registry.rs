@@ -372,7 +372,6 @@ impl Registry {
         }
         let dev = self.get(base).map_err(|_| none())?;
         let live = dev.live.load_full().ok_or_else(none)?;
-        // (the size is the live table's, as the device reports it)
         let [e] = &live.entries[..] else {
             return Err(none());
         };

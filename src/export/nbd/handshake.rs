@@ -122,11 +122,8 @@ fn lookup(reg: &Registry, visible: Visible, name: &str) -> Result<Arc<Device>, S
         Ok(_) => Err(hidden()),
         // `NAME@POINT`: a device's past, for a client that may see the device
         Err(_) => match name.split_once('@') {
-            Some((base, _)) if visible(base) && reg.get(base).is_ok() => {
-                reg.open_view(name).map_err(|e| e.to_string())
-            }
-            Some(_) => Err(hidden()),
-            None => Err(hidden()),
+            Some((base, _)) if visible(base) => reg.open_view(name).map_err(|e| e.to_string()),
+            _ => Err(hidden()),
         },
     }
 }

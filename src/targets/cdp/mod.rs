@@ -65,7 +65,12 @@ struct Retention {
 enum Req {
     Flush(u64, Pending),
     Fua { block: u64, data: Vec<u8>, p: Pending },
-    Mark { label: String, reply: crate::sync::ReplyTx<Result<u64, String>> },
+    /// A mark; `flush`: its flush number, once it has one (the answer).
+    Mark {
+        label: String,
+        flush: u64,
+        reply: crate::sync::ReplyTx<Result<u64, String>>,
+    },
 }
 
 struct St {
@@ -102,6 +107,8 @@ struct St {
     /// Journal bytes written since the table was made, and data bytes.
     journal_bytes: u64,
     data_bytes: u64,
+    /// Bytes of a block.
+    block_bytes: u64,
     /// Versions installed and not journaled, for a daemon that follows a
     /// kill of this one (`io::restart_log`); none without a run directory.
     restart: Option<RestartLog>,
@@ -123,12 +130,29 @@ fn now_ns() -> u64 {
 }
 
 impl St {
-    /// A new point for a client's flush, FUA write or mark: its number.
-    fn issue_point(&mut self, label: Option<String>) -> u64 {
+    /// The next point number.
+    fn take_number(&mut self) -> u64 {
         self.issued += 1;
-        self.flushes += 1;
-        self.pending.insert(self.issued, (self.flushes, label));
         self.issued
+    }
+
+    /// A new point for a client's flush, FUA write or mark: its number and
+    /// its flush number.
+    fn issue_point(&mut self, label: Option<String>) -> (u64, u64) {
+        let n = self.take_number();
+        self.flushes += 1;
+        self.pending.insert(n, (self.flushes, label));
+        (n, self.flushes)
+    }
+
+    /// Point (or number) `n` goes: what it kept is kept by an older point, or
+    /// is garbage.
+    fn drop_point(&mut self, n: u64) {
+        let mut g = Vec::new();
+        self.ix.drop_point(n, &mut g);
+        for x in g {
+            self.garbage(Some(x));
+        }
     }
 
     fn garbage(&mut self, g: Option<Garbage>) {
@@ -148,6 +172,9 @@ impl St {
         self.garbage(g);
         self.unjournaled.push((block, v));
         self.log(block, v);
+        if slot != ZEROES {
+            self.data_bytes += self.block_bytes;
+        }
     }
 
     /// Record version `v` of `block` in the restart log before it is acknowledged.
@@ -186,20 +213,17 @@ impl St {
         // commit journals among them (a kill before it lands replays them)
         if let Some(l) = &mut self.restart {
             l.begin(hi);
-            let later = self.unjournaled.clone();
-            for (block, v) in present.into_iter().chain(later) {
+            let later = std::mem::take(&mut self.unjournaled);
+            for &(block, v) in present.iter().chain(&later) {
                 self.log(block, v);
             }
+            self.unjournaled = later;
         }
         // numbers taken for room are no points: what they kept is looked at again
-        let mut g = Vec::new();
         for n in first..=hi {
             if !self.ix.points.contains_key(&n) {
-                self.ix.drop_point(n, &mut g);
+                self.drop_point(n);
             }
-        }
-        for x in g {
-            self.garbage(Some(x));
         }
         self.thin(now, low_water, &mut recs);
         if recs.is_empty() {
@@ -323,13 +347,9 @@ impl St {
             return;
         }
         self.last_thin = crate::sync::now();
-        let mut g = Vec::new();
         for n in self.to_drop(now, short) {
-            self.ix.drop_point(n, &mut g);
+            self.drop_point(n);
             format::Record::Drop { n }.encode(recs);
-        }
-        for x in g {
-            self.garbage(Some(x));
         }
     }
 
@@ -382,7 +402,6 @@ impl Inner {
         let mut st = self.st.lock().unpoisoned();
         if ok {
             st.install(block, slot);
-            st.data_bytes += self.block_sectors * SECTOR;
         } else {
             st.ix.release(slot);
         }
@@ -434,8 +453,7 @@ impl Inner {
                     // written and no flush took is journaled too, as a number
                     // that is no point
                     if !st.unjournaled.is_empty() {
-                        st.issued += 1;
-                        let n = st.issued;
+                        let n = st.take_number();
                         drop(st);
                         if let Err(e) = self.commit(Vec::new(), Some(n)) {
                             tracing::error!("cdp: the last commit failed: {e}");
@@ -457,10 +475,7 @@ impl Inner {
             // a commit for room journals the writes no flush has taken yet, as
             // a point number of its own that is no point (taken with the queue:
             // every number up to it is committed by this round)
-            let room = (room && !st.unjournaled.is_empty()).then(|| {
-                st.issued += 1;
-                st.issued
-            });
+            let room = (room && !st.unjournaled.is_empty()).then(|| st.take_number());
             drop(st);
             let r = self.commit(reqs, room);
             st = self.st.lock().unpoisoned();
@@ -487,11 +502,7 @@ impl Inner {
     /// are free) so that what waits for a commit to be freed is freed.
     fn commit(&self, reqs: Vec<Req>, room: Option<u64>) -> Result<(), String> {
         // the crash simulator places crashes at the flushes inside it
-        let sim = match &self.journal {
-            Dest::File(f) => f.sim().cloned(),
-            Dest::Dm(_) => None,
-        };
-        let _window = crate::io::sim::commit_window(sim.as_ref());
+        let _window = crate::io::sim::commit_window(devio::sim_of(&self.journal).as_ref());
         let done = self.number(reqs);
         let hi = done.iter().map(|(n, _)| *n).chain(room).max().unwrap_or(0);
         let new_points = hi > self.st.lock().unpoisoned().committed;
@@ -505,10 +516,10 @@ impl Inner {
                 .map_err(|e| format!("writing the journal: {e}"))?;
         }
         self.st.lock().unpoisoned().committed_to(hi);
-        for (n, r) in done {
+        for (_, r) in done {
             match r {
                 Req::Flush(_, p) | Req::Fua { p, .. } => p.done(),
-                Req::Mark { reply, .. } => reply.send(Ok(n)),
+                Req::Mark { flush, reply, .. } => reply.send(Ok(flush)),
             }
         }
         Ok(())
@@ -536,13 +547,12 @@ impl Inner {
                     }
                     let mut st = self.st.lock().unpoisoned();
                     st.install(block, slot);
-                    st.data_bytes += bs * SECTOR;
-                    let n = st.issue_point(None);
+                    let (n, _) = st.issue_point(None);
                     done.push((n, Req::Fua { block, data: Vec::new(), p }));
                 }
-                Req::Mark { label, reply } => {
-                    let n = self.st.lock().unpoisoned().issue_point(Some(label.clone()));
-                    done.push((n, Req::Mark { label, reply }));
+                Req::Mark { label, reply, .. } => {
+                    let (n, flush) = self.st.lock().unpoisoned().issue_point(Some(label.clone()));
+                    done.push((n, Req::Mark { label, flush, reply }));
                 }
                 Req::Flush(n, p) => done.push((n, Req::Flush(n, p))),
             }
@@ -552,7 +562,7 @@ impl Inner {
 
     /// The point a view names: `flush:N`, `mark:LABEL` (the newest so
     /// labelled), `time:RFC3339` (the newest at or before it): its number
-    /// and flush number, pinned (kept until [`Inner::pin`] lets it go).
+    /// and flush number, pinned (kept until [`Inner::unpin`] lets it go).
     fn resolve(&self, spec: &str) -> Result<(u64, u64), String> {
         let mut st = self.st.lock().unpoisoned();
         let pts = &st.ix.points;
@@ -595,21 +605,43 @@ impl Inner {
         Ok((n, flush))
     }
 
-    fn pin(&self, n: u64, by: i32) {
+    /// A view of point `n` goes: one pin fewer.
+    fn unpin(&self, n: u64) {
         let mut st = self.st.lock().unpoisoned();
         let c = st.pins.entry(n).or_default();
-        *c = c.saturating_add_signed(by);
+        *c = c.saturating_sub(1);
         if *c == 0 {
             st.pins.remove(&n);
         }
     }
 
-    /// Map a read of `block` (version `v`): to its data block, or zeroes.
-    fn map_read(self: &Arc<Self>, bio: Bio, v: Version, phase: usize, ctx: &mut MapCtx) -> Result<(), MapErr> {
+    /// The state, unless the device has failed (then I/O fails with EIO).
+    fn live(&self) -> Result<std::sync::MutexGuard<'_, St>, MapErr> {
+        let st = self.st.lock().unpoisoned();
+        if st.failed.is_some() {
+            return Err(MapErr::Errno(errno::EIO));
+        }
+        Ok(st)
+    }
+
+    /// Map a read of the device as it is (`point` None) or as it was at point
+    /// `point`: to the block's data block (counted in the reads of the phase,
+    /// so that block is not reused under it), or zeroes.
+    fn map_read(self: &Arc<Self>, bio: Bio, point: Option<u64>, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let block = self.block_of(&bio);
+        let mut st = self.live()?;
+        let Some(&now) = st.ix.cur.get(block as usize) else {
+            return Err(MapErr::Errno(errno::EIO));
+        };
+        let v = point.map_or(now, |n| st.ix.at_point(block, n));
         if v.slot == ZEROES {
+            drop(st);
             ctx.complete(bio, LeafKind::ZeroFill);
             return Ok(());
         }
+        let phase = st.phase;
+        st.reads[phase] += 1;
+        drop(st);
         let within = bio.sector % self.block_sectors;
         let dest = Bio {
             sector: v.slot * self.block_sectors + within,
@@ -624,10 +656,15 @@ impl Inner {
     }
 }
 
+/// The flush numbers of the oldest and the newest point kept.
+fn flush_range(ix: &Index) -> Option<(u64, u64)> {
+    Some((ix.points.first_key_value()?.1.flush, ix.points.last_key_value()?.1.flush))
+}
+
 fn describe_points(ix: &Index) -> String {
-    match (ix.points.first_key_value(), ix.points.last_key_value()) {
-        (Some((_, a)), Some((_, b))) => format!("{} kept, flush {} to {}", ix.points.len(), a.flush, b.flush),
-        _ => "none kept".into(),
+    match flush_range(ix) {
+        Some((a, b)) => format!("{} kept, flush {a} to {b}", ix.points.len()),
+        None => "none kept".into(),
     }
 }
 
@@ -909,6 +946,7 @@ fn start(
             stop: false,
             journal_bytes: 0,
             data_bytes: 0,
+            block_bytes: block_sectors * SECTOR,
             restart: None,
         }),
         wake: Cond::new(),
@@ -921,19 +959,13 @@ fn start(
     // what the restart log gave, journaled before a new log replaces it
     let replayed = {
         let mut st = inner.st.lock().unpoisoned();
-        (!st.unjournaled.is_empty()).then(|| {
-            st.issued += 1;
-            st.issued
-        })
+        (!st.unjournaled.is_empty()).then(|| st.take_number())
     };
     if let Some(n) = replayed {
         inner.commit(Vec::new(), Some(n)).map_err(|e| format!("cdp: journaling the restart log's writes: {e}"))?;
     }
     if let Some(p) = &log_path {
-        let sim = match &inner.journal {
-            Dest::File(f) => f.sim().cloned(),
-            Dest::Dm(_) => None,
-        };
+        let sim = devio::sim_of(&inner.journal);
         // a generation holds at most a record a data block and a device block
         // before a commit for room begins the next (at half full)
         let cap = usize::try_from(2 * (data_blocks + dev_blocks)).unwrap_or(usize::MAX);
@@ -977,35 +1009,17 @@ impl Target for Cdp {
             return Err(MapErr::Errno(errno::EINVAL));
         }
         match bio.op {
-            Op::Read => {
-                let mut st = inner.st.lock().unpoisoned();
-                if st.failed.is_some() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
-                let v = st.ix.cur[block as usize];
-                let phase = st.phase;
-                if v.slot != ZEROES {
-                    st.reads[phase] += 1;
-                }
-                drop(st);
-                inner.map_read(bio, v, phase, ctx)
-            }
+            Op::Read => inner.map_read(bio, None, ctx),
             Op::Write if bio.fua => {
                 let data = ctx.data_of(&bio).to_vec();
-                let mut st = inner.st.lock().unpoisoned();
-                if st.failed.is_some() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
+                let mut st = inner.live()?;
                 let p = ctx.submit(bio);
                 st.queue.push(Req::Fua { block, data, p });
                 inner.wake.notify_one();
                 Ok(())
             }
             Op::Write => {
-                let mut st = inner.st.lock().unpoisoned();
-                if st.failed.is_some() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
+                let mut st = inner.live()?;
                 let Some(slot) = st.ix.alloc() else {
                     st.waiting.push(ctx.submit(bio));
                     inner.wake.notify_one();
@@ -1027,10 +1041,7 @@ impl Target for Cdp {
                 ctx.remap_dest_with(&inner.data, dest, Some(hook))
             }
             Op::Discard | Op::WriteZeroes => {
-                let mut st = inner.st.lock().unpoisoned();
-                if st.failed.is_some() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
+                let mut st = inner.live()?;
                 let first = bio.sector.div_ceil(bs);
                 let end = (bio.sector + bio.nr_sectors) / bs;
                 for b in first..end {
@@ -1043,11 +1054,8 @@ impl Target for Cdp {
                 Ok(())
             }
             Op::Flush => {
-                let mut st = inner.st.lock().unpoisoned();
-                if st.failed.is_some() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
-                let n = st.issue_point(None);
+                let mut st = inner.live()?;
+                let (n, _) = st.issue_point(None);
                 let p = ctx.submit(bio);
                 st.queue.push(Req::Flush(n, p));
                 inner.wake.notify_one();
@@ -1080,10 +1088,7 @@ impl Target for Cdp {
     /// written>/<data bytes written>`, then `fail` once the device has failed.
     fn status_params(&self) -> String {
         let st = self.inner().st.lock().unpoisoned();
-        let range = match (st.ix.points.first_key_value(), st.ix.points.last_key_value()) {
-            (Some((_, a)), Some((_, b))) => format!("{}-{}", a.flush, b.flush),
-            _ => "-".into(),
-        };
+        let range = flush_range(&st.ix).map_or_else(|| "-".into(), |(a, b)| format!("{a}-{b}"));
         let mut s = format!(
             "{}/{} {} {} {} {} {}/{}",
             st.ix.used,
@@ -1123,13 +1128,13 @@ impl Target for Cdp {
                     }
                     st.queue.push(Req::Mark {
                         label: label.clone(),
+                        flush: 0,
                         reply: tx,
                     });
                 }
                 inner.wake.notify_one();
-                let n = rx.recv().ok_or("the commit thread went away")??;
-                let st = inner.st.lock().unpoisoned();
-                Ok(st.ix.points.get(&n).map(|p| format!("flush:{}", p.flush)).unwrap_or_default())
+                let flush = rx.recv().ok_or("the commit thread went away")??;
+                Ok(format!("flush:{flush}"))
             }
             Some("points") if words.len() <= 2 => {
                 let n: usize = match words.get(1) {
@@ -1230,7 +1235,7 @@ impl PointView {
 
 impl Drop for PointView {
     fn drop(&mut self) {
-        self.owner.inner.pin(self.n, -1);
+        self.owner.inner.unpin(self.n);
     }
 }
 
@@ -1242,23 +1247,7 @@ impl Target for PointView {
     fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
         let inner = &self.owner.inner;
         match bio.op {
-            Op::Read => {
-                let block = inner.block_of(&bio);
-                let mut st = inner.st.lock().unpoisoned();
-                if st.failed.is_some() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
-                if block as usize >= st.ix.cur.len() {
-                    return Err(MapErr::Errno(errno::EIO));
-                }
-                let v = st.ix.at_point(block, self.n);
-                let phase = st.phase;
-                if v.slot != ZEROES {
-                    st.reads[phase] += 1;
-                }
-                drop(st);
-                inner.map_read(bio, v, phase, ctx)
-            }
+            Op::Read => inner.map_read(bio, Some(self.n), ctx),
             Op::Flush => {
                 ctx.complete(bio, LeafKind::Drop);
                 Ok(())
@@ -1281,10 +1270,6 @@ impl Target for PointView {
 
     fn logical_block_size(&self) -> u32 {
         (self.owner.inner.block_sectors * SECTOR) as u32
-    }
-
-    fn flush_bypasses_map(&self) -> bool {
-        false
     }
 
     fn limits(&self) -> Limits {

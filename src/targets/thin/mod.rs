@@ -1017,11 +1017,7 @@ fn restart_log(
             .unwrap_or(usize::MAX)
             .saturating_mul(2)
     });
-    let sim = match metadata {
-        Dest::File(f) => f.sim().cloned(),
-        Dest::Dm(_) => None,
-    };
-    match RestartLog::create_on(&path, cap, sim) {
+    match RestartLog::create_on(&path, cap, devio::sim_of(metadata)) {
         Ok(mut l) => {
             l.begin(md.committed_identity());
             Ok(Some(l))
