@@ -10,16 +10,18 @@
 //! - fio with `--verify=crc32c` on the raw linear disk, two jobs on two queues.
 //! - The guest turns the write cache off (`cache_type`, CONFIG_WCE): its writes
 //!   reach the backing file as FUA writes (counted by `dmkit stats`).
-//! - ext4 on a thin, a writecache and a crypt device: `fstrim` in the guest
+//! - ext4 on a thin, a writecache, a crypt and a cdp device: `fstrim` in the guest
 //!   reaches the pool (its mapped blocks, sampled on the host, fall by the
 //!   file's size).
 //! - While the guest writes (fio with verify on the linear disk, and on each
 //!   filesystem files made durable with fsync before their md5 is recorded),
 //!   the host kills the daemon (SIGKILL) twice and `serve --restore` listens
 //!   again: QEMU reconnects, the guest sees no I/O error, fio's verify passes,
-//!   every durable file reads back the same, e2fsck finds the three clean. The
+//!   every durable file reads back the same, e2fsck finds the four clean. The
 //!   crypt device comes back suspended without its key (never recorded), the
 //!   guest's I/O on it waiting, until the host sets the key and resumes it.
+//! - The cdp disk's newest point (`cdp@flush:N` over NBD), taken by the
+//!   guest's last flush, holds the same bytes as the device and a clean ext4.
 //! - `detach --force` of the linear disk while the guest writes to it, and an
 //!   attach again: QEMU reconnects as after a kill (the batches in hand are
 //!   given back before the connection is cut).
@@ -38,7 +40,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::MIB;
-const DISKS: [&str; 5] = ["lin", "thin", "ro", "wc", "cr"];
+const DISKS: [&str; 6] = ["lin", "thin", "ro", "wc", "cr", "cdp"];
 /// The crypt disk's key (never recorded: after a restart the host sets it again).
 const KEY: &str = "5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c";
 
@@ -89,6 +91,10 @@ fn a_guest_uses_dmkit_devices_over_vhost_user_blk_across_daemon_kills() {
     let cache = s.sparse("cache.img", 64 * MIB);
     let mailbox = s.sparse("mailbox.img", MIB);
     let crypt = s.sparse("crypt.img", 128 * MIB);
+    let (cdp_data, cdp_journal) = (
+        s.sparse("cdp-data.img", 256 * MIB),
+        s.sparse("cdp-journal.img", 64 * MIB),
+    );
     let base = s.path("");
     let sock = |n: &str| base.join(format!("{n}.sock"));
     let sectors = |b: u64| b / 512;
@@ -134,6 +140,15 @@ fn a_guest_uses_dmkit_devices_over_vhost_user_blk_across_daemon_kills() {
             crypt.display()
         ),
     );
+    d.create(
+        "cdp",
+        &format!(
+            "0 {} cdp {} {}",
+            sectors(128 * MIB),
+            cdp_data.display(),
+            cdp_journal.display()
+        ),
+    );
     for n in DISKS {
         let out = d.ok(&["attach", n, "--vhost-user", sock(n).to_str().unwrap()]);
         assert_eq!(out.trim(), sock(n).display().to_string());
@@ -168,14 +183,14 @@ fn a_guest_uses_dmkit_devices_over_vhost_user_blk_across_daemon_kills() {
     let ro_md5 = ro_md5.split_whitespace().next().unwrap_or_default().to_string();
     let script = r#"
 set -e
-mkdir -p /mnt/thin /mnt/wc /mnt/cr /tmp
+mkdir -p /mnt/thin /mnt/wc /mnt/cr /mnt/cdp /tmp
 ln -sf /bin/mke2fs /bin/mkfs.ext4
 sum() { echo 3 > /proc/sys/vm/drop_caches; md5sum < "$1" | cut -d' ' -f1; }
 dev_of() { for b in /sys/block/vd*; do s=$(cat $b/serial 2>/dev/null || true); [ "$s" = "$1" ] && echo /dev/${b##*/}; done; true; }
 q() { cat /sys/block/${1#/dev/}/$2; }
-LIN=$(dev_of lin); THIN=$(dev_of thin); RO=$(dev_of ro); WC=$(dev_of wc); CR=$(dev_of cr); MB=$(dev_of "")
-echo "ORACLE disks lin=${LIN:+y} thin=${THIN:+y} ro=${RO:+y} wc=${WC:+y} cr=${CR:+y} mailbox=${MB:+y}"
-fsdev() { case $1 in thin) echo $THIN;; wc) echo $WC;; cr) echo $CR;; esac; }
+LIN=$(dev_of lin); THIN=$(dev_of thin); RO=$(dev_of ro); WC=$(dev_of wc); CR=$(dev_of cr); CDP=$(dev_of cdp); MB=$(dev_of "")
+echo "ORACLE disks lin=${LIN:+y} thin=${THIN:+y} ro=${RO:+y} wc=${WC:+y} cr=${CR:+y} cdp=${CDP:+y} mailbox=${MB:+y}"
+fsdev() { case $1 in thin) echo $THIN;; wc) echo $WC;; cr) echo $CR;; cdp) echo $CDP;; esac; }
 mb() { dd if=$MB bs=512 count=1 iflag=direct 2>/dev/null | head -c 4; }
 wait_mb() { while [ "$(mb)" != "$1" ]; do sleep 0.2; done; }
 
@@ -198,7 +213,8 @@ echo "ORACLE wce $(cat /sys/block/${LIN#/dev/}/cache_type | tr ' ' _) $(q $LIN q
 dd if=/dev/urandom of=$LIN bs=4k count=16 seek=4096 oflag=direct 2>/dev/null
 echo "write back" > /sys/block/${LIN#/dev/}/cache_type
 
-for fs in thin wc cr; do
+echo "ORACLE cdp-block $(q $CDP queue/logical_block_size)"
+for fs in thin wc cr cdp; do
   dev=$(fsdev $fs)
   mkfs.ext4 -q -F $dev
   mount -t ext4 $dev /mnt/$fs
@@ -239,8 +255,9 @@ load &
 writer thin &
 writer wc &
 writer cr &
+writer cdp &
 wait
-for fs in thin wc cr; do
+for fs in thin wc cr cdp; do
   dev=$(fsdev $fs)
   echo 3 > /proc/sys/vm/drop_caches
   (cd /mnt/$fs && md5sum -c /tmp/sums-$fs > /tmp/check 2>&1) && echo "ORACLE sums-$fs same" \
@@ -315,7 +332,7 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
         std::thread::sleep(Duration::from_secs(4));
         d = d.kill9_and_restore();
         let log = d.log();
-        assert!(log.contains("restored 6 devices"), "{log}");
+        assert!(log.contains("restored 7 devices"), "{log}");
         // the crypt disk comes back waiting for its key (its guest I/O waits too)
         assert_eq!(d.info_line("cr", "State:"), "State:             SUSPENDED");
         d.ok(&["message", "cr", "0", "key", "set", KEY]);
@@ -333,7 +350,8 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
     let out = guest.join().expect("guest");
     let m = oracle::markers(&out);
     let g = |k: &str| oracle::marker(&m, k).to_string();
-    assert_eq!(g("disks"), "lin=y thin=y ro=y wc=y cr=y mailbox=y");
+    assert_eq!(g("disks"), "lin=y thin=y ro=y wc=y cr=y cdp=y mailbox=y");
+    assert_eq!(g("cdp-block"), "4096");
     assert_eq!(g("lin-queues"), "2");
     assert_eq!(g("lin-size"), (256 * MIB / 512).to_string());
     assert_eq!(g("lin-cache"), "write_back");
@@ -346,7 +364,7 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
     assert!(!out.contains("ORACLE fio-load-failed"), "{out}");
     assert!(!out.contains("ORACLE write-failed"), "{out}");
     assert!(g("fio-load-runs").parse::<u32>().unwrap() >= 1);
-    for fs in ["thin", "wc", "cr"] {
+    for fs in ["thin", "wc", "cr", "cdp"] {
         assert_eq!(g(&format!("sums-{fs}")), "same");
         assert!(g(&format!("files-{fs}")).parse::<u32>().unwrap() >= 1);
         assert_eq!(g(&format!("fsck-{fs}")), "clean");
@@ -356,6 +374,30 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
         std::fs::read(&ro).unwrap(),
         common::pattern(7, (8 * MIB) as usize)
     );
+    // the cdp disk's newest point, taken by the guest's last flush, is the
+    // file system as the guest left it: the same bytes as the device, clean
+    let newest = d.ok(&["message", "cdp", "0", "points", "1"]);
+    let newest = newest.split_whitespace().next().expect("a point").to_string();
+    assert!(newest.starts_with("flush:"), "{newest}");
+    let (point, now) = (base.join("point.img"), base.join("now.img"));
+    for (export, file) in [(format!("cdp@{newest}"), &point), ("cdp".to_string(), &now)] {
+        let st = std::process::Command::new(tool_path("nbdcopy"))
+            .arg(d.uri(&export))
+            .arg(file)
+            .status()
+            .expect("nbdcopy");
+        assert!(st.success(), "nbdcopy {export}");
+    }
+    assert!(
+        std::fs::read(&point).unwrap() == std::fs::read(&now).unwrap(),
+        "cdp@{newest} differs from the device"
+    );
+    let fsck = std::process::Command::new(tool_path("e2fsck"))
+        .arg("-fn")
+        .arg(&point)
+        .output()
+        .expect("e2fsck");
+    assert!(fsck.status.success(), "e2fsck of cdp@{newest}: {fsck:?}");
 
     // the VM is gone: a resize is still refused while attached; detach, remove
     d.ok(&[
@@ -371,7 +413,7 @@ echo "ORACLE io-errors $(dmesg | grep -c -i -E 'I/O error|blk_update_request|cri
         d.ok(&["detach", n]);
         assert!(!sock(n).exists(), "{n}: socket left behind");
     }
-    for n in ["lin", "thin", "ro", "wc", "cr", "pool"] {
+    for n in ["lin", "thin", "ro", "wc", "cr", "cdp", "pool"] {
         d.ok(&["remove", n]);
     }
     let log = d.log();

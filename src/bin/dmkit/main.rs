@@ -102,10 +102,25 @@ enum Cmd {
         /// (the device before the log began) and judged by --check
         #[arg(long, requires = "check")]
         crash_states: bool,
-        /// The judge of a crash state: a shell command, `{}` replaced by
-        /// TARGET's path; exit 0 accepts the state (e.g. 'fsck.ext4 -fn {}')
+        /// The judge of a state: a shell command, `{}` replaced by TARGET's
+        /// path; exit 0 accepts the state (e.g. 'fsck.ext4 -fn {}'). With
+        /// --crash-states or --check-at
         #[arg(long, value_name = "COMMAND")]
         check: Option<String>,
+        /// Replay with --check run on TARGET after each entry of this kind:
+        /// fua (each FUA write, a journal's commit), flush, mark or entry; the
+        /// replay stops at the first state refused
+        #[arg(
+            long,
+            value_name = "KIND",
+            requires = "check",
+            conflicts_with = "crash_states"
+        )]
+        check_at: Option<String>,
+        /// With --check-at: the checks begin after this entry (mark:NAME,
+        /// entry:N or flush:N), e.g. the mark set after mkfs
+        #[arg(long, value_name = "WHERE", requires = "check_at")]
+        check_from: Option<String>,
         /// States tried per epoch, at most: all of them when there are no more,
         /// else this many chosen with --seed
         #[arg(long, default_value_t = 1024)]
@@ -609,11 +624,37 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             with_entries,
             crash_states,
             check,
+            check_at,
+            check_from,
             max_states,
             seed,
         } => match (crash_states, check) {
             (true, Some(check)) => replay_crash_states(&log, target.as_deref(), &check, seed, max_states),
-            _ => replay(&log, target.as_deref(), until.as_deref(), &with_entries, list),
+            (false, Some(check)) => {
+                let at = check_at
+                    .ok_or_else(|| anyhow::anyhow!("replay --check: say when with --check-at (fua, flush, mark, entry) or use --crash-states"))?;
+                let checks = ReplayChecks {
+                    cmd: check,
+                    at,
+                    from: check_from,
+                };
+                replay(
+                    &log,
+                    target.as_deref(),
+                    until.as_deref(),
+                    &with_entries,
+                    list,
+                    Some(checks),
+                )
+            }
+            _ => replay(
+                &log,
+                target.as_deref(),
+                until.as_deref(),
+                &with_entries,
+                list,
+                None,
+            ),
         },
         Cmd::Exec { program } => exec(&run_dir, &program),
         Cmd::Luks(cmd) => Ok(luks(&run_dir, cmd)),
@@ -864,20 +905,41 @@ fn replay_crash_states(
     }
 }
 
+/// `dmkit replay --check CMD --check-at KIND [--check-from WHERE]`, as given.
+struct ReplayChecks {
+    cmd: String,
+    at: String,
+    from: Option<String>,
+}
+
 fn replay(
     log: &std::path::Path,
     target: Option<&std::path::Path>,
     until: Option<&str>,
     with: &[u64],
     list: bool,
+    checks: Option<ReplayChecks>,
 ) -> Result<i32> {
-    use dmkit::targets::log_writes::replay::{replay, Until};
-    if target.is_none() && !list {
+    use dmkit::targets::log_writes::replay::{replay, CheckAt, Checks, Until};
+    if target.is_none() && (!list || checks.is_some()) {
         anyhow::bail!("replay: name a TARGET to replay onto, or --list to only list the entries");
     }
     let until = until
         .map_or(Ok(Until::End), Until::parse)
         .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
+    let checks =
+        checks
+            .as_ref()
+            .map(|c| -> Result<Checks> {
+                Ok(Checks {
+                    at: CheckAt::parse(&c.at).map_err(|e| anyhow::anyhow!("replay: {e}"))?,
+                    from: c.from.as_deref().map(Until::parse).transpose().map_err(|e| {
+                        anyhow::anyhow!("replay: {}", e.replacen("--until", "--check-from", 1))
+                    })?,
+                    cmd: &c.cmd,
+                })
+            })
+            .transpose()?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let r = replay(
@@ -886,9 +948,30 @@ fn replay(
         &until,
         with,
         list.then_some(&mut out as &mut dyn std::io::Write),
+        checks.as_ref(),
     )
     .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
     drop(out);
+    if let Some(c) = &checks {
+        if let Some(f) = &r.failed {
+            println!("{f}");
+            println!("checked {} states: one refused", r.checked + 1);
+            return Ok(1);
+        }
+        if r.checked == 0 {
+            // a check that never ran is not a pass
+            anyhow::bail!(
+                "replay: no {} entry{} in the log: nothing was checked",
+                c.at.name(),
+                if c.from.is_some() {
+                    " after --check-from"
+                } else {
+                    ""
+                }
+            );
+        }
+        println!("checked {} states: all accepted", r.checked);
+    }
     if !r.reached {
         anyhow::bail!(
             "replay: the log ended after {} entries without reaching {until}",

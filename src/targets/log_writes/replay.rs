@@ -45,6 +45,88 @@ impl Until {
     }
 }
 
+impl Until {
+    /// Whether entry `e`, counted in `seen`, is where this stop is.
+    fn is_at(&self, e: &LogEntry, seen: &Replayed) -> bool {
+        match self {
+            Until::End => false,
+            Until::Mark(m) => e.mark.as_deref() == Some(m.as_str()),
+            Until::Entry(n) => seen.entries >= *n,
+            Until::Flush(n) => e.is_flush() && seen.flushes >= *n,
+        }
+    }
+}
+
+/// After which entries a replay runs its check (`--check-at`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckAt {
+    /// Each FUA write: what a file system's journal commits with.
+    Fua,
+    /// Each flush.
+    Flush,
+    /// Each mark.
+    Mark,
+    /// Every entry.
+    Entry,
+}
+
+impl CheckAt {
+    pub fn parse(s: &str) -> Result<CheckAt, String> {
+        match s {
+            "fua" => Ok(CheckAt::Fua),
+            "flush" => Ok(CheckAt::Flush),
+            "mark" => Ok(CheckAt::Mark),
+            "entry" => Ok(CheckAt::Entry),
+            _ => Err(format!(
+                "--check-at {}: one of fua, flush, mark, entry",
+                crate::table::bounded(s)
+            )),
+        }
+    }
+
+    /// Its word, as `--check-at` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckAt::Fua => "fua",
+            CheckAt::Flush => "flush",
+            CheckAt::Mark => "mark",
+            CheckAt::Entry => "entry",
+        }
+    }
+
+    fn matches(self, e: &LogEntry) -> bool {
+        match self {
+            CheckAt::Fua => e.is_write() && e.entry.flags & FUA != 0,
+            CheckAt::Flush => e.is_flush(),
+            CheckAt::Mark => e.mark.is_some(),
+            CheckAt::Entry => true,
+        }
+    }
+}
+
+/// A replay's check: `cmd` (a shell command, `{}` the target's path) after
+/// each entry `at` names, from the entry `from` names on (None: the first).
+pub struct Checks<'a> {
+    pub cmd: &'a str,
+    pub at: CheckAt,
+    pub from: Option<Until>,
+}
+
+/// Run a check on the target named `tname`: its output (exit 0 accepts).
+fn run_check(check: &str, tname: &str) -> Result<std::process::Output, String> {
+    std::process::Command::new("sh")
+        .args(["-c", &check.replace("{}", tname)])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("running the check: {e}"))
+}
+
+/// What a check that refused said: its status and words, bounded.
+fn said(res: &std::process::Output) -> String {
+    let said = String::from_utf8_lossy(&res.stdout).into_owned() + &String::from_utf8_lossy(&res.stderr);
+    format!("{}; it said: {}", res.status, crate::table::bounded(said.trim()))
+}
+
 impl std::fmt::Display for Until {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -226,6 +308,11 @@ pub struct Replayed {
     pub marks: u64,
     /// The stop was reached (false: the log ended first).
     pub reached: bool,
+    /// States the check accepted.
+    pub checked: u64,
+    /// The first state the check refused: where, what it said, and the
+    /// command that rebuilds it.
+    pub failed: Option<String>,
 }
 
 impl Replayed {
@@ -257,13 +344,16 @@ fn open_target(t: &Path) -> Result<File, String> {
 
 /// Replay `log` onto `target` (None: only list) until `until`, then the entries
 /// `with` (indexes past the stop, in order: a crash state [`crash_states`]
-/// names); each entry is described on `list` when given.
+/// names); each entry is described on `list` when given. With `checks` (and a
+/// target), the check runs on the target after each entry it names up to the
+/// stop, and the replay ends at the first state it refuses.
 pub fn replay(
     log: &Path,
     target: Option<&Path>,
     until: &Until,
     with: &[u64],
     mut list: Option<&mut dyn Write>,
+    checks: Option<&Checks>,
 ) -> Result<Replayed, String> {
     let mut r = LogReader::open(log)?;
     let tf = target.map(open_target).transpose()?;
@@ -271,6 +361,7 @@ pub fn replay(
     let mut out = Replayed::default();
     let mut buf = vec![0u8; BUF];
     let mut stopped = matches!(until, Until::Entry(0));
+    let mut checking = checks.is_some_and(|c| c.from.is_none());
     while let Some(e) = r.next_entry()? {
         let apply = if stopped {
             with.contains(&e.index)
@@ -279,16 +370,29 @@ pub fn replay(
                 let _ = writeln!(w, "{}", e.describe());
             }
             out.count(&e);
-            stopped = match until {
-                Until::End => false,
-                Until::Mark(m) => e.mark.as_deref() == Some(m.as_str()),
-                Until::Entry(n) => out.entries >= *n,
-                Until::Flush(n) => e.is_flush() && out.flushes >= *n,
-            };
+            stopped = until.is_at(&e, &out);
             true
         };
         if let (true, Some(t)) = (apply, &tf) {
             r.apply(&e, t, &tname, &mut buf)?;
+        }
+        if let (false, Some(c), Some(_)) = (with.contains(&e.index), checks, &tf) {
+            if checking && c.at.matches(&e) {
+                let res = run_check(c.cmd, &tname)?;
+                if !res.status.success() {
+                    out.failed = Some(format!(
+                        "the check refused the state after entry {} ({}): {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}",
+                        e.index,
+                        e.describe(),
+                        said(&res),
+                        log.display(),
+                        e.index + 1
+                    ));
+                    break;
+                }
+                out.checked += 1;
+            }
+            checking |= c.from.as_ref().is_some_and(|f| f.is_at(&e, &out));
         }
         if stopped && with.iter().all(|&i| i <= e.index) {
             break;
@@ -455,12 +559,7 @@ fn check(
             r.apply(e, tf, tname, buf)?;
         }
         out.states += 1;
-        let cmd = check.replace("{}", tname);
-        let res = std::process::Command::new("sh")
-            .args(["-c", &cmd])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|e| format!("running the check: {e}"))?;
+        let res = run_check(check, tname)?;
         for (at, old) in undo.iter().rev() {
             tf.write_all_at(old, *at)
                 .map_err(|err| format!("{tname}: undoing byte {at}: {err}"))?;
@@ -514,15 +613,13 @@ fn refused(&self, res: &std::process::Output, chosen: &[&LogEntry]) -> String {
         .filter(|e| !chosen.iter().any(|c| c.index == e.index))
         .map(|e| e.index.to_string())
         .collect();
-    let said = String::from_utf8_lossy(&res.stdout).into_owned() + &String::from_utf8_lossy(&res.stderr);
     format!(
-        "the check refused a crash state ({}): {}, with entries [{}] of the {} written since and without [{}]; it said: {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}{}",
-        res.status,
+        "the check refused a crash state: {}, with entries [{}] of the {} written since and without [{}]: {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}{}",
         after.map_or("before the first flush".to_string(), |a| format!("after the flush at entry {a}")),
         with.join(","),
         epoch.len(),
         left.join(","),
-        crate::table::bounded(said.trim()),
+        said(res),
         self.log,
         after.map_or(0, |a| a + 1),
         if with.is_empty() {
