@@ -474,13 +474,20 @@ sync
 
 /// A program's data (4 KiB of `pattern(seed)`, for 64 KiB) and its commit
 /// record (512 bytes for byte 0: "COMMIT" and the data's first 16 bytes), and
-/// the judge of a state (`--check`): a record must match the data.
+/// the judge of a state (`--check`): a record must match the data. The same
+/// judge as one process asked about every state (`--judge`) is `judge-serve.py`.
 fn commit_judge(s: &common::Scratch, seed: u64) -> (String, Vec<u8>, Vec<u8>) {
     let judge = s.path("judge.py");
     std::fs::write(
         &judge,
         "import sys\nb = open(sys.argv[1], 'rb').read()\n\
          sys.exit(0 if b[0:6] != b'COMMIT' or b[65536:65552] == b[6:22] else 1)\n",
+    )
+    .expect("judge");
+    std::fs::write(
+        s.path("judge-serve.py"),
+        "import sys\nfor line in sys.stdin:\n    b = open(line[:-1], 'rb').read()\n    \
+         print('ok' if b[0:6] != b'COMMIT' or b[65536:65552] == b[6:22] else 'no data for the record', flush=True)\n",
     )
     .expect("judge");
     let data = pattern(seed, 4096);
@@ -537,6 +544,42 @@ fn crash_states_find_a_commit_record_written_before_its_data_was_flushed() {
     let bad = run_program("bad", false);
     let (code, out) = states(&bad, &[]);
     assert_eq!(code, Some(1), "{out}");
+    // the same judge started once and asked about each state
+    let serve = format!("python3 {}", s.path("judge-serve.py").display());
+    let judged = Command::new(BIN)
+        .arg("replay")
+        .arg(&bad)
+        .arg(s.sparse("judged.img", MIB))
+        .args(["--crash-states", "--judge", &serve])
+        .output()
+        .expect("replay --judge");
+    let said = String::from_utf8_lossy(&judged.stdout);
+    assert_eq!(judged.status.code(), Some(1), "{said}");
+    assert!(
+        said.starts_with(
+            "the check refused a crash state: before the first flush, with entries [1] of the 2 written since and without [0]: the judge answered: no data for the record\n"
+        ),
+        "{said}"
+    );
+    assert!(
+        said.ends_with("checked 3 crash states in 1 epochs: one refused\n"),
+        "{said}"
+    );
+    // a judge that does not answer is an error, not a verdict
+    let mute = Command::new(BIN)
+        .arg("replay")
+        .arg(&bad)
+        .arg(s.sparse("mute.img", MIB))
+        .args(["--crash-states", "--judge", "exit 3"])
+        .output()
+        .expect("replay --judge");
+    let err = String::from_utf8_lossy(&mute.stderr);
+    assert_eq!(mute.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with("dmkit: replay: the judge 'exit 3' ")
+            && (err.contains("ended without answering") || err.contains("stopped reading its questions")),
+        "{err}"
+    );
     assert!(
         out.contains(
             "the check refused a crash state: before the first flush, with entries [1] of the 2 written since and without [0]: exit status: 1"

@@ -79,7 +79,9 @@ enum Cmd {
     #[command(after_help = "Examples:
   dmkit replay log.img replay.img --until mark:before-upgrade
   dmkit replay log.img replay.img --until flush:3     # as the device was after its 3rd flush
-  dmkit replay log.img --list                         # what the log holds, one line per entry")]
+  dmkit replay log.img --list                         # what the log holds, one line per entry
+  dmkit replay log.img fs.img --check-at fua --check 'fsck.ext4 -fn {}'")]
+    #[command(group(clap::ArgGroup::new("judging").args(["check", "judge"])))]
     Replay {
         /// The log device or file
         log: PathBuf,
@@ -100,20 +102,26 @@ enum Cmd {
         /// epoch, the device at the flush before it plus any subset of the
         /// epoch's writes and any prefix of its FUA writes, built on TARGET
         /// (the device before the log began) and judged by --check
-        #[arg(long, requires = "check")]
+        #[arg(long, requires = "judging")]
         crash_states: bool,
         /// The judge of a state: a shell command, `{}` replaced by TARGET's
         /// path; exit 0 accepts the state (e.g. 'fsck.ext4 -fn {}'). With
         /// --crash-states or --check-at
         #[arg(long, value_name = "COMMAND")]
         check: Option<String>,
+        /// Instead of --check: a shell command started once that judges every
+        /// state in turn: it reads a line, TARGET's path, on its standard
+        /// input and answers a line, `ok` to accept (anything else refuses the
+        /// state and says why); no process is started per state
+        #[arg(long, value_name = "COMMAND")]
+        judge: Option<String>,
         /// Replay with --check run on TARGET after each entry of this kind:
         /// fua (each FUA write, a journal's commit), flush, mark or entry; the
         /// replay stops at the first state refused
         #[arg(
             long,
             value_name = "KIND",
-            requires = "check",
+            requires = "judging",
             conflicts_with = "crash_states"
         )]
         check_at: Option<String>,
@@ -624,38 +632,52 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
             with_entries,
             crash_states,
             check,
+            judge,
             check_at,
             check_from,
             max_states,
             seed,
-        } => match (crash_states, check) {
-            (true, Some(check)) => replay_crash_states(&log, target.as_deref(), &check, seed, max_states),
-            (false, Some(check)) => {
-                let at = check_at
-                    .ok_or_else(|| anyhow::anyhow!("replay --check: say when with --check-at (fua, flush, mark, entry) or use --crash-states"))?;
-                let checks = ReplayChecks {
-                    cmd: check,
-                    at,
-                    from: check_from,
-                };
-                replay(
+        } => {
+            use dmkit::targets::log_writes::replay::Judge;
+            let judge = match (check, judge) {
+                (Some(c), _) => Some(Judge::Each(c)),
+                (None, Some(j)) => Some(Judge::serve(&j).map_err(|e| anyhow::anyhow!("replay: {e}"))?),
+                (None, None) => None,
+            };
+            match (crash_states, judge) {
+                (true, Some(mut judge)) => {
+                    replay_crash_states(&log, target.as_deref(), &mut judge, seed, max_states)
+                }
+                (false, Some(judge)) => {
+                    let at = check_at.ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "replay: say when to check with --check-at (fua, flush, mark, entry), or use --crash-states"
+                        )
+                    })?;
+                    let checks = ReplayChecks {
+                        judge,
+                        at,
+                        from: check_from,
+                    };
+                    replay(
+                        &log,
+                        target.as_deref(),
+                        until.as_deref(),
+                        &with_entries,
+                        list,
+                        Some(checks),
+                    )
+                }
+                _ => replay(
                     &log,
                     target.as_deref(),
                     until.as_deref(),
                     &with_entries,
                     list,
-                    Some(checks),
-                )
+                    None,
+                ),
             }
-            _ => replay(
-                &log,
-                target.as_deref(),
-                until.as_deref(),
-                &with_entries,
-                list,
-                None,
-            ),
-        },
+        }
         Cmd::Exec { program } => exec(&run_dir, &program),
         Cmd::Luks(cmd) => Ok(luks(&run_dir, cmd)),
         Cmd::Verity(cmd) => Ok(verity(&run_dir, cmd)),
@@ -870,7 +892,7 @@ fn device_files(run_dir: &Path) -> std::result::Result<std::path::PathBuf, Strin
 fn replay_crash_states(
     log: &std::path::Path,
     target: Option<&std::path::Path>,
-    check: &str,
+    judge: &mut dmkit::targets::log_writes::replay::Judge,
     seed: u64,
     max_states: u64,
 ) -> Result<i32> {
@@ -879,7 +901,7 @@ fn replay_crash_states(
             "replay --crash-states: name a TARGET holding the device as it was before the log began"
         )
     })?;
-    let c = dmkit::targets::log_writes::replay::crash_states(log, target, check, seed, max_states)
+    let c = dmkit::targets::log_writes::replay::crash_states(log, target, judge, seed, max_states)
         .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
     let sampled = if c.sampled > 0 {
         format!(" ({} of them sampled with --seed {seed})", c.sampled)
@@ -905,9 +927,9 @@ fn replay_crash_states(
     }
 }
 
-/// `dmkit replay --check CMD --check-at KIND [--check-from WHERE]`, as given.
+/// `dmkit replay --check CMD|--judge CMD --check-at KIND [--check-from WHERE]`.
 struct ReplayChecks {
-    cmd: String,
+    judge: dmkit::targets::log_writes::replay::Judge,
     at: String,
     from: Option<String>,
 }
@@ -918,7 +940,7 @@ fn replay(
     until: Option<&str>,
     with: &[u64],
     list: bool,
-    checks: Option<ReplayChecks>,
+    mut checks: Option<ReplayChecks>,
 ) -> Result<i32> {
     use dmkit::targets::log_writes::replay::{replay, CheckAt, Checks, Until};
     if target.is_none() && (!list || checks.is_some()) {
@@ -927,16 +949,16 @@ fn replay(
     let until = until
         .map_or(Ok(Until::End), Until::parse)
         .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
-    let checks =
+    let mut checks =
         checks
-            .as_ref()
+            .as_mut()
             .map(|c| -> Result<Checks> {
                 Ok(Checks {
                     at: CheckAt::parse(&c.at).map_err(|e| anyhow::anyhow!("replay: {e}"))?,
                     from: c.from.as_deref().map(Until::parse).transpose().map_err(|e| {
                         anyhow::anyhow!("replay: {}", e.replacen("--until", "--check-from", 1))
                     })?,
-                    cmd: &c.cmd,
+                    judge: &mut c.judge,
                 })
             })
             .transpose()?;
@@ -948,7 +970,7 @@ fn replay(
         &until,
         with,
         list.then_some(&mut out as &mut dyn std::io::Write),
-        checks.as_ref(),
+        checks.as_mut(),
     )
     .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
     drop(out);

@@ -104,27 +104,133 @@ impl CheckAt {
     }
 }
 
-/// A replay's check: `cmd` (a shell command, `{}` the target's path) after
-/// each entry `at` names, from the entry `from` names on (None: the first).
+/// A replay's check: `judge` after each entry `at` names, from the entry
+/// `from` names on (None: the first).
 pub struct Checks<'a> {
-    pub cmd: &'a str,
+    pub judge: &'a mut Judge,
     pub at: CheckAt,
     pub from: Option<Until>,
 }
 
-/// Run a check on the target named `tname`: its output (exit 0 accepts).
-fn run_check(check: &str, tname: &str) -> Result<std::process::Output, String> {
-    std::process::Command::new("sh")
-        .args(["-c", &check.replace("{}", tname)])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|e| format!("running the check: {e}"))
+/// Who judges a state built on the target.
+pub enum Judge {
+    /// A shell command run for each state (`sh -c`, `{}` replaced by the
+    /// target's path): exit 0 accepts (`--check`).
+    Each(String),
+    /// A shell command started once, asked about each state in turn: it reads
+    /// a line, the target's path, on its standard input and answers a line on
+    /// its standard output, `ok` to accept; any other line refuses the state
+    /// and says why (`--judge`). No process is started per state, so a state
+    /// costs what building it costs and the judge's own work.
+    Serve(Server),
 }
 
-/// What a check that refused said: its status and words, bounded.
-fn said(res: &std::process::Output) -> String {
-    let said = String::from_utf8_lossy(&res.stdout).into_owned() + &String::from_utf8_lossy(&res.stderr);
-    format!("{}; it said: {}", res.status, crate::table::bounded(said.trim()))
+/// A judge process of [`Judge::Serve`].
+pub struct Server {
+    cmd: String,
+    child: std::process::Child,
+    /// None once closed (at the end, so the judge can end).
+    input: Option<std::process::ChildStdin>,
+    output: std::io::BufReader<std::process::ChildStdout>,
+}
+
+/// The longest answer read from a judge: the rest of a longer line is cut.
+const MAX_ANSWER: u64 = 4096;
+
+impl Judge {
+    /// Start `cmd` as a judge of [`Judge::Serve`].
+    pub fn serve(cmd: &str) -> Result<Judge, String> {
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("sh")
+            .args(["-c", cmd])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting the judge: {e}"))?;
+        let (input, output) = (child.stdin.take(), child.stdout.take());
+        match (input, output) {
+            (Some(input), Some(output)) => Ok(Judge::Serve(Server {
+                cmd: cmd.to_string(),
+                child,
+                input: Some(input),
+                output: std::io::BufReader::new(output),
+            })),
+            _ => Err("starting the judge: no pipes to it".into()),
+        }
+    }
+
+    /// The state on the target named `tname`: None accepted, Some(why) refused.
+    fn judge(&mut self, tname: &str) -> Result<Option<String>, String> {
+        match self {
+            Judge::Each(check) => {
+                let res = std::process::Command::new("sh")
+                    .args(["-c", &check.replace("{}", tname)])
+                    .stdin(std::process::Stdio::null())
+                    .output()
+                    .map_err(|e| format!("running the check: {e}"))?;
+                if res.status.success() {
+                    return Ok(None);
+                }
+                let said = String::from_utf8_lossy(&res.stdout).into_owned() + &String::from_utf8_lossy(&res.stderr);
+                Ok(Some(format!(
+                    "{}; it said: {}",
+                    res.status,
+                    crate::table::bounded(said.trim())
+                )))
+            }
+            Judge::Serve(j) => j.ask(tname),
+        }
+    }
+}
+
+impl Server {
+    fn ask(&mut self, tname: &str) -> Result<Option<String>, String> {
+        use std::io::{BufRead, Read};
+        if tname.contains('\n') {
+            return Err(format!("--judge: the target's path has a newline: {}", crate::table::bounded(tname)));
+        }
+        let ended = |s: &mut Server, what: &str| {
+            let status = s.child.try_wait().ok().flatten();
+            format!(
+                "the judge '{}' {what}{}",
+                crate::table::bounded(&s.cmd),
+                status.map(|st| format!(" ({st})")).unwrap_or_default()
+            )
+        };
+        let sent = match self.input.as_mut() {
+            Some(i) => i.write_all(format!("{tname}\n").as_bytes()).and_then(|()| i.flush()),
+            None => Err(std::io::ErrorKind::BrokenPipe.into()),
+        };
+        if sent.is_err() {
+            return Err(ended(self, "stopped reading its questions"));
+        }
+        let mut line = Vec::new();
+        let n = (&mut self.output)
+            .take(MAX_ANSWER)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| format!("reading the judge's answer: {e}"))?;
+        if n == 0 {
+            return Err(ended(self, "ended without answering"));
+        }
+        if line.last() != Some(&b'\n') {
+            // the rest of an overlong line is not the next answer
+            let mut rest = Vec::new();
+            let _ = self.output.read_until(b'\n', &mut rest);
+        }
+        let answer = String::from_utf8_lossy(&line);
+        match answer.trim_end() {
+            "ok" => Ok(None),
+            a => Ok(Some(format!("the judge answered: {}", crate::table::bounded(a)))),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // its input closed, a judge that reads to the end ends
+        self.input = None;
+        let _ = self.child.wait();
+    }
 }
 
 impl std::fmt::Display for Until {
@@ -353,7 +459,7 @@ pub fn replay(
     until: &Until,
     with: &[u64],
     mut list: Option<&mut dyn Write>,
-    checks: Option<&Checks>,
+    mut checks: Option<&mut Checks>,
 ) -> Result<Replayed, String> {
     let mut r = LogReader::open(log)?;
     let tf = target.map(open_target).transpose()?;
@@ -361,7 +467,7 @@ pub fn replay(
     let mut out = Replayed::default();
     let mut buf = vec![0u8; BUF];
     let mut stopped = matches!(until, Until::Entry(0));
-    let mut checking = checks.is_some_and(|c| c.from.is_none());
+    let mut checking = checks.as_ref().is_some_and(|c| c.from.is_none());
     while let Some(e) = r.next_entry()? {
         let apply = if stopped {
             with.contains(&e.index)
@@ -376,15 +482,13 @@ pub fn replay(
         if let (true, Some(t)) = (apply, &tf) {
             r.apply(&e, t, &tname, &mut buf)?;
         }
-        if let (false, Some(c), Some(_)) = (with.contains(&e.index), checks, &tf) {
+        if let (false, Some(c), Some(_)) = (with.contains(&e.index), checks.as_deref_mut(), &tf) {
             if checking && c.at.matches(&e) {
-                let res = run_check(c.cmd, &tname)?;
-                if !res.status.success() {
+                if let Some(why) = c.judge.judge(&tname)? {
                     out.failed = Some(format!(
-                        "the check refused the state after entry {} ({}): {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}",
+                        "the check refused the state after entry {} ({}): {why}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}",
                         e.index,
                         e.describe(),
-                        said(&res),
                         log.display(),
                         e.index + 1
                     ));
@@ -426,12 +530,11 @@ pub struct Checked {
 /// state always among them). `target` holds the device as it was before the
 /// log began (zeroes for a new device) and is left at the last flush's state;
 /// each state is built on it by writing the chosen entries and undoing them
-/// after the check. `check` runs with `sh -c`, `{}` replaced by `target`'s
-/// path: exit 0 accepts the state. Stops at the first state refused.
+/// after `judge` has judged it. Stops at the first state refused.
 pub fn crash_states(
     log: &Path,
     target: &Path,
-    check: &str,
+    judge: &mut Judge,
     seed: u64,
     max_states: u64,
 ) -> Result<Checked, String> {
@@ -461,14 +564,14 @@ pub fn crash_states(
         }
         if end {
             out.epochs += 1;
-            let ctx = Epoch {
+            let mut ctx = Epoch {
                 r: &r,
                 tf: &tf,
                 tname: &tname,
                 log: &log.display().to_string(),
                 entries: &epoch,
                 after,
-                check,
+                judge: &mut *judge,
             };
             if let Some(f) = ctx.check(&mut rng, max_states, &mut buf, &mut out)? {
                 out.failed = Some(f);
@@ -503,19 +606,19 @@ struct Epoch<'a> {
     entries: &'a [LogEntry],
     /// The flush entry the epoch follows (None: the log's start).
     after: Option<u64>,
-    check: &'a str,
+    judge: &'a mut Judge,
 }
 
 impl Epoch<'_> {
 /// Try the epoch's states; Some(description) of the first refused.
 fn check(
-    &self,
+    &mut self,
     rng: &mut crate::rng::XorShift,
     max_states: u64,
     buf: &mut [u8],
     out: &mut Checked,
 ) -> Result<Option<String>, String> {
-    let (r, tf, tname, epoch, after, check) = (self.r, self.tf, self.tname, self.entries, self.after, self.check);
+    let (r, tf, tname, epoch, after) = (self.r, self.tf, self.tname, self.entries, self.after);
     let (fua, plain): (Vec<&LogEntry>, Vec<&LogEntry>) = epoch.iter().partition(|e| e.entry.flags & FUA != 0);
     let n = plain.len() as u32;
     // states: a subset of `plain` (a bit each) and a prefix of `fua`
@@ -559,13 +662,13 @@ fn check(
             r.apply(e, tf, tname, buf)?;
         }
         out.states += 1;
-        let res = run_check(check, tname)?;
+        let verdict = self.judge.judge(tname)?;
         for (at, old) in undo.iter().rev() {
             tf.write_all_at(old, *at)
                 .map_err(|err| format!("{tname}: undoing byte {at}: {err}"))?;
         }
-        if !res.status.success() {
-            return Ok(Some(self.refused(&res, &chosen)));
+        if let Some(why) = verdict {
+            return Ok(Some(self.refused(&why, &chosen)));
         }
     }
     Ok(None)
@@ -605,7 +708,7 @@ fn states(
 
 /// What a refused state says: the check's status and words, the entries it
 /// holds and leaves out, and the command that rebuilds it.
-fn refused(&self, res: &std::process::Output, chosen: &[&LogEntry]) -> String {
+fn refused(&self, why: &str, chosen: &[&LogEntry]) -> String {
     let (epoch, after) = (self.entries, self.after);
     let with: Vec<String> = chosen.iter().map(|e| e.index.to_string()).collect();
     let left: Vec<String> = epoch
@@ -619,7 +722,7 @@ fn refused(&self, res: &std::process::Output, chosen: &[&LogEntry]) -> String {
         with.join(","),
         epoch.len(),
         left.join(","),
-        said(res),
+        why,
         self.log,
         after.map_or(0, |a| a + 1),
         if with.is_empty() {
