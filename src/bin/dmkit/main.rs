@@ -81,62 +81,7 @@ enum Cmd {
   dmkit replay log.img replay.img --until flush:3     # as the device was after its 3rd flush
   dmkit replay log.img --list                         # what the log holds, one line per entry
   dmkit replay log.img fs.img --check-at fua --check 'fsck.ext4 -fn {}'")]
-    #[command(group(clap::ArgGroup::new("judging").args(["check", "judge"])))]
-    Replay {
-        /// The log device or file
-        log: PathBuf,
-        /// The file or block device to write the replay onto (not with --list alone)
-        target: Option<PathBuf>,
-        /// Where to stop: mark:NAME, entry:N (the first N entries) or flush:N
-        #[arg(long, value_name = "WHERE")]
-        until: Option<String>,
-        /// Print each entry replayed: its number, flags, sector and count in
-        /// the log's blocks, and a mark's text
-        #[arg(long)]
-        list: bool,
-        /// After the stop, these entries too (numbers, comma-separated): the
-        /// crash state --crash-states names
-        #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
-        with_entries: Vec<u64>,
-        /// Check every state a crash could have left instead: for each flush
-        /// epoch, the device at the flush before it plus any subset of the
-        /// epoch's writes and any prefix of its FUA writes, built on TARGET
-        /// (the device before the log began) and judged by --check
-        #[arg(long, requires = "judging")]
-        crash_states: bool,
-        /// The judge of a state: a shell command, `{}` replaced by TARGET's
-        /// path; exit 0 accepts the state (e.g. 'fsck.ext4 -fn {}'). With
-        /// --crash-states or --check-at
-        #[arg(long, value_name = "COMMAND")]
-        check: Option<String>,
-        /// Instead of --check: a shell command started once that judges every
-        /// state in turn: it reads a line, TARGET's path, on its standard
-        /// input and answers a line, `ok` to accept (anything else refuses the
-        /// state and says why); no process is started per state
-        #[arg(long, value_name = "COMMAND")]
-        judge: Option<String>,
-        /// Replay with --check run on TARGET after each entry of this kind:
-        /// fua (each FUA write, a journal's commit), flush, mark or entry; the
-        /// replay stops at the first state refused
-        #[arg(
-            long,
-            value_name = "KIND",
-            requires = "judging",
-            conflicts_with = "crash_states"
-        )]
-        check_at: Option<String>,
-        /// With --check-at: the checks begin after this entry (mark:NAME,
-        /// entry:N or flush:N), e.g. the mark set after mkfs
-        #[arg(long, value_name = "WHERE", requires = "check_at")]
-        check_from: Option<String>,
-        /// States tried per epoch, at most: all of them when there are no more,
-        /// else this many chosen with --seed
-        #[arg(long, default_value_t = 1024)]
-        max_states: u64,
-        /// The seed that chooses states when an epoch has too many
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-    },
+    Replay(ReplayArgs),
     /// Run PROGRAM with device-mapper's door open to this run directory's
     /// daemon: its /dev/mapper/control reaches dmkit, so the real dmsetup (and
     /// other programs built on libdevmapper) drive dmkit's devices unmodified
@@ -312,6 +257,64 @@ enum LuksCmd {
         /// The LUKS device or image file
         device: PathBuf,
     },
+}
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("judging").args(["check", "judge"])))]
+struct ReplayArgs {
+    /// The log device or file
+    log: PathBuf,
+    /// The file or block device to write the replay onto (not with --list alone)
+    target: Option<PathBuf>,
+    /// Where to stop: mark:NAME, entry:N (the first N entries) or flush:N
+    #[arg(long, value_name = "WHERE")]
+    until: Option<String>,
+    /// Print each entry replayed: its number, flags, sector and count in
+    /// the log's blocks, and a mark's text
+    #[arg(long)]
+    list: bool,
+    /// After the stop, these entries too (numbers, comma-separated): the
+    /// crash state --crash-states names
+    #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+    with_entries: Vec<u64>,
+    /// Check every state a crash could have left instead: for each flush
+    /// epoch, the device at the flush before it plus any subset of the
+    /// epoch's writes and any prefix of its FUA writes, built on TARGET
+    /// (the device before the log began) and judged by --check or --judge
+    #[arg(long, requires = "judging")]
+    crash_states: bool,
+    /// The judge of a state: a shell command, `{}` replaced by TARGET's
+    /// path; exit 0 accepts the state (e.g. 'fsck.ext4 -fn {}'). With
+    /// --crash-states or --check-at
+    #[arg(long, value_name = "COMMAND")]
+    check: Option<String>,
+    /// Instead of --check: a shell command started once that judges every
+    /// state in turn: it reads a line, TARGET's path, on its standard
+    /// input and answers a line, `ok` to accept (anything else refuses the
+    /// state and says why); no process is started per state
+    #[arg(long, value_name = "COMMAND")]
+    judge: Option<String>,
+    /// Replay with --check run on TARGET after each entry of this kind:
+    /// fua (each FUA write, a journal's commit), flush, mark or entry; the
+    /// replay stops at the first state refused
+    #[arg(
+        long,
+        value_name = "KIND",
+        requires = "judging",
+        conflicts_with = "crash_states"
+    )]
+    check_at: Option<String>,
+    /// With --check-at: the checks begin after this entry (mark:NAME,
+    /// entry:N or flush:N), e.g. the mark set after mkfs
+    #[arg(long, value_name = "WHERE", requires = "check_at")]
+    check_from: Option<String>,
+    /// States tried per epoch, at most: all of them when there are no more,
+    /// else this many chosen with --seed
+    #[arg(long, default_value_t = 1024)]
+    max_states: u64,
+    /// The seed that chooses states when an epoch has too many
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -517,60 +520,94 @@ fn main() {
     }
 }
 
+/// Log lines on stderr; RUST_LOG filters them (default: info).
+fn init_log() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+}
+
+/// `dmkit serve`.
+fn serve_cmd(run_dir: PathBuf, a: ServeArgs) -> Result<i32> {
+    if a.background {
+        // before any thread starts: the child goes on, the parent waits
+        daemonise(&run_dir)?;
+    }
+    init_log();
+    let demo =
+        (a.demo || a.demo_dir.is_some()).then(|| a.demo_dir.unwrap_or_else(|| PathBuf::from("dmkit-demo")));
+    let ready = a.background.then(|| background(&run_dir)).transpose()?;
+    serve(ServeOptions {
+        run_dir,
+        nbd_listen: a.nbd_listen,
+        nbd_reactors: a.nbd_reactors,
+        tls: dmkit::export::nbd::tls::Options {
+            mode: a.tls,
+            certificates: a.tls_certificates,
+            verify_peer: a.tls_verify_peer,
+            psk: a.tls_psk,
+            allow: a.tls_allow,
+        },
+        group: a.group,
+        demo,
+        direct_io: !a.buffered,
+        copy_subjob_kb: a.copy_subjob_kb,
+        writecache_lru_writeback: a.writecache_lru_writeback,
+        restore: a.restore,
+        attach: a.attach,
+        vhost_user: a.vhost_user,
+        tuning: dmkit::daemon::Tuning {
+            thin_no_space_timeout: Duration::from_secs(a.thin_no_space_timeout),
+            nbd_handshake_timeout: Duration::from_millis(a.nbd_handshake_timeout_ms),
+            no_io_uring: a.no_io_uring,
+            test_thin_commit_period: a.test_thin_commit_period_ms.map(Duration::from_millis),
+            test_passdown_delay: a.test_passdown_delay_ms.map(Duration::from_millis),
+            test_discard_delay: a.test_discard_delay_ms.map(Duration::from_millis),
+            test_restart_log_records: a.test_restart_log_records.map(|n| n as usize),
+            test_no_memory_trim: a.test_no_memory_trim,
+            test_panics: a.test_panics,
+        },
+        ready,
+    })?;
+    Ok(0)
+}
+
+/// `dmkit lvmd`.
+fn lvmd_cmd(run_dir: PathBuf, a: LvmdArgs) -> Result<i32> {
+    init_log();
+    let snapshot_metadata = match a.snapshot_metadata.as_deref() {
+        None => None,
+        Some(s) => match s.strip_prefix("unix:") {
+            Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
+            _ => anyhow::bail!(
+                "--snapshot-metadata {s}: unix:PATH (the socket the snapshot-metadata sidecar's --csi-address names; the sidecar serves TLS)"
+            ),
+        },
+    };
+    dmkit::lvmd::run(dmkit::lvmd::Options {
+        config: a.config,
+        state: a.state.unwrap_or_else(|| run_dir.join("lvmd")),
+        run_dir,
+        attach: !a.no_attach,
+        snapshot_metadata,
+        csi_driver_name: a.csi_driver_name,
+        variable_length: a.block_metadata == "variable",
+        test_exit_after_steps: a.test_exit_after_steps,
+        test_page_runs: a.test_page_runs,
+    })
+    .map_err(anyhow::Error::msg)?;
+    Ok(0)
+}
+
 fn run(cli: Cli, argv: &[String]) -> Result<i32> {
     let run_dir = cli.run_dir.clone().unwrap_or_else(default_run_dir);
     match cli.cmd {
-        Cmd::Serve(a) => {
-            if a.background {
-                // before any thread starts: the child goes on, the parent waits
-                daemonise(&run_dir)?;
-            }
-            // Log lines on stderr; RUST_LOG filters them (default: info).
-            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-            tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_target(false)
-                .init();
-            let demo = (a.demo || a.demo_dir.is_some())
-                .then(|| a.demo_dir.unwrap_or_else(|| PathBuf::from("dmkit-demo")));
-            let ready = a.background.then(|| background(&run_dir)).transpose()?;
-            serve(ServeOptions {
-                run_dir,
-                nbd_listen: a.nbd_listen,
-                nbd_reactors: a.nbd_reactors,
-                tls: dmkit::export::nbd::tls::Options {
-                    mode: a.tls,
-                    certificates: a.tls_certificates,
-                    verify_peer: a.tls_verify_peer,
-                    psk: a.tls_psk,
-                    allow: a.tls_allow,
-                },
-                group: a.group,
-                demo,
-                direct_io: !a.buffered,
-                copy_subjob_kb: a.copy_subjob_kb,
-                writecache_lru_writeback: a.writecache_lru_writeback,
-                restore: a.restore,
-                attach: a.attach,
-                vhost_user: a.vhost_user,
-                tuning: dmkit::daemon::Tuning {
-                    thin_no_space_timeout: Duration::from_secs(a.thin_no_space_timeout),
-                    nbd_handshake_timeout: Duration::from_millis(a.nbd_handshake_timeout_ms),
-                    no_io_uring: a.no_io_uring,
-                    test_thin_commit_period: a.test_thin_commit_period_ms.map(Duration::from_millis),
-                    test_passdown_delay: a.test_passdown_delay_ms.map(Duration::from_millis),
-                    test_discard_delay: a.test_discard_delay_ms.map(Duration::from_millis),
-                    test_restart_log_records: a.test_restart_log_records.map(|n| n as usize),
-                    test_no_memory_trim: a.test_no_memory_trim,
-                    test_panics: a.test_panics,
-                },
-                ready,
-            })?;
-            Ok(0)
-        }
+        Cmd::Serve(a) => serve_cmd(run_dir, a),
         // dispatched before parsing; here only if that ever changes
         Cmd::Thin(_) => Ok(thin_cli::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
@@ -581,39 +618,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         Cmd::Cache(_) => Ok(thin_cli::cache::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
-        Cmd::Lvmd(a) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_target(false)
-                .init();
-            let snapshot_metadata = match a.snapshot_metadata.as_deref() {
-                None => None,
-                Some(s) => match s.strip_prefix("unix:") {
-                    Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
-                    _ => anyhow::bail!(
-                        "--snapshot-metadata {s}: unix:PATH (the socket the snapshot-metadata sidecar's --csi-address names; the sidecar serves TLS)"
-                    ),
-                },
-            };
-            dmkit::lvmd::run(dmkit::lvmd::Options {
-                config: a.config,
-                state: a.state.unwrap_or_else(|| run_dir.join("lvmd")),
-                run_dir,
-                attach: !a.no_attach,
-                snapshot_metadata,
-                csi_driver_name: a.csi_driver_name,
-                variable_length: a.block_metadata == "variable",
-                test_exit_after_steps: a.test_exit_after_steps,
-                test_page_runs: a.test_page_runs,
-            })
-            .map_err(anyhow::Error::msg)?;
-            Ok(0)
-        }
+        Cmd::Lvmd(a) => lvmd_cmd(run_dir, a),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "dmkit", &mut std::io::stdout());
             Ok(0)
@@ -624,60 +629,7 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
         }
         Cmd::Progress { name } => follow(&run_dir.join("control.sock"), &name),
         Cmd::Sim(a) => sim(a),
-        Cmd::Replay {
-            log,
-            target,
-            until,
-            list,
-            with_entries,
-            crash_states,
-            check,
-            judge,
-            check_at,
-            check_from,
-            max_states,
-            seed,
-        } => {
-            use dmkit::targets::log_writes::replay::Judge;
-            let judge = match (check, judge) {
-                (Some(c), _) => Some(Judge::Each(c)),
-                (None, Some(j)) => Some(Judge::serve(&j).map_err(|e| anyhow::anyhow!("replay: {e}"))?),
-                (None, None) => None,
-            };
-            match (crash_states, judge) {
-                (true, Some(mut judge)) => {
-                    replay_crash_states(&log, target.as_deref(), &mut judge, seed, max_states)
-                }
-                (false, Some(judge)) => {
-                    let at = check_at.ok_or_else(|| {
-                        anyhow::anyhow!(
-                            "replay: say when to check with --check-at (fua, flush, mark, entry), or use --crash-states"
-                        )
-                    })?;
-                    let checks = ReplayChecks {
-                        judge,
-                        at,
-                        from: check_from,
-                    };
-                    replay(
-                        &log,
-                        target.as_deref(),
-                        until.as_deref(),
-                        &with_entries,
-                        list,
-                        Some(checks),
-                    )
-                }
-                _ => replay(
-                    &log,
-                    target.as_deref(),
-                    until.as_deref(),
-                    &with_entries,
-                    list,
-                    None,
-                ),
-            }
-        }
+        Cmd::Replay(a) => replay_cmd(a),
         Cmd::Exec { program } => exec(&run_dir, &program),
         Cmd::Luks(cmd) => Ok(luks(&run_dir, cmd)),
         Cmd::Verity(cmd) => Ok(verity(&run_dir, cmd)),
@@ -886,6 +838,39 @@ fn device_files(run_dir: &Path) -> std::result::Result<std::path::PathBuf, Strin
         Ok((true, out, _)) => Ok(out.trim_end().into()),
         Ok((false, _, err)) => Err(err.trim_end().to_string()),
         Err(e) => Err(format!("asking the daemon for its device files: {e}")),
+    }
+}
+
+/// `dmkit replay`: a replay, with checks along it, or the crash states.
+fn replay_cmd(a: ReplayArgs) -> Result<i32> {
+    use dmkit::targets::log_writes::replay::Judge;
+    let judge = match (a.check, a.judge) {
+        (Some(c), _) => Some(Judge::Each(c)),
+        (None, Some(j)) => Some(Judge::serve(&j).map_err(|e| anyhow::anyhow!("replay: {e}"))?),
+        (None, None) => None,
+    };
+    let target = a.target.as_deref();
+    match (a.crash_states, judge) {
+        (true, Some(mut judge)) => replay_crash_states(&a.log, target, &mut judge, a.seed, a.max_states),
+        (false, Some(judge)) => {
+            let at = a.check_at.ok_or_else(|| {
+                anyhow::anyhow!("replay: say when to check with --check-at (fua, flush, mark, entry), or use --crash-states")
+            })?;
+            let checks = ReplayChecks {
+                judge,
+                at,
+                from: a.check_from,
+            };
+            replay(
+                &a.log,
+                target,
+                a.until.as_deref(),
+                &a.with_entries,
+                a.list,
+                Some(checks),
+            )
+        }
+        _ => replay(&a.log, target, a.until.as_deref(), &a.with_entries, a.list, None),
     }
 }
 

@@ -540,41 +540,23 @@ impl Worker {
             vb::VIRTIO_BLK_T_OUT => (Op::Write, sector, rd_len - HEADER as u64, false),
             vb::VIRTIO_BLK_T_FLUSH => (Op::Flush, 0, 0, false),
             vb::VIRTIO_BLK_T_GET_ID => {
-                let id = dev.uuid().unwrap_or_else(|| dev.name());
-                let mut bytes = [0u8; vb::VIRTIO_BLK_ID_BYTES as usize];
-                let n = id.len().min(bytes.len());
-                bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
-                let n = (wr_len as usize).min(bytes.len());
-                if scatter(mem, wr, &bytes[..n]).is_ok() {
-                    job.status = vb::VIRTIO_BLK_S_OK as u8;
-                    job.used = n as u32 + 1;
-                }
+                answer_id(
+                    &mut job,
+                    &dev.uuid().unwrap_or_else(|| dev.name()),
+                    mem,
+                    wr,
+                    wr_len,
+                );
                 return job;
             }
             vb::VIRTIO_BLK_T_DISCARD | vb::VIRTIO_BLK_T_WRITE_ZEROES => {
-                let (op, offered) = if kind == vb::VIRTIO_BLK_T_DISCARD {
-                    (Op::Discard, vb::VIRTIO_BLK_F_DISCARD)
-                } else {
-                    (Op::WriteZeroes, vb::VIRTIO_BLK_F_WRITE_ZEROES)
-                };
-                let mut seg = [0u8; SEGMENT];
-                // one segment, as the config space says
-                if b.0.features & bit(offered) == 0 || ro {
-                    job.status = vb::VIRTIO_BLK_S_UNSUPP as u8;
-                    return job;
+                match zeroing_segment(b, kind, mem, rd, rd_len) {
+                    Ok(what) => what,
+                    Err(status) => {
+                        job.status = status;
+                        return job;
+                    }
                 }
-                if rd_len != (HEADER + SEGMENT) as u64 || gather(mem, rd, HEADER, &mut seg).is_err() {
-                    return job;
-                }
-                let s = u64::from_le_bytes([seg[0], seg[1], seg[2], seg[3], seg[4], seg[5], seg[6], seg[7]]);
-                let n = u32::from_le_bytes([seg[8], seg[9], seg[10], seg[11]]);
-                let flags = u32::from_le_bytes([seg[12], seg[13], seg[14], seg[15]]);
-                let unmap = flags & vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
-                if flags & !vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 || (op == Op::Discard && unmap) {
-                    job.status = vb::VIRTIO_BLK_S_UNSUPP as u8;
-                    return job;
-                }
-                (op, s, u64::from(n) * SECTOR, unmap)
             }
             _ => {
                 job.status = vb::VIRTIO_BLK_S_UNSUPP as u8;
@@ -682,6 +664,53 @@ fn gather(
 }
 
 /// Write `data` at the start of the stream the segments make.
+/// GET_ID: `id` (the device's uuid or name) cut to virtio-blk's 20 bytes,
+/// into the request's writable part `wr` of `wr_len` bytes.
+fn answer_id(job: &mut Job, id: &str, mem: &GuestMemoryMmap, wr: &[(u64, u32, bool)], wr_len: u64) {
+    let mut bytes = [0u8; vb::VIRTIO_BLK_ID_BYTES as usize];
+    let n = id.len().min(bytes.len());
+    bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
+    let n = (wr_len as usize).min(bytes.len());
+    if scatter(mem, wr, &bytes[..n]).is_ok() {
+        job.status = vb::VIRTIO_BLK_S_OK as u8;
+        job.used = n as u32 + 1;
+    }
+}
+
+/// A DISCARD or WRITE_ZEROES request's one segment (as the config space
+/// says), from the readable part `rd` of `rd_len` bytes: (op, sector, bytes,
+/// unmap), or the status to answer (UNSUPP for what is not offered, IOERR for
+/// a malformed request).
+fn zeroing_segment(
+    b: &BlkBackend,
+    kind: u32,
+    mem: &GuestMemoryMmap,
+    rd: &[(u64, u32, bool)],
+    rd_len: u64,
+) -> Result<(Op, u64, u64, bool), u8> {
+    let (op, offered) = if kind == vb::VIRTIO_BLK_T_DISCARD {
+        (Op::Discard, vb::VIRTIO_BLK_F_DISCARD)
+    } else {
+        (Op::WriteZeroes, vb::VIRTIO_BLK_F_WRITE_ZEROES)
+    };
+    let unsupp = vb::VIRTIO_BLK_S_UNSUPP as u8;
+    if b.0.features & bit(offered) == 0 || b.0.features & bit(vb::VIRTIO_BLK_F_RO) != 0 {
+        return Err(unsupp);
+    }
+    let mut seg = [0u8; SEGMENT];
+    if rd_len != (HEADER + SEGMENT) as u64 || gather(mem, rd, HEADER, &mut seg).is_err() {
+        return Err(vb::VIRTIO_BLK_S_IOERR as u8);
+    }
+    let s = u64::from_le_bytes([seg[0], seg[1], seg[2], seg[3], seg[4], seg[5], seg[6], seg[7]]);
+    let n = u32::from_le_bytes([seg[8], seg[9], seg[10], seg[11]]);
+    let flags = u32::from_le_bytes([seg[12], seg[13], seg[14], seg[15]]);
+    let unmap = flags & vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+    if flags & !vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 || (op == Op::Discard && unmap) {
+        return Err(unsupp);
+    }
+    Ok((op, s, u64::from(n) * SECTOR, unmap))
+}
+
 fn scatter(mem: &GuestMemoryMmap, segs: &[(u64, u32, bool)], data: &[u8]) -> Result<(), ()> {
     let mut done = 0;
     for &(addr, len, _) in segs {

@@ -1622,21 +1622,50 @@ impl Inner {
         });
         let _window = crate::io::sim::commit_window(sim.as_ref());
         if clearing {
-            let legs = self.write_legs(&self.lock());
-            let mut st = None;
-            for i in legs {
-                if let Some(d) = &self.legs[i].data {
-                    if devio::flush(&d.dest()).is_err() {
-                        let g = st.get_or_insert_with(|| self.lock());
-                        self.fail_leg(g, i);
-                    }
-                }
-            }
+            self.flush_data_legs();
         }
         for _round in 0..MAX_LEGS {
             let mut st = self.lock();
             let pages = std::mem::take(&mut st.dirty_pages);
-            let mut image = vec![0u8; self.pages() * 4096];
+            let image = self.bitmap_image(&st);
+            let supers = self.leg_supers(&st);
+            drop(st);
+            let bad: Vec<usize> = supers
+                .iter()
+                .filter(|(i, sb)| !self.write_leg_metadata(*i, sb, &image, &pages))
+                .map(|(i, _)| *i)
+                .collect();
+            let mut st = self.lock();
+            if bad.is_empty() {
+                return;
+            }
+            for i in bad {
+                tracing::error!("raid: metadata write failed on leg {i}");
+                self.fail_leg(&mut st, i);
+            }
+            st.events = st.events.saturating_add(1);
+            st.dirty_pages = vec![true; self.pages()];
+        }
+    }
+
+    /// Flush every data leg written to; a leg whose flush fails is failed.
+    fn flush_data_legs(&self) {
+        let legs = self.write_legs(&self.lock());
+        let mut st = None;
+        for i in legs {
+            if let Some(d) = &self.legs[i].data {
+                if devio::flush(&d.dest()).is_err() {
+                    let g = st.get_or_insert_with(|| self.lock());
+                    self.fail_leg(g, i);
+                }
+            }
+        }
+    }
+
+    /// The bitmap as it goes to disk: its superblock, then a bit a region
+    /// (set on disk or being set).
+    fn bitmap_image(&self, st: &State) -> Vec<u8> {
+        let mut image = vec![0u8; self.pages() * 4096];
             BitmapSuper {
                 version: 4,
                 events: st.events,
@@ -1653,6 +1682,11 @@ impl Inner {
                     image[BITMAP_SB_BYTES + r / 8] |= 1 << (r % 8);
                 }
             }
+        image
+    }
+
+    /// Each leg's superblock, in the order they are written.
+    fn leg_supers(&self, st: &State) -> Vec<(usize, [u8; 512])> {
             let mut failed = [0u64; 4];
             for (i, &f) in st.faulty.iter().enumerate() {
                 if f {
@@ -1665,7 +1699,7 @@ impl Inner {
             // cannot bring it back as in sync with what it missed
             let mut order: Vec<usize> = (0..self.nlegs()).collect();
             order.sort_by_key(|&i| st.in_sync[i]);
-            let supers: Vec<(usize, [u8; 512])> = order
+            order
                 .into_iter()
                 .filter(|&i| !st.faulty[i] && self.legs[i].meta.is_some())
                 .map(|i| {
@@ -1693,36 +1727,21 @@ impl Inner {
                     s.encode(&mut b);
                     (i, b)
                 })
-                .collect();
-            drop(st);
-            let mut bad = Vec::new();
-            for (i, sb) in &supers {
-                let Some(m) = &self.legs[*i].meta else { continue };
-                let dest = m.dest();
-                // the bitmap superblock and the dirty pages, then the superblock
-                let bitmap = self.geo.level != Level::Raid0;
-                let mut ok = !bitmap || devio::write(&dest, BITMAP_OFFSET / SECTOR, &image[..4096], false).is_ok();
-                for (p, _) in pages.iter().enumerate().filter(|(p, &d)| bitmap && d && *p > 0) {
-                    let at = p * 4096;
-                    ok &= devio::write(&dest, (BITMAP_OFFSET + at as u64) / SECTOR, &image[at..at + 4096], false)
-                        .is_ok();
-                }
-                ok = ok && devio::flush(&dest).is_ok() && devio::write(&dest, 0, sb, true).is_ok();
-                if !ok {
-                    bad.push(*i);
-                }
-            }
-            let mut st = self.lock();
-            if bad.is_empty() {
-                return;
-            }
-            for i in bad {
-                tracing::error!("raid: metadata write failed on leg {i}");
-                self.fail_leg(&mut st, i);
-            }
-            st.events = st.events.saturating_add(1);
-            st.dirty_pages = vec![true; self.pages()];
+                .collect()
+    }
+
+    /// Leg `i`'s metadata: the bitmap superblock and the dirty pages, then
+    /// (after a flush) its superblock `sb`, durable; false if any of it failed.
+    fn write_leg_metadata(&self, i: usize, sb: &[u8; 512], image: &[u8], pages: &[bool]) -> bool {
+        let Some(m) = &self.legs[i].meta else { return true };
+        let dest = m.dest();
+        let bitmap = self.geo.level != Level::Raid0;
+        let mut ok = !bitmap || devio::write(&dest, BITMAP_OFFSET / SECTOR, &image[..4096], false).is_ok();
+        for (p, _) in pages.iter().enumerate().filter(|(p, &d)| bitmap && d && *p > 0) {
+            let at = p * 4096;
+            ok &= devio::write(&dest, (BITMAP_OFFSET + at as u64) / SECTOR, &image[at..at + 4096], false).is_ok();
         }
+        ok && devio::flush(&dest).is_ok() && devio::write(&dest, 0, sb, true).is_ok()
     }
 
     /// Requests waiting for metadata or a copy are mapped again.

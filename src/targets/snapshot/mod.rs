@@ -216,6 +216,11 @@ pub struct Opened {
     pub complete: HashMap<u64, u64>,
 }
 
+/// The kernel's words for a COW device whose metadata cannot be used, and why.
+fn metadata_failed(why: String) -> String {
+    format!("Failed to read snapshot metadata: {why}")
+}
+
 /// Read (or create) the store on `cow`. `chunk`: the table's chunk size (0: the
 /// header's, else the default); a persistent header's chunk size wins over it.
 pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Result<Opened, String> {
@@ -231,34 +236,12 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
             complete: HashMap::new(),
         });
     }
-    let failed = |why: String| format!("Failed to read snapshot metadata: {why}");
+    let failed = metadata_failed;
     let mut hdr = vec![0u8; 512];
     devio::read(cow, 0, &mut hdr).map_err(|e| failed(format!("reading the header: {e}")))?;
     let h = store::Header::parse(&hdr);
     if h.magic == 0 {
-        let chunk = if chunk == 0 {
-            store::DEFAULT_CHUNK_SECTORS.max(cow_lbs)
-        } else {
-            chunk
-        };
-        if cow_sectors < 2 * chunk {
-            return Err(failed(format!(
-                "the COW device ({cow_sectors} sectors) cannot hold the header and the first metadata area ({} sectors)",
-                2 * chunk
-            )));
-        }
-        // a new snapshot: the header, then an empty area 0
-        let zero = vec![0u8; (chunk * 512) as usize];
-        devio::write(cow, 0, &store::header_image(true, chunk), false)
-            .and_then(|()| devio::write(cow, chunk, &zero, false))
-            .and_then(|()| devio::flush(cow))
-            .map_err(|e| failed(format!("writing a new header: {e}")))?;
-        return Ok(Opened {
-            store: Store::Persistent(Persistent::new(chunk)),
-            chunk,
-            valid: true,
-            complete: HashMap::new(),
-        });
+        return new_store(cow, chunk, cow_lbs, cow_sectors);
     }
     if h.magic != store::SNAP_MAGIC {
         return Err(failed(format!(
@@ -288,7 +271,48 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
             "snapshot: chunk size {disk_chunk} in device metadata overrides table chunk size of {chunk}"
         );
     }
-    let chunk = disk_chunk;
+    let p = read_areas(cow, disk_chunk, cow_sectors)?;
+    let complete = p.entries.iter().copied().collect();
+    Ok(Opened {
+        store: Store::Persistent(p),
+        chunk: disk_chunk,
+        valid: h.valid != 0,
+        complete,
+    })
+}
+
+/// A new persistent store on `cow`: the header, then an empty area 0.
+fn new_store(cow: &Dest, chunk: u64, cow_lbs: u64, cow_sectors: u64) -> Result<Opened, String> {
+    let failed = metadata_failed;
+    let chunk = if chunk == 0 {
+        store::DEFAULT_CHUNK_SECTORS.max(cow_lbs)
+    } else {
+        chunk
+    };
+    if cow_sectors < 2 * chunk {
+        return Err(failed(format!(
+            "the COW device ({cow_sectors} sectors) cannot hold the header and the first metadata area ({} sectors)",
+            2 * chunk
+        )));
+    }
+    let zero = vec![0u8; (chunk * 512) as usize];
+    devio::write(cow, 0, &store::header_image(true, chunk), false)
+        .and_then(|()| devio::write(cow, chunk, &zero, false))
+        .and_then(|()| devio::flush(cow))
+        .map_err(|e| failed(format!("writing a new header: {e}")))?;
+    Ok(Opened {
+        store: Store::Persistent(Persistent::new(chunk)),
+        chunk,
+        valid: true,
+        complete: HashMap::new(),
+    })
+}
+
+/// A persistent store's metadata areas, read in order until one that is not
+/// full; an exception that points outside the COW device or into an area is
+/// refused, naming it.
+fn read_areas(cow: &Dest, chunk: u64, cow_sectors: u64) -> Result<Persistent, String> {
+    let failed = metadata_failed;
     let mut p = Persistent::new(chunk);
     let total_chunks = cow_sectors / chunk;
     let mut area = 0u64;
@@ -321,17 +345,10 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
         }
         p.load_area(area, &list, full);
         if !full {
-            break;
+            return Ok(p);
         }
         area += 1;
     }
-    let complete = p.entries.iter().copied().collect();
-    Ok(Opened {
-        store: Store::Persistent(p),
-        chunk,
-        valid: h.valid != 0,
-        complete,
-    })
 }
 
 impl Core {

@@ -580,19 +580,71 @@ impl Cache {
     /// is in the cache, their entries were not yet committed. Returns how many;
     /// a record that does not fit is an error naming the log.
     fn replay_restart_log(&self, st: &mut State, origin_sectors: u64) -> Result<usize, String> {
+        let refuse = refuse_replay;
         let Some(paths) = &self.restart else {
             return Ok(0);
         };
         let seq = st.seq;
-        let refuse = |path: &std::path::Path, what: String| {
-            format!(
-                "replaying the writes the previous daemon acknowledged: {what} (remove {} to open the cache without them)",
-                path.display()
-            )
-        };
-        // the entries of each slot and sector as the logs leave them: those of
-        // seq `seq`, then those of `seq + 1` if a commit was under way (entries
-        // allocated after its snapshot, acknowledged before it landed)
+        let (mut slots, order) = self.logged_entries(paths, seq, origin_sectors)?;
+        // room for every block allocated and freed again in one generation
+        let cap = self
+            .log_records
+            // an allocation reserves two records: a smaller log would never
+            // have room, and its writes would wait for ever
+            .map(|n| n.max(2))
+            .unwrap_or_else(|| (self.n_blocks as usize).saturating_mul(4).max(4096));
+        let sim = self.cache_file.as_ref().and_then(|f| f.sim().cloned());
+        let mut logs = [0, 1].map(|k| RestartLog::create_on(&paths[k], cap, sim.clone()));
+        let mut take = Vec::with_capacity(slots.len());
+        for slot in order {
+            if let Some(sector) = slots.remove(&slot) {
+                if st.entries[slot as usize].sector != FREE {
+                    return Err(refuse(
+                        &paths[(seq % 2) as usize],
+                        format!("cache block {slot} is in use in the committed metadata"),
+                    ));
+                }
+                take.push((slot, sector));
+            }
+        }
+        st.free.take_all(&take.iter().map(|&(i, _)| i).collect());
+        for &(slot, sector) in &take {
+            self.allocate(st, slot, sector);
+        }
+        let replayed = take.len();
+        for (k, l) in logs.iter_mut().enumerate() {
+            match l {
+                Ok(l) => {
+                    if k as u64 == seq % 2 {
+                        l.begin(seq);
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    "writecache: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
+                    paths[k].display()
+                ),
+            }
+        }
+        st.restart = logs.map(Result::ok);
+        // what was taken back is logged again, in case this daemon dies too (a
+        // log that breaks meanwhile asks for the commit that makes it moot)
+        for i in st.uncommitted.clone() {
+            let _ = log_allocated(st, i);
+        }
+        Ok(replayed)
+    }
+
+    /// The entries of each cache block as the restart logs `paths` leave them
+    /// (block -> origin sector, and the blocks in the order allocated): those
+    /// of seq `seq`, then those of `seq + 1` if a commit was under way (entries
+    /// allocated after its snapshot, acknowledged before it landed).
+    fn logged_entries(
+        &self,
+        paths: &[std::path::PathBuf; 2],
+        seq: u64,
+        origin_sectors: u64,
+    ) -> Result<(HashMap<u32, u64>, Vec<u32>), String> {
+        let refuse = refuse_replay;
         let mut slots: HashMap<u32, u64> = HashMap::new();
         let mut by_sector: HashMap<u64, u32> = HashMap::new();
         let mut order: Vec<u32> = Vec::new();
@@ -644,52 +696,7 @@ impl Cache {
                 }
             }
         }
-        // room for every block allocated and freed again in one generation
-        let cap = self
-            .log_records
-            // an allocation reserves two records: a smaller log would never
-            // have room, and its writes would wait for ever
-            .map(|n| n.max(2))
-            .unwrap_or_else(|| (self.n_blocks as usize).saturating_mul(4).max(4096));
-        let sim = self.cache_file.as_ref().and_then(|f| f.sim().cloned());
-        let mut logs = [0, 1].map(|k| RestartLog::create_on(&paths[k], cap, sim.clone()));
-        let mut take = Vec::with_capacity(slots.len());
-        for slot in order {
-            if let Some(sector) = slots.remove(&slot) {
-                if st.entries[slot as usize].sector != FREE {
-                    return Err(refuse(
-                        &paths[(seq % 2) as usize],
-                        format!("cache block {slot} is in use in the committed metadata"),
-                    ));
-                }
-                take.push((slot, sector));
-            }
-        }
-        st.free.take_all(&take.iter().map(|&(i, _)| i).collect());
-        for &(slot, sector) in &take {
-            self.allocate(st, slot, sector);
-        }
-        let replayed = take.len();
-        for (k, l) in logs.iter_mut().enumerate() {
-            match l {
-                Ok(l) => {
-                    if k as u64 == seq % 2 {
-                        l.begin(seq);
-                    }
-                }
-                Err(e) => tracing::warn!(
-                    "writecache: no restart log ({}: {e}): writes acknowledged and not yet committed are lost if the daemon is killed",
-                    paths[k].display()
-                ),
-            }
-        }
-        st.restart = logs.map(Result::ok);
-        // what was taken back is logged again, in case this daemon dies too (a
-        // log that breaks meanwhile asks for the commit that makes it moot)
-        for i in st.uncommitted.clone() {
-            let _ = log_allocated(st, i);
-        }
-        Ok(replayed)
+        Ok((slots, order))
     }
 
     // ---- lifecycle ----
@@ -1927,4 +1934,12 @@ fn lru_remove(st: &mut State, i: u32) {
     }
     st.entries[i as usize].prev = NIL;
     st.entries[i as usize].next = NIL;
+}
+
+/// A restart log's replay refused: what, and how to open the cache without it.
+fn refuse_replay(path: &std::path::Path, what: String) -> String {
+    format!(
+        "replaying the writes the previous daemon acknowledged: {what} (remove {} to open the cache without them)",
+        path.display()
+    )
 }
