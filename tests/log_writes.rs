@@ -731,8 +731,9 @@ fn a_replay_checks_the_state_after_each_entry_of_a_kind() {
 /// 6.12 guest, ext4 made on a log-writes device, marked `mkfs`, mounted, a
 /// workload of creates, writes with fsync, renames, removes and syncs, marked
 /// `last`, unmounted; once over the kernel's dm-log-writes, once over dmkit's
-/// as a ublk block device. On the host each log is replayed from the start
-/// and, from the `mkfs` mark on, the file system is checked at every FUA write
+/// created and marked by Debian's dmsetup through the door (`dmkit exec`), a
+/// ublk block device from its resume. On the host each log is replayed from
+/// the start and, from the `mkfs` mark on, the file system is checked at every FUA write
 /// (where a journal commit becomes durable) as generic/482 checks it: its
 /// journal recovered on a copy, then `e2fsck -fn`. Both logs pass at every
 /// such point, and each replayed to its end equals the device it recorded.
@@ -774,12 +775,15 @@ dmsetup mknodes
 run /dev/mapper/klw "dmsetup message klw 0 mark"
 dmsetup remove klw
 echo "ORACLE k-done yes"
-start
-$D create dlw --table "0 131072 log-writes /dev/vdc /dev/vdd"
-echo "ORACLE d-attach $($D attach dlw)"
-run /dev/ublkb0 "$D message dlw 0 mark"
-$D detach dlw
-$D remove dlw
+# dmkit's through the door: Debian's dmsetup under `dmkit exec`, the device a
+# ublk block device from its resume (serve --attach)
+start --attach
+DS="$D exec -- dmsetup"
+$DS create dlw --table "0 131072 log-writes /dev/vdc /dev/vdd"
+i=0; while [ "$(/usr/bin/dd if=/dev/mapper/dlw bs=4096 count=1 status=none 2>/dev/null | wc -c)" != 4096 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+echo "ORACLE d-attach $($DS info -c --noheadings -o name dlw) $(readlink -f /dev/mapper/dlw)"
+run /dev/mapper/dlw "$DS message dlw 0 mark"
+$DS remove dlw
 echo "ORACLE d-done yes"
 kill $(cat /tmp/pid)
 sync
@@ -803,7 +807,7 @@ sync
     );
     let m = oracle::markers(&serial);
     assert_eq!(oracle::marker(&m, "k-done"), "yes");
-    assert_eq!(oracle::marker(&m, "d-attach"), "/dev/ublkb0");
+    assert_eq!(oracle::marker(&m, "d-attach"), "dlw /dev/ublkb0");
     assert_eq!(oracle::marker(&m, "d-done"), "yes");
     let copy = s.path("state.img");
     let check = format!(
