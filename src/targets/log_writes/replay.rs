@@ -610,126 +610,126 @@ struct Epoch<'a> {
 }
 
 impl Epoch<'_> {
-/// Try the epoch's states; Some(description) of the first refused.
-fn check(
-    &mut self,
-    rng: &mut crate::rng::XorShift,
-    max_states: u64,
-    buf: &mut [u8],
-    out: &mut Checked,
-) -> Result<Option<String>, String> {
-    let (r, tf, tname, epoch, after) = (self.r, self.tf, self.tname, self.entries, self.after);
-    let (fua, plain): (Vec<&LogEntry>, Vec<&LogEntry>) = epoch.iter().partition(|e| e.entry.flags & FUA != 0);
-    let n = plain.len() as u32;
-    // states: a subset of `plain` (a bit each) and a prefix of `fua`
-    let states = Self::states(n, fua.len(), max_states, rng, out);
-    for (set, k) in states {
-        let chosen: Vec<&LogEntry> = epoch
-            .iter()
-            .filter(|e| {
-                if e.entry.flags & FUA != 0 {
-                    fua.iter().position(|f| f.index == e.index).is_some_and(|p| p < k)
-                } else {
-                    plain
-                        .iter()
-                        .position(|p| p.index == e.index)
-                        .is_some_and(|p| set[p])
-                }
-            })
-            .collect();
-        let bytes: u64 = chosen.iter().map(|e| e.bytes).sum();
-        if bytes > MAX_STATE_BYTES {
-            return Err(format!(
-                "a crash state after entry {} changes {bytes} bytes, more than {MAX_STATE_BYTES} to undo",
-                after.map_or(0, |a| a + 1)
-            ));
-        }
-        // save what the chosen entries overwrite, in order, to undo it
-        let mut undo: Vec<(u64, Vec<u8>)> = Vec::with_capacity(chosen.len());
-        for e in &chosen {
-            let mut old = vec![0u8; e.bytes as usize];
-            tf.read_exact_at(&mut old, e.at)
-                .or_else(|err| {
-                    // past the target's end reads short: what is not there is zeroes
-                    if err.kind() == std::io::ErrorKind::UnexpectedEof {
-                        Ok(())
+    /// Try the epoch's states; Some(description) of the first refused.
+    fn check(
+        &mut self,
+        rng: &mut crate::rng::XorShift,
+        max_states: u64,
+        buf: &mut [u8],
+        out: &mut Checked,
+    ) -> Result<Option<String>, String> {
+        let (r, tf, tname, epoch, after) = (self.r, self.tf, self.tname, self.entries, self.after);
+        let (fua, plain): (Vec<&LogEntry>, Vec<&LogEntry>) = epoch.iter().partition(|e| e.entry.flags & FUA != 0);
+        let n = plain.len() as u32;
+        // states: a subset of `plain` (a bit each) and a prefix of `fua`
+        let states = Self::states(n, fua.len(), max_states, rng, out);
+        for (set, k) in states {
+            let chosen: Vec<&LogEntry> = epoch
+                .iter()
+                .filter(|e| {
+                    if e.entry.flags & FUA != 0 {
+                        fua.iter().position(|f| f.index == e.index).is_some_and(|p| p < k)
                     } else {
-                        Err(err)
+                        plain
+                            .iter()
+                            .position(|p| p.index == e.index)
+                            .is_some_and(|p| set[p])
                     }
                 })
-                .map_err(|err| format!("{tname}: reading byte {}: {err}", e.at))?;
-            undo.push((e.at, old));
-            r.apply(e, tf, tname, buf)?;
-        }
-        out.states += 1;
-        let verdict = self.judge.judge(tname)?;
-        for (at, old) in undo.iter().rev() {
-            tf.write_all_at(old, *at)
-                .map_err(|err| format!("{tname}: undoing byte {at}: {err}"))?;
-        }
-        if let Some(why) = verdict {
-            return Ok(Some(self.refused(&why, &chosen)));
-        }
-    }
-    Ok(None)
-}
-
-/// The states to try: a subset of the `n` plain writes (a bit each) and a
-/// prefix of the `fuas` FUA writes; all of them when there are at most
-/// `max_states`, else that many drawn by `rng`, the empty and the full state
-/// among them.
-fn states(
-    n: u32,
-    fuas: usize,
-    max_states: u64,
-    rng: &mut crate::rng::XorShift,
-    out: &mut Checked,
-) -> Vec<(Vec<bool>, usize)> {
-    let prefixes = fuas as u64 + 1;
-    let all = 1u64.checked_shl(n).and_then(|s| s.checked_mul(prefixes));
-    match all {
-        Some(total) if total <= max_states.max(2) => (0..total)
-            .map(|s| {
-                let bits = s / prefixes;
-                ((0..n).map(|b| bits >> b & 1 == 1).collect(), (s % prefixes) as usize)
-            })
-            .collect(),
-        _ => {
-            out.sampled += 1;
-            let mut v = vec![(vec![false; n as usize], 0), (vec![true; n as usize], fuas)];
-            while (v.len() as u64) < max_states.max(2) {
-                let set = (0..n).map(|_| rng.below(2) == 1).collect();
-                v.push((set, rng.below(prefixes) as usize));
+                .collect();
+            let bytes: u64 = chosen.iter().map(|e| e.bytes).sum();
+            if bytes > MAX_STATE_BYTES {
+                return Err(format!(
+                    "a crash state after entry {} changes {bytes} bytes, more than {MAX_STATE_BYTES} to undo",
+                    after.map_or(0, |a| a + 1)
+                ));
             }
-            v
+            // save what the chosen entries overwrite, in order, to undo it
+            let mut undo: Vec<(u64, Vec<u8>)> = Vec::with_capacity(chosen.len());
+            for e in &chosen {
+                let mut old = vec![0u8; e.bytes as usize];
+                tf.read_exact_at(&mut old, e.at)
+                    .or_else(|err| {
+                        // past the target's end reads short: what is not there is zeroes
+                        if err.kind() == std::io::ErrorKind::UnexpectedEof {
+                            Ok(())
+                        } else {
+                            Err(err)
+                        }
+                    })
+                    .map_err(|err| format!("{tname}: reading byte {}: {err}", e.at))?;
+                undo.push((e.at, old));
+                r.apply(e, tf, tname, buf)?;
+            }
+            out.states += 1;
+            let verdict = self.judge.judge(tname)?;
+            for (at, old) in undo.iter().rev() {
+                tf.write_all_at(old, *at)
+                    .map_err(|err| format!("{tname}: undoing byte {at}: {err}"))?;
+            }
+            if let Some(why) = verdict {
+                return Ok(Some(self.refused(&why, &chosen)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The states to try: a subset of the `n` plain writes (a bit each) and a
+    /// prefix of the `fuas` FUA writes; all of them when there are at most
+    /// `max_states`, else that many drawn by `rng`, the empty and the full state
+    /// among them.
+    fn states(
+        n: u32,
+        fuas: usize,
+        max_states: u64,
+        rng: &mut crate::rng::XorShift,
+        out: &mut Checked,
+    ) -> Vec<(Vec<bool>, usize)> {
+        let prefixes = fuas as u64 + 1;
+        let all = 1u64.checked_shl(n).and_then(|s| s.checked_mul(prefixes));
+        match all {
+            Some(total) if total <= max_states.max(2) => (0..total)
+                .map(|s| {
+                    let bits = s / prefixes;
+                    ((0..n).map(|b| bits >> b & 1 == 1).collect(), (s % prefixes) as usize)
+                })
+                .collect(),
+            _ => {
+                out.sampled += 1;
+                let mut v = vec![(vec![false; n as usize], 0), (vec![true; n as usize], fuas)];
+                while (v.len() as u64) < max_states.max(2) {
+                    let set = (0..n).map(|_| rng.below(2) == 1).collect();
+                    v.push((set, rng.below(prefixes) as usize));
+                }
+                v
+            }
         }
     }
-}
 
-/// What a refused state says: the check's status and words, the entries it
-/// holds and leaves out, and the command that rebuilds it.
-fn refused(&self, why: &str, chosen: &[&LogEntry]) -> String {
-    let (epoch, after) = (self.entries, self.after);
-    let with: Vec<String> = chosen.iter().map(|e| e.index.to_string()).collect();
-    let left: Vec<String> = epoch
-        .iter()
-        .filter(|e| !chosen.iter().any(|c| c.index == e.index))
-        .map(|e| e.index.to_string())
-        .collect();
-    format!(
-        "the check refused a crash state: {}, with entries [{}] of the {} written since and without [{}]: {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}{}",
-        after.map_or("before the first flush".to_string(), |a| format!("after the flush at entry {a}")),
-        with.join(","),
-        epoch.len(),
-        left.join(","),
-        why,
-        self.log,
-        after.map_or(0, |a| a + 1),
-        if with.is_empty() {
-            String::new()
-        } else {
-            format!(" --with-entries {}", with.join(","))
-        }
-    )
-}
+    /// What a refused state says: the check's status and words, the entries it
+    /// holds and leaves out, and the command that rebuilds it.
+    fn refused(&self, why: &str, chosen: &[&LogEntry]) -> String {
+        let (epoch, after) = (self.entries, self.after);
+        let with: Vec<String> = chosen.iter().map(|e| e.index.to_string()).collect();
+        let left: Vec<String> = epoch
+            .iter()
+            .filter(|e| !chosen.iter().any(|c| c.index == e.index))
+            .map(|e| e.index.to_string())
+            .collect();
+        format!(
+            "the check refused a crash state: {}, with entries [{}] of the {} written since and without [{}]: {}\n  rebuild it: dmkit replay {} IMAGE --until entry:{}{}",
+            after.map_or("before the first flush".to_string(), |a| format!("after the flush at entry {a}")),
+            with.join(","),
+            epoch.len(),
+            left.join(","),
+            why,
+            self.log,
+            after.map_or(0, |a| a + 1),
+            if with.is_empty() {
+                String::new()
+            } else {
+                format!(" --with-entries {}", with.join(","))
+            }
+        )
+    }
 }
