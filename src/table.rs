@@ -15,8 +15,10 @@ pub struct TableLine {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum TableError {
+    /// Line `line` (from 1) is wrong, or its target refused it with `errno`
+    /// (positive; EINVAL for a line the parser refuses).
     #[error("table line {line}: {what}")]
-    Line { line: usize, what: String },
+    Line { line: usize, errno: i32, what: String },
     #[error("table is empty")]
     Empty,
 }
@@ -25,7 +27,25 @@ impl TableError {
     pub fn line(line: usize, what: impl Into<String>) -> TableError {
         TableError::Line {
             line,
+            errno: libc::EINVAL,
             what: what.into(),
+        }
+    }
+
+    /// Line `line`'s target refused it with `errno`.
+    pub fn refused(line: usize, errno: i32, what: impl Into<String>) -> TableError {
+        TableError::Line {
+            line,
+            errno,
+            what: what.into(),
+        }
+    }
+
+    /// The errno the dm ioctl answers with.
+    pub fn errno(&self) -> i32 {
+        match self {
+            TableError::Line { errno, .. } => *errno,
+            TableError::Empty => libc::EINVAL,
         }
     }
 }

@@ -47,13 +47,7 @@ fn refuse(e: Errno, why: impl Into<String>) -> Refusal {
 
 /// The errno the kernel gives for what the registry refused.
 fn errno_of(e: &ControlError) -> Errno {
-    match e {
-        ControlError::NoDevice(_) => dm::ENXIO,
-        ControlError::Exists(_) => dm::EBUSY,
-        ControlError::Device { what, .. } if what.to_ascii_lowercase().contains("busy") => dm::EBUSY,
-        ControlError::Errno { errno, .. } => Errno(*errno),
-        _ => dm::EINVAL,
-    }
+    Errno(e.errno())
 }
 
 fn from_registry(e: ControlError) -> Refusal {

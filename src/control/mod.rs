@@ -224,7 +224,9 @@ fn run_verb(ctx: &Ctx, verb: DmVerb, stdin: &str) -> Result<String, String> {
         }),
         DmVerb::RemoveAll { force, deferred } => {
             before_remove_all(ctx);
-            reg.remove_all(force, deferred).map(|()| String::new())
+            reg.remove_all(force, deferred)
+                .map(|()| String::new())
+                .map_err(|e| e.to_string())
         }
         DmVerb::Rename {
             name,

@@ -6,11 +6,13 @@ pub mod config;
 pub mod devio;
 pub mod engine;
 pub mod error;
+pub mod errors;
 pub mod registry;
 pub mod report;
 pub mod stats;
 pub mod target;
 
+pub use errors::{ControlError, TargetError};
 pub use registry::Registry;
 pub use target::{
     arg_dev, arg_u64, dev_extents, Bio, Constructor, DevRef, DmHold, HoldMark, Limits, MapCtx, MapErr, Mark,
@@ -125,13 +127,14 @@ pub struct Table {
 impl Table {
     /// Every target's preresume in order: the first refusal, as "resume refused
     /// by TYPE target: WHY" (a refused resume leaves the device suspended).
-    pub fn preresume(&self) -> Result<(), String> {
+    pub fn preresume(&self) -> Result<(), TargetError> {
         for (d, name, end) in &self.size_checks {
             let size = d.size_sectors();
             if *end > size {
                 return Err(format!(
                     "device '{name}' too small for the table: it needs {end} sectors, the device has {size}"
-                ));
+                )
+                .into());
             }
         }
         for e in &self.entries {
@@ -773,12 +776,17 @@ pub fn report_io_error(holds: &[Hold], origin: (u16, u32, u16)) {
 }
 
 /// Allocation status of `[sector, sector+nr)` of `dev`, as (bytes, NBD flags) runs.
-pub fn device_extents(dev: &Device, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+pub fn device_extents(
+    dev: &Device,
+    sector: u64,
+    nr: u64,
+    out: &mut Vec<(u64, u32)>,
+) -> Result<(), TargetError> {
     for_each_piece(dev, sector, nr, out, 0, &mut |t, s, n, out| t.extents(s, n, out))
 }
 
 /// A per-piece status function: the target, the piece (relative), the output.
-type PieceFn<'a> = dyn FnMut(&dyn Target, u64, u64, &mut Vec<(u64, u32)>) -> Result<(), String> + 'a;
+type PieceFn<'a> = dyn FnMut(&dyn Target, u64, u64, &mut Vec<(u64, u32)>) -> Result<(), TargetError> + 'a;
 
 /// Call `f` for each table entry's piece of `[sector, sector+nr)` (the target,
 /// and the piece relative to the entry); with no live table, all of it is
@@ -790,7 +798,7 @@ fn for_each_piece(
     out: &mut Vec<(u64, u32)>,
     no_table: u32,
     f: &mut PieceFn,
-) -> Result<(), String> {
+) -> Result<(), TargetError> {
     let guard = dev.live.load();
     let Some(t) = guard.as_ref() else {
         out.push((nr * SECTOR, no_table));
@@ -814,7 +822,7 @@ fn for_each_piece(
 
 /// Whether every target of `dev`'s live table can compare with `base`
 /// (`qemu:dirty-bitmap:BASE`); the first reason one cannot.
-pub fn device_check_base(dev: &Device, base: &str) -> Result<(), String> {
+pub fn device_check_base(dev: &Device, base: &str) -> Result<(), TargetError> {
     let guard = dev.live.load();
     let Some(t) = guard.as_ref() else {
         return Err("the device has no live table".into());
@@ -833,7 +841,7 @@ pub fn device_changed_extents(
     sector: u64,
     nr: u64,
     out: &mut Vec<(u64, u32)>,
-) -> Result<(), String> {
+) -> Result<(), TargetError> {
     for_each_piece(dev, sector, nr, out, 1, &mut |t, s, n, out| {
         t.changed_extents(base, s, n, out)
     })

@@ -4,6 +4,7 @@ use super::config::Config;
 use super::{DevRef, DmHold, Resolver, Shared, TargetType};
 use super::{Device, Table, TableEntry, DM_MAJOR};
 use crate::io::BackingFile;
+use crate::mapper::TargetError;
 use crate::sync::Unpoison;
 use crate::table::{parse_table, TableError};
 use std::collections::BTreeMap;
@@ -11,25 +12,8 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
-use thiserror::Error;
 
-#[derive(Debug, Error)]
-pub enum ControlError {
-    #[error("{0}: No such device")]
-    NoDevice(String),
-    #[error("{0}: device already exists")]
-    Exists(String),
-    #[error("{0}")]
-    Table(#[from] TableError),
-    #[error("{name}: {what}")]
-    Device { name: String, what: String },
-    /// A request that names no device and is wrong in itself.
-    #[error("{0}")]
-    Usage(String),
-    /// Refused with this errno (as the kernel would through the dm ioctl).
-    #[error("{name}: {what}")]
-    Errno { name: String, errno: i32, what: String },
-}
+pub use super::errors::ControlError;
 
 /// How a refused message is named in errors (which the door logs): its first
 /// two words, never what follows them, which may be a key (dm-crypt's `key set`).
@@ -53,10 +37,23 @@ fn refers_to(d: &Device, other: &Arc<Device>) -> bool {
         || d.inactive.lock().unpoisoned().as_deref().is_some_and(names)
 }
 
+/// Refused for `name` with EINVAL.
 fn dev_err(name: &str, what: impl Into<String>) -> ControlError {
+    refused_by(name, TargetError::invalid(what))
+}
+
+/// Refused for `name` with EBUSY: something holds the device.
+fn dev_busy(name: &str, what: impl Into<String>) -> ControlError {
+    refused_by(name, TargetError::busy(what))
+}
+
+/// Refused for `name` as a target (or the registry on its behalf) refused,
+/// with its errno.
+fn refused_by(name: &str, e: TargetError) -> ControlError {
     ControlError::Device {
         name: name.to_string(),
-        what: what.into(),
+        errno: e.errno(),
+        what: e.what().to_string(),
     }
 }
 
@@ -420,14 +417,13 @@ impl Registry {
         check_name(name)?;
         check_uuid(name, uuid.as_deref())?;
         if minor.is_some_and(|m| m >= MAX_MINORS) {
-            return Err(ControlError::Errno {
-                name: name.to_string(),
-                errno: libc::EINVAL,
-                what: format!(
+            return Err(dev_err(
+                name,
+                format!(
                     "minor number {} out of range (below {MAX_MINORS})",
                     minor.unwrap_or(0)
                 ),
-            });
+            ));
         }
         {
             let devs = self.devices();
@@ -439,11 +435,10 @@ impl Registry {
         let minor = match minor {
             Some(m) if self.minors.lock().unpoisoned().take_this(m) => m,
             Some(m) => {
-                return Err(ControlError::Errno {
-                    name: name.to_string(),
-                    errno: libc::EBUSY,
-                    what: format!("Device or resource busy: minor number {m} is in use"),
-                })
+                return Err(dev_busy(
+                    name,
+                    format!("Device or resource busy: minor number {m} is in use"),
+                ))
             }
             None => self.take_minor(),
         };
@@ -453,7 +448,7 @@ impl Registry {
         if let Some(table) = table {
             let built = self.build_table(&dev, table, cwd, read_only).and_then(|t| {
                 // create is load + resume: the targets' resume checks run first
-                t.preresume().map_err(|why| dev_err(name, why))?;
+                t.preresume().map_err(|why| refused_by(name, why))?;
                 Ok(t)
             });
             match built {
@@ -509,7 +504,7 @@ impl Registry {
         let Some(u) = uuid else { return Ok(()) };
         let uuids = self.uuids.lock().unpoisoned();
         match uuids.get(u).and_then(std::sync::Weak::upgrade) {
-            Some(d) if d.name() != name && !d.removed.load(Ordering::SeqCst) => Err(dev_err(
+            Some(d) if d.name() != name && !d.removed.load(Ordering::SeqCst) => Err(dev_busy(
                 name,
                 format!(
                     "Device or resource busy: uuid '{u}' is in use by device '{}'",
@@ -533,7 +528,7 @@ impl Registry {
         check_name(new)?;
         let mut devs = self.devices();
         if devs.contains_key(new) {
-            return Err(dev_err(
+            return Err(dev_busy(
                 new,
                 "Device or resource busy: a device with that name exists",
             ));
@@ -635,7 +630,7 @@ impl Registry {
         let _t = self.touch(name);
         let dev = self.get(name)?;
         let _c = crate::sync::lock(&dev.control);
-        resume_locked(&dev).map_err(|e| dev_err(name, e))
+        resume_locked(&dev).map_err(|e| refused_by(name, e))
     }
 
     /// `dmsetup remove [--force] [--deferred]`. A device in another table's use
@@ -659,7 +654,7 @@ impl Registry {
                 .filter(|d| !Arc::ptr_eq(d, &dev) && table_uses(d, &dev))
                 .map(|d| d.name())
                 .collect();
-            return Err(dev_err(
+            return Err(dev_busy(
                 name,
                 format!(
                     "Device or resource busy: used by the table of {}",
@@ -668,7 +663,7 @@ impl Registry {
             ));
         }
         if let Some(b) = dev.block_device() {
-            return Err(dev_err(
+            return Err(dev_busy(
                 name,
                 format!("Device or resource busy: attached as {b} (dmkit detach {name} first)"),
             ));
@@ -688,7 +683,7 @@ impl Registry {
             } else {
                 ""
             };
-            return Err(dev_err(
+            return Err(dev_busy(
                 name,
                 format!("Device or resource busy: open count {opens}{done}"),
             ));
@@ -727,7 +722,7 @@ impl Registry {
 
     /// `dmsetup remove_all [--force] [--deferred]`: remove every device, the
     /// devices that use others first; the ones that cannot go are named.
-    pub fn remove_all(&self, force: bool, deferred: bool) -> Result<(), String> {
+    pub fn remove_all(&self, force: bool, deferred: bool) -> Result<(), ControlError> {
         let mut errors: Vec<String>;
         loop {
             errors = Vec::new();
@@ -748,7 +743,7 @@ impl Registry {
         for d in self.list() {
             if d.holders.load(Ordering::SeqCst) > 0 && !d.deferred_remove.load(Ordering::SeqCst) {
                 errors.push(
-                    dev_err(
+                    dev_busy(
                         &d.name(),
                         "Device or resource busy: used by another device's table",
                     )
@@ -761,7 +756,7 @@ impl Registry {
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(errors.join("\n"))
+            Err(ControlError::Usage(errors.join("\n")))
         }
     }
 
@@ -857,11 +852,7 @@ impl Registry {
             }
             let size = dev.live.load().as_ref().map_or(0, |t| t.size);
             if let Some(r) = dev.stats.message(words, size) {
-                return r.map_err(|e| ControlError::Errno {
-                    name: name.to_string(),
-                    errno: e.errno,
-                    what: e.what,
-                });
+                return r.map_err(|e| refused_by(name, e));
             }
             return Err(dev_err(
                 name,
@@ -881,9 +872,12 @@ impl Registry {
             ));
         }
         let e = &t.entries[t.entry_at(sector)];
-        e.target
-            .message(words)
-            .map_err(|why| dev_err(name, format!("message '{}' refused: {why}", message_verb(words))))
+        e.target.message(words).map_err(|why| {
+            refused_by(
+                name,
+                why.context(format_args!("message '{}' refused", message_verb(words))),
+            )
+        })
     }
 
     fn build_table(
@@ -911,7 +905,9 @@ impl Registry {
         for l in &lines {
             let target = self
                 .construct(&l.target_type, &l.args, l.len, &resolver)
-                .map_err(|what| TableError::line(l.line_no, format!("{}: {what}", l.target_type)))?;
+                .map_err(|e| {
+                    TableError::refused(l.line_no, e.errno(), format!("{}: {}", l.target_type, e.what()))
+                })?;
             entries.push(TableEntry {
                 start: l.start,
                 len: l.len,
@@ -1102,7 +1098,7 @@ impl Registry {
         if fields.is_some_and(|f| f.trim().eq_ignore_ascii_case("help")) {
             return Ok(super::report::fields_help());
         }
-        let fields = super::report::fields(fields).map_err(ControlError::Usage)?;
+        let fields = super::report::fields(fields)?;
         let Some(devs) = self.selected(name)? else {
             return Ok("No devices found\n".into());
         };
@@ -1158,17 +1154,17 @@ impl Registry {
         args: &[String],
         len: u64,
         r: &dyn Resolver,
-    ) -> Result<Box<dyn super::Target>, String> {
+    ) -> Result<Box<dyn super::Target>, TargetError> {
         match self.target_type(name) {
             Some(t) => (t.new)(args, len, r),
-            None => Err(format!("unknown target type '{name}'")),
+            None => Err(format!("unknown target type '{name}'").into()),
         }
     }
 
     /// Open a backing file, or share the one already open for the same file. The
     /// file is held exclusively while any table names it (`io::hold`), read-only
     /// or not, as the kernel's dm_get_device claims.
-    fn open_file(&self, p: &Path, read_only: bool) -> Result<DevRef, String> {
+    fn open_file(&self, p: &Path, read_only: bool) -> Result<DevRef, TargetError> {
         let hold = crate::io::hold::hold(p).map_err(|e| match e {
             crate::io::hold::HoldError::Io { err, .. } => err.to_string(),
             busy => busy.to_string(),
@@ -1205,17 +1201,19 @@ impl Registry {
 
     /// Open an RBD image, or share the one already open: an image is opened
     /// (and its exclusive lock taken) once per daemon.
-    fn open_rbd(&self, spec: &crate::io::rbd::RbdSpec, read_only: bool) -> Result<DevRef, String> {
+    fn open_rbd(&self, spec: &crate::io::rbd::RbdSpec, read_only: bool) -> Result<DevRef, TargetError> {
         let (a, b) = BackingFile::rbd_identity(spec);
-        self.shared((a, b, read_only), || BackingFile::open_rbd(spec, read_only))
+        self.shared((a, b, read_only), || {
+            BackingFile::open_rbd(spec, read_only).map_err(TargetError::from)
+        })
     }
 
     /// The backing file open under `key`, or a new one from `open`.
     fn shared(
         &self,
         key: (u64, u64, bool),
-        open: impl FnOnce() -> Result<BackingFile, String>,
-    ) -> Result<DevRef, String> {
+        open: impl FnOnce() -> Result<BackingFile, TargetError>,
+    ) -> Result<DevRef, TargetError> {
         crate::io::shared(&self.files, key, open).map(DevRef::File)
     }
 
@@ -1243,7 +1241,7 @@ impl Registry {
 /// Resume `dev`: its targets' preresume first (a refusal leaves the device
 /// suspended with the new table still inactive, as the kernel's failed resume
 /// does), then the table swap, then their resume.
-fn resume_locked(dev: &Device) -> Result<(), String> {
+fn resume_locked(dev: &Device) -> Result<(), TargetError> {
     let next = dev.inactive.lock().unpoisoned().take();
     let coming = next.clone().or_else(|| dev.live.load_full());
     if let Some(Err(why)) = coming.as_ref().map(|t| t.preresume()) {
@@ -1395,7 +1393,7 @@ impl Resolver for TableResolver<'_> {
     fn shared(&self) -> &Shared {
         &self.reg.shared
     }
-    fn open(&self, name: &str) -> Result<DevRef, String> {
+    fn open(&self, name: &str) -> Result<DevRef, TargetError> {
         if let Some(spec) = crate::io::rbd::RbdSpec::parse(name) {
             return self.reg.open_rbd(&spec?, self.read_only);
         }

@@ -1,5 +1,6 @@
 //! dmsetup's report-style output: `info -c` columns, `deps` and `ls --tree`.
 
+use super::errors::ControlError;
 use super::DevRef;
 use super::{Device, DM_MAJOR};
 use crate::sync::Unpoison;
@@ -206,7 +207,7 @@ fn canonical(k: &str) -> String {
 }
 
 /// The fields named by `-o` (`+f,...` adds to the default set), or the default set.
-pub(super) fn fields(spec: Option<&str>) -> Result<Vec<usize>, String> {
+pub(super) fn fields(spec: Option<&str>) -> Result<Vec<usize>, ControlError> {
     let spec = match spec {
         None => DEFAULT_FIELDS.to_string(),
         Some(s) => match s.strip_prefix('+') {
@@ -221,12 +222,12 @@ pub(super) fn fields(spec: Option<&str>) -> Result<Vec<usize>, String> {
             .position(|f| canonical(f.key) == canonical(k))
             .ok_or_else(|| {
                 let known: Vec<&str> = FIELDS.iter().map(|f| f.key).collect();
-                format!("Unrecognised field: {k} (fields: {})", known.join(", "))
+                ControlError::Usage(format!("Unrecognised field: {k} (fields: {})", known.join(", ")))
             })?;
         out.push(i);
     }
     if out.is_empty() {
-        return Err("no fields given to -o".into());
+        return Err(ControlError::Usage("no fields given to -o".into()));
     }
     Ok(out)
 }

@@ -12,6 +12,7 @@
 //! instead of milliseconds. Discards and writes of zeroes count as writes, as
 //! the kernel's data direction does; flushes (no sectors) are not counted.
 
+use super::TargetError;
 use crate::io::Op;
 use crate::sync::Unpoison;
 use arc_swap::ArcSwap;
@@ -28,18 +29,8 @@ const MAX_BOUNDS: usize = 256;
 const MAX_TEXT: usize = 4096;
 static AREAS_HELD: AtomicUsize = AtomicUsize::new(0);
 
-/// Why a stats message failed: the kernel's errno, and what was wrong.
-#[derive(Debug)]
-pub struct StatsError {
-    pub errno: i32,
-    pub what: String,
-}
-
-fn invalid(msg: &str, why: impl std::fmt::Display) -> StatsError {
-    StatsError {
-        errno: libc::EINVAL,
-        what: format!("{msg}: {why}"),
-    }
+fn invalid(msg: &str, why: impl std::fmt::Display) -> TargetError {
+    TargetError::invalid(format!("{msg}: {why}"))
 }
 
 #[derive(Default)]
@@ -278,7 +269,7 @@ fn dir_of(op: Op) -> Option<usize> {
 
 /// `@stats_create`'s range (`-` for the whole device of `size` sectors, or
 /// `<start>+<length>`) and step (sectors, or `/<n>` areas): start, end, step.
-fn range_and_step(m: &str, range: &str, step: &str, size: u64) -> Result<(u64, u64, u64), StatsError> {
+fn range_and_step(m: &str, range: &str, step: &str, size: u64) -> Result<(u64, u64, u64), TargetError> {
     let (start, len) = if range == "-" {
         (0, size.max(1))
     } else {
@@ -316,7 +307,7 @@ fn range_and_step(m: &str, range: &str, step: &str, size: u64) -> Result<(u64, u
 fn features<'a>(
     m: &str,
     it: &mut std::iter::Peekable<impl Iterator<Item = &'a str>>,
-) -> Result<(bool, Vec<u64>), StatsError> {
+) -> Result<(bool, Vec<u64>), TargetError> {
     let (mut precise, mut bounds) = (false, Vec::new());
     let Some(n) = it.peek().and_then(|a| a.parse::<u32>().ok()) else {
         return Ok((precise, bounds));
@@ -388,7 +379,7 @@ impl Stats {
 
     /// One `@stats_*` message (`words[0]` names it) for a device of `size`
     /// sectors: its output, or None if it is not a stats message.
-    pub fn message(&self, words: &[String], size: u64) -> Option<Result<String, StatsError>> {
+    pub fn message(&self, words: &[String], size: u64) -> Option<Result<String, TargetError>> {
         let verb = words.first()?.to_ascii_lowercase();
         let m = verb.as_str();
         let r = match m {
@@ -417,26 +408,23 @@ impl Stats {
     }
 
     /// The region id in `words[1]` of a message of `n` words.
-    fn with_id(&self, m: &str, words: &[String], n: usize) -> Result<u32, StatsError> {
+    fn with_id(&self, m: &str, words: &[String], n: usize) -> Result<u32, TargetError> {
         if words.len() != n {
             return Err(invalid(m, format!("takes {} argument(s)", n - 1)));
         }
         parse_id(m, &words[1])
     }
 
-    fn find(&self, id: u32) -> Result<Arc<Region>, StatsError> {
+    fn find(&self, id: u32) -> Result<Arc<Region>, TargetError> {
         self.regions
             .load()
             .iter()
             .find(|r| r.id == id)
             .cloned()
-            .ok_or_else(|| StatsError {
-                errno: libc::ENOENT,
-                what: format!("no statistics region {id}"),
-            })
+            .ok_or_else(|| TargetError::new(libc::ENOENT, format!("no statistics region {id}")))
     }
 
-    fn create(&self, m: &str, args: &[String], size: u64) -> Result<String, StatsError> {
+    fn create(&self, m: &str, args: &[String], size: u64) -> Result<String, TargetError> {
         let mut it = args.iter().map(String::as_str).peekable();
         let (Some(range), Some(step)) = (it.next(), it.next()) else {
             return Err(invalid(m, "<range> <step> required"));
@@ -456,17 +444,19 @@ impl Stats {
         let n = usize::try_from(n)
             .ok()
             .filter(|&n| n.saturating_mul(buckets) <= MAX_AREAS)
-            .ok_or_else(|| StatsError {
-                errno: libc::ENOMEM,
-                what: format!("{m}: {n} areas of {step} sectors (at most {MAX_AREAS} areas a region)"),
+            .ok_or_else(|| {
+                TargetError::new(
+                    libc::ENOMEM,
+                    format!("{m}: {n} areas of {step} sectors (at most {MAX_AREAS} areas a region)"),
+                )
             })?;
         let held = AREAS_HELD.fetch_add(n, Relaxed);
         if held + n > MAX_AREAS {
             AREAS_HELD.fetch_sub(n, Relaxed);
-            return Err(StatsError {
-                errno: libc::ENOMEM,
-                what: format!("{m}: {n} more areas than the {MAX_AREAS} all regions may hold"),
-            });
+            return Err(TargetError::new(
+                libc::ENOMEM,
+                format!("{m}: {n} more areas than the {MAX_AREAS} all regions may hold"),
+            ));
         }
         let hist_len = if bounds.is_empty() { 0 } else { n * buckets };
         let mut region = Region {
@@ -505,7 +495,7 @@ impl Stats {
         Ok(id.to_string())
     }
 
-    fn delete(&self, id: u32) -> Result<String, StatsError> {
+    fn delete(&self, id: u32) -> Result<String, TargetError> {
         let _g = self.edit.lock().unpoisoned();
         self.find(id)?;
         let new: Vec<Arc<Region>> = self
@@ -531,7 +521,7 @@ impl Stats {
         out
     }
 
-    fn print_msg(&self, m: &str, words: &[String]) -> Result<String, StatsError> {
+    fn print_msg(&self, m: &str, words: &[String]) -> Result<String, TargetError> {
         if words.len() != 2 && words.len() != 4 {
             return Err(invalid(
                 m,
@@ -552,7 +542,7 @@ impl Stats {
     }
 }
 
-fn parse_id(m: &str, w: &str) -> Result<u32, StatsError> {
+fn parse_id(m: &str, w: &str) -> Result<u32, TargetError> {
     w.parse::<u32>()
         .ok()
         .filter(|&i| i <= i32::MAX as u32)
@@ -560,7 +550,7 @@ fn parse_id(m: &str, w: &str) -> Result<u32, StatsError> {
 }
 
 /// `n1,n2,...`: strictly increasing boundaries.
-fn parse_bounds(m: &str, s: &str) -> Result<Vec<u64>, StatsError> {
+fn parse_bounds(m: &str, s: &str) -> Result<Vec<u64>, TargetError> {
     let mut out: Vec<u64> = Vec::new();
     for p in s.split(',') {
         let v: u64 = p
@@ -581,7 +571,7 @@ fn parse_bounds(m: &str, s: &str) -> Result<Vec<u64>, StatsError> {
 mod tests {
     use super::*;
 
-    fn msg(s: &Stats, text: &str) -> Result<String, StatsError> {
+    fn msg(s: &Stats, text: &str) -> Result<String, TargetError> {
         let w: Vec<String> = text.split_whitespace().map(str::to_string).collect();
         s.message(&w, 1000).expect("a stats message")
     }
@@ -653,7 +643,7 @@ mod tests {
         assert_eq!(msg(&s, "@stats_set_aux 0 newaux").unwrap(), "");
         assert!(msg(&s, "@stats_list dmstats").unwrap().contains("dmstats newaux"));
         assert_eq!(msg(&s, "@stats_delete 0").unwrap(), "");
-        assert_eq!(msg(&s, "@stats_print 0").unwrap_err().errno, libc::ENOENT);
+        assert_eq!(msg(&s, "@stats_print 0").unwrap_err().errno(), libc::ENOENT);
         // the lowest free id is reused
         assert_eq!(msg(&s, "@stats_create 0+10 1").unwrap(), "0");
         msg(&s, "@stats_delete 0").unwrap();
@@ -684,15 +674,15 @@ mod tests {
             "@stats_print 0 1",
             "@stats_list a b",
         ] {
-            assert_eq!(msg(&s, bad).unwrap_err().errno, libc::EINVAL, "{bad}");
+            assert_eq!(msg(&s, bad).unwrap_err().errno(), libc::EINVAL, "{bad}");
         }
         assert_eq!(
             msg(&s, "@stats_create 0+18446744073709551614 1")
                 .unwrap_err()
-                .errno,
+                .errno(),
             libc::ENOMEM
         );
-        assert_eq!(msg(&s, "@stats_clear 3").unwrap_err().errno, libc::ENOENT);
+        assert_eq!(msg(&s, "@stats_clear 3").unwrap_err().errno(), libc::ENOENT);
         assert!(s.message(&["@other".to_string()], 10).is_none());
     }
 

@@ -7,6 +7,7 @@
 use super::engine::{Dest, Inbox, Pending, Piece};
 use super::{Device, Hold};
 use crate::io::{AlignedBuf, BackingFile, EndIo, Leaf, LeafKind, Op, SECTOR};
+use crate::mapper::TargetError;
 use crate::sync::Unpoison;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -776,9 +777,9 @@ pub trait Target: Send + Sync {
         self.status_params()
     }
     /// `dmsetup message`; Ok(response) or Err(reason).
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         let _ = words;
-        Err(format!("target {} takes no messages", self.type_name()))
+        Err(format!("target {} takes no messages", self.type_name()).into())
     }
     /// The devices this target maps onto, in table order.
     fn devices(&self) -> Vec<&DevRef> {
@@ -821,7 +822,7 @@ pub trait Target: Send + Sync {
     /// Allocation status of `[sector, sector+nr)` (relative): pushes (bytes, flags)
     /// with NBD's base:allocation bits (1 hole, 2 zero). Default: all data. Err: the
     /// status cannot be known (metadata failed): the request fails, never guesses.
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         let _ = sector;
         out.push((nr * SECTOR, 0));
         Ok(())
@@ -834,7 +835,7 @@ pub trait Target: Send + Sync {
     }
     /// Changed-block tracking (the NBD context `qemu:dirty-bitmap:BASE`): whether
     /// `base` names something this target compares against; Err says why not.
-    fn check_base(&self, base: &str) -> Result<(), String> {
+    fn check_base(&self, base: &str) -> Result<(), TargetError> {
         let _ = base;
         Err("the target keeps no changed-block information".into())
     }
@@ -846,7 +847,7 @@ pub trait Target: Send + Sync {
         sector: u64,
         nr: u64,
         out: &mut Vec<(u64, u32)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), TargetError> {
         let _ = (base, sector);
         out.push((nr * SECTOR, 1));
         Ok(())
@@ -859,7 +860,7 @@ pub trait Target: Send + Sync {
     fn presuspend(&self) {}
     /// Called before the device resumes with this table; Err refuses the resume
     /// (the device stays suspended, the table inactive).
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         Ok(())
     }
     /// Called when the device resumes with this table.
@@ -874,7 +875,7 @@ pub trait Target: Send + Sync {
 
 /// Extents of a device range through a device reference (file holes, or a stacked
 /// dmkit device's own extents).
-pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+pub fn dev_extents(dev: &DevRef, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
     match dev {
         DevRef::File(f) => {
             // a file that cannot say where its holes are is all data
@@ -929,7 +930,7 @@ impl Shared {
 
 /// Context for constructing targets: how to open the devices a table names.
 pub trait Resolver {
-    fn open(&self, name: &str) -> Result<DevRef, String>;
+    fn open(&self, name: &str) -> Result<DevRef, TargetError>;
     /// State shared between targets.
     fn shared(&self) -> &Shared;
     /// The device whose table is being built.
@@ -948,7 +949,7 @@ pub trait Resolver {
 
 /// Builds a target from its table arguments, its length in sectors and the
 /// table's [`Resolver`]; Err says what is wrong (naming the field).
-pub type Constructor = fn(&[String], u64, &dyn Resolver) -> Result<Box<dyn Target>, String>;
+pub type Constructor = fn(&[String], u64, &dyn Resolver) -> Result<Box<dyn Target>, TargetError>;
 
 /// One target type: its name in tables, its version as the kernel reports it
 /// (`dmsetup targets`, DM_LIST_VERSIONS), and how to build one. Each target
@@ -965,14 +966,21 @@ pub struct TargetType {
 }
 
 /// Parse a numeric target argument, naming the field on error.
-pub fn arg_u64(args: &[String], i: usize, field: &str) -> Result<u64, String> {
+pub fn arg_u64(args: &[String], i: usize, field: &str) -> Result<u64, TargetError> {
     let v = args.get(i).ok_or_else(|| format!("missing argument {field}"))?;
-    v.parse::<u64>().map_err(|_| format!("invalid {field} '{v}'"))
+    v.parse::<u64>()
+        .map_err(|_| TargetError::from(format!("invalid {field} '{v}'")))
 }
 
 /// Open the device argument `i` and check that `[offset, offset+len)` lies inside it
 /// and is aligned to its logical block size, as the kernel checks at table load.
-pub fn arg_dev(args: &[String], i: usize, offset: u64, len: u64, r: &dyn Resolver) -> Result<DevRef, String> {
+pub fn arg_dev(
+    args: &[String],
+    i: usize,
+    offset: u64,
+    len: u64,
+    r: &dyn Resolver,
+) -> Result<DevRef, TargetError> {
     let name = args.get(i).ok_or("missing argument device")?;
     let dev = r.open(name).map_err(|e| format!("device '{name}': {e}"))?;
     let size = dev.size_sectors();
@@ -981,14 +989,14 @@ pub fn arg_dev(args: &[String], i: usize, offset: u64, len: u64, r: &dyn Resolve
     } else if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err(format!(
             "device '{name}' too small for target: offset {offset} + length {len} sectors > device size {size} sectors"
-        ));
+        ).into());
     }
     let lbs = u64::from(dev.logical_block_size() / 512).max(1);
     if !offset.is_multiple_of(lbs) || !len.is_multiple_of(lbs) {
         return Err(format!(
             "device '{name}': offset {offset} and length {len} not aligned to its logical block size ({} bytes)",
             lbs * 512
-        ));
+        ).into());
     }
     Ok(dev)
 }

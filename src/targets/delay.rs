@@ -6,6 +6,7 @@
 //! when it is due; presuspend sends everything on at once (the kernel's
 //! flush_delayed_bios), so a suspend never waits out a delay.
 
+use crate::mapper::TargetError;
 use crate::io::Op;
 use crate::mapper::engine::{Dest, Pending};
 use crate::mapper::{
@@ -92,19 +93,19 @@ impl Timer {
 }
 
 impl Delay {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Delay, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Delay, TargetError> {
         if !matches!(args.len(), 3 | 6 | 9) {
             return Err(format!(
                 "delay takes 3, 6 or 9 arguments (<dev> <offset> <delay_ms> per class), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let mut classes = Vec::new();
         for c in 0..args.len() / 3 {
             let offset = arg_u64(args, 3 * c + 1, "offset")?;
             let ms = arg_u64(args, 3 * c + 2, "delay")?;
             if ms > u32::MAX as u64 {
-                return Err(format!("invalid delay '{ms}'"));
+                return Err(format!("invalid delay '{ms}'").into());
             }
             let dev = arg_dev(args, 3 * c, offset, len, r)?;
             classes.push(Class {
@@ -194,7 +195,7 @@ impl Target for Delay {
     fn devices(&self) -> Vec<&DevRef> {
         self.classes.iter().map(|c| &c.dev).collect()
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         let c = &self.classes[0];
         dev_extents(&c.dev, c.offset + sector, nr, out)
     }

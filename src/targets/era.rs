@@ -13,6 +13,7 @@
 //! A worker thread marks, commits, digests, and commits at least every second
 //! while anything is uncommitted.
 
+use crate::mapper::TargetError;
 use crate::era::metadata::Stats;
 use crate::era::superblock::MIN_BLOCK_SIZE;
 use crate::era::EraMetadata;
@@ -84,13 +85,13 @@ pub struct Era {
 
 /// The metadata on a file, or on another dmkit device (read and written through
 /// its table).
-fn open_metadata(dev: &DevRef, block_size: u32) -> Result<EraMetadata, String> {
+fn open_metadata(dev: &DevRef, block_size: u32) -> Result<EraMetadata, TargetError> {
     let d = crate::mapper::devio::metadata_dev(&dev.dest()).map_err(|e| e.to_string())?;
-    EraMetadata::open_or_format(d, block_size).map_err(|e| e.to_string())
+    EraMetadata::open_or_format(d, block_size).map_err(|e| TargetError::invalid(e.to_string()))
 }
 
 impl Era {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Era, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Era, TargetError> {
         if args.len() != 3 {
             return Err("Invalid argument count".into());
         }
@@ -112,7 +113,7 @@ impl Era {
             return Err(format!(
                 "Error opening data device: {} sectors, smaller than the target's {len}",
                 origin.size_sectors()
-            ));
+            ).into());
         }
         let md = open_metadata(&metadata, bs).map_err(|e| format!("Error reading metadata: {e}"))?;
         let st = Arc::new(State {
@@ -145,7 +146,7 @@ impl Era {
     }
 
     /// Run a metadata operation and commit, as the kernel's rpc to its worker.
-    fn rpc<T>(&self, f: impl FnOnce(&mut EraMetadata) -> Result<T, String>) -> Result<T, String> {
+    fn rpc<T>(&self, f: impl FnOnce(&mut EraMetadata) -> Result<T, TargetError>) -> Result<T, TargetError> {
         let mut m = self.st.md.lock().unpoisoned();
         if m.failed {
             return Err("metadata operation failed earlier: the era device fails writes".into());
@@ -180,7 +181,7 @@ impl State {
 
     /// The in-core writeset of a new era: nothing marked, `nr_blocks` long
     /// (an error, not an abort, when memory cannot hold it).
-    fn reset_bits(&self, nr_blocks: u64) -> Result<(), String> {
+    fn reset_bits(&self, nr_blocks: u64) -> Result<(), TargetError> {
         let words = nr_blocks.div_ceil(64) as usize;
         let mut bits = self.bits.write().unpoisoned();
         if bits.len() != words {
@@ -198,7 +199,7 @@ impl State {
     /// Start a new era: archive the current writeset, a new one on disk, and
     /// the in-core one cleared before anything commits, so a write mapped from
     /// now on waits for its mark in the new era.
-    fn new_era(&self, md: &mut EraMetadata) -> Result<(), String> {
+    fn new_era(&self, md: &mut EraMetadata) -> Result<(), TargetError> {
         md.rollover().map_err(|e| format!("metadata_era_rollover failed: {e}"))?;
         self.reset_bits(md.nr_blocks())
     }
@@ -379,7 +380,7 @@ impl Target for Era {
         }
     }
 
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         if words.len() != 1 {
             return Err("incorrect number of message arguments".into());
         }
@@ -391,10 +392,10 @@ impl Target for Era {
                     return Err("metadata snapshot already exists".into());
                 }
                 st.new_era(md)?;
-                md.snap_rolled_over().map(|_| ()).map_err(|e| e.to_string())
+                md.snap_rolled_over().map(|_| ()).map_err(|e| TargetError::invalid(e.to_string()))
             })?,
-            "drop_metadata_snap" => self.rpc(|md| md.drop_snap().map_err(|e| e.to_string()))?,
-            _ => return Err(format!("unsupported message '{}'", words[0])),
+            "drop_metadata_snap" => self.rpc(|md| md.drop_snap().map_err(|e| TargetError::invalid(e.to_string())))?,
+            _ => return Err(format!("unsupported message '{}'", words[0]).into()),
         }
         self.st.wake.notify_all();
         Ok(String::new())
@@ -427,7 +428,7 @@ impl Target for Era {
         }
     }
 
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         let new_size = self.len.div_ceil(self.block_sectors);
         let mut m = self.st.md.lock().unpoisoned();
         if m.nr_blocks == 0 {

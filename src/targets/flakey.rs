@@ -1,6 +1,7 @@
 //! `flakey <dev> <offset> <up> <down> [<n> <features>...]`: linear while up; while
 //! down, errors, dropped writes or corruption as the features say.
 
+use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind};
 use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,12 +37,12 @@ pub struct Flakey {
 }
 
 impl Flakey {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Flakey, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Flakey, TargetError> {
         if args.len() < 4 {
             return Err(format!(
                 "flakey takes at least 4 arguments (<dev> <offset> <up> <down>), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let offset = arg_u64(args, 1, "offset")?;
         let up = arg_u64(args, 2, "up interval")?;
@@ -67,7 +68,7 @@ impl Flakey {
         Ok(f)
     }
 
-    fn parse_features(&mut self, feat: &[String]) -> Result<(), String> {
+    fn parse_features(&mut self, feat: &[String]) -> Result<(), TargetError> {
         if feat.is_empty() {
             self.error_reads = true;
             self.error_writes = true;
@@ -78,7 +79,7 @@ impl Flakey {
             return Err(format!(
                 "feature count {n} does not match the {} feature words given (at most 11)",
                 feat.len() - 1
-            ));
+            ).into());
         }
         let mut i = 1;
         while i < feat.len() {
@@ -87,14 +88,14 @@ impl Flakey {
             match w {
                 "error_reads" => {
                     if self.error_reads {
-                        return Err(dup());
+                        return Err(dup().into());
                     }
                     self.error_reads = true;
                 }
                 "drop_writes" | "error_writes" => {
                     if self.drop_writes || self.error_writes {
                         return Err(if (w == "drop_writes") == self.drop_writes {
-                            dup()
+                            dup().into()
                         } else {
                             "drop_writes and error_writes are mutually exclusive".into()
                         });
@@ -107,7 +108,7 @@ impl Flakey {
                 }
                 "corrupt_bio_byte" => {
                     if self.corrupt.is_some() {
-                        return Err(dup());
+                        return Err(dup().into());
                     }
                     if i + 4 >= feat.len() {
                         return Err("corrupt_bio_byte takes 4 arguments: <Nth> <r|w> <value> <flags>".into());
@@ -119,11 +120,11 @@ impl Flakey {
                     let dir = match feat[i + 2].as_str() {
                         "r" => Dir::Read,
                         "w" => Dir::Write,
-                        o => return Err(format!("corrupt_bio_byte: direction '{o}' is not r or w")),
+                        o => return Err(format!("corrupt_bio_byte: direction '{o}' is not r or w").into()),
                     };
                     let value = arg_u64(feat, i + 3, "corrupt_bio_byte value")?;
                     if value > 255 {
-                        return Err(format!("corrupt_bio_byte: value {value} is more than 255"));
+                        return Err(format!("corrupt_bio_byte: value {value} is more than 255").into());
                     }
                     let flags = arg_u64(feat, i + 4, "corrupt_bio_byte flags")?;
                     self.corrupt = Some(CorruptByte {
@@ -137,7 +138,7 @@ impl Flakey {
                 "random_read_corrupt" | "random_write_corrupt" => {
                     let p = arg_u64(feat, i + 1, w)?;
                     if p > 1_000_000_000 {
-                        return Err(format!("{w}: probability {p} is more than 1000000000"));
+                        return Err(format!("{w}: probability {p} is more than 1000000000").into());
                     }
                     let slot = if w == "random_read_corrupt" {
                         &mut self.random_read
@@ -145,12 +146,12 @@ impl Flakey {
                         &mut self.random_write
                     };
                     if slot.is_some() {
-                        return Err(dup());
+                        return Err(dup().into());
                     }
                     *slot = Some(p);
                     i += 1;
                 }
-                other => return Err(format!("unknown flakey feature '{other}'")),
+                other => return Err(format!("unknown flakey feature '{other}'").into()),
             }
             i += 1;
         }

@@ -1,5 +1,6 @@
 //! `linear <dev> <offset>`: a contiguous range of another device.
 
+use crate::mapper::TargetError;
 use crate::mapper::{
     arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType,
 };
@@ -10,12 +11,12 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Linear, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Linear, TargetError> {
         if args.len() != 2 {
             return Err(format!(
                 "linear takes 2 arguments (<dev> <offset>), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let offset = arg_u64(args, 1, "offset")?;
         let dev = arg_dev(args, 0, offset, len, r)?;
@@ -48,7 +49,7 @@ impl Target for Linear {
     fn flush_bypasses_map(&self) -> bool {
         true
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         dev_extents(&self.dev, self.offset + sector, nr, out)
     }
 }

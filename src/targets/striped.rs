@@ -1,5 +1,6 @@
 //! `striped <N> <chunk> (<dev> <offset>)×N`: chunks dealt round-robin over N devices.
 
+use crate::mapper::TargetError;
 use crate::io::Op;
 use crate::mapper::{
     arg_dev, arg_u64, dev_extents, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType,
@@ -20,7 +21,7 @@ pub struct Striped {
 }
 
 impl Striped {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Striped, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Striped, TargetError> {
         let n = arg_u64(args, 0, "number of stripes")?;
         if n == 0 {
             return Err("number of stripes must be at least 1".into());
@@ -30,7 +31,7 @@ impl Striped {
                 "striped with {n} stripes takes {} arguments, got {}",
                 2 + 2 * n,
                 args.len()
-            ));
+            ).into());
         }
         let chunk = arg_u64(args, 1, "chunk size")?;
         if chunk == 0 {
@@ -39,13 +40,13 @@ impl Striped {
         if !len.is_multiple_of(n) {
             return Err(format!(
                 "target length {len} is not divisible by the number of stripes {n}"
-            ));
+            ).into());
         }
         let per = len / n;
         if !per.is_multiple_of(chunk) {
             return Err(format!(
                 "stripe length {per} is not divisible by the chunk size {chunk}"
-            ));
+            ).into());
         }
         let mut stripes = Vec::new();
         for i in 0..n as usize {
@@ -195,7 +196,7 @@ impl Target for Striped {
     fn flush_bypasses_map(&self) -> bool {
         true
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         let mut done = 0;
         while done < nr {
             let s = sector + done;

@@ -6,6 +6,7 @@
 //! after a requeue is never transformed twice. No discards or zeroing: the
 //! stored bytes of a zeroed range would not read back as zeroes.
 
+use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use std::sync::Arc;
@@ -25,12 +26,12 @@ pub struct Xor {
 }
 
 impl Xor {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Xor, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Xor, TargetError> {
         if args.len() != 3 {
             return Err(format!(
                 "xor takes 3 arguments (<dev> <offset> <keyhex>), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let offset = arg_u64(args, 1, "offset")?;
         let key = parse_key(&args[2])?;
@@ -44,12 +45,12 @@ impl Xor {
 }
 
 /// 1 to 64 bytes in hex.
-fn parse_key(hex: &str) -> Result<Vec<u8>, String> {
+fn parse_key(hex: &str) -> Result<Vec<u8>, TargetError> {
     let bad = || format!("invalid key '{hex}': 2 to 128 hex digits");
     if hex.is_empty() || !hex.len().is_multiple_of(2) || hex.len() > 128 {
-        return Err(bad());
+        return Err(bad().into());
     }
-    hex::decode(hex).map_err(|_| bad())
+    hex::decode(hex).map_err(|_| TargetError::from(bad()))
 }
 
 /// XOR `data` (sectors from `sector` on) with the key stream; `from` and `to` may

@@ -1,12 +1,13 @@
 //! `zero`: reads return zeroes, writes and discards are dropped.
 
+use crate::mapper::TargetError;
 use crate::io::{LeafKind, Op, SECTOR};
 use crate::mapper::{Bio, Limits, MapCtx, MapErr, Target, TargetType};
 
 pub struct Zero;
 
 impl Zero {
-    pub fn new(args: &[String]) -> Result<Zero, String> {
+    pub fn new(args: &[String]) -> Result<Zero, TargetError> {
         if !args.is_empty() {
             return Err("zero: No arguments required".into());
         }
@@ -47,7 +48,7 @@ impl Target for Zero {
             ..Limits::NONE
         }
     }
-    fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    fn extents(&self, _sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         out.push((nr * SECTOR, 3));
         Ok(())
     }

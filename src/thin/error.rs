@@ -10,6 +10,12 @@ pub enum ThinError {
     DeviceExists(u64),
     #[error("thin device {0} does not exist")]
     NoSuchDevice(u64),
+    /// A data block size the format does not allow (sectors).
+    #[error("data block size {0} sectors: must be 128..2097152 and a multiple of 128")]
+    DataBlockSize(u32),
+    /// A device a table uses, which a message may not delete.
+    #[error("thin device {0} is active (busy)")]
+    Active(u64),
     #[error("transaction id mismatch: expected {expected}, current is {current}")]
     TransactionIdMismatch { expected: u64, current: u64 },
     #[error("a metadata snapshot is already held (block {0})")]

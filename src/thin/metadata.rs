@@ -63,9 +63,7 @@ pub struct ThinPoolMetadata {
 
 fn check_data_block_size(s: u32) -> Result<()> {
     if !(MIN_DATA_BLOCK_SIZE..=MAX_DATA_BLOCK_SIZE).contains(&s) || !s.is_multiple_of(MIN_DATA_BLOCK_SIZE) {
-        return Err(ThinError::Invalid(format!(
-            "data block size {s} sectors: must be 128..2097152 and a multiple of 128"
-        )));
+        return Err(ThinError::DataBlockSize(s));
     }
     Ok(())
 }

@@ -147,9 +147,7 @@ impl Visitor for Restorer {
             },
         )
         .map_err(|e| match e {
-            ThinError::Invalid(s) if s.starts_with("data block size") => {
-                ThinError::Plain("invalid data block size".into())
-            }
+            ThinError::DataBlockSize(_) => ThinError::Plain("invalid data block size".into()),
             e => e,
         })?;
         md.set_time(h.time);

@@ -661,7 +661,9 @@ fn luks(run_dir: &Path, cmd: LuksCmd) -> i32 {
             let pw = match &key_file {
                 Some(f) => std::fs::File::open(f)
                     .map_err(|e| format!("{}: {e}", f.display()))
-                    .and_then(|r| luks::read_passphrase(std::io::BufReader::new(r), true)),
+                    .and_then(|r| {
+                        luks::read_passphrase(std::io::BufReader::new(r), true).map_err(|e| e.to_string())
+                    }),
                 None => prompt_passphrase(&device),
             };
             let pw = match pw {
@@ -742,13 +744,13 @@ fn prompt_passphrase(device: &Path) -> std::result::Result<dmkit::targets::crypt
     let stdin = std::io::stdin();
     let Ok(saved) = tcgetattr(&stdin) else {
         // not a terminal
-        return dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false);
+        return dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false).map_err(|e| e.to_string());
     };
     eprint!("Enter passphrase for {}: ", device.display());
     let mut quiet = saved.clone();
     quiet.local_modes.remove(LocalModes::ECHO);
     tcsetattr(&stdin, OptionalActions::Now, &quiet).map_err(|e| format!("turning the echo off: {e}"))?;
-    let pw = dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false);
+    let pw = dmkit::targets::crypt::luks::read_passphrase(stdin.lock(), false).map_err(|e| e.to_string());
     let _ = tcsetattr(&stdin, OptionalActions::Now, &saved);
     eprintln!();
     pw
@@ -934,19 +936,18 @@ fn replay(
     let until = until
         .map_or(Ok(Until::End), Until::parse)
         .map_err(|e| anyhow::anyhow!("replay: {e}"))?;
-    let mut checks =
-        checks
-            .as_mut()
-            .map(|c| -> Result<Checks> {
-                Ok(Checks {
-                    at: CheckAt::parse(&c.at).map_err(|e| anyhow::anyhow!("replay: {e}"))?,
-                    from: c.from.as_deref().map(Until::parse).transpose().map_err(|e| {
-                        anyhow::anyhow!("replay: {}", e.replacen("--until", "--check-from", 1))
-                    })?,
-                    judge: &mut c.judge,
-                })
+    let mut checks = checks
+        .as_mut()
+        .map(|c| -> Result<Checks> {
+            Ok(Checks {
+                at: CheckAt::parse(&c.at).map_err(|e| anyhow::anyhow!("replay: {e}"))?,
+                from: c.from.as_deref().map(Until::parse).transpose().map_err(|e| {
+                    anyhow::anyhow!("replay: {}", e.to_string().replacen("--until", "--check-from", 1))
+                })?,
+                judge: &mut c.judge,
             })
-            .transpose()?;
+        })
+        .transpose()?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let r = replay(

@@ -16,6 +16,7 @@
 //! the clean-shutdown flag; the first resume clears it. Opened after a dirty
 //! shutdown, every mapped block counts as dirty and the hints are not used.
 
+use crate::mapper::TargetError;
 use super::policy::{vec_of, Op, Policy, Work};
 use super::Features;
 use crate::cache::CacheMetadata;
@@ -90,7 +91,7 @@ impl Core {
         nr_cache: u32,
         origin_sectors: u64,
         bs: u64,
-    ) -> Result<Core, String> {
+    ) -> Result<Core, TargetError> {
         let n = nr_cache as usize;
         let mut map = HashMap::new();
         map.try_reserve(n)
@@ -230,7 +231,7 @@ impl Shared {
         threshold: u64,
         origin: Dest,
         cache: Dest,
-    ) -> Result<Arc<Shared>, String> {
+    ) -> Result<Arc<Shared>, TargetError> {
         let nr_cache = core.entries.len() as u32;
         let st = Arc::new_cyclic(|me: &Weak<Shared>| Shared {
             core: Mutex::new(core),
@@ -466,7 +467,7 @@ impl Shared {
         }
     }
 
-    pub fn set_config(&self, key: &str, value: &str) -> Result<(), String> {
+    pub fn set_config(&self, key: &str, value: &str) -> Result<(), TargetError> {
         let mut core = self.core.lock().unpoisoned();
         let mut t = self.migration_threshold();
         super::set_config_value(&mut t, core.policy.as_mut(), key, value)?;
@@ -477,7 +478,7 @@ impl Shared {
     }
 
     /// Unmap the cache blocks of `range` (passthrough), committed.
-    pub fn invalidate_cblocks(&self, range: std::ops::Range<u32>) -> Result<(), String> {
+    pub fn invalidate_cblocks(&self, range: std::ops::Range<u32>) -> Result<(), TargetError> {
         let mut m = self.md.lock().unpoisoned();
         let mut core = self.core.lock().unpoisoned();
         for c in range {
@@ -501,7 +502,7 @@ impl Shared {
 
     // ---- resume, suspend ----
 
-    pub fn preresume(&self, open: impl FnOnce() -> Result<CacheMetadata, String>, cache_dev: &DevRef) -> Result<(), String> {
+    pub fn preresume(&self, open: impl FnOnce() -> Result<CacheMetadata, TargetError>, cache_dev: &DevRef) -> Result<(), TargetError> {
         let mut m = self.md.lock().unpoisoned();
         let mut core = self.core.lock().unpoisoned();
         if !core.loaded {
@@ -510,7 +511,7 @@ impl Shared {
                 return Err(format!(
                     "unable to resize the cache from {} to {csize} blocks without a table reload",
                     self.nr_cache
-                ));
+                ).into());
             }
             // what a table before this one committed counts
             let mut md = open().map_err(|e| format!("could not load cache mappings: {e}"))?;
@@ -558,7 +559,7 @@ impl Shared {
             }
         }
         let core = self.core.lock().unpoisoned();
-        let r = (|| -> Result<(), String> {
+        let r = (|| -> Result<(), TargetError> {
             let Md { md, on_disk_dirty, .. } = &mut *m;
             let Some(md) = md.as_mut() else { return Ok(()) };
             for (c, e) in core.entries.iter().enumerate() {
@@ -809,19 +810,19 @@ impl Shared {
 }
 
 /// Commit the metadata (if open); a failure fails the metadata from then on.
-fn commit(m: &mut Md, clean: bool) -> Result<(), String> {
+fn commit(m: &mut Md, clean: bool) -> Result<(), TargetError> {
     let Some(md) = m.md.as_mut() else { return Ok(()) };
     md.commit(clean).map_err(|e| {
         m.failed = true;
         format!("could not write cache metadata: {e}")
-    })
+    }).map_err(TargetError::from)
 }
 
 /// Load the mappings of `md` into the core and its policy: dirty as the
 /// metadata says after a clean shutdown (all of them otherwise), hints when
 /// they were saved by this policy at a clean shutdown. Mappings past the
 /// origin's end are dropped, unless dirty.
-fn load(core: &mut Core, md: &mut CacheMetadata, on_disk: &mut Vec<bool>, nr_cache: u32, origin_blocks: u64) -> Result<(), String> {
+fn load(core: &mut Core, md: &mut CacheMetadata, on_disk: &mut Vec<bool>, nr_cache: u32, origin_blocks: u64) -> Result<(), TargetError> {
     if md.nr_cache_blocks() != u64::from(nr_cache) {
         md.resize(u64::from(nr_cache))
             .map_err(|e| format!("could not resize cache metadata: {e}"))?;
@@ -845,7 +846,7 @@ fn load(core: &mut Core, md: &mut CacheMetadata, on_disk: &mut Vec<bool>, nr_cac
         let c = m.cblock as usize;
         if m.oblock >= origin_blocks {
             if m.dirty {
-                return Err(format!("unable to shrink origin; cache block {} is dirty", m.cblock));
+                return Err(format!("unable to shrink origin; cache block {} is dirty", m.cblock).into());
             }
             md.remove(c as u64)
                 .map_err(|e| format!("invalidation failed; couldn't update on disk metadata: {e}"))?;

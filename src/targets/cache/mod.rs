@@ -13,6 +13,7 @@
 mod core;
 pub mod policy;
 
+use crate::mapper::TargetError;
 use self::core::{Core, IoMode, Shared};
 use crate::cache::superblock::{max_cache_blocks, METADATA_BLOCK_SECTORS};
 use crate::cache::CacheMetadata;
@@ -45,7 +46,7 @@ pub struct Features {
 
 /// Parse `<#feature args> [<feature arg>]*` at `args[i..]`: the features and
 /// the index after them.
-fn parse_features(args: &[String], i: usize) -> Result<(Features, usize), String> {
+fn parse_features(args: &[String], i: usize) -> Result<(Features, usize), TargetError> {
     let bad_count = "Invalid number of cache feature arguments";
     let n: usize = args
         .get(i)
@@ -111,13 +112,13 @@ pub struct Cache {
 
 /// The metadata on a file, or on another dmkit device (LVM's `_cmeta`, read and
 /// written through its table).
-fn open_metadata(dev: &DevRef, block_size: u32, version: u32) -> Result<CacheMetadata, String> {
+fn open_metadata(dev: &DevRef, block_size: u32, version: u32) -> Result<CacheMetadata, TargetError> {
     let d = crate::mapper::devio::metadata_dev(&dev.dest()).map_err(|e| e.to_string())?;
-    CacheMetadata::open_or_format(d, block_size, version).map_err(|e| e.to_string())
+    CacheMetadata::open_or_format(d, block_size, version).map_err(|e| TargetError::invalid(e.to_string()))
 }
 
 impl Cache {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Cache, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Cache, TargetError> {
         let arg = |i: usize| args.get(i).ok_or_else(|| "Insufficient args".to_string());
         let metadata = r
             .open(arg(0)?)
@@ -161,7 +162,7 @@ impl Cache {
         if nr_cache > max_cache_blocks(meta_blocks) || nr_cache > u64::from(u32::MAX) {
             return Err(format!(
                 "Error creating metadata object: {nr_cache} cache blocks are more than the metadata device ({meta_blocks} blocks) can map"
-            ));
+            ).into());
         }
         let mut policy = policy::create(&policy_name, nr_cache as u32, len, bs)
             .map_err(|e| format!("Error creating cache's policy: {e}"))?;
@@ -209,7 +210,7 @@ impl Cache {
 
 /// A `<key> <value>` of the table or a message: the core's
 /// `migration_threshold`, else the policy's.
-fn set_config_value(threshold: &mut u64, p: &mut dyn policy::Policy, key: &str, value: &str) -> Result<(), String> {
+fn set_config_value(threshold: &mut u64, p: &mut dyn policy::Policy, key: &str, value: &str) -> Result<(), TargetError> {
     let bad = || {
         tracing::warn!("bad config value for {key}: {value}");
         format!("bad config value for {key}: {value}")
@@ -221,7 +222,7 @@ fn set_config_value(threshold: &mut u64, p: &mut dyn policy::Policy, key: &str, 
     if p.set_config(key, value) {
         Ok(())
     } else {
-        Err(bad())
+        Err(bad().into())
     }
 }
 
@@ -300,7 +301,7 @@ impl Target for Cache {
         )
     }
 
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         let Some(first) = words.first() else {
             return Err("Invalid argument".into());
         };
@@ -312,13 +313,13 @@ impl Target for Cache {
             for w in &words[1..] {
                 let (b, e) = parse_cblock_range(w).ok_or_else(|| format!("invalid cblock range '{w}'"))?;
                 if b >= nr {
-                    return Err(format!("begin cblock out of range: {b} >= {nr}"));
+                    return Err(format!("begin cblock out of range: {b} >= {nr}").into());
                 }
                 if e > nr {
-                    return Err(format!("end cblock out of range: {e} > {nr}"));
+                    return Err(format!("end cblock out of range: {e} > {nr}").into());
                 }
                 if b >= e {
-                    return Err(format!("invalid cblock range: {b} >= {e}"));
+                    return Err(format!("invalid cblock range: {b} >= {e}").into());
                 }
                 self.st.invalidate_cblocks(b as u32..e as u32)?;
             }
@@ -363,7 +364,7 @@ impl Target for Cache {
         }
     }
 
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         let f = &self.st.features;
         self.st.preresume(|| open_metadata(&self.metadata, self.st.bs as u32, f.metadata_version), &self.cache_dev)
     }
@@ -409,7 +410,7 @@ mod tests {
             ("1 writearound", "Unrecognised cache feature requested"),
             ("2 writeback passthrough", "Duplicate cache io_mode features requested"),
         ] {
-            assert_eq!(parse_features(&words(s), 0).unwrap_err(), e, "{s}");
+            assert_eq!(parse_features(&words(s), 0).unwrap_err(), e.into(), "{s}");
         }
     }
 

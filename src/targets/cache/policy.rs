@@ -21,6 +21,7 @@
 //! place. A block's level is its hint, saved on a clean shutdown and loaded
 //! again, so a restarted cache keeps its hot set.
 
+use crate::mapper::TargetError;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 /// Levels of each multiqueue (the kernel's NR_CACHE_LEVELS, NR_HOTSPOT_LEVELS).
@@ -97,18 +98,18 @@ pub fn create(
     nr_cache: u32,
     origin_sectors: u64,
     block_sectors: u64,
-) -> Result<Box<dyn Policy>, String> {
+) -> Result<Box<dyn Policy>, TargetError> {
     match name {
         "smq" | "default" => Ok(Box::new(Smq::new(nr_cache, origin_sectors, block_sectors, false)?)),
         "mq" => Ok(Box::new(Smq::new(nr_cache, origin_sectors, block_sectors, true)?)),
         "cleaner" => Ok(Box::new(Cleaner::new(nr_cache)?)),
-        _ => Err(format!("unknown policy '{name}' (smq, mq, default, cleaner)")),
+        _ => Err(format!("unknown policy '{name}' (smq, mq, default, cleaner)").into()),
     }
 }
 
 /// A vector of `n` copies of `v`, or an error naming `what` when memory
 /// cannot hold it (never an abort).
-pub(crate) fn vec_of<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>, String> {
+pub(crate) fn vec_of<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>, TargetError> {
     let mut out = Vec::new();
     out.try_reserve_exact(n)
         .map_err(|_| format!("no memory for {n} {what}"))?;
@@ -129,7 +130,7 @@ struct Links {
 }
 
 impl Links {
-    fn new(n: usize, sentinels: usize, what: &str) -> Result<Links, String> {
+    fn new(n: usize, sentinels: usize, what: &str) -> Result<Links, TargetError> {
         let all = n + sentinels;
         Ok(Links {
             prev: vec_of(all, NIL, what)?,
@@ -427,7 +428,7 @@ fn random_level(cblock: u32) -> u8 {
 }
 
 impl Smq {
-    fn new(nr_cache: u32, origin_sectors: u64, block_sectors: u64, mimic_mq: bool) -> Result<Smq, String> {
+    fn new(nr_cache: u32, origin_sectors: u64, block_sectors: u64, mimic_mq: bool) -> Result<Smq, TargetError> {
         let n = nr_cache as usize;
         // the hotspot regions: 16 cache blocks each, halved while there would be
         // fewer of them than max(cache blocks / 4, 1024)
@@ -935,7 +936,7 @@ struct Cleaner {
 }
 
 impl Cleaner {
-    fn new(nr_cache: u32) -> Result<Cleaner, String> {
+    fn new(nr_cache: u32) -> Result<Cleaner, TargetError> {
         let n = nr_cache as usize;
         Ok(Cleaner {
             oblock: vec_of(n, 0, "cache entries")?,

@@ -5,6 +5,7 @@
 //! newest is the live one, and its batches are read up to the first that is
 //! not whole. Little-endian throughout.
 
+use crate::mapper::TargetError;
 use crate::pdata::{le32, le64, put32, put64};
 
 /// Bytes of the superblock (the first block of the journal device).
@@ -53,7 +54,7 @@ impl Super {
     }
 
     /// `None` when the block is all zeroes (a journal never used).
-    pub fn decode(b: &[u8]) -> Result<Option<Super>, String> {
+    pub fn decode(b: &[u8]) -> Result<Option<Super>, TargetError> {
         if b.len() < 52 {
             return Err("superblock: shorter than 52 bytes".into());
         }
@@ -68,7 +69,7 @@ impl Super {
         }
         let v = le32(b, 8);
         if v != VERSION {
-            return Err(format!("superblock: version {v}, this dmkit reads version {VERSION}"));
+            return Err(format!("superblock: version {v}, this dmkit reads version {VERSION}").into());
         }
         Ok(Some(Super {
             block_sectors: le32(b, 12),
@@ -197,7 +198,7 @@ impl Record {
     }
 
     /// Every record of `body`, or what could not be read and at which byte.
-    pub fn decode_all(body: &[u8]) -> Result<Vec<Record>, String> {
+    pub fn decode_all(body: &[u8]) -> Result<Vec<Record>, TargetError> {
         let mut r = Rd { b: body, at: 0 };
         let mut out = Vec::new();
         while r.at < body.len() {
@@ -215,7 +216,7 @@ impl Record {
                     let time_ns = r.u64("point time")?;
                     let len = usize::from(r.u8("label length")?);
                     if len > MAX_LABEL {
-                        return Err(format!("byte {start}: label of {len} bytes (at most {MAX_LABEL})"));
+                        return Err(format!("byte {start}: label of {len} bytes (at most {MAX_LABEL})").into());
                     }
                     let l = r.take(len, "label")?;
                     let label = (len > 0).then(|| String::from_utf8_lossy(l).into_owned());
@@ -224,7 +225,7 @@ impl Record {
                 T_DROP => Record::Drop { n: r.u64("dropped point")? },
                 // zero padding ends a body
                 0 if body[start..].iter().all(|&x| x == 0) => break,
-                t => return Err(format!("byte {start}: unknown record type {t}")),
+                t => return Err(format!("byte {start}: unknown record type {t}").into()),
             });
         }
         Ok(out)
@@ -238,7 +239,7 @@ struct Rd<'a> {
 }
 
 impl<'a> Rd<'a> {
-    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8], String> {
+    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8], TargetError> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
         match end {
             Some(e) => {
@@ -246,15 +247,15 @@ impl<'a> Rd<'a> {
                 self.at = e;
                 Ok(s)
             }
-            None => Err(format!("byte {}: {field} runs past the end ({} bytes)", self.at, self.b.len())),
+            None => Err(format!("byte {}: {field} runs past the end ({} bytes)", self.at, self.b.len()).into()),
         }
     }
 
-    fn u8(&mut self, field: &str) -> Result<u8, String> {
+    fn u8(&mut self, field: &str) -> Result<u8, TargetError> {
         Ok(self.take(1, field)?[0])
     }
 
-    fn u64(&mut self, field: &str) -> Result<u64, String> {
+    fn u64(&mut self, field: &str) -> Result<u64, TargetError> {
         Ok(le64(self.take(8, field)?, 0))
     }
 }
@@ -289,10 +290,10 @@ mod tests {
         padded_body.resize(padded(b.len() as u64) as usize, 0);
         assert_eq!(Record::decode_all(&padded_body).unwrap(), recs);
         let cut = &b[..b.len() - 3];
-        assert!(Record::decode_all(cut).unwrap_err().contains("dropped point runs past the end"));
+        assert!(Record::decode_all(cut).unwrap_err().what().contains("dropped point runs past the end"));
         let mut bad = b.clone();
         bad[0] = 77;
-        assert_eq!(Record::decode_all(&bad).unwrap_err(), "byte 0: unknown record type 77");
+        assert_eq!(Record::decode_all(&bad).unwrap_err(), "byte 0: unknown record type 77".into());
     }
 
     #[test]
@@ -324,6 +325,6 @@ mod tests {
         };
         assert_eq!(Super::decode(&s.encode()).unwrap(), Some(s));
         assert_eq!(Super::decode(&[0u8; 4096]).unwrap(), None);
-        assert!(Super::decode(&[1u8; 4096]).unwrap_err().contains("not a cdp journal"));
+        assert!(Super::decode(&[1u8; 4096]).unwrap_err().what().contains("not a cdp journal"));
     }
 }

@@ -2,6 +2,7 @@
 //! each commit, and its two areas swapped when the live one is full
 //! ([`super::format`] has the layout).
 
+use crate::mapper::TargetError;
 use super::format::{padded, Head, Record, Super, HEAD_LEN, POINT_LEN, SUPER_LEN, UNIT, VERSION_LEN};
 use super::state::{Index, Point, Version};
 use crate::mapper::devio;
@@ -59,7 +60,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     /// `len` bytes at `off` (both multiples of [`UNIT`]).
-    fn bytes(&mut self, off: u64, len: u64) -> Result<&[u8], String> {
+    fn bytes(&mut self, off: u64, len: u64) -> Result<&[u8], TargetError> {
         let have = off >= self.start && off + len <= self.start + self.buf.len() as u64;
         if !have {
             let n = padded(len.max(CHUNK));
@@ -69,7 +70,7 @@ impl Reader<'_> {
             self.buf.truncate(n as usize);
             (self.read)(off, &mut self.buf).map_err(|e| format!("reading the journal at byte {off}: {e}"))?;
             if (self.buf.len() as u64) < len {
-                return Err(format!("the journal ends before byte {}", off + len));
+                return Err(format!("the journal ends before byte {}", off + len).into());
             }
         }
         let at = (off - self.start) as usize;
@@ -78,7 +79,7 @@ impl Reader<'_> {
 }
 
 /// Apply one checkpoint's or batch's records to `ix`.
-fn apply(ix: &mut Index, recs: Vec<Record>, committed: u64, where_: &str) -> Result<(), String> {
+fn apply(ix: &mut Index, recs: Vec<Record>, committed: u64, where_: &str) -> Result<(), TargetError> {
     let dev_blocks = ix.cur.len() as u64;
     let mut scratch = Vec::new();
     for r in recs {
@@ -88,13 +89,13 @@ fn apply(ix: &mut Index, recs: Vec<Record>, committed: u64, where_: &str) -> Res
                 if block >= dev_blocks || !ix.slot_ok(slot) || fp > committed || fp == 0 || older {
                     return Err(format!(
                         "{where_}: version of block {block} at point {fp} in data block {slot} lies outside the device ({dev_blocks} blocks), the data device or the points committed ({committed}), or before the block's last version"
-                    ));
+                    ).into());
                 }
                 ix.install(block, Version { fp, slot }, committed, committed);
             }
             Record::Point { n, flush, time_ns, label } => {
                 if n > committed {
-                    return Err(format!("{where_}: point {n} after the last committed ({committed})"));
+                    return Err(format!("{where_}: point {n} after the last committed ({committed})").into());
                 }
                 ix.points.insert(n, Point { flush, time_ns, label });
             }
@@ -111,7 +112,7 @@ fn piece(
     off: u64,
     end: u64,
     checkpoint: bool,
-) -> Result<Option<(Head, Vec<Record>, u64)>, String> {
+) -> Result<Option<(Head, Vec<Record>, u64)>, TargetError> {
     if off + UNIT > end {
         return Ok(None);
     }
@@ -134,7 +135,7 @@ fn piece(
 /// Open the journal on `dest` for a device of `dev_blocks` blocks of
 /// `block_sectors` over `data_blocks` data blocks: made when its first 4 KiB are
 /// zero, else replayed (its geometry must be the table's).
-pub fn open(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64) -> Result<Opened, String> {
+pub fn open(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64) -> Result<Opened, TargetError> {
     let mut first = vec![0u8; SUPER_LEN as usize];
     devio::read(dest, 0, &mut first).map_err(|e| format!("reading the journal's superblock: {e}"))?;
     let size = devio::size_sectors(dest) * 512;
@@ -146,27 +147,27 @@ pub fn open(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64) 
         return Err(format!(
             "the journal was made for {} blocks of {} sectors, the table asks {dev_blocks} of {block_sectors}",
             sup.dev_blocks, sup.block_sectors
-        ));
+        ).into());
     }
     if sup.data_blocks > data_blocks {
         return Err(format!(
             "the journal was made for {} data blocks, the data device holds {data_blocks}",
             sup.data_blocks
-        ));
+        ).into());
     }
     replay(&mut |off, buf| devio::read(dest, off / 512, buf), size, sup)
 }
 
 /// The index a journal of `size` bytes with superblock `sup` holds, read
 /// through `read`: the newest whole checkpoint and the whole batches after it.
-pub fn replay(read: ReadAt, size: u64, sup: Super) -> Result<Opened, String> {
+pub fn replay(read: ReadAt, size: u64, sup: Super) -> Result<Opened, TargetError> {
     let fits = sup
         .area_len
         .checked_mul(2)
         .and_then(|a| a.checked_add(SUPER_LEN))
         .is_some_and(|end| end <= size);
     if sup.area_len < UNIT || !sup.area_len.is_multiple_of(UNIT) || !fits {
-        return Err(format!("the journal's areas ({} bytes each) do not fit its {size} bytes", sup.area_len));
+        return Err(format!("the journal's areas ({} bytes each) do not fit its {size} bytes", sup.area_len).into());
     }
     let dev_blocks = sup.dev_blocks;
     let mut rd = Reader {
@@ -220,7 +221,7 @@ pub fn replay(read: ReadAt, size: u64, sup: Super) -> Result<Opened, String> {
     })
 }
 
-fn make(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64, size: u64) -> Result<Opened, String> {
+fn make(dest: &Dest, block_sectors: u32, data_blocks: u64, dev_blocks: u64, size: u64) -> Result<Opened, TargetError> {
     let area_len = (size.saturating_sub(SUPER_LEN) / 2) / UNIT * UNIT;
     let mut n = [0u8; 8];
     // a trial's: from its seed; else the clock and the process

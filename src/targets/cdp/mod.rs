@@ -20,6 +20,7 @@ pub mod format;
 pub mod journal;
 pub mod state;
 
+use crate::mapper::TargetError;
 use crate::io::{errno, EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::{Dest, Pending};
@@ -69,7 +70,7 @@ enum Req {
     Mark {
         label: String,
         flush: u64,
-        reply: crate::sync::ReplyTx<Result<u64, String>>,
+        reply: crate::sync::ReplyTx<Result<u64, TargetError>>,
     },
 }
 
@@ -480,7 +481,7 @@ impl Inner {
             let r = self.commit(reqs, room);
             st = self.st.lock().unpoisoned();
             if let Err(e) = r {
-                self.fail(&mut st, e);
+                self.fail(&mut st, e.to_string());
                 continue;
             }
             // writes that waited for room map again, or fail if none can come
@@ -500,7 +501,7 @@ impl Inner {
     /// One commit of the requests `reqs` (flushes, FUA writes, marks), and of
     /// `room` (a number taken for room: writes wait for a data block, or few
     /// are free) so that what waits for a commit to be freed is freed.
-    fn commit(&self, reqs: Vec<Req>, room: Option<u64>) -> Result<(), String> {
+    fn commit(&self, reqs: Vec<Req>, room: Option<u64>) -> Result<(), TargetError> {
         // the crash simulator places crashes at the flushes inside it
         let _window = crate::io::sim::commit_window(devio::sim_of(&self.journal).as_ref());
         let done = self.number(reqs);
@@ -563,7 +564,7 @@ impl Inner {
     /// The point a view names: `flush:N`, `mark:LABEL` (the newest so
     /// labelled), `time:RFC3339` (the newest at or before it): its number
     /// and flush number, pinned (kept until [`Inner::unpin`] lets it go).
-    fn resolve(&self, spec: &str) -> Result<(u64, u64), String> {
+    fn resolve(&self, spec: &str) -> Result<(u64, u64), TargetError> {
         let mut st = self.st.lock().unpoisoned();
         let pts = &st.ix.points;
         let (kind, v) = spec
@@ -596,7 +597,7 @@ impl Inner {
                     .map(|(&n, _)| n)
                     .ok_or_else(|| format!("point '{spec}': no kept point is as old ({})", describe_points(&st.ix)))?
             }
-            _ => return Err(format!("point '{spec}': expected flush:N, mark:LABEL or time:RFC3339")),
+            _ => return Err(format!("point '{spec}': expected flush:N, mark:LABEL or time:RFC3339").into()),
         };
         let flush = pts.get(&n).map_or(0, |p| p.flush);
         // pinned under the lock retention drops points under: nothing drops it
@@ -694,15 +695,15 @@ struct Open {
     by_device: Mutex<HashMap<u32, Weak<Owner>>>,
 }
 
-fn parse_duration(s: &str, what: &str) -> Result<Duration, String> {
+fn parse_duration(s: &str, what: &str) -> Result<Duration, TargetError> {
     if s == "0" {
         return Ok(Duration::ZERO);
     }
-    humantime::parse_duration(s).map_err(|e| format!("{what} '{s}': {e} (for example 90s, 15m, 1h, 7d)"))
+    humantime::parse_duration(s).map_err(|e| TargetError::from(format!("{what} '{s}': {e} (for example 90s, 15m, 1h, 7d)")))
 }
 
 /// The table's feature arguments: block size and retention.
-fn features(args: &[String]) -> Result<(u64, Retention), String> {
+fn features(args: &[String]) -> Result<(u64, Retention), TargetError> {
     let mut block_sectors = DEFAULT_BLOCK_SECTORS;
     let mut r = Retention {
         tiers: Vec::new(),
@@ -722,14 +723,14 @@ fn features(args: &[String]) -> Result<(u64, Retention), String> {
                 if !block_sectors.is_power_of_two() || !(8..=2048).contains(&block_sectors) {
                     return Err(format!(
                         "block_size {block_sectors}: a power of two from 8 to 2048 sectors (4 KiB to 1 MiB)"
-                    ));
+                    ).into());
                 }
             }
             "max_points" => {
                 let v = value(i, name)?;
                 r.max_points = v.parse().map_err(|_| format!("invalid max_points '{v}'"))?;
                 if !(1..=MAX_MAX_POINTS).contains(&r.max_points) {
-                    return Err(format!("max_points {}: from 1 to {MAX_MAX_POINTS}", r.max_points));
+                    return Err(format!("max_points {}: from 1 to {MAX_MAX_POINTS}", r.max_points).into());
                 }
             }
             "keep" => {
@@ -739,11 +740,11 @@ fn features(args: &[String]) -> Result<(u64, Retention), String> {
                     .ok_or_else(|| format!("keep '{v}': expected AGE:EVERY (keep 1h:0 keeps every point for an hour)"))?;
                 let (upto, every) = (parse_duration(upto, "keep age")?, parse_duration(every, "keep interval")?);
                 if upto.is_zero() || r.tiers.last().is_some_and(|(u, _)| *u >= upto) {
-                    return Err(format!("keep '{v}': each age must be longer than the one before"));
+                    return Err(format!("keep '{v}': each age must be longer than the one before").into());
                 }
                 r.tiers.push((upto, every));
             }
-            _ => return Err(format!("Unrecognised cdp feature requested: {}", crate::table::bounded(name))),
+            _ => return Err(format!("Unrecognised cdp feature requested: {}", crate::table::bounded(name)).into()),
         }
         i += 2;
     }
@@ -766,26 +767,26 @@ pub struct Cdp {
 }
 
 impl Cdp {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Cdp, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Cdp, TargetError> {
         if args.len() < 2 {
             return Err(format!(
                 "Invalid argument count: cdp takes <data_dev> <journal_dev> [<#feature args> <arg>...], got {}",
                 args.len()
-            ));
+            ).into());
         }
         let feats = match args.get(2) {
             None => &args[2..],
             Some(n) => {
                 let n: usize = n.parse().map_err(|_| format!("invalid number of feature arguments '{n}'"))?;
                 if args.len() != 3 + n {
-                    return Err(format!("{n} feature arguments announced, {} given", args.len() - 3));
+                    return Err(format!("{n} feature arguments announced, {} given", args.len() - 3).into());
                 }
                 &args[3..]
             }
         };
         let (block_sectors, retention) = features(feats)?;
         if len == 0 || !len.is_multiple_of(block_sectors) {
-            return Err(format!("length {len} sectors is not a whole number of {block_sectors}-sector blocks"));
+            return Err(format!("length {len} sectors is not a whole number of {block_sectors}-sector blocks").into());
         }
         let data = r.open(&args[0]).map_err(|e| format!("data device '{}': {e}", args[0]))?;
         let journal = r.open(&args[1]).map_err(|e| format!("journal device '{}': {e}", args[1]))?;
@@ -802,7 +803,7 @@ impl Cdp {
                 "data device '{}' holds {data_blocks} blocks of {block_sectors} sectors: a {dev_blocks}-block device needs at least {} (its size and {margin} to write into; what more it has keeps older points)",
                 args[0],
                 dev_blocks + margin
-            ));
+            ).into());
         }
         let need = journal::needed(data_blocks, dev_blocks, retention.max_points);
         let jsize = journal.size_sectors() * SECTOR;
@@ -812,11 +813,11 @@ impl Cdp {
                 args[1],
                 retention.max_points,
                 need.div_ceil(1 << 20)
-            ));
+            ).into());
         }
         let mem = dev_blocks.saturating_mul(std::mem::size_of::<Version>() as u64);
         if mem > crate::pdata::bounds::memory_limit() {
-            return Err(format!("a {dev_blocks}-block device needs {mem} bytes of index, more than this machine allows"));
+            return Err(format!("a {dev_blocks}-block device needs {mem} bytes of index, more than this machine allows").into());
         }
         let open = r.shared().get_or_init::<Open>();
         let key = devio::identity(&jd);
@@ -903,7 +904,7 @@ fn start(
     geometry: (u64, u64, u64),
     retention: Retention,
     logs: Option<&std::path::Path>,
-) -> Result<Arc<Owner>, String> {
+) -> Result<Arc<Owner>, TargetError> {
     let (block_sectors, data_blocks, dev_blocks) = geometry;
     let mut o = journal::open(&journal, block_sectors as u32, data_blocks, dev_blocks)
         .map_err(|e| format!("cdp journal: {e}"))?;
@@ -1108,7 +1109,7 @@ impl Target for Cdp {
 
     /// `mark LABEL`: a point now, labelled (answers its flush number);
     /// `points [N]`: the last N points kept (20 unless said), one a line.
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         let inner = self.inner();
         match words.first().map(|w| w.to_ascii_lowercase()).as_deref() {
             Some("mark") if words.len() == 2 => {
@@ -1118,7 +1119,7 @@ impl Target for Cdp {
                     return Err(format!(
                         "mark: a label of 1 to {MAX_LABEL} letters, digits and . _ - +, got '{}'",
                         crate::table::bounded(label)
-                    ));
+                    ).into());
                 }
                 let (tx, rx) = crate::sync::reply();
                 {
@@ -1160,7 +1161,7 @@ impl Target for Cdp {
             _ => Err(format!(
                 "Unrecognised cdp message: '{}' (mark LABEL, points [N])",
                 crate::table::bounded(&words.join(" "))
-            )),
+            ).into()),
         }
     }
 
@@ -1205,16 +1206,16 @@ pub struct PointView {
 }
 
 impl PointView {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<PointView, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<PointView, TargetError> {
         if args.len() != 2 {
             return Err(format!(
                 "Invalid argument count: cdp-point takes <cdp dev> <flush:N|mark:LABEL|time:RFC3339>, got {}",
                 args.len()
-            ));
+            ).into());
         }
         let base = arg_dev(args, 0, 0, len, r)?;
         let DevRef::Dm(d) = &base else {
-            return Err(format!("'{}' is not a dmkit device with a cdp table", args[0]));
+            return Err(format!("'{}' is not a dmkit device with a cdp table", args[0]).into());
         };
         let open = r.shared().get_or_init::<Open>();
         let owner = open
@@ -1226,7 +1227,7 @@ impl PointView {
             .ok_or_else(|| format!("'{}' is not a dmkit device with a cdp table", args[0]))?;
         let live_is_cdp = d.0.live.load().as_ref().is_some_and(|t| t.entries.len() == 1 && t.entries[0].target.type_name() == TYPE.name);
         if !live_is_cdp {
-            return Err(format!("'{}' has no live cdp table", args[0]));
+            return Err(format!("'{}' has no live cdp table", args[0]).into());
         }
         let (n, flush) = owner.inner.resolve(&args[1])?;
         Ok(PointView { base, owner, n, flush })

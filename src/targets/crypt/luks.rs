@@ -99,6 +99,13 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// A field the header parser refuses: the header is malformed.
+impl From<String> for Error {
+    fn from(s: String) -> Error {
+        Error::Header(s)
+    }
+}
+
 impl Error {
     /// The exit code cryptsetup's `open` has for it.
     pub fn exit_code(&self) -> i32 {
@@ -111,8 +118,8 @@ impl Error {
 
 type Result<T> = std::result::Result<T, Error>;
 
-fn bad(s: impl Into<String>) -> Error {
-    Error::Header(s.into())
+fn bad(s: impl fmt::Display) -> Error {
+    Error::Header(s.to_string())
 }
 
 /// The hashes LUKS names for PBKDF2, the AF diffusion and digests.
@@ -551,38 +558,38 @@ fn luks2_parse(path: &Path, which: &str, bin: &[u8; LUKS2_BIN], json: &[u8]) -> 
 }
 
 /// A JSON object's field, or an error naming it (`at` is where the object is).
-fn get<'a>(v: &'a Value, at: &str, key: &str) -> std::result::Result<&'a Value, String> {
-    v.get(key).ok_or_else(|| format!("{at}: no field '{key}'"))
+fn get<'a>(v: &'a Value, at: &str, key: &str) -> Result<&'a Value> {
+    v.get(key).ok_or_else(|| format!("{at}: no field '{key}'")).map_err(Error::from)
 }
 
-fn get_str<'a>(v: &'a Value, at: &str, key: &str) -> std::result::Result<&'a str, String> {
+fn get_str<'a>(v: &'a Value, at: &str, key: &str) -> Result<&'a str> {
     get(v, at, key)?
         .as_str()
-        .ok_or_else(|| format!("{at}.{key}: not a string"))
+        .ok_or_else(|| format!("{at}.{key}: not a string")).map_err(Error::from)
 }
 
 /// A number the JSON gives as a number or (LUKS2's 64-bit values) a decimal string.
-fn get_u64(v: &Value, at: &str, key: &str) -> std::result::Result<u64, String> {
+fn get_u64(v: &Value, at: &str, key: &str) -> Result<u64> {
     let f = get(v, at, key)?;
     f.as_u64()
         .or_else(|| f.as_str().and_then(|s| s.parse().ok()))
-        .ok_or_else(|| format!("{at}.{key}: {f} is not a non-negative integer"))
+        .ok_or_else(|| format!("{at}.{key}: {f} is not a non-negative integer")).map_err(Error::from)
 }
 
-fn get_bounded(v: &Value, at: &str, key: &str, lo: u64, hi: u64, what: &str) -> std::result::Result<u64, String> {
+fn get_bounded(v: &Value, at: &str, key: &str, lo: u64, hi: u64, what: &str) -> Result<u64> {
     let n = get_u64(v, at, key)?;
     if n < lo || n > hi {
-        return Err(format!("{at}.{key}: {n} is out of bounds ({lo} to {hi}{what})"));
+        return Err(format!("{at}.{key}: {n} is out of bounds ({lo} to {hi}{what})").into());
     }
     Ok(n)
 }
 
 /// Base64 of at most `max` bytes.
-fn get_b64(v: &Value, at: &str, key: &str, max: usize) -> std::result::Result<Vec<u8>, String> {
+fn get_b64(v: &Value, at: &str, key: &str, max: usize) -> Result<Vec<u8>> {
     let s = get_str(v, at, key)?;
     let mut buf = vec![0u8; max];
     if s.len() > max.div_ceil(3) * 4 {
-        return Err(format!("{at}.{key}: longer than {max} bytes"));
+        return Err(format!("{at}.{key}: longer than {max} bytes").into());
     }
     let n = Base64::decode(s, &mut buf)
         .map_err(|e| format!("{at}.{key}: not base64: {e}"))?
@@ -591,7 +598,7 @@ fn get_b64(v: &Value, at: &str, key: &str, max: usize) -> std::result::Result<Ve
     Ok(buf)
 }
 
-fn objects<'a>(v: &'a Value, key: &str) -> std::result::Result<Vec<(u32, &'a Value)>, String> {
+fn objects<'a>(v: &'a Value, key: &str) -> Result<Vec<(u32, &'a Value)>> {
     let o = get(v, "the JSON", key)?
         .as_object()
         .ok_or_else(|| format!("{key}: not an object"))?;
@@ -608,7 +615,7 @@ fn objects<'a>(v: &'a Value, key: &str) -> std::result::Result<Vec<(u32, &'a Val
     Ok(out)
 }
 
-fn ids(v: &Value, at: &str, key: &str) -> std::result::Result<Vec<u32>, String> {
+fn ids(v: &Value, at: &str, key: &str) -> Result<Vec<u32>> {
     get(v, at, key)?
         .as_array()
         .ok_or_else(|| format!("{at}.{key}: not an array"))?
@@ -616,13 +623,13 @@ fn ids(v: &Value, at: &str, key: &str) -> std::result::Result<Vec<u32>, String> 
         .map(|x| {
             x.as_str()
                 .and_then(|s| s.parse::<u32>().ok())
-                .ok_or_else(|| format!("{at}.{key}: {x} is not an id"))
+                .ok_or_else(|| bad(format_args!("{at}.{key}: {x} is not an id")))
         })
         .collect()
 }
 
 /// A keyslot of the LUKS2 JSON (None: a kind that holds no volume key).
-fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
+fn keyslot(id: u32, k: &Value) -> Result<Option<Keyslot>> {
     let at = format!("keyslots.{id}");
     let ty = get_str(k, &at, "type")?;
     if ty != "luks2" {
@@ -638,7 +645,7 @@ fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
     let af = get(k, &at, "af")?;
     let af_type = get_str(af, &af_at, "type")?;
     if af_type != "luks1" {
-        return Err(format!("{af_at}.type: '{af_type}' is not supported (luks1)"));
+        return Err(format!("{af_at}.type: '{af_type}' is not supported (luks1)").into());
     }
     let stripes = bounded_stripes(get_u64(af, &af_at, "stripes")?, &format!("{af_at}.stripes"))
         .map_err(|e| e.to_string())?;
@@ -647,7 +654,7 @@ fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
     let area = get(k, &at, "area")?;
     let area_type = get_str(area, &area_at, "type")?;
     if area_type != "raw" {
-        return Err(format!("{area_at}.type: '{area_type}' is not supported (raw)"));
+        return Err(format!("{area_at}.type: '{area_type}' is not supported (raw)").into());
     }
     let area_offset = get_bounded(area, &area_at, "offset", 0, 2 * MAX_HDR_SIZE + MAX_AREA, " bytes")?;
     let area_size = get_bounded(area, &area_at, "size", 0, MAX_AREA, " bytes, LUKS2's largest keyslots area")?;
@@ -656,7 +663,7 @@ fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
     if area_size < need {
         return Err(format!(
             "{area_at}.size: {area_size} bytes cannot hold the {need} bytes of key material ({key_size} bytes x {stripes} stripes)"
-        ));
+        ).into());
     }
     let kdf_at = format!("{at}.kdf");
     let kdf = get(k, &at, "kdf")?;
@@ -675,7 +682,7 @@ fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
             cpus: get_bounded(kdf, &kdf_at, "cpus", 1, MAX_ARGON2_CPUS, "")? as u32,
             salt,
         },
-        t => return Err(format!("{kdf_at}.type: '{t}' is not supported (pbkdf2, argon2i, argon2id)")),
+        t => return Err(format!("{kdf_at}.type: '{t}' is not supported (pbkdf2, argon2i, argon2id)").into()),
     };
     Ok(Some(Keyslot {
         id,
@@ -692,21 +699,21 @@ fn keyslot(id: u32, k: &Value) -> std::result::Result<Option<Keyslot>, String> {
 }
 
 /// The one crypt segment of the LUKS2 JSON.
-fn segment(v: &Value) -> std::result::Result<Segment, String> {
+fn segment(v: &Value) -> Result<Segment> {
     let segs = objects(v, "segments")?;
     let [(id, s)] = segs.as_slice() else {
         return Err(format!(
             "segments: {} segments (a reencryption in progress?); dmkit opens one crypt segment",
             segs.len()
-        ));
+        ).into());
     };
     let at = format!("segments.{id}");
     let ty = get_str(s, &at, "type")?;
     if ty != "crypt" {
-        return Err(format!("{at}.type: '{ty}' is not supported (crypt)"));
+        return Err(format!("{at}.type: '{ty}' is not supported (crypt)").into());
     }
     if s.get("integrity").is_some_and(|i| !i.is_null()) {
-        return Err(format!("{at}.integrity: dm-crypt's integrity modes are not supported by dmkit"));
+        return Err(format!("{at}.integrity: dm-crypt's integrity modes are not supported by dmkit").into());
     }
     let size = match get_str(s, &at, "size") {
         Ok("dynamic") => None,
@@ -714,7 +721,7 @@ fn segment(v: &Value) -> std::result::Result<Segment, String> {
     };
     let sector_size = get_u64(s, &at, "sector_size")?;
     if !(512..=4096).contains(&sector_size) || !sector_size.is_power_of_two() {
-        return Err(format!("{at}.sector_size: {sector_size} (a power of 2 from 512 to 4096)"));
+        return Err(format!("{at}.sector_size: {sector_size} (a power of 2 from 512 to 4096)").into());
     }
     let segment = Segment {
         id: *id,
@@ -725,7 +732,7 @@ fn segment(v: &Value) -> std::result::Result<Segment, String> {
         sector_size: sector_size as u32,
     };
     if !segment.offset.is_multiple_of(512) || segment.size.is_some_and(|n| !n.is_multiple_of(sector_size)) {
-        return Err(format!("{at}: offset and size must be whole sectors"));
+        return Err(format!("{at}: offset and size must be whole sectors").into());
     }
     // a cipher the crypt target would refuse is refused here, by its field
     parse_cipher(&segment.cipher).map_err(|e| format!("{at}.encryption: {e}"))?;
@@ -734,7 +741,7 @@ fn segment(v: &Value) -> std::result::Result<Segment, String> {
 
 /// The JSON's `config`: no mandatory requirement dmkit lacks, and its flags
 /// as the crypt table's options.
-fn config_flags(v: &Value, segment: &Segment) -> std::result::Result<Opts, String> {
+fn config_flags(v: &Value, segment: &Segment) -> Result<Opts> {
     let config = v.get("config");
     if let Some(req) = config
         .and_then(|c| c.get("requirements"))
@@ -746,7 +753,7 @@ fn config_flags(v: &Value, segment: &Segment) -> std::result::Result<Opts, Strin
         return Err(format!(
             "config.requirements.mandatory: {} (a reencryption in progress, or a feature dmkit does not have)",
             names.join(", ")
-        ));
+        ).into());
     }
     let mut flags = Opts {
         sector_size: segment.sector_size,
@@ -767,7 +774,7 @@ fn config_flags(v: &Value, segment: &Segment) -> std::result::Result<Opts, Strin
     Ok(flags)
 }
 
-fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
+fn luks2_json(v: &Value) -> Result<Header> {
     let mut keyslots = Vec::new();
     for (id, k) in objects(v, "keyslots")? {
         keyslots.extend(keyslot(id, k)?);
@@ -777,7 +784,7 @@ fn luks2_json(v: &Value) -> std::result::Result<Header, String> {
         let at = format!("digests.{id}");
         let ty = get_str(d, &at, "type")?;
         if ty != "pbkdf2" {
-            return Err(format!("{at}.type: '{ty}' is not supported (pbkdf2)"));
+            return Err(format!("{at}.type: '{ty}' is not supported (pbkdf2)").into());
         }
         digests.push(VkDigest {
             keyslots: ids(d, &at, "keyslots")?,
@@ -985,7 +992,7 @@ pub fn device_bytes(path: &Path) -> Result<u64> {
 /// A passphrase from `r`: all of it from a key file (`key_file`), else up to
 /// the first newline, as cryptsetup reads one from standard input; at most
 /// [`MAX_PASSPHRASE`] bytes, in locked memory.
-pub fn read_passphrase(r: impl BufRead, key_file: bool) -> std::result::Result<LockedBytes, String> {
+pub fn read_passphrase(r: impl BufRead, key_file: bool) -> Result<LockedBytes> {
     let mut buf = Zeroizing::new(Vec::with_capacity(4096));
     let mut r = r.take(MAX_PASSPHRASE as u64 + 1);
     let read = if key_file {
@@ -996,14 +1003,14 @@ pub fn read_passphrase(r: impl BufRead, key_file: bool) -> std::result::Result<L
     };
     read.map_err(|e| format!("reading the passphrase: {e}"))?;
     if buf.len() > MAX_PASSPHRASE {
-        return Err(format!("the passphrase is longer than {} MiB", MAX_PASSPHRASE >> 20));
+        return Err(format!("the passphrase is longer than {} MiB", MAX_PASSPHRASE >> 20).into());
     }
     let n = if key_file {
         buf.len()
     } else {
         buf.iter().position(|&c| c == b'\n').unwrap_or(buf.len())
     };
-    LockedBytes::from_slice(&buf[..n])
+    LockedBytes::from_slice(&buf[..n]).map_err(bad)
 }
 
 /// `dmkit luks table`: the table line for `path`'s LUKS volume, unlocked by

@@ -77,6 +77,7 @@
 //! against 4 times that), so it serves as the reference the unit tests check
 //! both XTS paths against, beside the IEEE 1619 vectors.
 
+use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use aes::cipher::array::Array;
@@ -136,7 +137,7 @@ struct Spec {
 
 /// Parse `<cipher>` as the kernel does (crypt_ctr_cipher_old / _new), for the
 /// ciphers dmkit implements.
-fn parse_cipher(s: &str) -> Result<Spec, String> {
+fn parse_cipher(s: &str) -> Result<Spec, TargetError> {
     let (chain, ivmode, ivopts) = if let Some(rest) = s.strip_prefix("capi:") {
         // capi:<api>-<ivmode>:<ivopts>; the options may hold '-' (a hash name)
         let (rest, ivopts) = match rest.rsplit_once(':') {
@@ -151,12 +152,12 @@ fn parse_cipher(s: &str) -> Result<Spec, String> {
             "xts(aes)" => Chain::Xts,
             "cbc(aes)" => Chain::Cbc,
             "ecb(cipher_null)" => Chain::NullEcb,
-            _ => return Err(unsupported_cipher(s)),
+            _ => return Err(unsupported_cipher(s).into()),
         };
         (chain, ivmode, ivopts)
     } else {
         if s.contains('(') {
-            return Err(format!("Bad cipher specification '{s}'"));
+            return Err(format!("Bad cipher specification '{s}'").into());
         }
         // cipher[:keycount]-chainmode-ivmode[:ivopts]
         let mut parts = s.splitn(2, '-');
@@ -172,9 +173,9 @@ fn parse_cipher(s: &str) -> Result<Spec, String> {
                 Ok(n) if n.is_power_of_two() => {
                     return Err(format!(
                         "Bad cipher key count specification '{s}': dmkit supports one key ({n} given)"
-                    ))
+                    ).into())
                 }
-                _ => return Err(format!("Bad cipher key count specification '{s}'")),
+                _ => return Err(format!("Bad cipher key count specification '{s}'").into()),
             }
         }
         let (mut chainmode, mut ivmode, mut ivopts) = (None, None, None);
@@ -193,13 +194,13 @@ fn parse_cipher(s: &str) -> Result<Spec, String> {
             (chainmode, ivmode) = (Some("cbc"), Some("plain"));
         }
         if chainmode != Some("ecb") && ivmode.is_none() {
-            return Err(format!("IV mechanism required in '{s}'"));
+            return Err(format!("IV mechanism required in '{s}'").into());
         }
         let chain = match (cipher, chainmode) {
             ("aes", Some("xts")) => Chain::Xts,
             ("aes", Some("cbc")) => Chain::Cbc,
             ("cipher_null", Some("ecb")) => Chain::NullEcb,
-            _ => return Err(unsupported_cipher(s)),
+            _ => return Err(unsupported_cipher(s).into()),
         };
         (chain, ivmode, ivopts)
     };
@@ -213,21 +214,21 @@ fn parse_cipher(s: &str) -> Result<Spec, String> {
         Some("plain64be") => IvMode::Plain64Be,
         Some("null") => IvMode::Null,
         Some("essiv") => match ivopts {
-            None | Some("") => return Err(format!("Digest algorithm missing for ESSIV mode in '{s}'")),
+            None | Some("") => return Err(format!("Digest algorithm missing for ESSIV mode in '{s}'").into()),
             Some("sha256") => IvMode::Essiv,
             Some(h) => {
                 return Err(format!(
                     "Error allocating crypto tfm: ESSIV with digest '{h}' is not supported by dmkit (sha256)"
-                ))
+                ).into())
             }
         },
         Some(m @ ("benbi" | "lmk" | "tcw" | "random" | "eboiv" | "elephant")) => {
             return Err(format!(
                 "IV mode '{m}' is not supported by dmkit (plain, plain64, plain64be, essiv:sha256, null)"
-            ))
+            ).into())
         }
-        Some(m) => return Err(format!("Invalid IV mode '{m}'")),
-        None => return Err(format!("IV mechanism required in '{s}'")),
+        Some(m) => return Err(format!("Invalid IV mode '{m}'").into()),
+        None => return Err(format!("IV mechanism required in '{s}'").into()),
     };
     Ok(Spec { chain, iv: Some(iv) })
 }
@@ -240,7 +241,7 @@ fn unsupported_cipher(s: &str) -> String {
 }
 
 /// Decode a hex key into `out`; its length in bytes. `-` is the empty key.
-fn decode_key(hex: &str, out: &mut [u8; MAX_KEY]) -> Result<usize, String> {
+fn decode_key(hex: &str, out: &mut [u8; MAX_KEY]) -> Result<usize, TargetError> {
     if hex.starts_with(':') {
         return Err(KEYRING.into());
     }
@@ -248,11 +249,11 @@ fn decode_key(hex: &str, out: &mut [u8; MAX_KEY]) -> Result<usize, String> {
         return Ok(0);
     }
     if !hex.len().is_multiple_of(2) {
-        return Err(format!("odd number of hex digits in the key ({})", hex.len()));
+        return Err(format!("odd number of hex digits in the key ({})", hex.len()).into());
     }
     let n = hex.len() / 2;
     if n > MAX_KEY {
-        return Err(format!("key of {} bits is longer than any cipher takes ({} bits)", n * 8, MAX_KEY * 8));
+        return Err(format!("key of {} bits is longer than any cipher takes ({} bits)", n * 8, MAX_KEY * 8).into());
     }
     hex::decode_to_slice(hex, &mut out[..n]).map_err(|e| match e {
         hex::FromHexError::InvalidHexCharacter { index, .. } => format!("the key is not hex (at digit {index})"),
@@ -275,14 +276,14 @@ enum Engine {
 trait Block16: BlockCipherEncrypt + BlockCipherDecrypt + BlockSizeUser<BlockSize = U16> + KeyInit {}
 impl<C: BlockCipherEncrypt + BlockCipherDecrypt + BlockSizeUser<BlockSize = U16> + KeyInit> Block16 for C {}
 
-fn new_cipher<C: Block16>(key: &[u8]) -> Result<C, String> {
-    C::new_from_slice(key).map_err(|_| format!("AES takes a 128-, 192- or 256-bit key, not {} bits", key.len() * 8))
+fn new_cipher<C: Block16>(key: &[u8]) -> Result<C, TargetError> {
+    C::new_from_slice(key).map_err(|_| TargetError::from(format!("AES takes a 128-, 192- or 256-bit key, not {} bits", key.len() * 8)))
 }
 
 /// XTS's two ciphers: the first encrypts the data, the second the tweak.
 struct Xts<C>(C, C);
 
-fn xts<C: Block16>(key: &[u8]) -> Result<Xts<C>, String> {
+fn xts<C: Block16>(key: &[u8]) -> Result<Xts<C>, TargetError> {
     let (a, b) = key.split_at(key.len() / 2);
     Ok(Xts(new_cipher(a)?, new_cipher(b)?))
 }
@@ -403,23 +404,23 @@ fn cbc_sector<C: Block16>(c: &C, enc: bool, sector: &mut [u8], iv: [u8; 16]) {
 }
 
 impl Engine {
-    fn new(chain: Chain, key: &[u8]) -> Result<Engine, String> {
+    fn new(chain: Chain, key: &[u8]) -> Result<Engine, TargetError> {
         let bits = key.len() * 8;
         Ok(match (chain, key.len()) {
             (Chain::NullEcb, 0) => Engine::Null,
-            (Chain::NullEcb, _) => return Err(format!("cipher_null takes no key ('-'), got {bits} bits")),
+            (Chain::NullEcb, _) => return Err(format!("cipher_null takes no key ('-'), got {bits} bits").into()),
             (Chain::Xts, 32) => Engine::Xts128(xts(key)?),
             (Chain::Xts, 48) => Engine::Xts192(xts(key)?),
             (Chain::Xts, 64) => Engine::Xts256(xts(key)?),
             (Chain::Xts, _) => {
                 return Err(format!(
                     "aes-xts takes a 256-, 384- or 512-bit key (two AES keys), got {bits} bits"
-                ))
+                ).into())
             }
             (Chain::Cbc, 16) => Engine::Cbc128(new_cipher(key)?),
             (Chain::Cbc, 24) => Engine::Cbc192(new_cipher(key)?),
             (Chain::Cbc, 32) => Engine::Cbc256(new_cipher(key)?),
-            (Chain::Cbc, _) => return Err(format!("aes-cbc takes a 128-, 192- or 256-bit key, got {bits} bits")),
+            (Chain::Cbc, _) => return Err(format!("aes-cbc takes a 128-, 192- or 256-bit key, got {bits} bits").into()),
         })
     }
 
@@ -723,7 +724,7 @@ impl Drop for Keys {
 }
 
 impl Keys {
-    fn new(spec: &Spec, key: &[u8]) -> Result<Keys, String> {
+    fn new(spec: &Spec, key: &[u8]) -> Result<Keys, TargetError> {
         let mut k = [0u8; MAX_KEY];
         k.get_mut(..key.len()).ok_or("key too long")?.copy_from_slice(key);
         let essiv = match spec.iv {
@@ -799,15 +800,15 @@ pub struct SectorCipher(Keys);
 
 impl SectorCipher {
     /// `cipher` in the table's spelling, `key` its bytes.
-    pub fn new(cipher: &str, key: &[u8]) -> Result<SectorCipher, String> {
+    pub fn new(cipher: &str, key: &[u8]) -> Result<SectorCipher, TargetError> {
         Ok(SectorCipher(Keys::new(&parse_cipher(cipher)?, key)?))
     }
 
     /// Encrypt (or decrypt) `buf` in place as the target does, in sectors of
     /// `sector_size` bytes numbered from `first`.
-    pub fn apply(&self, enc: bool, sector_size: usize, first: u64, buf: &mut [u8]) -> Result<(), String> {
+    pub fn apply(&self, enc: bool, sector_size: usize, first: u64, buf: &mut [u8]) -> Result<(), TargetError> {
         if sector_size == 0 || !buf.len().is_multiple_of(sector_size) {
-            return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()));
+            return Err(format!("{} bytes are not whole {sector_size}-byte sectors", buf.len()).into());
         }
         self.0.run(enc, None, buf, sector_size, |i| first + i as u64);
         Ok(())
@@ -824,7 +825,7 @@ struct Locked<T> {
 }
 
 impl<T> Locked<T> {
-    fn new() -> Result<Locked<T>, String> {
+    fn new() -> Result<Locked<T>, TargetError> {
         let mut page = Box::new(Page(None));
         let ptr = (&mut *page as *mut Page<T>).cast::<std::ffi::c_void>();
         // SAFETY: the range is exactly the box's allocation (page-aligned, a
@@ -860,7 +861,7 @@ const PAGE: usize = 4096;
 
 impl LockedBytes {
     /// `len` zero bytes, locked.
-    pub fn new(len: usize) -> Result<LockedBytes, String> {
+    pub fn new(len: usize) -> Result<LockedBytes, TargetError> {
         let span = len.div_ceil(PAGE).max(1) * PAGE;
         let mut buf = vec![0u8; span + PAGE];
         let start = buf.as_ptr().align_offset(PAGE).min(PAGE);
@@ -874,7 +875,7 @@ impl LockedBytes {
     }
 
     /// A locked copy of `b`.
-    pub fn from_slice(b: &[u8]) -> Result<LockedBytes, String> {
+    pub fn from_slice(b: &[u8]) -> Result<LockedBytes, TargetError> {
         let mut l = LockedBytes::new(b.len())?;
         l.as_mut_slice().copy_from_slice(b);
         Ok(l)
@@ -911,7 +912,7 @@ impl Drop for LockedBytes {
 struct Secret(Locked<Keys>);
 
 impl Secret {
-    fn new(spec: &Spec, key: &[u8]) -> Result<Secret, String> {
+    fn new(spec: &Spec, key: &[u8]) -> Result<Secret, TargetError> {
         let mut l = Locked::new()?;
         l.page.0 = Some(Keys::new(spec, key)?);
         Ok(Secret(l))
@@ -937,7 +938,7 @@ struct Opts {
 }
 
 /// Parse `<#opt_params> <opt_params>` (crypt_ctr_optional), `len` the target's length.
-fn parse_opts(args: &[String], len: u64) -> Result<Opts, String> {
+fn parse_opts(args: &[String], len: u64) -> Result<Opts, TargetError> {
     let mut o = Opts {
         sector_size: 512,
         ..Opts::default()
@@ -945,14 +946,14 @@ fn parse_opts(args: &[String], len: u64) -> Result<Opts, String> {
     let Some(count) = args.first() else { return Ok(o) };
     let n = match count.parse::<usize>() {
         Ok(n) if n <= 8 => n,
-        _ => return Err(format!("Invalid number of feature args '{count}' (0 to 8)")),
+        _ => return Err(format!("Invalid number of feature args '{count}' (0 to 8)").into()),
     };
     let opts = &args[1..];
     if n > opts.len() {
-        return Err(format!("Not enough feature arguments: {n} announced, {} given", opts.len()));
+        return Err(format!("Not enough feature arguments: {n} announced, {} given", opts.len()).into());
     }
     if opts.len() > n {
-        return Err(format!("unexpected argument '{}' after {n} feature arguments", opts[n]));
+        return Err(format!("unexpected argument '{}' after {n} feature arguments", opts[n]).into());
     }
     for a in opts {
         let l = a.to_ascii_lowercase();
@@ -970,22 +971,22 @@ fn parse_opts(args: &[String], len: u64) -> Result<Opts, String> {
                     if !(512..=4096).contains(&s) || !s.is_power_of_two() {
                         return Err(format!(
                             "Invalid feature value for sector_size '{v}' (a power of 2 from 512 to 4096)"
-                        ));
+                        ).into());
                     }
                     if !len.is_multiple_of(u64::from(s) / SECTOR) {
                         return Err(format!(
                             "Device size is not multiple of sector_size feature ({len} sectors, sector_size {s})"
-                        ));
+                        ).into());
                     }
                     o.sector_size = s;
                 } else if l.starts_with("integrity:") || l.starts_with("integrity_key_size:") {
-                    return Err(format!("'{a}': dm-crypt's integrity modes are not supported by dmkit"));
+                    return Err(format!("'{a}': dm-crypt's integrity modes are not supported by dmkit").into());
                 } else {
                     return Err(format!(
                         "Invalid feature arguments '{a}' (allow_discards, same_cpu_crypt, high_priority, \
                          submit_from_crypt_cpus, no_read_workqueue, no_write_workqueue, sector_size:<bytes>, \
                          iv_large_sectors)"
-                    ));
+                    ).into());
                 }
             }
         }
@@ -1072,13 +1073,13 @@ impl Crypt {
             self.opts.table()
         )
     }
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Crypt, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Crypt, TargetError> {
         if args.len() < 5 {
             return Err(format!(
                 "Not enough arguments: crypt takes <cipher> <key> <iv_offset> <device> <offset> \
                  [<#opt_params> <opt_params>], got {}",
                 args.len()
-            ));
+            ).into());
         }
         let opts = parse_opts(&args[5..], len)?;
         let spec = parse_cipher(&args[0])?;
@@ -1118,7 +1119,7 @@ impl Crypt {
         })
     }
 
-    fn key_message(&self, words: &[String]) -> Result<String, String> {
+    fn key_message(&self, words: &[String]) -> Result<String, TargetError> {
         if !self.suspended.load(Ordering::SeqCst) {
             return Err("Invalid argument: not suspended during key manipulation".into());
         }
@@ -1131,7 +1132,7 @@ impl Crypt {
                         "Invalid argument: key set: the key size may not change ({} bits given, {} expected)",
                         n * 8,
                         self.key_len * 8
-                    ));
+                    ).into());
                 }
                 let s = Secret::new(&self.spec, &key[..n]).map_err(|e| format!("Invalid argument: key set: {e}"))?;
                 self.keys.store(Some(Arc::new(s)));
@@ -1141,7 +1142,7 @@ impl Crypt {
                 self.keys.store(None);
                 Ok(String::new())
             }
-            _ => Err(unrecognised(words)),
+            _ => Err(unrecognised(words).into()),
         }
     }
 }
@@ -1235,10 +1236,10 @@ impl Target for Crypt {
         (self.key_len > 0).then(|| self.params_with_key(&"0".repeat(self.key_len * 2)))
     }
 
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         match words.first() {
             Some(w) if w.eq_ignore_ascii_case("key") && words.len() >= 2 => self.key_message(words),
-            _ => Err(unrecognised(words)),
+            _ => Err(unrecognised(words).into()),
         }
     }
 
@@ -1268,7 +1269,7 @@ impl Target for Crypt {
         self.suspended.store(true, Ordering::SeqCst);
     }
 
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         if self.keys.load().is_none() {
             return Err("aborting resume - crypt key is not set".into());
         }
@@ -1396,7 +1397,7 @@ mod tests {
         ok("capi:ecb(cipher_null)", Chain::NullEcb, None);
         let err = |s: &str, want: &str| {
             let e = parse_cipher(s).unwrap_err();
-            assert!(e.contains(want), "{s}: {e}");
+            assert!(e.what().contains(want), "{s}: {e}");
         };
         err("twofish-xts-plain64", "Error allocating crypto tfm");
         err("aes-ctr-plain64", "Error allocating crypto tfm");
@@ -1417,10 +1418,10 @@ mod tests {
         assert_eq!(decode_key("0aFf", &mut k), Ok(2));
         assert_eq!(&k[..2], &[0x0a, 0xff]);
         assert_eq!(decode_key("-", &mut k), Ok(0));
-        assert!(decode_key("abc", &mut k).unwrap_err().contains("odd number"));
-        assert!(decode_key("zz", &mut k).unwrap_err().contains("not hex"));
-        assert!(decode_key(&"00".repeat(65), &mut k).unwrap_err().contains("longer"));
-        assert!(decode_key(":64:logon:cryptsetup:x", &mut k).unwrap_err().contains("--disable-keyring"));
+        assert!(decode_key("abc", &mut k).unwrap_err().what().contains("odd number"));
+        assert!(decode_key("zz", &mut k).unwrap_err().what().contains("not hex"));
+        assert!(decode_key(&"00".repeat(65), &mut k).unwrap_err().what().contains("longer"));
+        assert!(decode_key(":64:logon:cryptsetup:x", &mut k).unwrap_err().what().contains("--disable-keyring"));
         let spec = |s| parse_cipher(s).unwrap();
         for (c, n) in [("aes-xts-plain64", 32), ("aes-xts-plain64", 48), ("aes-xts-plain64", 64)] {
             assert!(Keys::new(&spec(c), &vec![1; n]).is_ok(), "{c} {n}");
@@ -1429,10 +1430,10 @@ mod tests {
             assert!(Keys::new(&spec("aes-cbc-essiv:sha256"), &vec![1; n]).is_ok());
         }
         let e = |c, n| Keys::new(&spec(c), &vec![1; n]).err().unwrap();
-        assert!(e("aes-xts-plain64", 16).contains("256-, 384- or 512-bit"));
-        assert!(e("aes-cbc-plain64", 64).contains("128-, 192- or 256-bit"));
-        assert!(e("cipher_null-ecb", 16).contains("no key"));
-        assert!(e("aes-xts-plain64", 0).contains("got 0 bits"));
+        assert!(e("aes-xts-plain64", 16).what().contains("256-, 384- or 512-bit"));
+        assert!(e("aes-cbc-plain64", 64).what().contains("128-, 192- or 256-bit"));
+        assert!(e("cipher_null-ecb", 16).what().contains("no key"));
+        assert!(e("aes-xts-plain64", 0).what().contains("got 0 bits"));
     }
 
     #[test]
@@ -1443,7 +1444,7 @@ mod tests {
             8,
         );
         // sector_size is matched case-sensitively, as the kernel's sscanf does
-        assert!(o.unwrap_err().contains("Invalid feature arguments"));
+        assert!(o.unwrap_err().what().contains("Invalid feature arguments"));
         let o = parse_opts(
             &a(&["5", "iv_large_sectors", "sector_size:4096", "Allow_Discards", "no_read_workqueue", "high_priority"]),
             8,
@@ -1456,7 +1457,7 @@ mod tests {
         assert_eq!(parse_opts(&[], 8).unwrap().table(), "");
         let err = |v: &[&str], want: &str| {
             let e = parse_opts(&a(v), 8).unwrap_err();
-            assert!(e.contains(want), "{v:?}: {e}");
+            assert!(e.what().contains(want), "{v:?}: {e}");
         };
         err(&["1", "bogus"], "Invalid feature arguments");
         err(&["9"], "Invalid number of feature args");
@@ -1467,7 +1468,7 @@ mod tests {
         err(&["1", "sector_size:256"], "Invalid feature value for sector_size");
         assert!(parse_opts(&a(&["1", "sector_size:4096"]), 12)
             .unwrap_err()
-            .contains("Device size is not multiple"));
+            .what().contains("Device size is not multiple"));
         err(&["1", "integrity:28:aead"], "not supported");
     }
 

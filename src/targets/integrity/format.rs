@@ -3,6 +3,7 @@
 //! runs and the data lie, the tags' hashes, and the journal's sections with
 //! their commit ids.
 
+use crate::mapper::TargetError;
 use sha2::{Digest, Sha256};
 
 /// The superblock area: 4 KiB at the table's offset.
@@ -171,7 +172,7 @@ impl Geometry {
     /// a separate metadata device of `meta_sectors` (superblock, journal and
     /// tags there, in tag buffers of 2^`log2_buf` sectors), the data device's
     /// whole; an error says what does not fit.
-    pub fn new(sb: &Superblock, start: u64, dev_sectors: u64, meta: Option<(u64, u8)>) -> Result<Geometry, String> {
+    pub fn new(sb: &Superblock, start: u64, dev_sectors: u64, meta: Option<(u64, u8)>) -> Result<Geometry, TargetError> {
         let tag_size = u64::from(sb.tag_size);
         let (entry_size, section_entries, section_sectors) = Self::journal_shape(sb.log2_spb, tag_size);
         if section_entries == 0 {
@@ -321,7 +322,7 @@ pub enum Hash {
 
 impl Hash {
     /// From the table's `alg[:hexkey]`.
-    pub fn parse(spec: &str) -> Result<(Hash, String), String> {
+    pub fn parse(spec: &str) -> Result<(Hash, String), TargetError> {
         let (alg, key) = match spec.split_once(':') {
             Some((a, k)) => (a, Some(k)),
             None => (spec, None),
@@ -516,7 +517,7 @@ pub struct SectionSeqs {
 
 /// What sequences section `i`'s sectors carry; an error names a sector whose
 /// commit id matches none.
-pub fn section_seqs(g: &Geometry, i: u64, section: &[u8]) -> Result<SectionSeqs, String> {
+pub fn section_seqs(g: &Geometry, i: u64, section: &[u8]) -> Result<SectionSeqs, TargetError> {
     let mut mask = 0u8;
     for (j, sec) in section.chunks(512).take(g.section_sectors as usize).enumerate() {
         let id = le64(sec, JOURNAL_SECTOR_DATA);
@@ -543,7 +544,7 @@ pub struct Replay {
 
 /// Decide what to replay from what each section's sectors carry and
 /// whether any entry is used.
-pub fn plan_replay(seqs: &[SectionSeqs], any_used: bool) -> Result<Replay, String> {
+pub fn plan_replay(seqs: &[SectionSeqs], any_used: bool) -> Result<Replay, TargetError> {
     let n = seqs.len() as u64;
     let mut used = [false; 4];
     let mut max_section = [0u64; 4];

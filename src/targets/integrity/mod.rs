@@ -37,6 +37,7 @@
 
 pub mod format;
 
+use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::Pending;
@@ -107,12 +108,12 @@ struct Opts {
     legacy_recalculate: bool,
 }
 
-fn parse_opts(words: &[String]) -> Result<Opts, String> {
+fn parse_opts(words: &[String]) -> Result<Opts, TargetError> {
     let mut o = Opts::default();
-    let num = |v: &str| -> Result<u64, String> {
+    let num = |v: &str| -> Result<u64, TargetError> {
         v.parse::<u32>()
             .map(u64::from)
-            .map_err(|_| "Invalid argument".to_string())
+            .map_err(|_| TargetError::from("Invalid argument".to_string()))
     };
     for w in words {
         let (k, v) = w.split_once(':').unwrap_or((w.as_str(), ""));
@@ -153,9 +154,9 @@ fn parse_opts(words: &[String]) -> Result<Opts, String> {
             "legacy_recalculate" if v.is_empty() => o.legacy_recalculate = true,
             "meta_device" if !v.is_empty() => o.meta_device = Some(v.to_string()),
             "journal_crypt" | "journal_mac" | "allow_discards_keyed" => {
-                return Err(format!("'{k}' is not supported by dmkit's integrity target"))
+                return Err(format!("'{k}' is not supported by dmkit's integrity target").into())
             }
-            _ => return Err(format!("Invalid argument '{}'", crate::table::bounded(w))),
+            _ => return Err(format!("Invalid argument '{}'", crate::table::bounded(w)).into()),
         }
     }
     Ok(o)
@@ -184,7 +185,7 @@ struct Layout {
 impl Layout {
     /// Format a blank device with superblock `sb` at sector `offset`: the
     /// empty journal, then the superblock, each durable.
-    fn format(&self, sb: &mut Superblock, offset: u64, tag_size: u64) -> Result<(), String> {
+    fn format(&self, sb: &mut Superblock, offset: u64, tag_size: u64) -> Result<(), TargetError> {
         let w = |e: std::io::Error| format!("Could not initialize superblock: {e}");
         for i in 0..self.geo.journal_sections {
             let s = empty_section(&self.geo, i, 0);
@@ -275,7 +276,7 @@ enum Job {
     Flush { pending: Pending },
     Discard { pending: Pending, bio: Bio },
     /// Replay or prepare at a first resume; the answer goes back.
-    Resume(crate::sync::ReplyTx<Result<(), String>>),
+    Resume(crate::sync::ReplyTx<Result<(), TargetError>>),
     /// Everything durable and the journal or bitmap closed, at a suspend.
     Suspend(crate::sync::ReplyTx<()>),
 }
@@ -325,7 +326,7 @@ pub struct Integrity {
 
 /// The internal hash the options name and the tag size (the table's, else
 /// the digest's).
-fn hash_and_tag(opts: &Opts, tag_given: Option<u64>) -> Result<(Hash, u64), String> {
+fn hash_and_tag(opts: &Opts, tag_given: Option<u64>) -> Result<(Hash, u64), TargetError> {
     let Some(spec) = &opts.internal_hash else {
         return Err(
             "tags without internal_hash (a device above supplying them) are not supported by dmkit's integrity target"
@@ -369,7 +370,7 @@ fn bitmap_log2(sectors_per_bit: Option<u64>, log2_spb: u8, geo: &Geometry) -> u8
 impl Integrity {
     /// The table's arguments other than the devices: the offset, the tag size
     /// if given, the mode and the options, with the kernel's messages.
-    fn parse_args(args: &[String]) -> Result<(u64, Option<u64>, Mode, Opts), String> {
+    fn parse_args(args: &[String]) -> Result<(u64, Option<u64>, Mode, Opts), TargetError> {
         if args.len() < 5 {
             return Err("Invalid argument count".into());
         }
@@ -402,7 +403,7 @@ impl Integrity {
         Ok((offset, tag_given, mode, parse_opts(words)?))
     }
 
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Integrity, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Integrity, TargetError> {
         let (offset, tag_given, mode, opts) = Self::parse_args(args)?;
         let dev_name = &args[0];
         let dev = r.open(dev_name).map_err(|e| format!("Device lookup failed: '{dev_name}': {e}"))?;
@@ -444,7 +445,7 @@ impl Integrity {
             return Err(format!(
                 "Not enough provided sectors for requested mapping size ({len} > {})",
                 geo.provided
-            ));
+            ).into());
         }
         if sb.has(SB_FLAG_RECALCULATING) && sb.recalc_sector < geo.provided && hash.keyed() && !opts.legacy_recalculate {
             return Err("Recalculating with HMAC is disabled for security reasons - if you really need it, use the argument \"legacy_recalculate\"".into());
@@ -584,7 +585,7 @@ fn new_superblock(
     dev_sectors: u64,
     start: u64,
     meta: Option<(u64, u8)>,
-) -> Result<Superblock, String> {
+) -> Result<Superblock, TargetError> {
     let (_, _, section_sectors) = Geometry::journal_shape(log2_spb, u64::from(tag_size));
     if section_sectors <= JOURNAL_BLOCK_SECTORS {
         return Err("Too big tag size".into());
@@ -647,9 +648,9 @@ fn buffer_log2(given: Option<u64>) -> u8 {
 }
 
 /// The kernel's checks of a superblock against the table, in its words.
-fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8, meta: bool) -> Result<(), String> {
+fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8, meta: bool) -> Result<(), TargetError> {
     if !(1..=7).contains(&sb.version) {
-        return Err(format!("Unknown version {}", sb.version));
+        return Err(format!("Unknown version {}", sb.version).into());
     }
     if sb.has(SB_FLAG_INLINE) {
         return Err("Inline flag mismatch".into());
@@ -661,13 +662,13 @@ fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8, meta: bool) ->
         return Err(format!(
             "Tag size doesn't match the information in superblock ({} in the superblock, {tag_size} in the table)",
             sb.tag_size
-        ));
+        ).into());
     }
     if sb.log2_spb != log2_spb {
         return Err(format!(
             "Block size doesn't match the information in superblock ({} bytes in the superblock)",
             512u64 << sb.log2_spb.min(20)
-        ));
+        ).into());
     }
     if sb.journal_sections == 0 {
         return Err("Corrupted superblock, journal_sections is 0".into());
@@ -681,7 +682,7 @@ fn check_superblock(sb: &Superblock, tag_size: u64, log2_spb: u8, meta: bool) ->
         return Err(format!(
             "Invalid interleave_sectors in the superblock (log2 {})",
             sb.log2_interleave
-        ));
+        ).into());
     }
     if sb.has(SB_FLAG_HAVE_JOURNAL_MAC) {
         return Err("Journal mac mismatch".into());
@@ -807,7 +808,7 @@ impl Target for Integrity {
         l
     }
 
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         if self.started.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
@@ -834,11 +835,11 @@ impl Target for Integrity {
 
 /// A new superblock's salt: random (from the trial's seed in a crash trial,
 /// which then writes the same bytes in every run).
-fn new_salt(salt: &mut [u8]) -> Result<(), String> {
+fn new_salt(salt: &mut [u8]) -> Result<(), TargetError> {
     if crate::sync::sched::seeded_bytes(salt) {
         return Ok(());
     }
-    openssl::rand::rand_bytes(salt).map_err(|e| format!("Could not initialize superblock: {e}"))
+    openssl::rand::rand_bytes(salt).map_err(|e| TargetError::from(format!("Could not initialize superblock: {e}")))
 }
 
 /// The worker's state: everything on disk is written from here.
@@ -941,7 +942,7 @@ impl Work {
         d.max(Duration::from_millis(1))
     }
 
-    fn fail_device(&self, why: &str) {
+    fn fail_device(&self, why: &TargetError) {
         tracing::error!("integrity: {why}; the device fails every I/O from now on");
         self.shared.failed.store(true, Ordering::SeqCst);
     }
@@ -1071,7 +1072,7 @@ impl Work {
 
     // ---- writes ----
 
-    fn write(&mut self, bio: &Bio, data: Vec<u8>) -> Result<(), String> {
+    fn write(&mut self, bio: &Bio, data: Vec<u8>) -> Result<(), TargetError> {
         let lay = self.lay.clone();
         let spb = lay.geo.spb();
         let bs = (spb * SECTOR) as usize;
@@ -1114,14 +1115,14 @@ impl Work {
         }
     }
 
-    fn flush(&mut self) -> Result<(), String> {
+    fn flush(&mut self) -> Result<(), TargetError> {
         if self.lay.mode == Mode::Journal {
             self.commit()?;
         }
-        self.lay.flush().map_err(|e| io_err("flushing", e))
+        self.lay.flush().map_err(|e| TargetError::from(io_err("flushing", e)))
     }
 
-    fn discard(&mut self, bio: &Bio) -> Result<(), String> {
+    fn discard(&mut self, bio: &Bio) -> Result<(), TargetError> {
         let lay = self.lay.clone();
         // what the journal holds goes first, so it cannot land after
         self.commit()?;
@@ -1150,7 +1151,7 @@ impl Work {
 
     /// Write what is open to the journal, durable, then to its places,
     /// durable.
-    fn commit(&mut self) -> Result<(), String> {
+    fn commit(&mut self) -> Result<(), TargetError> {
         if self.open.is_empty() {
             return Ok(());
         }
@@ -1176,12 +1177,12 @@ impl Work {
         let mut blocks: Vec<&(u64, Vec<u8>, Vec<u8>)> = open.iter().collect();
         blocks.sort_by_key(|b| b.0);
         self.write_runs(&blocks)?;
-        lay.flush().map_err(|e| io_err("flushing", e))
+        lay.flush().map_err(|e| TargetError::from(io_err("flushing", e)))
     }
 
     /// Write blocks (sorted by sector) and their tags home, consecutive ones
     /// of an area together.
-    fn write_runs(&self, blocks: &[&(u64, Vec<u8>, Vec<u8>)]) -> Result<(), String> {
+    fn write_runs(&self, blocks: &[&(u64, Vec<u8>, Vec<u8>)]) -> Result<(), TargetError> {
         let lay = &self.lay;
         let g = &lay.geo;
         let mut i = 0;
@@ -1203,7 +1204,7 @@ impl Work {
         Ok(())
     }
 
-    fn read_section(&self, i: u64) -> Result<Vec<u8>, String> {
+    fn read_section(&self, i: u64) -> Result<Vec<u8>, TargetError> {
         let g = &self.lay.geo;
         let mut s = vec![0u8; (g.section_sectors * SECTOR) as usize];
         devio::read(&self.lay.mdest, g.journal_sector(i * g.section_sectors), &mut s)
@@ -1211,16 +1212,16 @@ impl Work {
         Ok(s)
     }
 
-    fn write_section(&self, i: u64, seq: u8) -> Result<(), String> {
+    fn write_section(&self, i: u64, seq: u8) -> Result<(), TargetError> {
         let g = &self.lay.geo;
         let s = empty_section(g, i, seq);
         devio::write(&self.lay.mdest, g.journal_sector(i * g.section_sectors), &s, false)
-            .map_err(|e| io_err("writing the journal", e))
+            .map_err(|e| TargetError::from(io_err("writing the journal", e)))
     }
 
     /// The kernel's replay: find the committed sections, write their blocks
     /// home, and leave the journal ready to go on.
-    fn replay(&mut self) -> Result<(), String> {
+    fn replay(&mut self) -> Result<(), TargetError> {
         let lay = self.lay.clone();
         let g = &lay.geo;
         let n = g.journal_sections;
@@ -1243,7 +1244,7 @@ impl Work {
                 for e in 0..g.section_entries {
                     let Some(l) = entry_sector(g, &s, e) else { continue };
                     if !l.is_multiple_of(g.spb()) {
-                        return Err(format!("integrity: invalid sector in journal: section {i} entry {e}: {l}"));
+                        return Err(format!("integrity: invalid sector in journal: section {i} entry {e}: {l}").into());
                     }
                     if l >= g.provided {
                         continue;
@@ -1254,7 +1255,7 @@ impl Work {
                     if want != tag {
                         return Err(format!(
                             "integrity: tag mismatch when replaying journal: section {i} entry {e}, sector {l}"
-                        ));
+                        ).into());
                     }
                     blocks.push((l, data, tag));
                 }
@@ -1295,16 +1296,16 @@ impl Work {
         Ok(())
     }
 
-    fn write_sb(&mut self) -> Result<(), String> {
+    fn write_sb(&mut self) -> Result<(), TargetError> {
         let _window = self.lay.window();
         self.sb.set_version(self.lay.mode == Mode::Bitmap, self.lay.meta.is_some());
         devio::write(&self.lay.mdest, self.lay.geo.start, &self.sb.to_bytes(), true)
-            .map_err(|e| io_err("writing the superblock", e))
+            .map_err(|e| TargetError::from(io_err("writing the superblock", e)))
     }
 
     /// The superblock as it is now: the table it was read for may have been
     /// made while another table of the device ran, which wrote it since.
-    fn reread_sb(&mut self) -> Result<(), String> {
+    fn reread_sb(&mut self) -> Result<(), TargetError> {
         let mut area = vec![0u8; (SB_SECTORS * SECTOR) as usize];
         devio::read(&self.lay.mdest, self.lay.geo.start, &mut area).map_err(|e| io_err("reading the superblock", e))?;
         let Found::Superblock(now) = Superblock::parse(&area) else {
@@ -1342,7 +1343,7 @@ impl Work {
         Ok(())
     }
 
-    fn resume(&mut self) -> Result<(), String> {
+    fn resume(&mut self) -> Result<(), TargetError> {
         let lay = self.lay.clone();
         if lay.mode == Mode::Recovery {
             return Ok(());
@@ -1395,7 +1396,7 @@ impl Work {
         Ok(())
     }
 
-    fn suspend(&mut self) -> Result<(), String> {
+    fn suspend(&mut self) -> Result<(), TargetError> {
         let lay = self.lay.clone();
         // a failed device leaves its journal or bitmap as they are: the next
         // load replays the one, recomputes what the other names
@@ -1446,14 +1447,14 @@ impl Work {
     }
 
     /// The bitmap a crash left: log2 of its sectors per bit, and its bytes.
-    fn read_bitmap(&self) -> Result<(u8, Vec<u8>), String> {
+    fn read_bitmap(&self) -> Result<(u8, Vec<u8>), TargetError> {
         let g = &self.lay.geo;
         let log2_spbb = u32::from(self.sb.log2_blocks_per_bit) + u32::from(g.log2_spb);
         if log2_spbb > 48 {
             return Err(format!(
                 "integrity: the superblock's blocks per bitmap bit (2^{}) are out of range",
                 self.sb.log2_blocks_per_bit
-            ));
+            ).into());
         }
         let bits = g.provided.div_ceil(1u64 << log2_spbb);
         let bytes = (bits.div_ceil(8)).div_ceil(BITMAP_BLOCK_BYTES as u64) * BITMAP_BLOCK_BYTES as u64;
@@ -1461,20 +1462,20 @@ impl Work {
             return Err(format!(
                 "integrity: the superblock's bitmap (2^{} blocks per bit) does not fit the journal's area",
                 self.sb.log2_blocks_per_bit
-            ));
+            ).into());
         }
         let mut b = vec![0u8; bytes as usize];
         devio::read(&self.lay.mdest, g.journal_sector(0), &mut b).map_err(|e| io_err("reading the bitmap", e))?;
         Ok((log2_spbb as u8, b))
     }
 
-    fn write_bitmap(&self) -> Result<(), String> {
+    fn write_bitmap(&self) -> Result<(), TargetError> {
         devio::write(&self.lay.mdest, self.lay.geo.journal_sector(0), &self.bitmap, true)
-            .map_err(|e| io_err("writing the bitmap", e))
+            .map_err(|e| TargetError::from(io_err("writing the bitmap", e)))
     }
 
     /// The bits of a range set on disk before it is written.
-    fn set_bits(&mut self, sector: u64, n: u64) -> Result<(), String> {
+    fn set_bits(&mut self, sector: u64, n: u64) -> Result<(), TargetError> {
         let s = self.lay.log2_spbb;
         let mut blocks = Vec::new();
         for b in (sector >> s)..=((sector + n - 1) >> s) {
@@ -1503,7 +1504,7 @@ impl Work {
     }
 
     /// Everything written is durable: the bits go.
-    fn clear_bitmap(&mut self) -> Result<(), String> {
+    fn clear_bitmap(&mut self) -> Result<(), TargetError> {
         let _window = self.lay.window();
         self.lay.flush().map_err(|e| io_err("flushing", e))?;
         self.bitmap.fill(0);
@@ -1515,7 +1516,7 @@ impl Work {
     // ---- recalculation ----
 
     /// Compute and write the tags of a range (within one area or more).
-    fn recalc_range(&self, start: u64, len: u64) -> Result<(), String> {
+    fn recalc_range(&self, start: u64, len: u64) -> Result<(), TargetError> {
         let lay = &self.lay;
         let g = &lay.geo;
         let mut s = start;
@@ -1530,7 +1531,7 @@ impl Work {
         Ok(())
     }
 
-    fn recalc_step(&mut self) -> Result<(), String> {
+    fn recalc_step(&mut self) -> Result<(), TargetError> {
         let g = &self.lay.geo;
         let at = self.shared.recalc_at.load(Ordering::SeqCst);
         let n = (at + RECALC_SECTORS).min(g.area_end(at)).min(g.provided) - at;
@@ -1545,7 +1546,7 @@ impl Work {
     }
 
     /// The recalculation's place in the superblock, its tags durable first.
-    fn save_recalc(&mut self) -> Result<(), String> {
+    fn save_recalc(&mut self) -> Result<(), TargetError> {
         if !self.sb.has(SB_FLAG_RECALCULATING) {
             return Ok(());
         }

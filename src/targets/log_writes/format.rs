@@ -11,6 +11,8 @@
 //! "Block" is the data device's logical block size (`sectorsize`); positions in
 //! the log advance in 512-byte sectors.
 
+use crate::mapper::TargetError;
+
 /// "rhswfsj" read as a little-endian u64.
 pub const MAGIC: u64 = 0x006a_7366_7773_6872;
 pub const VERSION: u64 = 1;
@@ -52,19 +54,19 @@ impl Super {
     }
 
     /// Read the super from the log's first 28 bytes or more; Err names the field.
-    pub fn decode(b: &[u8]) -> Result<Super, String> {
+    pub fn decode(b: &[u8]) -> Result<Super, TargetError> {
         if b.len() < 28 {
-            return Err(format!("the log is {} bytes long: no room for its super", b.len()));
+            return Err(format!("the log is {} bytes long: no room for its super", b.len()).into());
         }
         let magic = le64(b, 0);
         if magic != MAGIC {
             return Err(format!(
                 "not a log-writes log: magic {magic:#x} at byte 0, not {MAGIC:#x}"
-            ));
+            ).into());
         }
         let version = le64(b, 8);
         if version != VERSION {
-            return Err(format!("log version {version} (byte 8) is not {VERSION}"));
+            return Err(format!("log version {version} (byte 8) is not {VERSION}").into());
         }
         let mut w = [0u8; 4];
         w.copy_from_slice(&b[24..28]);
@@ -72,7 +74,7 @@ impl Super {
         if !sectorsize.is_power_of_two() || !(512..=MAX_SECTORSIZE).contains(&sectorsize) {
             return Err(format!(
                 "sectorsize {sectorsize} (byte 24) is not a power of two from 512 to {MAX_SECTORSIZE}"
-            ));
+            ).into());
         }
         Ok(Super {
             nr_entries: le64(b, 16),
@@ -157,11 +159,11 @@ mod tests {
         assert_eq!(Super::decode(&b), Ok(s));
         let mut bad = b.clone();
         bad[24] = 3;
-        assert!(Super::decode(&bad).unwrap_err().contains("sectorsize"));
+        assert!(Super::decode(&bad).unwrap_err().what().contains("sectorsize"));
         bad = b.clone();
         bad[8] = 2;
-        assert!(Super::decode(&bad).unwrap_err().contains("version 2"));
-        assert!(Super::decode(&b[..20]).unwrap_err().contains("20 bytes"));
+        assert!(Super::decode(&bad).unwrap_err().what().contains("version 2"));
+        assert!(Super::decode(&b[..20]).unwrap_err().what().contains("20 bytes"));
         let e = Entry {
             sector: 9,
             nr_sectors: 0,

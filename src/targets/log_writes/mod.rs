@@ -24,6 +24,7 @@
 pub mod format;
 pub mod replay;
 
+use crate::mapper::TargetError;
 use crate::io::{EndIo, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::Dest;
@@ -251,12 +252,12 @@ pub struct LogWrites {
 }
 
 impl LogWrites {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<LogWrites, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<LogWrites, TargetError> {
         if args.len() != 2 {
             return Err(format!(
                 "Invalid argument count: log-writes takes 2 arguments (<dev_path> <log_dev_path>), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let dev = arg_dev(args, 0, 0, len, r)?;
         let log = r
@@ -268,7 +269,7 @@ impl LogWrites {
             return Err(format!(
                 "log device '{}' holds {} sectors: not even a super and one entry of {sectorsize} bytes",
                 args[1], end_sector
-            ));
+            ).into());
         }
         let inner = Arc::new(Inner {
             st: Mutex::new(State {
@@ -419,18 +420,18 @@ impl Target for LogWrites {
         s
     }
 
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         if words.len() != 2 {
             return Err(format!(
                 "Invalid log-writes message arguments, expect 2 arguments, got {}",
                 words.len()
-            ));
+            ).into());
         }
         if !words[0].eq_ignore_ascii_case("mark") {
             return Err(format!(
                 "Unrecognised log writes target message received: {}",
                 crate::table::bounded(&words[0])
-            ));
+            ).into());
         }
         self.inner.mark(&words[1]);
         Ok(String::new())

@@ -10,6 +10,38 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+/// Why a replay, a crash-state enumeration or a check stopped: one line that
+/// says what and where (the log entry, the target, the check command), for the
+/// command line to print.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayError(String);
+
+impl std::fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+impl From<String> for ReplayError {
+    fn from(s: String) -> ReplayError {
+        ReplayError(s)
+    }
+}
+
+impl From<&str> for ReplayError {
+    fn from(s: &str) -> ReplayError {
+        ReplayError(s.to_string())
+    }
+}
+
+impl From<crate::mapper::TargetError> for ReplayError {
+    fn from(e: crate::mapper::TargetError) -> ReplayError {
+        ReplayError(e.to_string())
+    }
+}
+
 /// Where a replay stops.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Until {
@@ -25,7 +57,7 @@ pub enum Until {
 
 impl Until {
     /// `mark:NAME`, `entry:N` or `flush:N`.
-    pub fn parse(s: &str) -> Result<Until, String> {
+    pub fn parse(s: &str) -> Result<Until, ReplayError> {
         let num = |v: &str, what: &str| {
             v.parse::<u64>()
                 .map_err(|_| format!("--until {what}:{v}: not a number"))
@@ -40,7 +72,7 @@ impl Until {
             _ => Err(format!(
                 "--until {}: one of mark:NAME, entry:N, flush:N",
                 crate::table::bounded(s)
-            )),
+            ).into()),
         }
     }
 }
@@ -71,7 +103,7 @@ pub enum CheckAt {
 }
 
 impl CheckAt {
-    pub fn parse(s: &str) -> Result<CheckAt, String> {
+    pub fn parse(s: &str) -> Result<CheckAt, ReplayError> {
         match s {
             "fua" => Ok(CheckAt::Fua),
             "flush" => Ok(CheckAt::Flush),
@@ -80,7 +112,7 @@ impl CheckAt {
             _ => Err(format!(
                 "--check-at {}: one of fua, flush, mark, entry",
                 crate::table::bounded(s)
-            )),
+            ).into()),
         }
     }
 
@@ -139,7 +171,7 @@ const MAX_ANSWER: u64 = 4096;
 
 impl Judge {
     /// Start `cmd` as a judge of [`Judge::Serve`].
-    pub fn serve(cmd: &str) -> Result<Judge, String> {
+    pub fn serve(cmd: &str) -> Result<Judge, ReplayError> {
         use std::process::{Command, Stdio};
         let mut child = Command::new("sh")
             .args(["-c", cmd])
@@ -160,7 +192,7 @@ impl Judge {
     }
 
     /// The state on the target named `tname`: None accepted, Some(why) refused.
-    fn judge(&mut self, tname: &str) -> Result<Option<String>, String> {
+    fn judge(&mut self, tname: &str) -> Result<Option<String>, ReplayError> {
         match self {
             Judge::Each(check) => {
                 let res = std::process::Command::new("sh")
@@ -184,10 +216,10 @@ impl Judge {
 }
 
 impl Server {
-    fn ask(&mut self, tname: &str) -> Result<Option<String>, String> {
+    fn ask(&mut self, tname: &str) -> Result<Option<String>, ReplayError> {
         use std::io::{BufRead, Read};
         if tname.contains('\n') {
-            return Err(format!("--judge: the target's path has a newline: {}", crate::table::bounded(tname)));
+            return Err(format!("--judge: the target's path has a newline: {}", crate::table::bounded(tname)).into());
         }
         let ended = |s: &mut Server, what: &str| {
             let status = s.child.try_wait().ok().flatten();
@@ -202,7 +234,7 @@ impl Server {
             None => Err(std::io::ErrorKind::BrokenPipe.into()),
         };
         if sent.is_err() {
-            return Err(ended(self, "stopped reading its questions"));
+            return Err(ended(self, "stopped reading its questions").into());
         }
         let mut line = Vec::new();
         let n = (&mut self.output)
@@ -210,7 +242,7 @@ impl Server {
             .read_until(b'\n', &mut line)
             .map_err(|e| format!("reading the judge's answer: {e}"))?;
         if n == 0 {
-            return Err(ended(self, "ended without answering"));
+            return Err(ended(self, "ended without answering").into());
         }
         if line.last() != Some(&b'\n') {
             // the rest of an overlong line is not the next answer
@@ -296,7 +328,7 @@ pub struct LogReader {
 }
 
 impl LogReader {
-    pub fn open(log: &Path) -> Result<LogReader, String> {
+    pub fn open(log: &Path) -> Result<LogReader, ReplayError> {
         let name = log.display().to_string();
         let file = File::open(log).map_err(|e| format!("{name}: {e}"))?;
         let len = {
@@ -312,7 +344,7 @@ impl LogReader {
             return Err(format!(
                 "{name}: the super counts {} entries, more than the log's {len} bytes can hold",
                 sup.nr_entries
-            ));
+            ).into());
         }
         Ok(LogReader {
             name,
@@ -327,13 +359,13 @@ impl LogReader {
     }
 
     /// The next entry, None after the last the super counts.
-    pub fn next_entry(&mut self) -> Result<Option<LogEntry>, String> {
+    pub fn next_entry(&mut self) -> Result<Option<LogEntry>, ReplayError> {
         if self.next == self.count {
             return Ok(None);
         }
         let (i, pos, ss, len, name) = (self.next, self.pos, self.ss, self.len, &self.name);
         if pos.checked_add(ss).is_none_or(|end| end > len) {
-            return Err(format!("{name}: entry {i} at byte {pos} lies past the log's end ({len})"));
+            return Err(format!("{name}: entry {i} at byte {pos} lies past the log's end ({len})").into());
         }
         self.file
             .read_exact_at(&mut self.block, pos)
@@ -353,7 +385,7 @@ impl LogReader {
                 return Err(format!(
                     "{name}: entry {i} at byte {pos}: a mark of {} bytes does not fit its block",
                     e.data_len
-                ));
+                ).into());
             }
             let text = &self.block[ENTRY_LEN..ENTRY_LEN + e.data_len as usize];
             Some(String::from_utf8_lossy(text).into_owned())
@@ -365,7 +397,7 @@ impl LogReader {
         if has_data && data_at.checked_add(bytes).is_none_or(|end| end > len) {
             return Err(format!(
                 "{name}: entry {i} at byte {pos}: its {bytes} bytes of data lie past the log's end ({len})"
-            ));
+            ).into());
         }
         self.next += 1;
         self.pos = if has_data { data_at + bytes } else { data_at };
@@ -381,7 +413,7 @@ impl LogReader {
 
     /// Write entry `e` onto `target` (`tname` names it in errors): a write's data,
     /// or zeroes for a discard; nothing for the others. `buf` bounds the copy.
-    pub fn apply(&self, e: &LogEntry, target: &File, tname: &str, buf: &mut [u8]) -> Result<(), String> {
+    pub fn apply(&self, e: &LogEntry, target: &File, tname: &str, buf: &mut [u8]) -> Result<(), ReplayError> {
         if !e.is_write() && !e.is_discard() {
             return Ok(());
         }
@@ -440,12 +472,12 @@ impl Replayed {
 /// The copy buffer's size: data is copied through it whatever an entry claims.
 const BUF: usize = 1 << 20;
 
-fn open_target(t: &Path) -> Result<File, String> {
+fn open_target(t: &Path) -> Result<File, ReplayError> {
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(t)
-        .map_err(|e| format!("{}: {e}", t.display()))
+        .map_err(|e| format!("{}: {e}", t.display())).map_err(ReplayError::from)
 }
 
 /// Replay `log` onto `target` (None: only list) until `until`, then the entries
@@ -460,7 +492,7 @@ pub fn replay(
     with: &[u64],
     mut list: Option<&mut dyn Write>,
     mut checks: Option<&mut Checks>,
-) -> Result<Replayed, String> {
+) -> Result<Replayed, ReplayError> {
     let mut r = LogReader::open(log)?;
     let tf = target.map(open_target).transpose()?;
     let tname = target.map(|t| t.display().to_string()).unwrap_or_default();
@@ -537,7 +569,7 @@ pub fn crash_states(
     judge: &mut Judge,
     seed: u64,
     max_states: u64,
-) -> Result<Checked, String> {
+) -> Result<Checked, ReplayError> {
     let mut r = LogReader::open(log)?;
     let tf = open_target(target)?;
     let tname = target.display().to_string();
@@ -557,7 +589,7 @@ pub fn crash_states(
                         "{}: more than {MAX_EPOCH} writes between two flushes (entry {}): too many to enumerate",
                         log.display(),
                         e.index
-                    ));
+                    ).into());
                 }
                 epoch.push(e.clone());
             }
@@ -617,7 +649,7 @@ impl Epoch<'_> {
         max_states: u64,
         buf: &mut [u8],
         out: &mut Checked,
-    ) -> Result<Option<String>, String> {
+    ) -> Result<Option<String>, ReplayError> {
         let (r, tf, tname, epoch, after) = (self.r, self.tf, self.tname, self.entries, self.after);
         let (fua, plain): (Vec<&LogEntry>, Vec<&LogEntry>) = epoch.iter().partition(|e| e.entry.flags & FUA != 0);
         let n = plain.len() as u32;
@@ -642,7 +674,7 @@ impl Epoch<'_> {
                 return Err(format!(
                     "a crash state after entry {} changes {bytes} bytes, more than {MAX_STATE_BYTES} to undo",
                     after.map_or(0, |a| a + 1)
-                ));
+                ).into());
             }
             // save what the chosen entries overwrite, in order, to undo it
             let mut undo: Vec<(u64, Vec<u8>)> = Vec::with_capacity(chosen.len());

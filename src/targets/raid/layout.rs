@@ -3,6 +3,8 @@
 //! raid5.c and raid10.c): striping (raid0), copies (raid10 near, far,
 //! offset), and data with rotating parity (raid4/5/6, every md algorithm).
 
+use crate::mapper::TargetError;
+
 /// md's raid5/6 algorithms (`layout` in the superblock).
 pub mod algo {
     pub const LEFT_ASYMMETRIC: u32 = 0;
@@ -286,7 +288,7 @@ pub struct Geometry {
 impl Geometry {
     /// The geometry of an array of `len` sectors on `legs` legs, or why the
     /// kernel would refuse it.
-    pub fn new(level: Level, legs: usize, chunk: u64, len: u64) -> Result<Geometry, String> {
+    pub fn new(level: Level, legs: usize, chunk: u64, len: u64) -> Result<Geometry, TargetError> {
         let mut g = Geometry {
             level,
             legs,
@@ -323,7 +325,7 @@ impl Geometry {
                 g.far_set = match layout >> 17 {
                     0 => legs,
                     2 => copies,
-                    _ => return Err(format!("raid10 layout {layout:#x} is not one dmkit builds")),
+                    _ => return Err(format!("raid10 layout {layout:#x} is not one dmkit builds").into()),
                 };
                 if copies < 2 || copies > legs {
                     return Err("Not enough devices to satisfy specification".into());
@@ -344,7 +346,7 @@ impl Geometry {
                     return Err(format!(
                         "Target length {len} is more than the raid10 layout holds ({} sectors: each leg's share in whole chunks of {chunk}, times the legs, over the copies)",
                         array_chunks * chunk
-                    ));
+                    ).into());
                 }
             }
         }
@@ -353,12 +355,12 @@ impl Geometry {
 
     /// md rounds each leg down to whole chunks and the array with it: a table
     /// longer than that would address sectors md does not have.
-    fn aligned(&self, len: u64, data: u64) -> Result<(), String> {
+    fn aligned(&self, len: u64, data: u64) -> Result<(), TargetError> {
         if !self.dev_sectors.is_multiple_of(self.chunk) {
             return Err(format!(
                 "Target length {len} is not a multiple of the chunk ({}) times the data legs ({data}): md would make the array shorter than the table, which dmkit does not do",
                 self.chunk
-            ));
+            ).into());
         }
         Ok(())
     }

@@ -47,6 +47,7 @@ pub mod format;
 pub mod layout;
 pub mod parity;
 
+use crate::mapper::TargetError;
 use crate::io::{errno, EndIo, Op, REMAP, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::Pending;
@@ -289,14 +290,14 @@ fn bad(msg: &str) -> String {
     msg.to_string()
 }
 
-fn int_arg(v: &str, err: &str) -> Result<i64, String> {
-    v.parse::<i64>().map_err(|_| bad(err))
+fn int_arg(v: &str, err: &str) -> Result<i64, TargetError> {
+    v.parse::<i64>().map_err(|_| TargetError::from(bad(err)))
 }
 
 impl Raid {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Raid, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Raid, TargetError> {
         let Some(type_name) = args.first() else {
-            return Err(bad("No arguments"));
+            return Err(bad("No arguments").into());
         };
         let type_name = type_name.to_ascii_lowercase();
         let level = layout::parse_type(&type_name).ok_or_else(|| bad("Unrecognised raid_type"))?;
@@ -313,7 +314,7 @@ impl Raid {
             .filter(|&n| n >= 1 && n <= (rest.len() - 1) / 2)
             .ok_or_else(|| bad("Cannot understand number of raid devices parameters"))?;
         if nlegs > MAX_LEGS {
-            return Err(bad("Invalid number of supplied raid devices"));
+            return Err(bad("Invalid number of supplied raid devices").into());
         }
         let opts = parse_options(params, level, nlegs, len)?;
         let min_legs = match level {
@@ -321,12 +322,12 @@ impl Raid {
             _ => 2,
         };
         if nlegs <= level.parities() as usize {
-            return Err(bad("Insufficient number of devices"));
+            return Err(bad("Insufficient number of devices").into());
         }
         if nlegs < min_legs && matches!(level, Level::Parity { .. }) {
             return Err(format!(
                 "Failed to run raid array: not enough configured devices ({nlegs}, minimum {min_legs})"
-            ));
+            ).into());
         }
         let chunk = params[0].parse::<u64>().unwrap_or(0);
         let level = match level {
@@ -340,7 +341,7 @@ impl Raid {
         };
         if let Some(rs) = opts.region_size {
             if level != Level::Raid1 && rs < chunk {
-                return Err(bad("Region size is smaller than the chunk size"));
+                return Err(bad("Region size is smaller than the chunk size").into());
             }
         }
         let region = opts.region_size.unwrap_or_else(|| default_region(len));
@@ -392,7 +393,7 @@ impl Raid {
 
 /// The legs of a table: (metadata, data) device pairs, "-" for none; each data
 /// device must hold `dev_sectors`.
-fn open_legs(pairs: &[String], opts: &Options, dev_sectors: u64, r: &dyn Resolver) -> Result<Vec<Leg>, String> {
+fn open_legs(pairs: &[String], opts: &Options, dev_sectors: u64, r: &dyn Resolver) -> Result<Vec<Leg>, TargetError> {
     let mut legs = Vec::with_capacity(pairs.len() / 2);
     for (i, pair) in pairs.chunks_exact(2).enumerate() {
         let (m, d) = (&pair[0], &pair[1]);
@@ -403,10 +404,10 @@ fn open_legs(pairs: &[String], opts: &Options, dev_sectors: u64, r: &dyn Resolve
         };
         let data = if d == "-" {
             if opts.rebuild.contains(&i) {
-                return Err(bad("Drive designated for rebuild not specified"));
+                return Err(bad("Drive designated for rebuild not specified").into());
             }
             if meta.is_some() {
-                return Err(bad("No data device supplied with metadata device"));
+                return Err(bad("No data device supplied with metadata device").into());
             }
             None
         } else {
@@ -416,7 +417,7 @@ fn open_legs(pairs: &[String], opts: &Options, dev_sectors: u64, r: &dyn Resolve
                     "Component device(s) too small: '{d}' has {} sectors, the array needs {} of each",
                     dev.size_sectors(),
                     dev_sectors
-                ));
+                ).into());
             }
             Some(dev)
         };
@@ -433,7 +434,7 @@ fn open_legs(pairs: &[String], opts: &Options, dev_sectors: u64, r: &dyn Resolve
 
 /// The array's geometry: raid1 has no chunk; the others' chunk is a power of
 /// two of at least 8 sectors.
-fn geometry(level: Level, nlegs: usize, chunk: u64, len: u64) -> Result<Geometry, String> {
+fn geometry(level: Level, nlegs: usize, chunk: u64, len: u64) -> Result<Geometry, TargetError> {
     if level == Level::Raid1 {
         return Geometry::new(level, nlegs, 0, len);
     }
@@ -442,21 +443,21 @@ fn geometry(level: Level, nlegs: usize, chunk: u64, len: u64) -> Result<Geometry
             "Chunk size value is too small"
         } else {
             "Chunk size must be a power of 2"
-        }));
+        }).into());
     }
     Geometry::new(level, nlegs, chunk, len)
 }
 
 /// Every leg's metadata device holds `need` bytes (the superblock and the
 /// bitmap of `regions` regions).
-fn metadata_fits(legs: &[Leg], need: u64, regions: u64) -> Result<(), String> {
+fn metadata_fits(legs: &[Leg], need: u64, regions: u64) -> Result<(), TargetError> {
     for (i, l) in legs.iter().enumerate() {
         if let Some(m) = &l.meta {
             if m.size_sectors() * SECTOR < need {
                 return Err(format!(
                     "metadata device of leg {i} too small: {} bytes, the superblock and bitmap of {regions} regions need {need}",
                     m.size_sectors() * SECTOR
-                ));
+                ).into());
             }
         }
     }
@@ -475,28 +476,28 @@ fn default_region(len: u64) -> u64 {
 
 /// md's raid10 layout from the table's `raid10_copies`, `raid10_format` and
 /// `raid10_use_near_sets` (dm-raid's raid10_format_to_md_layout).
-fn raid10_layout(o: &Options) -> Result<u32, String> {
+fn raid10_layout(o: &Options) -> Result<u32, TargetError> {
     let copies = o.raid10_copies.unwrap_or(2) as u32;
     let far_sets = if o.raid10_use_near_sets { 0 } else { layout::RAID10_USE_FAR_SETS };
     Ok(match o.raid10_format.as_deref().unwrap_or("near") {
         "near" => copies | (1 << 8),
         "far" => 1 | (copies << 8) | far_sets,
         "offset" => 1 | (copies << 8) | layout::RAID10_OFFSET | far_sets,
-        _ => return Err(bad("Invalid 'raid10_format' value given")),
+        _ => return Err(bad("Invalid 'raid10_format' value given").into()),
     })
 }
 
-fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<Options, String> {
+fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<Options, TargetError> {
     let mut o = Options::default();
     if p[0].parse::<i32>().is_err() {
-        return Err(bad("Bad numerical argument given for chunk_size"));
+        return Err(bad("Bad numerical argument given for chunk_size").into());
     }
     let mut i = 1;
     let mut write_mostly_count = 0;
     while i < p.len() {
         let key = p[i].to_ascii_lowercase();
         i += 1;
-        let mut value = || -> Result<i64, String> {
+        let mut value = || -> Result<i64, TargetError> {
             let v = p.get(i).ok_or_else(|| bad("Wrong number of raid parameters given"))?;
             i += 1;
             int_arg(v, "Bad numerical argument given in raid params")
@@ -505,13 +506,13 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
             "sync" | "nosync" => {
                 let set = if key == "sync" { &mut o.sync } else { &mut o.nosync };
                 if std::mem::replace(set, true) {
-                    return Err(format!("Only one '{key}' argument allowed"));
+                    return Err(format!("Only one '{key}' argument allowed").into());
                 }
             }
             "rebuild" => {
                 let idx = leg_index(value()?, nlegs, "Invalid rebuild index given")?;
                 if o.rebuild.contains(&idx) {
-                    return Err(bad("rebuild for this index already given"));
+                    return Err(bad("rebuild for this index already given").into());
                 }
                 o.rebuild.push(idx);
             }
@@ -548,7 +549,7 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
             "stripe_cache" => {
                 let v = value()?;
                 if !matches!(level, Level::Parity { .. }) {
-                    return Err(bad("Inappropriate argument: stripe_cache"));
+                    return Err(bad("Inappropriate argument: stripe_cache").into());
                 }
                 once(o.stripe_cache.is_some(), "stripe_cache")?;
                 o.stripe_cache = Some(nonneg(v, "Bad stripe_cache size")?);
@@ -557,7 +558,7 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
                 if key == "raid10_copies" {
                     value()?;
                 }
-                return Err(bad("Invalid flags combination"));
+                return Err(bad("Invalid flags combination").into());
             }
             "raid10_copies" => {
                 let v = value()?;
@@ -565,7 +566,7 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
                 // 2 to the number of legs, as the kernel: more would also
                 // spill into md's layout word (far copies, offset bits)
                 if v < 2 || v > nlegs as i64 {
-                    return Err(bad("Bad value for 'raid10_copies'"));
+                    return Err(bad("Bad value for 'raid10_copies'").into());
                 }
                 o.raid10_copies = Some(v as u64);
             }
@@ -576,10 +577,10 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
                 once(o.raid10_format.is_some(), "raid10_format")?;
                 o.raid10_format = Some(raid10_format(v)?);
             }
-            "raid10_format" => return Err(bad("'raid10_format' is an invalid parameter for this RAID type")),
-            "journal_dev" => return Err(bad("'journal_dev' is an invalid parameter for this RAID type")),
-            "journal_mode" => return Err(bad("raid4/5/6 'journal_mode' is invalid without 'journal_dev'")),
-            _ => return Err(format!("Unable to parse RAID parameter: {}", p[i - 1])),
+            "raid10_format" => return Err(bad("'raid10_format' is an invalid parameter for this RAID type").into()),
+            "journal_dev" => return Err(bad("'journal_dev' is an invalid parameter for this RAID type").into()),
+            "journal_mode" => return Err(bad("raid4/5/6 'journal_mode' is invalid without 'journal_dev'").into()),
+            _ => return Err(format!("Unable to parse RAID parameter: {}", p[i - 1]).into()),
         }
     }
     check_combination(&mut o, level, nlegs, len, write_mostly_count)?;
@@ -587,37 +588,37 @@ fn parse_options(p: &[String], level: Level, nlegs: usize, len: u64) -> Result<O
 }
 
 /// A leg's index in an option (`what`: the kernel's words for a bad one).
-fn leg_index(v: i64, nlegs: usize, what: &str) -> Result<usize, String> {
-    usize::try_from(v).ok().filter(|&x| x < nlegs).ok_or_else(|| bad(what))
+fn leg_index(v: i64, nlegs: usize, what: &str) -> Result<usize, TargetError> {
+    usize::try_from(v).ok().filter(|&x| x < nlegs).ok_or_else(|| TargetError::from(bad(what)))
 }
 
 /// An option given twice.
-fn once(set: bool, what: &str) -> Result<(), String> {
+fn once(set: bool, what: &str) -> Result<(), TargetError> {
     if set {
-        Err(format!("Only one {what} argument pair allowed"))
+        Err(format!("Only one {what} argument pair allowed").into())
     } else {
         Ok(())
     }
 }
 
 /// A number that may not be negative (`msg`: the kernel's words if it is).
-fn nonneg(v: i64, msg: &str) -> Result<u64, String> {
-    u64::try_from(v).map_err(|_| bad(msg))
+fn nonneg(v: i64, msg: &str) -> Result<u64, TargetError> {
+    u64::try_from(v).map_err(|_| TargetError::from(bad(msg)))
 }
 
 /// `raid10_format`: near, far or offset, in any case.
-fn raid10_format(v: &str) -> Result<String, String> {
+fn raid10_format(v: &str) -> Result<String, TargetError> {
     let v = v.to_ascii_lowercase();
     match v.as_str() {
         "near" | "far" | "offset" => Ok(v),
-        _ => Err(bad("Invalid 'raid10_format' value given")),
+        _ => Err(bad("Invalid 'raid10_format' value given").into()),
     }
 }
 
 /// `data_offset`: the kernel takes 0 or a multiple of 8 from 32 on; dmkit only 0.
-fn data_offset(v: i64) -> Result<u64, String> {
+fn data_offset(v: i64) -> Result<u64, TargetError> {
     if v < 0 || (v != 0 && (v < 32 || v % 8 != 0)) {
-        return Err(bad("Bogus data_offset value"));
+        return Err(bad("Bogus data_offset value").into());
     }
     if v != 0 {
         return Err("data_offset other than 0 is not supported by dmkit".into());
@@ -628,15 +629,15 @@ fn data_offset(v: i64) -> Result<u64, String> {
 /// The options' combinations each level takes, and the region size against
 /// the array's length `len` (dm-raid's checks after the options' own); a
 /// region size of 0 is the default.
-fn check_combination(o: &mut Options, level: Level, nlegs: usize, len: u64, write_mostly_count: usize) -> Result<(), String> {
+fn check_combination(o: &mut Options, level: Level, nlegs: usize, len: u64, write_mostly_count: usize) -> Result<(), TargetError> {
     if o.sync && o.nosync {
-        return Err(bad("sync and nosync are mutually exclusive"));
+        return Err(bad("sync and nosync are mutually exclusive").into());
     }
     if !o.rebuild.is_empty() && (o.sync || o.nosync) {
-        return Err(bad("sync/nosync and rebuild are mutually exclusive"));
+        return Err(bad("sync/nosync and rebuild are mutually exclusive").into());
     }
     if level != Level::Raid1 && (write_mostly_count > 0 || o.max_write_behind.is_some()) {
-        return Err(bad("write_mostly and max_write_behind are only valid for raid1"));
+        return Err(bad("write_mostly and max_write_behind are only valid for raid1").into());
     }
     // what each level takes (dm-raid's flag check, after the options' own)
     let raid0_extra = o.sync
@@ -648,28 +649,28 @@ fn check_combination(o: &mut Options, level: Level, nlegs: usize, len: u64, writ
         || o.max_recovery_rate.is_some();
     let raid6_nosync = matches!(level, Level::Parity { parities: 2, .. }) && o.nosync;
     if (level == Level::Raid0 && raid0_extra) || raid6_nosync {
-        return Err(bad("Invalid flags combination"));
+        return Err(bad("Invalid flags combination").into());
     }
     if o.raid10_use_near_sets && o.raid10_format.as_deref().is_none_or(|f| f == "near") {
-        return Err(bad("RAID10 format 'near' and 'raid10_use_near_sets' are incompatible"));
+        return Err(bad("RAID10 format 'near' and 'raid10_use_near_sets' are incompatible").into());
     }
     if write_mostly_count >= nlegs {
-        return Err(bad("Can't set all raid1 devices to write_mostly"));
+        return Err(bad("Can't set all raid1 devices to write_mostly").into());
     }
     if let (Some(min), Some(max)) = (o.min_recovery_rate, o.max_recovery_rate) {
         if max != 0 && min > max {
-            return Err(bad("Bogus recovery rates"));
+            return Err(bad("Bogus recovery rates").into());
         }
     }
     if let Some(rs) = o.region_size.filter(|&r| r != 0) {
         if rs > len {
-            return Err(bad("Supplied region size is too large"));
+            return Err(bad("Supplied region size is too large").into());
         }
         if rs < len / MAX_CHUNKS {
-            return Err(bad("Supplied region size is too small"));
+            return Err(bad("Supplied region size is too small").into());
         }
         if !rs.is_power_of_two() {
-            return Err(bad("Region size is not a power of 2"));
+            return Err(bad("Region size is not a power of 2").into());
         }
     } else if o.region_size == Some(0) {
         o.region_size = None;
@@ -688,7 +689,7 @@ impl Inner {
 
     /// Read the superblocks and the bitmap, and decide each leg's state and what
     /// must be copied (the kernel's analyse_superblocks and bitmap load).
-    fn assemble(&self, o: &Options) -> Result<(), String> {
+    fn assemble(&self, o: &Options) -> Result<(), TargetError> {
         self.assemble_legs(o)?;
         let mut st = self.lock();
         if self.geo.level == Level::Raid0 {
@@ -705,7 +706,7 @@ impl Inner {
         Ok(())
     }
 
-    fn assemble_legs(&self, o: &Options) -> Result<(), String> {
+    fn assemble_legs(&self, o: &Options) -> Result<(), TargetError> {
         let n = self.nlegs();
         let mut st = self.lock();
         // from scratch: run when the table is made (to refuse bad metadata at
@@ -840,7 +841,7 @@ impl Inner {
     /// Refuse an array the freshest superblock `fs` does not describe as the
     /// table does (flags, level, layout, legs), or with new legs (`new_legs`)
     /// the table does not ask to rebuild.
-    fn check_freshest(&self, fs: &Super, o: &Options, new_legs: &[usize]) -> Result<(), String> {
+    fn check_freshest(&self, fs: &Super, o: &Options, new_legs: &[usize]) -> Result<(), TargetError> {
         let n = self.nlegs();
         if fs.compat > 1 {
             return Err("Unable to assemble array: Unknown flag(s) in compatible feature flags".into());
@@ -853,7 +854,7 @@ impl Inner {
             return Err(format!(
                 "takeover not possible: the metadata is of raid level {}, the table {} (dmkit takes over no level)",
                 fs.level, self.type_name
-            ));
+            ).into());
         }
         if fs.layout != g.level.md_layout() || u64::from(fs.stripe_sectors) != g.chunk {
             return Err(format!(
@@ -862,13 +863,13 @@ impl Inner {
                 fs.stripe_sectors,
                 g.level.md_layout(),
                 g.chunk
-            ));
+            ).into());
         }
         if fs.num_devices as usize != n && o.rebuild.len() != new_legs.len() {
             return Err(format!(
                 "Unable to assemble array: Invalid superblocks (the metadata has {} legs, the table {n}, without 'rebuild' for the new ones)",
                 fs.num_devices
-            ));
+            ).into());
         }
         let rebuilds: Vec<usize> = new_legs.iter().copied().filter(|i| o.rebuild.contains(i)).collect();
         if !new_legs.is_empty() && rebuilds.len() != new_legs.len() {
@@ -882,7 +883,7 @@ impl Inner {
 
     /// The write-intent bitmap, from leg `f`'s metadata: the regions that may
     /// differ between the legs (all of them if it is stale).
-    fn load_bitmap(&self, f: usize, st: &mut State) -> Result<(), String> {
+    fn load_bitmap(&self, f: usize, st: &mut State) -> Result<(), TargetError> {
         let Some(m) = self.legs[f].meta.as_ref() else {
             return Err("Unable to assemble array: Invalid superblocks".into());
         };
@@ -896,7 +897,7 @@ impl Inner {
                 "the bitmap's region size ({} sectors) differs from the table's ({}): dmkit does not resize a bitmap",
                 bs.chunksize / 512,
                 self.region
-            ));
+            ).into());
         }
         let stale = bs.state & format::BITMAP_STALE != 0 || bs.events < st.events;
         st.events_cleared = bs.events_cleared;
@@ -2277,14 +2278,14 @@ impl Target for Raid {
         )
     }
 
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         let me = &self.inner;
         if me.geo.level == Level::Raid0 {
             return Err("raid0 takes no messages: invalid argument".into());
         }
         let mut st = me.lock();
         if st.frozen {
-            return Err("raid set is suspended: device or resource busy".into());
+            return Err(TargetError::busy("raid set is suspended: device or resource busy"));
         }
         let w = words.first().map(|w| w.to_ascii_lowercase()).unwrap_or_default();
         if w == "frozen" || w == "idle" {
@@ -2293,13 +2294,13 @@ impl Target for Raid {
                 st.action = Action::Idle;
                 st.cursor = 0;
             }
-            return Err(format!("raid message '{w}': invalid argument (the copy under way, if any, stopped)"));
+            return Err(format!("raid message '{w}': invalid argument (the copy under way, if any, stopped)").into());
         }
         if st.action != Action::Idle {
-            return Err(format!(
+            return Err(TargetError::busy(format!(
                 "raid set is busy with {}: device or resource busy",
                 st.action.name()
-            ));
+            )));
         }
         match w.as_str() {
             "resync" => {
@@ -2321,7 +2322,7 @@ impl Target for Raid {
                 st.cursor = 0;
                 st.progress = 0;
             }
-            _ => return Err(format!("raid message '{w}': invalid argument")),
+            _ => return Err(format!("raid message '{w}': invalid argument").into()),
         }
         drop(st);
         me.wake.notify_all();
@@ -2392,7 +2393,7 @@ impl Target for Raid {
         me.set_wanted_bits();
     }
 
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         if self.inner.lock().started {
             return Ok(());
         }

@@ -14,6 +14,7 @@
 //! allocation order, are committed to the store (preflush, then the metadata area
 //! with FUA), and only then release what waits for them.
 
+use crate::mapper::TargetError;
 use crate::sync::Unpoison;
 pub mod store;
 mod target;
@@ -223,7 +224,7 @@ fn metadata_failed(why: String) -> String {
 
 /// Read (or create) the store on `cow`. `chunk`: the table's chunk size (0: the
 /// header's, else the default); a persistent header's chunk size wins over it.
-pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Result<Opened, String> {
+pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Result<Opened, TargetError> {
     let cow_sectors = devio::size_sectors(cow);
     if !persistent {
         if chunk == 0 {
@@ -248,23 +249,23 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
             "Invalid or corrupt snapshot (magic {:#010x} at byte 0 of the COW device, expected {:#010x})",
             h.magic,
             store::SNAP_MAGIC
-        )));
+        )).into());
     }
     if h.version != store::DISK_VERSION {
         return Err(failed(format!(
             "unable to handle snapshot disk version {}",
             h.version
-        )));
+        )).into());
     }
     let disk_chunk = u64::from(h.chunk_size);
     if disk_chunk == 0 || !disk_chunk.is_power_of_two() || !disk_chunk.is_multiple_of(cow_lbs) {
-        return Err(failed(format!("invalid on-disk chunk size {disk_chunk}")));
+        return Err(failed(format!("invalid on-disk chunk size {disk_chunk}")).into());
     }
     // the kernel's bound (INT_MAX bytes), and room for the header and one area
     if disk_chunk > (i32::MAX as u64) >> 9 || disk_chunk * 2 > cow_sectors {
         return Err(failed(format!(
             "on-disk chunk size {disk_chunk} is too high for a COW device of {cow_sectors} sectors"
-        )));
+        )).into());
     }
     if chunk != 0 && chunk != disk_chunk {
         tracing::warn!(
@@ -282,7 +283,7 @@ pub fn open_store(cow: &Dest, persistent: bool, chunk: u64, cow_lbs: u64) -> Res
 }
 
 /// A new persistent store on `cow`: the header, then an empty area 0.
-fn new_store(cow: &Dest, chunk: u64, cow_lbs: u64, cow_sectors: u64) -> Result<Opened, String> {
+fn new_store(cow: &Dest, chunk: u64, cow_lbs: u64, cow_sectors: u64) -> Result<Opened, TargetError> {
     let failed = metadata_failed;
     let chunk = if chunk == 0 {
         store::DEFAULT_CHUNK_SECTORS.max(cow_lbs)
@@ -293,7 +294,7 @@ fn new_store(cow: &Dest, chunk: u64, cow_lbs: u64, cow_sectors: u64) -> Result<O
         return Err(failed(format!(
             "the COW device ({cow_sectors} sectors) cannot hold the header and the first metadata area ({} sectors)",
             2 * chunk
-        )));
+        )).into());
     }
     let zero = vec![0u8; (chunk * 512) as usize];
     devio::write(cow, 0, &store::header_image(true, chunk), false)
@@ -311,7 +312,7 @@ fn new_store(cow: &Dest, chunk: u64, cow_lbs: u64, cow_sectors: u64) -> Result<O
 /// A persistent store's metadata areas, read in order until one that is not
 /// full; an exception that points outside the COW device or into an area is
 /// refused, naming it.
-fn read_areas(cow: &Dest, chunk: u64, cow_sectors: u64) -> Result<Persistent, String> {
+fn read_areas(cow: &Dest, chunk: u64, cow_sectors: u64) -> Result<Persistent, TargetError> {
     let failed = metadata_failed;
     let mut p = Persistent::new(chunk);
     let total_chunks = cow_sectors / chunk;
@@ -325,7 +326,7 @@ fn read_areas(cow: &Dest, chunk: u64, cow_sectors: u64) -> Result<Persistent, St
         if at >= total_chunks {
             return Err(failed(format!(
                 "metadata area {area} (chunk {at}) lies beyond the end of the COW device ({total_chunks} chunks)"
-            )));
+            )).into());
         }
         devio::read(cow, at * chunk, &mut buf)
             .map_err(|e| failed(format!("reading metadata area {area}: {e}")))?;
@@ -340,7 +341,7 @@ fn read_areas(cow: &Dest, chunk: u64, cow_sectors: u64) -> Result<Persistent, St
                     } else {
                         "a metadata area"
                     }
-                )));
+                )).into());
             }
         }
         p.load_area(area, &list, full);
@@ -744,7 +745,7 @@ impl Core {
     /// One merge step (D.6): the trailing run of consecutive exceptions copied
     /// back to the origin, the origin flushed, the entries cleared on disk. Ok(false)
     /// when nothing is left.
-    fn merge_step(self: &Arc<Self>, snaps: &OriginSnaps, stop: &AtomicBool) -> Result<bool, String> {
+    fn merge_step(self: &Arc<Self>, snaps: &OriginSnaps, stop: &AtomicBool) -> Result<bool, TargetError> {
         let step = {
             let _io = crate::sync::lock(&self.io);
             let mut st = lock(&self.st);

@@ -1,5 +1,6 @@
 //! The target types: table arguments, status and table lines, lifecycle.
 
+use crate::mapper::TargetError;
 use super::{dev_key, map_merge_chunk, map_origin_write, map_snapshot_chunk, open_store, Core, OriginSnaps};
 use crate::io::{errno, LeafKind, Op};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
@@ -13,7 +14,7 @@ pub struct OriginTarget {
 }
 
 impl OriginTarget {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<OriginTarget, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<OriginTarget, TargetError> {
         if args.len() != 1 {
             return Err("origin: incorrect number of arguments".into());
         }
@@ -111,7 +112,7 @@ pub struct SnapshotTarget {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-fn parse_features(args: &[String]) -> Result<Features, String> {
+fn parse_features(args: &[String]) -> Result<Features, TargetError> {
     let mut f = Features::default();
     let Some(n) = args.first() else {
         return Ok(f);
@@ -125,13 +126,13 @@ fn parse_features(args: &[String]) -> Result<Features, String> {
         return Err(format!(
             "Invalid number of feature arguments ({n} announced, {} given)",
             args.len() - 1
-        ));
+        ).into());
     }
     for a in &args[1..] {
         match a.to_ascii_lowercase().as_str() {
             "discard_zeroes_cow" => f.discard_zeroes_cow = true,
             "discard_passdown_origin" => f.discard_passdown_origin = true,
-            _ => return Err(format!("Unrecognised feature requested: '{a}'")),
+            _ => return Err(format!("Unrecognised feature requested: '{a}'").into()),
         }
     }
     if f.discard_passdown_origin && !f.discard_zeroes_cow {
@@ -143,7 +144,7 @@ fn parse_features(args: &[String]) -> Result<Features, String> {
 /// The exception store's type (`P`, `PO` or `N`) and chunk size in sectors (a
 /// power of 2 and a multiple of the devices' block size `lbs`; 0: the store's
 /// own): (persistent, overflow allowed, chunk).
-fn store_args(kind: &str, chunk: &str, lbs: u64) -> Result<(bool, bool, u64), String> {
+fn store_args(kind: &str, chunk: &str, lbs: u64) -> Result<(bool, bool, u64), TargetError> {
     let store_err = |why: &str| format!("Couldn't create exception store: {why}");
     let (persistent, overflow_ok) = match kind.chars().next().map(|c| c.to_ascii_uppercase()) {
         Some('P') => match &kind[1..] {
@@ -152,34 +153,34 @@ fn store_args(kind: &str, chunk: &str, lbs: u64) -> Result<(bool, bool, u64), St
             o => {
                 return Err(store_err(&format!(
                     "Exception store type constructor failed (Unsupported persistent store option: {o})"
-                )))
+                )).into())
             }
         },
         Some('N') => (false, false),
-        _ => return Err(store_err("Exception store type is not P or N")),
+        _ => return Err(store_err("Exception store type is not P or N").into()),
     };
     let chunk: u64 = chunk
         .parse()
         .map_err(|_| store_err(&format!("Invalid chunk size '{chunk}'")))?;
     if chunk != 0 {
         if !chunk.is_power_of_two() {
-            return Err(store_err(&format!("Chunk size is not a power of 2 ({chunk})")));
+            return Err(store_err(&format!("Chunk size is not a power of 2 ({chunk})")).into());
         }
         if !chunk.is_multiple_of(lbs) {
             return Err(store_err(&format!(
                 "Chunk size is not a multiple of device blocksize ({chunk} sectors, block size {} bytes)",
                 lbs * 512
-            )));
+            )).into());
         }
         if chunk > (i32::MAX as u64) >> 9 {
-            return Err(store_err(&format!("Chunk size is too high ({chunk})")));
+            return Err(store_err(&format!("Chunk size is too high ({chunk})")).into());
         }
     }
     Ok((persistent, overflow_ok, chunk))
 }
 
 impl SnapshotTarget {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver, merge: bool) -> Result<SnapshotTarget, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver, merge: bool) -> Result<SnapshotTarget, TargetError> {
         if args.len() < 4 {
             return Err("requires 4 or more arguments".into());
         }
@@ -206,7 +207,7 @@ impl SnapshotTarget {
         } else if len > origin_size {
             return Err(format!(
                 "snapshot of {len} sectors is larger than its origin ({origin_size} sectors)"
-            ));
+            ).into());
         }
         let snaps = r.shared().get_or_init::<super::Origins>().get(dev_key(&origin));
         let cow_key = dev_key(&cow);

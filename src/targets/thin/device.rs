@@ -11,6 +11,7 @@
 //! unwritten data. Pieces for a block being provisioned wait in the bio prison and
 //! are requeued when it is mapped; pieces waiting for data space wait in the pool.
 
+use crate::mapper::TargetError;
 use super::{Key, Mode, Pool};
 use crate::copier::Copier;
 use crate::io::{errno, EndIo, LeafKind, Op, SECTOR};
@@ -35,18 +36,18 @@ pub struct ThinDev {
 }
 
 impl ThinDev {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<ThinDev, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<ThinDev, TargetError> {
         if !(2..=3).contains(&args.len()) {
             return Err(format!(
                 "thin takes 2 or 3 arguments (<pool dev> <dev id> [<external origin dev>]), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let pool_dev = r
             .open(&args[0])
             .map_err(|e| format!("pool device '{}': {e}", args[0]))?;
         let DevRef::Dm(hold) = &pool_dev else {
-            return Err(format!("'{}' is not a thin-pool device", args[0]));
+            return Err(format!("'{}' is not a thin-pool device", args[0]).into());
         };
         // The pool is found in the registry's shared state by the device that owns
         // it; that device's live table must be a thin-pool now.
@@ -73,7 +74,7 @@ impl ThinDev {
             if !m.md.devices().contains(&id) {
                 return Err(format!(
                     "thin device {id} does not exist in the pool (create_thin first)"
-                ));
+                ).into());
             }
             m.active.push((id, Arc::downgrade(r.device())));
             (
@@ -595,7 +596,7 @@ impl Target for ThinDev {
     fn presuspend(&self) {
         self.pool.requeue_no_space();
     }
-    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), String> {
+    fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         // Unmapped blocks are holes (zeroes unless an external origin shows through).
         // A lookup that fails fails the request and the pool (read-only,
         // needs_check): "hole" would let a client skip data it should have copied.
@@ -608,7 +609,7 @@ impl Target for ThinDev {
                 Ok(found) => out.push((n * SECTOR, if found.is_some() { 0 } else { hole })),
                 Err(e) => {
                     self.pool.metadata_failed(&mut m, &e);
-                    return Err(format!("thin device {} block {}: {e}", self.id, s / self.bs));
+                    return Err(format!("thin device {} block {}: {e}", self.id, s / self.bs).into());
                 }
             }
             s += n;
@@ -617,16 +618,16 @@ impl Target for ThinDev {
     }
     /// A base is an older thin of the same pool this device still shares data
     /// with (a snapshot it came from, or one taken of it): its id, as a number.
-    fn check_base(&self, base: &str) -> Result<(), String> {
+    fn check_base(&self, base: &str) -> Result<(), TargetError> {
         let b: u64 = base
             .parse()
             .map_err(|_| format!("base '{base}' is not a thin device id of the pool"))?;
         if b == self.id {
-            return Err(format!("base {b} is the device itself"));
+            return Err(format!("base {b} is the device itself").into());
         }
         let mut m = self.pool.lock();
         if m.md.device_details(b).is_err() {
-            return Err(format!("thin device {b} does not exist in the pool"));
+            return Err(format!("thin device {b} does not exist in the pool").into());
         }
         // related: they share a data block, or the base maps nothing
         let mut base_blocks = std::collections::HashSet::new();
@@ -648,7 +649,7 @@ impl Target for ThinDev {
             Err(format!(
                 "thin device {b} shares no data with thin device {}: not an ancestor",
                 self.id
-            ))
+            ).into())
         }
     }
     /// Blocks whose mapping differs from the base's (mapped to another data block,
@@ -659,7 +660,7 @@ impl Target for ThinDev {
         sector: u64,
         nr: u64,
         out: &mut Vec<(u64, u32)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), TargetError> {
         let Ok(b) = base.parse::<u64>() else {
             out.push((nr * SECTOR, 1));
             return Ok(());
@@ -673,7 +674,7 @@ impl Target for ThinDev {
                 .and_then(|()| m.md.mappings_in(b, lo, hi, &mut |v, d, _| theirs.push((v, d))));
         if let Err(e) = read {
             self.pool.metadata_failed(&mut m, &e);
-            return Err(format!("thin device {} against {b}: {e}", self.id));
+            return Err(format!("thin device {} against {b}: {e}", self.id).into());
         }
         drop(m);
         let (mut i, mut j) = (0, 0);

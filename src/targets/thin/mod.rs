@@ -8,6 +8,7 @@
 //! entered the pool device earlier has finished, so a data block freed in a transaction
 //! is never handed out again while an old write to it could still land.
 
+use crate::mapper::TargetError;
 use crate::sync::Unpoison;
 pub mod device;
 mod fast;
@@ -393,7 +394,7 @@ impl Pool {
         features: Features,
         low_water: u64,
         config: &Config,
-    ) -> Result<Arc<Pool>, String> {
+    ) -> Result<Arc<Pool>, TargetError> {
         let key = identity(metadata);
         wait_for_orphan(pools, key);
         let mut all = pools.list();
@@ -470,7 +471,7 @@ impl Pool {
         data: &Dest,
         features: Features,
         block_sectors: u64,
-    ) -> Result<Option<Arc<Pool>>, String> {
+    ) -> Result<Option<Arc<Pool>>, TargetError> {
         let owned_elsewhere = |p: &Pool| {
             let o = p.pool_dev.lock().unpoisoned().upgrade();
             o.filter(|o| !Arc::ptr_eq(o, owner)).map(|o| o.name())
@@ -480,18 +481,18 @@ impl Pool {
                 continue;
             };
             if let Some(other) = owned_elsewhere(&p) {
-                return Err(format!(
+                return Err(TargetError::busy(format!(
                     "Device or resource busy: data device already in use by the pool of device '{other}'"
-                ));
+                )));
             }
         }
         let Some(p) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) else {
             return Ok(None);
         };
         if let Some(other) = owned_elsewhere(&p) {
-            return Err(format!(
+            return Err(TargetError::busy(format!(
                 "Device or resource busy: metadata device already in use by a pool (device '{other}')"
-            ));
+            )));
         }
         if p.lock().features.discard_enabled != features.discard_enabled {
             return Err("Discard support cannot be disabled once enabled".into());
@@ -501,7 +502,7 @@ impl Pool {
             return Err(format!(
                 "data block size {block_sectors} does not match the pool's {}",
                 p.block_sectors
-            ));
+            ).into());
         }
         Ok(Some(p))
     }
@@ -514,7 +515,7 @@ impl Pool {
         block_sectors: u64,
         nr_blocks: u64,
         features: Features,
-    ) -> Result<ThinPoolMetadata, String> {
+    ) -> Result<ThinPoolMetadata, TargetError> {
         // Writable whenever the file allows, so a read_only pool can be reloaded
         // read-write; read_only itself is the pool's mode.
         let dev = devio::metadata_dev(metadata).map_err(|e| format!("metadata device: {e}"))?;
@@ -536,13 +537,13 @@ impl Pool {
             return Err(format!(
                 "data block size {block_sectors} does not match the metadata's {}",
                 md.data_block_size()
-            ));
+            ).into());
         }
         if nr_blocks < md.nr_data_blocks() {
             return Err(format!(
                 "pool target ({nr_blocks} blocks) too small: the metadata has {} data blocks",
                 md.nr_data_blocks()
-            ));
+            ).into());
         }
         Ok(md)
     }
@@ -712,7 +713,7 @@ impl Pool {
 
     /// Commit now, on this thread (control path, commit thread). Waits for the I/O
     /// that entered the pool before; never call it from an NBD connection thread.
-    pub fn commit_now(&self) -> Result<(), String> {
+    pub fn commit_now(&self) -> Result<(), TargetError> {
         match self.try_commit()? {
             true => Ok(()),
             false => Err(POSTPONED.into()),
@@ -721,7 +722,7 @@ impl Pool {
 
     /// [`Pool::commit_now`], but a commit the I/O in flight keeps from starting
     /// (it did not drain in time) is Ok(false): postponed, not failed.
-    fn try_commit(&self) -> Result<bool, String> {
+    fn try_commit(&self) -> Result<bool, TargetError> {
         let _one = crate::sync::lock(&self.commit_lock);
         // The discards deferred so far are carried out by this commit, after its drain.
         let Some(discards) = self.take_drained_discards() else {
@@ -774,7 +775,7 @@ impl Pool {
                 p.fail(crate::io::errno::EIO);
             }
         }
-        r.map(|()| true)
+        r.map(|()| true).map_err(TargetError::from)
     }
 
     /// Send every piece waiting for data space back to be mapped again: space came,
@@ -1006,7 +1007,7 @@ fn restart_log(
     dir: &std::path::Path,
     key: (u64, u64),
     config: &Config,
-) -> Result<Option<RestartLog>, String> {
+) -> Result<Option<RestartLog>, TargetError> {
     let path = RestartLog::path(dir, "thin-pool", key);
     replay_restart_log(md, data, &path, &describe(metadata))?;
     // a generation maps each data block at most once (a block freed is not
@@ -1042,7 +1043,7 @@ fn replay_restart_log(
     data: &Dest,
     log: &std::path::Path,
     path: &str,
-) -> Result<(), String> {
+) -> Result<(), TargetError> {
     let here = md.committed_identity();
     let records = match RestartLog::previous(log) {
         Previous::Records { identity, records } if identity == here && !records.is_empty() => records,
@@ -1056,7 +1057,7 @@ fn replay_restart_log(
         _ => return Ok(()),
     };
     let n = records.len();
-    let apply = |md: &mut ThinPoolMetadata| -> Result<(), String> {
+    let apply = |md: &mut ThinPoolMetadata| -> Result<(), TargetError> {
         // blocks committed as allocated must be mapped by nothing yet
         let before: std::collections::HashSet<u64> = records
             .iter()
@@ -1076,7 +1077,7 @@ fn replay_restart_log(
             if let Some((dev, v, d)) = mapped {
                 return Err(format!(
                     "a record maps data block {d}, which thin {dev} maps already (its block {v})"
-                ));
+                ).into());
             }
         }
         for (i, r) in records.iter().enumerate() {
@@ -1087,7 +1088,7 @@ fn replay_restart_log(
                 )
             };
             if md.device_details(r.a).is_err() {
-                return Err(format!("{}: no such thin device", at()));
+                return Err(format!("{}: no such thin device", at()).into());
             }
             let time = u32::try_from(r.d).map_err(|_| format!("{}: bad time {}", at(), r.d))?;
             let count = if r.c < md.nr_data_blocks() {
@@ -1101,28 +1102,28 @@ fn replay_restart_log(
                         md.remove(r.a, r.b).map_err(|e| format!("{}: {e}", at()))?;
                         continue;
                     }
-                    _ => return Err(format!("{}: unmapped, but the block does not map there", at())),
+                    _ => return Err(format!("{}: unmapped, but the block does not map there", at()).into()),
                 }
             }
             match (r.kind, count) {
                 (MAPPED, 0) => md.insert_shared(r.a, r.b, r.c, time),
                 (MAPPED_ALLOCATED_BEFORE, 1) => md.insert_with_time(r.a, r.b, r.c, time),
                 (MAPPED | MAPPED_ALLOCATED_BEFORE, _) => {
-                    return Err(format!("{}: the data block is out of range or in use", at()))
+                    return Err(format!("{}: the data block is out of range or in use", at()).into())
                 }
-                (k, _) => return Err(format!("{}: unknown kind {k}", at())),
+                (k, _) => return Err(format!("{}: unknown kind {k}", at()).into()),
             }
             .map_err(|e| format!("{}: {e}", at()))?;
         }
         devio::flush(data).map_err(|e| format!("flushing the data device: {e}"))?;
-        md.commit().map_err(|e| format!("committing: {e}"))
+        md.commit().map_err(|e| TargetError::from(format!("committing: {e}")))
     };
     if let Err(e) = apply(md) {
         let _ = md.abort();
         return Err(format!(
             "replaying the writes the previous daemon acknowledged: {e} (remove {} to open the pool without them)",
             log.display()
-        ));
+        ).into());
     }
     tracing::info!(
         "thin-pool {}: committed {n} block mappings and unmappings the previous daemon had acknowledged before it was killed",

@@ -1,5 +1,6 @@
 //! `thin-pool <metadata dev> <data dev> <block size> <low water> [<n> <features>...]`.
 
+use crate::mapper::TargetError;
 use super::{Features, Mode, Pool};
 use crate::mapper::devio;
 use crate::mapper::{arg_dev, arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
@@ -17,18 +18,18 @@ pub struct ThinPool {
 }
 
 impl ThinPool {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<ThinPool, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<ThinPool, TargetError> {
         if args.len() < 4 {
             return Err(format!(
                 "thin-pool takes at least 4 arguments (<metadata dev> <data dev> <data block size> <low water mark>), got {}",
                 args.len()
-            ));
+            ).into());
         }
         let bs = arg_u64(args, 2, "data block size")?;
         if !(128..=2_097_152).contains(&bs) || bs % 128 != 0 {
             return Err(format!(
                 "invalid data block size {bs}: must be a multiple of 128 sectors (64 KiB) from 128 to 2097152"
-            ));
+            ).into());
         }
         let low_water = arg_u64(args, 3, "low water mark")?;
         let mut features = Features::default();
@@ -38,7 +39,7 @@ impl ThinPool {
                 return Err(format!(
                     "feature count {n} does not match the {} feature words given (at most 4)",
                     args.len() - 5
-                ));
+                ).into());
             }
             for w in &args[5..] {
                 match w.to_ascii_lowercase().as_str() {
@@ -47,7 +48,7 @@ impl ThinPool {
                     "no_discard_passdown" => features.discard_passdown = false,
                     "read_only" => features.read_only = true,
                     "error_if_no_space" => features.error_if_no_space = true,
-                    other => return Err(format!("unknown thin-pool feature '{other}'")),
+                    other => return Err(format!("unknown thin-pool feature '{other}'").into()),
                 }
             }
         }
@@ -55,7 +56,7 @@ impl ThinPool {
         if nr_blocks == 0 {
             return Err(format!(
                 "pool length {len} is smaller than one data block ({bs} sectors)"
-            ));
+            ).into());
         }
         let name = args.first().ok_or("missing metadata device")?;
         let metadata = r
@@ -99,11 +100,12 @@ impl ThinPool {
         &self,
         shares: Option<u64>,
         f: impl FnOnce(&mut crate::thin::ThinPoolMetadata, &[u64]) -> Result<(), ThinError>,
-    ) -> Result<String, String> {
+    ) -> Result<String, TargetError> {
         let aborts = {
             let mut m = self.pool.lock();
             if m.mode == Mode::ReadOnly {
-                return Err("pool is read-only".into());
+                // the kernel's pool_message in read-only or fail mode
+                return Err(TargetError::new(libc::EOPNOTSUPP, "pool is read-only"));
             }
             let active: Vec<u64> = m.active.iter().map(|(id, _)| *id).collect();
             if let Some(f) = shares.and_then(|id| m.fast.get(&id)) {
@@ -115,7 +117,7 @@ impl ThinPool {
                     if matches!(e, ThinError::Pdata(_)) {
                         self.pool.metadata_failed(&mut m, &e);
                     }
-                    return Err(e.to_string());
+                    return Err(refusal(&e));
                 }
             }
             self.pool.space_returned(&mut m);
@@ -132,11 +134,11 @@ impl ThinPool {
     }
 }
 
-fn dev_id(w: Option<&String>, what: &str) -> Result<u64, String> {
+fn dev_id(w: Option<&String>, what: &str) -> Result<u64, TargetError> {
     let w = w.ok_or_else(|| format!("missing {what}"))?;
     let v = w.parse::<u64>().map_err(|_| format!("invalid {what} '{w}'"))?;
     if v >= 1 << 24 {
-        return Err(format!("{what} {v} is more than 24 bits"));
+        return Err(format!("{what} {v} is more than 24 bits").into());
     }
     Ok(v)
 }
@@ -256,7 +258,7 @@ impl Target for ThinPool {
             md.transaction_id()
         )
     }
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         // Message names match without case, as the kernel's strcasecmp does.
         let cmd = words.first().map(|w| w.to_ascii_lowercase()).unwrap_or_default();
         let mut w: Vec<&str> = words.iter().map(String::as_str).collect();
@@ -277,7 +279,7 @@ impl Target for ThinPool {
                 let id = dev_id(words.get(1), "device id")?;
                 self.run(None, |md, active| {
                     if active.contains(&id) {
-                        return Err(ThinError::Invalid(format!("thin device {id} is active (busy)")));
+                        return Err(ThinError::Active(id));
                     }
                     md.delete(id)
                 })
@@ -310,12 +312,12 @@ impl Target for ThinPool {
                 let _m = self.pool.lock();
                 let dev = devio::metadata_dev(&self.pool.metadata)
                     .map_err(|e| format!("{}: {e}", devio::describe(&self.pool.metadata)))?;
-                crate::thin::online::online(dev, words)
+                crate::thin::online::online(dev, words).map_err(TargetError::from)
             }
             _ => Err(format!(
                 "unknown or malformed thin-pool message '{}'",
                 words.join(" ")
-            )),
+            ).into()),
         }
     }
     fn devices(&self) -> Vec<&DevRef> {
@@ -326,20 +328,20 @@ impl Target for ThinPool {
     }
     /// As the kernel's pool_preresume: a table smaller than the metadata's data
     /// space (a shrink) is refused, and so is a data device smaller than the table.
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         let have = self.pool.lock().md.nr_data_blocks();
         if self.nr_blocks < have {
             return Err(format!(
                 "pool target ({} blocks) too small: expected {have}",
                 self.nr_blocks
-            ));
+            ).into());
         }
         let data_sectors = self.data.size_sectors();
         if data_sectors < self.nr_blocks * self.pool.block_sectors {
             return Err(format!(
                 "data device ({data_sectors} sectors) smaller than the pool target ({} sectors)",
                 self.nr_blocks * self.pool.block_sectors
-            ));
+            ).into());
         }
         Ok(())
     }
@@ -364,4 +366,17 @@ impl Target for ThinPool {
             tracing::warn!("thin-pool suspend: commit failed: {e}");
         }
     }
+}
+
+/// The errno the kernel's pool message returns for what the metadata refused
+/// (dm-thin-metadata.c): EEXIST for a device id in use, ENODATA for one not
+/// there, EBUSY for one a table uses; EINVAL otherwise.
+fn refusal(e: &ThinError) -> TargetError {
+    let errno = match e {
+        ThinError::DeviceExists(_) => libc::EEXIST,
+        ThinError::NoSuchDevice(_) => libc::ENODATA,
+        ThinError::Active(_) => libc::EBUSY,
+        _ => libc::EINVAL,
+    };
+    TargetError::new(errno, e.to_string())
 }

@@ -15,6 +15,7 @@
 //! known to be lost, as the kernel's fec_read_bufs marks them): up to `roots`
 //! of them are recovered, where unknown wrong symbols stop at roots/2.
 
+use crate::mapper::TargetError;
 use super::rs;
 use crate::io::BackingFile;
 use std::sync::Arc;
@@ -34,7 +35,7 @@ pub struct Args {
 
 impl Args {
     /// Take option `key` with its value; false if `key` is not a FEC option.
-    pub fn parse(&mut self, key: &str, value: Option<&String>) -> Result<bool, String> {
+    pub fn parse(&mut self, key: &str, value: Option<&String>) -> Result<bool, TargetError> {
         let key = key.to_ascii_lowercase();
         if !matches!(key.as_str(), "use_fec_from_device" | "fec_roots" | "fec_blocks" | "fec_start") {
             return Ok(false);
@@ -106,7 +107,7 @@ pub struct Setup<'a> {
 }
 
 impl Fec {
-    pub fn new(args: Args, s: Setup<'_>) -> Result<Fec, String> {
+    pub fn new(args: Args, s: Setup<'_>) -> Result<Fec, TargetError> {
         if s.data_bits != s.hash_bits {
             return Err("Block sizes must match to use FEC".into());
         }
@@ -119,10 +120,10 @@ impl Fec {
         let bits = s.data_bits;
         let fits = |n: u64| n.checked_shl(bits).is_some_and(|b| b >> bits == n);
         if !fits(args.blocks) {
-            return Err(format!("Invalid fec_blocks '{}'", args.blocks));
+            return Err(format!("Invalid fec_blocks '{}'", args.blocks).into());
         }
         if !fits(args.start) {
-            return Err(format!("Invalid fec_start '{}'", args.start));
+            return Err(format!("Invalid fec_start '{}'", args.start).into());
         }
         let rsn = u64::from(255 - args.roots);
         let rounds = args.blocks.div_ceil(rsn);
@@ -131,14 +132,14 @@ impl Fec {
             return Err(format!(
                 "Invalid fec_blocks '{}' (fewer than the {} data blocks and {tree} hash blocks)",
                 args.blocks, s.data_blocks
-            ));
+            ).into());
         }
         let hash_blocks = args.blocks - s.data_blocks;
         if s.hash_dev_blocks < hash_blocks.saturating_add(s.hash_start) {
             return Err(format!(
                 "Hash device is too small for fec_blocks ({} blocks from block {}, the device holds {})",
                 hash_blocks, s.hash_start, s.hash_dev_blocks
-            ));
+            ).into());
         }
         // parity: rounds * block_size codewords of `roots` bytes
         let need = rounds
@@ -152,7 +153,7 @@ impl Fec {
                     "FEC device {} is too small: {} bytes, fec_start {} and {rounds} rounds of {} parity blocks \
                      need more",
                     s.name, s.fec_dev_bytes, args.start, args.roots
-                ))
+                ).into())
             }
         }
         Ok(Fec {
@@ -190,13 +191,13 @@ impl Fec {
 
     /// Rebuild block `idx` of the covered space (a data block's index, or
     /// [`Fec::hash_index`]) into `out` from its codewords: Err names why not.
-    pub fn correct(&self, idx: u64, out: &mut [u8]) -> Result<usize, String> {
+    pub fn correct(&self, idx: u64, out: &mut [u8]) -> Result<usize, TargetError> {
         let bs = 1u64 << self.block_bits;
         let span = self.rounds; // blocks between a codeword's symbols
         // the target is symbol `res` of the codewords of round block `rsb`
         let (res, rsb) = (idx / span, idx % span);
         if res >= self.rsn {
-            return Err(format!("block {idx} is beyond what FEC covers"));
+            return Err(format!("block {idx} is beyond what FEC covers").into());
         }
         let roots = self.args.roots as usize;
         let n = self.rsn as usize;
@@ -210,7 +211,7 @@ impl Fec {
                 if eras.len() == roots {
                     return Err(format!(
                         "reading block {at} for FEC: {e} (more unreadable blocks than the {roots} roots recover)"
-                    ));
+                    ).into());
                 }
                 tracing::warn!("verity FEC: block {at} cannot be read ({e}): an erasure in its codewords");
                 b.fill(0);
@@ -310,7 +311,7 @@ mod tests {
         // three in one group: beyond two roots
         let f = fec(&data[..500 * bs]);
         let e = f.correct(504, &mut out).unwrap_err();
-        assert!(e.contains("more unreadable blocks than the 2 roots"), "{e}");
+        assert!(e.what().contains("more unreadable blocks than the 2 roots"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

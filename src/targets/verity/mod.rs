@@ -54,6 +54,7 @@ mod fec;
 mod rs;
 pub mod superblock;
 
+use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
 use sha1::Sha1;
@@ -165,7 +166,7 @@ struct Opts {
 }
 
 /// Parse `<#opt_params> <opt_params>` (verity_parse_opt_args).
-fn parse_opts(args: &[String]) -> Result<Opts, String> {
+fn parse_opts(args: &[String]) -> Result<Opts, TargetError> {
     let mut o = Opts {
         mode: Mode::Eio,
         error_mode: Mode::Eio,
@@ -177,11 +178,11 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
     let Some(count) = args.first() else { return Ok(o) };
     let n = match count.parse::<usize>() {
         Ok(n) if n <= MAX_OPT_ARGS => n,
-        _ => return Err(format!("Invalid number of feature args '{count}' (0 to {MAX_OPT_ARGS})")),
+        _ => return Err(format!("Invalid number of feature args '{count}' (0 to {MAX_OPT_ARGS})").into()),
     };
     let opts = &args[1..];
     if n > opts.len() {
-        return Err(format!("Insufficient arguments: {n} feature arguments announced, {} given", opts.len()));
+        return Err(format!("Insufficient arguments: {n} feature arguments announced, {} given", opts.len()).into());
     }
     let conflict = |a: &str| format!("Conflicting error handling parameters ('{a}')");
     let mut i = 0;
@@ -195,7 +196,7 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
         match a.to_ascii_lowercase().as_str() {
             m @ ("ignore_corruption" | "restart_on_corruption" | "panic_on_corruption") => {
                 if o.mode != Mode::Eio {
-                    return Err(conflict(a));
+                    return Err(conflict(a).into());
                 }
                 o.mode = match m {
                     "ignore_corruption" => Mode::Logging,
@@ -205,7 +206,7 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
             }
             m @ ("restart_on_error" | "panic_on_error") => {
                 if o.error_mode != Mode::Eio {
-                    return Err(conflict(a));
+                    return Err(conflict(a).into());
                 }
                 o.error_mode = if m == "restart_on_error" { Mode::Restart } else { Mode::Panic };
             }
@@ -217,7 +218,7 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
                             keyring, which dmkit cannot read: open the device without the signature"
                     .into())
             }
-            _ => return Err(format!("Unrecognized verity feature request '{a}'")),
+            _ => return Err(format!("Unrecognized verity feature request '{a}'").into()),
         }
     }
     Ok(o)
@@ -285,7 +286,7 @@ impl Geometry {
         data_blocks: u64,
         hash_start: u64,
         digest_size: usize,
-    ) -> Result<Geometry, String> {
+    ) -> Result<Geometry, TargetError> {
         // floor(log2(hash_block_size / digest_size)); Digest size too big was checked
         let per_block_bits = ((1u64 << hash_bits) / digest_size as u64).ilog2();
         let mut levels = 0usize;
@@ -295,7 +296,7 @@ impl Geometry {
             }
         }
         if levels > MAX_LEVELS {
-            return Err(format!("Too many tree levels ({levels}, at most {MAX_LEVELS})"));
+            return Err(format!("Too many tree levels ({levels}, at most {MAX_LEVELS})").into());
         }
         let mut level_block = vec![0u64; levels];
         let mut pos = hash_start;
@@ -465,7 +466,7 @@ impl Core {
                 }
                 "the corrected block fails its hash".to_string()
             }
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         tracing::error!("verity {}: FEC {idx}: failed to correct: {why}", self.data_name);
         None
@@ -612,31 +613,31 @@ pub struct Verity {
 
 /// Parse a block size field: a power of two from the device's logical block
 /// size to `max`.
-fn block_size(v: &str, lbs: u32, max: u32, what: &str) -> Result<u32, String> {
+fn block_size(v: &str, lbs: u32, max: u32, what: &str) -> Result<u32, TargetError> {
     match v.parse::<u32>() {
         Ok(n) if n.is_power_of_two() && n >= lbs.max(512) && n <= max => Ok(n),
         _ => Err(format!(
             "Invalid {what} device block size '{v}' (a power of two from {} to {max})",
             lbs.max(512)
-        )),
+        ).into()),
     }
 }
 
 /// A device the target reads synchronously (hash, data for FEC, FEC): a file
 /// or block device, not a dmkit device.
-fn file_of(d: &DevRef, what: &str, name: &str) -> Result<Arc<crate::io::BackingFile>, String> {
+fn file_of(d: &DevRef, what: &str, name: &str) -> Result<Arc<crate::io::BackingFile>, TargetError> {
     match d {
         DevRef::File(f) => Ok(f.clone()),
         DevRef::Dm(_) => Err(format!(
             "{what} device '{name}' is a dmkit device: dmkit reads it synchronously, \
              so it must be a file or block device"
-        )),
+        ).into()),
     }
 }
 
 /// The table's root digest (`ds` bytes of algorithm `args[7]`, in hex) and
 /// salt (hex, or `-` for none).
-fn root_and_salt(args: &[String], ds: usize) -> Result<(Vec<u8>, Vec<u8>), String> {
+fn root_and_salt(args: &[String], ds: usize) -> Result<(Vec<u8>, Vec<u8>), TargetError> {
     let root = hex::decode(&args[8]).ok().filter(|d| d.len() == ds).ok_or_else(|| {
         format!(
             "Invalid root digest '{}' ({} hex digits for {})",
@@ -655,7 +656,7 @@ fn root_and_salt(args: &[String], ds: usize) -> Result<(Vec<u8>, Vec<u8>), Strin
 
 /// With `check_at_most_once`, a bit for each of the target's `blocks`, set once
 /// the block has verified; else none.
-fn verified_bits(at_most_once: bool, data_blocks: u64, blocks: u64) -> Result<Vec<AtomicU64>, String> {
+fn verified_bits(at_most_once: bool, data_blocks: u64, blocks: u64) -> Result<Vec<AtomicU64>, TargetError> {
     if !at_most_once {
         return Ok(Vec::new());
     }
@@ -666,11 +667,11 @@ fn verified_bits(at_most_once: bool, data_blocks: u64, blocks: u64) -> Result<Ve
 }
 
 /// A count of blocks of 2^`bits` bytes whose sectors fit in 64 bits.
-fn parse_blocks(s: &str, bits: u32, what: &str) -> Result<u64, String> {
+fn parse_blocks(s: &str, bits: u32, what: &str) -> Result<u64, TargetError> {
     s.parse::<u64>()
         .ok()
         .filter(|n| n.checked_shl(bits - 9).is_some_and(|v| v >> (bits - 9) == *n))
-        .ok_or_else(|| format!("Invalid {what} '{s}'"))
+        .ok_or_else(|| TargetError::from(format!("Invalid {what} '{s}'")))
 }
 
 /// The FEC device the options name (`use_fec_from_device`) and its decoder
@@ -682,7 +683,7 @@ fn open_fec(
     hash: &Arc<crate::io::BackingFile>,
     geo: &Geometry,
     hash_dev_blocks: u64,
-) -> Result<(Option<fec::Fec>, Option<DevRef>), String> {
+) -> Result<(Option<fec::Fec>, Option<DevRef>), TargetError> {
     let Some(name) = args.dev.clone() else {
         if *args != fec::Args::default() {
             return Err("FEC feature arguments (fec_roots, fec_blocks, fec_start) without use_fec_from_device".into());
@@ -712,7 +713,7 @@ fn open_fec(
 }
 
 impl Verity {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Verity, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Verity, TargetError> {
         if !r.read_only() {
             return Err("Device must be readonly (create it with --readonly, load it with --readonly)".into());
         }
@@ -722,12 +723,12 @@ impl Verity {
                  <hash_block_size> <num_data_blocks> <hash_start_block> <algorithm> <digest> <salt> \
                  [<#opt_params> <opt_params>], got {}",
                 args.len()
-            ));
+            ).into());
         }
         let opts = parse_opts(&args[10..])?;
         let version = match args[0].parse::<u32>() {
             Ok(v @ (0 | 1)) => v,
-            _ => return Err(format!("Invalid version '{}' (0 or 1)", args[0])),
+            _ => return Err(format!("Invalid version '{}' (0 or 1)", args[0]).into()),
         };
         let data = arg_dev(args, 1, 0, len, r).map_err(|e| format!("Data device lookup failed: {e}"))?;
         let hash_dev = r
@@ -741,7 +742,7 @@ impl Verity {
         if len > data_blocks << (data_bits - 9) {
             return Err(format!(
                 "Data device is too small: the target's {len} sectors exceed {data_blocks} data blocks of {dbs} bytes"
-            ));
+            ).into());
         }
         let hash_start = parse_blocks(&args[6], hash_bits, "hash start")?;
         let mut alg = Alg::new(&args[7]).ok_or_else(|| {
@@ -755,7 +756,7 @@ impl Verity {
             return Err(format!(
                 "Digest size too big: {} digests are {ds} bytes, a {hbs}-byte hash block holds fewer than two",
                 args[7]
-            ));
+            ).into());
         }
         let (root, salt) = root_and_salt(args, ds)?;
         let geo = Geometry::new(version, data_bits, hash_bits, data_blocks, hash_start, ds)?;
@@ -764,7 +765,7 @@ impl Verity {
             return Err(format!(
                 "Hash device is too small: the tree ends at hash block {} of {hbs} bytes, the device holds {hash_dev_blocks}",
                 geo.hash_blocks
-            ));
+            ).into());
         }
         let (fec, fec_dev) = open_fec(r, &opts.fec, (&data, &args[1]), &hash, &geo, hash_dev_blocks)?;
         if version == 1 {
@@ -976,14 +977,14 @@ mod tests {
         assert_eq!(parse_opts(&[]).expect("none").table(""), "");
         assert!(parse_opts(&s(&["2", "ignore_corruption", "restart_on_corruption"]))
             .unwrap_err()
-            .contains("Conflicting"));
+            .what().contains("Conflicting"));
         assert_eq!(
             parse_opts(&s(&["2", "fec_roots", "99"])).unwrap_err(),
-            "Invalid fec_roots '99' (2 to 24)"
+            "Invalid fec_roots '99' (2 to 24)".into()
         );
         assert_eq!(
             parse_opts(&s(&["1", "fec_start"])).unwrap_err(),
-            "FEC feature arguments: fec_start without its value"
+            "FEC feature arguments: fec_start without its value".into()
         );
         let o = parse_opts(&s(&[
             "9",
@@ -1002,8 +1003,8 @@ mod tests {
             o.table("7:2"),
             " 9 ignore_zero_blocks use_fec_from_device 7:2 fec_blocks 1033 fec_start 0 fec_roots 2"
         );
-        assert!(parse_opts(&s(&["1", "bogus"])).unwrap_err().contains("Unrecognized"));
-        assert!(parse_opts(&s(&["3", "bogus"])).unwrap_err().contains("Insufficient"));
-        assert!(parse_opts(&s(&["x"])).unwrap_err().contains("Invalid number"));
+        assert!(parse_opts(&s(&["1", "bogus"])).unwrap_err().what().contains("Unrecognized"));
+        assert!(parse_opts(&s(&["3", "bogus"])).unwrap_err().what().contains("Insufficient"));
+        assert!(parse_opts(&s(&["x"])).unwrap_err().what().contains("Invalid number"));
     }
 }

@@ -10,6 +10,7 @@
 //! u16), padding, salt (88..344), padding. The tree starts at the first hash
 //! block after the superblock.
 
+use crate::mapper::TargetError;
 use super::{Alg, Geometry, MAX_DATA_BLOCK};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -45,28 +46,28 @@ fn le32(b: &[u8], at: usize) -> u32 {
 /// A block size field: a power of two from 512 to the kernel's limit (its
 /// page size, 4096 here: veritysetup formats up to 512 KiB, which no kernel
 /// of this architecture opens).
-fn block_size(v: u32, field: &str) -> Result<u32, String> {
+fn block_size(v: u32, field: &str) -> Result<u32, TargetError> {
     if v.is_power_of_two() && (512..=MAX_DATA_BLOCK).contains(&v) {
         Ok(v)
     } else {
-        Err(format!("{field}: {v} (a power of two from 512 to {MAX_DATA_BLOCK})"))
+        Err(format!("{field}: {v} (a power of two from 512 to {MAX_DATA_BLOCK})").into())
     }
 }
 
 /// Parse the superblock in `b`, read at byte `offset` of the hash device;
 /// `what` names it in errors.
-pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, String> {
+pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, TargetError> {
     let field = |name: &str| format!("{what}: verity superblock at byte {offset}: {name}");
     if &b[..8] != MAGIC {
-        return Err(format!("{what}: no verity superblock at byte {offset} (no \"verity\" magic)"));
+        return Err(format!("{what}: no verity superblock at byte {offset} (no \"verity\" magic)").into());
     }
     let version = le32(b, 8);
     if version != 1 {
-        return Err(format!("{}: {version} (dmkit reads version 1)", field("version")));
+        return Err(format!("{}: {version} (dmkit reads version 1)", field("version")).into());
     }
     let hash_type = le32(b, 12);
     if hash_type > 1 {
-        return Err(format!("{}: {hash_type} (0 or 1)", field("hash type")));
+        return Err(format!("{}: {hash_type} (0 or 1)", field("hash type")).into());
     }
     let mut uuid = [0u8; 16];
     uuid.copy_from_slice(&b[16..32]);
@@ -90,7 +91,7 @@ pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, Stri
         return Err(format!(
             "{}: {hash_block_size} bytes hold fewer than two {algorithm} digests",
             field("hash block size")
-        ));
+        ).into());
     }
     let mut n = [0u8; 8];
     n.copy_from_slice(&b[72..80]);
@@ -100,11 +101,11 @@ pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, Stri
             "{}: {data_blocks} (1 to {} blocks of {data_block_size} bytes)",
             field("data blocks"),
             u64::MAX / u64::from(data_block_size)
-        ));
+        ).into());
     }
     let salt_size = usize::from(u16::from_le_bytes([b[80], b[81]]));
     if salt_size > MAX_SALT {
-        return Err(format!("{}: {salt_size} (at most {MAX_SALT})", field("salt size")));
+        return Err(format!("{}: {salt_size} (at most {MAX_SALT})", field("salt size")).into());
     }
     let salt = b[88..88 + salt_size].to_vec();
     // the tree starts at the first hash block after the superblock
@@ -134,10 +135,10 @@ pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, Stri
 
 /// Read and check the superblock at byte `offset` of `hash` (a file or a
 /// block device), and that the device holds the whole tree.
-pub fn read(hash: &Path, offset: u64) -> Result<Superblock, String> {
+pub fn read(hash: &Path, offset: u64) -> Result<Superblock, TargetError> {
     let p = hash.display();
     if !offset.is_multiple_of(512) {
-        return Err(format!("hash offset {offset}: not a multiple of 512 bytes"));
+        return Err(format!("hash offset {offset}: not a multiple of 512 bytes").into());
     }
     let f = std::fs::File::open(hash).map_err(|e| format!("{p}: {e}"))?;
     let mut b = [0u8; SIZE];
@@ -156,14 +157,14 @@ pub fn read(hash: &Path, offset: u64) -> Result<Superblock, String> {
             "{p}: the hash tree ends at byte {end} ({} hash blocks of {} bytes from block {}), \
              the device holds {size} bytes",
             sb.hash_blocks, sb.hash_block_size, sb.hash_start
-        ));
+        ).into());
     }
     Ok(sb)
 }
 
 /// The size of a file or block device.
-fn bytes(p: &Path) -> Result<u64, String> {
-    crate::targets::crypt::luks::device_bytes(p).map_err(|e| e.to_string())
+fn bytes(p: &Path) -> Result<u64, TargetError> {
+    crate::targets::crypt::luks::device_bytes(p).map_err(|e| TargetError::invalid(e.to_string()))
 }
 
 impl Superblock {
@@ -208,7 +209,7 @@ impl Superblock {
 
     /// The table line (`dmsetup table` form) that opens `data` (of
     /// `data_bytes` bytes) verified by this tree on `hash` with `root` (hex).
-    pub fn table(&self, data: &str, data_bytes: u64, hash: &str, root: &str) -> Result<String, String> {
+    pub fn table(&self, data: &str, data_bytes: u64, hash: &str, root: &str) -> Result<String, TargetError> {
         let ds = Alg::new(&self.algorithm).map_or(0, |a| a.size());
         let root = root.to_ascii_lowercase();
         if root.len() != 2 * ds || hex::decode(&root).is_err() {
@@ -216,14 +217,14 @@ impl Superblock {
                 "root hash '{root}': {} hex digits for {}",
                 2 * ds,
                 self.algorithm
-            ));
+            ).into());
         }
         let bytes = self.data_blocks * u64::from(self.data_block_size);
         if bytes > data_bytes {
             return Err(format!(
                 "{data}: {data_bytes} bytes, smaller than the superblock's {} data blocks of {} bytes",
                 self.data_blocks, self.data_block_size
-            ));
+            ).into());
         }
         Ok(format!(
             "0 {} verity {} {data} {hash} {} {} {} {} {} {root} {}",
@@ -241,7 +242,7 @@ impl Superblock {
 
 /// `dmkit verity table`: the line that opens `data` with the tree whose
 /// superblock is at byte `offset` of `hash`, and root hash `root`.
-pub fn table(data: &Path, hash: &Path, root: &str, offset: u64) -> Result<String, String> {
+pub fn table(data: &Path, hash: &Path, root: &str, offset: u64) -> Result<String, TargetError> {
     let sb = read(hash, offset)?;
     sb.table(
         &data.to_string_lossy(),
@@ -281,8 +282,8 @@ mod tests {
             sb.table("d", 4 << 20, "h", &root.to_uppercase()).expect("table"),
             format!("0 8192 verity 1 d h 4096 4096 1024 1 sha256 {root} 01020304")
         );
-        assert!(sb.table("d", (4 << 20) - 1, "h", &root).unwrap_err().contains("smaller"));
-        assert!(sb.table("d", 4 << 20, "h", "abcd").unwrap_err().contains("64 hex digits"));
+        assert!(sb.table("d", (4 << 20) - 1, "h", &root).unwrap_err().what().contains("smaller"));
+        assert!(sb.table("d", 4 << 20, "h", "abcd").unwrap_err().what().contains("64 hex digits"));
     }
 
     #[test]
@@ -302,10 +303,10 @@ mod tests {
             let mut b = good();
             b[at..at + bytes.len()].copy_from_slice(bytes);
             let e = parse(&b, 0, "h").unwrap_err();
-            assert!(e.contains(want), "{want}: {e}");
+            assert!(e.what().contains(want), "{want}: {e}");
         }
         let mut b = good();
         b[72..80].copy_from_slice(&0u64.to_le_bytes());
-        assert!(parse(&b, 0, "h").unwrap_err().contains("data blocks: 0"));
+        assert!(parse(&b, 0, "h").unwrap_err().what().contains("data blocks: 0"));
     }
 }

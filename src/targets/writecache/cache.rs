@@ -14,6 +14,7 @@
 //! reading them: a crash never finds a committed entry whose block holds
 //! another sector's data.
 
+use crate::mapper::TargetError;
 use super::format::{self, Superblock, FREE};
 use super::Options;
 use crate::copier::Copier;
@@ -278,7 +279,7 @@ fn eio() -> io::Error {
 
 
 /// The whole cache file mapped (pmem mode).
-fn map_pmem(cache_file: Option<&Arc<BackingFile>>) -> Result<Mapped, String> {
+fn map_pmem(cache_file: Option<&Arc<BackingFile>>) -> Result<Mapped, TargetError> {
     let f = cache_file.ok_or("Unable to map persistent memory for cache: the cache must be a file or block device")?;
     let len = f
         .size()
@@ -287,7 +288,7 @@ fn map_pmem(cache_file: Option<&Arc<BackingFile>>) -> Result<Mapped, String> {
     let file = f
         .file()
         .ok_or("Unable to map persistent memory for cache: not a file or block device")?;
-    Mapped::new(file, len).map_err(|e| format!("Unable to map persistent memory for cache: {e}"))
+    Mapped::new(file, len).map_err(|e| TargetError::from(format!("Unable to map persistent memory for cache: {e}")))
 }
 
 impl State {
@@ -357,7 +358,7 @@ impl Cache {
         origin_file: Option<Arc<BackingFile>>,
         cache_file: Option<Arc<BackingFile>>,
         config: &crate::mapper::config::Config,
-    ) -> Result<Arc<Cache>, String> {
+    ) -> Result<Arc<Cache>, TargetError> {
         let restart = match (config.restart_logs.as_deref(), &cache_file) {
             (Some(dir), Some(f)) => {
                 Some([0, 1].map(|k| RestartLog::path(dir, &format!("writecache{k}"), f.identity)))
@@ -487,7 +488,7 @@ impl Cache {
     /// Read the metadata and rebuild the entries (the kernel's resume): drop
     /// uncommitted entries, keep the newest committed one of each sector, and
     /// write back what changed.
-    pub fn load(&self) -> Result<(), String> {
+    pub fn load(&self) -> Result<(), TargetError> {
         let _c = crate::sync::lock(&self.commit_lock);
         let mut image = vec![0u8; self.meta_bytes as usize];
         self.read_meta(&mut image)
@@ -579,7 +580,7 @@ impl Cache {
     /// daemon acknowledged on top of the metadata as committed now: their data
     /// is in the cache, their entries were not yet committed. Returns how many;
     /// a record that does not fit is an error naming the log.
-    fn replay_restart_log(&self, st: &mut State, origin_sectors: u64) -> Result<usize, String> {
+    fn replay_restart_log(&self, st: &mut State, origin_sectors: u64) -> Result<usize, TargetError> {
         let refuse = refuse_replay;
         let Some(paths) = &self.restart else {
             return Ok(0);
@@ -602,7 +603,7 @@ impl Cache {
                     return Err(refuse(
                         &paths[(seq % 2) as usize],
                         format!("cache block {slot} is in use in the committed metadata"),
-                    ));
+                    ).into());
                 }
                 take.push((slot, sector));
             }
@@ -643,7 +644,7 @@ impl Cache {
         paths: &[std::path::PathBuf; 2],
         seq: u64,
         origin_sectors: u64,
-    ) -> Result<(HashMap<u32, u64>, Vec<u32>), String> {
+    ) -> Result<(HashMap<u32, u64>, Vec<u32>), TargetError> {
         let refuse = refuse_replay;
         let mut slots: HashMap<u32, u64> = HashMap::new();
         let mut by_sector: HashMap<u64, u32> = HashMap::new();
@@ -670,7 +671,7 @@ impl Cache {
                     return Err(refuse(
                         path,
                         format!("record {n}: seq {} in the log of seq {want}", r.c),
-                    ));
+                    ).into());
                 }
                 if let Some(old) = slots.remove(&slot) {
                     if by_sector.get(&old) == Some(&slot) {
@@ -683,7 +684,7 @@ impl Cache {
                             return Err(refuse(
                                 path,
                                 format!("record {n}: sector {} is not a block of the origin", r.b),
-                            ));
+                            ).into());
                         }
                         if let Some(j) = by_sector.insert(r.b, slot) {
                             slots.remove(&j);
@@ -692,7 +693,7 @@ impl Cache {
                         order.push(slot);
                     }
                     FREED => {}
-                    k => return Err(refuse(path, format!("record {n}: unknown kind {k}"))),
+                    k => return Err(refuse(path, format!("record {n}: unknown kind {k}")).into()),
                 }
             }
         }
@@ -844,11 +845,11 @@ impl Cache {
 
     /// The `flush` message: commit, write back every block, return when the cache
     /// is empty.
-    pub fn flush_message(&self) -> Result<(), String> {
+    pub fn flush_message(&self) -> Result<(), TargetError> {
         {
             let st = lock(&self.st);
             if st.suspended || !st.loaded {
-                return Err("Device or resource busy: the device is suspended".into());
+                return Err(TargetError::busy("Device or resource busy: the device is suspended"));
             }
             if st.error {
                 return Err("Input/output error: the cache is in the error state".into());
@@ -859,7 +860,7 @@ impl Cache {
         self.write_back_all()
     }
 
-    fn write_back_all(&self) -> Result<(), String> {
+    fn write_back_all(&self) -> Result<(), TargetError> {
         let mut st = lock(&self.st);
         st.wb_all += 1;
         self.wb.notify_all();

@@ -6,6 +6,8 @@
 //!
 //! Pure bookkeeping: the caller reads and writes the bytes.
 
+use crate::mapper::TargetError;
+
 pub const MAGIC: u32 = 0x2348_9321;
 pub const VERSION: u32 = 1;
 pub const SB_BYTES: u64 = 64;
@@ -135,7 +137,7 @@ pub fn load(
     sb_seq: u64,
     block_sectors: u64,
     origin_sectors: u64,
-) -> Result<Loaded, String> {
+) -> Result<Loaded, TargetError> {
     let mut out = Loaded::default();
     let mut by_sector: std::collections::HashMap<u64, (u64, u64)> = std::collections::HashMap::new();
     for i in 0..n_blocks {
@@ -150,7 +152,7 @@ pub fn load(
         if block_sectors > 1 && sector % block_sectors != 0 {
             return Err(format!(
                 "writecache: entry {i} maps sector {sector}, which is not a multiple of the block size ({block_sectors} sectors)"
-            ));
+            ).into());
         }
         if sector
             .checked_add(block_sectors.max(1))
@@ -158,7 +160,7 @@ pub fn load(
         {
             return Err(format!(
                 "writecache: entry {i} maps sector {sector}, past the end of the origin ({origin_sectors} sectors)"
-            ));
+            ).into());
         }
         match by_sector.get(&sector).copied() {
             None => {
@@ -167,7 +169,7 @@ pub fn load(
             Some((j, s)) if s == seq => {
                 return Err(format!(
                 "writecache: two identical entries, position {j} and {i}: sector {sector}, seq_count {seq}"
-            ))
+            ).into())
             }
             Some((_, s)) if s > seq => out.cleared.push(i),
             Some((j, _)) => {
@@ -213,7 +215,7 @@ mod tests {
         assert_eq!(c, vec![0, 2]);
         set_entry(&mut m, 4, 24, 1);
         let e = load(&m, 6, 7, 1, 1 << 20).unwrap_err();
-        assert!(e.contains("two identical entries"), "{e}");
+        assert!(e.what().contains("two identical entries"), "{e}");
     }
 
     #[test]
@@ -222,7 +224,7 @@ mod tests {
         set_entry(&mut m, 0, u64::MAX - 7, 1);
         let e = load(&m, 6, 7, 8, 1 << 20).unwrap_err();
         assert!(
-            e.contains("entry 0") && e.contains("past the end of the origin"),
+            e.what().contains("entry 0") && e.what().contains("past the end of the origin"),
             "{e}"
         );
         set_entry(&mut m, 0, (1 << 20) - 8, 1);
@@ -241,7 +243,7 @@ mod tests {
         set_entry(&mut m, 1, 2044, 2);
         let e = load(&m, 6, 7, 8, 1 << 20).unwrap_err();
         assert!(
-            e.contains("entry 1 maps sector 2044") && e.contains("block size"),
+            e.what().contains("entry 1 maps sector 2044") && e.what().contains("block size"),
             "{e}"
         );
     }

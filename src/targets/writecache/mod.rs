@@ -14,6 +14,7 @@
 mod cache;
 pub mod format;
 
+use crate::mapper::TargetError;
 use cache::{Cache, Devs};
 
 use crate::io::SECTOR;
@@ -89,7 +90,7 @@ impl Options {
         (at(self.high_wm.unwrap_or(50)), at(self.low_wm.unwrap_or(45)))
     }
 
-    fn parse_options(&mut self, words: &[String], cache_sectors: u64) -> Result<(), String> {
+    fn parse_options(&mut self, words: &[String], cache_sectors: u64) -> Result<(), TargetError> {
         let bad = |w: &[&String]| {
             let w: Vec<&str> = w.iter().map(|s| s.as_str()).collect();
             format!("Invalid optional argument: '{}'", w.join(" "))
@@ -110,7 +111,7 @@ impl Options {
             ];
             if valued.contains(&name.as_str()) {
                 let Some(v) = words.get(i + 1) else {
-                    return Err(bad(&[w]));
+                    return Err(bad(&[w]).into());
                 };
                 let num = |max: u64| {
                     v.parse::<u64>()
@@ -122,7 +123,7 @@ impl Options {
                     "start_sector" => {
                         let s = num(u64::MAX)?;
                         if s >= cache_sectors {
-                            return Err(bad(&[w, v]));
+                            return Err(bad(&[w, v]).into());
                         }
                         self.start_sector = s;
                         self.start_sector_set = true;
@@ -135,7 +136,7 @@ impl Options {
                     "max_age" => self.max_age = Some(num(86_400_000)? as u32),
                     _ => {
                         if self.pmem {
-                            return Err(bad(&[w, v]));
+                            return Err(bad(&[w, v]).into());
                         }
                         self.pause = Some(num(60_000)? as u32);
                     }
@@ -147,7 +148,7 @@ impl Options {
                 "cleaner" => self.cleaner = true,
                 "fua" | "nofua" if self.pmem => self.fua = Some(name == "fua"),
                 "metadata_only" => self.metadata_only = true,
-                _ => return Err(bad(&[w])),
+                _ => return Err(bad(&[w]).into()),
             }
             i += 1;
         }
@@ -200,7 +201,7 @@ pub struct Writecache {
 }
 
 impl Writecache {
-    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Writecache, String> {
+    pub fn new(args: &[String], len: u64, r: &dyn Resolver) -> Result<Writecache, TargetError> {
         if args.len() < 5 {
             return Err(
                 "Bad arguments: writecache <p|s> <origin> <cache> <block_size> <N> [<option>...]".into(),
@@ -209,7 +210,7 @@ impl Writecache {
         let pmem = match args[0].to_ascii_lowercase().as_str() {
             "s" => false,
             "p" => true,
-            m => return Err(format!("Bad arguments: mode '{m}' is neither p nor s")),
+            m => return Err(format!("Bad arguments: mode '{m}' is neither p nor s").into()),
         };
         let mut o = Options {
             pmem,
@@ -235,7 +236,7 @@ impl Writecache {
             return Err(format!(
                 "Block size is smaller than device logical block size ({} < {lbs})",
                 o.block_size
-            ));
+            ).into());
         }
         let n: usize = args[4]
             .parse()
@@ -246,7 +247,7 @@ impl Writecache {
             return Err(format!(
                 "Invalid number of feature args ({n} announced, {} given)",
                 args.len() - 5
-            ));
+            ).into());
         }
         let cache_sectors = cache_dev.size_sectors();
         o.parse_options(&args[5..], cache_sectors)?;
@@ -275,7 +276,7 @@ impl Writecache {
 /// Check the superblock, or write a fresh cache where the first block has
 /// neither magic nor version (as the kernel does: zero the start to reformat).
 /// Returns the number of cache blocks.
-fn open_or_format(o: &Options, dev: &DevRef, dev_sectors: u64) -> Result<u64, String> {
+fn open_or_format(o: &Options, dev: &DevRef, dev_sectors: u64) -> Result<u64, TargetError> {
     let dest = dev.dest();
     let bs = u64::from(o.block_size);
     let area = (dev_sectors - o.start_sector) * SECTOR;
@@ -301,16 +302,16 @@ fn open_or_format(o: &Options, dev: &DevRef, dev_sectors: u64) -> Result<u64, St
             "Invalid magic in the superblock (0x{:08x}, expected 0x{:08x})",
             sb.magic,
             format::MAGIC
-        ));
+        ).into());
     }
     if sb.version != format::VERSION {
-        return Err(format!("Invalid version in the superblock ({})", sb.version));
+        return Err(format!("Invalid version in the superblock ({})", sb.version).into());
     }
     if sb.block_size != o.block_size {
         return Err(format!(
             "Block size does not match superblock ({} in the table, {} on disk)",
             o.block_size, sb.block_size
-        ));
+        ).into());
     }
     let need = format::metadata_bytes(sb.n_blocks, bs)
         .and_then(|m| m.checked_add(sb.n_blocks.checked_mul(bs)?))
@@ -319,7 +320,7 @@ fn open_or_format(o: &Options, dev: &DevRef, dev_sectors: u64) -> Result<u64, St
         return Err(format!(
             "Memory area is too small ({} blocks need {need} bytes, the cache area has {area})",
             sb.n_blocks
-        ));
+        ).into());
     }
     Ok(sb.n_blocks)
 }
@@ -367,7 +368,7 @@ impl Target for Writecache {
         self.cache.status()
     }
 
-    fn message(&self, words: &[String]) -> Result<String, String> {
+    fn message(&self, words: &[String]) -> Result<String, TargetError> {
         let w: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
         match w.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
             ["flush"] => self.cache.flush_message().map(|()| String::new()),
@@ -386,7 +387,7 @@ impl Target for Writecache {
             _ => Err(format!(
                 "Invalid argument: unrecognised message received: '{}' (flush, flush_on_suspend, cleaner, clear_stats)",
                 words.join(" ")
-            )),
+            ).into()),
         }
     }
 
@@ -419,7 +420,7 @@ impl Target for Writecache {
         self.cache.postsuspend();
     }
 
-    fn preresume(&self) -> Result<(), String> {
+    fn preresume(&self) -> Result<(), TargetError> {
         self.cache.load()
     }
 
@@ -475,16 +476,16 @@ mod tests {
         };
         assert_eq!(
             parse(false, "high_watermark 101").unwrap_err(),
-            "Invalid optional argument: 'high_watermark 101'"
+            "Invalid optional argument: 'high_watermark 101'".into()
         );
-        assert!(parse(false, "fua").unwrap_err().contains("'fua'"));
+        assert!(parse(false, "fua").unwrap_err().what().contains("'fua'"));
         assert!(parse(true, "pause_writeback 10").is_err());
         assert!(parse(false, "start_sector 1000").is_err());
         assert!(parse(false, "autocommit_time 3600001").is_err());
-        assert!(parse(false, "bogus").unwrap_err().contains("'bogus'"));
+        assert!(parse(false, "bogus").unwrap_err().what().contains("'bogus'"));
         assert_eq!(
             parse(false, "high_watermark 40 low_watermark 41").unwrap_err(),
-            "High watermark must be greater than or equal to low watermark"
+            "High watermark must be greater than or equal to low watermark".into()
         );
         let mut o = Options::default();
         o.parse_options(&words("high_watermark 50 low_watermark 40"), 1000)
