@@ -1,7 +1,7 @@
 //! The `dmkit` command: `serve` runs the daemon; the dmsetup verbs talk to it with
 //! dmsetup's semantics and output; `thin` holds the thin-provisioning-tools verbs.
 
-mod thin_cli;
+mod tools;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
@@ -46,17 +46,17 @@ enum Cmd {
     /// The thin-provisioning-tools commands, option for option as thin_check,
     /// thin_dump, ... 1.x (a link named thin_check to dmkit is thin_check)
     #[command(subcommand)]
-    Thin(thin_cli::ThinCmd),
+    Thin(tools::thin::ThinCmd),
     /// The era tools of thin-provisioning-tools, option for option as era_check,
     /// era_dump, era_restore and era_invalidate 1.x (a link named era_check to
     /// dmkit is era_check)
     #[command(subcommand)]
-    Era(thin_cli::era::EraCmd),
+    Era(tools::era::EraCmd),
     /// The cache tools of thin-provisioning-tools, option for option as
     /// cache_check, cache_dump, cache_restore, cache_repair, cache_metadata_size
     /// and cache_writeback 1.x (a link named cache_check to dmkit is cache_check)
     #[command(subcommand)]
-    Cache(thin_cli::cache::CacheCmd),
+    Cache(tools::cache::CacheCmd),
     /// Print a completion script for a shell (bash, zsh, fish, elvish, powershell)
     Completions { shell: clap_complete::Shell },
     /// Print a `linear` table that maps a device onto FILE's blocks, one line per
@@ -473,7 +473,7 @@ fn main() {
     let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // Called as thin_check, thin_dump, ... (multi-call, as pdata_tools), or
     // `dmkit thin|era|cache ...`: the tools, as the lean dmkit-tools runs them.
-    if let Some(code) = thin_cli::multi_call(&argv_os) {
+    if let Some(code) = tools::multi_call(&argv_os) {
         std::process::exit(code);
     }
     let argv: Vec<String> = argv_os.iter().map(|a| a.to_string_lossy().into_owned()).collect();
@@ -609,13 +609,13 @@ fn run(cli: Cli, argv: &[String]) -> Result<i32> {
     match cli.cmd {
         Cmd::Serve(a) => serve_cmd(run_dir, a),
         // dispatched before parsing; here only if that ever changes
-        Cmd::Thin(_) => Ok(thin_cli::main(
+        Cmd::Thin(_) => Ok(tools::thin::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
-        Cmd::Era(_) => Ok(thin_cli::era::main(
+        Cmd::Era(_) => Ok(tools::era::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
-        Cmd::Cache(_) => Ok(thin_cli::cache::main(
+        Cmd::Cache(_) => Ok(tools::cache::main(
             verb_words(argv).iter().skip(1).map(Into::into).collect(),
         )),
         Cmd::Lvmd(a) => lvmd_cmd(run_dir, a),
@@ -1149,7 +1149,7 @@ fn tell_parent(word: &str) {
 /// The words from the verb on: the daemon parses them again. Only `--run-dir`
 /// comes before the verb.
 fn verb_words(argv: &[String]) -> &[String] {
-    argv.get(thin_cli::verb_index(argv)..).unwrap_or(&[])
+    argv.get(tools::verb_index(argv)..).unwrap_or(&[])
 }
 
 fn client(run_dir: &Path, verb: &DmVerb, words: &[String]) -> Result<i32> {

@@ -33,7 +33,6 @@ pub enum EraCmd {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "era_check",
     about = "Validate era metadata on device or file.",
     disable_version_flag = true
 )]
@@ -57,7 +56,6 @@ pub struct EraCheckArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "era_dump",
     about = "Dump the era metadata to stdout in XML format",
     disable_version_flag = true
 )]
@@ -80,11 +78,7 @@ pub struct EraDumpArgs {
 }
 
 #[derive(Parser, Debug, Clone)]
-#[command(
-    name = "era_restore",
-    about = "Convert XML format metadata to binary.",
-    disable_version_flag = true
-)]
+#[command(about = "Convert XML format metadata to binary.", disable_version_flag = true)]
 pub struct EraRestoreArgs {
     /// Specify the input xml
     #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
@@ -102,7 +96,6 @@ pub struct EraRestoreArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "era_invalidate",
     about = "List blocks that may have changed since a given era",
     disable_version_flag = true
 )]
@@ -205,22 +198,5 @@ fn run_invalidate(a: EraInvalidateArgs) -> Outcome {
 
 /// `dmkit era VERB ARGS...`: `args` are the words after `era`.
 pub fn main(args: Vec<OsString>) -> i32 {
-    let verb = args.first().and_then(|v| v.to_str()).unwrap_or("");
-    if let Some(t) = TOOLS.iter().find(|t| t.verb == verb) {
-        return (t.run)(&format!("dmkit era {}", t.verb), args[1..].to_vec());
-    }
-    // no verb, --help, or an unknown one: clap explains
-    #[derive(Parser)]
-    #[command(name = "dmkit era", bin_name = "dmkit era")]
-    struct Era {
-        #[command(subcommand)]
-        _cmd: EraCmd,
-    }
-    match Era::try_parse_from(std::iter::once(OsString::from("dmkit era")).chain(args)) {
-        Ok(_) => 0,
-        Err(e) => {
-            let _ = e.print();
-            e.exit_code()
-        }
-    }
+    super::family_main::<EraCmd>("era", TOOLS, args, |_| 0)
 }

@@ -48,7 +48,6 @@ pub enum CacheCmd {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "cache_check",
     about = "Validates cache metadata on a device or file.",
     disable_version_flag = true
 )]
@@ -87,7 +86,6 @@ pub struct CacheCheckArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "cache_dump",
     about = "Dump the cache metadata to stdout in XML format",
     disable_version_flag = true
 )]
@@ -107,11 +105,7 @@ pub struct CacheDumpArgs {
 }
 
 #[derive(Parser, Debug, Clone)]
-#[command(
-    name = "cache_restore",
-    about = "Convert XML format metadata to binary.",
-    disable_version_flag = true
-)]
+#[command(about = "Convert XML format metadata to binary.", disable_version_flag = true)]
 pub struct CacheRestoreArgs {
     /// Specify the input xml
     #[arg(value_parser = super::any_path(), short, long, value_name = "FILE", required = true)]
@@ -135,7 +129,6 @@ pub struct CacheRestoreArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "cache_repair",
     about = "Repair binary cache metadata, and write it to a different device or file",
     disable_version_flag = true
 )]
@@ -156,7 +149,6 @@ pub struct CacheRepairArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "cache_metadata_size",
     about = "Estimate the size of the metadata device needed for a given configuration.",
     override_usage = "cache_metadata_size [OPTIONS] <--device-size <SIZE> --block-size <SIZE> | --nr-blocks <NUM>>",
     disable_version_flag = true
@@ -188,7 +180,6 @@ pub struct CacheMetadataSizeArgs {
 
 #[derive(Parser, Debug, Clone)]
 #[command(
-    name = "cache_writeback",
     about = "Repair binary cache metadata, and write it to a different device or file",
     disable_version_flag = true,
     next_display_order = None
@@ -417,25 +408,5 @@ fn writeback(a: CacheWritebackArgs) -> Outcome {
 
 /// `dmkit cache VERB ARGS...`: `args` are the words after `cache`.
 pub fn main(args: Vec<OsString>) -> i32 {
-    let verb = args.first().and_then(|v| v.to_str()).unwrap_or("");
-    if let Some(t) = TOOLS
-        .iter()
-        .find(|t| t.verb == verb || (verb == "metadata-size" && t.verb == "metadata_size"))
-    {
-        return (t.run)(&format!("dmkit cache {}", t.verb), args[1..].to_vec());
-    }
-    // no verb, --help, or an unknown one: clap explains
-    #[derive(Parser)]
-    #[command(name = "dmkit cache", bin_name = "dmkit cache")]
-    struct Cache {
-        #[command(subcommand)]
-        _cmd: CacheCmd,
-    }
-    match Cache::try_parse_from(std::iter::once(OsString::from("dmkit cache")).chain(args)) {
-        Ok(_) => 0,
-        Err(e) => {
-            let _ = e.print();
-            e.exit_code()
-        }
-    }
+    super::family_main::<CacheCmd>("cache", TOOLS, args, |_| 0)
 }

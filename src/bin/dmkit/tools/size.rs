@@ -2,7 +2,8 @@
 //! and number of thin devices, by 1.x's estimate: one superblock, a root per
 //! device, and the bottom-level leaves at half occupancy.
 
-use super::{MetadataSizeArgs, Outcome};
+use super::thin::MetadataSizeArgs;
+use super::Outcome;
 use dmkit::pdata::space_map::MAX_METADATA_BLOCKS;
 use dmkit::pdata::BLOCK_SIZE;
 
