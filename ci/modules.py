@@ -26,7 +26,7 @@ import sys
 LAYERS = [
     # leaves: no other module of the crate (client: the control protocol's
     # framing and the run directory, which io's hold diagnostics ask with)
-    ["rng"],
+    ["rng", "layout"],
     # sync's trial scheduler draws its choices from rng
     ["sync", "panics", "gf256", "extents", "table", "client"],
     ["lograte", "io"],

@@ -11,6 +11,7 @@ pub mod export;
 pub mod extents;
 pub mod gf256;
 pub mod io;
+pub mod layout;
 pub mod lograte;
 pub mod lvmd;
 pub mod mapper;

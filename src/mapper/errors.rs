@@ -94,6 +94,13 @@ impl From<&str> for TargetError {
     }
 }
 
+/// A structure too short for its fields: EINVAL, naming the field.
+impl From<crate::layout::LayoutError> for TargetError {
+    fn from(e: crate::layout::LayoutError) -> TargetError {
+        TargetError::invalid(e.to_string())
+    }
+}
+
 /// An I/O error keeps its errno (EIO when it has none).
 impl From<std::io::Error> for TargetError {
     fn from(e: std::io::Error) -> TargetError {

@@ -29,10 +29,24 @@ pub const MAX_SECTORSIZE: u32 = 65536;
 /// The mark the kernel logs when a log-writes table goes away.
 pub const END_MARK: &str = "dm-log-writes-end";
 
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
+crate::layout! {
+    /// The super's fields (the rest of its block is zero).
+    struct SuperFields("log-writes super", 28) {
+        magic: u64 = 0,
+        version: u64 = 8,
+        nr_entries: u64 = 16,
+        sectorsize: u32 = 24,
+    }
+}
+
+crate::layout! {
+    /// An entry's fields (a mark's text follows them in the block).
+    struct EntryFields("log-writes entry", ENTRY_LEN) {
+        sector: u64 = 0,
+        nr_sectors: u64 = 8,
+        flags: u64 = 16,
+        data_len: u64 = 24,
+    }
 }
 
 /// The super: how many entries the log holds and its block size.
@@ -45,41 +59,42 @@ pub struct Super {
 impl Super {
     /// The super's block (`sectorsize` bytes).
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = vec![0u8; self.sectorsize as usize];
-        b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
-        b[8..16].copy_from_slice(&VERSION.to_le_bytes());
-        b[16..24].copy_from_slice(&self.nr_entries.to_le_bytes());
-        b[24..28].copy_from_slice(&self.sectorsize.to_le_bytes());
+        let mut b = vec![0u8; (self.sectorsize as usize).max(SuperFields::SIZE)];
+        let f = SuperFields {
+            magic: MAGIC,
+            version: VERSION,
+            nr_entries: self.nr_entries,
+            sectorsize: self.sectorsize,
+        };
+        b[..SuperFields::SIZE].copy_from_slice(&f.encode());
         b
     }
 
     /// Read the super from the log's first 28 bytes or more; Err names the field.
     pub fn decode(b: &[u8]) -> Result<Super, TargetError> {
-        if b.len() < 28 {
+        if b.len() < SuperFields::SIZE {
             return Err(format!("the log is {} bytes long: no room for its super", b.len()).into());
         }
-        let magic = le64(b, 0);
+        let SuperFields {
+            magic,
+            version,
+            nr_entries,
+            sectorsize,
+        } = SuperFields::decode(b)?;
         if magic != MAGIC {
             return Err(format!(
                 "not a log-writes log: magic {magic:#x} at byte 0, not {MAGIC:#x}"
             ).into());
         }
-        let version = le64(b, 8);
         if version != VERSION {
             return Err(format!("log version {version} (byte 8) is not {VERSION}").into());
         }
-        let mut w = [0u8; 4];
-        w.copy_from_slice(&b[24..28]);
-        let sectorsize = u32::from_le_bytes(w);
         if !sectorsize.is_power_of_two() || !(512..=MAX_SECTORSIZE).contains(&sectorsize) {
             return Err(format!(
                 "sectorsize {sectorsize} (byte 24) is not a power of two from 512 to {MAX_SECTORSIZE}"
             ).into());
         }
-        Ok(Super {
-            nr_entries: le64(b, 16),
-            sectorsize,
-        })
+        Ok(Super { nr_entries, sectorsize })
     }
 }
 
@@ -98,24 +113,29 @@ impl Entry {
     /// The entry's block: its fields, then `mark` (a mark's text), zeroes to
     /// `sectorsize`. `mark` must fit (the caller cuts it to `sectorsize - 33`).
     pub fn encode(&self, mark: &[u8], sectorsize: u32) -> Vec<u8> {
-        let mut b = vec![0u8; sectorsize as usize];
-        b[0..8].copy_from_slice(&self.sector.to_le_bytes());
-        b[8..16].copy_from_slice(&self.nr_sectors.to_le_bytes());
-        b[16..24].copy_from_slice(&self.flags.to_le_bytes());
-        b[24..32].copy_from_slice(&self.data_len.to_le_bytes());
+        let mut b = vec![0u8; (sectorsize as usize).max(ENTRY_LEN)];
+        let f = EntryFields {
+            sector: self.sector,
+            nr_sectors: self.nr_sectors,
+            flags: self.flags,
+            data_len: self.data_len,
+        };
+        b[..ENTRY_LEN].copy_from_slice(&f.encode());
         let n = mark.len().min(b.len() - ENTRY_LEN);
         b[ENTRY_LEN..ENTRY_LEN + n].copy_from_slice(&mark[..n]);
         b
     }
 
-    /// The fields from an entry's block (at least [`ENTRY_LEN`] bytes).
-    pub fn decode(b: &[u8]) -> Entry {
-        Entry {
-            sector: le64(b, 0),
-            nr_sectors: le64(b, 8),
-            flags: le64(b, 16),
-            data_len: le64(b, 24),
-        }
+    /// The fields from an entry's block; Err when it is shorter than
+    /// [`ENTRY_LEN`], naming the field.
+    pub fn decode(b: &[u8]) -> Result<Entry, crate::layout::LayoutError> {
+        let f = EntryFields::decode(b)?;
+        Ok(Entry {
+            sector: f.sector,
+            nr_sectors: f.nr_sectors,
+            flags: f.flags,
+            data_len: f.data_len,
+        })
     }
 
     /// The flags by name, `|`-separated ("write" when none).
@@ -173,7 +193,8 @@ mod tests {
         let eb = e.encode(b"abc", 512);
         assert_eq!(eb.len(), 512);
         assert_eq!(&eb[32..35], b"abc");
-        assert_eq!(Entry::decode(&eb), e);
+        assert_eq!(Entry::decode(&eb), Ok(e));
+        assert_eq!(Entry::decode(&eb[..20]).unwrap_err().field, "flags");
         assert_eq!(e.flag_names(), "mark");
         assert_eq!(Entry { flags: FLUSH | FUA | 64, ..e }.flag_names(), "flush|fua|0x40");
     }

@@ -370,7 +370,7 @@ impl LogReader {
         self.file
             .read_exact_at(&mut self.block, pos)
             .map_err(|e| format!("{name}: entry {i} at byte {pos}: {e}"))?;
-        let e = Entry::decode(&self.block);
+        let e = Entry::decode(&self.block).map_err(|x| format!("{name}: entry {i} at byte {pos}: {x}"))?;
         let bytes = e
             .nr_sectors
             .checked_mul(ss)

@@ -39,8 +39,21 @@ pub struct Superblock {
     pub hash_blocks: u64,
 }
 
-fn le32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+crate::layout! {
+    /// The superblock's fields, as veritysetup writes them (the kernel's
+    /// `struct verity_sb` in cryptsetup's lib/verity).
+    pub struct Fields("verity superblock", SIZE) {
+        pub signature: [u8; 8] = 0,
+        pub version: u32 = 8,
+        pub hash_type: u32 = 12,
+        pub uuid: [u8; 16] = 16,
+        pub algorithm: [u8; 32] = 32,
+        pub data_block_size: u32 = 64,
+        pub hash_block_size: u32 = 68,
+        pub data_blocks: u64 = 72,
+        pub salt_size: u16 = 80,
+        pub salt: [u8; MAX_SALT] = 88,
+    }
 }
 
 /// A block size field: a power of two from 512 to the kernel's limit (its
@@ -58,20 +71,20 @@ fn block_size(v: u32, field: &str) -> Result<u32, TargetError> {
 /// `what` names it in errors.
 pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, TargetError> {
     let field = |name: &str| format!("{what}: verity superblock at byte {offset}: {name}");
-    if &b[..8] != MAGIC {
+    let f = Fields::decode(b)?;
+    if &f.signature != MAGIC {
         return Err(format!("{what}: no verity superblock at byte {offset} (no \"verity\" magic)").into());
     }
-    let version = le32(b, 8);
+    let version = f.version;
     if version != 1 {
         return Err(format!("{}: {version} (dmkit reads version 1)", field("version")).into());
     }
-    let hash_type = le32(b, 12);
+    let hash_type = f.hash_type;
     if hash_type > 1 {
         return Err(format!("{}: {hash_type} (0 or 1)", field("hash type")).into());
     }
-    let mut uuid = [0u8; 16];
-    uuid.copy_from_slice(&b[16..32]);
-    let alg = &b[32..64];
+    let uuid = f.uuid;
+    let alg = &f.algorithm;
     let len = alg
         .iter()
         .position(|&c| c == 0)
@@ -85,17 +98,15 @@ pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, Targ
             )
         })?
         .size();
-    let data_block_size = block_size(le32(b, 64), &field("data block size"))?;
-    let hash_block_size = block_size(le32(b, 68), &field("hash block size"))?;
+    let data_block_size = block_size(f.data_block_size, &field("data block size"))?;
+    let hash_block_size = block_size(f.hash_block_size, &field("hash block size"))?;
     if (hash_block_size as usize) < 2 * digest_size {
         return Err(format!(
             "{}: {hash_block_size} bytes hold fewer than two {algorithm} digests",
             field("hash block size")
         ).into());
     }
-    let mut n = [0u8; 8];
-    n.copy_from_slice(&b[72..80]);
-    let data_blocks = u64::from_le_bytes(n);
+    let data_blocks = f.data_blocks;
     if data_blocks == 0 || data_blocks.checked_mul(u64::from(data_block_size)).is_none() {
         return Err(format!(
             "{}: {data_blocks} (1 to {} blocks of {data_block_size} bytes)",
@@ -103,11 +114,11 @@ pub fn parse(b: &[u8; SIZE], offset: u64, what: &str) -> Result<Superblock, Targ
             u64::MAX / u64::from(data_block_size)
         ).into());
     }
-    let salt_size = usize::from(u16::from_le_bytes([b[80], b[81]]));
+    let salt_size = usize::from(f.salt_size);
     if salt_size > MAX_SALT {
         return Err(format!("{}: {salt_size} (at most {MAX_SALT})", field("salt size")).into());
     }
-    let salt = b[88..88 + salt_size].to_vec();
+    let salt = f.salt[..salt_size].to_vec();
     // the tree starts at the first hash block after the superblock
     let hash_start = (offset + SIZE as u64).div_ceil(u64::from(hash_block_size));
     let geo = Geometry::new(
