@@ -76,16 +76,38 @@ fn boot_id() -> [u8; 40] {
     b
 }
 
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
+/// Where the header's checksum and boot id lie: the header is written in
+/// pieces around them (`store_header`).
+const HEADER_CSUM_AT: usize = 28;
+const BOOT_AT: usize = 32;
+/// Where a record's checksum lies.
+const RECORD_CSUM_AT: usize = 12;
+
+crate::layout! {
+    /// The header: what the log follows, its generation, whether it
+    /// overflowed, and the boot it was written in; its checksum covers the
+    /// rest of its bytes.
+    struct Header("restart log header", HEADER) {
+        magic: u64 = 0,
+        identity: u64 = 8,
+        gen: u64 = 16,
+        full: u32 = 24,
+        csum: u32 = HEADER_CSUM_AT,
+        boot: [u8; 40] = BOOT_AT,
+    }
 }
 
-fn le32(b: &[u8], at: usize) -> u32 {
-    let mut w = [0u8; 4];
-    w.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(w)
+crate::layout! {
+    /// A record: its generation, its kind, its checksum and four values.
+    struct RecordFields("restart log record", RECORD) {
+        gen: u64 = 0,
+        kind: u32 = 8,
+        csum: u32 = RECORD_CSUM_AT,
+        a: u64 = 16,
+        b: u64 = 24,
+        c: u64 = 32,
+        d: u64 = 40,
+    }
 }
 
 /// The checksum of a header or record: everything but its own 4 bytes at `at`.
@@ -94,27 +116,31 @@ fn csum(b: &[u8], at: usize) -> u32 {
 }
 
 impl Record {
-    fn store(&self, gen: u64, out: &mut [u8]) {
-        out[0..8].copy_from_slice(&gen.to_le_bytes());
-        out[8..12].copy_from_slice(&self.kind.to_le_bytes());
-        out[16..24].copy_from_slice(&self.a.to_le_bytes());
-        out[24..32].copy_from_slice(&self.b.to_le_bytes());
-        out[32..40].copy_from_slice(&self.c.to_le_bytes());
-        out[40..48].copy_from_slice(&self.d.to_le_bytes());
-        let c = csum(out, 12);
-        out[12..16].copy_from_slice(&c.to_le_bytes());
+    fn store(&self, gen: u64) -> [u8; RECORD] {
+        let mut f = RecordFields {
+            gen,
+            kind: self.kind,
+            csum: 0,
+            a: self.a,
+            b: self.b,
+            c: self.c,
+            d: self.d,
+        };
+        f.csum = csum(&f.encode(), RECORD_CSUM_AT);
+        f.encode()
     }
 
     fn load(gen: u64, b: &[u8]) -> Option<Record> {
-        if le64(b, 0) != gen || le32(b, 12) != csum(b, 12) {
+        let f = RecordFields::decode(b).ok()?;
+        if f.gen != gen || f.csum != csum(b, RECORD_CSUM_AT) {
             return None;
         }
         Some(Record {
-            kind: le32(b, 8),
-            a: le64(b, 16),
-            b: le64(b, 24),
-            c: le64(b, 32),
-            d: le64(b, 40),
+            kind: f.kind,
+            a: f.a,
+            b: f.b,
+            c: f.c,
+            d: f.d,
         })
     }
 }
@@ -133,15 +159,14 @@ impl RestartLog {
         if read.is_err() {
             return Previous::Nothing;
         }
-        if bytes.len() < HEADER || le64(&bytes, 0) != MAGIC || le32(&bytes, 28) != csum(&bytes[..HEADER], 28)
-        {
+        let Some(h) = bytes.get(..HEADER).and_then(|b| Header::decode(b).ok()) else {
+            return Previous::Nothing;
+        };
+        if h.magic != MAGIC || h.csum != csum(&bytes[..HEADER], HEADER_CSUM_AT) || h.boot != boot_id() {
             return Previous::Nothing;
         }
-        if bytes[32..72] != boot_id() {
-            return Previous::Nothing;
-        }
-        let (identity, gen) = (le64(&bytes, 8), le64(&bytes, 16));
-        if le32(&bytes, 24) != 0 {
+        let (identity, gen) = (h.identity, h.gen);
+        if h.full != 0 {
             return Previous::Overflowed { identity };
         }
         let records = bytes[HEADER..]
@@ -212,20 +237,23 @@ impl RestartLog {
         if self.killed() {
             return;
         }
-        let mut h = [0u8; HEADER];
-        h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
-        h[8..16].copy_from_slice(&identity.to_le_bytes());
-        h[16..24].copy_from_slice(&self.gen.to_le_bytes());
-        h[24..28].copy_from_slice(&u32::from(self.full).to_le_bytes());
-        h[32..72].copy_from_slice(&boot_id());
-        let c = csum(&h, 28);
+        let h = Header {
+            magic: MAGIC,
+            identity,
+            gen: self.gen,
+            full: u32::from(self.full),
+            csum: 0,
+            boot: boot_id(),
+        }
+        .encode();
+        let c = csum(&h, HEADER_CSUM_AT);
         // the checksum zeroed first and stored last: a kill in between leaves a
         // header that fails its checksum, and nothing is replayed, as nothing
         // was uncommitted yet
-        self.map.write_at(28, &[0; 4]);
-        self.map.write_at(0, &h[..28]);
-        self.map.write_at(32, &h[32..]);
-        self.map.write_at(28, &c.to_le_bytes());
+        self.map.write_at(HEADER_CSUM_AT, &[0; 4]);
+        self.map.write_at(0, &h[..HEADER_CSUM_AT]);
+        self.map.write_at(BOOT_AT, &h[BOOT_AT..]);
+        self.map.write_at(HEADER_CSUM_AT, &c.to_le_bytes());
     }
 
     /// Record a change before it is acknowledged. False once the log is full:
@@ -240,8 +268,7 @@ impl RestartLog {
             self.store_header(self.identity());
             return false;
         }
-        let mut out = [0u8; RECORD];
-        r.store(self.gen, &mut out);
+        let out = r.store(self.gen);
         if !self.map.write_at(HEADER + self.len * RECORD, &out) {
             return false;
         }

@@ -493,7 +493,7 @@ impl Cache {
         let mut image = vec![0u8; self.meta_bytes as usize];
         self.read_meta(&mut image)
             .map_err(|e| format!("Unable to read metadata: {e}"))?;
-        let sb = Superblock::parse(&image);
+        let sb = Superblock::parse(&image)?;
         if sb.magic != format::MAGIC || sb.n_blocks != self.n_blocks {
             return Err("Invalid magic in the superblock".into());
         }
@@ -1404,9 +1404,11 @@ impl Cache {
                 l.begin(s);
             }
             st.log_reserved[(s % 2) as usize] = 0;
-            let mut sb = Superblock::parse(&st.image);
-            sb.seq_count = st.seq;
-            sb.store(&mut st.image);
+            // the image is the whole metadata, never shorter than its superblock
+            if let Ok(mut sb) = Superblock::parse(&st.image) {
+                sb.seq_count = st.seq;
+                sb.store(&mut st.image);
+            }
             let n = (u64::from(self.o.block_size).max(4096)).min(self.meta_bytes) as usize;
             Some(st.image[..n].to_vec())
         } else {

@@ -15,47 +15,39 @@ pub const ENTRY_BYTES: u64 = 16;
 /// seq_count (and original sector) of a free entry.
 pub const FREE: u64 = u64::MAX;
 
-/// The superblock fields.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Superblock {
-    pub magic: u32,
-    pub version: u32,
-    pub block_size: u32,
-    pub n_blocks: u64,
-    pub seq_count: u64,
+crate::layout! {
+    /// The superblock's fields (the kernel's `struct wc_memory_superblock`:
+    /// magic, version, block_size, a pad, n_blocks, seq_count, in 64 bytes).
+    pub struct Superblock("writecache superblock", SB_BYTES as usize) {
+        pub magic: u32 = 0,
+        pub version: u32 = 4,
+        pub block_size: u32 = 8,
+        pub n_blocks: u64 = 16,
+        pub seq_count: u64 = 24,
+    }
 }
 
-fn u32_at(b: &[u8], i: usize) -> u32 {
-    b.get(i..i + 4)
-        .and_then(|s| s.try_into().ok())
-        .map_or(0, u32::from_le_bytes)
-}
-
-fn u64_at(b: &[u8], i: usize) -> u64 {
-    b.get(i..i + 8)
-        .and_then(|s| s.try_into().ok())
-        .map_or(0, u64::from_le_bytes)
+crate::layout! {
+    /// An entry (`struct wc_memory_entry`): the original sector and seq_count.
+    struct Entry("writecache entry", ENTRY_BYTES as usize) {
+        sector: u64 = 0,
+        seq: u64 = 8,
+    }
 }
 
 impl Superblock {
-    pub fn parse(b: &[u8]) -> Superblock {
-        Superblock {
-            magic: u32_at(b, 0),
-            version: u32_at(b, 4),
-            block_size: u32_at(b, 8),
-            n_blocks: u64_at(b, 16),
-            seq_count: u64_at(b, 24),
-        }
+    /// The superblock from the metadata's first bytes; Err names the field
+    /// that lies past them.
+    pub fn parse(b: &[u8]) -> Result<Superblock, crate::layout::LayoutError> {
+        Superblock::decode(b)
     }
 
-    /// Write the superblock into the first 64 bytes of `b` (the rest of those zero).
+    /// Write the superblock into the first 64 bytes of `b` (the rest of those
+    /// zero); `b` holds at least the metadata's first block.
     pub fn store(&self, b: &mut [u8]) {
-        b[..SB_BYTES as usize].fill(0);
-        b[0..4].copy_from_slice(&self.magic.to_le_bytes());
-        b[4..8].copy_from_slice(&self.version.to_le_bytes());
-        b[8..12].copy_from_slice(&self.block_size.to_le_bytes());
-        b[16..24].copy_from_slice(&self.n_blocks.to_le_bytes());
-        b[24..32].copy_from_slice(&self.seq_count.to_le_bytes());
+        if let Some(head) = b.get_mut(..Superblock::SIZE) {
+            head.copy_from_slice(&self.encode());
+        }
     }
 }
 
@@ -86,16 +78,20 @@ pub fn entry_offset(i: u64) -> usize {
     (SB_BYTES + i * ENTRY_BYTES) as usize
 }
 
-/// Entry `i`: (original sector, seq_count).
+/// Entry `i`: (original sector, seq_count); `meta` holds `i` (the image is
+/// [`metadata_bytes`] long for its `n_blocks`), else it reads as free.
 pub fn entry(meta: &[u8], i: u64) -> (u64, u64) {
-    let o = entry_offset(i);
-    (u64_at(meta, o), u64_at(meta, o + 8))
+    match meta.get(entry_offset(i)..).map(Entry::decode) {
+        Some(Ok(e)) => (e.sector, e.seq),
+        _ => (FREE, FREE),
+    }
 }
 
+/// Set entry `i` (which `meta` holds, as for [`entry`]).
 pub fn set_entry(meta: &mut [u8], i: u64, sector: u64, seq: u64) {
-    let o = entry_offset(i);
-    meta[o..o + 8].copy_from_slice(&sector.to_le_bytes());
-    meta[o + 8..o + 16].copy_from_slice(&seq.to_le_bytes());
+    if let Some(b) = meta.get_mut(entry_offset(i)..) {
+        let _ = Entry { sector, seq }.encode_into(b);
+    }
 }
 
 /// A fresh metadata image as the kernel initialises it: every entry free; the
@@ -251,7 +247,7 @@ mod tests {
     #[test]
     fn superblock_round_trip() {
         let mut b = fresh(3, 4096).unwrap();
-        let mut sb = Superblock::parse(&b);
+        let mut sb = Superblock::parse(&b).unwrap();
         assert_eq!(
             (sb.magic, sb.version, sb.block_size, sb.n_blocks),
             (0, 1, 4096, 3)
@@ -259,7 +255,7 @@ mod tests {
         sb.magic = MAGIC;
         sb.seq_count = 9;
         sb.store(&mut b);
-        assert_eq!(Superblock::parse(&b), sb);
+        assert_eq!(Superblock::parse(&b), Ok(sb));
         assert_eq!(entry(&b, 2), (FREE, FREE));
     }
 }

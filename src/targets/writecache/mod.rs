@@ -285,14 +285,14 @@ fn open_or_format(o: &Options, dev: &DevRef, dev_sectors: u64) -> Result<u64, Ta
         devio::read(&dest, o.start_sector, &mut first)
             .map_err(|e| format!("Unable to read first block of metadata: {e}"))?;
     }
-    let mut sb = Superblock::parse(&first);
+    let mut sb = Superblock::parse(&first)?;
     if sb.magic == 0 && sb.version == 0 {
         let n = format::blocks_for(area, bs).ok_or("Invalid device size")?;
         let mut image = format::fresh(n, o.block_size).ok_or("Invalid device size")?;
         let init = |e: std::io::Error| format!("Unable to initialize device: {e}");
         devio::write(&dest, o.start_sector, &image, false).map_err(init)?;
         devio::flush(&dest).map_err(init)?;
-        sb = Superblock::parse(&image);
+        sb = Superblock::parse(&image)?;
         sb.magic = format::MAGIC;
         sb.store(&mut image);
         devio::write(&dest, o.start_sector, &image[..o.block_size as usize], true).map_err(init)?;
