@@ -54,8 +54,22 @@ pub enum Found {
     Foreign,
 }
 
-fn le16(b: &[u8], o: usize) -> u16 {
-    u16::from_le_bytes([b[o], b[o + 1]])
+crate::layout! {
+    /// The superblock's first 64 bytes, as the kernel's `struct superblock`
+    /// (dm-integrity.c) lays them out.
+    struct Fields("integrity superblock", 64) {
+        magic: [u8; 8] = 0,
+        version: u8 = 8,
+        log2_interleave: u8 = 9,
+        tag_size: u16 = 10,
+        journal_sections: u32 = 12,
+        provided_data_sectors: u64 = 16,
+        flags: u32 = 24,
+        log2_spb: u8 = 28,
+        log2_blocks_per_bit: u8 = 29,
+        recalc_sector: u64 = 32,
+        salt: [u8; SALT_SIZE] = 48,
+    }
 }
 fn le32(b: &[u8], o: usize) -> u32 {
     u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
@@ -69,29 +83,27 @@ pub fn le64(b: &[u8], o: usize) -> u64 {
 impl Superblock {
     /// Read the 4 KiB superblock area.
     pub fn parse(area: &[u8]) -> Found {
-        if area.len() < 64 {
+        let Ok(f) = Fields::decode(area) else {
             return Found::Foreign;
-        }
-        if &area[..8] != MAGIC {
+        };
+        if &f.magic != MAGIC {
             return if area.iter().all(|&b| b == 0) {
                 Found::Blank
             } else {
                 Found::Foreign
             };
         }
-        let mut salt = [0u8; SALT_SIZE];
-        salt.copy_from_slice(&area[48..64]);
         Found::Superblock(Superblock {
-            version: area[8],
-            log2_interleave: area[9],
-            tag_size: le16(area, 10),
-            journal_sections: le32(area, 12),
-            provided_data_sectors: le64(area, 16),
-            flags: le32(area, 24),
-            log2_spb: area[28],
-            log2_blocks_per_bit: area[29],
-            recalc_sector: le64(area, 32),
-            salt,
+            version: f.version,
+            log2_interleave: f.log2_interleave,
+            tag_size: f.tag_size,
+            journal_sections: f.journal_sections,
+            provided_data_sectors: f.provided_data_sectors,
+            flags: f.flags,
+            log2_spb: f.log2_spb,
+            log2_blocks_per_bit: f.log2_blocks_per_bit,
+            recalc_sector: f.recalc_sector,
+            salt: f.salt,
         })
     }
 
@@ -117,17 +129,20 @@ impl Superblock {
     /// The 4 KiB area as written.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = vec![0u8; (SB_SECTORS * 512) as usize];
-        b[..8].copy_from_slice(MAGIC);
-        b[8] = self.version;
-        b[9] = self.log2_interleave;
-        b[10..12].copy_from_slice(&self.tag_size.to_le_bytes());
-        b[12..16].copy_from_slice(&self.journal_sections.to_le_bytes());
-        b[16..24].copy_from_slice(&self.provided_data_sectors.to_le_bytes());
-        b[24..28].copy_from_slice(&self.flags.to_le_bytes());
-        b[28] = self.log2_spb;
-        b[29] = self.log2_blocks_per_bit;
-        b[32..40].copy_from_slice(&self.recalc_sector.to_le_bytes());
-        b[48..64].copy_from_slice(&self.salt);
+        let f = Fields {
+            magic: *MAGIC,
+            version: self.version,
+            log2_interleave: self.log2_interleave,
+            tag_size: self.tag_size,
+            journal_sections: self.journal_sections,
+            provided_data_sectors: self.provided_data_sectors,
+            flags: self.flags,
+            log2_spb: self.log2_spb,
+            log2_blocks_per_bit: self.log2_blocks_per_bit,
+            recalc_sector: self.recalc_sector,
+            salt: self.salt,
+        };
+        b[..Fields::SIZE].copy_from_slice(&f.encode());
         b
     }
 
