@@ -18,6 +18,8 @@ cargo fmt --all -- --check
 # layers, and no concrete target named outside src/targets
 stage modules
 python3 ci/modules.py
+# no function over 100 lines without its reason above it ('Long: ...')
+python3 ci/long_functions.py
 # the manual and the design notes as a site (mkdocs.yml): a link under docs/ to a
 # missing page or anchor fails the build
 stage manual

@@ -190,6 +190,8 @@ pub fn negotiate<S: Read + Write>(s: &mut S, reg: &Registry) -> io::Result<Optio
 
 /// The options, until transmission, the end, or STARTTLS. Nothing negotiated
 /// before STARTTLS carries over: this starts afresh inside TLS.
+// Long: one arm per option of the NBD protocol (`NBD_OPT_*`), each a few
+// lines.
 pub fn options<S: Read + Write>(
     s: &mut S,
     reg: &Registry,

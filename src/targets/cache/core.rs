@@ -656,6 +656,9 @@ impl Shared {
 
     /// One batch of background work: lock the blocks, drain, copy, flush,
     /// update and commit the metadata, unlock. Whether there was any.
+    // Long: one batch from lock to unlock, in the order a crash must see it
+    // (lock, drain, copy, flush, update, commit, unlock), every step on the
+    // batch's own state.
     fn migrate(&self) -> bool {
         let idle = self.now_ms().saturating_sub(self.last_io.load(Ordering::Relaxed)) >= IDLE_MS;
         let budget = (self.migration_threshold() / self.bs).max(1) as usize;

@@ -141,6 +141,9 @@ pub struct Row {
 
 /// Where stripe `stripe` of an `n`-leg array with `algo` and `parities` puts
 /// its blocks (md's raid5_compute_sector and set_syndrome_sources).
+// Long: one arm per md layout algorithm (raid4/5/6, left/right, symmetric or
+// not, parity first or last, the raid6 rotations), read beside md's
+// raid5_compute_sector, which has the same cases.
 pub fn row(n: usize, algo: u32, parities: u32, stripe: u64) -> Row {
     use algo::*;
     let data_disks = n - parities as usize;

@@ -873,6 +873,9 @@ fn track(core: &Arc<Core>, st: &mut State, chunk: u64) -> crate::io::EndIo {
 }
 
 /// What a snapshot target maps a piece of one chunk to.
+// Long: every case of a chunk as the kernel's snapshot_map has them (an
+// exception, the origin, a copy under way, a new exception, a full or
+// invalid snapshot), on the I/O path.
 pub(crate) fn map_snapshot_chunk(
     core: &Arc<Core>,
     tgt: &target::Features,

@@ -1113,6 +1113,9 @@ impl Cache {
         Ok(())
     }
 
+    // Long: the write path of every write (a hit, a new block, pmem and ssd
+    // modes, a wait for room); not split until the writecache bench shows
+    // that a split costs nothing here.
     fn map_write(&self, bio: Bio, ctx: &mut MapCtx, devs: Devs) -> Result<(), MapErr> {
         let bs = self.bs_sectors();
         let end = bio.sector + bio.nr_sectors;
