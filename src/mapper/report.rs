@@ -2,6 +2,7 @@
 
 use super::errors::ControlError;
 use super::DevRef;
+use super::Registry;
 use super::{Device, DM_MAJOR};
 use crate::sync::Unpoison;
 use std::fmt::Write as _;
@@ -411,4 +412,215 @@ fn branch(out: &mut String, d: &Device, indent: &str, depth: u32) {
             }
         }
     }
+}
+
+/// dmsetup's queries (`table`, `status`, `info`, `ls`, `deps`, `targets`):
+/// what the registry holds, as text.
+impl Registry {
+    /// The named device, or every device; None when there are none.
+    fn selected(&self, name: Option<&str>) -> Result<Option<Vec<Arc<Device>>>, ControlError> {
+        let devs = match name {
+            Some(n) => vec![self.get(n)?],
+            None => self.list(),
+        };
+        Ok((!devs.is_empty()).then_some(devs))
+    }
+
+    /// `dmsetup table|status [NAME]`: `<start> <len> <type> <params>` per target.
+    /// `--inactive`: the loaded table that resume would make live. Keys are
+    /// zeroed unless `keys` (`dmsetup table --showkeys`).
+    pub fn table_lines(
+        &self,
+        name: Option<&str>,
+        status: bool,
+        inactive: bool,
+        keys: bool,
+    ) -> Result<String, ControlError> {
+        let Some(devs) = self.selected(name)? else {
+            return Ok("No devices found\n".into());
+        };
+        let mut out = String::new();
+        for d in devs {
+            let prefix = if name.is_none() {
+                format!("{}: ", d.name())
+            } else {
+                String::new()
+            };
+            let table = if inactive {
+                d.inactive.lock().unpoisoned().clone()
+            } else {
+                d.live.load_full()
+            };
+            let Some(t) = table else {
+                if name.is_none() {
+                    let _ = writeln!(out, "{prefix}");
+                }
+                continue;
+            };
+            for e in &t.entries {
+                let params = if status {
+                    e.target.status_params()
+                } else if keys {
+                    e.target.table_params()
+                } else {
+                    e.target
+                        .table_params_keyless()
+                        .unwrap_or_else(|| e.target.table_params())
+                };
+                let _ = writeln!(
+                    out,
+                    "{prefix}{} {} {} {params}",
+                    e.start,
+                    e.len,
+                    e.target.type_name()
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// `dmsetup info [NAME]` in the long form.
+    pub fn info(&self, name: Option<&str>) -> Result<String, ControlError> {
+        let Some(devs) = self.selected(name)? else {
+            return Ok("No devices found\n".into());
+        };
+        let mut out = String::new();
+        for d in devs {
+            let live = d.live.load().is_some();
+            let inactive = d.inactive.lock().unpoisoned().is_some();
+            let mut state = if d.suspended.load(Ordering::SeqCst) {
+                "SUSPENDED"
+            } else {
+                "ACTIVE"
+            }
+            .to_string();
+            if d.read_only() {
+                state.push_str(" (READ-ONLY)");
+            }
+            if d.deferred_remove.load(Ordering::SeqCst) {
+                state.push_str(" (DEFERRED REMOVE)");
+            }
+            let tables = match (live, inactive) {
+                (false, false) => "None",
+                (true, false) => "LIVE",
+                (false, true) => "INACTIVE",
+                (true, true) => "LIVE & INACTIVE",
+            };
+            let targets = d.live.load().as_ref().map_or(0, |t| t.entries.len());
+            let opens = d.open_count.load(Ordering::SeqCst) + d.holders.load(Ordering::SeqCst);
+            let row = |out: &mut String, k: &str, v: String| {
+                let _ = writeln!(out, "{:<19}{v}", format!("{k}:"));
+            };
+            row(&mut out, "Name", d.name());
+            row(&mut out, "State", state);
+            row(
+                &mut out,
+                "Read Ahead",
+                d.limits().read_ahead_sectors().to_string(),
+            );
+            row(&mut out, "Tables present", tables.into());
+            row(&mut out, "Open count", opens.to_string());
+            row(&mut out, "Event number", d.events().to_string());
+            row(&mut out, "Major, minor", format!("{DM_MAJOR}, {}", d.minor));
+            row(&mut out, "Number of targets", targets.to_string());
+            if let Some(b) = d.block_device() {
+                row(&mut out, "Block device", b);
+            }
+            if let Some(u) = &d.uuid() {
+                let _ = writeln!(out, "UUID: {u}");
+            }
+            out.push('\n');
+        }
+        Ok(out)
+    }
+
+    /// `dmsetup ls [--target T] [--tree]`.
+    pub fn ls(&self, tree: bool, target: Option<&str>) -> String {
+        let devs: Vec<Arc<Device>> = self
+            .list()
+            .into_iter()
+            .filter(|d| target.is_none_or(|t| has_target(d, t)))
+            .collect();
+        if devs.is_empty() {
+            return "No devices found\n".into();
+        }
+        if tree {
+            return self::tree(&devs);
+        }
+        // dmsetup prints the number as `(major, minor)` when it lists by target
+        // type (it goes through its status path) and `(major:minor)` otherwise
+        let sep = if target.is_some() { ", " } else { ":" };
+        devs.iter()
+            .map(|d| match d.block_device() {
+                Some(b) => format!("{}\t({DM_MAJOR}{sep}{})\t{b}\n", d.name(), d.minor),
+                None => format!("{}\t({DM_MAJOR}{sep}{})\n", d.name(), d.minor),
+            })
+            .collect()
+    }
+
+    /// `dmsetup deps [NAME]`: the devices each device's live table maps onto.
+    pub fn deps(&self, name: Option<&str>) -> Result<String, ControlError> {
+        let Some(devs) = self.selected(name)? else {
+            return Ok("No devices found\n".into());
+        };
+        Ok(devs.iter().map(|d| deps(d, name.is_none())).collect())
+    }
+
+    /// `dmsetup info -c [-o FIELDS] [--noheadings] [--separator S]`.
+    pub fn info_columns(
+        &self,
+        name: Option<&str>,
+        fields: Option<&str>,
+        headings: bool,
+        separator: Option<&str>,
+    ) -> Result<String, ControlError> {
+        if fields.is_some_and(|f| f.trim().eq_ignore_ascii_case("help")) {
+            return Ok(fields_help());
+        }
+        let fields = self::fields(fields)?;
+        let Some(devs) = self.selected(name)? else {
+            return Ok("No devices found\n".into());
+        };
+        Ok(columns(&devs, &fields, headings, separator))
+    }
+
+    /// `dmkit stats NAME`: the backing files under a device (through stacked
+    /// devices), the flushes and the FUA writes each has received.
+    pub fn stats(&self, name: &str) -> Result<String, ControlError> {
+        let dev = self.get(name)?;
+        let mut files = Vec::new();
+        super::collect_files(&dev, &mut files, 0);
+        Ok(files
+            .iter()
+            .map(|f| {
+                format!(
+                    "{} flushes={} fua_writes={}\n",
+                    f.path.display(),
+                    f.flushes.load(Ordering::Relaxed),
+                    f.fua_writes.load(Ordering::Relaxed)
+                )
+            })
+            .collect())
+    }
+
+    /// `dmsetup targets`.
+    pub fn targets(&self) -> String {
+        self.target_types()
+            .iter()
+            .map(|t| {
+                format!(
+                    "{:<16} v{}.{}.{}\n",
+                    t.name, t.version[0], t.version[1], t.version[2]
+                )
+            })
+            .collect()
+    }
+}
+
+/// Whether `d`'s live table has a target of type `t`.
+fn has_target(d: &Device, t: &str) -> bool {
+    d.live
+        .load()
+        .as_ref()
+        .is_some_and(|tb| tb.entries.iter().any(|e| e.target.type_name() == t))
 }
