@@ -79,9 +79,14 @@ class Dmkit:
         self.run = os.path.join(tmp, f"run-{Dmkit.n}")
         self.p = subprocess.Popen([self.bin, "serve", "--run-dir", self.run, *extra],
                                   stderr=subprocess.DEVNULL)
-        wait_for(os.path.join(self.run, "control.sock"))
-        for name, table in devices:
-            self.cli("create", name, input=table)
+        try:
+            wait_for(os.path.join(self.run, "control.sock"))
+            for name, table in devices:
+                self.cli("create", name, input=table)
+        except BaseException:
+            self.p.kill()  # no daemon left behind by a failed start
+            self.p.wait()
+            raise
 
     def cli(self, *args, input=None):
         return subprocess.run([self.bin, "--run-dir", self.run, *args], input=input, text=True,

@@ -348,3 +348,185 @@ fn connections_are_placed_evenly_as_clients_come_and_go() {
     wait_connections(&d, 0);
     assert_eq!(per_reactor(&d), [0, 0, 0]);
 }
+
+/// A `key=a,b` list of `dmkit stats --server`.
+fn server_list(d: &Daemon, key: &str) -> Vec<u64> {
+    let line = d.ok(&["stats", "--server"]);
+    let v = line
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"));
+    v.split(',').map(|n| n.parse().expect("a count")).collect()
+}
+
+/// The CPUs this process may run on, in order: the daemon's reactors are
+/// pinned to the first of them.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: sched_getaffinity fills the cpu_set_t it is given.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+            0
+        );
+        set
+    };
+    // SAFETY: CPU_ISSET reads the set for a CPU number below CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
+/// Let process `pid` run on `cpu` only (as the scheduler might move it there).
+fn pin(pid: u32, cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t with one CPU set, passed by reference.
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(pid as i32, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(r, 0, "pinning process {pid} to CPU {cpu}");
+}
+
+/// Wait until `dmkit stats --server` satisfies `ok`, for at most 20 s.
+fn wait_server(d: &Daemon, what: &str, ok: impl Fn(&Daemon) -> bool) {
+    let t0 = Instant::now();
+    while !ok(d) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{what}: never reached; {}",
+            d.ok(&["stats", "--server"])
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One NBD connection per fio job, the jobs moved between the CPUs the way the
+/// scheduler might: each connection ends on the reactor pinned to its client's
+/// CPU, two on each (the placement that ran the same job at twice the IOPS of
+/// the other one, BENCHMARKS.md `repeat`), and follows its client when it
+/// moves.
+#[test]
+fn each_fio_job_is_served_on_its_cpu_and_its_connection_follows_it() {
+    common::need("fio");
+    let cpus = allowed_cpus();
+    assert!(
+        cpus.len() >= 2,
+        "this test needs two CPUs; it may run on {cpus:?}"
+    );
+    let (c0, c1) = (cpus[0], cpus[1]);
+    let s = Scratch::new("scale-cpu");
+    let f = s.sparse("f.img", 64 * MIB);
+    let d = Daemon::start_with("scale-cpu", &["--nbd-reactors", "2"], &[]);
+    d.create("d", &format!("0 {} linear {} 0", 64 * MIB / 512, f.display()));
+    let mut fio = std::process::Command::new("fio")
+        .args(["--name=place", "--ioengine=nbd", &format!("--uri={}", d.uri("d"))])
+        .args([
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=1",
+            "--fsync=1",
+            "--numjobs=4",
+        ])
+        .args([
+            "--size=64M",
+            "--time_based",
+            "--runtime=120",
+            "--output=/dev/null",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("fio");
+    wait_connections(&d, 4);
+    // fio's jobs: the processes the main one forked
+    let jobs: Vec<u32> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|st| {
+                    st.rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse::<u32>()
+                        .ok()
+                })
+                == Some(fio.id())
+        })
+        .collect();
+    assert_eq!(jobs.len(), 4, "fio's job processes: {jobs:?}");
+    let all_local = |d: &Daemon| per_reactor(d) == [2, 2] && server_list(d, "local") == [2, 2];
+    for (i, &j) in jobs.iter().enumerate() {
+        pin(j, if i < 2 { c0 } else { c1 });
+    }
+    wait_server(&d, "two jobs on each CPU, each served there", all_local);
+    let moved = server_list(&d, "moved")[0];
+    println!("jobs {jobs:?} on CPUs {c0},{c0},{c1},{c1}: served there, {moved} moves");
+    // the scheduler swaps them: every connection is now on the other CPU's reactor
+    for (i, &j) in jobs.iter().enumerate() {
+        pin(j, if i < 2 { c1 } else { c0 });
+    }
+    wait_server(&d, "the jobs swapped CPUs, their connections followed", |d| {
+        all_local(d) && server_list(d, "moved")[0] >= moved + 4
+    });
+    println!("swapped: followed, {} moves", server_list(&d, "moved")[0]);
+    // the jobs first: killing only the main process would leave them running
+    for &j in &jobs {
+        // SAFETY: a signal to a process of ours.
+        unsafe { libc::kill(j as i32, libc::SIGKILL) };
+    }
+    let _ = fio.kill();
+    let _ = fio.wait();
+    wait_connections(&d, 0);
+    assert_eq!(per_reactor(&d), [0, 0]);
+}
+
+/// Reactors pinned (two, on two CPUs): a reactor left serving two connections
+/// more than the other gives it one, which then serves as before.
+#[test]
+fn a_reactor_serving_two_more_than_another_gives_it_a_connection() {
+    let cpus = allowed_cpus();
+    assert!(
+        cpus.len() >= 2,
+        "this test needs two CPUs; it may run on {cpus:?}"
+    );
+    let s = Scratch::new("scale-even");
+    let f = s.sparse("f.img", 8 * MIB);
+    std::fs::write(&f, pattern(5, 8 * MIB as usize)).expect("pattern");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let d = Daemon::start_with("scale-even", &["--nbd-listen", &addr, "--nbd-reactors", "2"], &[]);
+    d.create("d", &format!("0 {} linear {} 0", 8 * MIB / 512, f.display()));
+    // four clients one at a time, noting where each went
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let before = per_reactor(&d);
+        let c = attach(&addr, "d");
+        wait_connections(&d, clients.len() as u64 + 1);
+        let after = per_reactor(&d);
+        let on = (0..2).find(|&r| after[r] > before[r]).expect("placed somewhere");
+        clients.push((c, on));
+    }
+    assert_eq!(per_reactor(&d), [2, 2]);
+    // the two on reactor 0 leave: 0 and 2
+    let (gone, mut kept): (Vec<_>, Vec<_>) = clients.into_iter().partition(|(_, on)| *on == 0);
+    drop(gone);
+    wait_connections(&d, 2);
+    wait_server(&d, "reactor 1 gave reactor 0 a connection", |d| {
+        per_reactor(d) == [1, 1] && server_list(d, "moved")[0] == 1
+    });
+    // both connections still serve, the moved one included
+    let want = pattern(5, 8 * MIB as usize);
+    for (i, (c, _)) in kept.iter_mut().enumerate() {
+        let off = (i as u64 + 1) * MIB;
+        assert_eq!(
+            read(c, off, 65536),
+            want[off as usize..off as usize + 65536],
+            "client {i}"
+        );
+    }
+    println!("placed 2,2; two of reactor 0 closed; now {:?}", per_reactor(&d));
+    drop(kept);
+    wait_connections(&d, 0);
+}

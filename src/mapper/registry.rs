@@ -212,6 +212,11 @@ pub struct ServerCounters {
     /// The connections each reactor serves, in the reactors' order: what a
     /// new connection's placement reads (set when the reactors start).
     pub per_reactor: std::sync::OnceLock<Vec<std::sync::Arc<std::sync::atomic::AtomicUsize>>>,
+    /// Each reactor's busy connections whose clients ran on its CPU at its
+    /// last look (see `export::nbd::placement`).
+    pub local: std::sync::OnceLock<Vec<std::sync::Arc<std::sync::atomic::AtomicUsize>>>,
+    /// Connections moved from one reactor to another, in all.
+    pub moved: std::sync::atomic::AtomicUsize,
     /// Connections in their handshake.
     pub handshakes: std::sync::atomic::AtomicUsize,
     /// Bytes of buffers the reactors hold (request data, receive buffers).
@@ -222,21 +227,25 @@ impl ServerCounters {
     /// `dmkit stats --server`: one `key=value` line.
     pub fn line(&self) -> String {
         let l = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed);
-        let per: Vec<String> = self
-            .per_reactor
-            .get()
-            .map_or(Vec::new(), |v| v.iter().map(|a| l(a).to_string()).collect());
-        format!(
-            "reactors={} connections={} per_reactor={} handshakes={} buffer_bytes={}\n",
-            l(&self.reactors),
-            l(&self.connections),
+        let list = |v: &std::sync::OnceLock<Vec<std::sync::Arc<std::sync::atomic::AtomicUsize>>>| {
+            let per: Vec<String> = v
+                .get()
+                .map_or(Vec::new(), |v| v.iter().map(|a| l(a).to_string()).collect());
             if per.is_empty() {
                 "-".to_string()
             } else {
                 per.join(",")
-            },
+            }
+        };
+        format!(
+            "reactors={} connections={} per_reactor={} handshakes={} buffer_bytes={} local={} moved={}\n",
+            l(&self.reactors),
+            l(&self.connections),
+            list(&self.per_reactor),
             l(&self.handshakes),
-            l(&self.buffer_bytes)
+            l(&self.buffer_bytes),
+            list(&self.local),
+            l(&self.moved),
         )
     }
 }

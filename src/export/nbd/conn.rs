@@ -213,6 +213,16 @@ enum RecvInto {
     Slot(usize),
 }
 
+/// A client that finished its handshake, for a reactor to serve.
+pub struct NewConn {
+    pub sock: OwnedFd,
+    pub neg: super::handshake::Negotiated,
+    pub session: Option<Session>,
+    pub track: super::placement::Track,
+    /// Moved from another reactor (not a new connection).
+    pub moved: bool,
+}
+
 pub struct Conn {
     id: u32,
     /// The socket; None once closed.
@@ -269,6 +279,14 @@ pub struct Conn {
     closed: bool,
     /// The TLS session of a connection that started TLS.
     tls: Option<Tls>,
+    /// Requests taken, in all.
+    served: u64,
+    /// Where its client runs, for placement.
+    pub track: super::placement::Track,
+    /// The reactor it is to move to, once idle.
+    pub move_to: Option<usize>,
+    /// Moving: it takes nothing more and waits for its poll to end.
+    detaching: bool,
 }
 
 /// A TLS connection's session and buffers.
@@ -281,7 +299,14 @@ struct Tls {
 }
 
 impl Conn {
-    pub fn new(id: u32, sock: OwnedFd, n: super::handshake::Negotiated, tls: Option<Session>) -> Conn {
+    pub fn new(id: u32, c: NewConn) -> Conn {
+        let NewConn {
+            sock,
+            neg: n,
+            session: tls,
+            track,
+            ..
+        } = c;
         // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
         Conn {
@@ -321,7 +346,77 @@ impl Conn {
                 plain: Vec::new(),
                 out: Vec::new(),
             }),
+            served: 0,
+            track,
+            move_to: None,
+            detaching: false,
         }
+    }
+
+    /// Whether nothing of the connection is under way or buffered here: it
+    /// may move to another reactor (what the client sends next waits in the
+    /// socket).
+    fn idle(&self) -> bool {
+        self.taken == 0
+            && self.payload.is_none()
+            && self.discard == 0
+            && self.rpos == self.rend
+            && self.sendq.is_empty()
+            && self.sending.is_empty()
+            && !self.send_inflight
+            && !self.starved
+            && !(self.closing || self.dead || self.closed || self.eof || self.hangup)
+            && self
+                .tls
+                .as_ref()
+                .is_none_or(|t| t.plain.is_empty() && t.out.is_empty() && !t.session.has_output())
+    }
+
+    /// Whether the socket is open.
+    pub fn is_open(&self) -> bool {
+        self.sock.is_some()
+    }
+
+    /// Look where the client runs ([`Track::look`](super::placement::Track::look));
+    /// None when the socket is closed.
+    pub fn look(&mut self) -> Option<Option<usize>> {
+        use std::os::fd::AsFd;
+        let sock = self.sock.as_ref()?;
+        Some(self.track.look(sock.as_fd(), self.served))
+    }
+
+    /// Whether a move was asked and has begun (nothing more is taken here).
+    pub fn is_moving(&self) -> bool {
+        self.detaching
+    }
+
+    /// Whether the connection has stopped here and may be handed to another
+    /// reactor with [`Conn::detach`].
+    pub fn detached(&self) -> bool {
+        self.detaching && !self.poll_armed
+    }
+
+    /// The connection as a reactor takes it in, leaving this one.
+    pub fn detach(mut self: Box<Self>, sh: &mut Shared) -> Option<NewConn> {
+        if let Some(b) = self.rbuf.take() {
+            give_rbuf(sh, b);
+        }
+        let sock = self.sock.take()?;
+        let this = *self;
+        Some(NewConn {
+            sock,
+            neg: super::handshake::Negotiated {
+                dev: this.dev,
+                size: this.size,
+                flags: this.tflags,
+                structured: this.structured,
+                base_allocation: this.base_allocation,
+                dirty_base: this.dirty_base,
+            },
+            session: this.tls.map(|t| t.session),
+            track: this.track,
+            moved: true,
+        })
     }
 
     /// Do what the connection can do now: take requests from the socket while
@@ -329,6 +424,15 @@ impl Conn {
     /// ready. The reactor calls this whenever something happened to it.
     pub fn step(&mut self, sh: &mut Shared) {
         if self.closed {
+            return;
+        }
+        if self.move_to.is_some() && !self.detaching && self.idle() {
+            self.detaching = true;
+            if self.poll_armed {
+                sh.engine.cancel_poll(tag(self.id, TAG_POLL));
+            }
+        }
+        if self.detaching {
             return;
         }
         sh.name(&self.dev);
@@ -355,7 +459,7 @@ impl Conn {
             TAG_POLL => {
                 self.readable = true;
                 self.poll_armed = e.more;
-                if self.closed && e.more {
+                if (self.closed || self.detaching) && e.more {
                     // the poll fired while its removal ran (which then fails with
                     // EALREADY): remove it again
                     sh.engine.cancel_poll(tag(self.id, TAG_POLL));
@@ -715,6 +819,7 @@ impl Conn {
             let Some(slot) = sh.engine.alloc() else { return };
             sh.slots.cover(slot);
             self.taken += 1;
+            self.served += 1;
             let s = &mut sh.slots[slot];
             s.conn = self.id;
             s.cookie = cookie;

@@ -2,6 +2,7 @@
 
 pub mod conn;
 pub mod handshake;
+pub mod placement;
 pub mod proto;
 pub mod reactor;
 pub mod tls;
@@ -73,7 +74,7 @@ fn negotiate<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
     reg: &Registry,
     peer: &str,
     tls: &tls::Tls,
-) -> Option<reactor::NewConn> {
+) -> Option<conn::NewConn> {
     let (neg, session) = match handshake(&mut s, reg, tls) {
         Ok(Some(n)) => n,
         Ok(None) => return None,
@@ -83,10 +84,13 @@ fn negotiate<S: Read + Write + AsRawFd + AsFd + Into<OwnedFd>>(
         }
     };
     neg.dev.open_count.fetch_add(1, Ordering::SeqCst);
-    Some(reactor::NewConn {
-        sock: s.into(),
+    let sock: OwnedFd = s.into();
+    Some(conn::NewConn {
+        track: placement::Track::new(sock.as_fd()),
+        sock,
         neg,
         session,
+        moved: false,
     })
 }
 

@@ -3,18 +3,18 @@
 //! A connection's handshake runs on a short-lived thread of its own (it is a
 //! conversation of blocking reads and writes, TLS included, bounded by a
 //! deadline and by [`MAX_HANDSHAKES`] at a time); once the client is in the
-//! transmission phase the connection is handed to the reactor with the fewest
-//! connections and stays there. A reactor owns one request engine (one ring,
+//! transmission phase the connection is handed to a reactor with the fewest
+//! connections, the one on its client's CPU among them, and moves only to
+//! follow its client or to even the reactors' loads (`placement`). A reactor owns one request engine (one ring,
 //! [`REACTOR_SLOTS`] request slots) shared by all its connections: one wait
 //! covers every socket, every backing I/O and every target completion of the
 //! thread, and nothing on the fast path takes a lock (requests of a connection
-//! never leave its reactor). An idle connection costs its socket and its
+//! never leave its reactor: a connection moves only when it has none). An idle connection costs its socket and its
 //! `Conn` (a few hundred bytes); receive buffers and request buffers belong to
 //! the reactor and are bounded there.
 
-use super::conn::{self, Conn, Shared, TAG_POLL};
-use super::handshake::Negotiated;
-use super::tls::Session;
+use super::conn::{self, Conn, NewConn, Shared, TAG_POLL};
+use super::placement;
 use crate::mapper::engine::{IoEvent, SLOTS_LIMIT};
 use crate::mapper::Registry;
 use crate::sync::Unpoison;
@@ -36,13 +36,6 @@ pub const MAX_HANDSHAKES: usize = 256;
 /// The tag of a reactor's own poll on its door.
 const DOOR_TAG: u64 = 0;
 
-/// A client that finished its handshake, for a reactor to serve.
-pub struct NewConn {
-    pub sock: OwnedFd,
-    pub neg: Negotiated,
-    pub session: Option<Session>,
-}
-
 /// Where connections are handed to a reactor.
 struct Door {
     queue: Mutex<Vec<NewConn>>,
@@ -51,15 +44,58 @@ struct Door {
     /// Connections the reactor serves (the least loaded gets the next one;
     /// shared with the registry's `per_reactor`).
     conns: Arc<AtomicUsize>,
+    /// The CPU the reactor is pinned to, once it is.
+    cpu: std::sync::OnceLock<usize>,
+    /// Its busy connections whose clients were on its CPU at the last check
+    /// (the registry's `local`).
+    local: Arc<AtomicUsize>,
 }
 
-/// The reactors of a daemon, and the bounds on handshakes.
-pub struct Reactors {
+/// The reactors' doors, and what they tell each other to place connections.
+struct Placement {
     doors: Vec<Arc<Door>>,
     /// Held while a connection is placed: the least loaded reactor is read
     /// and counted as one step, so connections whose handshakes end at once
     /// do not all read the same least loaded one.
     placing: Mutex<()>,
+    /// `wants[a * n + b]`: connections of reactor `a` whose clients run on
+    /// reactor `b`'s CPU, as `a` last saw them.
+    wants: Vec<AtomicUsize>,
+    /// The reactor pinned to each CPU.
+    by_cpu: Vec<Option<usize>>,
+}
+
+impl Placement {
+    fn loads(&self) -> Vec<usize> {
+        self.doors
+            .iter()
+            .map(|d| d.conns.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    fn cpus(&self) -> Vec<Option<usize>> {
+        self.doors.iter().map(|d| d.cpu.get().copied()).collect()
+    }
+
+    fn reactor_on(&self, cpu: Option<usize>) -> Option<usize> {
+        self.by_cpu.get(cpu?).copied().flatten()
+    }
+
+    fn wants(&self, from: usize, to: usize) -> usize {
+        self.wants[from * self.doors.len() + to].load(Ordering::Relaxed)
+    }
+
+    /// Give `c` to reactor `to`.
+    fn hand_to(&self, to: usize, c: NewConn) {
+        let door = &self.doors[to];
+        door.queue.lock().unpoisoned().push(c);
+        let _ = rustix::io::write(&door.efd, &1u64.to_ne_bytes());
+    }
+}
+
+/// The reactors of a daemon, and the bounds on handshakes.
+pub struct Reactors {
+    place: Arc<Placement>,
     handshakes: Mutex<usize>,
     handshake_done: Condvar,
     deadlines: Arc<Deadlines>,
@@ -103,10 +139,16 @@ fn enforce(d: &Deadlines) {
 }
 
 impl Reactors {
-    /// Start `n` reactors (at least one).
+    /// Start `n` reactors (at least one), each pinned to a CPU of its own
+    /// while there are no more of them than CPUs this thread may use.
     pub fn start(n: usize, reg: &Arc<Registry>) -> std::io::Result<Arc<Reactors>> {
+        let n = n.max(1);
+        let allowed = placement::allowed_cpus();
+        let pins = allowed.len() >= n;
         let mut doors = Vec::new();
-        for i in 0..n.max(1) {
+        let (place_tx, place_rx) = std::sync::mpsc::channel::<Arc<Placement>>();
+        let place_rx = Arc::new(Mutex::new(place_rx));
+        for i in 0..n {
             let efd = rustix::event::eventfd(
                 0,
                 rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
@@ -115,20 +157,38 @@ impl Reactors {
                 queue: Mutex::new(Vec::new()),
                 efd,
                 conns: Arc::new(AtomicUsize::new(0)),
+                cpu: std::sync::OnceLock::new(),
+                local: Arc::new(AtomicUsize::new(0)),
             });
             let (d, reg) = (door.clone(), reg.clone());
+            let pin = allowed.get(i).copied().filter(|_| pins);
+            let place_rx = place_rx.clone();
             // the engine is made on the thread that uses its ring
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::Builder::new()
                 .name(format!("nbd-reactor-{i}"))
-                .spawn(move || match Shared::new(REACTOR_SLOTS, SLOTS_LIMIT) {
-                    Ok(mut sh) => {
-                        sh.engine.set_io_workers(IO_WORKERS);
-                        let _ = tx.send(Ok(()));
-                        run(sh, &d, &reg);
+                .spawn(move || {
+                    if let Some(cpu) = pin {
+                        match placement::pin(cpu) {
+                            Ok(()) => {
+                                let _ = d.cpu.set(cpu);
+                            }
+                            Err(e) => tracing::warn!("nbd reactor {i}: not pinned to CPU {cpu}: {e}"),
+                        }
                     }
-                    Err(e) => {
-                        let _ = tx.send(Err(e));
+                    match Shared::new(REACTOR_SLOTS, SLOTS_LIMIT) {
+                        Ok(mut sh) => {
+                            sh.engine.set_io_workers(IO_WORKERS);
+                            let _ = tx.send(Ok(()));
+                            // every door exists before a reactor serves
+                            let place = place_rx.lock().unpoisoned().recv();
+                            if let Ok(place) = place {
+                                run(sh, &place, i, &reg);
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
                     }
                 })?;
             rx.recv().map_err(std::io::Error::other)??;
@@ -139,14 +199,43 @@ impl Reactors {
             .server
             .per_reactor
             .set(doors.iter().map(|d| d.conns.clone()).collect());
+        let _ = reg
+            .server
+            .local
+            .set(doors.iter().map(|d| d.local.clone()).collect());
+        let mut by_cpu = Vec::new();
+        for (i, d) in doors.iter().enumerate() {
+            if let Some(&cpu) = d.cpu.get() {
+                by_cpu.resize(by_cpu.len().max(cpu + 1), None);
+                by_cpu[cpu] = Some(i);
+            }
+        }
+        let pinned: Vec<String> = doors
+            .iter()
+            .filter_map(|d| d.cpu.get())
+            .map(|c| c.to_string())
+            .collect();
+        if pinned.is_empty() {
+            tracing::info!("nbd: {n} reactors, not pinned ({} CPUs to run on)", allowed.len());
+        } else {
+            tracing::info!("nbd: {n} reactors on CPUs {}", pinned.join(","));
+        }
+        let place = Arc::new(Placement {
+            wants: (0..n * n).map(|_| AtomicUsize::new(0)).collect(),
+            doors,
+            placing: Mutex::new(()),
+            by_cpu,
+        });
+        for _ in 0..n {
+            let _ = place_tx.send(place.clone());
+        }
         let deadlines = Arc::new(Deadlines::default());
         let d = deadlines.clone();
         std::thread::Builder::new()
             .name("nbd-deadlines".into())
             .spawn(move || enforce(&d))?;
         Ok(Arc::new(Reactors {
-            doors,
-            placing: Mutex::new(()),
+            place,
             handshakes: Mutex::new(0),
             handshake_done: Condvar::new(),
             deadlines,
@@ -165,20 +254,22 @@ impl Reactors {
         })
     }
 
-    /// Hand a client in the transmission phase to the reactor with the fewest
-    /// connections (a reactor's count falls when it closes a connection's
-    /// socket, so a client that closes and connects again is counted once).
+    /// Hand a client in the transmission phase to a reactor with the fewest
+    /// connections, the one on the client's CPU among them (a reactor's count
+    /// falls when it closes a connection's socket, so a client that closes and
+    /// connects again is counted once).
     pub fn hand(&self, c: NewConn) {
-        let door = {
-            let _placing = self.placing.lock().unpoisoned();
-            let Some(door) = self.doors.iter().min_by_key(|d| d.conns.load(Ordering::Relaxed)) else {
+        let client = c.track.cpu_now(c.sock.as_fd());
+        let p = &self.place;
+        let to = {
+            let _placing = p.placing.lock().unpoisoned();
+            let Some(to) = placement::first(&p.loads(), &p.cpus(), client) else {
                 return;
             };
-            door.conns.fetch_add(1, Ordering::Relaxed);
-            door
+            p.doors[to].conns.fetch_add(1, Ordering::Relaxed);
+            to
         };
-        door.queue.lock().unpoisoned().push(c);
-        let _ = rustix::io::write(&door.efd, &1u64.to_ne_bytes());
+        p.hand_to(to, c);
     }
 
     /// Wait until another handshake may start.
@@ -244,6 +335,9 @@ struct Reactor<'a> {
     conns: Conns,
     events: Vec<IoEvent>,
     door: Option<&'a Door>,
+    /// The reactors' placement, and which of them this is.
+    place: Option<(&'a Placement, usize)>,
+    next_check: std::time::Instant,
     door_armed: bool,
     door_rang: bool,
     /// What this reactor counts in the daemon's buffer bytes.
@@ -252,8 +346,11 @@ struct Reactor<'a> {
 }
 
 impl<'a> Reactor<'a> {
-    fn new(sh: Shared, door: Option<&'a Door>, reg: &'a Arc<Registry>) -> Reactor<'a> {
+    fn new(sh: Shared, place: Option<(&'a Placement, usize)>, reg: &'a Arc<Registry>) -> Reactor<'a> {
+        let door = place.map(|(p, i)| &*p.doors[i]);
         Reactor {
+            place,
+            next_check: std::time::Instant::now(),
             sh,
             conns: Conns {
                 list: Vec::new(),
@@ -271,8 +368,10 @@ impl<'a> Reactor<'a> {
     }
 
     fn add(&mut self, c: NewConn) {
-        self.reg.server.connections.fetch_add(1, Ordering::Relaxed);
-        self.conns.add(|id| Conn::new(id, c.sock, c.neg, c.session));
+        if !c.moved {
+            self.reg.server.connections.fetch_add(1, Ordering::Relaxed);
+        }
+        self.conns.add(|id| Conn::new(id, c));
     }
 
     /// Take new connections, step every connection that has something to do,
@@ -310,10 +409,15 @@ impl<'a> Reactor<'a> {
             conns.wake(id);
         }
         let mut leaving: Vec<u32> = Vec::new();
+        let mut moving: Vec<u32> = Vec::new();
         while let Some(id) = conns.ready.pop_front() {
             conns.queued[id as usize] = false;
             let Some(c) = conns.get(id) else { continue };
             c.step(sh);
+            if c.detached() {
+                moving.push(id);
+                continue;
+            }
             if c.is_dead() {
                 c.drop_parked(sh);
             }
@@ -335,8 +439,20 @@ impl<'a> Reactor<'a> {
         for id in leaving {
             self.release(id);
         }
-        let (sh, conns) = (&mut self.sh, &mut self.conns);
-        let now = sh.buffer_bytes();
+        for id in moving {
+            self.move_out(id);
+        }
+        self.check_placement();
+        self.count_buffers();
+        if self.door.is_none() && self.conns.list.iter().all(Option::is_none) {
+            return; // serving one connection, which has gone: nothing more will come
+        }
+        self.wait();
+    }
+
+    /// Count what this reactor holds in the daemon's buffer bytes.
+    fn count_buffers(&mut self) {
+        let now = self.sh.buffer_bytes();
         if now != self.buffers {
             self.reg
                 .server
@@ -344,10 +460,15 @@ impl<'a> Reactor<'a> {
                 .fetch_add(now.wrapping_sub(self.buffers), Ordering::Relaxed);
             self.buffers = now;
         }
-        if self.door.is_none() && conns.list.iter().all(Option::is_none) {
-            return; // serving one connection, which has gone: nothing more will come
-        }
-        if let Err(e) = sh.engine.turn(None) {
+    }
+
+    /// Wait for the ring once, and hand its events to the connections.
+    fn wait(&mut self) {
+        let (sh, conns) = (&mut self.sh, &mut self.conns);
+        // a pinned reactor with connections wakes to look where their clients run
+        let pinned = self.place.is_some_and(|(p, me)| p.doors[me].cpu.get().is_some());
+        let wake = (pinned && conns.list.len() > conns.free.len()).then_some(placement::CHECK_EVERY);
+        if let Err(e) = sh.engine.turn(wake) {
             tracing::error!("nbd reactor: its ring failed ({e}); its connections end");
             for id in 0..conns.list.len() as u32 {
                 if let Some(c) = conns.get(id) {
@@ -370,6 +491,116 @@ impl<'a> Reactor<'a> {
                 conns.wake(id);
             } else if kind != TAG_POLL {
                 tracing::error!("nbd reactor: a completion for connection {id}, which is gone");
+            }
+        }
+    }
+
+    /// Hand a detached connection to the reactor it moves to.
+    fn move_out(&mut self, id: u32) {
+        let Some((place, me)) = self.place else { return };
+        if !self.conns.get(id).is_some_and(|c| c.is_open()) {
+            return self.release(id);
+        }
+        let Some(c) = self.conns.list[id as usize].take() else {
+            return;
+        };
+        self.conns.free.push(id);
+        let to = c.move_to.unwrap_or(me);
+        if let Some(nc) = c.detach(&mut self.sh) {
+            place.doors[me].conns.fetch_sub(1, Ordering::Relaxed);
+            place.doors[to].conns.fetch_add(1, Ordering::Relaxed);
+            self.reg.server.moved.fetch_add(1, Ordering::Relaxed);
+            place.hand_to(to, nc);
+        }
+    }
+
+    /// Every [`placement::CHECK_EVERY`]: look where the clients of the busy
+    /// connections run, tell the other reactors, and ask the moves placement
+    /// calls for (each done when its connection is next idle).
+    fn check_placement(&mut self) {
+        let Some((place, me)) = self.place else { return };
+        let Some(&my_cpu) = place.doors[me].cpu.get() else {
+            return; // not pinned: no CPU to be local to
+        };
+        let now = std::time::Instant::now();
+        if now < self.next_check {
+            return;
+        }
+        self.next_check = now + placement::CHECK_EVERY;
+        let n = place.doors.len();
+        let mut loads = place.loads();
+        let mut wanting = vec![0usize; n];
+        let mut local = 0;
+        for c in self.conns.list.iter_mut().flatten() {
+            let Some(cpu) = c.look() else { continue };
+            if cpu == Some(my_cpu) {
+                local += 1;
+            }
+            c.track.saw(place.reactor_on(cpu));
+            let there = c
+                .track
+                .seen
+                .filter(|&r| r != me && c.track.streak >= placement::STREAK);
+            if c.move_to.is_some() && !c.is_moving() && c.move_to != there {
+                c.move_to = None; // the client came back, or went elsewhere
+            }
+            match (c.move_to, there) {
+                (Some(to), _) => {
+                    // asked earlier, not yet idle: counted where it goes
+                    loads[me] = loads[me].saturating_sub(1);
+                    loads[to] += 1;
+                }
+                (None, Some(to)) => wanting[to] += 1,
+                (None, None) => {}
+            }
+        }
+        place.doors[me].local.store(local, Ordering::Relaxed);
+        for (to, w) in wanting.iter().enumerate() {
+            place.wants[me * n + to].store(*w, Ordering::Relaxed);
+        }
+        for c in self.conns.list.iter_mut().flatten() {
+            if c.move_to.is_some() || c.track.streak < placement::STREAK {
+                continue;
+            }
+            let Some(to) = c.track.seen.filter(|&r| r != me) else {
+                continue;
+            };
+            if placement::move_to(me, to, &loads, place.wants(to, me) > 0) {
+                c.move_to = Some(to);
+                loads[me] = loads[me].saturating_sub(1);
+                loads[to] += 1;
+            }
+        }
+        if let Some(to) = placement::even_to(me, &loads) {
+            // one connection whose client is not on this CPU, one whose client
+            // is on that reactor's first
+            let pick = |there: bool| {
+                self.conns.list.iter().position(|c| {
+                    c.as_ref().is_some_and(|c| {
+                        c.move_to.is_none()
+                            && c.is_open()
+                            && if there {
+                                c.track.seen == Some(to)
+                            } else {
+                                c.track.seen != Some(me)
+                            }
+                    })
+                })
+            };
+            if let Some(c) = pick(true)
+                .or_else(|| pick(false))
+                .and_then(|i| self.conns.list[i].as_mut())
+            {
+                c.move_to = Some(to);
+            }
+        }
+        for id in 0..self.conns.list.len() as u32 {
+            if self
+                .conns
+                .get(id)
+                .is_some_and(|c| c.move_to.is_some() && !c.is_moving())
+            {
+                self.conns.wake(id);
             }
         }
     }
@@ -399,8 +630,8 @@ impl<'a> Reactor<'a> {
     }
 }
 
-fn run(sh: Shared, door: &Door, reg: &Arc<Registry>) {
-    let mut r = Reactor::new(sh, Some(door), reg);
+fn run(sh: Shared, place: &Placement, me: usize, reg: &Arc<Registry>) {
+    let mut r = Reactor::new(sh, Some((place, me)), reg);
     loop {
         r.pass();
     }
