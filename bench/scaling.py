@@ -16,7 +16,8 @@ Usage: bench/scaling.py [--conns 1,2,4,8,16] [--rw randread,randwrite,randrw]
                         with both binaries' medians, the after/before ratios and the
                         run-to-run noise (the spread of the reps of one binary), and
                         draws the curves (bench/results/scaling-before-after.svg;
-                        needs matplotlib).
+                        needs matplotlib); --name NAME writes section NAME and
+                        bench/results/NAME.* instead.
        bench/scaling.py --plot bench/results/scaling-before-after.json: redraw them.
 """
 import argparse, json, os, subprocess, sys, tempfile, time
@@ -117,6 +118,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(run.ROOT, "BENCHMARKS.md"))
     ap.add_argument("--before", help="an older dmkit binary to compare this build with")
     ap.add_argument("--plot", help="only draw the picture of an earlier --before run's JSON")
+    ap.add_argument("--name", default="scaling-before-after",
+                    help="with --before: the BENCHMARKS.md section and bench/results files it writes")
     a = ap.parse_args()
     if a.plot:
         return print(plot(a.plot))
@@ -206,7 +209,7 @@ def before_after(a):
     out = [
         "## Before and after a change (bench/scaling.py --before)",
         "",
-        f"`bench/scaling.py --before OLD --conns {a.conns} --rw {a.rw} --bs {a.bs} --reps {a.reps} "
+        f"`bench/scaling.py --before OLD{'' if a.name == 'scaling-before-after' else ' --name ' + a.name} --conns {a.conns} --rw {a.rw} --bs {a.bs} --reps {a.reps} "
         f"--runtime {a.runtime} --dir {a.dir}`: dmkit's linear (`--buffered`) and provisioned-thin "
         "servers, each cell run with the old binary and this build in turn (the order alternating "
         "by rep), fio's nbd engine at QD32 per connection. Medians of the reps; µs/req is the "
@@ -231,14 +234,17 @@ def before_after(a):
                         f"{run.fmt(ib)} | {run.fmt(ia)} | **{ia / ib:.2f}** | ±{ni:.2f} | "
                         f"{run.fmt(cb, 2)} | {run.fmt(ca, 2)} | **{ca / cb:.2f}** | ±{nc:.2f} |")
     med = {"|".join(map(str, k)): [run.med([r[0] for r in v]), run.med([r[1] for r in v])] for k, v in res.items()}
-    data = os.path.join(run.ROOT, "bench", "results", "scaling-before-after.json")
+    data = os.path.join(run.ROOT, "bench", "results", f"{a.name}.json")
     os.makedirs(os.path.dirname(data), exist_ok=True)
     with open(data, "w") as f:
         json.dump({"conns": conns, "rw": rws, "bs": bss, "kinds": kinds, "median": med}, f, indent=1)
-    svg = plot(data)
-    out += ["", f"![IOPS and CPU per request against connections, before and after]({os.path.relpath(svg, run.ROOT)})",
-            "", f"(the picture: `python3 bench/scaling.py --plot {os.path.relpath(data, run.ROOT)}`)"]
-    run.write_section(a.out, "scaling-before-after", out)
+    try:
+        svg = plot(data)
+        out += ["", f"![IOPS and CPU per request against connections, before and after]({os.path.relpath(svg, run.ROOT)})",
+                "", f"(the picture: `python3 bench/scaling.py --plot {os.path.relpath(data, run.ROOT)}`)"]
+    except SystemExit as e:  # no matplotlib: the table without its picture
+        print(e, file=sys.stderr)
+    run.write_section(a.out, a.name, out)
     print("\n".join(out))
 
 

@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use common::placement::{per_reactor, server_list, wait_connections};
 use common::{pattern, Daemon, Scratch};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -87,17 +88,6 @@ fn read(s: &mut TcpStream, offset: u64, len: u32) -> Vec<u8> {
     d
 }
 
-/// `dmkit stats --server` as key=value pairs.
-fn server(d: &Daemon) -> std::collections::HashMap<String, u64> {
-    d.ok(&["stats", "--server"])
-        .split_whitespace()
-        .filter_map(|kv| {
-            let (k, v) = kv.split_once('=')?;
-            Some((k.to_string(), v.parse().ok()?))
-        })
-        .collect()
-}
-
 fn threads(d: &Daemon) -> u64 {
     std::fs::read_to_string(format!("/proc/{}/status", d.pid()))
         .expect("status")
@@ -105,22 +95,6 @@ fn threads(d: &Daemon) -> u64 {
         .find_map(|l| l.strip_prefix("Threads:"))
         .and_then(|v| v.trim().parse().ok())
         .expect("Threads:")
-}
-
-/// Wait until `dmkit stats --server` shows `connections` and no handshake.
-fn wait_connections(d: &Daemon, connections: u64) {
-    let t0 = Instant::now();
-    loop {
-        let s = server(d);
-        if s["connections"] == connections && s["handshakes"] == 0 {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the server never reached {connections} connections: {s:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -270,16 +244,6 @@ fn clients_that_never_read_replies_are_bounded_and_others_go_on() {
     d.wait_open_count("z", 0);
 }
 
-/// `per_reactor` of `dmkit stats --server`: the connections each reactor serves.
-fn per_reactor(d: &Daemon) -> Vec<u64> {
-    let line = d.ok(&["stats", "--server"]);
-    let v = line
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("per_reactor="))
-        .unwrap_or_else(|| panic!("no per_reactor in {line:?}"));
-    v.split(',').map(|n| n.parse().expect("a count")).collect()
-}
-
 /// `n` clients whose handshakes run at the same moment (as fio's jobs start).
 fn attach_together(addr: &str, n: usize) -> Vec<TcpStream> {
     let go = std::sync::Arc::new(std::sync::Barrier::new(n));
@@ -349,149 +313,25 @@ fn connections_are_placed_evenly_as_clients_come_and_go() {
     assert_eq!(per_reactor(&d), [0, 0, 0]);
 }
 
-/// A `key=a,b` list of `dmkit stats --server`.
-fn server_list(d: &Daemon, key: &str) -> Vec<u64> {
-    let line = d.ok(&["stats", "--server"]);
-    let v = line
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {key} in {line:?}"));
-    v.split(',').map(|n| n.parse().expect("a count")).collect()
-}
-
-/// The CPUs this process may run on, in order: the daemon's reactors are
-/// pinned to the first of them.
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: sched_getaffinity fills the cpu_set_t it is given.
-    let set = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        assert_eq!(
-            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
-            0
-        );
-        set
-    };
-    // SAFETY: CPU_ISSET reads the set for a CPU number below CPU_SETSIZE.
-    (0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .collect()
-}
-
-/// Let process `pid` run on `cpu` only (as the scheduler might move it there).
-fn pin(pid: u32, cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t with one CPU set, passed by reference.
-    let r = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(pid as i32, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    assert_eq!(r, 0, "pinning process {pid} to CPU {cpu}");
-}
-
-/// Wait until `dmkit stats --server` satisfies `ok`, for at most 20 s.
-fn wait_server(d: &Daemon, what: &str, ok: impl Fn(&Daemon) -> bool) {
-    let t0 = Instant::now();
-    while !ok(d) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{what}: never reached; {}",
-            d.ok(&["stats", "--server"])
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// One NBD connection per fio job, the jobs moved between the CPUs the way the
-/// scheduler might: each connection ends on the reactor pinned to its client's
-/// CPU, two on each (the placement that ran the same job at twice the IOPS of
-/// the other one, BENCHMARKS.md `repeat`), and follows its client when it
-/// moves.
+/// One NBD connection per fio job (writes verified as they go), the jobs moved
+/// between the CPUs the way the scheduler might: each connection ends on the
+/// reactor pinned to its client's CPU, two on each (the placement that ran the
+/// same job at twice the IOPS of the other one, BENCHMARKS.md `repeat`), and
+/// follows its client when it moves, its data intact.
 #[test]
 fn each_fio_job_is_served_on_its_cpu_and_its_connection_follows_it() {
-    common::need("fio");
-    let cpus = allowed_cpus();
-    assert!(
-        cpus.len() >= 2,
-        "this test needs two CPUs; it may run on {cpus:?}"
-    );
-    let (c0, c1) = (cpus[0], cpus[1]);
     let s = Scratch::new("scale-cpu");
     let f = s.sparse("f.img", 64 * MIB);
     let d = Daemon::start_with("scale-cpu", &["--nbd-reactors", "2"], &[]);
     d.create("d", &format!("0 {} linear {} 0", 64 * MIB / 512, f.display()));
-    let mut fio = std::process::Command::new("fio")
-        .args(["--name=place", "--ioengine=nbd", &format!("--uri={}", d.uri("d"))])
-        .args([
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=1",
-            "--fsync=1",
-            "--numjobs=4",
-        ])
-        .args([
-            "--size=64M",
-            "--time_based",
-            "--runtime=120",
-            "--output=/dev/null",
-        ])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("fio");
-    wait_connections(&d, 4);
-    // fio's jobs: the processes the main one forked
-    let jobs: Vec<u32> = std::fs::read_dir("/proc")
-        .expect("/proc")
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|st| {
-                    st.rsplit_once(')')?
-                        .1
-                        .split_whitespace()
-                        .nth(1)?
-                        .parse::<u32>()
-                        .ok()
-                })
-                == Some(fio.id())
-        })
-        .collect();
-    assert_eq!(jobs.len(), 4, "fio's job processes: {jobs:?}");
-    let all_local = |d: &Daemon| per_reactor(d) == [2, 2] && server_list(d, "local") == [2, 2];
-    for (i, &j) in jobs.iter().enumerate() {
-        pin(j, if i < 2 { c0 } else { c1 });
-    }
-    wait_server(&d, "two jobs on each CPU, each served there", all_local);
-    let moved = server_list(&d, "moved")[0];
-    println!("jobs {jobs:?} on CPUs {c0},{c0},{c1},{c1}: served there, {moved} moves");
-    // the scheduler swaps them: every connection is now on the other CPU's reactor
-    for (i, &j) in jobs.iter().enumerate() {
-        pin(j, if i < 2 { c1 } else { c0 });
-    }
-    wait_server(&d, "the jobs swapped CPUs, their connections followed", |d| {
-        all_local(d) && server_list(d, "moved")[0] >= moved + 4
-    });
-    println!("swapped: followed, {} moves", server_list(&d, "moved")[0]);
-    // the jobs first: killing only the main process would leave them running
-    for &j in &jobs {
-        // SAFETY: a signal to a process of ours.
-        unsafe { libc::kill(j as i32, libc::SIGKILL) };
-    }
-    let _ = fio.kill();
-    let _ = fio.wait();
-    wait_connections(&d, 0);
-    assert_eq!(per_reactor(&d), [0, 0]);
+    common::placement::fio_jobs_follow_their_cpus(&d, &d.uri("d"), None);
 }
 
 /// Reactors pinned (two, on two CPUs): a reactor left serving two connections
 /// more than the other gives it one, which then serves as before.
 #[test]
 fn a_reactor_serving_two_more_than_another_gives_it_a_connection() {
-    let cpus = allowed_cpus();
-    assert!(
-        cpus.len() >= 2,
-        "this test needs two CPUs; it may run on {cpus:?}"
-    );
+    common::placement::two_cpus();
     let s = Scratch::new("scale-even");
     let f = s.sparse("f.img", 8 * MIB);
     std::fs::write(&f, pattern(5, 8 * MIB as usize)).expect("pattern");
@@ -513,8 +353,8 @@ fn a_reactor_serving_two_more_than_another_gives_it_a_connection() {
     let (gone, mut kept): (Vec<_>, Vec<_>) = clients.into_iter().partition(|(_, on)| *on == 0);
     drop(gone);
     wait_connections(&d, 2);
-    wait_server(&d, "reactor 1 gave reactor 0 a connection", |d| {
-        per_reactor(d) == [1, 1] && server_list(d, "moved")[0] == 1
+    common::placement::wait_server(&d, "reactor 1 gave reactor 0 a connection", |d| {
+        per_reactor(d) == [1, 1] && server_list(d, "moved") == [1]
     });
     // both connections still serve, the moved one included
     let want = pattern(5, 8 * MIB as usize);

@@ -587,3 +587,32 @@ fn psk_in_tls_1_3_and_1_2() {
         "{log}"
     );
 }
+
+/// fio's jobs over TLS (X.509), moved between CPUs: their connections follow
+/// them, TLS session and all, and every write reads back as written
+/// (`common::placement::fio_jobs_follow_their_cpus`).
+#[test]
+fn tls_connections_follow_their_clients_cpus() {
+    let c = Creds::new();
+    let home = Scratch::new("tls-home");
+    // fio's nbd engine takes X.509 credentials from $HOME/.pki/libnbd only
+    let pki = home.path(".pki/libnbd");
+    std::fs::create_dir_all(&pki).expect("pki directory");
+    for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
+        std::fs::copy(c.path("client").join(f), pki.join(f)).expect("client credentials");
+    }
+    let (d, _) = daemon(
+        "tls-follow",
+        &[
+            "--tls",
+            "require",
+            "--tls-certificates",
+            &c.arg("server"),
+            "--nbd-reactors",
+            "2",
+        ],
+        64,
+    );
+    let uri = format!("nbds+unix:///d?socket={}", d.sock().display());
+    common::placement::fio_jobs_follow_their_cpus(&d, &uri, Some(&home.0));
+}

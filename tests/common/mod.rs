@@ -5,6 +5,7 @@
 pub mod ceph;
 pub mod fs;
 pub mod nbd;
+pub mod placement;
 pub mod verity;
 
 use std::path::{Path, PathBuf};

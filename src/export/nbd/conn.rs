@@ -366,10 +366,9 @@ impl Conn {
             && !self.send_inflight
             && !self.starved
             && !(self.closing || self.dead || self.closed || self.eof || self.hangup)
-            && self
-                .tls
-                .as_ref()
-                .is_none_or(|t| t.plain.is_empty() && t.out.is_empty() && !t.session.has_output())
+            // (a TLS batch's buffers hold nothing once its send is over; what the
+            // session has received and not yet given out goes with it)
+            && self.tls.as_ref().is_none_or(|t| !t.session.has_output())
     }
 
     /// Whether the socket is open.
