@@ -1,8 +1,9 @@
 //! On-disk and wire structures declared once, as a field list: [`layout!`]
 //! makes the struct, its size, bounded decode and encode, and compile-time
 //! checks that the fields lie in order inside the size. A field is
-//! little-endian (`u16`, `u32`, `u64`), big-endian ([`Be16`], [`Be32`],
-//! [`Be64`]) or bytes (`[u8; N]`). A read past the buffer never panics: it is an
+//! little-endian (`u16`, `u32`, `u64`, `[u32; N]`), big-endian ([`Be16`],
+//! [`Be32`], [`Be64`]), bytes (`[u8; N]`) or a structure of its own that
+//! implements [`Field`] (a space map root in a superblock). A read past the buffer never panics: it is an
 //! error naming the structure and the field.
 //!
 //! Written here rather than taken from a crate: `zerocopy`'s little-endian
@@ -69,6 +70,23 @@ impl<const N: usize> Field for [u8; N] {
     }
     fn put(self, b: &mut [u8]) {
         b.copy_from_slice(&self);
+    }
+}
+
+/// An array of little-endian words (dm-cache's policy version).
+impl<const N: usize> Field for [u32; N] {
+    const LEN: usize = 4 * N;
+    fn get(b: &[u8]) -> [u32; N] {
+        let mut w = [0u32; N];
+        for (v, c) in w.iter_mut().zip(b.chunks_exact(4)) {
+            *v = u32::get(c);
+        }
+        w
+    }
+    fn put(self, b: &mut [u8]) {
+        for (v, c) in self.iter().zip(b.chunks_exact_mut(4)) {
+            v.put(c);
+        }
     }
 }
 
@@ -156,7 +174,8 @@ pub fn put<T: Field>(
 ///
 /// gives the struct (`Clone, Copy, Debug, PartialEq, Eq`), `SIZE`,
 /// `decode(&[u8]) -> Result<Self, LayoutError>` (reads nothing past the
-/// buffer; the bytes between fields are not looked at), `encode_into(&mut
+/// buffer; the bytes between fields are not looked at), `from_array(&[u8;
+/// N])` for an array known when compiled to hold it, `encode_into(&mut
 /// [u8])` (writes the fields only, leaving the bytes between them as they
 /// are) and `encode() -> [u8; SIZE]` (zeroes between them), and checks at
 /// compile time that each field starts at or after the end of the one
@@ -188,15 +207,27 @@ macro_rules! layout {
 
             /// The fields from `b`; Err names the first that lies past its end.
             #[allow(dead_code)]
-            pub fn decode(b: &[u8]) -> Result<$name, $crate::layout::LayoutError> {
+            pub fn decode(b: &[u8]) -> ::std::result::Result<$name, $crate::layout::LayoutError> {
                 Ok($name {
                     $($field: $crate::layout::get(b, $what, stringify!($field), $off)?),*
                 })
             }
 
+            /// The fields from an array at least as long as the structure (a
+            /// whole metadata block): nothing to fail, checked when compiled.
+            #[allow(dead_code)]
+            pub fn from_array<const N: usize>(b: &[u8; N]) -> $name {
+                const { assert!(N >= $size, concat!($what, ": the array is shorter than the structure")) };
+                $name {
+                    $($field: <$ty as $crate::layout::Field>::get(
+                        &b[$off..$off + <$ty as $crate::layout::Field>::LEN],
+                    )),*
+                }
+            }
+
             /// Write the fields into `b` (the bytes between them untouched).
             #[allow(dead_code)]
-            pub fn encode_into(&self, b: &mut [u8]) -> Result<(), $crate::layout::LayoutError> {
+            pub fn encode_into(&self, b: &mut [u8]) -> ::std::result::Result<(), $crate::layout::LayoutError> {
                 $($crate::layout::put(b, $what, stringify!($field), $off, self.$field)?;)*
                 Ok(())
             }

@@ -5,7 +5,7 @@
 use super::error::{CacheError, Result};
 use crate::pdata::header::{self, Header};
 use crate::pdata::sm_disk::SmRoot;
-use crate::pdata::{array, bounds, le32, le64, put32, put64, Block, BlockKind, BLOCK_SIZE};
+use crate::pdata::{array, bounds, Block, BlockKind, BLOCK_SIZE};
 
 pub const MAGIC: u64 = 0o6142003;
 pub const MIN_VERSION: u32 = 1;
@@ -55,43 +55,95 @@ pub struct Superblock {
     pub dirty_root: u64,
 }
 
+crate::layout! {
+    /// What follows the common header in the dm-cache superblock (the
+    /// kernel's `struct cache_disk_superblock` in dm-cache-metadata.c);
+    /// `dirty_root` is version 2's.
+    struct Fields("cache superblock", 292) {
+        policy_name: [u8; POLICY_NAME_SIZE] = 44,
+        policy_hint_size: u32 = 60,
+        sm_root: SmRoot = 64,
+        mapping_root: u64 = 192,
+        hint_root: u64 = 200,
+        discard_root: u64 = 208,
+        discard_block_size: u64 = 216,
+        discard_nr_blocks: u64 = 224,
+        data_block_size: u32 = 232,
+        metadata_block_size: u32 = 236,
+        cache_blocks: u32 = 240,
+        compat_flags: u32 = 244,
+        compat_ro_flags: u32 = 248,
+        incompat_flags: u32 = 252,
+        read_hits: u32 = 256,
+        read_misses: u32 = 260,
+        write_hits: u32 = 264,
+        write_misses: u32 = 268,
+        policy_version: [u32; 3] = 272,
+        dirty_root: u64 = 284,
+    }
+}
+
 impl Superblock {
     pub fn decode(d: &Block) -> Superblock {
         let h = Header::decode(d);
-        let mut policy_name = [0u8; POLICY_NAME_SIZE];
-        policy_name.copy_from_slice(&d[44..60]);
+        let f = Fields::from_array(d);
         Superblock {
             flags: h.flags,
             blocknr: h.blocknr,
             uuid: h.uuid,
             magic: h.magic,
             version: h.version,
-            policy_name,
-            policy_hint_size: le32(d, 60),
-            sm_root: SmRoot::decode(&d[64..192]),
-            mapping_root: le64(d, 192),
-            hint_root: le64(d, 200),
-            discard_root: le64(d, 208),
-            discard_block_size: le64(d, 216),
-            discard_nr_blocks: le64(d, 224),
-            data_block_size: le32(d, 232),
-            metadata_block_size: le32(d, 236),
-            cache_blocks: le32(d, 240),
-            compat_flags: le32(d, 244),
-            compat_ro_flags: le32(d, 248),
-            incompat_flags: le32(d, 252),
-            read_hits: le32(d, 256),
-            read_misses: le32(d, 260),
-            write_hits: le32(d, 264),
-            write_misses: le32(d, 268),
-            policy_version: [le32(d, 272), le32(d, 276), le32(d, 280)],
-            dirty_root: if h.version >= 2 { le64(d, 284) } else { 0 },
+            policy_name: f.policy_name,
+            policy_hint_size: f.policy_hint_size,
+            sm_root: f.sm_root,
+            mapping_root: f.mapping_root,
+            hint_root: f.hint_root,
+            discard_root: f.discard_root,
+            discard_block_size: f.discard_block_size,
+            discard_nr_blocks: f.discard_nr_blocks,
+            data_block_size: f.data_block_size,
+            metadata_block_size: f.metadata_block_size,
+            cache_blocks: f.cache_blocks,
+            compat_flags: f.compat_flags,
+            compat_ro_flags: f.compat_ro_flags,
+            incompat_flags: f.incompat_flags,
+            read_hits: f.read_hits,
+            read_misses: f.read_misses,
+            write_hits: f.write_hits,
+            write_misses: f.write_misses,
+            policy_version: f.policy_version,
+            dirty_root: if h.version >= 2 { f.dirty_root } else { 0 },
         }
     }
 
     /// The block image, checksum left for the cache to fill in.
     pub fn encode(&self) -> Box<Block> {
         let mut d = Box::new([0u8; BLOCK_SIZE]);
+        let f = Fields {
+            policy_name: self.policy_name,
+            policy_hint_size: self.policy_hint_size,
+            sm_root: self.sm_root,
+            mapping_root: self.mapping_root,
+            hint_root: self.hint_root,
+            discard_root: self.discard_root,
+            discard_block_size: self.discard_block_size,
+            discard_nr_blocks: self.discard_nr_blocks,
+            data_block_size: self.data_block_size,
+            metadata_block_size: self.metadata_block_size,
+            cache_blocks: self.cache_blocks,
+            compat_flags: self.compat_flags,
+            compat_ro_flags: self.compat_ro_flags,
+            incompat_flags: self.incompat_flags,
+            read_hits: self.read_hits,
+            read_misses: self.read_misses,
+            write_hits: self.write_hits,
+            write_misses: self.write_misses,
+            policy_version: self.policy_version,
+            // version 1 has no dirty bitset: its bytes stay zero
+            dirty_root: if self.version >= 2 { self.dirty_root } else { 0 },
+        };
+        d[..Fields::SIZE].copy_from_slice(&f.encode());
+        // the common header over the bytes the fields leave before them
         Header {
             flags: self.flags,
             blocknr: self.blocknr,
@@ -100,30 +152,6 @@ impl Superblock {
             version: self.version,
         }
         .encode(&mut d[..header::SIZE]);
-        d[44..60].copy_from_slice(&self.policy_name);
-        put32(&mut d[..], 60, self.policy_hint_size);
-        self.sm_root.encode(&mut d[64..192]);
-        put64(&mut d[..], 192, self.mapping_root);
-        put64(&mut d[..], 200, self.hint_root);
-        put64(&mut d[..], 208, self.discard_root);
-        put64(&mut d[..], 216, self.discard_block_size);
-        put64(&mut d[..], 224, self.discard_nr_blocks);
-        put32(&mut d[..], 232, self.data_block_size);
-        put32(&mut d[..], 236, self.metadata_block_size);
-        put32(&mut d[..], 240, self.cache_blocks);
-        put32(&mut d[..], 244, self.compat_flags);
-        put32(&mut d[..], 248, self.compat_ro_flags);
-        put32(&mut d[..], 252, self.incompat_flags);
-        put32(&mut d[..], 256, self.read_hits);
-        put32(&mut d[..], 260, self.read_misses);
-        put32(&mut d[..], 264, self.write_hits);
-        put32(&mut d[..], 268, self.write_misses);
-        for (i, v) in self.policy_version.iter().enumerate() {
-            put32(&mut d[..], 272 + 4 * i, *v);
-        }
-        if self.version >= 2 {
-            put64(&mut d[..], 284, self.dirty_root);
-        }
         d
     }
 
@@ -257,6 +285,7 @@ pub fn check(sb: &Superblock, block: u64, dev_blocks: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pdata::{le32, le64};
 
     #[test]
     fn layout_and_bounds() {

@@ -28,6 +28,18 @@ pub struct Writeset {
     pub root: u64,
 }
 
+/// A writeset record, as a value of the writeset tree and a superblock field.
+impl crate::layout::Field for Writeset {
+    const LEN: usize = WRITESET_SIZE;
+    fn get(b: &[u8]) -> Writeset {
+        Writeset::decode(b)
+    }
+    fn put(self, b: &mut [u8]) {
+        put32(b, 0, self.nr_bits);
+        put64(b, 4, self.root);
+    }
+}
+
 impl Writeset {
     pub fn decode(v: &[u8]) -> Writeset {
         Writeset {
@@ -37,9 +49,24 @@ impl Writeset {
     }
     pub fn encode(&self) -> [u8; WRITESET_SIZE] {
         let mut v = [0u8; WRITESET_SIZE];
-        put32(&mut v, 0, self.nr_bits);
-        put64(&mut v, 4, self.root);
+        crate::layout::Field::put(*self, &mut v);
         v
+    }
+}
+
+crate::layout! {
+    /// What follows the common header in the dm-era superblock (the kernel's
+    /// `struct superblock_disk` in dm-era-target.c).
+    struct Fields("era superblock", 224) {
+        sm_root: SmRoot = 44,
+        data_block_size: u32 = 172,
+        metadata_block_size: u32 = 176,
+        nr_blocks: u32 = 180,
+        current_era: u32 = 184,
+        current_writeset: Writeset = 188,
+        writeset_tree_root: u64 = 200,
+        era_array_root: u64 = 208,
+        metadata_snap: u64 = 216,
     }
 }
 
@@ -64,27 +91,41 @@ pub struct Superblock {
 impl Superblock {
     pub fn decode(d: &Block) -> Superblock {
         let h = Header::decode(d);
+        let f = Fields::from_array(d);
         Superblock {
             flags: h.flags,
             blocknr: h.blocknr,
             uuid: h.uuid,
             magic: h.magic,
             version: h.version,
-            sm_root: SmRoot::decode(&d[44..172]),
-            data_block_size: le32(d, 172),
-            metadata_block_size: le32(d, 176),
-            nr_blocks: le32(d, 180),
-            current_era: le32(d, 184),
-            current_writeset: Writeset::decode(&d[188..200]),
-            writeset_tree_root: le64(d, 200),
-            era_array_root: le64(d, 208),
-            metadata_snap: le64(d, 216),
+            sm_root: f.sm_root,
+            data_block_size: f.data_block_size,
+            metadata_block_size: f.metadata_block_size,
+            nr_blocks: f.nr_blocks,
+            current_era: f.current_era,
+            current_writeset: f.current_writeset,
+            writeset_tree_root: f.writeset_tree_root,
+            era_array_root: f.era_array_root,
+            metadata_snap: f.metadata_snap,
         }
     }
 
     /// The block image, checksum left for the cache to fill in.
     pub fn encode(&self) -> Box<Block> {
         let mut d = Box::new([0u8; BLOCK_SIZE]);
+        let f = Fields {
+            sm_root: self.sm_root,
+            data_block_size: self.data_block_size,
+            metadata_block_size: self.metadata_block_size,
+            nr_blocks: self.nr_blocks,
+            current_era: self.current_era,
+            current_writeset: self.current_writeset,
+            writeset_tree_root: self.writeset_tree_root,
+            era_array_root: self.era_array_root,
+            metadata_snap: self.metadata_snap,
+        };
+        d[..Fields::SIZE].copy_from_slice(&f.encode());
+        // the common header over the bytes the fields leave before them
         Header {
             flags: self.flags,
             blocknr: self.blocknr,
@@ -93,15 +134,6 @@ impl Superblock {
             version: self.version,
         }
         .encode(&mut d[..]);
-        self.sm_root.encode(&mut d[44..172]);
-        put32(&mut d[..], 172, self.data_block_size);
-        put32(&mut d[..], 176, self.metadata_block_size);
-        put32(&mut d[..], 180, self.nr_blocks);
-        put32(&mut d[..], 184, self.current_era);
-        d[188..200].copy_from_slice(&self.current_writeset.encode());
-        put64(&mut d[..], 200, self.writeset_tree_root);
-        put64(&mut d[..], 208, self.era_array_root);
-        put64(&mut d[..], 216, self.metadata_snap);
         d
     }
 

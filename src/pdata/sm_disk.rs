@@ -37,6 +37,18 @@ impl SmRoot {
     }
 }
 
+/// The space map root as a superblock field: the kernel keeps 128 bytes for
+/// it (`SPACE_MAP_ROOT_SIZE`), of which the four counts take the first 32.
+impl crate::layout::Field for SmRoot {
+    const LEN: usize = 128;
+    fn get(b: &[u8]) -> SmRoot {
+        SmRoot::decode(b)
+    }
+    fn put(self, b: &mut [u8]) {
+        self.encode(b);
+    }
+}
+
 const REF_COUNT: ValueKind = ValueKind::Plain(4);
 const INDEX_ENTRY: ValueKind = ValueKind::Plain(16);
 

@@ -37,34 +37,73 @@ pub struct Superblock {
     pub incompat_flags: u32,
 }
 
+crate::layout! {
+    /// What follows the common header in the dm-thin superblock (the
+    /// kernel's `struct thin_disk_superblock` in dm-thin-metadata.c).
+    struct Fields("thin superblock", 364) {
+        time: u32 = 44,
+        trans_id: u64 = 48,
+        held_root: u64 = 56,
+        data_sm_root: SmRoot = 64,
+        meta_sm_root: SmRoot = 192,
+        mapping_root: u64 = 320,
+        details_root: u64 = 328,
+        data_block_size: u32 = 336,
+        metadata_block_size: u32 = 340,
+        metadata_nr_blocks: u64 = 344,
+        compat_flags: u32 = 352,
+        compat_ro_flags: u32 = 356,
+        incompat_flags: u32 = 360,
+    }
+}
+
 impl Superblock {
     pub fn decode(d: &Block) -> Superblock {
         let h = Header::decode(d);
+        let f = Fields::from_array(d);
         Superblock {
             flags: h.flags,
             blocknr: h.blocknr,
             uuid: h.uuid,
             magic: h.magic,
             version: h.version,
-            time: le32(d, 44),
-            trans_id: le64(d, 48),
-            held_root: le64(d, 56),
-            data_sm_root: SmRoot::decode(&d[64..192]),
-            meta_sm_root: SmRoot::decode(&d[192..320]),
-            mapping_root: le64(d, 320),
-            details_root: le64(d, 328),
-            data_block_size: le32(d, 336),
-            metadata_block_size: le32(d, 340),
-            metadata_nr_blocks: le64(d, 344),
-            compat_flags: le32(d, 352),
-            compat_ro_flags: le32(d, 356),
-            incompat_flags: le32(d, 360),
+            time: f.time,
+            trans_id: f.trans_id,
+            held_root: f.held_root,
+            data_sm_root: f.data_sm_root,
+            meta_sm_root: f.meta_sm_root,
+            mapping_root: f.mapping_root,
+            details_root: f.details_root,
+            data_block_size: f.data_block_size,
+            metadata_block_size: f.metadata_block_size,
+            metadata_nr_blocks: f.metadata_nr_blocks,
+            compat_flags: f.compat_flags,
+            compat_ro_flags: f.compat_ro_flags,
+            incompat_flags: f.incompat_flags,
         }
     }
 
-    /// The block image, checksum left for the cache to fill in.
+    /// The block image, checksum left for the cache to fill in (a zeroed
+    /// space map root, as in a snapshot copy, is 128 zero bytes).
     pub fn encode(&self) -> Box<Block> {
         let mut d = Box::new([0u8; BLOCK_SIZE]);
+        let f = Fields {
+            time: self.time,
+            trans_id: self.trans_id,
+            held_root: self.held_root,
+            data_sm_root: self.data_sm_root,
+            meta_sm_root: self.meta_sm_root,
+            mapping_root: self.mapping_root,
+            details_root: self.details_root,
+            data_block_size: self.data_block_size,
+            metadata_block_size: self.metadata_block_size,
+            metadata_nr_blocks: self.metadata_nr_blocks,
+            compat_flags: self.compat_flags,
+            compat_ro_flags: self.compat_ro_flags,
+            incompat_flags: self.incompat_flags,
+        };
+        d[..Fields::SIZE].copy_from_slice(&f.encode());
+        // the common header over the bytes the fields leave before them
         Header {
             flags: self.flags,
             blocknr: self.blocknr,
@@ -73,24 +112,6 @@ impl Superblock {
             version: self.version,
         }
         .encode(&mut d[..]);
-        put32(&mut d[..], 44, self.time);
-        put64(&mut d[..], 48, self.trans_id);
-        put64(&mut d[..], 56, self.held_root);
-        // a zeroed "space map root" stays all-zero, as in a snapshot copy
-        if self.data_sm_root != SmRoot::default() {
-            self.data_sm_root.encode(&mut d[64..192]);
-        }
-        if self.meta_sm_root != SmRoot::default() {
-            self.meta_sm_root.encode(&mut d[192..320]);
-        }
-        put64(&mut d[..], 320, self.mapping_root);
-        put64(&mut d[..], 328, self.details_root);
-        put32(&mut d[..], 336, self.data_block_size);
-        put32(&mut d[..], 340, self.metadata_block_size);
-        put64(&mut d[..], 344, self.metadata_nr_blocks);
-        put32(&mut d[..], 352, self.compat_flags);
-        put32(&mut d[..], 356, self.compat_ro_flags);
-        put32(&mut d[..], 360, self.incompat_flags);
         d
     }
 }
