@@ -120,14 +120,37 @@ impl Track {
 fn peer_of(sock: BorrowedFd) -> Peer {
     match rustix::net::sockopt::socket_domain(sock) {
         Ok(AddressFamily::INET | AddressFamily::INET6) => Peer::Tcp,
-        Ok(AddressFamily::UNIX) => match rustix::net::sockopt::socket_peercred(sock) {
-            Ok(c) if c.pid.as_raw_nonzero().get() != std::process::id() as i32 => {
-                Peer::Process(c.pid.as_raw_nonzero().get())
-            }
+        Ok(AddressFamily::UNIX) => match peer_pid(sock) {
+            Some(pid) if pid != std::process::id() as i32 => Peer::Process(pid),
             _ => Peer::Unknown,
         },
         _ => Peer::Unknown,
     }
+}
+
+/// The pid of a unix socket's peer (`SO_PEERCRED`): None when the kernel
+/// gives none (0: a peer in a pid namespace this one cannot see). Read by hand:
+/// rustix's `UCred` holds the pid as a non-zero type, which a 0 would break.
+fn peer_pid(sock: BorrowedFd) -> Option<i32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred of
+    // that size owned here, on a descriptor borrowed for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && len as usize == std::mem::size_of::<libc::ucred>() && cred.pid > 0).then_some(cred.pid)
 }
 
 /// A process's CPU (None when it has more than one thread) and its CPU time in
@@ -255,6 +278,18 @@ mod tests {
         assert_eq!((t.seen, t.streak), (Some(0), 1));
         t.saw(None);
         assert_eq!((t.seen, t.streak), (None, 0));
+    }
+
+    #[test]
+    fn peers_are_told_apart_by_their_socket() {
+        use std::os::fd::AsFd;
+        let (a, _b) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+        assert_eq!(peer_pid(a.as_fd()), Some(std::process::id() as i32));
+        // this process's own sockets place nothing
+        assert_eq!(peer_of(a.as_fd()), Peer::Unknown);
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let c = std::net::TcpStream::connect(l.local_addr().expect("address")).expect("connect");
+        assert_eq!(peer_of(c.as_fd()), Peer::Tcp);
     }
 
     #[test]
