@@ -80,18 +80,14 @@ impl Track {
             return None; // idle: where its client runs does not matter
         }
         self.served = served;
-        match self.peer {
-            Peer::Tcp => rustix::net::sockopt::socket_incoming_cpu(sock)
-                .ok()
-                .map(|c| c as usize),
-            Peer::Process(pid) => {
-                let (cpu, ticks) = process_cpu(pid)?;
-                let ran = ticks != self.ticks;
-                self.ticks = ticks;
-                cpu.filter(|_| ran)
-            }
-            Peer::Unknown => None,
+        let (cpu, ticks) = self.sample(sock);
+        if let Some(ticks) = ticks {
+            // a process that used no CPU since the last look is not the client
+            let ran = ticks != self.ticks;
+            self.ticks = ticks;
+            return cpu.filter(|_| ran);
         }
+        cpu
     }
 
     /// Count one check that saw the client on `reactor`'s CPU (None: nowhere
@@ -107,12 +103,24 @@ impl Track {
 
     /// The CPU the client is on now, for a new connection (no history).
     pub fn cpu_now(&self, sock: BorrowedFd) -> Option<usize> {
+        self.sample(sock).0
+    }
+
+    /// Where the client last ran, and a process client's CPU time in clock
+    /// ticks.
+    fn sample(&self, sock: BorrowedFd) -> (Option<usize>, Option<u64>) {
         match self.peer {
-            Peer::Tcp => rustix::net::sockopt::socket_incoming_cpu(sock)
-                .ok()
-                .map(|c| c as usize),
-            Peer::Process(pid) => process_cpu(pid)?.0,
-            Peer::Unknown => None,
+            Peer::Tcp => (
+                rustix::net::sockopt::socket_incoming_cpu(sock)
+                    .ok()
+                    .map(|c| c as usize),
+                None,
+            ),
+            Peer::Process(pid) => match process_cpu(pid) {
+                Some((cpu, ticks)) => (cpu, Some(ticks)),
+                None => (None, None),
+            },
+            Peer::Unknown => (None, None),
         }
     }
 }

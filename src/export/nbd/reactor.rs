@@ -61,8 +61,6 @@ struct Placement {
     /// `wants[a * n + b]`: connections of reactor `a` whose clients run on
     /// reactor `b`'s CPU, as `a` last saw them.
     wants: Vec<AtomicUsize>,
-    /// The reactor pinned to each CPU.
-    by_cpu: Vec<Option<usize>>,
 }
 
 impl Placement {
@@ -77,8 +75,10 @@ impl Placement {
         self.doors.iter().map(|d| d.cpu.get().copied()).collect()
     }
 
+    /// The reactor pinned to `cpu` (a few reactors, one a CPU at most).
     fn reactor_on(&self, cpu: Option<usize>) -> Option<usize> {
-        self.by_cpu.get(cpu?).copied().flatten()
+        let cpu = cpu?;
+        self.doors.iter().position(|d| d.cpu.get() == Some(&cpu))
     }
 
     fn wants(&self, from: usize, to: usize) -> usize {
@@ -146,55 +146,20 @@ impl Reactors {
         let allowed = placement::allowed_cpus();
         let pins = allowed.len() >= n;
         let mut doors = Vec::new();
-        let (place_tx, place_rx) = std::sync::mpsc::channel::<Arc<Placement>>();
-        let place_rx = Arc::new(Mutex::new(place_rx));
-        for i in 0..n {
+        for _ in 0..n {
             let efd = rustix::event::eventfd(
                 0,
                 rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
             )?;
-            let door = Arc::new(Door {
+            doors.push(Arc::new(Door {
                 queue: Mutex::new(Vec::new()),
                 efd,
                 conns: Arc::new(AtomicUsize::new(0)),
                 cpu: std::sync::OnceLock::new(),
                 local: Arc::new(AtomicUsize::new(0)),
-            });
-            let (d, reg) = (door.clone(), reg.clone());
-            let pin = allowed.get(i).copied().filter(|_| pins);
-            let place_rx = place_rx.clone();
-            // the engine is made on the thread that uses its ring
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::Builder::new()
-                .name(format!("nbd-reactor-{i}"))
-                .spawn(move || {
-                    if let Some(cpu) = pin {
-                        match placement::pin(cpu) {
-                            Ok(()) => {
-                                let _ = d.cpu.set(cpu);
-                            }
-                            Err(e) => tracing::warn!("nbd reactor {i}: not pinned to CPU {cpu}: {e}"),
-                        }
-                    }
-                    match Shared::new(REACTOR_SLOTS, SLOTS_LIMIT) {
-                        Ok(mut sh) => {
-                            sh.engine.set_io_workers(IO_WORKERS);
-                            let _ = tx.send(Ok(()));
-                            // every door exists before a reactor serves
-                            let place = place_rx.lock().unpoisoned().recv();
-                            if let Ok(place) = place {
-                                run(sh, &place, i, &reg);
-                            }
-                        }
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                        }
-                    }
-                })?;
-            rx.recv().map_err(std::io::Error::other)??;
-            doors.push(door);
+            }));
         }
-        reg.server.reactors.store(doors.len(), Ordering::Relaxed);
+        reg.server.reactors.store(n, Ordering::Relaxed);
         let _ = reg
             .server
             .per_reactor
@@ -203,14 +168,43 @@ impl Reactors {
             .server
             .local
             .set(doors.iter().map(|d| d.local.clone()).collect());
-        let mut by_cpu = Vec::new();
-        for (i, d) in doors.iter().enumerate() {
-            if let Some(&cpu) = d.cpu.get() {
-                by_cpu.resize(by_cpu.len().max(cpu + 1), None);
-                by_cpu[cpu] = Some(i);
-            }
+        // every door exists before a reactor serves: a connection may move to any
+        let place = Arc::new(Placement {
+            wants: (0..n * n).map(|_| AtomicUsize::new(0)).collect(),
+            doors,
+            placing: Mutex::new(()),
+        });
+        for i in 0..n {
+            let (place, reg) = (place.clone(), reg.clone());
+            let pin = allowed.get(i).copied().filter(|_| pins);
+            // the engine is made on the thread that uses its ring
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name(format!("nbd-reactor-{i}"))
+                .spawn(move || {
+                    if let Some(cpu) = pin {
+                        match placement::pin(cpu) {
+                            Ok(()) => {
+                                let _ = place.doors[i].cpu.set(cpu);
+                            }
+                            Err(e) => tracing::warn!("nbd reactor {i}: not pinned to CPU {cpu}: {e}"),
+                        }
+                    }
+                    match Shared::new(REACTOR_SLOTS, SLOTS_LIMIT) {
+                        Ok(mut sh) => {
+                            sh.engine.set_io_workers(IO_WORKERS);
+                            let _ = tx.send(Ok(()));
+                            run(sh, &place, i, &reg);
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
+                    }
+                })?;
+            rx.recv().map_err(std::io::Error::other)??;
         }
-        let pinned: Vec<String> = doors
+        let pinned: Vec<String> = place
+            .doors
             .iter()
             .filter_map(|d| d.cpu.get())
             .map(|c| c.to_string())
@@ -219,15 +213,6 @@ impl Reactors {
             tracing::info!("nbd: {n} reactors, not pinned ({} CPUs to run on)", allowed.len());
         } else {
             tracing::info!("nbd: {n} reactors on CPUs {}", pinned.join(","));
-        }
-        let place = Arc::new(Placement {
-            wants: (0..n * n).map(|_| AtomicUsize::new(0)).collect(),
-            doors,
-            placing: Mutex::new(()),
-            by_cpu,
-        });
-        for _ in 0..n {
-            let _ = place_tx.send(place.clone());
         }
         let deadlines = Arc::new(Deadlines::default());
         let d = deadlines.clone();
