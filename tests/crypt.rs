@@ -414,3 +414,85 @@ fn a_restarted_daemon_restores_crypt_waiting_for_its_key_never_recorded() {
         }
     }
 }
+
+/// dm-crypt's integrity modes need a device below whose integrity profile is
+/// theirs (dm-integrity without internal_hash, directly or through linear):
+/// each mismatch is refused with the kernel's words; over a right one, data
+/// reads back through the linear device and through the integrity device
+/// itself, and the file holds no plaintext.
+#[test]
+fn integrity_modes_need_the_device_below_to_hold_their_tags() {
+    let d = Daemon::start("crypt-aead");
+    let f = d.dir.sparse("f.img", 16 * MIB);
+    let g = d.dir.sparse("g.img", 4 * MIB);
+    let k = "5a".repeat(96);
+    let authenc = "capi:authenc(hmac(sha256),xts(aes))";
+    let h = d.dir.sparse("h.img", 16 * MIB);
+    let it = |name: &str, file: &std::path::Path, tag: u32| {
+        d.create(
+            name,
+            &format!("0 8192 integrity {} 0 {tag} J 1 block_size:4096", file.display()),
+        );
+    };
+    it("i32", &f, 32);
+    it("i48", &h, 48);
+    d.create("lin", "0 8192 linear /dev/mapper/i32 0");
+    for (table, want) in [
+        (format!("{authenc}-plain64 {k} 0 {} 0 2 integrity:32:aead sector_size:4096", g.display()), "Integrity profile not supported."),
+        (format!("{authenc}-plain64 {k} 0 /dev/mapper/lin 0 2 integrity:48:aead sector_size:4096"), "Integrity profile tag size mismatch."),
+        (format!("{authenc}-plain64 {k} 0 /dev/mapper/lin 0 1 integrity:32:aead"), "Integrity profile sector size mismatch."),
+        (format!("{authenc}-plain64 {k} 0 /dev/mapper/lin 0 1 sector_size:4096"), "needs integrity:<bytes>:aead"),
+        (format!("aes-xts-random {} 0 /dev/mapper/lin 0 1 sector_size:4096", "5a".repeat(64)), "Integrity profile not supported."),
+        (format!("aes-xts-plain64 {} 0 /dev/mapper/lin 0 2 integrity:32:aead sector_size:4096", "5a".repeat(64)), "needs an AEAD cipher"),
+        (format!("{authenc}-plain64 {k} 0 /dev/mapper/i48 0 2 integrity:48:aead sector_size:4096"), "auth tag size is not supported"),
+        (format!("capi:authenc(hmac(md5),xts(aes))-plain64 {k} 0 /dev/mapper/lin 0 2 integrity:32:aead sector_size:4096"), "hmac(md5)"),
+    ] {
+        let o = d.cli_in(&["create", "bad"], &format!("0 8192 crypt {table}"));
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{table} was accepted");
+        assert_eq!(e.trim_end().lines().count(), 1, "one line: {e}");
+        assert!(e.contains(want), "{table}: {e}");
+        assert!(!e.contains(&k), "the error repeats the key: {e}");
+    }
+    d.create(
+        "c",
+        &format!(
+            "0 8192 crypt {authenc}-plain64 {k} 0 /dev/mapper/lin 0 2 integrity:32:aead sector_size:4096"
+        ),
+    );
+    assert_eq!(
+        d.ok(&["table", "c"])
+            .split_whitespace()
+            .skip(7)
+            .collect::<Vec<_>>()
+            .join(" "),
+        "0 2 integrity:32:aead sector_size:4096"
+    );
+    let data = pattern(12, 2 * MIB as usize);
+    let mut c = Client::connect(&d.sock(), "c");
+    c.write(MIB, &data);
+    assert!(c.read(MIB, data.len()) == data, "reads back through linear");
+    drop(c);
+    d.wait_open_count("c", 0);
+    d.remove_closed("c");
+    d.create(
+        "c2",
+        &format!(
+            "0 8192 crypt {authenc}-plain64 {k} 0 /dev/mapper/i32 0 2 integrity:32:aead sector_size:4096"
+        ),
+    );
+    let mut c = Client::connect(&d.sock(), "c2");
+    assert!(
+        c.read(MIB, data.len()) == data,
+        "reads back on the integrity device itself"
+    );
+    drop(c);
+    let file = std::fs::read(&f).expect("image");
+    assert!(
+        !file
+            .windows(4096)
+            .step_by(4096)
+            .any(|w| data.chunks(4096).any(|p| p == w)),
+        "no block of plaintext in the file"
+    );
+}

@@ -140,25 +140,7 @@ fn a_corrupted_block_fails_with_eilseq_is_counted_and_its_neighbours_read() {
         "the log names the sector"
     );
     // the door's device file: the reader sees EILSEQ
-    let o = d
-        .exec()
-        .args([
-            "dd",
-            "if=/dev/mapper/i",
-            "of=/dev/null",
-            "bs=512",
-            &format!("skip={bad}"),
-            "count=1",
-            "iflag=direct",
-        ])
-        .output()
-        .expect("dd");
-    assert!(!o.status.success());
-    assert!(
-        text(&o.stderr).contains("Invalid or incomplete multibyte or wide character"),
-        "dd behind the door: {}",
-        text(&o.stderr)
-    );
+    d.read_fails_with_eilseq("i", 512, bad);
     d.remove_closed("i");
 }
 
@@ -314,7 +296,12 @@ fn bad_tables_and_lying_superblocks_get_the_kernels_words() {
         &format!("0 8 integrity {i} 0 4 J 2 internal_hash:crc32c"),
         "Not enough feature arguments",
     );
-    fails(&format!("0 8 integrity {i} 0 4 J 0"), "not supported");
+    // no internal_hash: the tags are a device above's, of the size given
+    fails(&format!("0 8 integrity {i} 0 - J 0"), "Unknown tag size");
+    fails(
+        &format!("0 8 integrity {i} 0 4 J 1 recalculate"),
+        "Recalculate can only be specified with internal_hash",
+    );
     fails(
         &format!("0 8 integrity {i} 0 4 J 2 internal_hash:crc32c meta_device:/nonexistent"),
         "Device lookup failed",

@@ -503,7 +503,7 @@ fn lying_headers_are_refused_naming_the_field() {
             &["segments", "0", "encryption"],
             "twofish-xts-plain64".into(),
             "segments.0.encryption: Error allocating crypto tfm: cipher 'twofish-xts-plain64' is not supported \
-             by dmkit (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, or their capi: forms)"
+             by dmkit (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, their capi: forms, capi:authenc(hmac(sha256),<cipher>)-<iv>)"
                 .into(),
         ),
         (
@@ -616,7 +616,7 @@ fn lying_luks1_headers_are_refused_naming_the_field() {
             8,
             u32::from_be_bytes(*b"serp"),
             "cipher-name, cipher-mode: Error allocating crypto tfm: cipher 'serp-xts-plain64' is not supported \
-             by dmkit (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, or their capi: forms)",
+             by dmkit (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, their capi: forms, capi:authenc(hmac(sha256),<cipher>)-<iv>)",
         ),
     ] {
         std::fs::write(&img, &original).expect("restore");
@@ -696,4 +696,96 @@ fn cryptsetup_open_through_the_door_loads_dmkits_table() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let back = Client::connect(&d.sock(), "mine").read(0, data.len());
     assert!(back == data, "dmkit's device reads what cryptsetup's wrote");
+}
+
+/// `cryptsetup luksFormat --integrity hmac-sha256` through the door: the
+/// format stacks dm-crypt's AEAD (`capi:authenc(hmac(sha256),xts(aes))`) on
+/// an integrity device whose tags are dm-crypt's and wipes the volume
+/// through both, so every sector reads (zeroes, each MAC right); cryptsetup's
+/// open loads both tables, data reads back, a block whose tag is not its MAC
+/// fails with EILSEQ naming the sector, and close removes both devices (it
+/// finds the integrity device below through /sys/dev/block).
+#[test]
+fn cryptsetup_integrity_volumes_stack_crypt_on_integrity_through_the_door() {
+    let s = Scratch::new("luks-aead");
+    let pw = s.path("pw");
+    std::fs::write(&pw, PW).expect("passphrase");
+    let img = s.sparse("aead.img", 64 * MIB);
+    let (i, p) = (img.to_str().expect("utf-8"), pw.to_str().expect("utf-8"));
+    let d = Daemon::start("luks-aead");
+    let cs = |args: &[&str]| d.door_ok("cryptsetup", args);
+    let key = ["--disable-keyring", "--key-file", p];
+    d.luks_format_integrity(i, "aes-xts-plain64", p);
+    assert_eq!(
+        d.ok(&["ls"]),
+        "No devices found\n",
+        "the format's devices are gone"
+    );
+    cs(&[&["open", "--type", "luks2"][..], &key, &[i, "av"]].concat());
+    let crypt = d.ok(&["table", "av"]);
+    let f: Vec<&str> = crypt.split_whitespace().collect();
+    assert_eq!(f[3], "capi:authenc(hmac(sha256),xts(aes))-plain64", "{crypt}");
+    assert_eq!(
+        f[4].len(),
+        192,
+        "a 512-bit cipher key and a 256-bit MAC key: {crypt}"
+    );
+    assert_eq!(
+        f[7..].join(" "),
+        "0 2 integrity:32:aead sector_size:4096",
+        "{crypt}"
+    );
+    let n: u64 = f[1].parse().expect("length");
+    let below = d.ok(&["table", "av_dif"]);
+    let g: Vec<&str> = below.split_whitespace().collect();
+    assert_eq!((g[2], g[5], g[6]), ("integrity", "32", "J"), "{below}");
+    assert!(
+        !below.contains("internal_hash"),
+        "the tags are dm-crypt's: {below}"
+    );
+    let st = cs(&["status", "av"]);
+    assert!(st.contains("integrity: hmac(sha256)"), "{st}");
+    let mut c = Client::connect(&d.sock(), "av");
+    for at in (0..n * 512).step_by(4 << 20) {
+        let len = (n * 512 - at).min(4 << 20) as usize;
+        assert!(
+            c.read(at, len).iter().all(|&b| b == 0),
+            "the wipe made every sector read ({at})"
+        );
+    }
+    let data = pattern(31, 1 << 20);
+    c.write(4 * MIB, &data);
+    assert_eq!(c.call(common::nbd::FLUSH, 0, 0, 0, &[]), 0);
+    assert!(c.read(4 * MIB, data.len()) == data, "written data reads back");
+    drop(c);
+    // a block written on the integrity device itself comes without tags:
+    // its tag is zeroes (journal mode, as the kernel's), which is no MAC
+    let mut raw = Client::connect(&d.sock(), "av_dif");
+    raw.write(4 * MIB + 8192, &[7u8; 4096]);
+    drop(raw);
+    let mut c = Client::connect(&d.sock(), "av");
+    assert!(c.read(4 * MIB, 8192) == data[..8192], "the blocks before read");
+    assert!(
+        c.read(4 * MIB + 12288, 4096) == data[12288..16384],
+        "the block after reads"
+    );
+    assert_ne!(
+        c.call(common::nbd::READ, 0, 4 * MIB + 8192, 4096, &[]),
+        0,
+        "the changed block fails"
+    );
+    drop(c);
+    let bad = (4 * MIB + 8192) / 512;
+    assert!(
+        d.log().contains(&format!("INTEGRITY AEAD ERROR, sector {bad}")),
+        "the log names the sector"
+    );
+    d.read_fails_with_eilseq("av", 4096, bad / 8);
+    d.wait_open_count("av", 0);
+    cs(&["close", "av"]);
+    assert_eq!(
+        d.ok(&["ls"]),
+        "No devices found\n",
+        "close removed the integrity device too"
+    );
 }

@@ -219,6 +219,13 @@ fn promised(heading: &str) -> &'static [&'static str] {
             "  status:      verified\n", // veritysetup status, through the door
             "0 16384 verity C\n", // after the change
         ],
+        h if h.contains("authenticated encryption") => &[
+            " 32768 32 J 8 block_size:4096 journal_sectors:792 interleave_sectors:32768 buffer_sectors:128 journal_watermark:50 commit_time:10000 fix_padding fix_hmac\n", // table av_dif
+            "0 96736 crypt capi:authenc(hmac(sha256),xts(aes))-plain64 0 2 integrity:32:aead sector_size:4096\n", // table av, cut
+            "read back\n",
+            "dd: error reading '/dev/mapper/av': Invalid or incomplete multibyte or wide character\nthe read failed\n",
+            "av and av_dif are gone\n",
+        ],
         h if h.contains("dm-integrity") => &[
             "provided_data_sectors 129160\nflags fix_padding fix_hmac \n", // integritysetup dump
             " 0 4 J 8 journal_sectors:880 interleave_sectors:32768 buffer_sectors:128 journal_watermark:50 commit_time:10000 fix_padding fix_hmac internal_hash:crc32c\n", // table ig

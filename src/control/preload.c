@@ -24,7 +24,8 @@
  *    and LVM read them (libdevmapper takes the first such line, LVM the last:
  *    with two, they would disagree);
  *  - /sys/dev/block/MAJOR:N/{dm/name,dm/uuid,dm/suspended,bdi/read_ahead_kb}
- *    for dmkit's major only;
+ *    and the link /sys/dev/block/MAJOR:N itself (readlink), for dmkit's major
+ *    only;
  *  - stat of a node that is a dmkit device's ublk block device (as
  *    /dev/mapper/NAME is under `serve --attach`): the device-mapper number,
  *    from $DMKIT_RUN_DIR/block-numbers, so that libdevmapper and LVM see one
@@ -167,6 +168,8 @@ REAL(int, __lxstat, (int, const char *, struct stat *))
 REAL(int, __lxstat64, (int, const char *, struct stat64 *))
 REAL(int, __fxstat, (int, int, struct stat *))
 REAL(int, __fxstat64, (int, int, struct stat64 *))
+REAL(ssize_t, readlink, (const char *, char *, size_t))
+REAL(ssize_t, readlinkat, (int, const char *, char *, size_t))
 
 __attribute__((constructor)) static void door_init(void)
 {
@@ -994,6 +997,41 @@ static int sysfs_fd(const char *path)
 	char line[32];
 	snprintf(line, sizeof(line), "%llu\n", (unsigned long long)(sectors / 2));
 	return text_fd("read_ahead_kb", line);
+}
+
+/* readlink of /sys/dev/block/MAJOR:N, MAJOR dmkit's: the kernel's link to the
+ * device's dm-N, where cryptsetup finds the node of a device a table names
+ * (a crypt device's integrity device below it); ENOENT if the daemon has no
+ * such device. -2 for any other path. */
+static ssize_t sysfs_link(const char *path, char *buf, size_t size)
+{
+	unsigned maj, min;
+	int n = 0;
+	if (!path || !door_socket[0] || strncmp(path, "/sys/dev/block/", 15) != 0 ||
+	    sscanf(path, "/sys/dev/block/%u:%u%n", &maj, &min, &n) != 2 || path[n] != 0 || maj != dm_major)
+		return -2;
+	struct dm_ioctl io;
+	if (dev_status(&io, NULL, makedev(maj, min))) {
+		errno = ENOENT;
+		return -1;
+	}
+	char t[64];
+	int k = snprintf(t, sizeof(t), "../../devices/virtual/block/dm-%u", min);
+	size_t c = (size_t)k < size ? (size_t)k : size;
+	memcpy(buf, t, c);
+	return (ssize_t)c;
+}
+
+ssize_t readlink(const char *path, char *buf, size_t size)
+{
+	ssize_t r = sysfs_link(path, buf, size);
+	return r != -2 ? r : get_readlink()(path, buf, size);
+}
+
+ssize_t readlinkat(int dirfd, const char *path, char *buf, size_t size)
+{
+	ssize_t r = sysfs_link(path, buf, size);
+	return r != -2 ? r : get_readlinkat()(dirfd, path, buf, size);
 }
 
 /* The block-device ioctls answered for a device's file; any other request on

@@ -237,7 +237,8 @@ impl Pending {
     }
 
     /// The piece, a read, is done with `bytes` as its data (as many as it
-    /// covers; fewer fail it with EIO).
+    /// covers; fewer fail it with EIO), followed by its integrity tags where
+    /// the piece has them ([`Bio::tags`]: exactly as many, else EIO).
     pub fn done_with(self, bytes: Vec<u8>) {
         self.send(Resume::Done(0, Some(bytes)));
     }
@@ -795,6 +796,7 @@ impl Engine {
                 buf_off: 0,
                 fua: q.fua && q.op == Op::Write,
                 punch: q.punch,
+                tags: None,
             }
         };
         q.leaves.clear();
@@ -1344,7 +1346,7 @@ fn run_owned_hooks(
     while let Some(mut o) = owned.pop() {
         if let Some(h) = o.hook.take() {
             let ok = o.ok();
-            let own = &mut o.buf.as_mut_slice()[..o.len];
+            let own = &mut o.buf.as_mut_slice()[..o.len + o.tag_len];
             let client = leaf_buf(buf, n, owned, o.client);
             let client = client
                 .get_mut(o.client_off..o.client_off + o.len)
@@ -1380,21 +1382,29 @@ const FLUSH: Bio = Bio {
     buf_off: 0,
     fua: false,
     punch: false,
+    tags: None,
 };
 
 /// Copy `bytes`, a read's data a target made, into the part of `q`'s data
-/// (or of the owned buffer it was mapped into) piece `m` covers: 0, or EIO if
-/// they are fewer or the piece lies outside.
+/// (or of the owned buffer it was mapped into) piece `m` covers, and the
+/// integrity tags after them where the piece has tags: 0, or EIO if they are
+/// fewer or the piece lies outside.
 fn fill_piece(q: &mut Request, m: &Piece, bytes: &[u8]) -> i32 {
     let n = if q.op.has_data() { q.bytes() } else { 0 };
+    let len = m.bio.bytes() as usize;
     let dst = super::target::bio_data(&mut q.owned, &mut q.buf.as_mut_slice()[..n], m.owned, &m.bio);
-    match (dst, bytes.get(..m.bio.bytes() as usize)) {
-        (Some(dst), Some(src)) => {
-            dst.copy_from_slice(src);
-            0
-        }
-        _ => errno::EIO,
+    match (dst, bytes.get(..len)) {
+        (Some(dst), Some(src)) => dst.copy_from_slice(src),
+        _ => return errno::EIO,
     }
+    if m.bio.tags.is_some() {
+        let dst = super::target::bio_tags(&mut q.owned, m.owned, &m.bio);
+        match (dst, bytes.get(len..)) {
+            (Some(dst), Some(src)) if src.len() == dst.len() => dst.copy_from_slice(src),
+            _ => return errno::EIO,
+        }
+    }
+    0
 }
 
 /// What a hook answered: an errno fails the request (the first one counts),

@@ -8,7 +8,7 @@
 //! while the engine serves others.
 
 use super::*;
-use crate::mapper::{arg_dev, arg_u64, DevRef, Resolver, Target, TargetType};
+use crate::mapper::{arg_dev, arg_u64, DevRef, Resolver, TagProfile, Target, TargetType};
 use crate::mapper::{config::Config, Registry};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -261,7 +261,157 @@ impl Target for Mirror {
     }
 }
 
-const TYPES: &[TargetType] = &[SPLIT, INVERT, WAIT, MIRROR, crate::mapper::error::TYPE];
+/// The tags `tagged` and `tagstore` use: 4 bytes a 4 KiB block.
+const PROFILE: TagProfile = TagProfile {
+    tag_size: 4,
+    block_size: 4096,
+};
+
+/// A block's tag as `tagged` makes it: its first bytes, flipped.
+fn tag_of(block: &[u8]) -> [u8; 4] {
+    [!block[0], !block[1], !block[2], !block[3]]
+}
+
+/// `tagged <dev> <log id>`: reads and writes go down with a tag for each
+/// block (`remap_owned_tagged`); a read whose tags are not its blocks' fails
+/// with EILSEQ.
+struct Tagged {
+    dev: DevRef,
+    id: u64,
+}
+
+const TAGGED: TargetType = TargetType {
+    name: "tagged",
+    version: [1, 0, 0],
+    new: |args, len, r: &dyn Resolver| {
+        Ok(Box::new(Tagged {
+            dev: arg_dev(args, 0, 0, len, r)?,
+            id: arg_u64(args, 1, "log id")?,
+        }))
+    },
+    sync: None,
+};
+
+impl Target for Tagged {
+    fn type_name(&self) -> &'static str {
+        "tagged"
+    }
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        let (id, op, sector) = (self.id, bio.op, bio.sector);
+        ctx.remap_owned_tagged(
+            &self.dev,
+            bio,
+            Some(PROFILE),
+            |own, tags, client| {
+                own.copy_from_slice(client);
+                for (b, t) in own.chunks(4096).zip(tags.chunks_mut(4)) {
+                    t.copy_from_slice(&tag_of(b));
+                }
+            },
+            Some(Box::new(move |ok, own, client| {
+                record(id, op, sector, ok);
+                if !ok || op != Op::Read {
+                    return 0;
+                }
+                let (data, tags) = own.split_at(client.len());
+                if !data.chunks(4096).zip(tags.chunks(4)).all(|(b, t)| t == tag_of(b)) {
+                    return libc::EILSEQ;
+                }
+                client.copy_from_slice(data);
+                0
+            })),
+        )
+    }
+    fn table_params(&self) -> String {
+        format!("{} {}", self.dev.table_name(), self.id)
+    }
+    fn devices(&self) -> Vec<&DevRef> {
+        vec![&self.dev]
+    }
+}
+
+/// Tags by (log id, block).
+type TagMap = HashMap<(u64, u64), Vec<u8>>;
+
+/// The tags `tagstore` devices hold.
+fn stored_tags() -> &'static Mutex<TagMap> {
+    static TAGS: OnceLock<Mutex<TagMap>> = OnceLock::new();
+    TAGS.get_or_init(Default::default)
+}
+
+/// `tagstore <file> <log id>`: offers [`PROFILE`]; data goes to the file,
+/// tags into [`stored_tags`]; a read is a piece done with the data and its
+/// tags after it.
+struct TagStore {
+    file: std::path::PathBuf,
+    id: u64,
+}
+
+const TAGSTORE: TargetType = TargetType {
+    name: "tagstore",
+    version: [1, 0, 0],
+    new: |args, _, _| {
+        Ok(Box::new(TagStore {
+            file: args.first().ok_or("a file")?.into(),
+            id: arg_u64(args, 1, "log id")?,
+        }))
+    },
+    sync: None,
+};
+
+impl Target for TagStore {
+    fn type_name(&self) -> &'static str {
+        "tagstore"
+    }
+    fn map(&self, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.file)
+            .expect("file");
+        let blocks = bio.sector / 8..(bio.sector + bio.nr_sectors) / 8;
+        match bio.op {
+            Op::Write => {
+                let tags = ctx.tags_of(&bio).expect("a write comes with its tags").to_vec();
+                f.write_all_at(ctx.data_of(&bio), bio.sector * 512)
+                    .expect("write");
+                let mut st = stored_tags().lock().unpoisoned();
+                for (b, t) in blocks.zip(tags.chunks(4)) {
+                    st.insert((self.id, b), t.to_vec());
+                }
+                ctx.complete(bio, LeafKind::Drop);
+            }
+            Op::Read => {
+                let mut out = vec![0u8; bio.bytes() as usize];
+                f.read_exact_at(&mut out, bio.sector * 512).expect("read");
+                let st = stored_tags().lock().unpoisoned();
+                for b in blocks {
+                    out.extend(st.get(&(self.id, b)).cloned().unwrap_or(vec![0; 4]));
+                }
+                ctx.submit(bio).done_with(out);
+            }
+            _ => ctx.complete(bio, LeafKind::Drop),
+        }
+        Ok(())
+    }
+    fn table_params(&self) -> String {
+        format!("{} {}", self.file.display(), self.id)
+    }
+    fn tag_profile(&self) -> Option<TagProfile> {
+        Some(PROFILE)
+    }
+}
+
+const TYPES: &[TargetType] = &[
+    SPLIT,
+    INVERT,
+    WAIT,
+    MIRROR,
+    TAGGED,
+    TAGSTORE,
+    crate::mapper::error::TYPE,
+];
 
 /// A registry knowing the mock targets, and a 1 MiB file of zeroes under it.
 fn setup(name: &str) -> (Registry, std::path::PathBuf) {
@@ -625,5 +775,63 @@ fn a_large_requests_hooks_run_on_a_worker_and_the_request_completes_from_its_ans
     e.start(r, &out);
     e.shut_down();
     assert!(!e.busy(), "nothing under way after the shut-down");
+    let _ = std::fs::remove_file(path);
+}
+
+/// Tags go down with their blocks through a target that splits the request
+/// (each piece's tags where its blocks' are: `Bio::sub`), are stored below,
+/// and come back with a read into the owned buffer's tag area, where the
+/// hook above checks them; a stored tag changed fails that read with EILSEQ.
+/// A device above sees the profile of the device below only through a
+/// target that says it passes tags (`split` does not).
+#[test]
+fn integrity_tags_go_down_with_their_blocks_and_come_back_with_a_read() {
+    let (reg, path) = setup("tags");
+    reg.create(
+        "store",
+        Some(&format!("0 2048 tagstore {} 107", path.display())),
+        false,
+        None,
+    )
+    .expect("store");
+    reg.create("split", Some("0 2048 split /dev/mapper/store 8 108"), false, None)
+        .expect("split");
+    reg.create("top", Some("0 2048 tagged /dev/mapper/split 109"), false, None)
+        .expect("top");
+    let profile = |n: &str| reg.get(n).expect(n).tag_profile();
+    assert_eq!((profile("store"), profile("split")), (Some(PROFILE), None));
+    let top = reg.get("top").expect("top");
+    let mut e = Engine::new(4).expect("engine");
+    let data = pattern(64 << 10, 9);
+    let r = fill(&mut e, Op::Write, 64, 128, Some(&data));
+    e.start(r, &top);
+    assert_eq!(wait(&mut e, r, 1000), Some(0));
+    e.free(r);
+    {
+        let st = stored_tags().lock().unpoisoned();
+        for (i, b) in data.chunks(4096).enumerate() {
+            assert_eq!(
+                st.get(&(107, 8 + i as u64)).map(Vec::as_slice),
+                Some(&tag_of(b)[..]),
+                "block {i}'s tag"
+            );
+        }
+    }
+    let r = fill(&mut e, Op::Read, 64, 128, None);
+    e.start(r, &top);
+    assert_eq!(wait(&mut e, r, 1000), Some(0));
+    assert_eq!(&e.request(r).buf.as_slice()[..data.len()], &data[..]);
+    e.free(r);
+    stored_tags().lock().unpoisoned().insert((107, 12), vec![0; 4]);
+    let r = fill(&mut e, Op::Read, 64, 128, None);
+    e.start(r, &top);
+    assert_eq!(
+        wait(&mut e, r, 1000),
+        Some(libc::EILSEQ),
+        "a changed tag fails the read"
+    );
+    e.free(r);
+    assert!(log_of(109).iter().all(|&(_, _, ok)| ok), "every I/O happened");
+    e.shut_down();
     let _ = std::fs::remove_file(path);
 }

@@ -16,7 +16,7 @@ pub use errors::{ControlError, TargetError};
 pub use registry::Registry;
 pub use target::{
     arg_dev, arg_u64, dev_extents, Bio, Constructor, DevRef, DmHold, HoldMark, Limits, MapCtx, MapErr, Mark,
-    Resolver, Shared, Target, TargetType,
+    Resolver, Shared, TagProfile, Tags, Target, TargetType,
 };
 
 use crate::io::{Op, SECTOR};
@@ -415,6 +415,15 @@ impl Device {
                 .reduce(Limits::and)
                 .unwrap_or(Limits::NONE)
         })
+    }
+
+    /// The integrity profile of the live table (None without one): every
+    /// target must offer the same (the kernel's dm_table_verify_integrity).
+    pub fn tag_profile(&self) -> Option<TagProfile> {
+        let t = self.live.load();
+        let mut profiles = t.as_ref()?.entries.iter().map(|e| e.target.tag_profile());
+        let first = profiles.next()??;
+        profiles.all(|p| p == Some(first)).then_some(first)
     }
 
     /// Whether I/O to this device waits (suspended by its user or internally).

@@ -26,6 +26,35 @@ pub struct Bio {
     pub fua: bool,
     /// For WriteZeroes: deallocation is allowed (NBD without NO_HOLE).
     pub punch: bool,
+    /// The integrity tags that go with the data (the kernel's bio integrity
+    /// payload): dm-crypt's AEAD tags, stored by the integrity device below.
+    pub tags: Option<Tags>,
+}
+
+/// Where a bio's integrity tags are: in the buffer its data is in, from byte
+/// `off`, `size` bytes for each block of `1 << shift` bytes of its data (the
+/// kernel's DM-DIF-EXT-TAG profile: a tuple of `size` bytes an interval).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tags {
+    pub off: u32,
+    pub size: u16,
+    pub shift: u8,
+}
+
+impl Tags {
+    /// Bytes of tags that `bytes` bytes of data have.
+    pub fn len(&self, bytes: u64) -> usize {
+        (bytes.checked_shr(self.shift.into()).unwrap_or(0) * u64::from(self.size)) as usize
+    }
+}
+
+/// The integrity profile a device offers a device above (dm-crypt with
+/// `integrity:N:aead` asks for one): tags of `tag_size` bytes, one for each
+/// block of `block_size` bytes, which it stores and gives back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TagProfile {
+    pub tag_size: u16,
+    pub block_size: u32,
 }
 
 impl Bio {
@@ -44,15 +73,20 @@ impl Bio {
     }
     /// The piece `[skip, skip+n)` sectors of this bio, at relative sector `sector`.
     pub fn sub(&self, skip: u64, n: u64, sector: u64) -> Bio {
-        let buf_off = if self.op.has_data() {
-            self.buf_off + (skip * SECTOR) as usize
+        let (buf_off, tags) = if self.op.has_data() {
+            let tags = self.tags.map(|t| Tags {
+                off: t.off + t.len(skip * SECTOR) as u32,
+                ..t
+            });
+            (self.buf_off + (skip * SECTOR) as usize, tags)
         } else {
-            self.buf_off
+            (self.buf_off, self.tags)
         };
         Bio {
             sector,
             nr_sectors: n,
             buf_off,
+            tags,
             ..*self
         }
     }
@@ -124,6 +158,14 @@ impl DevRef {
         match self {
             DevRef::File(f) => f.logical_block_size,
             DevRef::Dm(d) => d.0.logical_block_size(),
+        }
+    }
+
+    /// The integrity profile it offers a device above ([`TagProfile`]).
+    pub fn tag_profile(&self) -> Option<TagProfile> {
+        match self {
+            DevRef::File(_) => None,
+            DevRef::Dm(d) => d.0.tag_profile(),
         }
     }
 
@@ -310,8 +352,10 @@ const OWNED_FAILED: u8 = 2;
 /// A buffer a target allocated for part of a request ([`MapCtx::remap_owned`]).
 pub(crate) struct Owned {
     pub(super) buf: AlignedBuf,
-    /// Bytes used.
+    /// Bytes of data.
     pub(super) len: usize,
+    /// Bytes of integrity tags after the data ([`MapCtx::remap_owned_tagged`]).
+    pub(super) tag_len: usize,
     /// The data it stands for: the request's (None) or an outer owned buffer, at
     /// `client_off`.
     pub(super) client: Option<u32>,
@@ -391,20 +435,45 @@ impl<'a> MapCtx<'a> {
         fill: impl FnOnce(&mut [u8], &mut [u8]),
         end_io: Option<OwnedEndIo>,
     ) -> Result<(), MapErr> {
+        self.remap_owned_tagged(dev, bio, None, |own, _, client| fill(own, client), end_io)
+    }
+
+    /// As [`remap_owned`](Self::remap_owned), with integrity tags of
+    /// `profile` going down with the data (dm-crypt's AEAD tags): the
+    /// buffer holds `bio`'s data and then a tag for each block; `fill` gets
+    /// (data, tags, the request's data), and `end_io` the buffer's data and
+    /// tags together (a read's tags are there once the device below gave
+    /// them back). Without a profile, as `remap_owned`.
+    pub fn remap_owned_tagged(
+        &mut self,
+        dev: &DevRef,
+        bio: Bio,
+        profile: Option<TagProfile>,
+        fill: impl FnOnce(&mut [u8], &mut [u8], &mut [u8]),
+        end_io: Option<OwnedEndIo>,
+    ) -> Result<(), MapErr> {
         if !matches!(bio.op, Op::Read | Op::Write) {
-            return self.remap(dev, bio, 0);
+            return self.remap(dev, Bio { tags: None, ..bio }, 0);
         }
         let len = bio.bytes() as usize;
-        let mut buf = match self.pool.iter().position(|b| b.capacity() >= len) {
+        let tags = profile.map(|p| Tags {
+            off: len as u32,
+            size: p.tag_size,
+            shift: p.block_size.trailing_zeros() as u8,
+        });
+        let tag_len = tags.map_or(0, |t| t.len(bio.bytes()));
+        let mut buf = match self.pool.iter().position(|b| b.capacity() >= len + tag_len) {
             Some(i) => self.pool.swap_remove(i),
-            None => AlignedBuf::new(len),
+            None => AlignedBuf::new(len + tag_len),
         };
-        fill(&mut buf.as_mut_slice()[..len], self.data_of(&bio));
+        let (own, own_tags) = buf.as_mut_slice()[..len + tag_len].split_at_mut(len);
+        fill(own, own_tags, self.data_of(&bio));
         let idx = self.owned.len() as u32;
         let done = Arc::new(AtomicU8::new(OWNED_PENDING));
         self.owned.push(Owned {
             buf,
             len,
+            tag_len,
             client: self.cur,
             client_off: bio.buf_off,
             hook: end_io,
@@ -415,7 +484,17 @@ impl<'a> MapCtx<'a> {
             done.store(if ok { OWNED_OK } else { OWNED_FAILED }, Ordering::SeqCst);
             0
         });
-        let r = self.joined(mark, |ctx| ctx.remap(dev, Bio { buf_off: 0, ..bio }, 0));
+        let r = self.joined(mark, |ctx| {
+            ctx.remap(
+                dev,
+                Bio {
+                    buf_off: 0,
+                    tags,
+                    ..bio
+                },
+                0,
+            )
+        });
         self.cur = outer;
         r
     }
@@ -724,6 +803,20 @@ impl<'a> MapCtx<'a> {
     pub fn data_of(&mut self, bio: &Bio) -> &mut [u8] {
         bio_data(self.owned, self.data, self.cur, bio).unwrap_or_default()
     }
+
+    /// The integrity tags that go with `bio`'s data (None: it has none).
+    pub fn tags_of(&mut self, bio: &Bio) -> Option<&mut [u8]> {
+        bio_tags(self.owned, self.cur, bio)
+    }
+}
+
+/// The integrity tags of `bio`, in owned buffer `cur` (a request's own data
+/// has none); None if it has none or they lie outside.
+pub(crate) fn bio_tags<'a>(owned: &'a mut [Owned], cur: Option<u32>, bio: &Bio) -> Option<&'a mut [u8]> {
+    let t = bio.tags?;
+    let o = owned.get_mut(cur? as usize)?;
+    let a = t.off as usize;
+    o.buf.as_mut_slice()[..o.len + o.tag_len].get_mut(a..a + t.len(bio.bytes()))
 }
 
 /// The part of a request's data (`data`), or of its owned buffer `cur`, that
@@ -818,6 +911,12 @@ pub trait Target: Send + Sync {
     /// The target's queue limits. Default: those of the devices it maps onto.
     fn limits(&self) -> Limits {
         Limits::stacked(&self.devices())
+    }
+    /// The integrity profile the target offers a device above: it stores and
+    /// gives back the tags a bio carries ([`Bio::tags`]). Default: none (a
+    /// bio's tags go no further).
+    fn tag_profile(&self) -> Option<TagProfile> {
+        None
     }
     /// Allocation status of `[sector, sector+nr)` (relative): pushes (bytes, flags)
     /// with NBD's base:allocation bits (1 hole, 2 zero). Default: all data. Err: the

@@ -2,7 +2,7 @@
 
 use crate::mapper::TargetError;
 use crate::mapper::{
-    arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, Target, TargetType,
+    arg_dev, arg_u64, dev_extents, Bio, DevRef, MapCtx, MapErr, Resolver, TagProfile, Target, TargetType,
 };
 
 pub struct Linear {
@@ -51,5 +51,9 @@ impl Target for Linear {
     }
     fn extents(&self, sector: u64, nr: u64, out: &mut Vec<(u64, u32)>) -> Result<(), TargetError> {
         dev_extents(&self.dev, self.offset + sector, nr, out)
+    }
+    /// A bio passes whole, its tags with it.
+    fn tag_profile(&self) -> Option<TagProfile> {
+        self.dev.tag_profile()
     }
 }

@@ -173,6 +173,72 @@ impl Daemon {
         c
     }
 
+    /// Run `PROGRAM ARGS...` behind the door, requiring success and nothing
+    /// on stderr; returns stdout.
+    pub fn door_ok(&self, program: &str, args: &[&str]) -> String {
+        let o = self.exec().arg(program).args(args).output().expect("dmkit exec");
+        assert!(
+            o.status.success() && o.stderr.is_empty(),
+            "{program} {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// `cryptsetup luksFormat` behind the door: a LUKS2 volume on `img`
+    /// with `--integrity hmac-sha256` and `cipher`, keyed by the passphrase
+    /// in `key_file` (a fast PBKDF, the key in the table).
+    pub fn luks_format_integrity(&self, img: &str, cipher: &str, key_file: &str) {
+        self.door_ok(
+            "cryptsetup",
+            &[
+                "luksFormat",
+                "--batch-mode",
+                "--type",
+                "luks2",
+                "--integrity",
+                "hmac-sha256",
+                "--cipher",
+                cipher,
+            ]
+            .into_iter()
+            .chain(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+            .chain(["--disable-keyring", "--key-file", key_file, img])
+            .collect::<Vec<_>>(),
+        );
+    }
+
+    /// A direct read of block `skip` (of `bs` bytes) of `/dev/mapper/NAME`
+    /// by dd behind the door fails with EILSEQ, as a checksum failure does.
+    pub fn read_fails_with_eilseq(&self, name: &str, bs: u64, skip: u64) {
+        let o = self
+            .exec()
+            .args([
+                "dd",
+                &format!("if=/dev/mapper/{name}"),
+                "of=/dev/null",
+                &format!("bs={bs}"),
+            ])
+            .args([format!("skip={skip}"), "count=1".into(), "iflag=direct".into()])
+            .output()
+            .expect("dd");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success());
+        assert!(
+            e.contains("Invalid or incomplete multibyte or wide character"),
+            "dd behind the door sees EILSEQ: {e}"
+        );
+    }
+
+    /// The length in sectors of `name`'s table (its one line's).
+    pub fn sectors(&self, name: &str) -> u64 {
+        self.ok(&["table", name])
+            .split(' ')
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .expect("the table's length")
+    }
+
     /// Run and require success; returns stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let o = self.cli(args);

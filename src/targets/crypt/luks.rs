@@ -42,7 +42,7 @@
 //! the RFC 9106 function LUKS2 keyslots use by default); `base64ct`
 //! (RustCrypto's constant-time base64 for the JSON's salts and digests).
 
-use super::{parse_cipher, LockedBytes, Opts, Secret, MAX_KEY};
+use super::{parse_cipher, LockedBytes, Opts, Secret, MAX_CIPHER_KEY as MAX_KEY};
 use base64ct::{Base64, Encoding};
 use serde_json::Value;
 use sha2::Digest;

@@ -11,7 +11,8 @@
 //! - IV modes: `plain` (the sector number's low 32 bits, little-endian),
 //!   `plain64` (64 bits little-endian), `plain64be` (64 bits big-endian in the
 //!   IV's last 8 bytes), `essiv:sha256` (the `plain64` IV encrypted with AES-256
-//!   keyed by sha256 of the whole volume key), `null` (zero). The sector number
+//!   keyed by sha256 of the whole volume key), `null` (zero), `random` (kept in
+//!   the sector's integrity tag). The sector number
 //!   is the target's sector plus `iv_offset`, in 512-byte units; with
 //!   `iv_large_sectors`, in units of `sector_size`.
 //! - Options: `sector_size:<512..4096>` (the unit encrypted with one IV; I/O
@@ -20,7 +21,9 @@
 //!   without it they fail), and the kernel's workqueue options
 //!   (`same_cpu_crypt`, `high_priority`, `submit_from_crypt_cpus`,
 //!   `no_read_workqueue`, `no_write_workqueue`), accepted and printed back.
-//!   Integrity (`integrity:`, AEAD modes) is not supported.
+//!   `integrity:<bytes>:<aead|none>` with `capi:authenc(hmac(sha256),...)`
+//!   ciphers or `random` IVs: the tags live on the integrity device below
+//!   ([`aead`]).
 //! - Keys are given in hex. A key in a kernel keyring (`:<size>:logon:<desc>`)
 //!   is refused: userspace cannot read it (cryptsetup `--disable-keyring` puts
 //!   the key in the table instead).
@@ -79,7 +82,7 @@
 
 use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind, Op, SECTOR};
-use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
+use crate::mapper::{arg_dev, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, TagProfile, Target, TargetType};
 use aes::cipher::array::Array;
 use aes::cipher::consts::U16;
 use aes::cipher::{BlockCipherDecrypt, BlockCipherEncrypt, BlockModeDecrypt, BlockModeEncrypt, BlockSizeUser};
@@ -93,6 +96,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use zeroize::{Zeroize, Zeroizing};
 
+mod aead;
 pub mod luks;
 
 /// The `crypt` target type (Linux 6.12's dm-crypt version).
@@ -104,7 +108,10 @@ pub const TYPE: TargetType = TargetType {
 };
 
 /// The longest key any supported cipher takes (XTS with two AES-256 keys).
-const MAX_KEY: usize = 64;
+const MAX_CIPHER_KEY: usize = 64;
+/// The longest key a table gives: a cipher's, and an HMAC-SHA-256 key after
+/// it (dm-crypt's AEAD).
+const MAX_KEY: usize = MAX_CIPHER_KEY + 32;
 
 /// Why a key in a kernel keyring is refused (the kernel would read the keyring).
 const KEYRING: &str = "the key is a kernel keyring reference, which userspace cannot read: \
@@ -125,6 +132,8 @@ enum IvMode {
     Plain64Be,
     Essiv,
     Null,
+    /// Random bytes for each sector written, kept in its integrity tag.
+    Random,
 }
 
 /// A parsed cipher specification.
@@ -133,28 +142,45 @@ struct Spec {
     chain: Chain,
     /// None for ciphers without an IV (cipher_null).
     iv: Option<IvMode>,
+    /// `capi:authenc(<mac>,<cipher>)`: the MAC of the AEAD.
+    auth: Option<aead::Auth>,
+}
+
+/// A cipher spelling's chain mode, IV mode, IV options and MAC.
+type CipherParts<'a> = (Chain, Option<&'a str>, Option<&'a str>, Option<aead::Auth>);
+
+/// The parts of a crypto API spelling, `capi:<api>-<ivmode>[:<ivopts>]`
+/// (`rest` after `capi:`, `s` the whole for errors): chain, IV mode, IV
+/// options, and the MAC of an `authenc(...)` API.
+fn parse_capi<'a>(s: &str, rest: &'a str) -> Result<CipherParts<'a>, TargetError> {
+    // capi:<api>-<ivmode>:<ivopts>; the options may hold '-' (a hash name)
+    let (rest, ivopts) = match rest.rsplit_once(':') {
+        Some((r, o)) => (r, Some(o)),
+        None => (rest, None),
+    };
+    let (api, ivmode) = match rest.rsplit_once('-') {
+        Some((a, m)) => (a, Some(m)),
+        None => (rest, None),
+    };
+    let (auth, api) = match aead::split_authenc(api) {
+        Some(Ok((a, c))) => (Some(a), c),
+        Some(Err(e)) => return Err(e.into()),
+        None => (None, api),
+    };
+    let chain = match api {
+        "xts(aes)" => Chain::Xts,
+        "cbc(aes)" => Chain::Cbc,
+        "ecb(cipher_null)" => Chain::NullEcb,
+        _ => return Err(unsupported_cipher(s).into()),
+    };
+    Ok((chain, ivmode, ivopts, auth))
 }
 
 /// Parse `<cipher>` as the kernel does (crypt_ctr_cipher_old / _new), for the
 /// ciphers dmkit implements.
 fn parse_cipher(s: &str) -> Result<Spec, TargetError> {
-    let (chain, ivmode, ivopts) = if let Some(rest) = s.strip_prefix("capi:") {
-        // capi:<api>-<ivmode>:<ivopts>; the options may hold '-' (a hash name)
-        let (rest, ivopts) = match rest.rsplit_once(':') {
-            Some((r, o)) => (r, Some(o)),
-            None => (rest, None),
-        };
-        let (api, ivmode) = match rest.rsplit_once('-') {
-            Some((a, m)) => (a, Some(m)),
-            None => (rest, None),
-        };
-        let chain = match api {
-            "xts(aes)" => Chain::Xts,
-            "cbc(aes)" => Chain::Cbc,
-            "ecb(cipher_null)" => Chain::NullEcb,
-            _ => return Err(unsupported_cipher(s).into()),
-        };
-        (chain, ivmode, ivopts)
+    let (chain, ivmode, ivopts, auth) = if let Some(rest) = s.strip_prefix("capi:") {
+        parse_capi(s, rest)?
     } else {
         if s.contains('(') {
             return Err(format!("Bad cipher specification '{s}'").into());
@@ -202,17 +228,18 @@ fn parse_cipher(s: &str) -> Result<Spec, TargetError> {
             ("cipher_null", Some("ecb")) => Chain::NullEcb,
             _ => return Err(unsupported_cipher(s).into()),
         };
-        (chain, ivmode, ivopts)
+        (chain, ivmode, ivopts, None)
     };
     if chain == Chain::NullEcb {
         // no IV: the kernel warns and ignores an IV mode
-        return Ok(Spec { chain, iv: None });
+        return Ok(Spec { chain, iv: None, auth });
     }
     let iv = match ivmode {
         Some("plain") => IvMode::Plain,
         Some("plain64") => IvMode::Plain64,
         Some("plain64be") => IvMode::Plain64Be,
         Some("null") => IvMode::Null,
+        Some("random") => IvMode::Random,
         Some("essiv") => match ivopts {
             None | Some("") => return Err(format!("Digest algorithm missing for ESSIV mode in '{s}'").into()),
             Some("sha256") => IvMode::Essiv,
@@ -222,21 +249,26 @@ fn parse_cipher(s: &str) -> Result<Spec, TargetError> {
                 ).into())
             }
         },
-        Some(m @ ("benbi" | "lmk" | "tcw" | "random" | "eboiv" | "elephant")) => {
+        Some(m @ ("benbi" | "lmk" | "tcw" | "eboiv" | "elephant")) => {
             return Err(format!(
-                "IV mode '{m}' is not supported by dmkit (plain, plain64, plain64be, essiv:sha256, null)"
+                "IV mode '{m}' is not supported by dmkit (plain, plain64, plain64be, essiv:sha256, null, random)"
             ).into())
         }
         Some(m) => return Err(format!("Invalid IV mode '{m}'").into()),
         None => return Err(format!("IV mechanism required in '{s}'").into()),
     };
-    Ok(Spec { chain, iv: Some(iv) })
+    Ok(Spec {
+        chain,
+        iv: Some(iv),
+        auth,
+    })
 }
 
 fn unsupported_cipher(s: &str) -> String {
     format!(
         "Error allocating crypto tfm: cipher '{s}' is not supported by dmkit \
-         (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, or their capi: forms)"
+         (aes-xts-<iv>, aes-cbc-<iv>, cipher_null-ecb, their capi: forms, \
+         capi:authenc(hmac(sha256),<cipher>)-<iv>)"
     )
 }
 
@@ -707,8 +739,13 @@ impl XtsCtx {
 
 /// The volume key and everything keyed by it.
 struct Keys {
+    /// The table's key: the cipher's, then the MAC's.
     key: [u8; MAX_KEY],
     len: usize,
+    /// Bytes of it that are the cipher's.
+    enc_len: usize,
+    /// The AEAD's MAC, keyed with the rest.
+    mac: Option<aead::MacKey>,
     engine: Engine,
     /// XTS over OpenSSL's AES for the data path ([`Keys::run`]).
     ossl: Option<OsslXts>,
@@ -724,9 +761,19 @@ impl Drop for Keys {
 }
 
 impl Keys {
-    fn new(spec: &Spec, key: &[u8]) -> Result<Keys, TargetError> {
+    fn new(spec: &Spec, whole: &[u8]) -> Result<Keys, TargetError> {
         let mut k = [0u8; MAX_KEY];
-        k.get_mut(..key.len()).ok_or("key too long")?.copy_from_slice(key);
+        k.get_mut(..whole.len()).ok_or("key too long")?.copy_from_slice(whole);
+        let (key, mac) = match spec.auth {
+            Some(a) => {
+                let at = whole.len().checked_sub(a.key_len()).ok_or_else(|| {
+                    format!("the key is shorter than the MAC's key ({} bits)", a.key_len() * 8)
+                })?;
+                let (key, m) = whole.split_at(at);
+                (key, Some(aead::MacKey::new(a, m)?))
+            }
+            None => (whole, None),
+        };
         let essiv = match spec.iv {
             Some(IvMode::Essiv) => {
                 let mut salt: Zeroizing<[u8; 32]> = Zeroizing::new(Sha256::digest(key).into());
@@ -738,7 +785,9 @@ impl Keys {
         };
         Ok(Keys {
             key: k,
-            len: key.len(),
+            len: whole.len(),
+            enc_len: key.len(),
+            mac,
             engine: Engine::new(spec.chain, key)?,
             ossl: OsslXts::new(spec.chain, key),
             iv: spec.iv,
@@ -753,10 +802,15 @@ impl Keys {
     /// `data`, no copy first), else (or from where OpenSSL failed) with the
     /// `aes` crate in place.
     fn run(&self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, n: impl Fn(usize) -> u64) {
+        self.run_ivs(enc, from, data, unit, |i| self.iv(n(i)))
+    }
+
+    /// As [`run`](Self::run), the sector at index i with IV `iv(i)`.
+    fn run_ivs(&self, enc: bool, from: Option<&[u8]>, data: &mut [u8], unit: usize, iv: impl Fn(usize) -> [u8; 16]) {
         let mut done = 0;
         if let Some(o) = &self.ossl {
-            if let Some(mut c) = o.take(&self.key[..self.len]) {
-                done = c.run(enc, from, data, unit, |i| self.iv(n(i)));
+            if let Some(mut c) = o.take(&self.key[..self.enc_len]) {
+                done = c.run(enc, from, data, unit, &iv);
                 o.give_back(c);
             }
         }
@@ -768,7 +822,7 @@ impl Keys {
             if let Some(f) = from.and_then(|f| f.get(i * unit..(i + 1) * unit)) {
                 s.copy_from_slice(f);
             }
-            self.engine.sector(enc, s, self.iv(n(i)));
+            self.engine.sector(enc, s, iv(i));
         }
     }
 
@@ -776,7 +830,8 @@ impl Keys {
     fn iv(&self, n: u64) -> [u8; 16] {
         let mut iv = [0u8; 16];
         match self.iv {
-            None | Some(IvMode::Null) => {}
+            // a random IV comes from the sector's tag, not from here
+            None | Some(IvMode::Null) | Some(IvMode::Random) => {}
             Some(IvMode::Plain) => iv[..4].copy_from_slice(&(n as u32).to_le_bytes()),
             Some(IvMode::Plain64) => iv[..8].copy_from_slice(&n.to_le_bytes()),
             Some(IvMode::Plain64Be) => iv[8..].copy_from_slice(&n.to_be_bytes()),
@@ -932,6 +987,8 @@ struct Opts {
     submit_from_crypt_cpus: bool,
     no_read_workqueue: bool,
     no_write_workqueue: bool,
+    /// `integrity:<bytes>:<aead|none>`: tags on the device below.
+    integrity: Option<aead::Integrity>,
     /// Bytes encrypted with one IV (512..4096).
     sector_size: u32,
     iv_large_sectors: bool,
@@ -945,8 +1002,8 @@ fn parse_opts(args: &[String], len: u64) -> Result<Opts, TargetError> {
     };
     let Some(count) = args.first() else { return Ok(o) };
     let n = match count.parse::<usize>() {
-        Ok(n) if n <= 8 => n,
-        _ => return Err(format!("Invalid number of feature args '{count}' (0 to 8)").into()),
+        Ok(n) if n <= 9 => n,
+        _ => return Err(format!("Invalid number of feature args '{count}' (0 to 9)").into()),
     };
     let opts = &args[1..];
     if n > opts.len() {
@@ -979,13 +1036,17 @@ fn parse_opts(args: &[String], len: u64) -> Result<Opts, TargetError> {
                         ).into());
                     }
                     o.sector_size = s;
-                } else if l.starts_with("integrity:") || l.starts_with("integrity_key_size:") {
-                    return Err(format!("'{a}': dm-crypt's integrity modes are not supported by dmkit").into());
+                } else if let Some(v) = l.strip_prefix("integrity:") {
+                    o.integrity = Some(aead::Integrity::parse(v)?);
+                } else if l.starts_with("integrity_key_size:") {
+                    return Err(format!(
+                        "'{a}': a MAC key of another size than its digest is not supported by dmkit"
+                    ).into());
                 } else {
                     return Err(format!(
                         "Invalid feature arguments '{a}' (allow_discards, same_cpu_crypt, high_priority, \
-                         submit_from_crypt_cpus, no_read_workqueue, no_write_workqueue, sector_size:<bytes>, \
-                         iv_large_sectors)"
+                         submit_from_crypt_cpus, no_read_workqueue, no_write_workqueue, \
+                         integrity:<bytes>:<aead|none>, sector_size:<bytes>, iv_large_sectors)"
                     ).into());
                 }
             }
@@ -1009,6 +1070,9 @@ impl Opts {
         .filter(|(on, _)| *on)
         .map(|(_, s)| s.to_string())
         .collect();
+        if let Some(i) = self.integrity {
+            v.push(i.word());
+        }
         if self.sector_size != 512 {
             v.push(format!("sector_size:{}", self.sector_size));
         }
@@ -1036,14 +1100,81 @@ impl Layout {
     /// Encrypt (`enc`) or decrypt into `data`, from `from` (as long) or in
     /// place: whole encryption sectors from target sector `sector` on.
     fn apply(&self, keys: &Keys, enc: bool, sector: u64, from: Option<&[u8]>, data: &mut [u8]) {
-        keys.run(enc, from, data, (self.spc * SECTOR) as usize, |i| {
-            let n = sector + self.iv_offset + i as u64 * self.spc;
-            if self.large {
-                n / self.spc
-            } else {
-                n
+        keys.run(enc, from, data, self.unit(), |i| self.iv_number(sector, i));
+    }
+
+    fn unit(&self) -> usize {
+        (self.spc * SECTOR) as usize
+    }
+
+    /// The IV number of the encryption sector at index `i` from target
+    /// sector `sector`.
+    fn iv_number(&self, sector: u64, i: usize) -> u64 {
+        let n = sector + self.iv_offset + i as u64 * self.spc;
+        if self.large {
+            n / self.spc
+        } else {
+            n
+        }
+    }
+
+    /// The IV of sector `i` from `sector`: kept in its tag (`kept`: the
+    /// sector's 16 bytes there), else generated.
+    fn iv_of(&self, keys: &Keys, sector: u64, i: usize, kept: Option<&[u8]>) -> [u8; 16] {
+        let mut iv = [0u8; 16];
+        match kept.and_then(|k| k.get(i * 16..(i + 1) * 16)) {
+            Some(k) => iv.copy_from_slice(k),
+            None => iv = keys.iv(self.iv_number(sector, i)),
+        }
+        iv
+    }
+
+    /// Encrypt `client` into `own` from target sector `sector`, and write
+    /// each sector's tag into `tags` (see [`aead`]); `random` holds the
+    /// random IVs where the tag keeps them (16 bytes a sector).
+    fn seal(
+        &self,
+        keys: &Keys,
+        tl: &aead::TagLayout,
+        sector: u64,
+        (client, own): (&[u8], &mut [u8]),
+        tags: &mut [u8],
+        random: &[u8],
+    ) {
+        let kept = tl.iv_kept.then_some(random);
+        keys.run_ivs(true, Some(client), own, self.unit(), |i| self.iv_of(keys, sector, i, kept));
+        for (i, (ct, tag)) in own.chunks_exact(self.unit()).zip(tags.chunks_exact_mut(tl.on_disk)).enumerate() {
+            tag.fill(0);
+            let iv = self.iv_of(keys, sector, i, kept);
+            if let Some(m) = &keys.mac {
+                m.tag(sector + i as u64 * self.spc, &iv, ct, &mut tag[..tl.auth]);
             }
+            if tl.iv_kept {
+                tag[tl.auth..tl.auth + 16].copy_from_slice(&iv);
+            }
+        }
+    }
+
+    /// Check each sector's MAC in `tags`, then decrypt `own` into `client`;
+    /// Err with the first sector whose MAC does not match (nothing
+    /// decrypted then).
+    fn open(&self, keys: &Keys, tl: &aead::TagLayout, sector: u64, own: &[u8], tags: &[u8], client: &mut [u8]) -> Result<(), u64> {
+        let kept: Option<Vec<u8>> = tl.iv_kept.then(|| {
+            tags.chunks_exact(tl.on_disk)
+                .flat_map(|t| t[tl.auth..tl.auth + 16].iter().copied())
+                .collect()
         });
+        let kept = kept.as_deref();
+        if let Some(m) = &keys.mac {
+            for (i, (ct, tag)) in own.chunks_exact(self.unit()).zip(tags.chunks_exact(tl.on_disk)).enumerate() {
+                let s = sector + i as u64 * self.spc;
+                if !m.check(s, &self.iv_of(keys, sector, i, kept), ct, &tag[..tl.auth]) {
+                    return Err(s);
+                }
+            }
+        }
+        keys.run_ivs(false, Some(own), client, self.unit(), |i| self.iv_of(keys, sector, i, kept));
+        Ok(())
     }
 }
 
@@ -1057,7 +1188,37 @@ pub struct Crypt {
     dev: DevRef,
     offset: u64,
     opts: Opts,
+    /// Integrity modes: what a sector's tag holds, and the profile of the
+    /// device below that stores it.
+    tags: Option<(aead::TagLayout, TagProfile)>,
     suspended: AtomicBool,
+}
+
+/// The tags of an integrity mode: the layout, checked against the profile of
+/// the device below (crypt_integrity_ctr, with its errors). None where the
+/// table has no integrity mode (or one that keeps nothing: `none` without a
+/// random IV, which the kernel ignores).
+fn tag_setup(spec: &Spec, opts: &Opts, dev: &DevRef) -> Result<Option<(aead::TagLayout, TagProfile)>, TargetError> {
+    let iv_kept = spec.iv == Some(IvMode::Random);
+    let integrity = match opts.integrity {
+        Some(i) if i.aead || iv_kept => i,
+        _ if spec.auth.is_some() => {
+            return Err("Error allocating crypto tfm: an authenc cipher needs integrity:<bytes>:aead".into())
+        }
+        _ if iv_kept => return Err("Integrity profile not supported.".into()),
+        _ => return Ok(None),
+    };
+    aead::check_pairing(&integrity, spec.auth)?;
+    let Some(p) = dev.tag_profile() else {
+        return Err("Integrity profile not supported.".into());
+    };
+    if u32::from(p.tag_size) != integrity.tag_size {
+        return Err("Integrity profile tag size mismatch.".into());
+    }
+    if p.block_size != opts.sector_size {
+        return Err("Integrity profile sector size mismatch.".into());
+    }
+    Ok(Some((aead::TagLayout::new(&integrity, spec.auth, iv_kept)?, p)))
 }
 
 impl Crypt {
@@ -1102,6 +1263,7 @@ impl Crypt {
             .parse::<u64>()
             .map_err(|_| format!("Invalid device sector '{}'", args[4]))?;
         let dev = arg_dev(args, 3, offset, len, r)?;
+        let tags = tag_setup(&spec, &opts, &dev)?;
         Ok(Crypt {
             cipher: args[0].clone(),
             spec,
@@ -1115,6 +1277,7 @@ impl Crypt {
             dev,
             offset,
             opts,
+            tags,
             suspended: AtomicBool::new(false),
         })
     }
@@ -1144,6 +1307,76 @@ impl Crypt {
             }
             _ => Err(unrecognised(words).into()),
         }
+    }
+}
+
+impl Crypt {
+    /// Map a read or write of an integrity mode: the sectors go down with
+    /// their tags ([`MapCtx::remap_owned_tagged`]); a read is checked and
+    /// decrypted once its data and tags are back.
+    fn map_tagged(
+        &self,
+        bio: Bio,
+        ctx: &mut MapCtx,
+        keys: Arc<Secret>,
+        tl: aead::TagLayout,
+        profile: TagProfile,
+    ) -> Result<(), MapErr> {
+        let down = bio.shifted(self.offset);
+        let layout = self.layout;
+        let sectors = bio.bytes() as usize / layout.unit();
+        if bio.op == Op::Write {
+            let mut random = Vec::new();
+            if tl.iv_kept {
+                random.resize(sectors * 16, 0);
+                if openssl::rand::rand_bytes(&mut random).is_err() {
+                    tracing::error!("crypt: no random IVs (the random source failed): the write fails");
+                    return Err(MapErr::Errno(errno::EIO));
+                }
+            }
+            return ctx.remap_owned_tagged(
+                &self.dev,
+                down,
+                Some(profile),
+                |own, tags, client| match keys.keys() {
+                    Some(k) if own.len() == client.len() && tags.len() == sectors * tl.on_disk => {
+                        layout.seal(k, &tl, bio.sector, (client, own), tags, &random)
+                    }
+                    // never the plaintext (map checked there are keys and
+                    // the engine sizes the buffers)
+                    _ => {
+                        own.fill(0);
+                        tags.fill(0);
+                    }
+                },
+                None,
+            );
+        }
+        let dev = self.dev.table_name();
+        ctx.remap_owned_tagged(
+            &self.dev,
+            down,
+            Some(profile),
+            |_, _, _| {},
+            Some(Box::new(move |ok, own, client| {
+                if !ok {
+                    return 0;
+                }
+                let n = client.len();
+                let (Some(k), true) = (keys.keys(), own.len() == n + sectors * tl.on_disk) else {
+                    return errno::EIO;
+                };
+                let (ct, tags) = own.split_at(n);
+                match layout.open(k, &tl, bio.sector, ct, tags, client) {
+                    Ok(()) => 0,
+                    Err(s) => {
+                        tracing::error!("crypt: {dev}: INTEGRITY AEAD ERROR, sector {s}");
+                        client.fill(0);
+                        libc::EILSEQ
+                    }
+                }
+            })),
+        )
     }
 }
 
@@ -1181,6 +1414,9 @@ impl Target for Crypt {
             return Ok(());
         };
         let layout = self.layout;
+        if let Some((tl, profile)) = self.tags {
+            return self.map_tagged(bio, ctx, keys, tl, profile);
+        }
         if bio.op == Op::Write {
             ctx.remap_owned(
                 &self.dev,
@@ -1382,7 +1618,7 @@ mod tests {
     #[test]
     fn ciphers_parse_as_the_kernel_reads_them() {
         use IvMode::*;
-        let ok = |s: &str, chain, iv| assert_eq!(parse_cipher(s), Ok(Spec { chain, iv }), "{s}");
+        let ok = |s: &str, chain, iv| assert_eq!(parse_cipher(s), Ok(Spec { chain, iv, auth: None }), "{s}");
         ok("aes-xts-plain64", Chain::Xts, Some(Plain64));
         ok("aes-xts-plain", Chain::Xts, Some(Plain));
         ok("aes-xts-plain64be", Chain::Xts, Some(Plain64Be));
@@ -1420,7 +1656,7 @@ mod tests {
         assert_eq!(decode_key("-", &mut k), Ok(0));
         assert!(decode_key("abc", &mut k).unwrap_err().what().contains("odd number"));
         assert!(decode_key("zz", &mut k).unwrap_err().what().contains("not hex"));
-        assert!(decode_key(&"00".repeat(65), &mut k).unwrap_err().what().contains("longer"));
+        assert!(decode_key(&"00".repeat(MAX_KEY + 1), &mut k).unwrap_err().what().contains("longer"));
         assert!(decode_key(":64:logon:cryptsetup:x", &mut k).unwrap_err().what().contains("--disable-keyring"));
         let spec = |s| parse_cipher(s).unwrap();
         for (c, n) in [("aes-xts-plain64", 32), ("aes-xts-plain64", 48), ("aes-xts-plain64", 64)] {
@@ -1460,7 +1696,7 @@ mod tests {
             assert!(e.what().contains(want), "{v:?}: {e}");
         };
         err(&["1", "bogus"], "Invalid feature arguments");
-        err(&["9"], "Invalid number of feature args");
+        err(&["10"], "Invalid number of feature args");
         err(&["x"], "Invalid number of feature args");
         err(&["2", "allow_discards"], "Not enough feature arguments");
         err(&["1", "sector_size:1000"], "Invalid feature value for sector_size");
@@ -1469,7 +1705,11 @@ mod tests {
         assert!(parse_opts(&a(&["1", "sector_size:4096"]), 12)
             .unwrap_err()
             .what().contains("Device size is not multiple"));
-        err(&["1", "integrity:28:aead"], "not supported");
+        err(&["1", "integrity:0:aead"], "Invalid integrity arguments");
+        err(&["1", "integrity:32:gcm"], "Unknown integrity profile");
+        err(&["1", "integrity_key_size:16"], "not supported");
+        let o = parse_opts(&a(&["3", "sector_size:4096", "integrity:48:aead", "allow_discards"]), 8).unwrap();
+        assert_eq!(o.table(), " 3 allow_discards integrity:48:aead sector_size:4096", "crypt_status's order");
     }
 
     /// IEEE 1619-2007 XTS-AES vectors 2 and 3 (256-bit keys, 32-byte data

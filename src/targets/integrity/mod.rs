@@ -10,9 +10,14 @@
 //! (`crc32c`, `crc32`, `sha256`, `hmac(sha256)`), `recalculate`,
 //! `reset_recalculate`, `allow_discards`, `fix_padding`, `fix_hmac`,
 //! `legacy_recalculate`. Refused with one line each: `meta_device`,
-//! `journal_crypt`, `journal_mac`, mode `I`, `allow_discards_keyed`, and
-//! tags without `internal_hash` (dm-crypt's AEAD tags): dmkit has no
-//! interface for a device above to hand its tags down.
+//! `journal_crypt`, `journal_mac`, mode `I`, `allow_discards_keyed`.
+//!
+//! Without `internal_hash` (a numeric tag size then), the tags are a device
+//! above's (dm-crypt's AEAD tags, the kernel's DM-DIF-EXT-TAG profile): a
+//! bio's [`Bio::tags`] are stored with its blocks and given back with them
+//! on reads, unchecked here; a write that comes without tags leaves the
+//! stored ones as they are (journal mode: zeroes, as the kernel's), and a
+//! dirty bitmap after a crash has nothing to recompute them from.
 //!
 //! A blank device (its first 4 KiB zero) is formatted when the table is
 //! loaded, as the kernel does: superblock and an empty journal, the tags left
@@ -41,7 +46,7 @@ use crate::mapper::TargetError;
 use crate::io::{errno, LeafKind, Op, SECTOR};
 use crate::mapper::devio;
 use crate::mapper::engine::Pending;
-use crate::mapper::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, Target, TargetType};
+use crate::mapper::{arg_u64, Bio, DevRef, Limits, MapCtx, MapErr, Resolver, TagProfile, Target, TargetType};
 use crate::sync::Unpoison;
 use format::*;
 use std::collections::{HashMap, VecDeque};
@@ -171,7 +176,8 @@ struct Layout {
     meta: Option<DevRef>,
     mdest: crate::mapper::engine::Dest,
     geo: Geometry,
-    hash: Hash,
+    /// None: the tags are a device above's.
+    hash: Option<Hash>,
     salt: Option<[u8; SALT_SIZE]>,
     mode: Mode,
     /// Bitmap mode: log2 of sectors per bit.
@@ -222,8 +228,12 @@ impl Layout {
         devio::flush(&self.dest)
     }
 
+    /// The tag of a block, by the internal hash (zeroes without one).
     fn tag_of(&self, sector: u64, data: &[u8], out: &mut [u8]) {
-        self.hash.tag(self.salt.as_ref(), sector, data, out);
+        match &self.hash {
+            Some(h) => h.tag(self.salt.as_ref(), sector, data, out),
+            None => out.fill(0),
+        }
     }
 
     /// Read the tags of `n` blocks from logical sector `l` (one area).
@@ -272,7 +282,13 @@ impl Layout {
 
 enum Job {
     Read { pending: Pending, bio: Bio },
-    Write { pending: Pending, bio: Bio, data: Vec<u8> },
+    /// With the tags a device above gave (`tags`), if any.
+    Write {
+        pending: Pending,
+        bio: Bio,
+        data: Vec<u8>,
+        tags: Option<Vec<u8>>,
+    },
     Flush { pending: Pending },
     Discard { pending: Pending, bio: Bio },
     /// Replay or prepare at a first resume; the answer goes back.
@@ -324,17 +340,19 @@ pub struct Integrity {
     started: AtomicBool,
 }
 
-/// The internal hash the options name and the tag size (the table's, else
-/// the digest's).
-fn hash_and_tag(opts: &Opts, tag_given: Option<u64>) -> Result<(Hash, u64), TargetError> {
-    let Some(spec) = &opts.internal_hash else {
-        return Err(
-            "tags without internal_hash (a device above supplying them) are not supported by dmkit's integrity target"
-                .into(),
-        );
+/// The internal hash the options name (None: the tags are a device
+/// above's) and the tag size (the table's, else the digest's).
+fn hash_and_tag(opts: &Opts, tag_given: Option<u64>) -> Result<(Option<Hash>, u64), TargetError> {
+    let hash = match &opts.internal_hash {
+        Some(spec) => Some(Hash::parse(spec)?.0),
+        None if opts.recalculate => return Err("Recalculate can only be specified with internal_hash".into()),
+        None => None,
     };
-    let (hash, _) = Hash::parse(spec)?;
-    let tag_size = tag_given.unwrap_or(hash.digest_size());
+    let tag_size = match (tag_given, &hash) {
+        (Some(t), _) => t,
+        (None, Some(h)) => h.digest_size(),
+        (None, None) => return Err("Unknown tag size".into()),
+    };
     if tag_size > MAX_TAG_SIZE {
         return Err("Too big tag size".into());
     }
@@ -447,7 +465,7 @@ impl Integrity {
                 geo.provided
             ).into());
         }
-        if sb.has(SB_FLAG_RECALCULATING) && sb.recalc_sector < geo.provided && hash.keyed() && !opts.legacy_recalculate {
+        if sb.has(SB_FLAG_RECALCULATING) && sb.recalc_sector < geo.provided && hash.as_ref().is_some_and(Hash::keyed) && !opts.legacy_recalculate {
             return Err("Recalculating with HMAC is disabled for security reasons - if you really need it, use the argument \"legacy_recalculate\"".into());
         }
         let log2_spbb = bitmap_log2(opts.sectors_per_bit, log2_spb, &geo);
@@ -700,6 +718,30 @@ impl Drop for Integrity {
     }
 }
 
+impl Integrity {
+    /// A bio's tags must be what the table offers (the kernel's map refuses
+    /// the bio otherwise).
+    fn check_tags(&self, bio: &Bio) -> Result<(), MapErr> {
+        let Some(t) = bio.tags else { return Ok(()) };
+        let g = &self.lay.geo;
+        let why = if self.lay.hash.is_some() {
+            "Unexpected integrity data when using internal hash".to_string()
+        } else if u64::from(t.size) != g.tag_size || 1u64.checked_shl(t.shift.into()) != Some(g.spb() * SECTOR) {
+            format!(
+                "Invalid integrity data: {} bytes a {}-byte block, expected {} a {}",
+                t.size,
+                1u64.checked_shl(t.shift.into()).unwrap_or(0),
+                g.tag_size,
+                g.spb() * SECTOR
+            )
+        } else {
+            return Ok(());
+        };
+        tracing::error!("integrity: {}: {why}", self.lay.dev.table_name());
+        Err(MapErr::Errno(errno::EIO))
+    }
+}
+
 impl Target for Integrity {
     fn type_name(&self) -> &'static str {
         TYPE.name
@@ -718,6 +760,7 @@ impl Target for Integrity {
         if self.shared.failed.load(Ordering::Relaxed) {
             return Err(MapErr::Errno(errno::EIO));
         }
+        self.check_tags(&bio)?;
         let job = match bio.op {
             Op::Read => Job::Read {
                 pending: ctx.submit(bio),
@@ -726,16 +769,22 @@ impl Target for Integrity {
             _ if self.lay.mode == Mode::Recovery => return Err(MapErr::Errno(errno::EIO)),
             Op::Write => {
                 let data = ctx.data_of(&bio).to_vec();
+                let tags = match bio.tags {
+                    Some(_) => Some(ctx.tags_of(&bio).ok_or(MapErr::Errno(errno::EIO))?.to_vec()),
+                    None => None,
+                };
                 Job::Write {
                     pending: ctx.submit(bio),
                     bio,
                     data,
+                    tags,
                 }
             }
             Op::WriteZeroes => Job::Write {
                 pending: ctx.submit(bio),
                 bio,
                 data: vec![0u8; bio.bytes() as usize],
+                tags: None,
             },
             Op::Flush => Job::Flush {
                 pending: ctx.submit(bio),
@@ -798,6 +847,16 @@ impl Target for Integrity {
 
     fn logical_block_size(&self) -> u32 {
         (self.lay.geo.spb() * SECTOR) as u32
+    }
+
+    fn tag_profile(&self) -> Option<TagProfile> {
+        match self.lay.hash {
+            Some(_) => None,
+            None => Some(TagProfile {
+                tag_size: self.lay.geo.tag_size as u16,
+                block_size: (self.lay.geo.spb() * SECTOR) as u32,
+            }),
+        }
     }
 
     fn limits(&self) -> Limits {
@@ -996,9 +1055,14 @@ impl Work {
                 Ok(data) => pending.done_with(data),
                 Err(e) => pending.fail(e),
             },
-            Job::Write { pending, bio, data } => {
+            Job::Write {
+                pending,
+                bio,
+                data,
+                tags,
+            } => {
                 self.written = true;
-                match self.write(&bio, data) {
+                match self.write(&bio, data, tags) {
                     Ok(()) => pending.done(),
                     Err(e) => {
                         self.fail_device(&e);
@@ -1035,19 +1099,24 @@ impl Work {
         let bs = (spb * SECTOR) as usize;
         let mut out = vec![0u8; bio.bytes() as usize];
         devio::read(&lay.dest, g.data_sector(bio.sector), &mut out).map_err(|_| errno::EIO)?;
-        if lay.mode == Mode::Recovery {
+        if lay.mode == Mode::Recovery && lay.hash.is_some() {
             return Ok(out);
         }
         let n = bio.nr_sectors / spb;
-        let tags = lay.read_tags(bio.sector, n).map_err(|_| errno::EIO)?;
+        let mut tags = lay.read_tags(bio.sector, n).map_err(|_| errno::EIO)?;
         let ts = g.tag_size as usize;
-        let unchecked_from = self.shared.recalc_at.load(Ordering::SeqCst);
+        let unchecked_from = match lay.hash {
+            Some(_) => self.shared.recalc_at.load(Ordering::SeqCst),
+            // the tags are the device above's to check
+            None => 0,
+        };
         let mut want = vec![0u8; ts];
         for i in 0..n as usize {
             let l = bio.sector + i as u64 * spb;
             let blk = &mut out[i * bs..(i + 1) * bs];
             if let Some(&k) = self.open_at.get(&l) {
                 blk.copy_from_slice(&self.open[k].1);
+                tags[i * ts..(i + 1) * ts].copy_from_slice(&self.open[k].2);
                 continue;
             }
             if l + spb > unchecked_from {
@@ -1067,22 +1136,30 @@ impl Work {
                 return Err(EILSEQ);
             }
         }
+        if bio.tags.is_some() {
+            out.extend_from_slice(&tags);
+        }
         Ok(out)
     }
 
     // ---- writes ----
 
-    fn write(&mut self, bio: &Bio, data: Vec<u8>) -> Result<(), TargetError> {
+    /// Write `data` at `bio`'s blocks, with the tags a device above gave
+    /// (`given`), else the internal hash's.
+    fn write(&mut self, bio: &Bio, data: Vec<u8>, given: Option<Vec<u8>>) -> Result<(), TargetError> {
         let lay = self.lay.clone();
         let spb = lay.geo.spb();
         let bs = (spb * SECTOR) as usize;
+        let ts = lay.geo.tag_size as usize;
         match lay.mode {
             Mode::Journal => {
-                let ts = lay.geo.tag_size as usize;
                 for (i, blk) in data.chunks(bs).enumerate() {
                     let l = bio.sector + i as u64 * spb;
                     let mut tag = vec![0u8; ts];
-                    lay.tag_of(l, blk, &mut tag);
+                    match given.as_ref().and_then(|t| t.get(i * ts..(i + 1) * ts)) {
+                        Some(t) => tag.copy_from_slice(t),
+                        None => lay.tag_of(l, blk, &mut tag),
+                    }
                     match self.open_at.get(&l) {
                         Some(&k) => self.open[k] = (l, blk.to_vec(), tag),
                         None => {
@@ -1104,9 +1181,17 @@ impl Work {
                 if lay.mode == Mode::Bitmap {
                     self.set_bits(bio.sector, bio.nr_sectors)?;
                 }
-                let tags = lay.tags_for(bio.sector, &data);
-                lay.write_home(bio.sector, &data, &tags)
-                    .map_err(|e| io_err("writing data and tags", e))?;
+                let tags = match (given, &lay.hash) {
+                    (Some(t), _) => Some(t),
+                    (None, Some(_)) => Some(lay.tags_for(bio.sector, &data)),
+                    // a device above's tags stay as they are
+                    (None, None) => None,
+                };
+                match tags {
+                    Some(t) => lay.write_home(bio.sector, &data, &t),
+                    None => devio::write(&lay.dest, lay.geo.data_sector(bio.sector), &data, false),
+                }
+                .map_err(|e| io_err("writing data and tags", e))?;
                 if bio.fua {
                     lay.flush().map_err(|e| io_err("flushing", e))?;
                 }
@@ -1518,6 +1603,10 @@ impl Work {
     /// Compute and write the tags of a range (within one area or more).
     fn recalc_range(&self, start: u64, len: u64) -> Result<(), TargetError> {
         let lay = &self.lay;
+        if lay.hash.is_none() {
+            // a device above's tags: nothing here computes them
+            return Ok(());
+        }
         let g = &lay.geo;
         let mut s = start;
         while s < start + len {
