@@ -363,3 +363,33 @@ fn nodes_name_one_device_across_restarts() {
         text(&o.stderr)
     );
 }
+
+/// readlink of /sys/dev/block/MAJOR:N: the kernel's links, the same behind the
+/// door, for every device the host has; for a device of dmkit's major, the
+/// kernel's form of a device-mapper device's link (`../../devices/virtual/block/dm-N`,
+/// where cryptsetup finds the device a crypt table names), and a minor the
+/// daemon has no device for fails as a number the kernel does not have.
+#[test]
+fn sys_dev_block_links_are_the_kernels_and_dmkits_devices_have_theirs() {
+    let d = linear_daemon("syslinks", "dz", 1 << 20);
+    let major = std::fs::read_to_string(d.run.join("major")).expect("major");
+    let nodes = d.dir.path("nodes");
+    std::fs::create_dir_all(&nodes).expect("nodes");
+    let host = "for l in /sys/dev/block/*; do echo \"$l $(readlink $l)\"; done; echo $?";
+    let (plain, door) = both(&d, &nodes, host);
+    assert_eq!(plain, door, "the host's links");
+    assert!(
+        plain.0.lines().count() > 1,
+        "the host has block devices: {plain:?}"
+    );
+    let ours = format!("readlink /sys/dev/block/{}:0; echo $?", major.trim());
+    let (plain, door) = both(&d, &nodes, &ours);
+    assert_eq!(
+        door.0, "../../devices/virtual/block/dm-0\n0\n",
+        "dz's link behind the door"
+    );
+    assert_eq!(plain.0, "1\n", "no such link without it");
+    let missing = format!("readlink /sys/dev/block/{}:9; echo $?", major.trim());
+    let (plain, door) = both(&d, &nodes, &missing);
+    assert_eq!((plain.0.as_str(), door.0.as_str()), ("1\n", "1\n"), "no device 9");
+}
