@@ -15,20 +15,21 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::MIB;
-const J: &str = "4 J 5 journal_sectors:2048 block_size:512 internal_hash:crc32c fix_padding fix_hmac";
+pub(crate) const J: &str =
+    "4 J 5 journal_sectors:2048 block_size:512 internal_hash:crc32c fix_padding fix_hmac";
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn provided(img: &Path) -> u64 {
+pub(crate) fn provided(img: &Path) -> u64 {
     let b = std::fs::read(img).expect("image");
     u64::from_le_bytes(b[16..24].try_into().unwrap())
 }
 
 /// Format `img` with `opts` (an 8-sector table, as integritysetup does) and
 /// make `name` over all of it.
-fn make(d: &Daemon, name: &str, img: &Path, opts: &str) -> u64 {
+pub(crate) fn make(d: &Daemon, name: &str, img: &Path, opts: &str) -> u64 {
     d.create("fmt", &format!("0 8 integrity {} 0 {opts}", img.display()));
     d.ok(&["remove", "fmt"]);
     let p = provided(img);
@@ -38,7 +39,7 @@ fn make(d: &Daemon, name: &str, img: &Path, opts: &str) -> u64 {
 
 /// The home sector of logical sector `l` (tag 4, 512-byte blocks,
 /// fix_padding, first area).
-fn home(img: &Path, l: u64) -> u64 {
+pub(crate) fn home(img: &Path, l: u64) -> u64 {
     let b = std::fs::read(img).expect("image");
     let js = u64::from(u32::from_le_bytes(b[12..16].try_into().unwrap()));
     8 + js * 176 + 256 + l

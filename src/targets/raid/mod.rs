@@ -70,8 +70,9 @@ pub const TYPE: TargetType = TargetType {
 
 /// md's limit of legs.
 const MAX_LEGS: usize = 253;
-/// raid1: regions waiting for their read errors to be corrected; beyond, a
-/// read error fails the leg (md fails a leg after 20 read errors).
+/// raid1: regions waiting for their read errors to be corrected (raid4/5/6:
+/// leg ranges whose reads go through the thread); beyond, a read error fails
+/// the leg (md fails a leg after 20 read errors).
 const MAX_FIXES: usize = 20;
 /// The default region: 4 MiB.
 const DEFAULT_REGION: u64 = 8192;
@@ -160,6 +161,10 @@ struct State {
     /// reads of the region go to the other legs until the thread has
     /// written it again from one of them (md's read-error correction).
     fixes: Vec<(usize, u64)>,
+    /// raid4/5/6: (leg, leg sector, sectors) a direct read failed on: reads
+    /// there go through the thread, which rebuilds what fails to read from
+    /// the other legs and writes it back (md's read-error correction).
+    reroute: Vec<(usize, u64, u64)>,
     action: Action,
     /// Progress of the current or last copy, in sectors.
     progress: u64,
@@ -201,6 +206,7 @@ impl State {
             waiting: Vec::new(),
             busy: None,
             fixes: Vec::new(),
+            reroute: Vec::new(),
             action: Action::Idle,
             progress: 0,
             cursor: 0,
@@ -1150,6 +1156,18 @@ impl Inner {
                         bio.sector
                     );
                     REMAP
+                } else if matches!(me.geo.level, Level::Parity { .. })
+                    && !st.faulty[i]
+                    && st.reroute.len() < MAX_FIXES
+                {
+                    // as md: the block rebuilt from the others, and written
+                    // back (the thread's read does both)
+                    st.reroute.push((i, bio.sector, bio.nr_sectors));
+                    tracing::warn!(
+                        "raid: read error on leg {i} at its sector {}; rebuilt from the other legs, to be written again",
+                        bio.sector
+                    );
+                    REMAP
                 } else if me.fail_leg(&mut st, i) {
                     tracing::error!("raid: read error on leg {i} at its sector {}; read again without it", bio.sector);
                     REMAP
@@ -1271,7 +1289,12 @@ impl Inner {
                     pieces.push((row.data[di], bio.sub(done, n, at)));
                     done += n;
                 }
-                if pieces.iter().any(|&(leg, _)| !self.good(&st, leg)) {
+                let rerouted = |leg: usize, b: &Bio| {
+                    st.reroute
+                        .iter()
+                        .any(|&(i, s, n)| i == leg && s < b.sector + b.nr_sectors && b.sector < s + n)
+                };
+                if pieces.iter().any(|(leg, b)| !self.good(&st, *leg) || rerouted(*leg, b)) {
                     st.jobs.push_back(Job::Read {
                         pending: ctx.submit(bio),
                         bio,
@@ -1303,6 +1326,15 @@ impl Inner {
         false
     }
 
+    /// Read `n` sectors at leg sector `at` of leg `i`: whether it worked (a
+    /// failure fails nothing: the caller rebuilds the block).
+    fn try_read_leg(&self, i: usize, at: u64, buf: &mut [u8]) -> bool {
+        self.legs[i]
+            .data
+            .as_ref()
+            .is_some_and(|d| devio::read_data(&d.dest(), at, buf).is_ok())
+    }
+
     /// Write to leg `i` (if it has not failed); a failure fails the leg.
     /// False if the leg could not be failed (the array would stop).
     fn write_leg(&self, i: usize, at: u64, buf: &[u8], fua: bool) -> bool {
@@ -1325,48 +1357,80 @@ impl Inner {
     /// others. None if too many legs are missing.
     fn read_row(&self, row: &layout::Row, at: u64, len: usize) -> Option<RowBlocks> {
         for _attempt in 0..=self.nlegs() {
-            let good: Vec<bool> = {
+            let n = len as u64 / SECTOR;
+            let (good, known_bad): (Vec<bool>, Vec<bool>) = {
                 let st = self.lock();
-                (0..self.nlegs()).map(|i| self.good(&st, i)).collect()
+                (0..self.nlegs())
+                    .map(|i| {
+                        let failed_before = st.reroute.iter().any(|&(l, s, m)| l == i && s < at + n && at < s + m);
+                        (self.good(&st, i), failed_before)
+                    })
+                    .unzip()
             };
             let mut data = vec![vec![0u8; len]; row.data.len()];
             let mut p = vec![0u8; len];
             let mut q = row.q.map(|_| vec![0u8; len]);
             let mut missing = Vec::new();
-            let mut failed = false;
-            for (k, &leg) in row.data.iter().enumerate() {
+            // blocks that failed to read on legs still in the array
+            let mut bad: Vec<(usize, usize)> = Vec::new();
+            let nd = row.data.len();
+            let blocks = row.data.iter().copied().chain([row.p]).chain(row.q).enumerate();
+            for (k, leg) in blocks {
+                let buf = match k {
+                    k if k < nd => &mut data[k],
+                    k if k == nd => &mut p,
+                    _ => q.as_mut()?,
+                };
                 if !good[leg] {
                     missing.push(k);
-                } else if !self.read_leg(leg, at, &mut data[k]) {
-                    failed = true;
+                } else if known_bad[leg] || !self.try_read_leg(leg, at, buf) {
+                    // (a direct read already failed there: not read again)
+                    missing.push(k);
+                    bad.push((k, leg));
                 }
             }
-            let nd = row.data.len();
-            if !good[row.p] {
-                missing.push(nd);
-            } else if !self.read_leg(row.p, at, &mut p) {
-                failed = true;
-            }
-            if let (Some(qd), Some(qb)) = (row.q, q.as_mut()) {
-                if !good[qd] {
-                    missing.push(nd + 1);
-                } else if !self.read_leg(qd, at, qb) {
-                    failed = true;
+            if missing.len() > 1 + usize::from(row.q.is_some()) {
+                // more than the parity can rebuild: the legs that failed to
+                // read fail, and the row is read again without them
+                let mut st = self.lock();
+                if bad.iter().any(|&(_, leg)| !self.fail_leg(&mut st, leg)) {
+                    return None;
                 }
-            }
-            if failed {
-                // a leg failed as it was read: again, without it
                 continue;
             }
-            if missing.is_empty() {
-                return Some((data, p, q));
-            }
-            if !parity::rebuild(&mut data, &row.coef, &mut p, q.as_deref_mut(), &missing) {
+            if !missing.is_empty() && !parity::rebuild(&mut data, &row.coef, &mut p, q.as_deref_mut(), &missing) {
                 return None;
+            }
+            for (k, leg) in bad {
+                let block = match k {
+                    k if k < nd => &data[k],
+                    k if k == nd => &p,
+                    _ => q.as_ref()?,
+                };
+                self.correct(leg, at, block);
             }
             return Some((data, p, q));
         }
         None
+    }
+
+    /// A block of leg `i` at its sector `at` that failed to read, rebuilt as
+    /// `block`: written back and read again (md's read-error correction);
+    /// if that fails too, the leg fails.
+    fn correct(&self, i: usize, at: u64, block: &[u8]) {
+        let mut back = vec![0u8; block.len()];
+        if self.put_leg(i, at, block, true).is_ok() && self.try_read_leg(i, at, &mut back) && back == block {
+            tracing::info!("raid: read error corrected: leg {i} at its sector {at} rebuilt from the other legs");
+            let mut st = self.lock();
+            let n = block.len() as u64 / SECTOR;
+            st.reroute.retain(|&(l, s, m)| !(l == i && s < at + n && at < s + m));
+            return;
+        }
+        let mut st = self.lock();
+        if !st.faulty[i] {
+            tracing::error!("raid: leg {i} at its sector {at}: the rebuilt block did not write back; the leg fails");
+            self.fail_leg(&mut st, i);
+        }
     }
 
     /// Write `new` (None: zeroes) as data block `di` of `row` at leg sector
@@ -1384,26 +1448,32 @@ impl Inner {
             let st = self.lock();
             row.data.iter().chain(std::iter::once(&row.p)).chain(row.q.iter()).all(|&i| self.good(&st, i))
         };
-        let (p, q) = if all_good {
-            // read-modify-write: P ^= old ^ new, Q ^= g^k (old ^ new)
-            let mut old = vec![0u8; len];
-            let mut p = vec![0u8; len];
-            let mut q = row.q.map(|_| vec![0u8; len]);
-            let ok = self.read_leg(row.data[di], at, &mut old)
-                && self.read_leg(row.p, at, &mut p)
-                && match (row.q, q.as_mut()) {
-                    (Some(qd), Some(qb)) => self.read_leg(qd, at, qb),
-                    _ => true,
-                };
-            if !ok {
-                return self.write_block(row, di, at, Some(new), len, fua);
-            }
-            parity::xor_into(&mut old, new);
-            parity::xor_into(&mut p, &old);
-            if let Some(q) = q.as_mut() {
-                parity::mul_xor_into(q, parity::pow2(row.coef[di]), &old);
-            }
-            (p, q)
+        // read-modify-write: P ^= old ^ new, Q ^= g^k (old ^ new); a block
+        // that fails to read sends it to the reconstruct-write, which
+        // rebuilds and corrects it
+        let rmw = all_good
+            .then(|| {
+                let mut old = vec![0u8; len];
+                let mut p = vec![0u8; len];
+                let mut q = row.q.map(|_| vec![0u8; len]);
+                let ok = self.try_read_leg(row.data[di], at, &mut old)
+                    && self.try_read_leg(row.p, at, &mut p)
+                    && match (row.q, q.as_mut()) {
+                        (Some(qd), Some(qb)) => self.try_read_leg(qd, at, qb),
+                        _ => true,
+                    };
+                ok.then(|| {
+                    parity::xor_into(&mut old, new);
+                    parity::xor_into(&mut p, &old);
+                    if let Some(q) = q.as_mut() {
+                        parity::mul_xor_into(q, parity::pow2(row.coef[di]), &old);
+                    }
+                    (p, q)
+                })
+            })
+            .flatten();
+        let (p, q) = if let Some(pq) = rmw {
+            pq
         } else {
             // reconstruct-write: the whole row, rebuilt where a leg is missing
             let Some((mut data, mut p, mut q)) = self.read_row(row, at, len) else {
@@ -1479,6 +1549,11 @@ impl Inner {
                         pending.fail(errno::EIO);
                         return;
                     };
+                    // read (or rebuilt and written back): direct reads again
+                    let leg = row.data[di];
+                    self.lock()
+                        .reroute
+                        .retain(|&(l, s, m)| !(l == leg && s < at + n && at < s + m));
                     let o = (done * SECTOR) as usize;
                     out[o..o + data[di].len()].copy_from_slice(&data[di]);
                     done += n;
