@@ -350,15 +350,98 @@ fn raid10_near_far_and_offset_keep_two_copies_and_raid0_stripes() {
     );
 }
 
-/// md's read-error correction on raid5: a leg whose block fails to read (a
-/// checksum failure in the integrity device under it, as LVM's
-/// `--raidintegrity` stacks them) stays in the array; the read is rebuilt
-/// from the other legs, the block written back to that leg (which reads
-/// right again), and nothing is counted against the leg.
+/// `n` legs `l0..` over integrity devices `i0..` (journal mode, crc32c;
+/// every block written once, so every tag is right, as a wipe leaves them),
+/// with metadata devices `m0..`: their files.
+fn integrity_legs(d: &Daemon, n: usize) -> Vec<std::path::PathBuf> {
+    use crate::integrity::{make, J};
+    let mut files = Vec::new();
+    for i in 0..n {
+        d.dir.sparse(&format!("meta{i}"), MIB);
+        d.create(
+            &format!("m{i}"),
+            &format!("0 2048 linear {} 0", d.dir.path(&format!("meta{i}")).display()),
+        );
+        let img = d.dir.sparse(&format!("data{i}"), 4 * MIB);
+        let p = make(d, &format!("i{i}"), &img, J);
+        assert!(p >= LEG, "the integrity device holds a leg: {p}");
+        let mut w = Client::connect(&d.sock(), &format!("i{i}"));
+        w.write(0, &vec![0u8; (LEG * 512) as usize]);
+        assert_eq!(w.call(common::nbd::FLUSH, 0, 0, 0, &[]), 0);
+        drop(w);
+        d.wait_open_count(&format!("i{i}"), 0);
+        d.create(&format!("l{i}"), &format!("0 {LEG} linear /dev/mapper/i{i} 0"));
+        files.push(img);
+    }
+    files
+}
+
+/// md's read-error correction: a leg whose block at sector 8 fails to read
+/// (a byte changed under its integrity device, as LVM's `--raidintegrity`
+/// stacks them) stays in the array of `c`; the array reads right, `log`
+/// says how the block was corrected, the leg's integrity counted one
+/// failure, and the leg reads right again.
+fn corrects_a_bad_block(tag: &str, c: &Case, log_line: &str) {
+    use crate::integrity::home;
+    let d = Daemon::start(tag);
+    let files = integrity_legs(&d, c.legs);
+    d.create("r", &table(c, c.sectors));
+    let all = health(c, &[]);
+    assert_eq!(
+        d.wait_status("r", " idle ", Duration::from_secs(60)),
+        status_of(c, c.sectors, &all, 0)
+    );
+    let data = pattern(44, MIB as usize);
+    let mut cl = Client::connect(&d.sock(), "r");
+    cl.write(0, &data);
+    assert_eq!(cl.call(common::nbd::FLUSH, 0, 0, 0, &[]), 0);
+    drop(cl);
+    d.wait_open_count("r", 0);
+    // leg 0 holds array sector 8 at its sector 8 (raid5_ls's first row,
+    // raid10 near's first copy)
+    let at = home(&files[0], 8) * 512 + 100;
+    let mut b = std::fs::read(&files[0]).expect("leg image");
+    b[at as usize] ^= 0x10;
+    std::fs::write(&files[0], &b).expect("write");
+    let mut cl = Client::connect(&d.sock(), "r");
+    assert!(cl.read(0, data.len()) == data, "{}: the array reads right", c.ty);
+    drop(cl);
+    d.wait_open_count("r", 0);
+    let t0 = std::time::Instant::now();
+    while !d.log().contains(log_line) && t0.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(d.log().contains(log_line), "{}: {}", c.ty, d.log());
+    assert!(
+        d.ok(&["status", "i0"]).contains(" integrity 1 "),
+        "{}: the leg's integrity counted the block",
+        c.ty
+    );
+    assert_eq!(
+        d.ok(&["status", "r"]).trim_end(),
+        status_of(c, c.sectors, &all, 0),
+        "{}: no leg failed",
+        c.ty
+    );
+    let mut cl = Client::connect(&d.sock(), "i0");
+    assert!(
+        cl.read(8 * 512, 512) == data[8 * 512..9 * 512],
+        "{}: the leg holds the block again",
+        c.ty
+    );
+    drop(cl);
+    let mut cl = Client::connect(&d.sock(), "r");
+    assert!(
+        cl.read(0, data.len()) == data,
+        "{}: and the array reads it from there",
+        c.ty
+    );
+}
+
+/// raid5: the block is rebuilt from the other legs and written back (the
+/// piece the read asked of the leg: its first chunk).
 #[test]
 fn raid5_rebuilds_a_block_that_fails_to_read_and_writes_it_back() {
-    use crate::integrity::{home, make, J};
-    let d = Daemon::start("raid5-correct");
     let c = Case {
         ty: "raid5_ls",
         legs: 3,
@@ -368,71 +451,29 @@ fn raid5_rebuilds_a_block_that_fails_to_read_and_writes_it_back() {
         lose_after: &[],
         status: "raid5_ls",
     };
-    let mut files = Vec::new();
-    for i in 0..c.legs {
-        d.dir.sparse(&format!("meta{i}"), MIB);
-        d.create(
-            &format!("m{i}"),
-            &format!("0 2048 linear {} 0", d.dir.path(&format!("meta{i}")).display()),
-        );
-        let img = d.dir.sparse(&format!("data{i}"), 4 * MIB);
-        let p = make(&d, &format!("i{i}"), &img, J);
-        assert!(p >= LEG, "the integrity device holds a leg: {p}");
-        // every block written once, so every tag is right (as a wipe does)
-        let mut w = Client::connect(&d.sock(), &format!("i{i}"));
-        w.write(0, &vec![0u8; (LEG * 512) as usize]);
-        assert_eq!(w.call(common::nbd::FLUSH, 0, 0, 0, &[]), 0);
-        drop(w);
-        d.wait_open_count(&format!("i{i}"), 0);
-        d.create(&format!("l{i}"), &format!("0 {LEG} linear /dev/mapper/i{i} 0"));
-        files.push(img);
-    }
-    d.create("r", &table(&c, c.sectors));
-    let all = health(&c, &[]);
-    assert_eq!(
-        d.wait_status("r", " idle ", Duration::from_secs(60)),
-        status_of(&c, c.sectors, &all, 0)
+    corrects_a_bad_block(
+        "raid5-correct",
+        &c,
+        "raid: read error corrected: leg 0 at its sector 0 rebuilt from the other legs",
     );
-    let data = pattern(44, MIB as usize);
-    let mut cl = Client::connect(&d.sock(), "r");
-    cl.write(0, &data);
-    assert_eq!(cl.call(common::nbd::FLUSH, 0, 0, 0, &[]), 0);
-    drop(cl);
-    d.wait_open_count("r", 0);
-    // raid5_ls's first row: leg 0 holds array sectors 0..128 at the same leg
-    // sectors; a byte of its block at sector 8 changes on the disk
-    let at = home(&files[0], 8) * 512 + 100;
-    let mut b = std::fs::read(&files[0]).expect("leg image");
-    b[at as usize] ^= 0x10;
-    std::fs::write(&files[0], &b).expect("write");
-    let mut cl = Client::connect(&d.sock(), "r");
-    assert!(cl.read(0, data.len()) == data, "the array reads right");
-    drop(cl);
-    d.wait_open_count("r", 0);
-    let log = d.log();
-    assert!(
-        // the piece the read asked of the leg (its first chunk) is rebuilt
-        log.contains("raid: read error corrected: leg 0 at its sector 0 rebuilt from the other legs"),
-        "{log}"
-    );
-    assert!(
-        d.ok(&["status", "i0"]).contains(" integrity 1 "),
-        "the leg's integrity counted the block"
-    );
-    assert_eq!(
-        d.ok(&["status", "r"]).trim_end(),
-        status_of(&c, c.sectors, &all, 0),
-        "no leg failed"
-    );
-    let mut cl = Client::connect(&d.sock(), "i0");
-    assert!(
-        cl.read(8 * 512, 512) == data[8 * 512..9 * 512],
-        "the leg holds the block again"
-    );
-    drop(cl);
-    let mut cl = Client::connect(&d.sock(), "r");
-    assert!(
-        cl.read(0, data.len()) == data,
-        "and the array reads it from there"
+}
+
+/// raid10: the read goes to the other copy, and the region is written back
+/// from it.
+#[test]
+fn raid10_reads_the_other_copy_of_a_block_that_fails_and_writes_it_back() {
+    let c = Case {
+        ty: "raid10",
+        legs: 2,
+        sectors: LEG,
+        opts: &[],
+        lose: &[],
+        lose_after: &[],
+        status: "raid10",
+    };
+    corrects_a_bad_block(
+        "raid10-correct",
+        &c,
+        "raid: read error corrected: region 0 of leg 0 written again from another leg",
     );
 }

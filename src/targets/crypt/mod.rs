@@ -1191,6 +1191,8 @@ pub struct Crypt {
     /// Integrity modes: what a sector's tag holds, and the profile of the
     /// device below that stores it.
     tags: Option<(aead::TagLayout, TagProfile)>,
+    /// The device's name in the log (a read whose MAC fails names it).
+    dev_name: Arc<str>,
     suspended: AtomicBool,
 }
 
@@ -1264,6 +1266,7 @@ impl Crypt {
             .map_err(|_| format!("Invalid device sector '{}'", args[4]))?;
         let dev = arg_dev(args, 3, offset, len, r)?;
         let tags = tag_setup(&spec, &opts, &dev)?;
+        let dev_name = dev.table_name().into();
         Ok(Crypt {
             cipher: args[0].clone(),
             spec,
@@ -1278,6 +1281,7 @@ impl Crypt {
             offset,
             opts,
             tags,
+            dev_name,
             suspended: AtomicBool::new(false),
         })
     }
@@ -1352,7 +1356,7 @@ impl Crypt {
                 None,
             );
         }
-        let dev = self.dev.table_name();
+        let dev = self.dev_name.clone();
         ctx.remap_owned_tagged(
             &self.dev,
             down,

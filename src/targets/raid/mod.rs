@@ -1119,12 +1119,20 @@ impl Inner {
         let Some((i, at)) = pick else {
             return Err(MapErr::Errno(errno::EIO));
         };
-        self.read_leg_tolerant(i, Bio { sector: at, ..bio }, ctx)
+        self.read_leg_tolerant(i, Bio { sector: at, ..bio }, self.regions_of(&bio), ctx)
     }
 
-    /// Read `bio` (at its leg sector) from leg `i`; failing, the leg is marked
-    /// failed and the read mapped again (from another leg, or rebuilt).
-    fn read_leg_tolerant(self: &Arc<Self>, i: usize, bio: Bio, ctx: &mut MapCtx) -> Result<(), MapErr> {
+    /// Read `bio` (at its leg sector) from leg `i`, for the array's
+    /// `regions` (raid1 and raid10); failing, the read is mapped again (from
+    /// another leg, or rebuilt) and the leg corrected as md does, or marked
+    /// failed.
+    fn read_leg_tolerant(
+        self: &Arc<Self>,
+        i: usize,
+        bio: Bio,
+        regions: std::ops::Range<u64>,
+        ctx: &mut MapCtx,
+    ) -> Result<(), MapErr> {
         let Some(d) = &self.legs[i].data else {
             return Err(MapErr::Errno(errno::EIO));
         };
@@ -1138,14 +1146,14 @@ impl Inner {
                     return 0;
                 }
                 let mut st = me.lock();
-                if me.geo.level == Level::Raid1
+                if matches!(me.geo.level, Level::Raid1 | Level::Raid10(_))
                     && !st.faulty[i]
                     && st.fixes.len() < MAX_FIXES
                     && me.can_run(|j| j != i && me.good(&st, j))
                 {
                     // as md: read from another leg, and write the region
                     // back to this one from it
-                    for r in me.regions_in(bio.sector, bio.sector + bio.nr_sectors) {
+                    for r in regions.clone() {
                         if !st.fixes.contains(&(i, r)) {
                             st.fixes.push((i, r));
                         }
@@ -1305,7 +1313,7 @@ impl Inner {
                 }
                 drop(st);
                 for (leg, b) in pieces {
-                    self.read_leg_tolerant(leg, b, ctx)?;
+                    self.read_leg_tolerant(leg, b, 0..0, ctx)?;
                 }
                 Ok(())
             }
@@ -2003,9 +2011,10 @@ impl Inner {
         true
     }
 
-    /// raid1: write one region a read failed on again, from a leg that
-    /// holds it, writes to the region held meanwhile; read back, it must
-    /// match, or the leg fails. False if there was none to do.
+    /// raid1 and raid10: write one region a read failed on again, each of
+    /// its chunks from a leg that holds a copy, writes to the region held
+    /// meanwhile; read back, it must match, or the leg fails. False if there
+    /// was none to do.
     fn fix_step(&self) -> bool {
         let mut st = self.lock();
         if st.frozen || st.stop || st.busy.is_some() {
@@ -2016,18 +2025,34 @@ impl Inner {
         while st.writes[r as usize] > 0 && !st.stop {
             st = self.drained.wait_timeout(&self.st, st, Duration::from_millis(50)).0;
         }
-        let source = (0..self.nlegs()).find(|&j| j != i && self.good(&st, j));
         drop(st);
-        let start = r * self.region;
-        let len = ((start + self.region).min(self.span) - start) * SECTOR;
-        let fixed = source.is_some_and(|src| {
-            let mut good = vec![0u8; len as usize];
-            let mut back = vec![0u8; len as usize];
-            self.read_leg(src, start, &mut good)
-                && self.put_leg(i, start, &good, true).is_ok()
-                && self.read_leg(i, start, &mut back)
-                && back == good
-        });
+        let (start, end) = (r * self.region, ((r + 1) * self.region).min(self.span));
+        let mut fixed = true;
+        let mut s = start;
+        while s < end && fixed {
+            // raid10's copies lie chunk by chunk; raid1's region is one piece
+            let n = match self.geo.level {
+                Level::Raid10(_) => (self.geo.chunk - s % self.geo.chunk).min(end - s),
+                _ => end - s,
+            };
+            let copies = self.copies_of(s);
+            if let Some(&(_, at)) = copies.iter().find(|&&(l, _)| l == i) {
+                let source = {
+                    let st = self.lock();
+                    copies.iter().copied().find(|&(j, _)| j != i && self.good(&st, j))
+                };
+                let len = (n * SECTOR) as usize;
+                fixed = source.is_some_and(|(j, from)| {
+                    let mut good = vec![0u8; len];
+                    let mut back = vec![0u8; len];
+                    self.read_leg(j, from, &mut good)
+                        && self.put_leg(i, at, &good, true).is_ok()
+                        && self.read_leg(i, at, &mut back)
+                        && back == good
+                });
+            }
+            s += n;
+        }
         let mut st = self.lock();
         st.fixes.retain(|&f| f != (i, r));
         st.busy = None;
