@@ -170,6 +170,8 @@ REAL(int, __fxstat, (int, int, struct stat *))
 REAL(int, __fxstat64, (int, int, struct stat64 *))
 REAL(ssize_t, readlink, (const char *, char *, size_t))
 REAL(ssize_t, readlinkat, (int, const char *, char *, size_t))
+REAL(ssize_t, __readlink_chk, (const char *, char *, size_t, size_t))
+REAL(ssize_t, __readlinkat_chk, (int, const char *, char *, size_t, size_t))
 
 __attribute__((constructor)) static void door_init(void)
 {
@@ -1032,6 +1034,20 @@ ssize_t readlinkat(int dirfd, const char *path, char *buf, size_t size)
 {
 	ssize_t r = sysfs_link(path, buf, size);
 	return r != -2 ? r : get_readlinkat()(dirfd, path, buf, size);
+}
+
+/* The _FORTIFY_SOURCE entry points: a size past the buffer goes to libc's,
+ * which ends the program as it would without the door. */
+ssize_t __readlink_chk(const char *path, char *buf, size_t size, size_t buflen)
+{
+	ssize_t r = size <= buflen ? sysfs_link(path, buf, size) : -2;
+	return r != -2 ? r : get___readlink_chk()(path, buf, size, buflen);
+}
+
+ssize_t __readlinkat_chk(int dirfd, const char *path, char *buf, size_t size, size_t buflen)
+{
+	ssize_t r = size <= buflen ? sysfs_link(path, buf, size) : -2;
+	return r != -2 ? r : get___readlinkat_chk()(dirfd, path, buf, size, buflen);
 }
 
 /* The block-device ioctls answered for a device's file; any other request on
