@@ -489,7 +489,7 @@ fn lying_headers_are_refused_naming_the_field() {
         (
             &["keyslots", "0", "key_size"],
             4096u64.into(),
-            "keyslots.0.key_size: 4096 is out of bounds (1 to 64 bytes, what the ciphers dmkit has take)".into(),
+            "keyslots.0.key_size: 4096 is out of bounds (1 to 96 bytes, what the ciphers dmkit has take)".into(),
         ),
         (
             &["keyslots", "0", "area", "offset"],
@@ -595,7 +595,7 @@ fn lying_luks1_headers_are_refused_naming_the_field() {
         (
             108u64,
             4096u32,
-            "key-bytes: 4096 bytes (1 to 64, what the ciphers dmkit has take)",
+            "key-bytes: 4096 bytes (1 to 96, what the ciphers dmkit has take)",
         ),
         (
             208 + 44,
@@ -720,6 +720,15 @@ fn cryptsetup_integrity_volumes_stack_crypt_on_integrity_through_the_door() {
         d.ok(&["ls"]),
         "No devices found\n",
         "the format's devices are gone"
+    );
+    // one table line cannot open it: `dmkit luks table` says what does
+    let o = d.cli_in(&["luks", "table", i, "--name", "x"], PW);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("segments.0.integrity: an integrity-protected volume is two devices")
+            && text(&o.stderr).contains("dmkit exec -- cryptsetup open"),
+        "{}",
+        text(&o.stderr)
     );
     cs(&[&["open", "--type", "luks2"][..], &key, &[i, "av"]].concat());
     let crypt = d.ok(&["table", "av"]);

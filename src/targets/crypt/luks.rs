@@ -42,7 +42,7 @@
 //! the RFC 9106 function LUKS2 keyslots use by default); `base64ct`
 //! (RustCrypto's constant-time base64 for the JSON's salts and digests).
 
-use super::{parse_cipher, LockedBytes, Opts, Secret, MAX_CIPHER_KEY as MAX_KEY};
+use super::{parse_cipher, LockedBytes, Opts, Secret, MAX_KEY};
 use base64ct::{Base64, Encoding};
 use serde_json::Value;
 use sha2::Digest;
@@ -713,7 +713,12 @@ fn segment(v: &Value) -> Result<Segment> {
         return Err(format!("{at}.type: '{ty}' is not supported (crypt)").into());
     }
     if s.get("integrity").is_some_and(|i| !i.is_null()) {
-        return Err(format!("{at}.integrity: dm-crypt's integrity modes are not supported by dmkit").into());
+        return Err(format!(
+            "{at}.integrity: an integrity-protected volume is two devices (dm-integrity under dm-crypt), \
+             more than the one table this prints: open it with cryptsetup behind the door \
+             (dmkit exec -- cryptsetup open --disable-keyring ...)"
+        )
+        .into());
     }
     let size = match get_str(s, &at, "size") {
         Ok("dynamic") => None,
