@@ -106,6 +106,14 @@ fn make_registry() -> Registry {
                 file("crypt", 4 << 20)
             ),
         );
+        // tags for a device above (dm-crypt's integrity modes)
+        mk(
+            "itag",
+            format!(
+                "0 2048 integrity {} 0 32 J 1 block_size:4096",
+                file("itag", 4 << 20)
+            ),
+        );
         mk(
             "lw",
             format!(
