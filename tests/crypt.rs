@@ -249,6 +249,16 @@ fn fio_verifies_through_crypt_while_the_device_below_suspends() {
     assert_no_plaintext(&file, &got);
 }
 
+/// `table` is refused with one line holding `want` and never the key `k`.
+fn refused(d: &Daemon, table: &str, want: &str, k: &str) {
+    let o = d.cli_in(&["create", "bad"], table);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{table} was accepted");
+    assert_eq!(e.trim_end().lines().count(), 1, "one line: {e}");
+    assert!(e.contains(want), "{table}: {e}");
+    assert!(!e.contains(k), "the error repeats the key: {e}");
+}
+
 #[test]
 fn bad_tables_fail_with_one_clear_line() {
     let d = Daemon::start("crypt-bad");
@@ -290,12 +300,7 @@ fn bad_tables_fail_with_one_clear_line() {
         ),
         (format!("aes-xts-plain64 {k} 0 {p}"), "Not enough arguments"),
     ] {
-        let o = d.cli_in(&["create", "bad"], &format!("0 2048 crypt {table}"));
-        let e = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{table} was accepted");
-        assert_eq!(e.trim_end().lines().count(), 1, "one line: {e}");
-        assert!(e.contains(want), "{table}: {e}");
-        assert!(!e.contains(&k), "the error repeats the key: {e}");
+        refused(&d, &format!("0 2048 crypt {table}"), want, &k);
     }
 }
 
@@ -447,12 +452,7 @@ fn integrity_modes_need_the_device_below_to_hold_their_tags() {
         (format!("{authenc}-plain64 {k} 0 /dev/mapper/i48 0 2 integrity:48:aead sector_size:4096"), "auth tag size is not supported"),
         (format!("capi:authenc(hmac(md5),xts(aes))-plain64 {k} 0 /dev/mapper/lin 0 2 integrity:32:aead sector_size:4096"), "hmac(md5)"),
     ] {
-        let o = d.cli_in(&["create", "bad"], &format!("0 8192 crypt {table}"));
-        let e = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{table} was accepted");
-        assert_eq!(e.trim_end().lines().count(), 1, "one line: {e}");
-        assert!(e.contains(want), "{table}: {e}");
-        assert!(!e.contains(&k), "the error repeats the key: {e}");
+        refused(&d, &format!("0 8192 crypt {table}"), want, &k);
     }
     d.create(
         "c",

@@ -42,6 +42,23 @@ pub struct Tags {
 }
 
 impl Tags {
+    /// The tags of `profile`, from byte `off` of the buffer.
+    pub fn new(off: u32, profile: TagProfile) -> Tags {
+        Tags {
+            off,
+            size: profile.tag_size,
+            shift: profile.block_size.trailing_zeros() as u8,
+        }
+    }
+
+    /// The profile they are tags of (the device below must offer it).
+    pub fn profile(&self) -> TagProfile {
+        TagProfile {
+            tag_size: self.size,
+            block_size: 1u32.checked_shl(self.shift.into()).unwrap_or(0),
+        }
+    }
+
     /// Bytes of tags that `bytes` bytes of data have.
     pub fn len(&self, bytes: u64) -> usize {
         (bytes.checked_shr(self.shift.into()).unwrap_or(0) * u64::from(self.size)) as usize
@@ -456,11 +473,7 @@ impl<'a> MapCtx<'a> {
             return self.remap(dev, Bio { tags: None, ..bio }, 0);
         }
         let len = bio.bytes() as usize;
-        let tags = profile.map(|p| Tags {
-            off: len as u32,
-            size: p.tag_size,
-            shift: p.block_size.trailing_zeros() as u8,
-        });
+        let tags = profile.map(|p| Tags::new(len as u32, p));
         let tag_len = tags.map_or(0, |t| t.len(bio.bytes()));
         let mut buf = match self.pool.iter().position(|b| b.capacity() >= len + tag_len) {
             Some(i) => self.pool.swap_remove(i),

@@ -1118,11 +1118,11 @@ impl Layout {
         }
     }
 
-    /// The IV of sector `i` from `sector`: kept in its tag (`kept`: the
-    /// sector's 16 bytes there), else generated.
-    fn iv_of(&self, keys: &Keys, sector: u64, i: usize, kept: Option<&[u8]>) -> [u8; 16] {
+    /// The IV of sector `i` from `sector`: kept (`kept`: a buffer holding
+    /// each sector's 16 bytes at `i * stride + at`), else generated.
+    fn iv_of(&self, keys: &Keys, sector: u64, i: usize, kept: Option<(&[u8], usize, usize)>) -> [u8; 16] {
         let mut iv = [0u8; 16];
-        match kept.and_then(|k| k.get(i * 16..(i + 1) * 16)) {
+        match kept.and_then(|(k, stride, at)| k.get(i * stride + at..i * stride + at + 16)) {
             Some(k) => iv.copy_from_slice(k),
             None => iv = keys.iv(self.iv_number(sector, i)),
         }
@@ -1141,7 +1141,7 @@ impl Layout {
         tags: &mut [u8],
         random: &[u8],
     ) {
-        let kept = tl.iv_kept.then_some(random);
+        let kept = tl.iv_kept.then_some((random, 16, 0));
         keys.run_ivs(true, Some(client), own, self.unit(), |i| self.iv_of(keys, sector, i, kept));
         for (i, (ct, tag)) in own.chunks_exact(self.unit()).zip(tags.chunks_exact_mut(tl.on_disk)).enumerate() {
             tag.fill(0);
@@ -1159,12 +1159,8 @@ impl Layout {
     /// Err with the first sector whose MAC does not match (nothing
     /// decrypted then).
     fn open(&self, keys: &Keys, tl: &aead::TagLayout, sector: u64, own: &[u8], tags: &[u8], client: &mut [u8]) -> Result<(), u64> {
-        let kept: Option<Vec<u8>> = tl.iv_kept.then(|| {
-            tags.chunks_exact(tl.on_disk)
-                .flat_map(|t| t[tl.auth..tl.auth + 16].iter().copied())
-                .collect()
-        });
-        let kept = kept.as_deref();
+        // a random IV is read where the tag keeps it, after the MAC
+        let kept = tl.iv_kept.then_some((tags, tl.on_disk, tl.auth));
         if let Some(m) = &keys.mac {
             for (i, (ct, tag)) in own.chunks_exact(self.unit()).zip(tags.chunks_exact(tl.on_disk)).enumerate() {
                 let s = sector + i as u64 * self.spc;
@@ -1190,7 +1186,7 @@ pub struct Crypt {
     opts: Opts,
     /// Integrity modes: what a sector's tag holds, and the profile of the
     /// device below that stores it.
-    tags: Option<(aead::TagLayout, TagProfile)>,
+    tags: Option<aead::TagLayout>,
     /// The device's name in the log (a read whose MAC fails names it).
     dev_name: Arc<str>,
     suspended: AtomicBool,
@@ -1200,7 +1196,7 @@ pub struct Crypt {
 /// the device below (crypt_integrity_ctr, with its errors). None where the
 /// table has no integrity mode (or one that keeps nothing: `none` without a
 /// random IV, which the kernel ignores).
-fn tag_setup(spec: &Spec, opts: &Opts, dev: &DevRef) -> Result<Option<(aead::TagLayout, TagProfile)>, TargetError> {
+fn tag_setup(spec: &Spec, opts: &Opts, dev: &DevRef) -> Result<Option<aead::TagLayout>, TargetError> {
     let iv_kept = spec.iv == Some(IvMode::Random);
     let integrity = match opts.integrity {
         Some(i) if i.aead || iv_kept => i,
@@ -1220,7 +1216,7 @@ fn tag_setup(spec: &Spec, opts: &Opts, dev: &DevRef) -> Result<Option<(aead::Tag
     if p.block_size != opts.sector_size {
         return Err("Integrity profile sector size mismatch.".into());
     }
-    Ok(Some((aead::TagLayout::new(&integrity, spec.auth, iv_kept)?, p)))
+    Ok(Some(aead::TagLayout::new(&integrity, spec.auth, iv_kept)?))
 }
 
 impl Crypt {
@@ -1324,10 +1320,14 @@ impl Crypt {
         ctx: &mut MapCtx,
         keys: Arc<Secret>,
         tl: aead::TagLayout,
-        profile: TagProfile,
     ) -> Result<(), MapErr> {
         let down = bio.shifted(self.offset);
         let layout = self.layout;
+        // what tag_setup found the device below to store
+        let profile = TagProfile {
+            tag_size: tl.on_disk as u16,
+            block_size: self.opts.sector_size,
+        };
         let sectors = bio.bytes() as usize / layout.unit();
         if bio.op == Op::Write {
             let mut random = Vec::new();
@@ -1418,8 +1418,8 @@ impl Target for Crypt {
             return Ok(());
         };
         let layout = self.layout;
-        if let Some((tl, profile)) = self.tags {
-            return self.map_tagged(bio, ctx, keys, tl, profile);
+        if let Some(tl) = self.tags {
+            return self.map_tagged(bio, ctx, keys, tl);
         }
         if bio.op == Op::Write {
             ctx.remap_owned(

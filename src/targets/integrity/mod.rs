@@ -726,11 +726,11 @@ impl Integrity {
         let g = &self.lay.geo;
         let why = if self.lay.hash.is_some() {
             "Unexpected integrity data when using internal hash".to_string()
-        } else if u64::from(t.size) != g.tag_size || 1u64.checked_shl(t.shift.into()) != Some(g.spb() * SECTOR) {
+        } else if Some(t.profile()) != self.tag_profile() {
             format!(
                 "Invalid integrity data: {} bytes a {}-byte block, expected {} a {}",
                 t.size,
-                1u64.checked_shl(t.shift.into()).unwrap_or(0),
+                t.profile().block_size,
                 g.tag_size,
                 g.spb() * SECTOR
             )
@@ -1335,14 +1335,17 @@ impl Work {
                         continue;
                     }
                     let (data, tag) = entry_block(g, &s, e);
-                    let mut want = vec![0u8; tag.len()];
-                    lay.tag_of(l, &data, &mut want);
                     // a device above's tags are its to check, as the kernel's
                     // replay checks only an internal hash's
-                    if lay.hash.is_some() && want != tag {
-                        return Err(format!(
-                            "integrity: tag mismatch when replaying journal: section {i} entry {e}, sector {l}"
-                        ).into());
+                    if let Some(h) = &lay.hash {
+                        let mut want = vec![0u8; tag.len()];
+                        h.tag(lay.salt.as_ref(), l, &data, &mut want);
+                        if want != tag {
+                            return Err(format!(
+                                "integrity: tag mismatch when replaying journal: section {i} entry {e}, sector {l}"
+                            )
+                            .into());
+                        }
                     }
                     blocks.push((l, data, tag));
                 }

@@ -185,6 +185,18 @@ struct State {
 }
 
 impl State {
+    /// Whether reads of leg `leg`'s sectors `at..at + n` go through the
+    /// thread (a direct read failed there: [`State::reroute`]).
+    fn rerouted(&self, leg: usize, at: u64, n: u64) -> bool {
+        self.reroute.iter().any(|&(l, s, m)| l == leg && s < at + n && at < s + m)
+    }
+
+    /// Leg `leg`'s sectors `at..at + n` read (or were written back): direct
+    /// reads go there again.
+    fn unroute(&mut self, leg: usize, at: u64, n: u64) {
+        self.reroute.retain(|&(l, s, m)| !(l == leg && s < at + n && at < s + m));
+    }
+
     /// A new array's state: `n` legs, `regions` regions, frozen until resumed.
     fn new(n: usize, regions: usize) -> State {
         State {
@@ -1297,12 +1309,10 @@ impl Inner {
                     pieces.push((row.data[di], bio.sub(done, n, at)));
                     done += n;
                 }
-                let rerouted = |leg: usize, b: &Bio| {
-                    st.reroute
-                        .iter()
-                        .any(|&(i, s, n)| i == leg && s < b.sector + b.nr_sectors && b.sector < s + n)
-                };
-                if pieces.iter().any(|(leg, b)| !self.good(&st, *leg) || rerouted(*leg, b)) {
+                if pieces
+                    .iter()
+                    .any(|(leg, b)| !self.good(&st, *leg) || st.rerouted(*leg, b.sector, b.nr_sectors))
+                {
                     st.jobs.push_back(Job::Read {
                         pending: ctx.submit(bio),
                         bio,
@@ -1370,8 +1380,7 @@ impl Inner {
                 let st = self.lock();
                 (0..self.nlegs())
                     .map(|i| {
-                        let failed_before = st.reroute.iter().any(|&(l, s, m)| l == i && s < at + n && at < s + m);
-                        (self.good(&st, i), failed_before)
+                        (self.good(&st, i), st.rerouted(i, at, n))
                     })
                     .unzip()
             };
@@ -1422,16 +1431,20 @@ impl Inner {
         None
     }
 
+    /// Write `block` to leg `i` at its sector `at`, durable, and read it
+    /// back: whether it holds it now (md's check of a corrected read error).
+    fn write_back(&self, i: usize, at: u64, block: &[u8]) -> bool {
+        let mut back = vec![0u8; block.len()];
+        self.put_leg(i, at, block, true).is_ok() && self.try_read_leg(i, at, &mut back) && back == block
+    }
+
     /// A block of leg `i` at its sector `at` that failed to read, rebuilt as
     /// `block`: written back and read again (md's read-error correction);
     /// if that fails too, the leg fails.
     fn correct(&self, i: usize, at: u64, block: &[u8]) {
-        let mut back = vec![0u8; block.len()];
-        if self.put_leg(i, at, block, true).is_ok() && self.try_read_leg(i, at, &mut back) && back == block {
+        if self.write_back(i, at, block) {
             tracing::info!("raid: read error corrected: leg {i} at its sector {at} rebuilt from the other legs");
-            let mut st = self.lock();
-            let n = block.len() as u64 / SECTOR;
-            st.reroute.retain(|&(l, s, m)| !(l == i && s < at + n && at < s + m));
+            self.lock().unroute(i, at, block.len() as u64 / SECTOR);
             return;
         }
         let mut st = self.lock();
@@ -1558,10 +1571,7 @@ impl Inner {
                         return;
                     };
                     // read (or rebuilt and written back): direct reads again
-                    let leg = row.data[di];
-                    self.lock()
-                        .reroute
-                        .retain(|&(l, s, m)| !(l == leg && s < at + n && at < s + m));
+                    self.lock().unroute(row.data[di], at, n);
                     let o = (done * SECTOR) as usize;
                     out[o..o + data[di].len()].copy_from_slice(&data[di]);
                     done += n;
@@ -2044,11 +2054,7 @@ impl Inner {
                 let len = (n * SECTOR) as usize;
                 fixed = source.is_some_and(|(j, from)| {
                     let mut good = vec![0u8; len];
-                    let mut back = vec![0u8; len];
-                    self.read_leg(j, from, &mut good)
-                        && self.put_leg(i, at, &good, true).is_ok()
-                        && self.read_leg(i, at, &mut back)
-                        && back == good
+                    self.read_leg(j, from, &mut good) && self.write_back(i, at, &good)
                 });
             }
             s += n;
