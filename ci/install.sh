@@ -11,7 +11,8 @@
 # expired certificate of tests/nbd_tls.rs), OpenSSL's headers and pkg-config (libssl-dev,
 # pkg-config: the openssl crate links the system's OpenSSL 3) and cryptsetup
 # (cryptsetup-bin: tests/crypt_oracle.rs formats a LUKS2 image, the guest opens it;
-# its integritysetup: tests/integrity.rs),
+# its integritysetup: tests/integrity.rs), socat (tests/lvmd_guest.rs bridges lvmd's socket in
+# the guest to a virtio-serial port with it) and e2fsprogs' resize2fs (same test),
 # and for the RBD tests and benchmarks a single-node Ceph (ceph-mon, ceph-osd,
 # ceph-common, librbd, rbd-nbd) and qemu's rbd driver (qemu-block-extra); from PyPI,
 # mkdocs 1.6+ (ci/test.sh builds the manual with it, failing on dead links).
@@ -35,7 +36,7 @@ tools=(
   ceph-mon:ceph-mon ceph-osd:ceph-osd ceph:ceph-common rbd:ceph-common
   rados:ceph-common monmaptool:ceph-base rbd-nbd:rbd-nbd
   nbd-client:nbd-client cc:gcc openssl:openssl cryptsetup:cryptsetup-bin integritysetup:cryptsetup-bin
-  psktool:gnutls-bin certtool:gnutls-bin pkg-config:pkg-config
+  psktool:gnutls-bin certtool:gnutls-bin pkg-config:pkg-config socat:socat resize2fs:e2fsprogs
 )
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }

@@ -46,12 +46,118 @@ fn pool(d: &Daemon, ratio: &str) -> PathBuf {
     cfg
 }
 
+/// tests/lvmd/client.py on a socket: one gRPC channel for every call.
+pub(crate) struct Client {
+    proc: Child,
+    tx: ChildStdin,
+    rx: BufReader<ChildStdout>,
+}
+
+impl Client {
+    /// The client on lvmd's socket (and SnapshotMetadata's, if given).
+    pub(crate) fn spawn(sock: &Path, sm: Option<&Path>) -> Client {
+        let mut proc = Command::new("python3")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lvmd/client.py"))
+            .arg(sock)
+            .args(sm)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 tests/lvmd/client.py (ci/install.sh installs grpcio-tools)");
+        let tx = proc.stdin.take().unwrap();
+        let rx = BufReader::new(proc.stdout.take().unwrap());
+        Client { proc, tx, rx }
+    }
+
+    /// Send one request without waiting for its answer ([`Client::answer`]).
+    pub(crate) fn send(&mut self, q: &Value) {
+        writeln!(self.tx, "{q}").unwrap();
+        self.tx.flush().unwrap();
+    }
+
+    /// The answer to the oldest request sent.
+    pub(crate) fn answer(&mut self) -> Result<Value, (String, String)> {
+        let mut line = String::new();
+        self.rx.read_line(&mut line).unwrap();
+        let a: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("client answered '{line}': {e}"));
+        match a.get("ok") {
+            Some(v) => Ok(v.clone()),
+            None => Err((
+                a["code"].as_str().unwrap().to_string(),
+                a["details"].as_str().unwrap_or("").to_string(),
+            )),
+        }
+    }
+
+    /// One call: Ok(the answer) or Err((gRPC code, details)).
+    pub(crate) fn call(&mut self, svc: &str, rpc: &str, req: Value) -> Result<Value, (String, String)> {
+        self.ask(json!({"svc": svc, "rpc": rpc, "req": req}))
+    }
+
+    fn ask(&mut self, q: Value) -> Result<Value, (String, String)> {
+        self.send(&q);
+        self.answer()
+    }
+
+    pub(crate) fn ok(&mut self, svc: &str, rpc: &str, req: Value) -> Value {
+        self.call(svc, rpc, req.clone())
+            .unwrap_or_else(|e| panic!("{rpc} {req}: {e:?}"))
+    }
+
+    pub(crate) fn fails(&mut self, svc: &str, rpc: &str, req: Value, code: &str) -> String {
+        match self.call(svc, rpc, req.clone()) {
+            Ok(v) => panic!("{rpc} {req} answered {v} (expected {code})"),
+            Err((c, m)) => {
+                assert_eq!(c, code, "{rpc} {req}: {m}");
+                m
+            }
+        }
+    }
+
+    /// The volumes GetLVList names, by name.
+    pub(crate) fn names(&mut self) -> BTreeSet<String> {
+        let l = self.ok("vg", "GetLVList", json!({"device_class": "thin"}));
+        l["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].as_str().unwrap().to_string())
+            .collect()
+    }
+}
+
+impl Client {
+    /// The client gone (its connection closed).
+    fn stop(&mut self) {
+        let _ = self.proc.kill();
+        let _ = self.proc.wait();
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// A running `dmkit lvmd` and a client connected to it.
 struct Lvmd {
     child: Child,
-    client: Child,
-    tx: ChildStdin,
-    rx: BufReader<ChildStdout>,
+    client: Client,
+}
+
+impl std::ops::Deref for Lvmd {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for Lvmd {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.client
+    }
 }
 
 impl Lvmd {
@@ -85,69 +191,10 @@ impl Lvmd {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        let mut client = Command::new("python3")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lvmd/client.py"))
-            .arg(&sock)
-            .arg(&sm)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 tests/lvmd/client.py (ci/install.sh installs grpcio-tools)");
-        let tx = client.stdin.take().unwrap();
-        let rx = BufReader::new(client.stdout.take().unwrap());
         Lvmd {
             child,
-            client,
-            tx,
-            rx,
+            client: Client::spawn(&sock, Some(&sm)),
         }
-    }
-
-    /// One call: Ok(the answer) or Err((gRPC code, details)).
-    fn call(&mut self, svc: &str, rpc: &str, req: Value) -> Result<Value, (String, String)> {
-        self.ask(json!({"svc": svc, "rpc": rpc, "req": req}))
-    }
-
-    fn ask(&mut self, q: Value) -> Result<Value, (String, String)> {
-        writeln!(self.tx, "{q}").unwrap();
-        self.tx.flush().unwrap();
-        let mut line = String::new();
-        self.rx.read_line(&mut line).unwrap();
-        let a: Value =
-            serde_json::from_str(&line).unwrap_or_else(|e| panic!("client answered '{line}': {e}"));
-        match a.get("ok") {
-            Some(v) => Ok(v.clone()),
-            None => Err((
-                a["code"].as_str().unwrap().to_string(),
-                a["details"].as_str().unwrap_or("").to_string(),
-            )),
-        }
-    }
-
-    fn ok(&mut self, svc: &str, rpc: &str, req: Value) -> Value {
-        self.call(svc, rpc, req.clone())
-            .unwrap_or_else(|e| panic!("{rpc} {req}: {e:?}"))
-    }
-
-    fn fails(&mut self, svc: &str, rpc: &str, req: Value, code: &str) -> String {
-        match self.call(svc, rpc, req.clone()) {
-            Ok(v) => panic!("{rpc} {req} answered {v} (expected {code})"),
-            Err((c, m)) => {
-                assert_eq!(c, code, "{rpc} {req}: {m}");
-                m
-            }
-        }
-    }
-
-    /// The volumes GetLVList names, by name.
-    fn names(&mut self) -> BTreeSet<String> {
-        let l = self.ok("vg", "GetLVList", json!({"device_class": "thin"}));
-        l["volumes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v["name"].as_str().unwrap().to_string())
-            .collect()
     }
 
     /// Wait for the process (after it exited on its own).
@@ -155,8 +202,7 @@ impl Lvmd {
         let t0 = Instant::now();
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
-                let _ = self.client.kill();
-                let _ = self.client.wait();
+                self.client.stop();
                 return s.code().unwrap_or(-1);
             }
             assert!(t0.elapsed() < Duration::from_secs(10), "lvmd did not exit");
@@ -167,8 +213,7 @@ impl Lvmd {
 
 impl Drop for Lvmd {
     fn drop(&mut self) {
-        let _ = self.client.kill();
-        let _ = self.client.wait();
+        self.client.stop();
         // SIGTERM: a clean stop
         // SAFETY: the pid is our child's, not yet reaped
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };

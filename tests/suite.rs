@@ -33,6 +33,7 @@ mod luks;
 mod lvm_door;
 mod lvm_guest;
 mod lvmd;
+mod lvmd_guest;
 mod lying_metadata;
 mod message_props;
 mod nbd_protocol;

@@ -36,40 +36,13 @@
 use crate::common;
 use crate::oracle;
 use common::{tool_path, Daemon};
-use std::path::Path;
-use std::time::{Duration, Instant};
+use oracle::{post, wait_for};
+use std::time::Duration;
 
 use common::MIB;
 const DISKS: [&str; 6] = ["lin", "thin", "ro", "wc", "cr", "cdp"];
 /// The crypt disk's key (never recorded: after a restart the host sets it again).
 const KEY: &str = "5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c5c";
-
-/// Wait until the guest has printed `marker` on its serial console.
-fn wait_for(serial: &Path, marker: &str) {
-    let t0 = Instant::now();
-    loop {
-        let s = std::fs::read_to_string(serial).unwrap_or_default();
-        if s.contains(marker) {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(400),
-            "the guest never printed {marker:?}:\n{s}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Tell the guest something: four bytes at the start of its mailbox disk.
-fn post(mailbox: &Path, word: &str) {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(mailbox)
-        .expect("mailbox");
-    f.write_all_at(word.as_bytes(), 0).expect("post");
-    f.sync_all().expect("sync mailbox");
-}
 
 /// The pool's mapped data blocks.
 fn pool_used(d: &Daemon) -> u64 {

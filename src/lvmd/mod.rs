@@ -79,6 +79,8 @@ pub enum Error {
     Exists(String),
     OutOfRange(String),
     Unimplemented(String),
+    /// The volume's block device is held (mounted): what was asked needs it free.
+    InUse(String),
     Internal(String),
 }
 
@@ -315,7 +317,7 @@ impl Lvmd {
                             "lvmd: volume {name}: finishing its resize to {} bytes",
                             v.size_bytes
                         );
-                        self.dm.reload(&dev, &table)?;
+                        self.reload(&dev, &table)?;
                     }
                     if v.step == Step::Resizing {
                         self.store.put(
@@ -367,6 +369,33 @@ impl Lvmd {
             }
         }
         self.step();
+        Ok(())
+    }
+
+    /// The block device `dev` is attached as, if something holds it (a mount,
+    /// an exclusive open): a removal or a resize would pull it from under them.
+    fn held(&self, dev: &str) -> Option<String> {
+        let (node, _, _) = self.nodes.get(dev)?;
+        let busy = rustix::fs::open(
+            node,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        );
+        matches!(busy, Err(rustix::io::Errno::BUSY)).then(|| node.display().to_string())
+    }
+
+    /// A new table on `dev`. Its block device, if attached, goes first and
+    /// comes back after at the new size (ublk cannot resize one in place).
+    fn reload(&mut self, dev: &str, table: &str) -> std::result::Result<(), String> {
+        let attached = self.nodes.contains_key(dev) || self.dm.call(&["info", dev])?.contains("/dev/ublkb");
+        if attached {
+            self.dm.call(&["detach", dev])?;
+            self.nodes.remove(dev);
+        }
+        self.dm.reload(dev, table)?;
+        if attached || self.attach {
+            self.attach_dev(dev)?;
+        }
         Ok(())
     }
 
@@ -646,6 +675,11 @@ impl Lvmd {
                 )));
             }
         }
+        if let Some(node) = self.held(&dev) {
+            return Err(Error::Internal(format!(
+                "logical volume {name} in use (its block device {node} is mounted or held)"
+            )));
+        }
         self.set_step(name, Step::Removing)?;
         self.teardown(&dc, name, &v)?;
         self.store.remove(name)?;
@@ -666,14 +700,22 @@ impl Lvmd {
                 size - v.size_bytes
             )));
         }
+        let dev = dc.device_name(name);
+        if let Some(node) = self.held(&dev) {
+            // ublk cannot change a block device's size (before Linux 6.16's
+            // UBLK_CMD_UPDATE_SIZE): it is attached again, which a mount forbids
+            return Err(Error::InUse(format!(
+                "logical volume {name} in use: its block device {node} is mounted or held, and a ublk \
+                 device's size cannot change under it; unmount it to resize"
+            )));
+        }
         let grown = Volume {
             size_bytes: size,
             step: Step::Resizing,
             ..v
         };
         self.put(name, grown.clone())?;
-        self.dm
-            .reload(&dc.device_name(name), &self.thin_table(&dc, &grown))?;
+        self.reload(&dev, &self.thin_table(&dc, &grown))?;
         self.step();
         self.set_step(name, Step::Ready)?;
         Ok(size)

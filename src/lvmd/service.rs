@@ -25,6 +25,7 @@ pub(super) fn status(e: Error) -> Status {
         Error::Exists(m) => Status::already_exists(m),
         Error::OutOfRange(m) => Status::out_of_range(m),
         Error::Unimplemented(m) => Status::unimplemented(m),
+        Error::InUse(m) => Status::failed_precondition(m),
         Error::Internal(m) => Status::internal(m),
     }
 }

@@ -5,7 +5,8 @@
 Usage: client.py LVMD_SOCKET [SNAPSHOT_METADATA_SOCKET]
 Reads one JSON request per line on stdin:
   {"svc": "lv"|"vg"|"sm"|"id", "rpc": NAME, "req": {...}, "take": N, "timeout": S}
-(or {"hold_watches": N}: N Watch streams opened and held, 0 closes them)
+(or {"hold_watches": N}: N Watch streams opened and held, 0 closes them;
+or {"ready": S}: connect now, waiting up to S seconds for the server)
 and answers one JSON line: {"ok": MESSAGE} for a unary call, {"ok": [MESSAGES]}
 for a stream (the first N with "take", up to the first whose thin pool
 is "until_pool_size" bytes with that, else all), or {"code": "NOT_FOUND",
@@ -73,6 +74,13 @@ def main():
     held = []
     for line in sys.stdin:
         q = json.loads(line)
+        if q.get("ready") is not None:
+            try:
+                grpc.channel_ready_future(ch).result(timeout=q["ready"])
+                print(json.dumps({"ok": True}), flush=True)
+            except grpc.FutureTimeoutError:
+                print(json.dumps({"code": "DEADLINE_EXCEEDED", "details": "no server"}), flush=True)
+            continue
         if q.get("hold_watches") is not None:
             # open this many Watch streams and keep them open (0: close them
             # all); answers each one's first message or its error code

@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// Shell helpers for guest scripts: `sum DEV` (md5 of a device, caches dropped)
 /// and `mk NAME TABLE` (create and make its node).
@@ -85,6 +86,33 @@ pub fn run_env(dir: &Path, script: &str, disks: &[&Path], env: &[(&str, &str)]) 
     );
     eprintln!("--- guest serial ---\n{stdout}--- end ---");
     stdout
+}
+
+/// Wait until the guest has printed `marker` on its serial console.
+pub fn wait_for(serial: &Path, marker: &str) {
+    let t0 = Instant::now();
+    loop {
+        let s = std::fs::read_to_string(serial).unwrap_or_default();
+        if s.contains(marker) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(400),
+            "the guest never printed {marker:?}:\n{s}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Tell the guest something: four bytes at the start of its mailbox disk.
+pub fn post(mailbox: &Path, word: &str) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(mailbox)
+        .expect("mailbox");
+    f.write_all_at(word.as_bytes(), 0).expect("post");
+    f.sync_all().expect("sync mailbox");
 }
 
 /// The guest's `ORACLE <key> <value...>` lines.
