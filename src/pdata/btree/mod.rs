@@ -456,6 +456,8 @@ pub fn diff_u64(
         .collect::<Vec<_>>()
     };
     let mut sides = [start(lroot), start(rroot)];
+    // where the node on top of a side ends: the least key of what is under it
+    let hi = |s: &[Next]| s.len().checked_sub(2).map_or(u64::MAX, |i| s[i].lo());
     loop {
         let (l, r) = (sides[0].last().copied(), sides[1].last().copied());
         let act = match (l, r) {
@@ -463,6 +465,31 @@ pub fn diff_u64(
             (Some(Next::Node { block: a, .. }), Some(Next::Node { block: b, .. })) if a == b => {
                 sides[0].pop();
                 sides[1].pop();
+                continue;
+            }
+            // two nodes over the same keys (the trees' shapes agree there, as a
+            // snapshot's and its origin's do): both read; two leaves are
+            // compared in place rather than entry by entry through the stacks
+            (
+                Some(Next::Node { block: a, lo, depth }),
+                Some(Next::Node {
+                    block: b,
+                    lo: lo_b,
+                    depth: depth_b,
+                }),
+            ) if lo == lo_b && hi(&sides[0]) == hi(&sides[1]) => {
+                sides[0].pop();
+                sides[1].pop();
+                let left: Block = *read_diffed(tm, a, depth, &mut budget)?;
+                let right = read_diffed(tm, b, depth_b, &mut budget)?;
+                if node::is_leaf(&left) && node::is_leaf(right) {
+                    if !diff_leaves(&left, right, from, f) {
+                        return Ok(());
+                    }
+                } else {
+                    expand(&mut sides[1], right, lo, depth_b, from);
+                    expand(&mut sides[0], &left, lo, depth, from);
+                }
                 continue;
             }
             (Some(Next::Entry(ka, va)), Some(Next::Entry(kb, vb))) if ka == kb => {
@@ -494,33 +521,86 @@ pub fn diff_u64(
                 }
             }
             Some(Next::Node { block, lo, depth }) => {
-                if depth >= MAX_DEPTH {
-                    return Err(corrupt(block, "btree deeper than 32 levels (cycle?)"));
-                }
-                budget.take()?;
-                let d = read_node(tm, block, 8)?;
-                let n = node::nr_entries(d);
-                let side = &mut sides[act];
-                if node::is_leaf(d) {
-                    let keep = (0..n).rev().map(|i| (node::key(d, i), node::value_u64(d, i)));
-                    side.extend(keep.filter(|&(k, _)| k >= from).map(|(k, v)| Next::Entry(k, v)));
-                    continue;
-                }
-                // child i holds keys from key[i] up to key[i + 1]
-                for i in (0..n).rev() {
-                    if i + 1 < n && node::key(d, i + 1) <= from {
-                        break;
-                    }
-                    side.push(Next::Node {
-                        block: node::value_u64(d, i),
-                        lo: if i == 0 { lo } else { node::key(d, i) },
-                        depth: depth + 1,
-                    });
-                }
+                let d = read_diffed(tm, block, depth, &mut budget)?;
+                expand(&mut sides[act], d, lo, depth, from);
             }
             None => {}
         }
     }
+}
+
+/// A node [`diff_u64`] reaches at `depth`, counted against its budget.
+fn read_diffed<'a>(
+    tm: &'a mut TransactionManager,
+    block: u64,
+    depth: usize,
+    budget: &mut Visits,
+) -> Result<&'a Block> {
+    if depth >= MAX_DEPTH {
+        return Err(corrupt(block, "btree deeper than 32 levels (cycle?)"));
+    }
+    budget.take()?;
+    read_node(tm, block, 8)
+}
+
+/// What node `d` (its least key `lo`) holds from `from`, onto a side of
+/// [`diff_u64`]: a leaf's entries or an internal node's children, the least last.
+fn expand(side: &mut Vec<Next>, d: &Block, lo: u64, depth: usize, from: u64) {
+    let n = node::nr_entries(d);
+    if node::is_leaf(d) {
+        let keep = (0..n).rev().map(|i| (node::key(d, i), node::value_u64(d, i)));
+        side.extend(keep.filter(|&(k, _)| k >= from).map(|(k, v)| Next::Entry(k, v)));
+        return;
+    }
+    // child i holds keys from key[i] up to key[i + 1]
+    for i in (0..n).rev() {
+        if i + 1 < n && node::key(d, i + 1) <= from {
+            break;
+        }
+        side.push(Next::Node {
+            block: node::value_u64(d, i),
+            lo: if i == 0 { lo } else { node::key(d, i) },
+            depth: depth + 1,
+        });
+    }
+}
+
+/// [`diff_u64`]'s `f` for two leaves over the same keys, from `from`, in key
+/// order; false when `f` stopped it.
+fn diff_leaves(
+    l: &Block,
+    r: &Block,
+    from: u64,
+    f: &mut dyn FnMut(u64, Option<u64>, Option<u64>) -> bool,
+) -> bool {
+    let (nl, nr) = (node::nr_entries(l), node::nr_entries(r));
+    let first = |d: &Block, n: usize| (0..n).find(|&i| node::key(d, i) >= from).unwrap_or(n);
+    let (mut i, mut j) = (first(l, nl), first(r, nr));
+    while i < nl || j < nr {
+        let kl = (i < nl).then(|| node::key(l, i));
+        let kr = (j < nr).then(|| node::key(r, j));
+        let go = match (kl, kr) {
+            (Some(a), Some(b)) if a == b => {
+                let (va, vb) = (node::value_u64(l, i), node::value_u64(r, j));
+                i += 1;
+                j += 1;
+                va == vb || f(a, Some(va), Some(vb))
+            }
+            (Some(a), b) if b.is_none_or(|b| a < b) => {
+                i += 1;
+                f(a, Some(node::value_u64(l, i - 1)), None)
+            }
+            (_, Some(b)) => {
+                j += 1;
+                f(b, None, Some(node::value_u64(r, j - 1)))
+            }
+            _ => true, // both ended: the loop stops first
+        };
+        if !go {
+            return false;
+        }
+    }
+    true
 }
 
 /// Drop one reference to the tree at `root`; if it was the last, free its
