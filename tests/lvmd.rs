@@ -550,6 +550,24 @@ fn lvmd_serves_topolvms_protocol_from_a_thin_pool() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && err.contains(says), "{yaml}: {err}");
     }
+    // without --no-attach each volume is to be a ublk device: on a host without
+    // ublk lvmd says so at start (tests/lvmd_guest.rs runs it with ublk)
+    if !Path::new("/dev/ublk-control").exists() {
+        let o = Command::new(BIN)
+            .args(["lvmd", "--run-dir"])
+            .arg(&d.run)
+            .arg("--config")
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success()
+                && err.contains("ublk is not available: /dev/ublk-control does not exist")
+                && err.contains("--no-attach"),
+            "{err}"
+        );
+    }
 }
 
 /// What lvmd's records, the pool and the daemon's devices must agree on after

@@ -19,7 +19,8 @@
 //! read-only and holds the file as it was (the volume frozen for it, as a backup
 //! does); a resize of the unmounted volume
 //! attaches it again at the new size, and resize2fs grows its filesystem with the
-//! file intact; RemoveLV of both leaves no block device, no dmkit device but the
+//! file intact; a lvmd killed and started again lists both volumes with the same
+//! block devices, numbers, sizes and attributes; RemoveLV of both leaves no block device, no dmkit device but the
 //! pool, and no volume in GetLVList; lvmd and the daemon logged no error.
 
 use crate::common;
@@ -28,22 +29,48 @@ use crate::oracle;
 use common::{tool_path, Scratch, BIN, MIB};
 use oracle::{post, wait_for, DMKIT_GUEST, EXT4_UBLK_MODULES};
 use serde_json::{json, Value};
-use std::os::unix::net::UnixListener;
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
 
 /// The guest's `major:minor` of `/dev/ublkbN`, as the answer has them.
 fn numbers(v: &Value) -> String {
     format!("{}:{}", v["dev_major"], v["dev_minor"])
 }
 
-/// QEMU's end of the port connects to `qemu`, the gRPC client to `client`; the
-/// bytes go both ways between the two connections.
+/// QEMU's end of the port connects to `qemu`, the gRPC clients to `client`, one
+/// after another; the bytes go both ways between QEMU's connection and the
+/// client's of the moment. What the guest sends while no client is connected
+/// (lvmd's first frame, sent as soon as the guest bridges) waits for the next.
 fn bridge(qemu: UnixListener, client: UnixListener) {
+    use std::sync::{Arc, Mutex};
+    // the client of the moment, and what waits for one
+    let now: Arc<Mutex<(Option<UnixStream>, Vec<u8>)>> = Arc::default();
+    let to_client = now.clone();
     std::thread::spawn(move || {
         let (q, _) = qemu.accept().expect("QEMU's chardev connects");
-        let (c, _) = client.accept().expect("the client connects");
-        let (q2, c2) = (q.try_clone().expect("clone"), c.try_clone().expect("clone"));
-        std::thread::spawn(move || std::io::copy(&mut &c2, &mut &q2));
-        let _ = std::io::copy(&mut &q, &mut &c);
+        let from_guest = q.try_clone().expect("clone");
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            while let Ok(n @ 1..) = (&from_guest).read(&mut buf) {
+                let mut st = to_client.lock().unwrap();
+                let sent = st.0.as_mut().is_some_and(|c| c.write_all(&buf[..n]).is_ok());
+                if !sent {
+                    st.0 = None;
+                    st.1.extend_from_slice(&buf[..n]);
+                }
+            }
+        });
+        for c in client.incoming() {
+            let mut c = c.expect("a client connects");
+            {
+                let mut st = now.lock().unwrap();
+                let waiting = std::mem::take(&mut st.1);
+                c.write_all(&waiting).expect("to the client");
+                st.0 = Some(c.try_clone().expect("clone"));
+            }
+            let _ = std::io::copy(&mut &c, &mut &q);
+            now.lock().unwrap().0 = None;
+        }
     });
 }
 
@@ -84,12 +111,18 @@ device-classes:
       name: pool
       overprovision-ratio: 10.0
 EOF
-dmkit lvmd --run-dir /run/dmkit --config /tmp/lvmd.yaml --state /tmp/lvmd.d >> /tmp/lvmd.log 2>&1 &
-i=0; while [ ! -S /run/lvmd.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+lvmd() {{
+  rm -f /run/lvmd.sock
+  dmkit lvmd --run-dir /run/dmkit --config /tmp/lvmd.yaml --state /tmp/lvmd.d >> /tmp/lvmd.log 2>&1 &
+  echo $! > /tmp/lvmd.pid
+  i=0; while [ ! -S /run/lvmd.sock ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+}}
+lvmd
 PORT=
 for p in /sys/class/virtio-ports/*; do [ "$(cat $p/name)" = lvmd ] && PORT=/dev/$(basename $p); done
 echo "ORACLE lvmd-up socket=$(test -S /run/lvmd.sock && echo y) port=${{PORT:+y}}"
-socat GOPEN:$PORT UNIX-CONNECT:/run/lvmd.sock 2>/tmp/socat.log &
+socat GOPEN:$PORT UNIX-CONNECT:/run/lvmd.sock 2>>/tmp/socat.log &
+echo $! > /tmp/socat.pid
 echo "ORACLE bridged yes"
 
 wait_mb "made"
@@ -122,6 +155,13 @@ echo "ORACLE fs-blocks $(df -k /mnt/vol | tail -1 | tr -s ' ' | cut -d' ' -f2)"
 echo "ORACLE after-resize $(md5sum < /mnt/vol/f | cut -d' ' -f1)"
 umount /mnt/vol
 echo "ORACLE unmounted-again"
+
+# lvmd killed and started again (its pod restarted): it finds its volumes attached
+wait_mb "rst."
+kill -9 $(cat /tmp/lvmd.pid) $(cat /tmp/socat.pid)
+lvmd
+socat GOPEN:$PORT UNIX-CONNECT:/run/lvmd.sock 2>>/tmp/socat.log &
+echo "ORACLE restarted $(test -S /run/lvmd.sock && echo y)"
 
 wait_mb "rm.."
 echo "ORACLE ublk-left $(ls /sys/block | grep -c ublkb || true)"
@@ -229,6 +269,29 @@ echo "ORACLE log-errors $(grep -c "ERROR\|panic" /tmp/dmkit.log || true)"
     post(&mailbox, "rsz.");
     wait_for(&serial, "ORACLE unmounted-again");
 
+    // a new lvmd (after a kill -9) and a new client: the same volumes, attached
+    drop(c);
+    post(&mailbox, "rst.");
+    wait_for(&serial, "ORACLE restarted");
+    let mut c = Client::spawn(&grpc, None);
+    c.send(&json!({"ready": 300}));
+    c.answer().expect("the client reached the new lvmd");
+    let again = c.ok("vg", "GetLVList", json!({"device_class": "thin"}));
+    let find = |l: &Value, n: &str| {
+        l["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == n)
+            .cloned()
+    };
+    for (n, before) in [("vol", &vol2), ("snap", &snap)] {
+        let now = find(&again, n).unwrap_or_else(|| panic!("{n} not listed after the restart: {again}"));
+        for k in ["path", "dev_major", "dev_minor", "size_bytes", "attr"] {
+            assert_eq!(now[k], before[k], "{n}'s {k} after lvmd's restart");
+        }
+    }
+
     c.ok("lv", "RemoveLV", json!({"name": "snap", "device_class": "thin"}));
     c.ok("lv", "RemoveLV", json!({"name": "vol", "device_class": "thin"}));
     assert!(c.names().is_empty(), "volumes left");
@@ -240,6 +303,7 @@ echo "ORACLE log-errors $(grep -c "ERROR\|panic" /tmp/dmkit.log || true)"
     let get = |k: &str| oracle::marker(&marks, k).to_string();
     assert_eq!(get("lvmd-up"), "socket=y port=y");
     assert_eq!(get("bridged"), "yes");
+    assert_eq!(get("restarted"), "y");
 
     // the answers name the guest's block devices
     for (name, v, key, ro, sectors) in [
