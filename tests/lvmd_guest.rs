@@ -74,6 +74,18 @@ fn bridge(qemu: UnixListener, client: UnixListener) {
     });
 }
 
+/// Volume `name` as GetLVList lists it.
+fn listed(c: &mut Client, name: &str) -> Value {
+    let l = c.ok("vg", "GetLVList", json!({"device_class": "thin"}));
+    l["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("{name} not listed: {l}"))
+}
+
 #[test]
 fn lvmd_attaches_volumes_and_snapshots_as_ublk_devices_in_a_guest() {
     let s = Scratch::new("lvmd-guest");
@@ -243,6 +255,7 @@ echo "ORACLE log-errors $(grep -c "ERROR\|panic" /tmp/dmkit.log || true)"
         "FAILED_PRECONDITION",
     );
     assert!(m.contains("mounted or held") && m.contains("unmount it"), "{m}");
+    assert_eq!(listed(&mut c, "vol"), vol, "the refusals changed the volume");
     let snap = c.ok(
         "lv",
         "CreateLVSnapshot",
@@ -258,14 +271,7 @@ echo "ORACLE log-errors $(grep -c "ERROR\|panic" /tmp/dmkit.log || true)"
         json!({"name": "vol", "size_bytes": 128 * MIB, "device_class": "thin"}),
     );
     assert_eq!(grown["size_bytes"], json!(128 * MIB), "{grown}");
-    let listed = c.ok("vg", "GetLVList", json!({"device_class": "thin"}));
-    let vol2 = listed["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "vol")
-        .cloned()
-        .unwrap_or_else(|| panic!("vol not listed: {listed}"));
+    let vol2 = listed(&mut c, "vol");
     post(&mailbox, "rsz.");
     wait_for(&serial, "ORACLE unmounted-again");
 
@@ -276,17 +282,8 @@ echo "ORACLE log-errors $(grep -c "ERROR\|panic" /tmp/dmkit.log || true)"
     let mut c = Client::spawn(&grpc, None);
     c.send(&json!({"ready": 300}));
     c.answer().expect("the client reached the new lvmd");
-    let again = c.ok("vg", "GetLVList", json!({"device_class": "thin"}));
-    let find = |l: &Value, n: &str| {
-        l["volumes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|v| v["name"] == n)
-            .cloned()
-    };
     for (n, before) in [("vol", &vol2), ("snap", &snap)] {
-        let now = find(&again, n).unwrap_or_else(|| panic!("{n} not listed after the restart: {again}"));
+        let now = listed(&mut c, n);
         for k in ["path", "dev_major", "dev_minor", "size_bytes", "attr"] {
             assert_eq!(now[k], before[k], "{n}'s {k} after lvmd's restart");
         }

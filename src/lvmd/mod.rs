@@ -386,12 +386,7 @@ impl Lvmd {
     /// an exclusive open): a removal or a resize would pull it from under them.
     fn held(&self, dev: &str) -> Option<String> {
         let (node, _, _) = self.nodes.get(dev)?;
-        let busy = rustix::fs::open(
-            node,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        );
-        matches!(busy, Err(rustix::io::Errno::BUSY)).then(|| node.display().to_string())
+        crate::export::ublk::node_held(node).then(|| node.display().to_string())
     }
 
     /// A new table on `dev`. Its block device, if attached, goes first and

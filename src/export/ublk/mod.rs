@@ -398,7 +398,7 @@ impl Frontend {
             return Err(format!("{name}: not attached"));
         };
         let path = list[i].block_device();
-        if held(&path) {
+        if node_held(&path) {
             return Err(format!(
                 "{name}: {path} is in use (mounted, or held by another device); unmount it first"
             ));
@@ -488,7 +488,7 @@ impl Frontend {
             Some(a) => a.block_device(),
             None => return false,
         };
-        held(&path)
+        node_held(&path)
     }
 
     /// Whether `dev`'s live table no longer fits the block device it is attached
@@ -524,10 +524,10 @@ impl Frontend {
 
 /// Whether the block device at `path` is held: an exclusive open of it fails
 /// because a filesystem or another exclusive holder has it.
-fn held(path: &str) -> bool {
+pub fn node_held(path: impl AsRef<std::path::Path>) -> bool {
     matches!(
         rustix::fs::open(
-            path,
+            path.as_ref(),
             rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
             rustix::fs::Mode::empty(),
         ),
