@@ -18,6 +18,19 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 use thiserror::Error;
 
+/// Whether the block device at `path` is held: an exclusive open of it fails
+/// because a filesystem or another exclusive holder has it.
+pub fn held(path: impl AsRef<Path>) -> bool {
+    matches!(
+        rustix::fs::open(
+            path.as_ref(),
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ),
+        Err(rustix::io::Errno::BUSY)
+    )
+}
+
 /// (st_dev, st_ino) of a regular file, (0, st_rdev) of a block device: the
 /// same key as [`super::BackingFile::identity`].
 pub type Identity = (u64, u64);

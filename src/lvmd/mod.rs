@@ -175,16 +175,6 @@ fn size_of(bytes: i64) -> Result<u64> {
 
 impl Lvmd {
     pub fn new(cfg: Config, opts: &Options) -> std::result::Result<Lvmd, String> {
-        if opts.attach {
-            // said now rather than by every CreateLV; the kernel's nbd client is
-            // no fallback: its devices fail their I/O when the daemon restarts
-            crate::export::ublk::available().map_err(|e| {
-                format!(
-                    "lvmd makes each volume a ublk block device, and {e}; or run lvmd with --no-attach \
-                     (each volume then a dmkit device only, served over NBD and the dm ioctl door)"
-                )
-            })?;
-        }
         Ok(Lvmd {
             cfg,
             dm: Dmkit {
@@ -386,7 +376,7 @@ impl Lvmd {
     /// an exclusive open): a removal or a resize would pull it from under them.
     fn held(&self, dev: &str) -> Option<String> {
         let (node, _, _) = self.nodes.get(dev)?;
-        crate::export::ublk::node_held(node).then(|| node.display().to_string())
+        crate::io::hold::held(node).then(|| node.display().to_string())
     }
 
     /// A new table on `dev`. Its block device, if attached, goes first and

@@ -589,6 +589,16 @@ fn lvmd_cmd(run_dir: PathBuf, a: LvmdArgs) -> Result<i32> {
             ),
         },
     };
+    if !a.no_attach {
+        // said now rather than by every CreateLV; the kernel's nbd client is no
+        // fallback: its devices fail their I/O when the daemon restarts
+        dmkit::export::ublk::available().map_err(|e| {
+            anyhow::anyhow!(
+                "lvmd makes each volume a ublk block device, and {e}; or run lvmd with --no-attach \
+                 (each volume then a dmkit device only, served over NBD and the dm ioctl door)"
+            )
+        })?;
+    }
     dmkit::lvmd::run(dmkit::lvmd::Options {
         config: a.config,
         state: a.state.unwrap_or_else(|| run_dir.join("lvmd")),

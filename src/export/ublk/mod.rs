@@ -398,7 +398,7 @@ impl Frontend {
             return Err(format!("{name}: not attached"));
         };
         let path = list[i].block_device();
-        if node_held(&path) {
+        if crate::io::hold::held(&path) {
             return Err(format!(
                 "{name}: {path} is in use (mounted, or held by another device); unmount it first"
             ));
@@ -488,7 +488,7 @@ impl Frontend {
             Some(a) => a.block_device(),
             None => return false,
         };
-        node_held(&path)
+        crate::io::hold::held(&path)
     }
 
     /// Whether `dev`'s live table no longer fits the block device it is attached
@@ -520,19 +520,6 @@ impl Frontend {
             }
         }
     }
-}
-
-/// Whether the block device at `path` is held: an exclusive open of it fails
-/// because a filesystem or another exclusive holder has it.
-pub fn node_held(path: impl AsRef<std::path::Path>) -> bool {
-    matches!(
-        rustix::fs::open(
-            path.as_ref(),
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::EXCL | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        ),
-        Err(rustix::io::Errno::BUSY)
-    )
 }
 
 /// /dev/mapper/NAME -> ../ublkbN, unless something else has that name (a node
